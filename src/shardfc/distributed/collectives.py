@@ -1,0 +1,136 @@
+"""Collectives over an explicit process group, each counted, and the one autograd mapping the head needs.
+
+Every function takes ``group`` explicitly (``None`` means torch's default group, and is only passed
+by callers that were themselves given no group). Rows are gathered along dim 0 with *variable*
+per-rank sizes: gloo's all-gather needs equal sizes, so rows are padded to the largest local size
+and unpadded after; reduce-scatter uses the list form, which accepts unequal sizes on gloo and NCCL.
+
+Communication accounting (:func:`count_comm`): each call adds the bytes of its full-size buffer:
+the gathered output of an all-gather, the input of a reduce-scatter, the tensor of an all-reduce.
+That is the volume a rank moves through the collective (the backend may split it into ring steps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass
+class CommCounter:
+    """Bytes and calls per collective kind, counted at the call sites."""
+
+    bytes: Dict[str, int] = field(default_factory=dict)
+    calls: Dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] = self.bytes.get(kind, 0) + int(nbytes)
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+
+_COUNTERS: List[CommCounter] = []
+
+
+@contextlib.contextmanager
+def count_comm() -> Iterator[CommCounter]:
+    """Count the bytes of every collective this module issues inside the ``with`` block."""
+    counter = CommCounter()
+    _COUNTERS.append(counter)
+    try:
+        yield counter
+    finally:
+        _COUNTERS.remove(counter)
+
+
+def _record(kind: str, t: Tensor) -> None:
+    for c in _COUNTERS:
+        c.add(kind, t.numel() * t.element_size())
+
+
+def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Optional[dist.ProcessGroup]) -> int:
+    return dist.get_rank(group)
+
+
+def comm_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """Device for small control tensors: the current CUDA device under NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce(t: Tensor, op: dist.ReduceOp.RedOpType, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """In-place all-reduce; returns ``t``."""
+    _record("all_reduce", t)
+    dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def all_gather_rows(x: Tensor, sizes: Sequence[int], group: Optional[dist.ProcessGroup]) -> Tensor:
+    """Concatenate every rank's ``x`` (``sizes[r]`` rows on rank r) along dim 0, in rank order."""
+    world = len(sizes)
+    width = max(sizes) if world else 0
+    x = x.contiguous()
+    if x.shape[0] != width:
+        padded = x.new_zeros((width,) + tuple(x.shape[1:]))
+        padded[: x.shape[0]] = x
+        x = padded
+    out = x.new_empty((world * width,) + tuple(x.shape[1:]))
+    _record("all_gather", out)
+    dist.all_gather_into_tensor(out, x, group=group)
+    if all(s == width for s in sizes):
+        return out
+    parts = out.split(width)
+    return torch.cat([p[:s] for p, s in zip(parts, sizes)])
+
+
+def reduce_scatter_rows(x: Tensor, sizes: Sequence[int], group: Optional[dist.ProcessGroup]) -> Tensor:
+    """Sum ``x`` (all ranks' rows, in rank order) over ranks; return this rank's rows."""
+    rank = group_rank(group)
+    x = x.contiguous()
+    _record("reduce_scatter", x)
+    out = x.new_empty((sizes[rank],) + tuple(x.shape[1:]))
+    if len(set(sizes)) == 1:
+        dist.reduce_scatter_tensor(out, x, group=group)
+    else:
+        dist.reduce_scatter(out, list(x.split(list(sizes))), group=group)
+    return out
+
+
+class _GatherRowsForwardReduceScatterBackward(torch.autograd.Function):
+    """All-gather rows forward; reduce-scatter (sum) of the row gradients backward, times a scale."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, sizes: List[int], group, grad_scale: float) -> Tensor:
+        ctx.sizes, ctx.group, ctx.grad_scale = sizes, group, grad_scale
+        return all_gather_rows(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out = reduce_scatter_rows(grad, ctx.sizes, ctx.group)
+        if ctx.grad_scale != 1:
+            out = out * ctx.grad_scale
+        return out, None, None, None
+
+
+def gather_rows_forward_reduce_scatter_backward(
+    x: Tensor, sizes: Sequence[int], group: Optional[dist.ProcessGroup], grad_scale: float = 1.0
+) -> Tensor:
+    """Autograd-aware gather of every rank's rows; the backward sums gradients over ranks.
+
+    ``grad_scale`` multiplies the returned gradient: a model-parallel head under the DDP
+    convention passes the world size, because DDP will average the backbone's gradients.
+    """
+    return _GatherRowsForwardReduceScatterBackward.apply(x, list(sizes), group, grad_scale)

@@ -1,0 +1,301 @@
+"""``ShardedMarginHead``: a margin-softmax classifier whose classes are sharded over ranks or devices.
+
+Three layouts, one loss:
+
+* **process-group mode** (torch.distributed initialised, or ``group`` given): one shard per rank,
+  contiguous class ranges in rank order. Each rank passes its own local batch (sizes may differ,
+  including 0); the embeddings and labels are gathered, each rank scores the *global* batch against
+  its classes, and only per-sample statistics cross ranks.
+* **devices mode** (``devices=[...]``, one process): shard ``i`` lives on ``devices[i]``; only the
+  ``[B, D]`` embeddings and ``[B]`` statistics move between devices.
+* **single shard** (neither): the same exact, memory-frugal loss in one process.
+
+Gradient convention in process-group mode (the one DDP, FSDP and Horovod use): the objective is the
+average over ranks of the scalars the ranks back-propagate. Every rank's weight gradient is the
+exact gradient of that objective; every rank's embedding gradient is ``W`` times the exact one, so
+that DDP's averaging over the backbone replicas gives the backbone its exact gradient. Do not wrap
+the head in DDP: its parameters are different on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from . import margins as _margins
+from .distributed.collectives import (
+    all_gather_rows,
+    comm_device,
+    gather_rows_forward_reduce_scatter_backward,
+    group_rank,
+    group_size,
+)
+from .layout import class_ranges
+from .normalize import l2_normalize
+from .shard_math import ShardConfig
+from .sharded_loss import ShardedLossPlan, compute_dtype_for, sharded_cross_entropy, stats_dtype_for
+from .validation import check_embeddings, check_labels, check_positive_int, check_probability, raise_or_exchange_sizes
+
+DeviceLike = Union[str, torch.device, int]
+
+#: Weights are initialised in blocks of this many classes, each from its own seeded generator,
+#: so the logical weight matrix is the same whatever the number of shards.
+INIT_BLOCK = 4096
+INIT_STD = 0.01
+
+
+def init_rows(start: int, stop: int, dim: int, seed: int) -> Tensor:
+    """Rows ``[start, stop)`` of the logical ``N(0, 0.01²)`` weight matrix for ``seed`` (fp32, CPU)."""
+    out = torch.empty(stop - start, dim)
+    first, last = start // INIT_BLOCK, (stop - 1) // INIT_BLOCK if stop > start else -1
+    for block in range(first, last + 1):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + block)
+        rows = torch.randn(INIT_BLOCK, dim, generator=g) * INIT_STD
+        b0 = block * INIT_BLOCK
+        lo, hi = max(start, b0), min(stop, b0 + INIT_BLOCK)
+        out[lo - start : hi - start] = rows[lo - b0 : hi - b0]
+    return out
+
+
+class ShardedMarginHead(nn.Module):
+    """Exact margin softmax cross-entropy over ``num_classes`` classes sharded by class.
+
+    Args:
+        embedding_dim: width ``D`` of the embeddings.
+        num_classes: total number of classes ``C`` over all shards.
+        margin: a :mod:`shardfc.margins` margin (default ``ArcFace(64, 0.5)``).
+        group: process group whose ranks hold the shards (default: the default group when
+            torch.distributed is initialised). A given group is always used as is.
+        devices: single-process multi-device mode: shard ``i`` on ``devices[i]``.
+        label_smoothing: ε of ``F.cross_entropy(label_smoothing=ε)``, over all ``C`` classes.
+        ignore_index: label value that contributes no loss and no gradient.
+        reduction: ``"mean"`` over the global batch's non-ignored samples (the same value on every
+            rank; 0 when there are none), ``"sum"`` over the global batch, or ``"none"``: this
+            rank's per-sample losses ``[B_r]`` (0 for ignored samples).
+        chunk_size: walk each shard's classes this many at a time (online softmax, logits
+            recomputed in the backward): activation memory ``O(B·chunk_size)``. ``None``: one
+            ``[B, n_local]`` buffer, no recomputation.
+        init_seed: seed of the ``N(0, 0.01²)`` initialisation, identical for any sharding.
+        device, dtype: of the weights in process-group / single mode (default: the current CUDA
+            device under NCCL, else the CPU; float32).
+
+    Example::
+
+        head = ShardedMarginHead(512, 1_000_000, margin=margins.ArcFace(64.0, 0.5))
+        loss = head(backbone(images), labels)        # labels: global class ids of this rank's batch
+    """
+
+    def __init__(
+        self,
+        embedding_dim: int,
+        num_classes: int,
+        margin: Optional[_margins.Margin] = None,
+        group: Optional[dist.ProcessGroup] = None,
+        devices: Optional[Sequence[DeviceLike]] = None,
+        label_smoothing: float = 0.0,
+        ignore_index: int = -1,
+        reduction: str = "mean",
+        chunk_size: Optional[int] = None,
+        init_seed: int = 0,
+        device: Optional[DeviceLike] = None,
+        dtype: Optional[torch.dtype] = None,
+    ):
+        super().__init__()
+        self.embedding_dim = check_positive_int("embedding_dim", embedding_dim)
+        self.num_classes = check_positive_int("num_classes", num_classes)
+        margin = _margins.ArcFace() if margin is None else margin
+        if not isinstance(margin, _margins.Margin):
+            raise TypeError(f"margin must be a shardfc.margins.Margin, got {margin!r}")
+        self.margin = margin
+        self.label_smoothing = check_probability("label_smoothing", label_smoothing, low_open=False, high_open=False)
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+        if 0 <= ignore_index < num_classes:
+            raise ValueError(f"ignore_index={ignore_index} is a valid class id in [0, {num_classes})")
+        self.ignore_index = ignore_index
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+        self.reduction = reduction
+        self.chunk_size = None if chunk_size is None else check_positive_int("chunk_size", chunk_size)
+        self.init_seed = int(init_seed)
+        dtype = torch.float32 if dtype is None else dtype
+
+        if devices is not None:
+            if group is not None:
+                raise ValueError("pass either devices (one process, many devices) or group, not both")
+            devices = [torch.device(d) for d in devices]
+            if not devices:
+                raise ValueError("devices must name at least one device, got an empty list")
+            self.mode = "devices"
+            self.group = None
+            self.world_size, self.rank = 1, 0
+            self.devices = devices
+            self.shard_ranges = class_ranges(num_classes, len(devices))
+            self.class_range = range(0, num_classes)
+            self.shards = nn.ParameterList(
+                nn.Parameter(init_rows(r.start, r.stop, embedding_dim, self.init_seed).to(d, dtype))
+                for r, d in zip(self.shard_ranges, devices)
+            )
+        else:
+            if group is not None or (dist.is_available() and dist.is_initialized()):
+                if not dist.is_initialized():
+                    raise ValueError("group was given but torch.distributed is not initialised")
+                self.mode = "group"
+                self.group = group
+                self.world_size, self.rank = group_size(group), group_rank(group)
+                default_device = comm_device(group)
+            else:
+                self.mode = "single"
+                self.group = None
+                self.world_size, self.rank = 1, 0
+                default_device = torch.device("cpu")
+            device = torch.device(device) if device is not None else default_device
+            self.class_range = class_ranges(num_classes, self.world_size)[self.rank]
+            self.shard_ranges = [self.class_range]
+            self.devices = [device]
+            r = self.class_range
+            self.weight = nn.Parameter(init_rows(r.start, r.stop, embedding_dim, self.init_seed).to(device, dtype))
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def shard_weights(self) -> List[nn.Parameter]:
+        """This process's shards, in class order (one in process-group and single mode)."""
+        return list(self.shards) if self.mode == "devices" else [self.weight]
+
+    @property
+    def distributed(self) -> bool:
+        return self.mode == "group"
+
+    def _exchange(self, error: Optional[Exception], local_batch: int) -> List[int]:
+        return raise_or_exchange_sizes(error, local_batch, self.group, distributed=self.distributed)
+
+    def _prepare_embeddings(self, embeddings: Tensor) -> Tensor:
+        return l2_normalize(embeddings) if self.margin.normalize_embeddings else embeddings
+
+    def _global_embeddings(self, x: Tensor, sizes: List[int], *, autograd: bool) -> List[Tensor]:
+        """The global batch's embeddings, one copy on each local shard's device."""
+        if self.distributed:
+            if autograd:
+                # W× on the way back: DDP's average over ranks then gives the exact gradient.
+                x = gather_rows_forward_reduce_scatter_backward(x, sizes, self.group, grad_scale=self.world_size)
+            else:
+                x = all_gather_rows(x, sizes, self.group)
+        return [x.to(d) for d in self.devices]
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
+        """Loss of this rank's local batch ``embeddings [B_r, D]``, ``labels [B_r]`` (see ``reduction``)."""
+        error = check_embeddings(embeddings, self.embedding_dim)
+        if error is None:
+            error = check_labels(labels, embeddings.shape[0], self.num_classes, self.ignore_index)
+        local_batch = embeddings.shape[0] if error is None else 0
+        sizes = self._exchange(error, local_batch)
+        labels = labels.to(device=embeddings.device, dtype=torch.int64)
+
+        weights = self.shard_weights
+        if sum(sizes) == 0:  # nothing anywhere: a zero loss still connected to the parameters
+            zero = embeddings.sum() * 0 + sum(w.sum().to(embeddings.device) for w in weights) * 0
+            return zero.expand(0) if self.reduction == "none" else zero.float()
+
+        x = self._prepare_embeddings(embeddings)
+        embeds = self._global_embeddings(x, sizes, autograd=True)
+        all_labels = all_gather_rows(labels, sizes, self.group) if self.distributed else labels
+        plan = ShardedLossPlan(
+            config=ShardConfig(
+                margin=self.margin,
+                num_classes=self.num_classes,
+                label_smoothing=self.label_smoothing,
+                chunk_size=self.chunk_size,
+                compute_dtype=compute_dtype_for(embeds[0].device, embeds[0], weights[0]),
+                stats_dtype=stats_dtype_for(embeddings, weights[0]),
+            ),
+            ranges=self.shard_ranges,
+            ignore_index=self.ignore_index,
+            group=self.group if self.distributed else None,
+            world_size=self.world_size,
+        )
+        losses = sharded_cross_entropy(plan, all_labels, embeds, weights)
+        return reduce_losses(losses, all_labels, sizes, self.rank, self.reduction, self.ignore_index)
+
+    # ------------------------------------------------------------------ predict
+    @torch.no_grad()
+    def predict(self, embeddings: Tensor, k: int = 5) -> Tuple[Tensor, Tensor]:
+        """Top-``k`` classes over *all* classes for this rank's samples: ``(scores, class ids)``.
+
+        Scores are the logits without the margin (``s·cos θ`` for normalised margins, ``x·w`` for
+        plain softmax, ``‖x‖·cos θ`` for SphereFace). Only ``k`` candidates per sample per shard
+        move between ranks or devices.
+        """
+        error = check_embeddings(embeddings, self.embedding_dim)
+        if error is None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.num_classes):
+            error = ValueError(f"k must be an int in [1, num_classes={self.num_classes}], got {k!r}")
+        local_batch = embeddings.shape[0] if error is None else 0
+        sizes = self._exchange(error, local_batch)
+        home = embeddings.device
+        x = self._prepare_embeddings(embeddings)
+        embeds = self._global_embeddings(x, sizes, autograd=False)
+        B = sum(sizes)
+        cand_scores, cand_ids = [], []
+        for a, w, r in zip(embeds, self.shard_weights, self.shard_ranges):
+            s, i = _shard_topk(a, w, r, k, self.margin, self.chunk_size)
+            cand_scores.append(s.to(home))
+            cand_ids.append(i.to(home))
+        scores, ids = torch.cat(cand_scores, dim=1), torch.cat(cand_ids, dim=1)
+        if self.distributed:
+            world = self.world_size
+            scores = all_gather_rows(scores, [B] * world, self.group).view(world, B, k)
+            ids = all_gather_rows(ids, [B] * world, self.group).view(world, B, k)
+            scores, ids = scores.permute(1, 0, 2).reshape(B, world * k), ids.permute(1, 0, 2).reshape(B, world * k)
+            offset = sum(sizes[: self.rank])
+            scores, ids = scores[offset : offset + sizes[self.rank]], ids[offset : offset + sizes[self.rank]]
+        top, pos = scores.topk(k, dim=1)
+        return top, ids.gather(1, pos)
+
+    def extra_repr(self) -> str:
+        where = {
+            "group": f"rank {self.rank}/{self.world_size}",
+            "devices": f"devices={[str(d) for d in self.devices]}",
+            "single": "single shard",
+        }[self.mode]
+        chunk = f", chunk_size={self.chunk_size}" if self.chunk_size else ""
+        return (
+            f"embedding_dim={self.embedding_dim}, num_classes={self.num_classes}, margin={self.margin}, "
+            f"{where}, classes={self.class_range.start}..{self.class_range.stop - 1}, "
+            f"reduction={self.reduction!r}, label_smoothing={self.label_smoothing}{chunk}"
+        )
+
+
+def reduce_losses(
+    losses: Tensor, labels: Tensor, sizes: Sequence[int], rank: int, reduction: str, ignore_index: int
+) -> Tensor:
+    """Reduce the global batch's per-sample losses as ``reduction`` says (see the head)."""
+    if reduction == "mean":
+        return losses.sum() / (labels != ignore_index).sum().clamp(min=1).to(losses.dtype)
+    if reduction == "sum":
+        return losses.sum()
+    offset = sum(sizes[:rank])
+    return losses[offset : offset + sizes[rank]]
+
+
+def _shard_topk(a: Tensor, w: Tensor, r: range, k: int, margin, chunk_size: Optional[int]):
+    """This shard's top-k margin-free logits, padded with (−inf, −1) to k columns."""
+    B, n = a.shape[0], w.shape[0]
+    sd = torch.float64 if torch.float64 in (a.dtype, w.dtype) else torch.float32
+    best_s = torch.full((B, k), -math.inf, dtype=sd, device=a.device)
+    best_i = torch.full((B, k), -1, dtype=torch.int64, device=a.device)
+    step = chunk_size or max(n, 1)
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        centres = w[start:stop]
+        if margin.normalize_weights:
+            centres = l2_normalize(centres)
+        z = (a.to(sd) @ centres.to(sd).t()) * margin.scale
+        ids = torch.arange(r.start + start, r.start + stop, device=a.device).expand(B, -1)
+        s_all, i_all = torch.cat([best_s, z], dim=1), torch.cat([best_i, ids], dim=1)
+        best_s, pos = s_all.topk(k, dim=1)
+        best_i = i_all.gather(1, pos)
+    return best_s, best_i

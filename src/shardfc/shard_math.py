@@ -1,0 +1,176 @@
+"""The loss math on one class shard, with no communication.
+
+A shard holds classes ``[start, stop)`` as rows of ``w``. For a batch of embeddings ``a`` it
+computes, per sample, the partial softmax statistics that the shards later combine:
+
+* ``row_max``  m_s = max_j z_j over the shard (−inf for a shard with no classes);
+* ``sum_exp``  Σ_j exp(z_j − m_s);
+* ``target``   z_t if the sample's label is on this shard, else 0;
+* ``logit_sum`` Σ_j z_j (needed only for label smoothing).
+
+It walks the classes ``chunk`` rows at a time with an online softmax (a running max rescales the
+running sum), so with a chunk size the activation memory is ``O(B · chunk)``; with no chunk size
+the one ``[B, n]`` buffer holding ``exp(z − m_s)`` is kept for the backward (the softmax formed in
+place, never a one-hot). The backward turns that buffer (or recomputed chunks) into
+``dL/dz = coef · (softmax − (1−ε)·onehot − ε/C)`` in place and multiplies it back through the
+margin and the weight normalisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .margins import Margin
+from .normalize import NORM_EPS, normalized_rows, normalized_rows_backward
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """Constants of one loss evaluation, shared by every shard."""
+
+    margin: Margin
+    num_classes: int
+    label_smoothing: float
+    chunk_size: Optional[int]
+    compute_dtype: torch.dtype  # the matmuls (bf16/fp16 under autocast)
+    stats_dtype: torch.dtype  # logits, softmax statistics, loss (fp32, or fp64 for fp64 inputs)
+
+
+@dataclass
+class ShardStats:
+    row_max: Tensor
+    sum_exp: Tensor
+    target: Tensor
+    logit_sum: Optional[Tensor]
+    # Saved for the backward:
+    target_draw: Tensor  # ∂z_t/∂raw_t where the target is on this shard, else 0
+    target_dnorm: Optional[Tensor]  # ∂z_t/∂‖a‖ (SphereFace)
+    buffers: Optional[List[Tuple[int, int, Tensor, Tensor]]]  # (start, stop, exp(z − m_chunk), m_chunk)
+
+
+def _centres(w: Tensor, cfg: ShardConfig) -> Tuple[Tensor, Optional[Tensor]]:
+    if cfg.margin.normalize_weights:
+        return normalized_rows(w)
+    return w, None
+
+
+def _raw_products(a_c: Tensor, centres: Tensor, cfg: ShardConfig) -> Tensor:
+    return (a_c @ centres.to(cfg.compute_dtype).t()).to(cfg.stats_dtype)
+
+
+def _targets_in(rows_t: Tensor, cols_t: Tensor, start: int, stop: int) -> Tuple[Tensor, Tensor]:
+    sel = (cols_t >= start) & (cols_t < stop)
+    return rows_t[sel], cols_t[sel] - start
+
+
+def shard_forward(
+    a: Tensor, w: Tensor, local_labels: Tensor, norms: Optional[Tensor], cfg: ShardConfig
+) -> ShardStats:
+    """Partial statistics of one shard. ``local_labels[i]`` is the label's row in ``w`` or −1."""
+    B, n = a.shape[0], w.shape[0]
+    sd, dev = cfg.stats_dtype, a.device
+    margin = cfg.margin
+    row_max = torch.full((B,), float("-inf"), dtype=sd, device=dev)
+    sum_exp = torch.zeros(B, dtype=sd, device=dev)
+    target = torch.zeros(B, dtype=sd, device=dev)
+    logit_sum = torch.zeros(B, dtype=sd, device=dev) if cfg.label_smoothing > 0 else None
+    target_draw = torch.zeros(B, dtype=sd, device=dev)
+    target_dnorm = torch.zeros(B, dtype=sd, device=dev) if margin.needs_norm else None
+    buffers: Optional[list] = None if cfg.chunk_size else []
+
+    rows_t = torch.nonzero(local_labels >= 0).squeeze(1)
+    cols_t = local_labels[rows_t]
+    a_c = a.to(cfg.compute_dtype)
+    step = cfg.chunk_size or max(n, 1)
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        centres, _ = _centres(w[start:stop], cfg)
+        z = _raw_products(a_c, centres, cfg)
+        r, c = _targets_in(rows_t, cols_t, start, stop)
+        raw_t = z[r, c]
+        if margin.scale != 1.0:
+            z.mul_(margin.scale)
+        if r.numel():
+            value, d_raw, d_norm = margin.target(raw_t, norms[r] if norms is not None else None)
+            z[r, c] = value
+            target[r] = value
+            target_draw[r] = d_raw
+            if target_dnorm is not None:
+                target_dnorm[r] = d_norm
+        if logit_sum is not None:
+            logit_sum += z.sum(dim=1)
+        new_max = torch.maximum(row_max, z.amax(dim=1))
+        z.sub_(new_max.unsqueeze(1)).exp_()  # the softmax numerator, in place
+        sum_exp = sum_exp * torch.exp(row_max - new_max) + z.sum(dim=1)
+        row_max = new_max
+        if buffers is not None:
+            buffers.append((start, stop, z, new_max))
+    return ShardStats(row_max, sum_exp, target, logit_sum, target_draw, target_dnorm, buffers)
+
+
+def shard_backward(
+    a: Tensor,
+    w: Tensor,
+    local_labels: Tensor,
+    norms: Optional[Tensor],
+    stats: ShardStats,
+    global_max: Tensor,
+    global_sum: Tensor,
+    coef: Tensor,
+    cfg: ShardConfig,
+) -> Tuple[Tensor, Tensor]:
+    """Gradients of ``Σ_i coef_i · loss_i`` with respect to ``a`` and this shard's ``w``.
+
+    ``global_max``/``global_sum`` are the combined statistics over all shards; no communication.
+    """
+    B, n = a.shape[0], w.shape[0]
+    margin, eps, C = cfg.margin, cfg.label_smoothing, cfg.num_classes
+    rows_t = torch.nonzero(local_labels >= 0).squeeze(1)
+    cols_t = local_labels[rows_t]
+    a_c = a.to(cfg.compute_dtype)
+    grad_a = torch.zeros(a.shape, dtype=cfg.stats_dtype, device=a.device)
+    grad_w = torch.empty_like(w)
+    coef_over_sum = coef / global_sum
+    smooth = (coef * (eps / C)).unsqueeze(1) if eps > 0 else None
+    # dL/dz_t for the targets on this shard, from the saved target logits alone.
+    p_t = torch.exp(stats.target[rows_t] - global_max[rows_t]) * coef_over_sum[rows_t]
+    dz_t = p_t - coef[rows_t] * (eps / C + 1.0 - eps)
+
+    step = cfg.chunk_size or max(n, 1)
+    for k, start in enumerate(range(0, n, step)):
+        stop = min(start + step, n)
+        centres, norm_w = _centres(w[start:stop], cfg)
+        r, c = _targets_in(rows_t, cols_t, start, stop)
+        sel = (cols_t >= start) & (cols_t < stop)
+        if stats.buffers is not None:
+            _, _, z, chunk_max = stats.buffers[k]  # exp(z − chunk_max): rescale to coef·softmax
+            z.mul_((torch.exp(chunk_max - global_max) * coef_over_sum).unsqueeze(1))
+        else:
+            z = _raw_products(a_c, centres, cfg)
+            if margin.scale != 1.0:
+                z.mul_(margin.scale)
+            z[r, c] = stats.target[r]
+            z.sub_(global_max.unsqueeze(1)).exp_().mul_(coef_over_sum.unsqueeze(1))
+        if smooth is not None:
+            z.sub_(smooth)
+        # z is now dL/dz; through the margin: non-targets scale·dz, targets (∂z_t/∂raw)·dz_t.
+        if margin.scale != 1.0:
+            z.mul_(margin.scale)
+        z[r, c] = dz_t[sel] * stats.target_draw[r]
+        g = z.to(cfg.compute_dtype)
+        grad_a += (g @ centres.to(cfg.compute_dtype)).to(cfg.stats_dtype)
+        grad_centres = (g.t() @ a_c).to(w.dtype)
+        if norm_w is not None:
+            grad_centres = normalized_rows_backward(grad_centres, centres, norm_w)
+        grad_w[start:stop] = grad_centres
+        del z, g
+    if stats.buffers is not None:
+        stats.buffers.clear()
+    if stats.target_dnorm is not None and rows_t.numel():
+        # SphereFace: the target logit also depends on ‖a‖; ∂‖a‖/∂a = a/‖a‖.
+        coeff = dz_t * stats.target_dnorm[rows_t] / norms[rows_t].clamp(min=NORM_EPS)
+        grad_a[rows_t] += coeff.unsqueeze(1) * a[rows_t].to(cfg.stats_dtype)
+    return grad_a.to(a.dtype), grad_w

@@ -1,0 +1,161 @@
+"""The sharded softmax cross-entropy: per-shard statistics combined across devices and ranks.
+
+One autograd function covers every layout. It gets the *global* batch (embeddings already
+gathered over the process group, copied to each local shard's device) and the local shards'
+weights; it returns the per-sample losses of the whole global batch, the same on every rank.
+
+Forward, per sample (``s`` runs over every shard of every rank)::
+
+    M = max_s m_s                      one all-reduce MAX of [B]
+    S = Σ_s Σ_j exp(z_sj − M)          ┐ one all-reduce SUM of [2, B] ([3, B] with smoothing)
+    T = z_target,  Z = Σ_j z_j         ┘
+    loss = log S + M − (1 − ε)·T − (ε / C)·Z
+
+Backward: the upstream gradients of the per-sample losses are summed over ranks (one all-reduce of
+[B]) so every shard sees the whole objective; each shard then forms its ``dL/dz`` locally. The
+weight gradient stays on its shard; the embedding gradient goes back through the caller's gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .distributed.collectives import all_reduce
+from .shard_math import ShardConfig, ShardStats, shard_backward, shard_forward
+
+
+@dataclass
+class ShardedLossPlan:
+    """What the autograd function needs beyond tensors."""
+
+    config: ShardConfig
+    ranges: Sequence[range]  # the global class ids of each local shard, in order
+    ignore_index: int
+    group: Optional[dist.ProcessGroup]  # None: no process group (one process)
+    world_size: int  # ranks in ``group`` (1 without a group)
+
+
+def _local_labels(labels: Tensor, r: range) -> Tensor:
+    inside = (labels >= r.start) & (labels < r.stop)
+    return torch.where(inside, labels - r.start, torch.full_like(labels, -1))
+
+
+class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan: ShardedLossPlan, labels: Tensor, *tensors: Tensor) -> Tensor:
+        n_shards = len(plan.ranges)
+        embeds, weights = tensors[:n_shards], tensors[n_shards:]
+        cfg = plan.config
+        home = labels.device
+        sd = cfg.stats_dtype
+        with torch.autocast(home.type, enabled=False):
+            local_labels, norms, stats = [], [], []
+            for a, w, r in zip(embeds, weights, plan.ranges):
+                lab = _local_labels(labels.to(a.device), r)
+                norm = torch.linalg.vector_norm(a.to(sd), dim=1) if cfg.margin.needs_norm else None
+                local_labels.append(lab)
+                norms.append(norm)
+                with torch.autocast(a.device.type, enabled=False):
+                    stats.append(shard_forward(a, w, lab, norm, cfg))
+
+            row_max = torch.stack([s.row_max.to(home) for s in stats]).amax(dim=0)
+            if plan.group is not None:
+                all_reduce(row_max, dist.ReduceOp.MAX, plan.group)
+            parts = []
+            for s in stats:
+                rescale = torch.exp(s.row_max.to(home) - row_max)
+                fields = [s.sum_exp.to(home) * rescale, s.target.to(home)]
+                if s.logit_sum is not None:
+                    fields.append(s.logit_sum.to(home))
+                parts.append(torch.stack(fields))
+            combined = torch.stack(parts).sum(dim=0)
+            if plan.group is not None:
+                all_reduce(combined, dist.ReduceOp.SUM, plan.group)
+            sum_exp, target = combined[0], combined[1]
+            eps = cfg.label_smoothing
+            loss = torch.log(sum_exp) + row_max - (1.0 - eps) * target
+            if eps > 0:
+                loss = loss - (eps / cfg.num_classes) * combined[2]
+            valid = labels != plan.ignore_index
+            loss = torch.where(valid, loss, torch.zeros_like(loss))
+
+        ctx.plan = plan
+        ctx.stats, ctx.local_labels, ctx.norms = stats, local_labels, norms
+        ctx.save_for_backward(valid, row_max, sum_exp, *tensors)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        plan: ShardedLossPlan = ctx.plan
+        if ctx.stats is None:
+            raise RuntimeError(
+                "the sharded head's backward ran twice for one forward; its softmax buffer is "
+                "consumed in place (run the forward again instead of retain_graph=True)"
+            )
+        valid, row_max, sum_exp, *tensors = ctx.saved_tensors
+        n_shards = len(plan.ranges)
+        embeds, weights = tensors[:n_shards], tensors[n_shards:]
+        cfg = plan.config
+        # The objective is the average over ranks of what each rank back-propagates.
+        coef = grad_loss.to(cfg.stats_dtype).contiguous()
+        if plan.group is not None:
+            all_reduce(coef, dist.ReduceOp.SUM, plan.group)
+            coef = coef / plan.world_size
+        coef = torch.where(valid, coef, torch.zeros_like(coef))
+        grads_a: List[Tensor] = []
+        grads_w: List[Tensor] = []
+        for a, w, lab, norm, stats in zip(embeds, weights, ctx.local_labels, ctx.norms, ctx.stats):
+            dev = a.device
+            with torch.autocast(dev.type, enabled=False):
+                ga, gw = shard_backward(
+                    a, w, lab, norm, stats, row_max.to(dev), sum_exp.to(dev), coef.to(dev), cfg
+                )
+            grads_a.append(ga)
+            grads_w.append(gw)
+        ctx.stats = ctx.local_labels = ctx.norms = None
+        return (None, None, *grads_a, *grads_w)
+
+
+def sharded_cross_entropy(
+    plan: ShardedLossPlan, labels: Tensor, embeds: Sequence[Tensor], weights: Sequence[Tensor]
+) -> Tensor:
+    """Per-sample losses ``[B]`` of the global batch.
+
+    ``embeds[i]`` is the global batch's (normalised, if the margin says so) embeddings on the
+    device of ``weights[i]``; ``labels`` holds global class ids (``ignore_index`` allowed).
+    """
+    if len(embeds) != len(plan.ranges) or len(weights) != len(plan.ranges):
+        raise ValueError(
+            f"need one embedding copy and one weight per shard: {len(plan.ranges)} shards, "
+            f"{len(embeds)} embeddings, {len(weights)} weights"
+        )
+    return _ShardedSoftmaxCrossEntropy.apply(plan, labels, *embeds, *weights)
+
+
+def stats_dtype_for(*tensors: Tensor) -> torch.dtype:
+    """fp64 statistics when any input is fp64 (verification), else fp32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def compute_dtype_for(device: torch.device, *tensors: Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on for ``device``, else the inputs' promoted dtype."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+__all__ = [
+    "ShardedLossPlan",
+    "ShardStats",
+    "sharded_cross_entropy",
+    "stats_dtype_for",
+    "compute_dtype_for",
+]

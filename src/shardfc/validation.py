@@ -1,0 +1,117 @@
+"""Input checks that raise the same clear error on every rank.
+
+A check that fails on one rank only must not leave the other ranks waiting in a collective. So
+each rank runs its local checks *before* any collective, then the ranks exchange one small
+header ``[local batch size, error kind]``; if any rank failed, every rank raises, naming the rank
+and the problem. The header doubles as the exchange of local batch sizes the gathers need.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .distributed.collectives import all_gather_rows, comm_device, group_rank, group_size
+
+_KINDS = {None: 0, ValueError: 1, TypeError: 2}
+_TYPES = {1: ValueError, 2: TypeError}
+
+
+def check_embeddings(embeddings, embedding_dim: int) -> Optional[Exception]:
+    if not isinstance(embeddings, Tensor):
+        return TypeError(f"embeddings must be a torch.Tensor, got {type(embeddings).__name__}")
+    if not embeddings.is_floating_point():
+        return TypeError(f"embeddings must be floating point, got dtype={embeddings.dtype}")
+    if embeddings.dim() != 2:
+        return ValueError(
+            f"embeddings must be 2-D [batch, embedding_dim], got shape {tuple(embeddings.shape)}"
+        )
+    if embeddings.shape[1] != embedding_dim:
+        return ValueError(
+            f"embeddings has width {embeddings.shape[1]} but the head's embedding_dim is "
+            f"{embedding_dim} (shape {tuple(embeddings.shape)})"
+        )
+    if embeddings.numel() and not bool(torch.isfinite(embeddings).all()):
+        bad = int((~torch.isfinite(embeddings)).any(dim=1).nonzero()[0])
+        return ValueError(
+            f"embeddings contain non-finite values (row {bad}: {embeddings[bad][:4].tolist()}...); "
+            "fix the backbone or skip the batch"
+        )
+    return None
+
+
+def check_labels(labels, batch: int, num_classes: int, ignore_index: int) -> Optional[Exception]:
+    if not isinstance(labels, Tensor):
+        return TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
+        return TypeError(f"labels must be an integer tensor, got dtype={labels.dtype}")
+    if labels.dim() != 1:
+        return ValueError(f"labels must be 1-D [batch], got shape {tuple(labels.shape)}")
+    if labels.shape[0] != batch:
+        return ValueError(
+            f"labels has {labels.shape[0]} entries but embeddings has {batch} rows"
+        )
+    if labels.numel():
+        bad = ((labels < 0) | (labels >= num_classes)) & (labels != ignore_index)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            return ValueError(
+                f"labels[{i}] = {int(labels[i])} is outside [0, num_classes={num_classes}) "
+                f"and is not ignore_index={ignore_index}"
+            )
+    return None
+
+
+def raise_or_exchange_sizes(
+    error: Optional[Exception], local_batch: int, group: Optional[dist.ProcessGroup], *, distributed: bool
+) -> List[int]:
+    """Raise ``error`` (on every rank when ``distributed``); else return every rank's batch size."""
+    if not distributed:
+        if error is not None:
+            raise error
+        return [local_batch]
+    kind = _KINDS.get(type(error), 1) if error is not None else 0
+    header = torch.tensor([[local_batch, kind]], dtype=torch.int64, device=comm_device(group))
+    world = group_size(group)
+    table = all_gather_rows(header, [1] * world, group).cpu()
+    kinds = table[:, 1].tolist()
+    if any(kinds):
+        messages: List[Optional[str]] = [None] * world
+        dist.all_gather_object(messages, None if error is None else str(error), group=group)
+        failed = [(r, messages[r]) for r in range(world) if kinds[r]]
+        text = "; ".join(f"rank {r}: {m}" for r, m in failed)
+        me = group_rank(group)
+        if error is not None:
+            raise type(error)(text if len(failed) > 1 else f"rank {me}: {error}")
+        raise _TYPES.get(kinds[failed[0][0]], ValueError)(text)
+    return table[:, 0].tolist()
+
+
+def check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def check_probability(name: str, value, *, low_open: bool, high_open: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    lo_ok = value > 0 if low_open else value >= 0
+    hi_ok = value < 1 if high_open else value <= 1
+    if not (lo_ok and hi_ok):
+        interval = ("(" if low_open else "[") + "0, 1" + (")" if high_open else "]")
+        raise ValueError(f"{name} must be in {interval}, got {value!r}")
+    return float(value)
+
+
+__all__ = [
+    "check_embeddings",
+    "check_labels",
+    "raise_or_exchange_sizes",
+    "check_positive_int",
+    "check_probability",
+]
