@@ -1,0 +1,47 @@
+"""``shardfc`` command line: one sub-command per job, each implemented in its own module."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import List, Optional
+
+# name -> (module with a ``main(argv) -> int``, one-line help)
+COMMANDS = {
+    "train": ("shardfc.train.cli", "train an embedding model with a sharded margin head (default: synthetic demo)"),
+    "eval": ("shardfc.train.cli_eval", "evaluate a checkpoint: face verification (.bin) or re-ID (query/gallery)"),
+    "export": ("shardfc.train.cli_export", "write the backbone for inference (TorchScript / ONNX)"),
+    "embed": ("shardfc.train.cli_embed", "write embeddings for a folder of images"),
+    "bench": ("shardfc.bench.cli", "measure step time, memory and traffic of the head variants"),
+    "plan": ("shardfc.plan", "predict per-rank memory and the largest C and B that fit"),
+    "demo": ("shardfc.demo", "train a sharded head on 2 spawned CPU processes and print the loss"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: shardfc <command> [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "shardfc <command> --help shows a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        print(f"shardfc: unknown command {name!r}{hint}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
