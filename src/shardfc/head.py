@@ -37,7 +37,14 @@ from .distributed.collectives import (
 from .layout import class_ranges
 from .normalize import l2_normalize
 from .shard_math import ShardConfig
-from .sharded_loss import ShardedLossPlan, compute_dtype_for, sharded_cross_entropy, stats_dtype_for
+from .partial_fc import mark_rows, num_sampled, sample_rows
+from .sharded_loss import (
+    ShardedLossPlan,
+    compute_dtype_for,
+    local_labels_for_range,
+    sharded_cross_entropy,
+    stats_dtype_for,
+)
 from .validation import check_embeddings, check_labels, check_positive_int, check_probability, raise_or_exchange_sizes
 
 DeviceLike = Union[str, torch.device, int]
@@ -79,6 +86,13 @@ class ShardedMarginHead(nn.Module):
         chunk_size: walk each shard's classes this many at a time (online softmax, logits
             recomputed in the backward): activation memory ``O(B·chunk_size)``. ``None``: one
             ``[B, n_local]`` buffer, no recomputation.
+        sample_rate: Partial FC. In training mode each step each shard keeps the classes of the
+            global batch's labels it owns plus uniform negatives, ``⌈r·n_local⌉`` in all (more if
+            the positives need it); build the optimizer with
+            :func:`shardfc.partial_fc.head_optimizer` so only those rows move. ``1.0``: the full
+            head. Evaluation mode and :meth:`predict` always use every class.
+        sample_seed: seed of the sampling; step ``t`` of shard ``i`` draws from
+            ``(sample_seed, i, t)``, so a run is reproducible (``sample_step`` counts steps).
         init_seed: seed of the ``N(0, 0.01²)`` initialisation, identical for any sharding.
         device, dtype: of the weights in process-group / single mode (default: the current CUDA
             device under NCCL, else the CPU; float32).
@@ -100,6 +114,8 @@ class ShardedMarginHead(nn.Module):
         ignore_index: int = -1,
         reduction: str = "mean",
         chunk_size: Optional[int] = None,
+        sample_rate: float = 1.0,
+        sample_seed: int = 0,
         init_seed: int = 0,
         device: Optional[DeviceLike] = None,
         dtype: Optional[torch.dtype] = None,
@@ -121,6 +137,9 @@ class ShardedMarginHead(nn.Module):
             raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
         self.reduction = reduction
         self.chunk_size = None if chunk_size is None else check_positive_int("chunk_size", chunk_size)
+        self.sample_rate = check_probability("sample_rate", sample_rate, low_open=True, high_open=False)
+        self.sample_seed = int(sample_seed)
+        self.sample_step = 0
         self.init_seed = int(init_seed)
         dtype = torch.float32 if dtype is None else dtype
 
@@ -204,22 +223,49 @@ class ShardedMarginHead(nn.Module):
         x = self._prepare_embeddings(embeddings)
         embeds = self._global_embeddings(x, sizes, autograd=True)
         all_labels = all_gather_rows(labels, sizes, self.group) if self.distributed else labels
+        local_labels = [local_labels_for_range(all_labels.to(d), r) for d, r in zip(self.devices, self.shard_ranges)]
+        num_classes = self.num_classes
+        if self.training and self.sample_rate < 1.0:
+            weights, local_labels, num_classes = self._sample_classes(all_labels, local_labels)
         plan = ShardedLossPlan(
             config=ShardConfig(
                 margin=self.margin,
-                num_classes=self.num_classes,
+                num_classes=num_classes,
                 label_smoothing=self.label_smoothing,
                 chunk_size=self.chunk_size,
                 compute_dtype=compute_dtype_for(embeds[0].device, embeds[0], weights[0]),
                 stats_dtype=stats_dtype_for(embeddings, weights[0]),
             ),
-            ranges=self.shard_ranges,
-            ignore_index=self.ignore_index,
-            group=self.group if self.distributed else None,
+            num_shards=len(weights),
+            distributed=self.distributed,
+            group=self.group,
             world_size=self.world_size,
         )
-        losses = sharded_cross_entropy(plan, all_labels, embeds, weights)
+        valid = all_labels != self.ignore_index
+        losses = sharded_cross_entropy(plan, valid, local_labels, embeds, weights)
         return reduce_losses(losses, all_labels, sizes, self.rank, self.reduction, self.ignore_index)
+
+    def _sample_classes(self, all_labels: Tensor, local_labels: List[Tensor]):
+        """Partial FC: the sampled sub-weights, labels re-indexed into them, and the sampled total."""
+        step, self.sample_step = self.sample_step, self.sample_step + 1
+        first_shard = self.rank if self.distributed else 0
+        sub_weights, sub_labels = [], []
+        for i, (w, lab) in enumerate(zip(self.shard_weights, local_labels)):
+            gen = torch.Generator().manual_seed(_mix_seed(self.sample_seed, first_shard + i, step))
+            positives = torch.unique(lab[lab >= 0])
+            rows = sample_rows(positives, w.shape[0], self.sample_rate, gen)
+            mark_rows(w, rows)
+            lut = torch.full((w.shape[0],), -1, dtype=torch.int64, device=w.device)
+            lut[rows] = torch.arange(rows.numel(), device=w.device)
+            sub_labels.append(torch.where(lab >= 0, lut[lab.clamp(min=0)], lab))
+            sub_weights.append(w[rows])
+        # Every rank sees the global labels, so it can count every shard's sample without talking.
+        valid = all_labels[all_labels != self.ignore_index]
+        total = 0
+        for r in class_ranges(self.num_classes, self.world_size * len(self.devices)):
+            n_pos = int(torch.unique(valid[(valid >= r.start) & (valid < r.stop)]).numel())
+            total += num_sampled(len(r), self.sample_rate, n_pos)
+        return sub_weights, sub_labels, total
 
     # ------------------------------------------------------------------ predict
     @torch.no_grad()
@@ -262,11 +308,21 @@ class ShardedMarginHead(nn.Module):
             "single": "single shard",
         }[self.mode]
         chunk = f", chunk_size={self.chunk_size}" if self.chunk_size else ""
+        if self.sample_rate < 1.0:
+            chunk += f", sample_rate={self.sample_rate}"
         return (
             f"embedding_dim={self.embedding_dim}, num_classes={self.num_classes}, margin={self.margin}, "
             f"{where}, classes={self.class_range.start}..{self.class_range.stop - 1}, "
             f"reduction={self.reduction!r}, label_smoothing={self.label_smoothing}{chunk}"
         )
+
+
+def _mix_seed(*parts: int) -> int:
+    """One 63-bit seed from several integers (the same in every process)."""
+    seed = 0
+    for p in parts:
+        seed = (seed * 1_000_003 + int(p)) % (2**63 - 1)
+    return seed
 
 
 def reduce_losses(

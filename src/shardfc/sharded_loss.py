@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .distributed.collectives import all_reduce
-from .shard_math import ShardConfig, ShardStats, shard_backward, shard_forward
+from .shard_math import ShardConfig, shard_backward, shard_forward
 
 
 @dataclass
@@ -34,37 +34,36 @@ class ShardedLossPlan:
     """What the autograd function needs beyond tensors."""
 
     config: ShardConfig
-    ranges: Sequence[range]  # the global class ids of each local shard, in order
-    ignore_index: int
-    group: Optional[dist.ProcessGroup]  # None: no process group (one process)
-    world_size: int  # ranks in ``group`` (1 without a group)
+    num_shards: int  # local shards (devices) in this process
+    distributed: bool  # shards on the ranks of ``group`` (else: this process only)
+    group: Optional[dist.ProcessGroup]  # None with ``distributed``: torch's default group
+    world_size: int  # ranks in ``group`` (1 when not distributed)
 
 
-def _local_labels(labels: Tensor, r: range) -> Tensor:
+def local_labels_for_range(labels: Tensor, r: range) -> Tensor:
+    """Row of each label within the shard holding classes ``r``, or −1 (not there / ignored)."""
     inside = (labels >= r.start) & (labels < r.stop)
     return torch.where(inside, labels - r.start, torch.full_like(labels, -1))
 
 
 class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan: ShardedLossPlan, labels: Tensor, *tensors: Tensor) -> Tensor:
-        n_shards = len(plan.ranges)
+    def forward(ctx, plan: ShardedLossPlan, valid: Tensor, local_labels: List[Tensor], *tensors: Tensor) -> Tensor:
+        n_shards = plan.num_shards
         embeds, weights = tensors[:n_shards], tensors[n_shards:]
         cfg = plan.config
-        home = labels.device
+        home = valid.device
         sd = cfg.stats_dtype
         with torch.autocast(home.type, enabled=False):
-            local_labels, norms, stats = [], [], []
-            for a, w, r in zip(embeds, weights, plan.ranges):
-                lab = _local_labels(labels.to(a.device), r)
+            norms, stats = [], []
+            for a, w, lab in zip(embeds, weights, local_labels):
                 norm = torch.linalg.vector_norm(a.to(sd), dim=1) if cfg.margin.needs_norm else None
-                local_labels.append(lab)
                 norms.append(norm)
                 with torch.autocast(a.device.type, enabled=False):
                     stats.append(shard_forward(a, w, lab, norm, cfg))
 
             row_max = torch.stack([s.row_max.to(home) for s in stats]).amax(dim=0)
-            if plan.group is not None:
+            if plan.distributed:
                 all_reduce(row_max, dist.ReduceOp.MAX, plan.group)
             parts = []
             for s in stats:
@@ -74,14 +73,13 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
                     fields.append(s.logit_sum.to(home))
                 parts.append(torch.stack(fields))
             combined = torch.stack(parts).sum(dim=0)
-            if plan.group is not None:
+            if plan.distributed:
                 all_reduce(combined, dist.ReduceOp.SUM, plan.group)
             sum_exp, target = combined[0], combined[1]
             eps = cfg.label_smoothing
             loss = torch.log(sum_exp) + row_max - (1.0 - eps) * target
             if eps > 0:
                 loss = loss - (eps / cfg.num_classes) * combined[2]
-            valid = labels != plan.ignore_index
             loss = torch.where(valid, loss, torch.zeros_like(loss))
 
         ctx.plan = plan
@@ -98,12 +96,12 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
                 "consumed in place (run the forward again instead of retain_graph=True)"
             )
         valid, row_max, sum_exp, *tensors = ctx.saved_tensors
-        n_shards = len(plan.ranges)
+        n_shards = plan.num_shards
         embeds, weights = tensors[:n_shards], tensors[n_shards:]
         cfg = plan.config
         # The objective is the average over ranks of what each rank back-propagates.
         coef = grad_loss.to(cfg.stats_dtype).contiguous()
-        if plan.group is not None:
+        if plan.distributed:
             all_reduce(coef, dist.ReduceOp.SUM, plan.group)
             coef = coef / plan.world_size
         coef = torch.where(valid, coef, torch.zeros_like(coef))
@@ -118,23 +116,29 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
             grads_a.append(ga)
             grads_w.append(gw)
         ctx.stats = ctx.local_labels = ctx.norms = None
-        return (None, None, *grads_a, *grads_w)
+        return (None, None, None, *grads_a, *grads_w)
 
 
 def sharded_cross_entropy(
-    plan: ShardedLossPlan, labels: Tensor, embeds: Sequence[Tensor], weights: Sequence[Tensor]
+    plan: ShardedLossPlan,
+    valid: Tensor,
+    local_labels: Sequence[Tensor],
+    embeds: Sequence[Tensor],
+    weights: Sequence[Tensor],
 ) -> Tensor:
-    """Per-sample losses ``[B]`` of the global batch.
+    """Per-sample losses ``[B]`` of the global batch (0 where ``valid`` is False).
 
     ``embeds[i]`` is the global batch's (normalised, if the margin says so) embeddings on the
-    device of ``weights[i]``; ``labels`` holds global class ids (``ignore_index`` allowed).
+    device of ``weights[i]``; ``local_labels[i]`` the row of each sample's label in ``weights[i]``
+    or −1; ``valid`` marks the samples that are not ``ignore_index``.
     """
-    if len(embeds) != len(plan.ranges) or len(weights) != len(plan.ranges):
+    n = plan.num_shards
+    if not (len(embeds) == len(weights) == len(local_labels) == n):
         raise ValueError(
-            f"need one embedding copy and one weight per shard: {len(plan.ranges)} shards, "
-            f"{len(embeds)} embeddings, {len(weights)} weights"
+            f"need one embedding copy, one label map and one weight per shard: {n} shards, "
+            f"{len(embeds)} embeddings, {len(local_labels)} label maps, {len(weights)} weights"
         )
-    return _ShardedSoftmaxCrossEntropy.apply(plan, labels, *embeds, *weights)
+    return _ShardedSoftmaxCrossEntropy.apply(plan, valid, list(local_labels), *embeds, *weights)
 
 
 def stats_dtype_for(*tensors: Tensor) -> torch.dtype:
@@ -154,7 +158,7 @@ def compute_dtype_for(device: torch.device, *tensors: Tensor) -> torch.dtype:
 
 __all__ = [
     "ShardedLossPlan",
-    "ShardStats",
+    "local_labels_for_range",
     "sharded_cross_entropy",
     "stats_dtype_for",
     "compute_dtype_for",

@@ -78,6 +78,10 @@ def all_reduce(t: Tensor, op: dist.ReduceOp.RedOpType, group: Optional[dist.Proc
     return t
 
 
+# torch 2.13 renamed all_gather_into_tensor (the old name warns).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def all_gather_rows(x: Tensor, sizes: Sequence[int], group: Optional[dist.ProcessGroup]) -> Tensor:
     """Concatenate every rank's ``x`` (``sizes[r]`` rows on rank r) along dim 0, in rank order."""
     world = len(sizes)
@@ -89,7 +93,7 @@ def all_gather_rows(x: Tensor, sizes: Sequence[int], group: Optional[dist.Proces
         x = padded
     out = x.new_empty((world * width,) + tuple(x.shape[1:]))
     _record("all_gather", out)
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather_single(out, x, group=group)
     if all(s == width for s in sizes):
         return out
     parts = out.split(width)
@@ -107,6 +111,40 @@ def reduce_scatter_rows(x: Tensor, sizes: Sequence[int], group: Optional[dist.Pr
     else:
         dist.reduce_scatter(out, list(x.split(list(sizes))), group=group)
     return out
+
+
+def gather_to_root(x: Tensor, group: Optional[dist.ProcessGroup]) -> Optional[List[Tensor]]:
+    """Every rank's equally shaped ``x`` on the group's rank 0 (``None`` elsewhere)."""
+    world, root = group_size(group), _global_rank(group, 0)
+    x = x.contiguous()
+    if group_rank(group) == 0:
+        out = [torch.empty_like(x) for _ in range(world)]
+        for t in out:
+            _record("gather", t)
+        dist.gather(x, out, dst=root, group=group)
+        return out
+    _record("gather", x)
+    dist.gather(x, None, dst=root, group=group)
+    return None
+
+
+def scatter_from_root(parts: Optional[List[Tensor]], like: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """Rank r receives ``parts[r]`` from the group's rank 0 (shaped like ``like``)."""
+    out = torch.empty_like(like)
+    _record("scatter", out)
+    dist.scatter(out, [p.contiguous() for p in parts] if parts is not None else None, src=_global_rank(group, 0), group=group)
+    return out
+
+
+def broadcast_from_root(t: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """In-place broadcast from the group's rank 0; returns ``t``."""
+    _record("broadcast", t)
+    dist.broadcast(t, src=_global_rank(group, 0), group=group)
+    return t
+
+
+def _global_rank(group: Optional[dist.ProcessGroup], rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 class _GatherRowsForwardReduceScatterBackward(torch.autograd.Function):

@@ -1,0 +1,76 @@
+"""Embedding backbones and their registry.
+
+Every backbone maps ``[N, 3, H, W]`` images to ``[N, embedding_dim]`` embeddings
+ending in a BatchNorm1d; the (sharded) classifier and margin loss live elsewhere.
+Each model records the resolution it expects in ``model.input_size``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Callable
+
+from torch import nn
+
+from .iresnet import IResNet, iresnet18, iresnet34, iresnet50, iresnet100
+from .mobilefacenet import MobileFaceNet, mobilefacenet
+from .resnet import ReIDResNet, resnet50
+from .tiny import TinyNet, tiny
+
+__all__ = [
+    "BACKBONES",
+    "IResNet",
+    "MobileFaceNet",
+    "ReIDResNet",
+    "TinyNet",
+    "build_backbone",
+    "input_size",
+]
+
+BACKBONES: dict[str, Callable[..., nn.Module]] = {
+    "iresnet18": iresnet18,
+    "iresnet34": iresnet34,
+    "iresnet50": iresnet50,
+    "iresnet100": iresnet100,
+    "mobilefacenet": mobilefacenet,
+    "resnet50": resnet50,
+    "tiny": tiny,
+}
+
+# Default (H, W) per backbone; tiny's can be overridden via its ``input_size`` kwarg,
+# in which case the built model's ``input_size`` attribute is authoritative.
+_INPUT_SIZES: dict[str, tuple[int, int]] = {
+    "iresnet18": (112, 112),
+    "iresnet34": (112, 112),
+    "iresnet50": (112, 112),
+    "iresnet100": (112, 112),
+    "mobilefacenet": (112, 112),
+    "resnet50": (256, 128),
+    "tiny": (32, 32),
+}
+
+
+def _check_name(name: str) -> None:
+    if name in BACKBONES:
+        return
+    close = difflib.get_close_matches(name, BACKBONES, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ValueError(
+        f"unknown backbone {name!r}; valid names: {', '.join(sorted(BACKBONES))}{hint}"
+    )
+
+
+def build_backbone(name: str, embedding_dim: int = 512, **kwargs: Any) -> nn.Module:
+    """Build backbone ``name`` producing ``embedding_dim``-d embeddings.
+
+    Extra kwargs go to the constructor (e.g. ``dropout`` for iresnet*,
+    ``last_stride`` for resnet50, ``input_size``/``width`` for tiny).
+    """
+    _check_name(name)
+    return BACKBONES[name](embedding_dim=embedding_dim, **kwargs)
+
+
+def input_size(name: str) -> tuple[int, int]:
+    """Default input resolution ``(H, W)`` of backbone ``name``."""
+    _check_name(name)
+    return _INPUT_SIZES[name]

@@ -1,0 +1,164 @@
+"""Partial FC: per-step class sampling on each shard, and optimizers that update only sampled rows.
+
+Partial FC (An et al., "Partial FC: Training 10 Million Identities on a Single Machine",
+ICCVW 2021) scores each step against the positive classes of the global batch plus a uniform
+sample of negatives, ``⌈r · n_local⌉`` classes per shard in all (more when the positives alone
+exceed that). Its point is that the step touches only those rows — so the optimizer must not
+move the others either: a dense gradient with zero rows would still let momentum and weight
+decay move every row every step. :class:`RowSparseSGD` and :class:`RowSparseAdamW` update exactly
+the rows the head sampled since the last step; every other row and its optimizer state stay
+bit-identical.
+
+Build the optimizers like this (the head is never wrapped in DDP)::
+
+    head = ShardedMarginHead(512, num_classes, sample_rate=0.1)
+    opt_backbone = torch.optim.SGD(ddp_backbone.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    opt_head = shardfc.partial_fc.head_optimizer(head, "sgd", lr=0.1, momentum=0.9, weight_decay=5e-4)
+
+``head_optimizer`` returns torch's own dense optimizer when ``sample_rate == 1``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+#: Attribute set on a head parameter: the rows sampled since the optimizer's last step.
+ROWS_ATTR = "_shardfc_sampled_rows"
+
+
+def num_sampled(num_local: int, sample_rate: float, num_positive: int) -> int:
+    """How many classes a shard keeps: ``⌈r·n⌉``, but never fewer than its positives."""
+    return min(num_local, max(math.ceil(sample_rate * num_local), num_positive))
+
+
+def sample_rows(positives: Tensor, num_local: int, sample_rate: float, generator: torch.Generator) -> Tensor:
+    """Sorted row ids to keep: every positive plus uniformly drawn negatives.
+
+    ``positives``: the (unique) rows of this shard that some sample of the global batch is labelled
+    with. Draws come from ``generator`` (on the CPU) so a seed reproduces the sequence.
+    """
+    keep = num_sampled(num_local, sample_rate, positives.numel())
+    score = torch.rand(num_local, generator=generator)
+    score[positives.cpu()] = 2.0  # above any uniform draw: positives are always kept
+    rows = score.topk(keep, sorted=False).indices
+    return rows.sort().values.to(positives.device)
+
+
+def mark_rows(param: Tensor, rows: Tensor) -> None:
+    """Record that ``rows`` of ``param`` take part in this step (union over accumulation steps)."""
+    previous: Optional[Tensor] = getattr(param, ROWS_ATTR, None)
+    if previous is not None:
+        rows = torch.unique(torch.cat([previous, rows.to(previous.device)]))
+    setattr(param, ROWS_ATTR, rows)
+
+
+def _take_rows(param: Tensor) -> Optional[Tensor]:
+    rows = getattr(param, ROWS_ATTR, None)
+    if rows is not None:
+        setattr(param, ROWS_ATTR, None)
+    return rows
+
+
+class RowSparseSGD(torch.optim.Optimizer):
+    """``torch.optim.SGD`` (momentum, nesterov, weight decay; no dampening) on the sampled rows only.
+
+    A parameter with no recorded rows (never sampled, or not a Partial FC head) is updated densely,
+    exactly as ``torch.optim.SGD`` would.
+    """
+
+    def __init__(self, params: Iterable, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False):
+        if lr < 0 or momentum < 0 or weight_decay < 0:
+            raise ValueError(f"lr, momentum, weight_decay must be >= 0, got {lr}, {momentum}, {weight_decay}")
+        if nesterov and momentum <= 0:
+            raise ValueError("nesterov needs momentum > 0")
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            lr, mom, wd, nesterov = group["lr"], group["momentum"], group["weight_decay"], group["nesterov"]
+            for p in group["params"]:
+                rows = _take_rows(p)
+                if p.grad is None:
+                    continue
+                idx = rows if rows is not None else slice(None)
+                g = p.grad[idx]
+                w = p[idx]
+                if wd:
+                    g = g + wd * w
+                if mom:
+                    state = self.state[p]
+                    if "momentum_buffer" not in state:
+                        state["momentum_buffer"] = torch.zeros_like(p)
+                    buf = state["momentum_buffer"]
+                    b = buf[idx] * mom + g
+                    buf[idx] = b
+                    g = g + mom * b if nesterov else b
+                p[idx] = w - lr * g
+        return loss
+
+
+class RowSparseAdamW(torch.optim.Optimizer):
+    """``torch.optim.AdamW`` on the sampled rows only, with a per-row step count for bias correction."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
+        if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"invalid AdamW hyper-parameters lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                rows = _take_rows(p)
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                    state["row_step"] = torch.zeros(p.shape[0], dtype=torch.float64, device=p.device)
+                idx = rows if rows is not None else slice(None)
+                g = p.grad[idx]
+                w = p[idx] * (1 - lr * wd)
+                m = state["exp_avg"][idx].lerp(g, 1 - b1)
+                v = state["exp_avg_sq"][idx].mul(b2).addcmul(g, g, value=1 - b2)
+                t = state["row_step"][idx] + 1
+                bias1 = (1 - b1**t).to(p.dtype).unsqueeze(1)
+                bias2_sqrt = (1 - b2**t).sqrt().to(p.dtype).unsqueeze(1)
+                w = w - (lr / bias1) * m / (v.sqrt() / bias2_sqrt + eps)
+                state["exp_avg"][idx], state["exp_avg_sq"][idx], state["row_step"][idx] = m, v, t
+                p[idx] = w
+        return loss
+
+
+def head_optimizer(
+    head: nn.Module,
+    name: str,
+    lr: float,
+    momentum: float = 0.9,
+    weight_decay: float = 5e-4,
+    nesterov: bool = False,
+    betas: Tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+) -> torch.optim.Optimizer:
+    """The optimizer for a head's shards: row-sparse under Partial FC, torch's own otherwise."""
+    key = str(name).lower()
+    if key not in ("sgd", "adamw"):
+        raise ValueError(f"optimizer name must be 'sgd' or 'adamw', got {name!r}")
+    sparse = getattr(head, "sample_rate", 1.0) < 1.0
+    params = list(head.parameters())
+    if key == "sgd":
+        if sparse:
+            return RowSparseSGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+    if sparse:
+        return RowSparseAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)

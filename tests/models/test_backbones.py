@@ -1,0 +1,120 @@
+"""Backbone registry, shapes, parameter counts, input checks and trainability."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shardfc.models import BACKBONES, build_backbone, input_size
+
+NAMES = ["iresnet18", "iresnet34", "iresnet50", "iresnet100", "mobilefacenet", "resnet50", "tiny"]
+
+
+def _params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_registry_names() -> None:
+    assert sorted(BACKBONES) == sorted(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_builds_and_output_shape(name: str) -> None:
+    torch.manual_seed(0)
+    model = build_backbone(name, embedding_dim=256).eval()
+    h, w = input_size(name)
+    assert model.input_size == (h, w)
+    with torch.no_grad():
+        out = model(torch.randn(2, 3, h, w))
+    assert out.shape == (2, 256)
+    assert torch.isfinite(out).all()
+
+
+def test_input_sizes() -> None:
+    assert input_size("iresnet50") == (112, 112)
+    assert input_size("mobilefacenet") == (112, 112)
+    assert input_size("resnet50") == (256, 128)
+    assert input_size("tiny") == (32, 32)
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"), [("iresnet50", 43.6e6), ("iresnet100", 65.2e6)]
+)
+def test_iresnet_param_count_matches_insightface(name: str, expected: float) -> None:
+    # Measured: iresnet50 43,590,848; iresnet100 65,156,160 (512-d).
+    n = _params(build_backbone(name, embedding_dim=512))
+    assert abs(n - expected) / expected < 0.02
+
+
+def test_iresnet_features_bn_scale_is_frozen() -> None:
+    model = build_backbone("iresnet18")
+    assert not model.features.weight.requires_grad
+    assert model.features.bias.requires_grad
+
+
+def test_mobilefacenet_paper_size() -> None:
+    # Chen et al. report 0.99M parameters for the 128-d model.
+    model = build_backbone("mobilefacenet", embedding_dim=128)
+    assert 0.95e6 < _params(model) < 1.05e6
+
+
+def test_resnet50_bnneck_and_last_stride() -> None:
+    plain = build_backbone("resnet50", embedding_dim=2048)
+    assert isinstance(plain.reduce, nn.Identity)
+    assert not plain.neck.bias.requires_grad
+    reduced = build_backbone("resnet50", embedding_dim=512)
+    assert isinstance(reduced.reduce, nn.Linear)
+    assert reduced.reduce.weight.shape == (512, 2048)
+
+    x = torch.randn(1, 3, 256, 128)
+    for last_stride, fmap in [(1, (16, 8)), (2, (8, 4))]:
+        m = build_backbone("resnet50", embedding_dim=2048, last_stride=last_stride).eval()
+        with torch.no_grad():
+            f = m.layer4(m.layer3(m.layer2(m.layer1(m.stem(x)))))
+        assert f.shape[-2:] == fmap
+
+
+@pytest.mark.parametrize("name", ["iresnet18", "mobilefacenet"])
+def test_wrong_input_size_raises(name: str) -> None:
+    model = build_backbone(name).eval()
+    with pytest.raises(ValueError, match=r"112, 112.*got \[1, 3, 128, 128\]"):
+        model(torch.randn(1, 3, 128, 128))
+
+
+def test_unknown_name() -> None:
+    with pytest.raises(ValueError, match=r"'iresnet5'.*tiny.*did you mean 'iresnet50'"):
+        build_backbone("iresnet5")
+    with pytest.raises(ValueError, match="unknown backbone"):
+        input_size("nope")
+
+
+def test_tiny_input_size_kwarg() -> None:
+    model = build_backbone("tiny", embedding_dim=64, input_size=(48, 64))
+    assert model.input_size == (48, 64)
+    assert model(torch.randn(4, 3, 48, 64)).shape == (4, 64)
+
+
+def test_tiny_gradients_flow() -> None:
+    torch.manual_seed(0)
+    model = build_backbone("tiny", embedding_dim=32)
+    model(torch.randn(8, 3, 32, 32)).pow(2).sum().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, name
+
+
+def test_tiny_trains() -> None:
+    torch.manual_seed(0)
+    model = build_backbone("tiny", embedding_dim=32)
+    head = nn.Linear(32, 10)
+    x, y = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
+    opt = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.1, momentum=0.9)
+    losses = []
+    for _ in range(10):
+        loss = nn.functional.cross_entropy(head(model(x)), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]

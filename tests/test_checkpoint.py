@@ -1,0 +1,421 @@
+"""Tests for shardfc.checkpoint: atomic saves, validation and resharding loads."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shardfc import checkpoint as ck
+from shardfc.checkpoint import (
+    CheckpointError,
+    find_checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from shardfc.layout import class_range, class_ranges
+
+DIM = 3
+FP = {"model": "iresnet50", "embedding_dim": DIM, "margins": [1.0, 0.5, 0.0]}
+
+
+def _full_state(num_classes: int) -> dict[str, torch.Tensor]:
+    """The logical (unsharded) head state every test shards from; distinct value per element."""
+    w = torch.arange(num_classes * DIM, dtype=torch.float32).reshape(num_classes, DIM) / 8
+    return {"weight": w, "exp_avg": 1 - 2 * w, "exp_avg_sq": (w * w).double()}
+
+
+def _shard(full: dict[str, torch.Tensor], rows: range) -> dict[str, torch.Tensor]:
+    # Views on purpose: the saver must store only the rows, not the whole storage.
+    return {k: v[rows.start : rows.stop] for k, v in full.items()}
+
+
+def _save_single(root: Path, step: int, num_classes: int = 7, **overrides: Any) -> Path:
+    """Save a world-of-one checkpoint of _full_state(num_classes)."""
+    kwargs: dict[str, Any] = dict(
+        common={"backbone": {"w": torch.ones(2)}, "step": step},
+        per_rank={"rng": torch.get_rng_state(), "rank": 0},
+        head_tensors=_full_state(num_classes),
+        head_extras={"step": torch.tensor(float(step)), "betas": (0.9, 0.999)},
+        class_range=range(num_classes),
+        num_classes=num_classes,
+        fingerprint=FP,
+    )
+    kwargs.update(overrides)
+    return save_checkpoint(root, step, **kwargs)
+
+
+def _assert_rows(loaded: ck.LoadedCheckpoint, full: dict[str, torch.Tensor], rows: range) -> None:
+    assert set(loaded.head_tensors) == set(full)
+    for name, t in full.items():
+        got = loaded.head_tensors[name]
+        assert got.dtype == t.dtype
+        assert torch.equal(got, t[rows.start : rows.stop]), name
+
+
+# --------------------------------------------------------------------------- single process
+
+
+@pytest.mark.parametrize("num_classes", [7, 2])
+def test_single_save_then_reshard_load(tmp_path: Path, num_classes: int) -> None:
+    path = _save_single(tmp_path, 5, num_classes)
+    assert path == tmp_path / "step_00000005"
+    full = _full_state(num_classes)
+    for world in (1, 2, 3):
+        for r, rows in enumerate(class_ranges(num_classes, world)):
+            loaded = load_checkpoint(path, class_range=rows, num_classes=num_classes, fingerprint=FP, rank=r)
+            _assert_rows(loaded, full, rows)
+            assert loaded.step == 5
+            assert torch.equal(loaded.common["backbone"]["w"], torch.ones(2))
+            assert torch.equal(loaded.head_extras["step"], torch.tensor(5.0))
+            assert loaded.head_extras["betas"] == (0.9, 0.999)
+            # Only rank index 0 existed in the saved run.
+            assert (loaded.per_rank is not None) == (r == 0)
+    if num_classes == 2:  # world 3 on 2 classes: the last rank has an empty range
+        empty = load_checkpoint(path, class_range=range(2, 2), num_classes=2)
+        assert empty.head_tensors["weight"].shape == (0, DIM)
+        assert empty.head_tensors["exp_avg_sq"].dtype == torch.float64
+
+
+def test_meta_contents(tmp_path: Path) -> None:
+    path = _save_single(tmp_path, 3)
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["format_version"] == ck.FORMAT_VERSION
+    assert (meta["step"], meta["world_size"], meta["num_classes"], meta["embedding_dim"]) == (3, 1, 7, DIM)
+    assert meta["class_ranges"] == [[0, 7]]
+    assert meta["head_tensors"]["exp_avg_sq"] == {"dtype": "float64", "row_shape": [DIM]}
+    assert meta["head_extras"] == ["betas", "step"]
+    assert meta["fingerprint"] == FP
+    assert set(meta["files"]) == {"common.pt", "rank_0.pt", "head_0.pt"}
+    for name, entry in meta["files"].items():
+        assert entry["size"] == (path / name).stat().st_size
+        assert len(entry["sha256"]) == 64
+    assert verify_checkpoint(path) == meta
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000003"]  # no temp dirs left
+
+
+def test_saves_only_the_rows_of_a_view(tmp_path: Path) -> None:
+    big = torch.zeros(10_000, DIM)
+    path = save_checkpoint(
+        tmp_path, 1, common=None, per_rank=None, head_tensors={"weight": big[5:7]}, head_extras={},
+        class_range=range(2), num_classes=2, fingerprint={},
+    )
+    assert (path / "head_0.pt").stat().st_size < big.numel() * big.element_size() // 10
+    loaded = load_checkpoint(path, class_range=range(2), num_classes=2)
+    assert loaded.common == {} and loaded.per_rank is None
+    assert torch.equal(loaded.head_tensors["weight"], torch.zeros(2, DIM))
+
+
+def test_resave_same_step_replaces(tmp_path: Path) -> None:
+    _save_single(tmp_path, 4)
+    path = _save_single(tmp_path, 4, common={"version": 2})
+    assert find_checkpoints(tmp_path) == [path]
+    assert load_checkpoint(path, class_range=range(7), num_classes=7).common == {"version": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000004"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"head_tensors": {"weight": torch.zeros(6, DIM)}}, r"head_tensors\['weight'\] has shape \(6, 3\)"),
+        ({"head_tensors": {"weight": [1, 2]}}, r"head_tensors\['weight'\] must be a torch.Tensor"),
+        ({"class_range": range(0, 5)}, r"cover \[0, 5\) but num_classes=7"),
+        ({"class_range": range(0, 9)}, r"class_range=range\(0, 9\) must lie within \[0, num_classes=7\]"),
+        ({"keep_last": 0}, r"keep_last must be an int >= 1, got 0"),
+        ({"fingerprint": {"x": object()}}, r"fingerprint must be JSON-serialisable"),
+        ({"per_rank": [1]}, r"per_rank must be a dict or None, got list"),
+    ],
+)
+def test_save_rejects_bad_arguments(tmp_path: Path, overrides: dict[str, Any], match: str) -> None:
+    if "class_range" in overrides:  # keep the shapes consistent with the range under test
+        rows = overrides["class_range"]
+        overrides.setdefault("head_tensors", {"weight": torch.zeros(len(rows), DIM)})
+    with pytest.raises(ValueError, match=match):
+        _save_single(tmp_path, 1, **overrides)
+    assert list(tmp_path.iterdir()) == []  # validated before anything is written
+
+
+def test_save_rejects_negative_step(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"step must be an int >= 0, got -1"):
+        _save_single(tmp_path, -1)
+
+
+def test_num_classes_mismatch(tmp_path: Path) -> None:
+    path = _save_single(tmp_path, 1)
+    with pytest.raises(ValueError, match=r"checkpoint .* has num_classes=7, this run has num_classes=8"):
+        load_checkpoint(path, class_range=range(8), num_classes=8)
+
+
+def test_fingerprint_mismatch(tmp_path: Path) -> None:
+    path = _save_single(tmp_path, 1)
+    other = {"model": "iresnet100", "embedding_dim": DIM, "margins": (1.0, 0.5, 0.0), "extra": 1}
+    with pytest.raises(ValueError) as info:
+        load_checkpoint(path, class_range=range(7), num_classes=7, fingerprint=other)
+    msg = str(info.value)
+    assert "model: checkpoint='iresnet50', this run='iresnet100'" in msg
+    assert "extra: checkpoint=<missing>, this run=1" in msg
+    assert "margins" not in msg  # a tuple equals the list it was saved as
+    load_checkpoint(path, class_range=range(7), num_classes=7, fingerprint=dict(FP))
+
+
+def test_keep_last_prunes_older(tmp_path: Path) -> None:
+    for step in range(1, 6):
+        _save_single(tmp_path, step, keep_last=2)
+    assert [p.name for p in find_checkpoints(tmp_path)] == ["step_00000004", "step_00000005"]
+    # A save older than existing ones is never pruned by itself.
+    _save_single(tmp_path, 2, keep_last=1)
+    assert [p.name for p in find_checkpoints(tmp_path)] == ["step_00000002", "step_00000005"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000005"]
+
+
+# --------------------------------------------------------------------------- crashes and corruption
+
+
+def test_failed_save_leaves_previous(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _save_single(tmp_path, 1)
+    real_save = torch.save
+    calls = []
+
+    def flaky_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        if len(calls) == 2:  # common.pt is written, rank_0.pt fails half way
+            f.write(b"partial")
+            raise OSError("disk full")
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", flaky_save)
+    with pytest.raises(OSError, match="disk full"):
+        _save_single(tmp_path, 2)
+    monkeypatch.setattr(torch, "save", real_save)
+
+    def failing_replace(src: Any, dst: Any) -> None:
+        raise OSError("rename failed")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="rename failed"):
+        _save_single(tmp_path, 3)
+    monkeypatch.undo()
+
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000001"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
+    loaded = load_checkpoint(tmp_path / "step_00000001", class_range=range(7), num_classes=7)
+    _assert_rows(loaded, _full_state(7), range(7))
+
+
+def test_failed_resave_restores_same_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _save_single(tmp_path, 4, common={"version": 1})
+    real_replace = os.replace
+
+    def replace(src: Any, dst: Any) -> None:
+        if Path(src).name.startswith(".tmp-"):  # the new save's rename fails after the old one moved aside
+            raise OSError("rename failed")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="rename failed"):
+        _save_single(tmp_path, 4, common={"version": 2})
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000004"]
+    assert load_checkpoint(path, class_range=range(7), num_classes=7).common == {"version": 1}
+
+
+def test_killed_save_leaves_previous(tmp_path: Path) -> None:
+    _save_single(tmp_path, 1)
+    # The process dies right before the rename: every file including meta.json is written.
+    script = textwrap.dedent(
+        f"""
+        import os, sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_checkpoint import _save_single
+        os.replace = lambda *a: os._exit(17)
+        _save_single({str(tmp_path)!r}, 2)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 17, proc.stderr
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-step_00000002-")]
+    assert len(leftovers) == 1 and (tmp_path / leftovers[0] / "meta.json").exists()
+    assert find_checkpoints(tmp_path) == [tmp_path / "step_00000001"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
+    assert resolve_resume(tmp_path, "auto") == tmp_path / "step_00000001"
+    # The next successful save removes the leftover.
+    _save_single(tmp_path, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000003"]
+
+
+def test_truncated_latest_is_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    _save_single(tmp_path, 1)
+    bad = _save_single(tmp_path, 2)
+    head = bad / "head_0.pt"
+    with open(head, "r+b") as f:
+        f.truncate(head.stat().st_size // 2)
+    with caplog.at_level(logging.WARNING, logger="shardfc.checkpoint"):
+        assert latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
+    assert any("head_0.pt" in r.getMessage() and "truncated" in r.getMessage() for r in caplog.records)
+    with pytest.raises(CheckpointError, match=r"head_0\.pt is truncated"):
+        load_checkpoint(bad, class_range=range(7), num_classes=7)
+    with pytest.raises(CheckpointError, match=r"head_0\.pt"):
+        resolve_resume(tmp_path, str(bad))
+
+
+def test_corrupt_bytes_detected_by_hash(tmp_path: Path) -> None:
+    _save_single(tmp_path, 1)
+    bad = _save_single(tmp_path, 2)
+    data = bytearray((bad / "common.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (bad / "common.pt").write_bytes(bytes(data))
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
+    assert latest_checkpoint(tmp_path, check_hashes=False) == bad
+    with pytest.raises(CheckpointError, match=r"common\.pt is corrupt: sha256"):
+        load_checkpoint(bad, class_range=range(7), num_classes=7)
+
+
+def test_missing_or_garbled_meta_is_skipped(tmp_path: Path) -> None:
+    _save_single(tmp_path, 1)
+    (tmp_path / "step_00000002").mkdir()  # no meta.json
+    garbled = _save_single(tmp_path, 3)
+    (garbled / "meta.json").write_text("{not json")
+    assert find_checkpoints(tmp_path) == [tmp_path / "step_00000001", garbled]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
+
+
+def test_resolve_resume(tmp_path: Path) -> None:
+    assert resolve_resume(tmp_path, "auto") is None
+    assert resolve_resume(tmp_path / "missing", "auto") is None
+    path = _save_single(tmp_path, 9)
+    assert resolve_resume(tmp_path, "auto") == path
+    assert resolve_resume(tmp_path, "none") is None
+    assert resolve_resume(tmp_path, "") is None
+    assert resolve_resume(tmp_path, str(path)) == path
+    assert resolve_resume(tmp_path, "step_00000009") == path  # relative to root
+    with pytest.raises(FileNotFoundError, match="step_00000010"):
+        resolve_resume(tmp_path, "step_00000010")
+
+
+# --------------------------------------------------------------------------- two gloo processes
+
+DIST_CLASSES = 7
+DIST_WORLD = 2
+
+
+def _dist_worker(rank: int, world: int, port: int, root: Path) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),  # a protocol bug fails the test instead of hanging it
+    )
+    results: dict[str, str] = {}
+    try:
+        full = _full_state(DIST_CLASSES)
+        rows = class_range(DIST_CLASSES, world, rank)
+        kwargs: dict[str, Any] = dict(
+            common={"backbone": {"w": torch.ones(2)}, "step": 10} if rank == 0 else {"ignored": True},
+            per_rank={"rank": rank, "rng": torch.get_rng_state()},
+            head_tensors=_shard(full, rows),
+            head_extras={"step": torch.tensor(5.0)},
+            class_range=rows,
+            num_classes=DIST_CLASSES,
+            fingerprint=FP,
+        )
+        results["path10"] = str(save_checkpoint(root / "run", 10, **kwargs))
+        pair = dist.new_group([0, 1])
+        solo = dist.new_group([1])  # its rank 0 is global rank 1: exercises get_global_rank
+        save_checkpoint(root / "run", 20, group=pair, **kwargs)
+        if rank == 1:
+            solo_kwargs = dict(kwargs, head_tensors=full, class_range=range(DIST_CLASSES))
+            results["solo"] = str(save_checkpoint(root / "solo", 30, group=solo, **solo_kwargs))
+        # Both ranks claim the same rows: every rank must raise, none may hang.
+        try:
+            save_checkpoint(root / "run", 40, **dict(kwargs, class_range=class_range(DIST_CLASSES, world, 0),
+                                                     head_tensors=_shard(full, class_range(DIST_CLASSES, world, 0))))
+        except ValueError as e:
+            results["bad_range"] = str(e)
+        # Rank 1's per-rank state cannot be pickled: a write failure on one rank only.
+        try:
+            save_checkpoint(root / "run", 50, **dict(kwargs, per_rank={"f": lambda: 0} if rank == 1 else {}))
+        except Exception as e:
+            results["write_fail"] = type(e).__name__
+        # Extras that differ between shards (saved as is; detected when a load merges them).
+        save_checkpoint(root / "run", 60, **dict(kwargs, head_extras={"step": torch.tensor(float(rank))}))
+    finally:
+        dist.destroy_process_group()
+    (root / f"result_{rank}.json").write_text(json.dumps(results))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def dist_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, str]]]:
+    root = tmp_path_factory.mktemp("dist")
+    mp.spawn(_dist_worker, args=(DIST_WORLD, _free_port(), root), nprocs=DIST_WORLD, join=True)
+    results = [json.loads((root / f"result_{r}.json").read_text()) for r in range(DIST_WORLD)]
+    return root, results
+
+
+def test_dist_save_loads_on_any_world(dist_run: tuple[Path, list[dict[str, str]]]) -> None:
+    root, results = dist_run
+    path = root / "run" / "step_00000010"
+    assert results[0]["path10"] == results[1]["path10"] == str(path)
+    meta = verify_checkpoint(path)
+    assert meta["world_size"] == 2 and meta["class_ranges"] == [[0, 4], [4, 7]]
+    full = _full_state(DIST_CLASSES)
+    for step in (10, 20):
+        for world in (1, 3):
+            for r, rows in enumerate(class_ranges(DIST_CLASSES, world)):
+                loaded = load_checkpoint(root / "run" / f"step_{step:08d}", class_range=rows,
+                                         num_classes=DIST_CLASSES, fingerprint=FP, rank=r)
+                _assert_rows(loaded, full, rows)
+                assert loaded.common["step"] == 10  # rank 0's common, not rank 1's
+                assert torch.equal(loaded.head_extras["step"], torch.tensor(5.0))
+                if r < 2:
+                    assert loaded.per_rank is not None and loaded.per_rank["rank"] == r
+                else:
+                    assert loaded.per_rank is None
+
+
+def test_dist_save_with_subgroup(dist_run: tuple[Path, list[dict[str, str]]]) -> None:
+    root, results = dist_run
+    path = root / "solo" / "step_00000030"
+    assert results[1]["solo"] == str(path)
+    assert verify_checkpoint(path)["world_size"] == 1
+    loaded = load_checkpoint(path, class_range=range(4, 7), num_classes=DIST_CLASSES, rank=0)
+    _assert_rows(loaded, _full_state(DIST_CLASSES), range(4, 7))
+    assert loaded.per_rank is not None and loaded.per_rank["rank"] == 1
+
+
+def test_dist_errors_raise_on_every_rank(dist_run: tuple[Path, list[dict[str, str]]]) -> None:
+    root, results = dist_run
+    for res in results:
+        assert "contiguous" in res["bad_range"]
+    assert results[0]["write_fail"] == "CheckpointError"  # told about rank 1's failure
+    assert results[1]["write_fail"] != "CheckpointError"  # its own pickling error
+    names = sorted(p.name for p in (root / "run").iterdir())
+    assert names == ["step_00000010", "step_00000020", "step_00000060"]  # nothing of steps 40/50
+
+
+def test_dist_differing_extras_detected_on_merge(dist_run: tuple[Path, list[dict[str, str]]]) -> None:
+    root, _ = dist_run
+    path = root / "run" / "step_00000060"
+    # Within one saved shard there is nothing to merge.
+    assert torch.equal(load_checkpoint(path, class_range=range(0, 4), num_classes=7).head_extras["step"],
+                       torch.tensor(0.0))
+    with pytest.raises(CheckpointError, match="head extras differ between saved shards 0 and 1"):
+        load_checkpoint(path, class_range=range(2, 6), num_classes=7)
