@@ -1,0 +1,248 @@
+"""Single-shard and devices mode against the dense float64 reference; AMP; bad input."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import shardfc
+from shardfc import margins as M
+from shardfc.head import init_rows
+
+C, D, B = 13, 5, 9
+ALL_MARGINS = [
+    M.Softmax(), M.NormSoftmax(16.0), M.CosFace(64.0, 0.35), M.ArcFace(64.0, 0.5),
+    M.ArcFace(32.0, 0.5, easy_margin=True), M.Combined(32.0, 0.9, 0.4, 0.15), M.SphereFace(4), M.SphereFace(3, 2.0),
+]
+
+
+def _data(seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, D, generator=g, dtype=dtype) * 2
+    y = torch.randint(0, C, (B,), generator=g)
+    return x, y
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-300))
+
+
+def _compare(head, x, y, margin, eps=0.0, reduction="mean", ignore_index=-1, tol=1e-10):
+    xa = x.clone().requires_grad_()
+    loss = head(xa, y)
+    g = torch.linspace(-1, 2, loss.numel(), dtype=loss.dtype).reshape(loss.shape) if reduction == "none" else torch.tensor(0.7, dtype=loss.dtype)
+    loss.backward(g)
+    W = torch.cat([w.detach().cpu() for w in head.shard_weights]).requires_grad_()
+    xr = x.clone().requires_grad_()
+    ref = shardfc.reference_loss(xr, W, y, margin, label_smoothing=eps, ignore_index=ignore_index, reduction=reduction)
+    ref.backward(g)
+    gw = torch.cat([w.grad.cpu() for w in head.shard_weights])
+    assert _rel(loss.detach(), ref.detach()) < tol
+    assert _rel(xa.grad, xr.grad) < tol
+    assert _rel(gw, W.grad) < tol
+
+
+@pytest.mark.parametrize("margin", ALL_MARGINS, ids=repr)
+@pytest.mark.parametrize("layout", ["single", "devices3", "single_chunk4", "devices2_chunk3"])
+def test_every_margin_every_layout(margin, layout):
+    devices = {"devices3": ["cpu"] * 3, "devices2_chunk3": ["cpu"] * 2}.get(layout)
+    chunk = {"single_chunk4": 4, "devices2_chunk3": 3}.get(layout)
+    head = shardfc.ShardedMarginHead(D, C, margin=margin, devices=devices, chunk_size=chunk, dtype=torch.float64)
+    x, y = _data()
+    _compare(head, x, y, margin)
+
+
+@pytest.mark.parametrize(
+    "eps,reduction,ignore,chunk,devices",
+    list(itertools.product([0.0, 0.15], ["mean", "sum", "none"], [False, True], [None, 2], [None, 4])),
+)
+def test_smoothing_reductions_ignore_index(eps, reduction, ignore, chunk, devices):
+    margin = M.CosFace(30.0, 0.3)
+    head = shardfc.ShardedMarginHead(
+        D, C, margin=margin, label_smoothing=eps, reduction=reduction, chunk_size=chunk,
+        devices=["cpu"] * devices if devices else None, dtype=torch.float64,
+    )
+    x, y = _data(1)
+    if ignore:
+        y[::2] = -1
+    _compare(head, x, y, margin, eps=eps, reduction=reduction)
+
+
+def test_more_devices_than_classes_and_all_ignored():
+    head = shardfc.ShardedMarginHead(D, 3, margin=M.ArcFace(), devices=["cpu"] * 5, dtype=torch.float64)
+    assert [len(r) for r in head.shard_ranges] == [1, 1, 1, 0, 0]
+    x, _ = _data()
+    y = torch.randint(0, 3, (B,))
+    _compare(head, x, y, M.ArcFace())
+    xa = x.clone().requires_grad_()
+    loss = head(xa, torch.full((B,), -1))
+    loss.backward()
+    assert loss.item() == 0.0 and xa.grad.abs().sum() == 0
+
+
+def test_empty_batch_gives_zero_loss_connected_to_parameters():
+    head = shardfc.ShardedMarginHead(D, C)
+    loss = head(torch.zeros(0, D, requires_grad=True), torch.zeros(0, dtype=torch.long))
+    loss.backward()
+    assert loss.item() == 0.0 and head.weight.grad.abs().sum() == 0
+    none = shardfc.ShardedMarginHead(D, C, reduction="none")(torch.zeros(0, D), torch.zeros(0, dtype=torch.long))
+    assert none.shape == (0,)
+
+
+def test_devices_mode_parameters_in_class_order():
+    head = shardfc.ShardedMarginHead(D, C, devices=["cpu", "cpu", "cpu"])
+    assert [p.shape[0] for p in head.parameters()] == [5, 4, 4]
+    full = torch.cat(list(head.parameters())).detach()
+    assert torch.equal(full, init_rows(0, C, D, 0))  # the same logical weights as any sharding
+    assert head.class_range == range(0, C)
+
+
+def test_int32_labels_and_large_logits_stay_finite():
+    head = shardfc.ShardedMarginHead(D, C, margin=M.Softmax())
+    x = torch.randn(B, D) * 1e4  # logits ~1e2 · 1e4: log-sum-exp form, no overflow
+    loss = head(x, torch.randint(0, C, (B,), dtype=torch.int32))
+    assert torch.isfinite(loss)
+
+
+def test_zero_embedding_under_normalised_margin_has_no_nan():
+    for margin in (M.ArcFace(), M.CosFace(), M.SphereFace(4)):
+        head = shardfc.ShardedMarginHead(D, C, margin=margin)
+        x = torch.randn(4, D)
+        x[1] = 0
+        x.requires_grad_()
+        loss = head(x, torch.tensor([0, 1, 2, 3]))
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(x.grad).all() and torch.isfinite(head.weight.grad).all()
+        if margin.normalize_embeddings:
+            assert x.grad[1].abs().sum() == 0
+
+
+def test_predict_single_and_devices():
+    x, _ = _data(3)
+    for devices, chunk in ((None, None), (["cpu"] * 3, 2)):
+        head = shardfc.ShardedMarginHead(D, C, margin=M.ArcFace(), devices=devices, chunk_size=chunk, dtype=torch.float64)
+        scores, ids = head.predict(x, k=4)
+        W = torch.cat([w.detach() for w in head.shard_weights])
+        dense = shardfc.reference.reference_logits(x, W, torch.full((B,), -1), M.ArcFace())
+        ref_s, ref_i = dense.topk(4, dim=1)
+        assert torch.equal(ids, ref_i) and _rel(scores, ref_s) < 1e-12
+
+
+# ---------------------------------------------------------------- mixed precision
+def test_bf16_autocast_close_to_fp32():
+    torch.manual_seed(0)
+    x = torch.randn(64, 32)
+    y = torch.randint(0, 200, (64,))
+    results = {}
+    for amp in (False, True):
+        head = shardfc.ShardedMarginHead(32, 200, margin=M.ArcFace(64.0, 0.5), devices=["cpu", "cpu"])
+        xa = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            loss = head(xa, y)
+        assert loss.dtype == torch.float32  # statistics and loss in fp32
+        loss.backward()
+        results[amp] = (loss.detach(), xa.grad, torch.cat([w.grad for w in head.parameters()]))
+    (l32, gx32, gw32), (l16, gx16, gw16) = results[False], results[True]
+    # Stated tolerance: bf16 has an 8-bit mantissa; at s=64 the loss stays within 2%.
+    assert abs(l16 - l32) / l32 < 2e-2
+    for a, b in ((gx16, gx32), (gw16, gw32)):
+        assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
+
+
+def test_fp16_embeddings_at_scale_64_do_not_overflow():
+    head = shardfc.ShardedMarginHead(32, 100, margin=M.CosFace(64.0, 0.35))
+    x = (torch.randn(16, 32) * 300).half().requires_grad_()  # fp16 backbone output
+    loss = head(x, torch.randint(0, 100, (16,)))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(x.grad.float()).all()
+    assert x.grad.dtype == torch.float16
+
+
+def test_grad_scaler_scale_reaches_every_gradient():
+    torch.manual_seed(0)
+    x, y = torch.randn(8, D), torch.randint(0, C, (8,))
+    grads = {}
+    for use_scaler in (False, True):
+        head = shardfc.ShardedMarginHead(D, C, devices=["cpu", "cpu"])
+        xa = x.clone().requires_grad_()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, enabled=use_scaler)
+        scaler.scale(head(xa, y)).backward()
+        grads[use_scaler] = (xa.grad.clone(), [w.grad.clone() for w in head.parameters()])
+        opt = torch.optim.SGD(head.parameters(), lr=0.1)
+        scaler.step(opt)  # unscales: a finite step
+        scaler.update()
+        assert all(torch.isfinite(w).all() for w in head.parameters())
+    (gx, gw), (sx, sw) = grads[False], grads[True]
+    torch.testing.assert_close(sx, gx * 2.0**12)
+    for a, b in zip(sw, gw):
+        torch.testing.assert_close(a, b * 2.0**12)
+
+
+# ---------------------------------------------------------------- bad input
+GOOD_X, GOOD_Y = torch.randn(3, D), torch.tensor([0, 4, C - 1])
+
+
+@pytest.mark.parametrize(
+    "x,y,kind,text",
+    [
+        (GOOD_X, torch.tensor([0, C, 1]), ValueError, f"labels[1] = {C} is outside [0, num_classes={C})"),
+        (GOOD_X, torch.tensor([0, -2, 1]), ValueError, "labels[1] = -2"),
+        (GOOD_X, GOOD_Y.float(), TypeError, "labels must be an integer tensor, got dtype=torch.float32"),
+        (GOOD_X, GOOD_Y.bool(), TypeError, "integer"),
+        (GOOD_X, GOOD_Y[:2], ValueError, "labels has 2 entries but embeddings has 3 rows"),
+        (GOOD_X, GOOD_Y.unsqueeze(1), ValueError, "labels must be 1-D"),
+        (torch.randn(3, D + 2), GOOD_Y, ValueError, f"width {D + 2} but the head's embedding_dim is {D}"),
+        (torch.randn(3, D, 1), GOOD_Y, ValueError, "must be 2-D"),
+        (torch.randn(D), GOOD_Y, ValueError, "must be 2-D"),
+        (torch.full((3, D), float("inf")), GOOD_Y, ValueError, "non-finite"),
+        (torch.ones(3, D, dtype=torch.long), GOOD_Y, TypeError, "floating point"),
+        ([[0.0] * D] * 3, GOOD_Y, TypeError, "torch.Tensor"),
+    ],
+)
+@pytest.mark.parametrize("devices", [None, ["cpu", "cpu"]])
+def test_bad_forward_input(x, y, kind, text, devices):
+    head = shardfc.ShardedMarginHead(D, C, devices=devices)
+    with pytest.raises(kind, match=__import__("re").escape(text)):
+        head(x, y)
+
+
+@pytest.mark.parametrize(
+    "kwargs,kind,text",
+    [
+        (dict(devices=[]), ValueError, "devices must name at least one device"),
+        (dict(chunk_size=0), ValueError, "chunk_size must be a positive integer, got 0"),
+        (dict(chunk_size=-3), ValueError, "chunk_size"),
+        (dict(sample_rate=0.0), ValueError, "sample_rate must be in (0, 1], got 0.0"),
+        (dict(sample_rate=1.5), ValueError, "sample_rate must be in (0, 1], got 1.5"),
+        (dict(label_smoothing=1.2), ValueError, "label_smoothing"),
+        (dict(reduction="avg"), ValueError, "reduction must be 'mean', 'sum' or 'none', got 'avg'"),
+        (dict(ignore_index=3), ValueError, "ignore_index=3 is a valid class id"),
+        (dict(margin="arcface"), TypeError, "margin must be a shardfc.margins.Margin"),
+        (dict(group=None, devices=["cpu"], num_classes=0), ValueError, "num_classes must be a positive integer, got 0"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, kind, text):
+    args = dict(embedding_dim=D, num_classes=C)
+    args.update(kwargs)
+    with pytest.raises(kind, match=__import__("re").escape(text)):
+        shardfc.ShardedMarginHead(**args)
+
+
+def test_group_without_process_group_is_an_error():
+    with pytest.raises(ValueError, match="not initialised"):
+        shardfc.ShardedMarginHead(D, C, group=object())
+
+
+def test_predict_bad_k():
+    head = shardfc.ShardedMarginHead(D, C)
+    with pytest.raises(ValueError, match=f"k must be an int in \\[1, num_classes={C}\\], got 0"):
+        head.predict(GOOD_X, k=0)
+
+
+def test_backward_twice_is_a_clear_error():
+    head = shardfc.ShardedMarginHead(D, C)
+    loss = head(GOOD_X, GOOD_Y)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()

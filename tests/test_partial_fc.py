@@ -1,0 +1,124 @@
+"""Partial FC: sampling keeps positives and is reproducible; updates touch only sampled rows."""
+
+import math
+
+import pytest
+import torch
+
+import shardfc
+from shardfc import margins as M
+from shardfc.partial_fc import ROWS_ATTR, RowSparseAdamW, RowSparseSGD, head_optimizer, num_sampled, sample_rows
+
+C, D = 200, 8
+
+
+def _batch(seed, B=16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, D, generator=g), torch.randint(0, C, (B,), generator=g)
+
+
+def test_sampling_keeps_positives_and_counts():
+    gen = torch.Generator().manual_seed(0)
+    pos = torch.tensor([3, 50, 51, 199])
+    rows = sample_rows(pos, 200, 0.1, gen)
+    assert rows.numel() == math.ceil(0.1 * 200)
+    assert torch.isin(pos, rows).all() and torch.equal(rows, rows.sort().values)
+    many = torch.arange(0, 200, 4)  # 50 positives > ⌈0.1·200⌉
+    assert torch.equal(sample_rows(many, 200, 0.1, gen), many)
+    assert num_sampled(10, 0.01, 0) == 1 and num_sampled(10, 1.0, 0) == 10
+
+
+def test_sampling_reproducible_from_seed():
+    def rows_for(seed):
+        head = shardfc.ShardedMarginHead(D, C, sample_rate=0.2, sample_seed=seed)
+        out = []
+        for step in range(3):
+            x, y = _batch(step)
+            head(x, y)
+            out.append(getattr(head.weight, ROWS_ATTR).clone())
+            setattr(head.weight, ROWS_ATTR, None)
+        return out
+
+    a, b, c = rows_for(5), rows_for(5), rows_for(6)
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    assert not all(torch.equal(p, q) for p, q in zip(a, c))
+    assert not torch.equal(a[0], a[1])  # a new sample every step
+
+
+def test_sample_rate_one_is_the_full_head():
+    x, y = _batch(0)
+    full = shardfc.ShardedMarginHead(D, C, dtype=torch.float64)
+    part = shardfc.ShardedMarginHead(D, C, sample_rate=1.0, dtype=torch.float64)
+    assert torch.equal(full(x.double(), y), part(x.double(), y))
+    assert isinstance(head_optimizer(part, "sgd", lr=0.1), torch.optim.SGD)
+
+
+def test_eval_mode_uses_every_class():
+    x, y = _batch(0)
+    full = shardfc.ShardedMarginHead(D, C).eval()
+    part = shardfc.ShardedMarginHead(D, C, sample_rate=0.1).eval()
+    assert torch.equal(full(x, y), part(x, y))
+
+
+@pytest.mark.parametrize(
+    "name,kwargs",
+    [
+        ("sgd", dict(momentum=0.9, weight_decay=5e-4)),
+        ("sgd", dict(momentum=0.9, weight_decay=5e-4, nesterov=True)),
+        ("sgd", dict(momentum=0.0, weight_decay=1e-2)),
+        ("adamw", dict(weight_decay=0.05)),
+    ],
+)
+@pytest.mark.parametrize("devices", [None, ["cpu", "cpu"]])
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_update_is_row_sparse(name, kwargs, devices, chunk):
+    head = shardfc.ShardedMarginHead(D, C, margin=M.CosFace(), sample_rate=0.1, devices=devices, chunk_size=chunk)
+    opt = head_optimizer(head, name, lr=0.1, **kwargs)
+    assert isinstance(opt, (RowSparseSGD, RowSparseAdamW))
+    for step in range(4):
+        before = [w.detach().clone() for w in head.parameters()]
+        states = [{k: v.clone() for k, v in opt.state[w].items()} for w in head.parameters()]
+        x, y = _batch(step)
+        opt.zero_grad()
+        head(x, y).backward()
+        sampled = [getattr(w, ROWS_ATTR).clone() for w in head.parameters()]
+        opt.step()
+        for w, old, state, rows in zip(head.parameters(), before, states, sampled):
+            untouched = torch.ones(w.shape[0], dtype=torch.bool)
+            untouched[rows] = False
+            assert torch.equal(w.detach()[untouched], old[untouched])  # bit-identical
+            assert not torch.equal(w.detach()[rows], old[rows])
+            for key, value in opt.state[w].items():
+                if key in state:
+                    assert torch.equal(value[untouched], state[key][untouched]), key
+                else:  # created this step: zero outside the sampled rows
+                    assert (value[untouched] == 0).all(), key
+            assert getattr(w, ROWS_ATTR) is None  # consumed by the step
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_row_sparse_optimizers_equal_torch_when_every_row_is_sampled(name):
+    torch.manual_seed(0)
+    p1 = torch.nn.Parameter(torch.randn(30, 4))
+    p2 = torch.nn.Parameter(p1.detach().clone())
+    if name == "sgd":
+        ours = RowSparseSGD([p1], lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=True)
+        ref = torch.optim.SGD([p2], lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=True)
+    else:
+        ours = RowSparseAdamW([p1], lr=0.01, weight_decay=0.05)
+        ref = torch.optim.AdamW([p2], lr=0.01, weight_decay=0.05)
+    for step in range(5):
+        g = torch.randn(30, 4)
+        p1.grad, p2.grad = g.clone(), g.clone()
+        setattr(p1, ROWS_ATTR, torch.arange(30))
+        ours.step()
+        ref.step()
+    torch.testing.assert_close(p1.detach(), p2.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_optimizer_argument_errors():
+    head = shardfc.ShardedMarginHead(D, C, sample_rate=0.5)
+    with pytest.raises(ValueError, match="'sgd' or 'adamw', got 'adam'"):
+        head_optimizer(head, "adam", lr=0.1)
+    with pytest.raises(ValueError, match="nesterov needs momentum"):
+        head_optimizer(head, "sgd", lr=0.1, momentum=0.0, nesterov=True)
