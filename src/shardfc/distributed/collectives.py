@@ -78,8 +78,9 @@ def all_reduce(t: Tensor, op: dist.ReduceOp.RedOpType, group: Optional[dist.Proc
     return t
 
 
-# torch 2.13 renamed all_gather_into_tensor (the old name warns).
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_gather_rows(x: Tensor, sizes: Sequence[int], group: Optional[dist.ProcessGroup]) -> Tensor:
@@ -107,7 +108,7 @@ def reduce_scatter_rows(x: Tensor, sizes: Sequence[int], group: Optional[dist.Pr
     _record("reduce_scatter", x)
     out = x.new_empty((sizes[rank],) + tuple(x.shape[1:]))
     if len(set(sizes)) == 1:
-        dist.reduce_scatter_tensor(out, x, group=group)
+        _reduce_scatter_single(out, x, group=group)
     else:
         dist.reduce_scatter(out, list(x.split(list(sizes))), group=group)
     return out
