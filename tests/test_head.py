@@ -246,3 +246,12 @@ def test_backward_twice_is_a_clear_error():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         loss.backward()
+
+
+def test_auto_chunk_size_is_exact_and_bounded():
+    x, y = _data(5)
+    head = shardfc.ShardedMarginHead(D, C, margin=M.ArcFace(), chunk_size="auto", chunk_budget_bytes=8 * B * 3, dtype=torch.float64)
+    assert head._chunk_for(B) == 3
+    _compare(head, x, y, M.ArcFace())
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer, got 'big'"):
+        shardfc.ShardedMarginHead(D, C, chunk_size="big")

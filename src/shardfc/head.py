@@ -84,8 +84,10 @@ class ShardedMarginHead(nn.Module):
             rank; 0 when there are none), ``"sum"`` over the global batch, or ``"none"``: this
             rank's per-sample losses ``[B_r]`` (0 for ignored samples).
         chunk_size: walk each shard's classes this many at a time (online softmax, logits
-            recomputed in the backward): activation memory ``O(B·chunk_size)``. ``None``: one
-            ``[B, n_local]`` buffer, no recomputation.
+            recomputed in the backward): activation memory ``O(B·chunk_size)``. ``"auto"``: the
+            largest chunk whose logits fit ``chunk_budget_bytes`` for the step's global batch.
+            ``None``: one ``[B, n_local]`` buffer, no recomputation.
+        chunk_budget_bytes: the activation budget of ``chunk_size="auto"`` (default 64 MiB).
         sample_rate: Partial FC. In training mode each step each shard keeps the classes of the
             global batch's labels it owns plus uniform negatives, ``⌈r·n_local⌉`` in all (more if
             the positives need it); build the optimizer with
@@ -113,7 +115,8 @@ class ShardedMarginHead(nn.Module):
         label_smoothing: float = 0.0,
         ignore_index: int = -1,
         reduction: str = "mean",
-        chunk_size: Optional[int] = None,
+        chunk_size: Union[int, str, None] = None,
+        chunk_budget_bytes: int = 64 * 2**20,
         sample_rate: float = 1.0,
         sample_seed: int = 0,
         init_seed: int = 0,
@@ -136,7 +139,11 @@ class ShardedMarginHead(nn.Module):
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
         self.reduction = reduction
-        self.chunk_size = None if chunk_size is None else check_positive_int("chunk_size", chunk_size)
+        if chunk_size == "auto":
+            self.chunk_size = "auto"
+        else:
+            self.chunk_size = None if chunk_size is None else check_positive_int("chunk_size", chunk_size)
+        self.chunk_budget_bytes = check_positive_int("chunk_budget_bytes", chunk_budget_bytes)
         self.sample_rate = check_probability("sample_rate", sample_rate, low_open=True, high_open=False)
         self.sample_seed = int(sample_seed)
         self.sample_step = 0
@@ -232,7 +239,7 @@ class ShardedMarginHead(nn.Module):
                 margin=self.margin,
                 num_classes=num_classes,
                 label_smoothing=self.label_smoothing,
-                chunk_size=self.chunk_size,
+                chunk_size=self._chunk_for(sum(sizes)),
                 compute_dtype=compute_dtype_for(embeds[0].device, embeds[0], weights[0]),
                 stats_dtype=stats_dtype_for(embeddings, weights[0]),
             ),
@@ -244,6 +251,13 @@ class ShardedMarginHead(nn.Module):
         valid = all_labels != self.ignore_index
         losses = sharded_cross_entropy(plan, valid, local_labels, embeds, weights)
         return reduce_losses(losses, all_labels, sizes, self.rank, self.reduction, self.ignore_index)
+
+    def _chunk_for(self, batch: int) -> Optional[int]:
+        """The chunk size for a global batch of ``batch`` samples."""
+        if self.chunk_size != "auto":
+            return self.chunk_size
+        # Per chunk: the fp32 logits plus a low-precision copy for the matmul (≤ 8 bytes/entry).
+        return max(1, self.chunk_budget_bytes // (8 * max(batch, 1)))
 
     def _sample_classes(self, all_labels: Tensor, local_labels: List[Tensor]):
         """Partial FC: the sampled sub-weights, labels re-indexed into them, and the sampled total."""
@@ -287,7 +301,7 @@ class ShardedMarginHead(nn.Module):
         B = sum(sizes)
         cand_scores, cand_ids = [], []
         for a, w, r in zip(embeds, self.shard_weights, self.shard_ranges):
-            s, i = _shard_topk(a, w, r, k, self.margin, self.chunk_size)
+            s, i = _shard_topk(a, w, r, k, self.margin, self._chunk_for(B))
             cand_scores.append(s.to(home))
             cand_ids.append(i.to(home))
         scores, ids = torch.cat(cand_scores, dim=1), torch.cat(cand_ids, dim=1)
