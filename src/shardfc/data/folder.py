@@ -1,0 +1,222 @@
+"""Datasets over image files on disk: a folder per identity, or a list file.
+
+Corrupt-image policy (both datasets)
+------------------------------------
+Large face / re-ID crawls always contain a few broken files, and one of them
+must not kill a multi-day run. So an image that fails to decode is **skipped
+and counted**:
+
+* ``dataset[i]`` on a corrupt image returns the next decodable sample in index
+  order (``i+1``, ``i+2``, ... wrapping around), so the substitute is
+  deterministic and independent of timing or worker layout;
+* ``corrupt_count`` is incremented once per skip and the path is added to
+  ``corrupt_paths``; a warning naming the path is logged once per path on the
+  ``"shardfc.data"`` logger;
+* known-corrupt indices are remembered, so later epochs skip them without
+  decoding again;
+* if every image is corrupt, :class:`RuntimeError` is raised.
+
+Counters live in the process that decoded the image: with DataLoader workers
+each worker has its own copy, so read the warnings log for a global picture.
+A *missing* file is not corrupt, it is a configuration error, and raises
+:class:`FileNotFoundError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import List, Optional, Set, Tuple, Union
+
+import torch
+from torch.utils.data import Dataset
+
+from .transforms import CorruptImageError, ImageTransform, decode_image
+
+__all__ = ["IMG_EXTENSIONS", "ImageFolderDataset", "ListFileDataset"]
+
+logger = logging.getLogger("shardfc.data")
+
+#: File extensions (lower case) treated as images when scanning folders.
+IMG_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp"})
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def _is_image(name: str) -> bool:
+    return not name.startswith(".") and os.path.splitext(name)[1].lower() in IMG_EXTENSIONS
+
+
+class _FileImageDataset(Dataset):
+    """Shared decoding, transform and corrupt-image handling (see module docstring)."""
+
+    samples: List[Tuple[str, int]]
+    num_classes: int
+
+    def __init__(self, image_size: Tuple[int, int], train: bool, flip_prob: float) -> None:
+        self.image_size = tuple(image_size)
+        self.train = train
+        # Flip augmentation only for training; evaluation adds flips explicitly.
+        self.transform = ImageTransform(image_size, random_flip=train, flip_prob=flip_prob)
+        self.corrupt_count = 0
+        self.corrupt_paths: Set[str] = set()
+        self._corrupt_indices: Set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def _load(self, index: int) -> Tuple[torch.Tensor, int]:
+        path, label = self.samples[index]
+        return self.transform(decode_image(path)), label
+
+    def _record_corrupt(self, index: int, err: CorruptImageError) -> None:
+        self.corrupt_count += 1
+        self._corrupt_indices.add(index)
+        path = self.samples[index][0]
+        if path not in self.corrupt_paths:
+            self.corrupt_paths.add(path)
+            logger.warning("skipping corrupt image %s (%s); substituting the next valid sample", path, err.reason)
+
+    def __getitem__(self, index: int) -> Tuple[torch.Tensor, int]:
+        n = len(self.samples)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} out of range for dataset of size {n}")
+        index %= n
+        for step in range(n):
+            i = (index + step) % n
+            if i in self._corrupt_indices:
+                self.corrupt_count += 1
+                continue
+            try:
+                return self._load(i)
+            except CorruptImageError as err:
+                self._record_corrupt(i, err)
+        raise RuntimeError(f"all {n} images of {self!r} are corrupt")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(samples={len(self.samples)}, num_classes={self.num_classes})"
+
+
+class ImageFolderDataset(_FileImageDataset):
+    """One sub-folder per identity: ``root/<identity>/**/<image>``.
+
+    Labels are the index of the identity folder in sorted name order, over all
+    non-hidden sub-folders (a folder without images still takes its index, so
+    labels stay stable when a folder is emptied). Images are found recursively
+    by extension (:data:`IMG_EXTENSIONS`) and listed in sorted path order.
+    Corrupt images are skipped and counted (see the module docstring).
+
+    Args:
+        root: dataset root.
+        image_size: output ``(height, width)``; images are resized if needed.
+        train: apply random horizontal flips.
+        flip_prob: flip probability when ``train``.
+
+    Attributes:
+        classes: identity folder names; ``classes[label]``.
+        samples: ``(path, label)`` pairs.
+        num_classes: ``len(classes)``.
+
+    Raises:
+        FileNotFoundError: ``root`` does not exist or is not a directory.
+        ValueError: ``root`` contains no images in identity sub-folders.
+    """
+
+    def __init__(
+        self,
+        root: PathLike,
+        image_size: Tuple[int, int] = (112, 112),
+        train: bool = True,
+        flip_prob: float = 0.5,
+    ) -> None:
+        super().__init__(image_size, train, flip_prob)
+        self.root = os.fspath(root)
+        if not os.path.isdir(self.root):
+            raise FileNotFoundError(f"ImageFolderDataset root {self.root!r} does not exist or is not a directory")
+        self.classes = sorted(
+            e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith(".")
+        )
+        self.samples = []
+        for label, name in enumerate(self.classes):
+            for dirpath, dirnames, filenames in os.walk(os.path.join(self.root, name)):
+                dirnames.sort()  # os.walk visits sub-folders in list order
+                for fname in sorted(filenames):
+                    if _is_image(fname):
+                        self.samples.append((os.path.join(dirpath, fname), label))
+        if not self.samples:
+            raise ValueError(
+                f"ImageFolderDataset root {self.root!r} contains no images in identity sub-folders "
+                f"(found {len(self.classes)} sub-folders; extensions: {sorted(IMG_EXTENSIONS)})"
+            )
+        self.num_classes = len(self.classes)
+
+
+class ListFileDataset(_FileImageDataset):
+    """Images listed in an insightface-style text file, one ``path label`` per line.
+
+    ``path`` may contain spaces (the label is the last whitespace-separated
+    field); relative paths are resolved against ``root``, which defaults to the
+    list file's directory. Blank lines and lines starting with ``#`` are
+    ignored. ``num_classes`` is ``max(label) + 1``. Files are not checked for
+    existence up front (lists can hold millions of entries); a missing file
+    raises :class:`FileNotFoundError` when loaded. Corrupt images are skipped
+    and counted (see the module docstring).
+
+    Args:
+        list_file: the list file.
+        root: base folder for relative paths.
+        image_size: output ``(height, width)``.
+        train: apply random horizontal flips.
+        flip_prob: flip probability when ``train``.
+
+    Raises:
+        FileNotFoundError: ``list_file`` does not exist.
+        ValueError: a malformed line (message names the file and line number),
+            or a list without entries.
+    """
+
+    def __init__(
+        self,
+        list_file: PathLike,
+        root: Optional[PathLike] = None,
+        image_size: Tuple[int, int] = (112, 112),
+        train: bool = True,
+        flip_prob: float = 0.5,
+    ) -> None:
+        super().__init__(image_size, train, flip_prob)
+        self.list_file = os.fspath(list_file)
+        if not os.path.isfile(self.list_file):
+            raise FileNotFoundError(f"ListFileDataset list_file {self.list_file!r} does not exist")
+        self.root = os.fspath(root) if root is not None else os.path.dirname(os.path.abspath(self.list_file))
+        self.samples = []
+        with open(self.list_file, encoding="utf-8") as f:
+            for lineno, raw in enumerate(f, start=1):
+                line = raw.strip()
+                if not line or line.startswith("#"):
+                    continue
+                parts = line.rsplit(None, 1)
+                if len(parts) != 2:
+                    raise ValueError(
+                        f"{self.list_file}:{lineno}: expected '<path> <label>', got {line!r}"
+                    )
+                rel, label_str = parts
+                try:
+                    label = int(label_str)
+                except ValueError:
+                    raise ValueError(
+                        f"{self.list_file}:{lineno}: label must be an integer, got {label_str!r}"
+                    ) from None
+                if label < 0:
+                    raise ValueError(f"{self.list_file}:{lineno}: label must be >= 0, got {label}")
+                self.samples.append((os.path.join(self.root, rel), label))
+        if not self.samples:
+            raise ValueError(f"ListFileDataset list_file {self.list_file!r} contains no entries")
+        self.num_classes = max(label for _, label in self.samples) + 1
+
+    @staticmethod
+    def write(list_file: PathLike, samples: List[Tuple[PathLike, int]]) -> None:
+        """Write ``(path, label)`` pairs in the format this class reads."""
+        with open(list_file, "w", encoding="utf-8") as f:
+            for path, label in samples:
+                f.write(f"{os.fspath(path)} {int(label)}\n")
+

@@ -1,0 +1,283 @@
+"""A generated identity dataset for tests, benchmarks and smoke training runs.
+
+Each identity has a latent *prototype* image: a template shared by all
+identities (the "average face") plus an identity-specific low-frequency colour
+pattern (random coefficients of a damped 2-D cosine basis). Every sample is the
+prototype seen through nuisance variation: a random crop (translation jitter),
+contrast / brightness / colour-cast jitter, a smooth illumination gradient,
+pixel noise and an optional horizontal flip. The nuisances are strong enough
+that raw-pixel or untrained-network embeddings verify poorly, while a network
+trained to classify identities becomes invariant to them.
+
+Everything is a pure function of ``(seed, identity, index)``: a sample is
+rendered on the fly from a generator seeded by hashing that triple, so the
+data set needs no storage and is identical whatever the DataLoader worker /
+process layout (bit-identical for a given torch build and CPU; vectorised
+samplers may differ in the last bits across CPUs). Indices
+``>= images_per_identity`` are valid too: they are new nuisance draws never
+seen in training, used by :meth:`verification_pairs`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+__all__ = ["SyntheticIdentities"]
+
+_MASK64 = (1 << 64) - 1
+
+# Stream tags keep the generators for different purposes independent.
+_STREAM_TEMPLATE = 1
+_STREAM_PROTOTYPE = 2
+_STREAM_SAMPLE = 3
+_STREAM_PAIRS = 4
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _mix_seed(*parts: int) -> int:
+    """Hash integers into a 63-bit seed (torch seeds must fit a signed int64)."""
+    h = 0
+    for p in parts:
+        h = _splitmix64(h ^ (int(p) & _MASK64))
+    return h >> 1
+
+
+class SyntheticIdentities(Dataset):
+    """Deterministic synthetic identity dataset: ``dataset[i] -> (image [3,H,W], label)``.
+
+    Sample ``i`` is image ``i % images_per_identity`` of identity
+    ``i // images_per_identity``. Images are float32 in ``[-1, 1]``, like the
+    output of :func:`shardfc.data.image_to_tensor`.
+
+    Args:
+        num_identities: number of classes.
+        images_per_identity: training samples per class.
+        image_size: ``(height, width)``.
+        seed: selects the whole data set (template, prototypes and nuisances).
+        identity_scale: amplitude of the identity-specific pattern relative to
+            the shared template; smaller is harder.
+        grid_size: number of cosine frequencies per axis of the colour fields
+            (higher = finer identity detail).
+        max_shift: maximum translation jitter, as a fraction of the smaller image side.
+        contrast: contrast factor drawn from ``[1 - contrast, 1 + contrast]``.
+        brightness: brightness offset drawn from ``[-brightness, brightness]``.
+        color_cast: per-channel offset drawn from ``[-color_cast, color_cast]``.
+        illumination: amplitude of a random smooth lighting field.
+        noise_std: std of additive Gaussian pixel noise.
+        random_flip: mirror each sample with probability 1/2.
+
+    The defaults are tuned at 32x32 (200 identities x 20 images, 1000 held-out
+    pairs): cosine similarity on raw pixels verifies at about 61% and an
+    untrained small CNN at 62-68%, while the same CNN trained for 8 epochs with
+    a normalised softmax reaches about 88% (83% on unseen identities). Raw-pixel
+    and untrained accuracies are about the same at 64x64 and 112x112.
+    """
+
+    def __init__(
+        self,
+        num_identities: int = 2000,
+        images_per_identity: int = 20,
+        image_size: Tuple[int, int] = (32, 32),
+        seed: int = 0,
+        *,
+        identity_scale: float = 0.3,
+        grid_size: int = 5,
+        max_shift: float = 0.1,
+        contrast: float = 0.4,
+        brightness: float = 0.3,
+        color_cast: float = 0.15,
+        illumination: float = 0.7,
+        noise_std: float = 0.35,
+        random_flip: bool = True,
+    ) -> None:
+        if num_identities < 1:
+            raise ValueError(f"num_identities must be >= 1, got {num_identities!r}")
+        if images_per_identity < 1:
+            raise ValueError(f"images_per_identity must be >= 1, got {images_per_identity!r}")
+        if (
+            not isinstance(image_size, (tuple, list))
+            or len(image_size) != 2
+            or not all(isinstance(v, int) and v >= 4 for v in image_size)
+        ):
+            raise ValueError(f"image_size must be a (height, width) pair of ints >= 4, got {image_size!r}")
+        if grid_size < 2:
+            raise ValueError(f"grid_size must be >= 2, got {grid_size!r}")
+        if not 0.0 <= max_shift < 0.5:
+            raise ValueError(f"max_shift must be in [0, 0.5), got {max_shift!r}")
+        if not 0.0 <= contrast < 1.0:
+            raise ValueError(f"contrast must be in [0, 1), got {contrast!r}")
+        self.num_identities = int(num_identities)
+        self.images_per_identity = int(images_per_identity)
+        self.image_size = (int(image_size[0]), int(image_size[1]))
+        self.seed = int(seed)
+        self.identity_scale = float(identity_scale)
+        self.grid_size = int(grid_size)
+        self.contrast = float(contrast)
+        self.brightness = float(brightness)
+        self.color_cast = float(color_cast)
+        self.illumination = float(illumination)
+        self.noise_std = float(noise_std)
+        self.random_flip = bool(random_flip)
+        self.max_shift = float(max_shift)
+        self._pad = int(round(max_shift * min(self.image_size)))
+        h, w = self.image_size
+        ph, pw = h + 2 * self._pad, w + 2 * self._pad
+        # All smooth fields are linear in a few random coefficients, so each is
+        # one matmul with a precomputed basis (at 32x32 per-op overhead, not
+        # arithmetic, dominates). The products run in numpy: its BLAS keeps such
+        # small products single-threaded, while torch's threaded matmul was
+        # measured at ~10 ms instead of ~5 us per call on a busy 2-core machine.
+        by = self._cosine_basis(ph)  # [ph, g]
+        bx = self._cosine_basis(pw)  # [pw, g]
+        self._proto_basis = np.einsum("yi,xj->ijyx", by, bx).reshape(self.grid_size**2, ph * pw)
+        ty, tx = np.linspace(0.0, 1.0, h, dtype=np.float32), np.linspace(0.0, 1.0, w, dtype=np.float32)
+        ly, lx = np.stack([1 - ty, ty], axis=1), np.stack([1 - tx, tx], axis=1)  # bilinear weights
+        self._light_basis = np.einsum("yi,xj->ijyx", ly, lx).reshape(4, h * w)
+        g = torch.Generator().manual_seed(_mix_seed(self.seed, _STREAM_TEMPLATE))
+        self._template_coeffs = 0.5 * torch.randn(3, self.grid_size**2, generator=g).numpy()
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def num_classes(self) -> int:
+        return self.num_identities
+
+    def __len__(self) -> int:
+        return self.num_identities * self.images_per_identity
+
+    def __getitem__(self, index: int) -> Tuple[torch.Tensor, int]:
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} out of range for dataset of size {n}")
+        index %= n
+        identity, k = divmod(index, self.images_per_identity)
+        return self.render(identity, k), identity
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(num_identities={self.num_identities}, "
+            f"images_per_identity={self.images_per_identity}, image_size={self.image_size}, seed={self.seed})"
+        )
+
+    # --------------------------------------------------------------- rendering
+    def _cosine_basis(self, n: int) -> np.ndarray:
+        """``[n, grid_size]`` float32 low-frequency cosines over pixel centres,
+        damped by ``1/(1+f)`` so that coarse structure dominates."""
+        t = (np.arange(n) + 0.5) / n
+        freqs = np.arange(self.grid_size)
+        return (np.cos(math.pi * t[:, None] * freqs[None, :]) / (1.0 + freqs)).astype(np.float32)
+
+    def prototype(self, identity: int) -> torch.Tensor:
+        """The noiseless padded canvas ``[3, H + 2p, W + 2p]`` of ``identity``.
+
+        Any non-negative identity is valid; identities ``>= num_identities``
+        are unseen in training and can serve open-set verification.
+        """
+        if identity < 0:
+            raise ValueError(f"identity must be >= 0, got {identity!r}")
+        g = torch.Generator().manual_seed(_mix_seed(self.seed, _STREAM_PROTOTYPE, identity))
+        coeffs = torch.randn(3, self.grid_size**2, generator=g).numpy()
+        # The field is linear in its coefficients: template + scale * identity pattern.
+        coeffs = self._template_coeffs + np.float32(self.identity_scale) * coeffs
+        h, w = self.image_size
+        return torch.from_numpy(coeffs @ self._proto_basis).view(3, h + 2 * self._pad, w + 2 * self._pad)
+
+    def render(self, identity: int, index: int) -> torch.Tensor:
+        """Sample ``index`` of ``identity`` as a float32 ``[3, H, W]`` in ``[-1, 1]``.
+
+        Deterministic in ``(seed, identity, index)``; ``index`` may exceed
+        ``images_per_identity`` (fresh, held-out nuisance draws).
+        """
+        if index < 0:
+            raise ValueError(f"index must be >= 0, got {index!r}")
+        proto = self.prototype(identity)
+        g = torch.Generator().manual_seed(_mix_seed(self.seed, _STREAM_SAMPLE, identity, index))
+        h, w = self.image_size
+        u = torch.rand(8, generator=g).tolist()
+        span = 2 * self._pad + 1
+        dy = min(int(u[0] * span), span - 1)
+        dx = min(int(u[1] * span), span - 1)
+        contrast = 1.0 + self.contrast * (2 * u[2] - 1)
+        brightness = self.brightness * (2 * u[3] - 1)
+        cast = [brightness + self.color_cast * (2 * v - 1) for v in u[5:8]]
+        normal = torch.randn(4 + 3 * h * w, generator=g)
+        # Smooth lighting shared by the channels: bilinear over a random 2x2 grid.
+        light = torch.from_numpy(normal[:4].numpy() @ self._light_basis).view(1, h, w)
+        x = normal[4:].view(3, h, w).mul_(self.noise_std)
+        x.add_(proto[:, dy : dy + h, dx : dx + w], alpha=contrast)
+        x.add_(light, alpha=self.illumination)
+        x.add_(torch.tensor(cast).view(3, 1, 1))
+        if self.random_flip and u[4] < 0.5:
+            x = x.flip(-1)
+        return x.clamp_(-1.0, 1.0)
+
+    def render_batch(self, identities: Sequence[int], indices: Sequence[int]) -> torch.Tensor:
+        """Stack :meth:`render` over paired ``identities`` / ``indices`` -> ``[N, 3, H, W]``."""
+        if len(identities) != len(indices):
+            raise ValueError(f"identities and indices differ in length: {len(identities)} vs {len(indices)}")
+        h, w = self.image_size
+        if len(identities) == 0:
+            return torch.empty(0, 3, h, w)
+        return torch.stack([self.render(int(i), int(k)) for i, k in zip(identities, indices)])
+
+    # ------------------------------------------------------------ verification
+    def verification_pairs(
+        self,
+        num_pairs: int = 1000,
+        seed: int = 0,
+        unseen_identities: bool = False,
+        num_held_out_images: int = 50,
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Held-out verification pairs ``(images_a, images_b, issame)``.
+
+        Images use sample indices ``images_per_identity .. images_per_identity
+        + num_held_out_images - 1``, i.e. nuisance draws never produced by
+        ``dataset[i]``. Pairs alternate positive / negative (``issame[0]`` is
+        True), so every contiguous cross-validation fold is balanced; with an
+        odd ``num_pairs`` there is one more positive.
+
+        Args:
+            num_pairs: number of pairs ``N``.
+            seed: selects the pairs (independent of the data set seed).
+            unseen_identities: draw identities ``num_identities ..
+                2 * num_identities - 1``, never seen in training (open-set,
+                like LFW), instead of the training identities.
+            num_held_out_images: size of the held-out index pool per identity.
+
+        Returns:
+            ``images_a`` and ``images_b`` float32 ``[N, 3, H, W]``, ``issame``
+            bool ``[N]``.
+        """
+        if num_pairs < 1:
+            raise ValueError(f"num_pairs must be >= 1, got {num_pairs!r}")
+        if num_held_out_images < 2:
+            raise ValueError(f"num_held_out_images must be >= 2, got {num_held_out_images!r}")
+        if self.num_identities < 2:
+            raise ValueError("verification_pairs needs num_identities >= 2 for negative pairs")
+        rng = np.random.default_rng(_mix_seed(self.seed, _STREAM_PAIRS, seed))
+        first_id = self.num_identities if unseen_identities else 0
+        issame = np.arange(num_pairs) % 2 == 0
+        id_a = rng.integers(0, self.num_identities, size=num_pairs)
+        # Negatives: a different identity, uniformly, via a non-zero offset.
+        offset = rng.integers(1, self.num_identities, size=num_pairs)
+        id_b = np.where(issame, id_a, (id_a + offset) % self.num_identities)
+        k_a = rng.integers(0, num_held_out_images, size=num_pairs)
+        # Positives must be two different images: shift by a non-zero offset.
+        k_off = rng.integers(1, num_held_out_images, size=num_pairs)
+        k_neg = rng.integers(0, num_held_out_images, size=num_pairs)
+        k_b = np.where(issame, (k_a + k_off) % num_held_out_images, k_neg)
+        base = self.images_per_identity
+        images_a = self.render_batch((id_a + first_id).tolist(), (k_a + base).tolist())
+        images_b = self.render_batch((id_b + first_id).tolist(), (k_b + base).tolist())
+        return images_a, images_b, torch.from_numpy(issame)
+

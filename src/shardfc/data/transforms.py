@@ -1,0 +1,167 @@
+"""Image decoding and the tensor transform shared by all datasets.
+
+Every image that enters a model goes through :func:`image_to_tensor`: an RGB
+Pillow image becomes a float32 tensor ``[3, H, W]`` normalised to ``[-1, 1]``
+with ``(x / 255 - 0.5) / 0.5``, the convention of insightface's arcface_torch
+(and of the pretrained face models trained with it).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Optional, Tuple, Union
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+__all__ = [
+    "CorruptImageError",
+    "ImageSource",
+    "decode_image",
+    "pil_to_tensor",
+    "normalize",
+    "image_to_tensor",
+    "ImageTransform",
+]
+
+#: What :func:`decode_image` accepts: a filesystem path or the encoded bytes.
+ImageSource = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, np.ndarray]
+
+
+class CorruptImageError(ValueError):
+    """An image file or buffer that Pillow cannot decode.
+
+    ``path`` names the offending file (or a description such as
+    ``"lfw.bin[17]"`` for in-memory buffers) so that it can be found and removed.
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"cannot decode image {path!r}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+def _as_bytes(data: Union[bytes, bytearray, memoryview, np.ndarray]) -> bytes:
+    if isinstance(data, np.ndarray):
+        # insightface .bin files written via numpy hold the encoded file as a uint8 array.
+        if data.dtype != np.uint8 and data.dtype.kind not in ("S", "V"):
+            raise TypeError(f"encoded image array must have dtype uint8, got {data.dtype}")
+        return data.tobytes()
+    return bytes(data)
+
+
+def decode_image(source: ImageSource, name: Optional[str] = None) -> Image.Image:
+    """Decode an encoded image (path or bytes) into an RGB Pillow image.
+
+    Args:
+        source: a path, or the encoded file contents as ``bytes``, ``bytearray``,
+            ``memoryview`` or a uint8 numpy array.
+        name: how to call the image in error messages; defaults to the path, or
+            ``"<bytes>"`` for buffers.
+
+    Raises:
+        FileNotFoundError: ``source`` is a path that does not exist (a
+            configuration error, deliberately not a :class:`CorruptImageError`).
+        CorruptImageError: the data is not a decodable image (truncated,
+            unknown format, ...).
+    """
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        label = name if name is not None else path
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"image file not found: {path!r}")
+        opener = path
+    else:
+        label = name if name is not None else "<bytes>"
+        opener = io.BytesIO(_as_bytes(source))
+    try:
+        with Image.open(opener) as img:
+            # load() forces the full decode, so truncated files fail here rather
+            # than later inside a DataLoader worker.
+            img.load()
+            return img.convert("RGB")
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError) as exc:
+        raise CorruptImageError(label, f"{type(exc).__name__}: {exc}") from exc
+
+
+def pil_to_tensor(img: Image.Image) -> torch.Tensor:
+    """RGB Pillow image -> uint8 tensor ``[3, H, W]``."""
+    arr = np.asarray(img.convert("RGB"), dtype=np.uint8)
+    return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
+
+
+def normalize(x: torch.Tensor) -> torch.Tensor:
+    """uint8-range tensor -> float32 in ``[-1, 1]`` via ``(x / 255 - 0.5) / 0.5``."""
+    return (x.to(torch.float32) / 255.0 - 0.5) / 0.5
+
+
+def _check_size(image_size: Tuple[int, int]) -> Tuple[int, int]:
+    if (
+        not isinstance(image_size, (tuple, list))
+        or len(image_size) != 2
+        or not all(isinstance(v, int) and v > 0 for v in image_size)
+    ):
+        raise ValueError(f"image_size must be a (height, width) pair of positive ints, got {image_size!r}")
+    return int(image_size[0]), int(image_size[1])
+
+
+def image_to_tensor(
+    img: Image.Image,
+    image_size: Optional[Tuple[int, int]] = None,
+    flip: bool = False,
+) -> torch.Tensor:
+    """Pillow image -> normalised float tensor ``[3, H, W]``.
+
+    Args:
+        img: any-mode Pillow image (converted to RGB).
+        image_size: target ``(height, width)``; the image is resized with
+            bilinear filtering only if its size differs. ``None`` keeps the size.
+        flip: mirror horizontally.
+    """
+    img = img.convert("RGB")
+    if image_size is not None:
+        h, w = _check_size(image_size)
+        if img.size != (w, h):  # Pillow sizes are (width, height)
+            img = img.resize((w, h), Image.BILINEAR)
+    x = normalize(pil_to_tensor(img))
+    return x.flip(-1) if flip else x
+
+
+class ImageTransform:
+    """Callable training/eval transform: resize, optional random flip, normalise.
+
+    Args:
+        image_size: target ``(height, width)`` or ``None`` to keep the size.
+        random_flip: flip horizontally with probability ``flip_prob``.
+        flip_prob: probability of the flip when ``random_flip`` is set.
+
+    The flip decision draws from ``generator`` when one is passed to
+    :meth:`__call__`, else from torch's global RNG (which DataLoader seeds
+    differently in each worker).
+    """
+
+    def __init__(
+        self,
+        image_size: Optional[Tuple[int, int]] = (112, 112),
+        random_flip: bool = False,
+        flip_prob: float = 0.5,
+    ) -> None:
+        if not 0.0 <= flip_prob <= 1.0:
+            raise ValueError(f"flip_prob must be in [0, 1], got {flip_prob!r}")
+        self.image_size = None if image_size is None else _check_size(image_size)
+        self.random_flip = random_flip
+        self.flip_prob = flip_prob
+
+    def __call__(self, img: Image.Image, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        flip = False
+        if self.random_flip:
+            flip = bool(torch.rand((), generator=generator).item() < self.flip_prob)
+        return image_to_tensor(img, self.image_size, flip=flip)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(image_size={self.image_size}, "
+            f"random_flip={self.random_flip}, flip_prob={self.flip_prob})"
+        )

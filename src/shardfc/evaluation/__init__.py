@@ -1,0 +1,26 @@
+"""Evaluation: face verification (insightface ``.bin`` pair sets) and person re-ID (CMC / mAP)."""
+
+from .reid import JUNK_PID, ReIDFolder, evaluate_reid, load_reid_split, parse_market1501_name, reid_metrics
+from .verification import (
+    embed_batches,
+    embed_images,
+    evaluate_verification,
+    kfold_indices,
+    load_bin,
+    verification_metrics,
+)
+
+__all__ = [
+    "JUNK_PID",
+    "ReIDFolder",
+    "embed_batches",
+    "embed_images",
+    "evaluate_reid",
+    "evaluate_verification",
+    "kfold_indices",
+    "load_bin",
+    "load_reid_split",
+    "parse_market1501_name",
+    "reid_metrics",
+    "verification_metrics",
+]

@@ -1,0 +1,359 @@
+"""Face verification: insightface ``.bin`` pair sets (LFW, CFP-FP, AgeDB-30, ...) and metrics.
+
+Protocol (after insightface's arcface_torch ``eval/verification.py``, with
+cosine similarity instead of Euclidean distance on normalised embeddings,
+which orders pairs identically):
+
+* embeddings are L2-normalised; a pair's score is the cosine similarity, and a
+  pair is predicted "same" when ``score > threshold``;
+* accuracy is 10-fold cross-validated over contiguous folds (no shuffle, like
+  ``sklearn.model_selection.KFold(10)``): for each fold the threshold that
+  maximises accuracy on the other nine folds is applied to the held-out fold;
+* TAR@FAR uses all pairs at once: the threshold is the smallest one whose
+  false-accept rate over the negative pairs is ``<= far``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+from typing import BinaryIO, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..data.transforms import decode_image, image_to_tensor
+
+__all__ = [
+    "load_bin",
+    "kfold_indices",
+    "best_threshold",
+    "tar_at_far",
+    "verification_metrics",
+    "embed_batches",
+    "embed_images",
+    "evaluate_verification",
+]
+
+ArrayLike = Union[torch.Tensor, np.ndarray, Sequence[float]]
+
+
+# --------------------------------------------------------------------- loading
+class _BinUnpickler(pickle.Unpickler):
+    """Unpickler for ``.bin`` files that only admits the types they contain.
+
+    ``.bin`` files are pickles, and an arbitrary pickle can execute code; the
+    real files hold only builtins (lists, bytes, bools) and possibly numpy
+    arrays, so every other global is refused.
+    """
+
+    _ALLOWED = {
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy", "bool_"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy.core.numeric", "_frombuffer"),  # numpy's pickle protocol 5 path
+        ("numpy._core.numeric", "_frombuffer"),
+        ("builtins", "bytearray"),
+        ("__builtin__", "bytearray"),
+        ("_codecs", "encode"),  # how Python 3 pickles bytes for protocol <= 2 readers
+    }
+
+    def __init__(self, file: BinaryIO, path: str) -> None:
+        super().__init__(file, encoding="bytes")  # .bin files were written by Python 2
+        self._path = path
+
+    def find_class(self, module: str, name: str) -> object:
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"refusing to unpickle global {module}.{name} from {self._path!r}: "
+            "a verification .bin should contain only encoded images and a bool list"
+        )
+
+
+def load_bin(
+    path: Union[str, "os.PathLike[str]"],
+    image_size: Tuple[int, int] = (112, 112),
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Load an insightface verification ``.bin`` file.
+
+    The file is a pickle of ``(bins, issame_list)``: ``bins`` holds ``2N``
+    encoded images (JPEG/PNG ``bytes``, or uint8 numpy arrays), pair ``i``
+    being images ``2i`` and ``2i + 1``; ``issame_list`` holds ``N`` booleans.
+
+    Args:
+        path: the ``.bin`` file.
+        image_size: output ``(height, width)``; images are resized if needed.
+
+    Returns:
+        ``images`` float32 ``[2N, 3, H, W]`` in ``[-1, 1]`` and ``issame`` bool ``[N]``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the pickle does not have the expected structure.
+        shardfc.data.CorruptImageError: an image does not decode (named ``"<path>[index]"``).
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"verification bin file not found: {path!r}")
+    with open(path, "rb") as f:
+        try:
+            obj = _BinUnpickler(f, path).load()
+        except (pickle.UnpicklingError, EOFError) as exc:
+            raise ValueError(f"{path!r} is not a readable verification .bin pickle: {exc}") from exc
+    if not (isinstance(obj, (tuple, list)) and len(obj) == 2):
+        raise ValueError(f"{path!r}: expected a pickled (bins, issame_list) pair, got {type(obj).__name__}")
+    bins, issame_list = obj
+    issame = torch.as_tensor(np.asarray(issame_list, dtype=bool).reshape(-1))
+    if len(bins) != 2 * len(issame):
+        raise ValueError(
+            f"{path!r}: {len(bins)} images for {len(issame)} pairs; expected exactly 2 images per pair"
+        )
+    h, w = image_size
+    images = torch.empty(len(bins), 3, h, w, dtype=torch.float32)
+    for i, data in enumerate(bins):
+        if isinstance(data, str):  # a latin-1 str from a pickle loaded without encoding='bytes'
+            data = data.encode("latin-1")
+        images[i] = image_to_tensor(decode_image(data, name=f"{path}[{i}]"), image_size)
+    return images, issame
+
+
+# --------------------------------------------------------------------- metrics
+def _to_numpy(x: ArrayLike) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        return (x.double() if x.is_floating_point() else x).numpy()
+    return np.asarray(x)
+
+
+def kfold_indices(n: int, nfolds: int) -> List[Tuple[np.ndarray, np.ndarray]]:
+    """Contiguous, unshuffled folds like ``sklearn.model_selection.KFold(nfolds)``:
+    the first ``n % nfolds`` folds hold one extra element. Returns a list of
+    ``(train_idx, test_idx)`` index arrays."""
+    if nfolds < 2:
+        raise ValueError(f"nfolds must be >= 2, got {nfolds!r}")
+    if n < nfolds:
+        raise ValueError(f"cannot split {n} pairs into nfolds={nfolds} folds")
+    sizes = np.full(nfolds, n // nfolds, dtype=np.int64)
+    sizes[: n % nfolds] += 1
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    idx = np.arange(n)
+    return [
+        (np.concatenate([idx[: bounds[k]], idx[bounds[k + 1] :]]), idx[bounds[k] : bounds[k + 1]])
+        for k in range(nfolds)
+    ]
+
+
+def best_threshold(scores: np.ndarray, issame: np.ndarray) -> Tuple[float, float]:
+    """Threshold maximising the accuracy of ``score > threshold`` on these pairs.
+
+    Candidates are the midpoints between consecutive distinct sorted scores,
+    plus one just below the minimum (all "same") and one just above the
+    maximum (all "different"), so every distinct split of the sorted scores
+    is considered exactly once. Ties go to the lowest threshold.
+
+    Returns:
+        ``(threshold, accuracy)``.
+    """
+    order = np.argsort(scores, kind="stable")
+    s = scores[order]
+    y = issame[order].astype(np.int64)
+    n = len(s)
+    # Split k predicts "different" for s[:k] and "same" for s[k:].
+    correct = np.concatenate([[0], np.cumsum(1 - y)]) + (y.sum() - np.concatenate([[0], np.cumsum(y)]))
+    valid = np.ones(n + 1, dtype=bool)
+    valid[1:n] = s[1:] != s[:-1]  # a split inside a run of equal scores is not realisable
+    k = int(np.argmax(np.where(valid, correct, -1)))
+    if k == 0:
+        thr = float(np.nextafter(s[0], -np.inf))
+    elif k == n:
+        thr = float(np.nextafter(s[-1], np.inf))
+    else:
+        thr = float((s[k - 1] + s[k]) / 2)
+    return thr, float(correct[k]) / n
+
+
+def _far_key(far: float) -> str:
+    """``1e-3 -> "1e-3"``, ``5e-4 -> "5e-4"``, ``0.015 -> "1.5e-2"``."""
+    mantissa, exponent = f"{far:e}".split("e")
+    mantissa = mantissa.rstrip("0").rstrip(".")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def tar_at_far(scores: np.ndarray, issame: np.ndarray, far: float) -> Tuple[float, float, float]:
+    """True-accept rate at false-accept rate ``<= far``, over all pairs.
+
+    With negatives sorted in decreasing order, the threshold is the
+    ``floor(far * n_neg)``-th (0-based) largest negative score, so at most
+    ``floor(far * n_neg)`` negatives score strictly above it (fewer with ties):
+    the smallest such threshold, hence the largest TAR.
+
+    Returns:
+        ``(tar, achieved_far, threshold)``; all NaN when ``far * n_neg < 1``,
+        i.e. there are too few negative pairs to measure that FAR (the estimate
+        would silently become "FAR = 0").
+    """
+    if not 0.0 < far < 1.0:
+        raise ValueError(f"far target must be in (0, 1), got {far!r}")
+    neg = np.sort(scores[~issame])[::-1]
+    pos = scores[issame]
+    if far * len(neg) < 1 or len(pos) == 0:
+        return math.nan, math.nan, math.nan
+    thr = float(neg[int(math.floor(far * len(neg)))])
+    return float(np.mean(pos > thr)), float(np.mean(neg > thr)), thr
+
+
+def verification_metrics(
+    embeddings_a: ArrayLike,
+    embeddings_b: ArrayLike,
+    issame: ArrayLike,
+    nfolds: int = 10,
+    far_targets: Iterable[float] = (1e-3, 1e-4),
+) -> Dict[str, float]:
+    """Verification metrics of paired embeddings (see the module docstring).
+
+    Args:
+        embeddings_a, embeddings_b: ``[N, D]`` embeddings of the two sides of
+            each pair (need not be normalised).
+        issame: bool ``[N]``.
+        nfolds: cross-validation folds for the accuracy.
+        far_targets: FAR values to report TAR at.
+
+    Returns:
+        ``accuracy`` (mean over folds), ``accuracy_std``, ``best_threshold``
+        (mean over folds, a cosine similarity), ``num_pairs``, and for each
+        ``far`` in ``far_targets`` (key written like ``1e-3``):
+        ``tar@far=<far>``, ``achieved_far@far=<far>`` and
+        ``threshold@far=<far>``; NaN when there are fewer than ``1/far``
+        negative pairs.
+    """
+    a = _to_numpy(embeddings_a).astype(np.float64)
+    b = _to_numpy(embeddings_b).astype(np.float64)
+    same = _to_numpy(issame).astype(bool).reshape(-1)
+    if a.ndim != 2 or a.shape != b.shape:
+        raise ValueError(
+            f"embeddings_a and embeddings_b must both be [N, D] with equal shapes, got {a.shape} and {b.shape}"
+        )
+    if len(same) != len(a):
+        raise ValueError(f"issame has {len(same)} entries for {len(a)} embedding pairs")
+    eps = 1e-12  # zero embeddings get similarity 0 rather than NaN
+    a /= np.maximum(np.linalg.norm(a, axis=1, keepdims=True), eps)
+    b /= np.maximum(np.linalg.norm(b, axis=1, keepdims=True), eps)
+    scores = np.sum(a * b, axis=1)
+
+    accs, thrs = [], []
+    for train, test in kfold_indices(len(scores), nfolds):
+        thr, _ = best_threshold(scores[train], same[train])
+        thrs.append(thr)
+        accs.append(float(np.mean((scores[test] > thr) == same[test])))
+    out: Dict[str, float] = {
+        "accuracy": float(np.mean(accs)),
+        "accuracy_std": float(np.std(accs)),
+        "best_threshold": float(np.mean(thrs)),
+        "num_pairs": float(len(scores)),
+    }
+    for far in far_targets:
+        tar, achieved, thr = tar_at_far(scores, same, far)
+        key = _far_key(far)
+        out[f"tar@far={key}"] = tar
+        out[f"achieved_far@far={key}"] = achieved
+        out[f"threshold@far={key}"] = thr
+    return out
+
+
+# ------------------------------------------------------------------ embedding
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    for b in model.buffers():
+        return b.device
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def embed_batches(
+    model: nn.Module,
+    batches: Iterable[torch.Tensor],
+    flip: bool = True,
+    device: Optional[Union[str, torch.device]] = None,
+) -> torch.Tensor:
+    """Embed an iterable of image batches ``[B, 3, H, W]`` -> float32 ``[N, D]`` on CPU.
+
+    With ``flip``, each embedding is ``model(x) + model(flip(x))`` (the
+    insightface test-time augmentation; normalisation happens in the metric).
+    The model runs in eval mode and its previous mode is restored.
+    """
+    dev = torch.device(device) if device is not None else _model_device(model)
+    # Restore each submodule's own mode afterwards (a model may keep e.g.
+    # frozen BatchNorm layers in eval mode while training).
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        out = []
+        for x in batches:
+            x = x.to(dev, non_blocking=True)
+            emb = model(x)
+            if flip:
+                emb = emb + model(x.flip(-1))
+            out.append(emb.float().cpu())
+    finally:
+        for m, training in modes:
+            m.training = training
+    if not out:
+        raise ValueError("embed_batches got no batches")
+    return torch.cat(out)
+
+
+def embed_images(
+    model: nn.Module,
+    images: torch.Tensor,
+    batch_size: int = 64,
+    flip: bool = True,
+    device: Optional[Union[str, torch.device]] = None,
+) -> torch.Tensor:
+    """Embed a tensor of images ``[N, 3, H, W]`` in batches (see :func:`embed_batches`)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+    return embed_batches(model, images.split(batch_size), flip=flip, device=device)
+
+
+def evaluate_verification(
+    model: nn.Module,
+    images: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+    issame: ArrayLike,
+    batch_size: int = 64,
+    flip: bool = True,
+    device: Optional[Union[str, torch.device]] = None,
+    nfolds: int = 10,
+    far_targets: Iterable[float] = (1e-3, 1e-4),
+) -> Dict[str, float]:
+    """Embed verification pairs with ``model`` and compute :func:`verification_metrics`.
+
+    Args:
+        model: maps ``[B, 3, H, W]`` images to ``[B, D]`` embeddings.
+        images: interleaved ``[2N, 3, H, W]`` (pair ``i`` = rows ``2i, 2i+1``,
+            as returned by :func:`load_bin`), or a tuple ``(images_a, images_b)``
+            of ``[N, 3, H, W]`` (as returned by
+            :meth:`shardfc.data.SyntheticIdentities.verification_pairs`).
+        issame: bool ``[N]``.
+        batch_size: images per forward pass.
+        flip: add the embedding of the mirrored image.
+        device: where to run; defaults to the model's device.
+    """
+    if isinstance(images, (tuple, list)):
+        images_a, images_b = images
+        emb_a = embed_images(model, images_a, batch_size, flip, device)
+        emb_b = embed_images(model, images_b, batch_size, flip, device)
+    else:
+        if images.shape[0] % 2:
+            raise ValueError(f"interleaved images must have an even count, got {images.shape[0]}")
+        emb = embed_images(model, images, batch_size, flip, device)
+        emb_a, emb_b = emb[0::2], emb[1::2]
+    return verification_metrics(emb_a, emb_b, issame, nfolds=nfolds, far_targets=far_targets)
+

@@ -1,0 +1,206 @@
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from shardfc.data import ImageFolderDataset, ListFileDataset, image_to_tensor
+
+
+def _save(path: Path, value: int, size=(5, 4)) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arr = np.full((size[0], size[1], 3), value, dtype=np.uint8)
+    arr[0, 0] = (value + 1) % 256  # asymmetric, so flips would be visible
+    Image.fromarray(arr).save(path)
+    return path
+
+
+def _expected(path, image_size=(5, 4)) -> torch.Tensor:
+    return image_to_tensor(Image.open(path), image_size)
+
+
+@pytest.fixture
+def tree(tmp_path) -> Path:
+    root = tmp_path / "faces"
+    _save(root / "bob" / "b1.png", 10)
+    (root / "bob" / "b2.jpg").write_bytes(b"garbage, not a jpeg")  # corrupt
+    _save(root / "bob" / "b3.png", 30)
+    _save(root / "alice" / "a1.png", 40)
+    _save(root / "alice" / "a2.png", 50)
+    _save(root / "carol" / "nested" / "c1.png", 60)
+    (root / "carol" / "notes.txt").write_text("not an image")
+    (root / ".hidden").mkdir()
+    _save(root / ".hidden" / "h.png", 70)
+    return root
+
+
+def test_image_folder_labels_and_samples(tree):
+    ds = ImageFolderDataset(tree, image_size=(5, 4), train=False)
+    assert ds.classes == ["alice", "bob", "carol"]
+    assert ds.num_classes == 3
+    names = [(Path(p).relative_to(tree).as_posix(), label) for p, label in ds.samples]
+    assert names == [
+        ("alice/a1.png", 0),
+        ("alice/a2.png", 0),
+        ("bob/b1.png", 1),
+        ("bob/b2.jpg", 1),
+        ("bob/b3.png", 1),
+        ("carol/nested/c1.png", 2),
+    ]
+    x, y = ds[0]
+    assert y == 0 and torch.equal(x, _expected(tree / "alice" / "a1.png"))
+    assert ds.corrupt_count == 0
+
+
+def test_corrupt_image_skipped_and_counted(tree, caplog):
+    ds = ImageFolderDataset(tree, image_size=(5, 4), train=False)
+    with caplog.at_level(logging.WARNING, logger="shardfc.data"):
+        x, y = ds[3]  # bob/b2.jpg is corrupt -> next valid sample bob/b3.png
+        assert y == 1 and torch.equal(x, _expected(tree / "bob" / "b3.png"))
+        assert ds.corrupt_count == 1
+        assert ds.corrupt_paths == {str(tree / "bob" / "b2.jpg")}
+        x2, _ = ds[3]  # same substitute again, counted again, not warned again
+        assert torch.equal(x2, x)
+        assert ds.corrupt_count == 2
+    warnings = [r for r in caplog.records if r.name == "shardfc.data"]
+    assert len(warnings) == 1 and "b2.jpg" in warnings[0].getMessage()
+
+
+def test_corrupt_last_sample_wraps_around(tmp_path):
+    root = tmp_path / "r"
+    _save(root / "a" / "1.png", 5)
+    (root / "b").mkdir()
+    (root / "b" / "2.png").write_bytes(b"bad")
+    ds = ImageFolderDataset(root, image_size=(5, 4), train=False)
+    x, y = ds[1]
+    assert y == 0 and torch.equal(x, _expected(root / "a" / "1.png"))
+    assert ds.corrupt_count == 1
+
+
+def test_all_corrupt_raises(tmp_path):
+    root = tmp_path / "r"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "1.png").write_bytes(b"bad")
+    ds = ImageFolderDataset(root, train=False)
+    with pytest.raises(RuntimeError, match="corrupt"):
+        ds[0]
+
+
+def test_training_flips_randomly(tree):
+    ds = ImageFolderDataset(tree, image_size=(5, 4), train=True)
+    base = _expected(tree / "alice" / "a1.png")
+    torch.manual_seed(0)
+    outs = [ds[0][0] for _ in range(20)]
+    flips = [torch.equal(o, base.flip(-1)) for o in outs]
+    assert any(flips) and not all(flips)
+    assert all(f or torch.equal(o, base) for o, f in zip(outs, flips))
+
+
+def test_resizes_to_image_size(tree):
+    ds = ImageFolderDataset(tree, image_size=(8, 6), train=False)
+    assert ds[0][0].shape == (3, 8, 6)
+
+
+def test_dataloader_batches(tree):
+    ds = ImageFolderDataset(tree, image_size=(5, 4), train=False)
+    x, y = next(iter(DataLoader(ds, batch_size=6)))
+    assert x.shape == (6, 3, 5, 4)
+    assert y.tolist() == [0, 0, 1, 1, 1, 2]  # the corrupt index returned bob/b3.png
+
+
+def test_missing_and_empty_roots(tmp_path):
+    missing = tmp_path / "missing"
+    with pytest.raises(FileNotFoundError, match="missing"):
+        ImageFolderDataset(missing)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="empty"):
+        ImageFolderDataset(empty)
+    (empty / "id0").mkdir()
+    (empty / "id0" / "readme.txt").write_text("x")
+    with pytest.raises(ValueError, match="no images"):
+        ImageFolderDataset(empty)
+
+
+# ----------------------------------------------------------------- list file
+@pytest.fixture
+def listed(tmp_path):
+    imgs = tmp_path / "imgs"
+    a = _save(imgs / "a.png", 1)
+    b = _save(imgs / "sub dir" / "b.png", 2)
+    c = _save(tmp_path / "elsewhere" / "c.png", 3)
+    lst = tmp_path / "imgs" / "train.lst"
+    lst.write_text(f"# comment\na.png 0\n\nsub dir/b.png 4\n{c} 2\n")
+    return lst, [a, b, c]
+
+
+def test_list_file_parsing(listed):
+    lst, paths = listed
+    ds = ListFileDataset(lst, image_size=(5, 4), train=False)
+    assert [label for _, label in ds.samples] == [0, 4, 2]
+    assert [Path(p) for p, _ in ds.samples] == paths
+    assert ds.num_classes == 5
+    for i, path in enumerate(paths):
+        x, y = ds[i]
+        assert torch.equal(x, _expected(path))
+
+
+def test_list_file_root_argument(tmp_path, listed):
+    lst, paths = listed
+    other = tmp_path / "other.lst"
+    other.write_text("a.png 0\n")
+    ds = ListFileDataset(other, root=paths[0].parent, image_size=(5, 4), train=False)
+    assert Path(ds.samples[0][0]) == paths[0]
+
+
+def test_list_file_write_round_trip(tmp_path, listed):
+    _, paths = listed
+    lst = tmp_path / "written.lst"
+    ListFileDataset.write(lst, [(p, i) for i, p in enumerate(paths)])
+    ds = ListFileDataset(lst, train=False)
+    assert [(Path(p), y) for p, y in ds.samples] == [(p, i) for i, p in enumerate(paths)]
+
+
+@pytest.mark.parametrize(
+    "content, lineno, what",
+    [
+        ("a.png 0\nb.png\n", 2, "expected"),
+        ("a.png 0\n\nb.png one\n", 3, "integer"),
+        ("a.png -3\n", 1, ">= 0"),
+    ],
+)
+def test_list_file_bad_lines(tmp_path, content, lineno, what):
+    lst = tmp_path / "bad.lst"
+    lst.write_text(content)
+    with pytest.raises(ValueError, match=rf"bad\.lst:{lineno}: .*{what}"):
+        ListFileDataset(lst)
+
+
+def test_list_file_missing_or_empty(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.lst"):
+        ListFileDataset(tmp_path / "nope.lst")
+    empty = tmp_path / "empty.lst"
+    empty.write_text("# nothing\n\n")
+    with pytest.raises(ValueError, match="no entries"):
+        ListFileDataset(empty)
+
+
+def test_list_file_missing_image_is_an_error(tmp_path):
+    lst = tmp_path / "l.lst"
+    lst.write_text("ghost.png 0\n")
+    ds = ListFileDataset(lst)
+    with pytest.raises(FileNotFoundError, match="ghost.png"):
+        ds[0]
+
+
+def test_list_file_corrupt_skipped(tmp_path):
+    _save(tmp_path / "ok.png", 9)
+    (tmp_path / "bad.png").write_bytes(b"xx")
+    lst = tmp_path / "l.lst"
+    lst.write_text("bad.png 0\nok.png 1\n")
+    ds = ListFileDataset(lst, image_size=(5, 4), train=False)
+    x, y = ds[0]
+    assert y == 1 and ds.corrupt_count == 1
