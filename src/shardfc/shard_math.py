@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .margins import Margin
-from .normalize import NORM_EPS, normalized_rows, normalized_rows_backward
+from .normalize import NORM_EPS, normalized_rows, normalized_rows_backward_
 
 @dataclass(frozen=True)
 class ShardConfig:
@@ -57,8 +57,15 @@ def _centres(w: Tensor, cfg: ShardConfig) -> Tuple[Tensor, Optional[Tensor]]:
     return w, None
 
 
-def _raw_products(a_c: Tensor, centres: Tensor, cfg: ShardConfig) -> Tensor:
-    return (a_c @ centres.to(cfg.compute_dtype).t()).to(cfg.stats_dtype)
+def _raw_products(a_s: Tensor, centres: Tensor, cfg: ShardConfig) -> Tensor:
+    return (a_s @ centres.to(cfg.compute_dtype).t()).to(cfg.stats_dtype)
+
+
+def _scaled_embeddings(a: Tensor, cfg: ShardConfig) -> Tensor:
+    """``s·a`` in the matmul dtype: the margin's scale rides on the small ``[B, D]`` operand
+    instead of costing a pass over ``[B, n]`` logits (forward) and gradients (backward)."""
+    s = cfg.margin.scale
+    return (a * s if s != 1.0 else a).to(cfg.compute_dtype)
 
 
 def _targets_in(rows_t: Tensor, cols_t: Tensor, start: int, stop: int) -> Tuple[Tensor, Tensor]:
@@ -83,16 +90,14 @@ def shard_forward(
 
     rows_t = torch.nonzero(local_labels >= 0).squeeze(1)
     cols_t = local_labels[rows_t]
-    a_c = a.to(cfg.compute_dtype)
+    a_s = _scaled_embeddings(a, cfg)
     step = cfg.chunk_size or max(n, 1)
     for start in range(0, n, step):
         stop = min(start + step, n)
         centres, _ = _centres(w[start:stop], cfg)
-        z = _raw_products(a_c, centres, cfg)
+        z = _raw_products(a_s, centres, cfg)  # s·raw: the non-target logits
         r, c = _targets_in(rows_t, cols_t, start, stop)
-        raw_t = z[r, c]
-        if margin.scale != 1.0:
-            z.mul_(margin.scale)
+        raw_t = z[r, c] / margin.scale
         if r.numel():
             value, d_raw, d_norm = margin.target(raw_t, norms[r] if norms is not None else None)
             z[r, c] = value
@@ -130,16 +135,16 @@ def shard_backward(
     margin, eps, C = cfg.margin, cfg.label_smoothing, cfg.num_classes
     rows_t = torch.nonzero(local_labels >= 0).squeeze(1)
     cols_t = local_labels[rows_t]
-    a_c = a.to(cfg.compute_dtype)
+    a_s = _scaled_embeddings(a, cfg)
     grad_a = torch.zeros(a.shape, dtype=cfg.stats_dtype, device=a.device)
-    grad_w = torch.empty_like(w)
+    step = cfg.chunk_size or max(n, 1)
+    grad_w = torch.empty_like(w) if step < n else None  # one chunk: its gradient is the whole
     coef_over_sum = coef / global_sum
     smooth = (coef * (eps / C)).unsqueeze(1) if eps > 0 else None
     # dL/dz_t for the targets on this shard, from the saved target logits alone.
     p_t = torch.exp(stats.target[rows_t] - global_max[rows_t]) * coef_over_sum[rows_t]
     dz_t = p_t - coef[rows_t] * (eps / C + 1.0 - eps)
 
-    step = cfg.chunk_size or max(n, 1)
     for k, start in enumerate(range(0, n, step)):
         stop = min(start + step, n)
         centres, norm_w = _centres(w[start:stop], cfg)
@@ -149,23 +154,24 @@ def shard_backward(
             _, _, z, chunk_max = stats.buffers[k]  # exp(z − chunk_max): rescale to coef·softmax
             z.mul_((torch.exp(chunk_max - global_max) * coef_over_sum).unsqueeze(1))
         else:
-            z = _raw_products(a_c, centres, cfg)
-            if margin.scale != 1.0:
-                z.mul_(margin.scale)
+            z = _raw_products(a_s, centres, cfg)
             z[r, c] = stats.target[r]
             z.sub_(global_max.unsqueeze(1)).exp_().mul_(coef_over_sum.unsqueeze(1))
         if smooth is not None:
             z.sub_(smooth)
-        # z is now dL/dz; through the margin: non-targets scale·dz, targets (∂z_t/∂raw)·dz_t.
-        if margin.scale != 1.0:
-            z.mul_(margin.scale)
-        z[r, c] = dz_t[sel] * stats.target_draw[r]
+        # z is now dL/dz. Through the margin, dL/draw is s·dz off target and (∂z_t/∂raw)·dz_t on
+        # target; the factor s is applied to the matmul operands/results, so targets get ÷s here.
+        z[r, c] = dz_t[sel] * stats.target_draw[r] / margin.scale
         g = z.to(cfg.compute_dtype)
-        grad_a += (g @ centres.to(cfg.compute_dtype)).to(cfg.stats_dtype)
-        grad_centres = (g.t() @ a_c).to(w.dtype)
+        grad_a_chunk = (g @ centres.to(cfg.compute_dtype)).to(cfg.stats_dtype)
+        grad_a.add_(grad_a_chunk, alpha=margin.scale)
+        grad_centres = (g.t() @ a_s).to(w.dtype)  # a_s = s·a carries the scale
         if norm_w is not None:
-            grad_centres = normalized_rows_backward(grad_centres, centres, norm_w)
-        grad_w[start:stop] = grad_centres
+            grad_centres = normalized_rows_backward_(grad_centres, centres, norm_w)
+        if grad_w is None:
+            grad_w = grad_centres
+        else:
+            grad_w[start:stop] = grad_centres
         del z, g
     if stats.buffers is not None:
         stats.buffers.clear()
@@ -173,4 +179,6 @@ def shard_backward(
         # SphereFace: the target logit also depends on ‖a‖; ∂‖a‖/∂a = a/‖a‖.
         coeff = dz_t * stats.target_dnorm[rows_t] / norms[rows_t].clamp(min=NORM_EPS)
         grad_a[rows_t] += coeff.unsqueeze(1) * a[rows_t].to(cfg.stats_dtype)
+    if grad_w is None:  # a shard with no classes
+        grad_w = torch.zeros_like(w)
     return grad_a.to(a.dtype), grad_w
