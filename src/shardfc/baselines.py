@@ -32,7 +32,7 @@ from .distributed.collectives import (
 )
 from .head import ShardedMarginHead, init_rows
 from .reference import reference_logits
-from .validation import check_embeddings, check_labels, raise_or_exchange_sizes
+from .validation import check_batch_and_exchange_sizes
 
 
 def _dense_losses(logits: Tensor, labels: Tensor, head) -> Tensor:
@@ -84,10 +84,7 @@ class NaiveParallelHead(ShardedMarginHead):
         super().__init__(embedding_dim, num_classes, margin, **kwargs)
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
-        error = check_embeddings(embeddings, self.embedding_dim)
-        if error is None:
-            error = check_labels(labels, embeddings.shape[0], self.num_classes, self.ignore_index)
-        sizes = self._exchange(error, embeddings.shape[0] if error is None else 0)
+        sizes = self._check_and_exchange(embeddings, labels)
         labels = labels.to(device=embeddings.device, dtype=torch.int64)
         if self.distributed:
             x = gather_rows_forward_reduce_scatter_backward(embeddings, sizes, self.group, grad_scale=self.world_size)
@@ -159,10 +156,10 @@ class ReplicatedHead(nn.Module):
         self.weight = nn.Parameter(w.to(device=device, dtype=dtype or torch.float32))
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
-        error = check_embeddings(embeddings, self.embedding_dim)
-        if error is None:
-            error = check_labels(labels, embeddings.shape[0], self.num_classes, self.ignore_index)
-        sizes = raise_or_exchange_sizes(error, embeddings.shape[0] if error is None else 0, self.group, distributed=self.distributed)
+        check_batch_and_exchange_sizes(
+            embeddings, labels, embedding_dim=self.embedding_dim, num_classes=self.num_classes,
+            ignore_index=self.ignore_index, group=self.group, distributed=self.distributed,
+        )
         labels = labels.long()
         losses = _dense_losses(reference_logits(embeddings, self.weight, labels, self.margin), labels, self)
         if self.reduction == "none":

@@ -45,7 +45,13 @@ from .sharded_loss import (
     sharded_cross_entropy,
     stats_dtype_for,
 )
-from .validation import check_embeddings, check_labels, check_positive_int, check_probability, raise_or_exchange_sizes
+from .validation import (
+    check_batch_and_exchange_sizes,
+    check_embeddings,
+    check_positive_int,
+    check_probability,
+    raise_or_exchange_sizes,
+)
 
 DeviceLike = Union[str, torch.device, int]
 
@@ -199,6 +205,12 @@ class ShardedMarginHead(nn.Module):
     def _exchange(self, error: Optional[Exception], local_batch: int) -> List[int]:
         return raise_or_exchange_sizes(error, local_batch, self.group, distributed=self.distributed)
 
+    def _check_and_exchange(self, embeddings: Tensor, labels: Tensor) -> List[int]:
+        return check_batch_and_exchange_sizes(
+            embeddings, labels, embedding_dim=self.embedding_dim, num_classes=self.num_classes,
+            ignore_index=self.ignore_index, group=self.group, distributed=self.distributed,
+        )
+
     def _prepare_embeddings(self, embeddings: Tensor) -> Tensor:
         return l2_normalize(embeddings) if self.margin.normalize_embeddings else embeddings
 
@@ -215,11 +227,7 @@ class ShardedMarginHead(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
         """Loss of this rank's local batch ``embeddings [B_r, D]``, ``labels [B_r]`` (see ``reduction``)."""
-        error = check_embeddings(embeddings, self.embedding_dim)
-        if error is None:
-            error = check_labels(labels, embeddings.shape[0], self.num_classes, self.ignore_index)
-        local_batch = embeddings.shape[0] if error is None else 0
-        sizes = self._exchange(error, local_batch)
+        sizes = self._check_and_exchange(embeddings, labels)
         labels = labels.to(device=embeddings.device, dtype=torch.int64)
 
         weights = self.shard_weights

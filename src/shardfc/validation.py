@@ -91,6 +91,18 @@ def raise_or_exchange_sizes(
     return table[:, 0].tolist()
 
 
+def check_batch_and_exchange_sizes(
+    embeddings, labels, *, embedding_dim: int, num_classes: int, ignore_index: int,
+    group: Optional[dist.ProcessGroup], distributed: bool,
+) -> List[int]:
+    """Check a head's inputs, raise on every rank if any rank's are bad, else return all batch sizes."""
+    error = check_embeddings(embeddings, embedding_dim)
+    if error is None:
+        error = check_labels(labels, embeddings.shape[0], num_classes, ignore_index)
+    local_batch = embeddings.shape[0] if error is None else 0
+    return raise_or_exchange_sizes(error, local_batch, group, distributed=distributed)
+
+
 def check_positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -112,6 +124,7 @@ __all__ = [
     "check_embeddings",
     "check_labels",
     "raise_or_exchange_sizes",
+    "check_batch_and_exchange_sizes",
     "check_positive_int",
     "check_probability",
 ]

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .init import init_weights
+
 __all__ = ["IBasicBlock", "IResNet", "iresnet18", "iresnet34", "iresnet50", "iresnet100"]
 
 INPUT_SIZE: tuple[int, int] = (112, 112)
@@ -85,7 +87,7 @@ class IResNet(nn.Module):
         self.dropout = nn.Dropout(p=dropout)
         self.fc = nn.Linear(512 * self.fmap_size[0] * self.fmap_size[1], embedding_dim)
         self.features = nn.BatchNorm1d(embedding_dim)
-        _init_weights(self)
+        init_weights(self)
         # As in arcface_torch: the embedding is L2-normalised by the margin loss,
         # so a learnable per-dim scale is redundant; fix it at 1 and learn only the shift.
         self.features.weight.requires_grad_(False)
@@ -103,15 +105,6 @@ class IResNet(nn.Module):
         return self.features(x)
 
 
-def _init_weights(model: nn.Module) -> None:
-    # Kaiming-normal convs keep activation variance roughly constant through the
-    # deep (up to 100-layer) trunk; BN starts as the identity (weight 1, bias 0).
-    for m in model.modules():
-        if isinstance(m, nn.Conv2d):
-            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-        elif isinstance(m, (nn.BatchNorm2d, nn.BatchNorm1d)):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
 
 
 def iresnet18(embedding_dim: int = 512, dropout: float = 0.0) -> IResNet:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .init import init_weights
+
 __all__ = ["MobileFaceNet", "mobilefacenet"]
 
 INPUT_SIZE: tuple[int, int] = (112, 112)
@@ -89,7 +91,7 @@ class MobileFaceNet(nn.Module):
         # The paper's final "linear conv1x1" on a 1x1 map is a Linear layer.
         self.fc = nn.Linear(512, embedding_dim, bias=False)
         self.features = nn.BatchNorm1d(embedding_dim)
-        _init_weights(self)
+        init_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or tuple(x.shape[-3:]) != (3, *self.input_size):
@@ -102,15 +104,6 @@ class MobileFaceNet(nn.Module):
         return self.features(self.fc(x))
 
 
-def _init_weights(model: nn.Module) -> None:
-    # Kaiming-normal convs keep activation variance stable under (P)ReLU;
-    # BN starts as the identity (weight 1, bias 0).
-    for m in model.modules():
-        if isinstance(m, nn.Conv2d):
-            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-        elif isinstance(m, (nn.BatchNorm2d, nn.BatchNorm1d)):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
 
 
 def mobilefacenet(embedding_dim: int = 512) -> MobileFaceNet:

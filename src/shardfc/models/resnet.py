@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .init import init_weights
+
 __all__ = ["Bottleneck", "ReIDResNet", "resnet50"]
 
 INPUT_SIZE: tuple[int, int] = (256, 128)
@@ -87,7 +89,7 @@ class ReIDResNet(nn.Module):
             else nn.Identity()
         )
         self.neck = nn.BatchNorm1d(embedding_dim)
-        _init_weights(self)
+        init_weights(self, kaiming=(nn.Conv2d, nn.Linear))
         # Luo et al. freeze the BNNeck shift so the embedding stays centred at the
         # origin, where a bias-free (cosine) classifier separates it best.
         self.neck.bias.requires_grad_(False)
@@ -98,15 +100,6 @@ class ReIDResNet(nn.Module):
         return self.neck(self.reduce(x))
 
 
-def _init_weights(model: nn.Module) -> None:
-    # Kaiming-normal convs (and the reduction Linear) preserve activation variance
-    # under ReLU; BN starts as the identity (weight 1, bias 0).
-    for m in model.modules():
-        if isinstance(m, (nn.Conv2d, nn.Linear)):
-            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-        elif isinstance(m, (nn.BatchNorm2d, nn.BatchNorm1d)):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
 
 
 def resnet50(embedding_dim: int = 2048, last_stride: int = 1) -> ReIDResNet:

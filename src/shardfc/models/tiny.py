@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .init import init_weights
+
 __all__ = ["TinyNet", "tiny"]
 
 INPUT_SIZE: tuple[int, int] = (32, 32)
@@ -44,13 +46,7 @@ class TinyNet(nn.Module):
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(chans[-1], embedding_dim, bias=False)
         self.features = nn.BatchNorm1d(embedding_dim)
-        # Kaiming-normal convs suit the ReLUs; BN starts as the identity (weight 1, bias 0).
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, (nn.BatchNorm2d, nn.BatchNorm1d)):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        init_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.flatten(self.pool(self.body(x)), 1)
