@@ -255,3 +255,33 @@ def test_auto_chunk_size_is_exact_and_bounded():
     _compare(head, x, y, M.ArcFace())
     with pytest.raises(ValueError, match="chunk_size must be a positive integer, got 'big'"):
         shardfc.ShardedMarginHead(D, C, chunk_size="big")
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+@pytest.mark.parametrize("devices", [None, ["cpu", "cpu"]])
+def test_weight_gradient_accumulates_in_place_into_existing_grad(monkeypatch, chunk, devices):
+    monkeypatch.setattr(shardfc.shard_math, "WGRAD_BLOCK", 2)  # several row blocks per chunk
+    x1, y1 = _data(1)
+    x2, y2 = _data(2)
+    margin = M.ArcFace(32.0, 0.4)
+    grads = {}
+    for in_place in (True, False):
+        head = shardfc.ShardedMarginHead(D, C, margin=margin, chunk_size=chunk, devices=devices, dtype=torch.float64, weight_grad_in_place=in_place)
+        head(x1, y1).backward()
+        first = [w.grad for w in head.parameters()]
+        head(x2, y2).backward()
+        if in_place:  # the same tensors, added into
+            assert all(a is w.grad for a, w in zip(first, head.parameters()))
+        grads[in_place] = torch.cat([w.grad for w in head.parameters()])
+    W = torch.cat([w.detach() for w in head.parameters()]).requires_grad_()
+    shardfc.reference_loss(x1, W, y1, margin).backward()
+    shardfc.reference_loss(x2, W, y2, margin).backward()
+    assert _rel(grads[True], W.grad) < 1e-10 and _rel(grads[False], W.grad) < 1e-10
+
+
+def test_autograd_grad_wrt_weights_with_in_place_disabled():
+    head = shardfc.ShardedMarginHead(D, C, dtype=torch.float64, weight_grad_in_place=False)
+    x, y = _data()
+    head(x, y).backward()  # leaves a .grad behind
+    (g,) = torch.autograd.grad(head(x, y), head.weight)
+    torch.testing.assert_close(g, head.weight.grad)

@@ -122,3 +122,18 @@ def test_optimizer_argument_errors():
         head_optimizer(head, "adam", lr=0.1)
     with pytest.raises(ValueError, match="nesterov needs momentum"):
         head_optimizer(head, "sgd", lr=0.1, momentum=0.0, nesterov=True)
+
+
+def test_partial_fc_gradient_accumulates_in_place_like_dense_indexing():
+    grads = {}
+    for in_place in (True, False):
+        head = shardfc.ShardedMarginHead(D, C, sample_rate=0.2, dtype=torch.float64, weight_grad_in_place=in_place)
+        for step in range(3):  # micro-steps: each a new sample, gradients summed
+            x, y = _batch(step)
+            head(x.double(), y).backward()
+        grads[in_place] = head.weight.grad
+        rows = getattr(head.weight, ROWS_ATTR)
+    torch.testing.assert_close(grads[True], grads[False], rtol=1e-12, atol=1e-15)
+    untouched = torch.ones(C, dtype=torch.bool)
+    untouched[rows] = False  # the union of the three samples
+    assert (grads[True][untouched] == 0).all() and (grads[True][rows].abs().sum(1) > 0).all()

@@ -37,7 +37,7 @@ from .distributed.collectives import (
 from .layout import class_ranges
 from .normalize import l2_normalize
 from .shard_math import ShardConfig
-from .partial_fc import mark_rows, num_sampled, sample_rows
+from .partial_fc import mark_rows, num_sampled, sample_rows, take_rows
 from .sharded_loss import (
     ShardedLossPlan,
     compute_dtype_for,
@@ -101,6 +101,11 @@ class ShardedMarginHead(nn.Module):
             head. Evaluation mode and :meth:`predict` always use every class.
         sample_seed: seed of the sampling; step ``t`` of shard ``i`` draws from
             ``(sample_seed, i, t)``, so a run is reproducible (``sample_step`` counts steps).
+        weight_grad_in_place: when a shard weight already has a ``.grad``, add the step's weight
+            gradient straight into it, block by block, instead of returning a fresh ``[n, D]``
+            tensor for autograd to add (keep it with ``optimizer.zero_grad(set_to_none=False)``).
+            Autograd then sees no gradient for that weight: ``torch.autograd.grad`` with respect
+            to head weights needs ``False``.
         init_seed: seed of the ``N(0, 0.01²)`` initialisation, identical for any sharding.
         device, dtype: of the weights in process-group / single mode (default: the current CUDA
             device under NCCL, else the CPU; float32).
@@ -125,6 +130,7 @@ class ShardedMarginHead(nn.Module):
         chunk_budget_bytes: int = 64 * 2**20,
         sample_rate: float = 1.0,
         sample_seed: int = 0,
+        weight_grad_in_place: bool = True,
         init_seed: int = 0,
         device: Optional[DeviceLike] = None,
         dtype: Optional[torch.dtype] = None,
@@ -153,6 +159,7 @@ class ShardedMarginHead(nn.Module):
         self.sample_rate = check_probability("sample_rate", sample_rate, low_open=True, high_open=False)
         self.sample_seed = int(sample_seed)
         self.sample_step = 0
+        self.weight_grad_in_place = bool(weight_grad_in_place)
         self.init_seed = int(init_seed)
         dtype = torch.float32 if dtype is None else dtype
 
@@ -255,6 +262,7 @@ class ShardedMarginHead(nn.Module):
             distributed=self.distributed,
             group=self.group,
             world_size=self.world_size,
+            weight_grad_in_place=self.weight_grad_in_place,
         )
         valid = all_labels != self.ignore_index
         losses = sharded_cross_entropy(plan, valid, local_labels, embeds, weights)
@@ -280,7 +288,7 @@ class ShardedMarginHead(nn.Module):
             lut = torch.full((w.shape[0],), -1, dtype=torch.int64, device=w.device)
             lut[rows] = torch.arange(rows.numel(), device=w.device)
             sub_labels.append(torch.where(lab >= 0, lut[lab.clamp(min=0)], lab))
-            sub_weights.append(w[rows])
+            sub_weights.append(take_rows(w, rows, self.weight_grad_in_place))
         # Every rank sees the global labels, so it can count every shard's sample without talking.
         valid = all_labels[all_labels != self.ignore_index]
         total = 0

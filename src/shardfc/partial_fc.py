@@ -48,6 +48,32 @@ def sample_rows(positives: Tensor, num_local: int, sample_rate: float, generator
     return rows.sort().values.to(positives.device)
 
 
+class _TakeRows(torch.autograd.Function):
+    """``w[rows]`` forward; backward adds the rows' gradient into ``w.grad`` when it exists
+    (index_add, in place) instead of building a dense ``[n, D]`` zero gradient."""
+
+    @staticmethod
+    def forward(ctx, w: Tensor, rows: Tensor, in_place: bool) -> Tensor:
+        ctx.save_for_backward(rows)
+        ctx.w, ctx.in_place = w, in_place
+        return w[rows]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (rows,) = ctx.saved_tensors
+        w = ctx.w
+        g = w.grad
+        if ctx.in_place and g is not None and g.shape == w.shape and g.dtype == grad.dtype and not g.is_sparse:
+            g.index_add_(0, rows, grad)
+            return None, None, None
+        return torch.zeros_like(w).index_add_(0, rows, grad), None, None
+
+
+def take_rows(w: Tensor, rows: Tensor, grad_in_place: bool = True) -> Tensor:
+    """The sampled sub-weight ``w[rows]``; see :class:`_TakeRows` for where its gradient goes."""
+    return _TakeRows.apply(w, rows, grad_in_place)
+
+
 def mark_rows(param: Tensor, rows: Tensor) -> None:
     """Record that ``rows`` of ``param`` take part in this step (union over accumulation steps)."""
     previous: Optional[Tensor] = getattr(param, ROWS_ATTR, None)

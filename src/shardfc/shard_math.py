@@ -25,7 +25,10 @@ import torch
 from torch import Tensor
 
 from .margins import Margin
-from .normalize import NORM_EPS, normalized_rows, normalized_rows_backward_
+from .normalize import NORM_EPS
+
+#: Rows per block when the weight gradient is formed: bounds its transient to WGRAD_BLOCK × D.
+WGRAD_BLOCK = 8192
 
 @dataclass(frozen=True)
 class ShardConfig:
@@ -51,10 +54,18 @@ class ShardStats:
     buffers: Optional[List[Tuple[int, int, Tensor, Tensor]]]  # (start, stop, exp(z − m_chunk), m_chunk)
 
 
-def _centres(w: Tensor, cfg: ShardConfig) -> Tuple[Tensor, Optional[Tensor]]:
-    if cfg.margin.normalize_weights:
-        return normalized_rows(w)
-    return w, None
+def _inverse_norms(w: Tensor, cfg: ShardConfig) -> Optional[Tensor]:
+    """``1/‖w_j‖`` per class row (stats dtype; 0 for rows below ``NORM_EPS``, which are treated as
+    zero vectors), or None when the margin does not normalise centres.
+
+    The normalised centres are never materialised (an ``[n, D]`` copy, twice a step):
+    ``a · ŵ_j = inv_j · (a · w_j)``, so normalisation is a column scale of the ``[B, K]`` logits in
+    the forward and of ``dL/dz`` in the backward, inside passes that happen anyway or one more.
+    """
+    if not cfg.margin.normalize_weights:
+        return None
+    norm = torch.linalg.vector_norm(w, dim=1, dtype=cfg.stats_dtype)
+    return torch.where(norm >= NORM_EPS, norm.clamp(min=NORM_EPS).reciprocal(), torch.zeros_like(norm))
 
 
 def _raw_products(a_s: Tensor, centres: Tensor, cfg: ShardConfig) -> Tensor:
@@ -94,8 +105,11 @@ def shard_forward(
     step = cfg.chunk_size or max(n, 1)
     for start in range(0, n, step):
         stop = min(start + step, n)
-        centres, _ = _centres(w[start:stop], cfg)
-        z = _raw_products(a_s, centres, cfg)  # s·raw: the non-target logits
+        w_c = w[start:stop]
+        inv = _inverse_norms(w_c, cfg)
+        z = _raw_products(a_s, w_c, cfg)
+        if inv is not None:
+            z.mul_(inv.unsqueeze(0))  # s·a·ŵ_j: the non-target logits
         r, c = _targets_in(rows_t, cols_t, start, stop)
         raw_t = z[r, c] / margin.scale
         if r.numel():
@@ -126,10 +140,13 @@ def shard_backward(
     global_sum: Tensor,
     coef: Tensor,
     cfg: ShardConfig,
-) -> Tuple[Tensor, Tensor]:
+    grad_w_out: Optional[Tensor] = None,
+) -> Tuple[Tensor, Optional[Tensor]]:
     """Gradients of ``Σ_i coef_i · loss_i`` with respect to ``a`` and this shard's ``w``.
 
     ``global_max``/``global_sum`` are the combined statistics over all shards; no communication.
+    With ``grad_w_out`` (an existing ``.grad``) the weight gradient is added into it block by block
+    and None is returned for it: the step then allocates nothing of size ``[n, D]``.
     """
     B, n = a.shape[0], w.shape[0]
     margin, eps, C = cfg.margin, cfg.label_smoothing, cfg.num_classes
@@ -138,7 +155,8 @@ def shard_backward(
     a_s = _scaled_embeddings(a, cfg)
     grad_a = torch.zeros(a.shape, dtype=cfg.stats_dtype, device=a.device)
     step = cfg.chunk_size or max(n, 1)
-    grad_w = torch.empty_like(w) if step < n else None  # one chunk: its gradient is the whole
+    accumulate = grad_w_out is not None
+    grad_w = grad_w_out if accumulate else torch.empty_like(w)
     coef_over_sum = coef / global_sum
     smooth = (coef * (eps / C)).unsqueeze(1) if eps > 0 else None
     # dL/dz_t for the targets on this shard, from the saved target logits alone.
@@ -147,14 +165,17 @@ def shard_backward(
 
     for k, start in enumerate(range(0, n, step)):
         stop = min(start + step, n)
-        centres, norm_w = _centres(w[start:stop], cfg)
+        w_c = w[start:stop]
+        inv = _inverse_norms(w_c, cfg)
         r, c = _targets_in(rows_t, cols_t, start, stop)
         sel = (cols_t >= start) & (cols_t < stop)
         if stats.buffers is not None:
             _, _, z, chunk_max = stats.buffers[k]  # exp(z − chunk_max): rescale to coef·softmax
             z.mul_((torch.exp(chunk_max - global_max) * coef_over_sum).unsqueeze(1))
         else:
-            z = _raw_products(a_s, centres, cfg)
+            z = _raw_products(a_s, w_c, cfg)
+            if inv is not None:
+                z.mul_(inv.unsqueeze(0))
             z[r, c] = stats.target[r]
             z.sub_(global_max.unsqueeze(1)).exp_().mul_(coef_over_sum.unsqueeze(1))
         if smooth is not None:
@@ -162,16 +183,28 @@ def shard_backward(
         # z is now dL/dz. Through the margin, dL/draw is s·dz off target and (∂z_t/∂raw)·dz_t on
         # target; the factor s is applied to the matmul operands/results, so targets get ÷s here.
         z[r, c] = dz_t[sel] * stats.target_draw[r] / margin.scale
+        if inv is not None:
+            z.mul_(inv.unsqueeze(0))  # dL/d(a·w_j) = inv_j · dL/d(a·ŵ_j)
         g = z.to(cfg.compute_dtype)
-        grad_a_chunk = (g @ centres.to(cfg.compute_dtype)).to(cfg.stats_dtype)
-        grad_a.add_(grad_a_chunk, alpha=margin.scale)
-        grad_centres = (g.t() @ a_s).to(w.dtype)  # a_s = s·a carries the scale
-        if norm_w is not None:
-            grad_centres = normalized_rows_backward_(grad_centres, centres, norm_w)
-        if grad_w is None:
-            grad_w = grad_centres
-        else:
-            grad_w[start:stop] = grad_centres
+        grad_a.add_((g @ w_c.to(cfg.compute_dtype)).to(cfg.stats_dtype), alpha=margin.scale)
+        for b0 in range(0, stop - start, WGRAD_BLOCK):
+            b1 = min(b0 + WGRAD_BLOCK, stop - start)
+            # h_j = inv_j·dL/dŵ_j (a_s = s·a carries the scale). Through the normalisation:
+            # dL/dw_j = inv_j·(G_j − ŵ_j(ŵ_j·G_j)) = h_j − inv_j²·w_j·(w_j·h_j).
+            rows = grad_w[start + b0 : start + b1]
+            g_t = g[:, b0:b1].t()
+            if not accumulate and g_t.dtype == a_s.dtype == rows.dtype:
+                h = torch.mm(g_t, a_s, out=rows)  # straight into the gradient, no copy
+            else:
+                h = (g_t @ a_s).to(w.dtype)
+            if inv is not None:
+                wb = w_c[b0:b1]
+                dot = torch.bmm(h.unsqueeze(1), wb.unsqueeze(2)).view(-1).to(inv.dtype)
+                h.addcmul_(wb, (dot * inv[b0:b1].square()).to(h.dtype).unsqueeze(1), value=-1.0)
+            if accumulate:
+                rows.add_(h)
+            elif h is not rows:
+                rows.copy_(h)
         del z, g
     if stats.buffers is not None:
         stats.buffers.clear()
@@ -179,6 +212,4 @@ def shard_backward(
         # SphereFace: the target logit also depends on ‖a‖; ∂‖a‖/∂a = a/‖a‖.
         coeff = dz_t * stats.target_dnorm[rows_t] / norms[rows_t].clamp(min=NORM_EPS)
         grad_a[rows_t] += coeff.unsqueeze(1) * a[rows_t].to(cfg.stats_dtype)
-    if grad_w is None:  # a shard with no classes
-        grad_w = torch.zeros_like(w)
-    return grad_a.to(a.dtype), grad_w
+    return grad_a.to(a.dtype), (None if accumulate else grad_w)

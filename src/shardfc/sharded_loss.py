@@ -38,12 +38,23 @@ class ShardedLossPlan:
     distributed: bool  # shards on the ranks of ``group`` (else: this process only)
     group: Optional[dist.ProcessGroup]  # None with ``distributed``: torch's default group
     world_size: int  # ranks in ``group`` (1 when not distributed)
+    #: Add weight gradients straight into an existing ``.grad`` of a leaf weight (no ``[n, D]``
+    #: transient); autograd then sees no gradient for that weight.
+    weight_grad_in_place: bool = True
 
 
 def local_labels_for_range(labels: Tensor, r: range) -> Tensor:
     """Row of each label within the shard holding classes ``r``, or −1 (not there / ignored)."""
     inside = (labels >= r.start) & (labels < r.stop)
     return torch.where(inside, labels - r.start, torch.full_like(labels, -1))
+
+
+def _existing_grad(w: Tensor) -> Optional[Tensor]:
+    """``w.grad`` when the weight gradient can be added into it in place."""
+    g = w.grad if (w.is_leaf and w.requires_grad) else None
+    if g is None or g.shape != w.shape or g.dtype != w.dtype or g.device != w.device or g.is_sparse:
+        return None
+    return g
 
 
 class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
@@ -109,9 +120,10 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
         grads_w: List[Tensor] = []
         for a, w, lab, norm, stats in zip(embeds, weights, ctx.local_labels, ctx.norms, ctx.stats):
             dev = a.device
+            out = _existing_grad(w) if plan.weight_grad_in_place else None
             with torch.autocast(dev.type, enabled=False):
                 ga, gw = shard_backward(
-                    a, w, lab, norm, stats, row_max.to(dev), sum_exp.to(dev), coef.to(dev), cfg
+                    a, w, lab, norm, stats, row_max.to(dev), sum_exp.to(dev), coef.to(dev), cfg, out
                 )
             grads_a.append(ga)
             grads_w.append(gw)
