@@ -5,8 +5,11 @@ Nothing here runs at import time; callers create and destroy the group explicitl
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import queue as queue_module
+import time
 import socket
 import tempfile
 import traceback
@@ -43,20 +46,31 @@ def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+#: Marks a report from a rank whose process group never formed (nothing of ``fn`` ran).
+_INIT_FAILED = "process group init failed: "
+
+
 def _worker(rank: int, world_size: int, init_method: str, backend: str, fn: Callable, args: tuple, queue, timeout_s: float):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    except BaseException as e:
+        queue.put((rank, False, f"{_INIT_FAILED}{type(e).__name__}: {e}"))
+        return
     try:
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # By value: a tensor sent as-is lives in this process's shared memory, gone once it exits.
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, True, buffer.getvalue()))
     except BaseException as e:  # report to the parent with the worker's traceback
         queue.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
@@ -64,7 +78,47 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, fn: Call
 
 
 class WorkerError(RuntimeError):
-    """A spawned rank raised; the message holds its traceback."""
+    """A spawned rank raised or died; the message holds its traceback or exit code."""
+
+
+class _GroupNeverFormed(WorkerError):
+    """Process-group initialisation failed on some rank, so no rank got past a collective."""
+
+
+#: Tries at forming the process group before spawn gives up.
+INIT_ATTEMPTS = 3
+
+
+#: After one rank fails, how long the others get to report before they are stopped.
+FAILURE_GRACE_S = 10.0
+
+
+def _collect(queue, procs, results: dict, failures: dict) -> None:
+    """Gather every rank's report; stop early when a rank dies without one or another failed."""
+    pending = set(range(len(procs)))
+    failed_at = None
+    while pending:
+        try:
+            rank, ok, payload = queue.get(timeout=0.5)
+        except queue_module.Empty:
+            dead = sorted(r for r in pending if procs[r].exitcode is not None)
+            if dead and queue.empty():
+                time.sleep(1.0)  # a report still in the pipe from a rank that just exited
+                if queue.empty():
+                    for r in dead:
+                        failures[r] = f"exited with code {procs[r].exitcode} before reporting a result"
+                    return
+            if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
+                for r in pending:
+                    failures.setdefault(r, "stopped: another rank failed first")
+                return
+            continue
+        pending.discard(rank)
+        if ok:
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        else:
+            failures[rank] = payload
+            failed_at = failed_at or time.monotonic()
 
 
 def spawn(
@@ -76,19 +130,30 @@ def spawn(
 ) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes in one process group.
 
-    ``fn`` must be importable (module level). Returns the ranks' return values in rank order, or
-    raises :class:`WorkerError` with the first failing rank's traceback.
+    ``fn`` must be importable (module level). Returns the ranks' return values in rank order
+    (sent by value through ``torch.save``), or raises :class:`WorkerError` with the failing rank's
+    traceback. A rank that dies without reporting, or fails while its peers wait in a collective,
+    does not hang the caller: the others are stopped. If the process group fails to form
+    (gloo's connect can fail on a loaded machine), the whole launch is retried up to
+    ``INIT_ATTEMPTS`` times.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     backend = backend or default_backend()
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
     # Rendezvous through a file, not a TCP port picked in advance: another process may take a
     # port between our choosing it and rank 0 binding it.
-    with tempfile.TemporaryDirectory(prefix="shardfc-spawn-") as tmp:
-        init_method = "file://" + os.path.join(tmp, "rendezvous")
-        return _run(ctx, queue, fn, world_size, init_method, backend, args, timeout_s)
+    for attempt in range(INIT_ATTEMPTS):
+        with tempfile.TemporaryDirectory(prefix="shardfc-spawn-") as tmp:
+            init_method = "file://" + os.path.join(tmp, "rendezvous")
+            try:
+                return _run(ctx, ctx.Queue(), fn, world_size, init_method, backend, args, timeout_s)
+            except _GroupNeverFormed as e:
+                # gloo's full-mesh connect can fail on a loaded machine (seen with 2 cores shared by
+                # many process groups); fn is run again from the start on a fresh group.
+                logging.getLogger("shardfc.launch").warning("attempt %d: %s; retrying", attempt + 1, e)
+                last = e
+    raise WorkerError(f"the process group did not form in {INIT_ATTEMPTS} attempts: {last}")
 
 
 def _run(ctx, queue, fn, world_size, init_method, backend, args, timeout_s) -> List[Any]:
@@ -100,13 +165,22 @@ def _run(ctx, queue, fn, world_size, init_method, backend, args, timeout_s) -> L
         p.start()
     results: dict = {}
     failures: dict = {}
-    for _ in range(world_size):
-        rank, ok, value = queue.get()
-        (results if ok else failures)[rank] = value
+    try:
+        _collect(queue, procs, results, failures)
+    finally:
+        for p in procs:  # a rank stuck in a collective with a dead peer never returns by itself
+            if p.is_alive() and (failures or len(results) < world_size):
+                p.terminate()
     for p in procs:
         p.join()
     if failures:
-        first = min(failures)
+        # The cause: a rank that died without a word, else the first to report; the others'
+        # errors are usually its echo (a peer's connection reset).
+        # A rank whose group never formed: the others cannot have got past their first collective.
+        if any(m.startswith(_INIT_FAILED) for m in failures.values()):
+            raise _GroupNeverFormed("; ".join(f"rank {r}: {m}" for r, m in failures.items()))
+        died = [r for r, m in failures.items() if m.startswith("exited with code")]
+        first = died[0] if died else next(iter(failures))
         raise WorkerError(f"rank {first} of {world_size} failed:\n{failures[first]}")
     bad = [p.exitcode for p in procs if p.exitcode != 0]
     if bad:
