@@ -1,0 +1,108 @@
+"""Reading a trained backbone back from a run: what ``shardfc eval``, ``export`` and ``embed`` share."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from .. import checkpoint as ckpt
+from ..data import IMG_EXTENSIONS
+from ..models import build_backbone
+from .config import ConfigError, TrainConfig, config_from_mapping
+
+__all__ = ["TrainedBackbone", "resolve_checkpoint", "load_backbone", "list_images", "pick_device"]
+
+def resolve_checkpoint(path: "str | os.PathLike[str]") -> Path:
+    """A checkpoint folder from ``path``: the folder itself, or the newest complete one in a run
+    folder (``<run>/checkpoints``) or a checkpoint root."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"--checkpoint {str(path)!r} does not exist")
+    if (p / "meta.json").is_file():
+        ckpt.verify_checkpoint(p, check_hashes=False)
+        return p
+    for root in (p / "checkpoints", p):
+        found = ckpt.latest_checkpoint(root) if root.is_dir() else None
+        if found is not None:
+            return found
+    raise FileNotFoundError(f"--checkpoint {str(path)!r} is neither a checkpoint nor a folder holding complete ones")
+
+
+@dataclass
+class TrainedBackbone:
+    """A backbone read back from a checkpoint."""
+
+    model: nn.Module
+    """The backbone, in eval mode."""
+    config: TrainConfig
+    """The configuration of the run that saved it."""
+    image_size: Tuple[int, int]
+    """Input ``(H, W)`` it was trained at."""
+    path: Path
+    """The checkpoint folder."""
+
+
+def load_backbone(path: "str | os.PathLike[str]", device: "str | torch.device" = "cpu") -> TrainedBackbone:
+    """The backbone of a checkpoint (a checkpoint folder or a run folder: see :func:`resolve_checkpoint`).
+
+    Only the replicated part (``common.pt``, hash-checked) is read: the head shards, which can
+    be gigabytes, are not needed for inference.
+    """
+    folder = resolve_checkpoint(path)
+    meta = ckpt.verify_checkpoint(folder, check_hashes=False)  # every file present at its recorded size
+    common_path = folder / ckpt.COMMON_FILE
+    expected = meta["files"][ckpt.COMMON_FILE].get("sha256")
+    if expected and _sha256(common_path) != expected:
+        raise ckpt.CheckpointError(f"{common_path} is corrupt: its sha256 does not match meta.json")
+    try:
+        common: Dict[str, Any] = torch.load(common_path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise ckpt.CheckpointError(f"cannot read {common_path}: {type(e).__name__}: {e}") from e
+    if "config" not in common or "backbone" not in common:
+        raise ckpt.CheckpointError(f"{folder} was not saved by 'shardfc train' (no config/backbone in common.pt)")
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    saved = {k: v for k, v in common["config"].items() if k in known}
+    cfg = config_from_mapping(saved, source=str(folder / ckpt.COMMON_FILE))
+    h, w = meta["fingerprint"]["image_size"]
+    kwargs = {"input_size": (h, w)} if cfg.backbone == "tiny" else {}
+    model = build_backbone(cfg.backbone, cfg.embedding_dim, **kwargs)
+    model.load_state_dict(common["backbone"])
+    return TrainedBackbone(model.to(device).eval(), cfg, (int(h), int(w)), folder)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def list_images(folder: "str | os.PathLike[str]") -> List[Path]:
+    """Image files under ``folder`` (recursively, sorted); an error if there are none."""
+    root = Path(folder).expanduser()
+    if not root.is_dir():
+        raise FileNotFoundError(f"--images {str(folder)!r} does not exist or is not a folder")
+    files = sorted(
+        p for p in root.rglob("*")
+        if p.is_file() and p.suffix.lower() in IMG_EXTENSIONS and not p.name.startswith(".")
+    )
+    if not files:
+        raise ValueError(f"--images {str(folder)!r} holds no images (extensions: {', '.join(sorted(IMG_EXTENSIONS))})")
+    return files
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto``: CUDA when available, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name!r} but CUDA is not available here")
+    return torch.device(name)

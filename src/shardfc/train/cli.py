@@ -1,0 +1,134 @@
+"""``shardfc train``: resolve the config, then run on spawned processes, under torchrun, or in-process.
+
+* under ``torchrun`` (RANK/WORLD_SIZE/MASTER_* set): join the env:// group the launcher describes;
+* ``--nproc N`` with N > 1 (default 2): spawn N local processes in a 127.0.0.1 group;
+* ``--nproc 1``: train in this process without a process group.
+
+gloo on CPU, NCCL when training on CUDA. Only rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import checkpoint as ckpt
+from ..distributed.launch import WorkerError, init_from_env, launched_by_torchrun, spawn
+from .config import ConfigError, TrainConfig, parse_config, to_toml
+from .trainer import train
+
+__all__ = ["main", "run", "USER_ERRORS"]
+
+#: Errors caused by the input (config, files, checkpoints): reported in one line, without a traceback
+#: (rank 0's train.log keeps it).
+USER_ERRORS = (ConfigError, ckpt.CheckpointError, FileNotFoundError, NotADirectoryError, ValueError, FloatingPointError)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg, args = parse_config(argv)
+    except ConfigError as e:
+        print(f"shardfc train: error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(to_toml(cfg))
+        return 0
+    try:
+        summary = run(cfg)
+    except USER_ERRORS as e:
+        print(f"shardfc train: error: {e}", file=sys.stderr)
+        return 2
+    if summary is not None:
+        print_summary(summary)
+    return 0
+
+
+def run(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
+    """Train with the launch mode the environment and ``cfg.nproc`` select.
+
+    Returns rank 0's summary (None on the other ranks under torchrun). Errors of the input are
+    raised as themselves in-process, as :class:`ConfigError` with the same message from spawned
+    ranks; a spawned rank's unexpected error as :class:`WorkerError` with its traceback.
+    """
+    if launched_by_torchrun():
+        backend = "nccl" if _wants_cuda(cfg) else "gloo"
+        rank, _ = init_from_env(backend)
+        try:
+            summary = train(cfg)
+        finally:
+            dist.destroy_process_group()
+        return summary if rank == 0 else None
+    preflight(cfg)
+    if cfg.nproc == 1:
+        return train(cfg)
+    if _wants_cuda(cfg) and cfg.nproc > torch.cuda.device_count():
+        raise ConfigError(
+            f"nproc={cfg.nproc} but only {torch.cuda.device_count()} CUDA device(s) are visible: NCCL needs one "
+            "device per rank (lower --nproc, or --device cpu)"
+        )
+    if not _wants_cuda(cfg) and cfg.nproc > (os.cpu_count() or 1):
+        logging.getLogger("shardfc.train").warning(
+            "nproc=%d exceeds the %d CPU core(s) here: processes will share cores", cfg.nproc, os.cpu_count()
+        )
+    results = spawn(_spawned, cfg.nproc, cfg, backend="nccl" if _wants_cuda(cfg) else "gloo", timeout_s=1800.0)
+    failed = [r for r in results if "error" in r]
+    if failed:
+        # The rank with an input error explains the others' broken collectives.
+        first = next((r for r in failed if r["user_error"]), failed[0])
+        if first["user_error"]:
+            raise ConfigError(first["error"])
+        raise WorkerError(f"rank {first['rank']} failed:\n{first['traceback']}")
+    return results[0]
+
+
+def _spawned(rank: int, world_size: int, cfg: TrainConfig) -> Dict[str, Any]:
+    """Entry point of a spawned rank: its summary, or its error as data for the parent to report."""
+    try:
+        return train(cfg)
+    except Exception as e:  # the parent decides how to report; a raise here would print every rank's traceback
+        user = isinstance(e, USER_ERRORS)
+        return {"error": str(e), "rank": rank, "user_error": user, "traceback": traceback.format_exc()}
+
+
+def _wants_cuda(cfg: TrainConfig) -> bool:
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+
+
+def preflight(cfg: TrainConfig) -> None:
+    """Cheap checks of the input before any process starts, so that mistakes fail in a second."""
+    cfg.validate()
+    if cfg.dataset == "folder":
+        root = Path(cfg.data_root)
+        if not root.is_dir():
+            raise FileNotFoundError(f"data_root={cfg.data_root!r} does not exist or is not a folder")
+    if cfg.dataset == "list" and not Path(cfg.list_file).is_file():
+        raise FileNotFoundError(f"list_file={cfg.list_file!r} does not exist")
+    for path in cfg.val_bins:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"val_bins: {path!r} does not exist")
+    if cfg.reid_root and not Path(cfg.reid_root).is_dir():
+        raise FileNotFoundError(f"reid_root={cfg.reid_root!r} does not exist or is not a folder")
+
+
+def print_summary(summary: Dict[str, Any]) -> None:
+    """What a person wants after a run: where it went and how good it is."""
+    print(f"trained {summary['step']} steps in {summary['wall_time_s']:.1f} s; run folder {summary['output_dir']}")
+    if summary.get("checkpoint"):
+        print(f"checkpoint: {summary['checkpoint']}")
+    for name, metrics in summary.get("metrics", {}).items():
+        what = summary.get("descriptions", {}).get(name, name)
+        if "accuracy" in metrics:
+            print(
+                f"verification accuracy on {what}: {100 * metrics['accuracy']:.2f}% "
+                f"± {100 * metrics.get('accuracy_std', 0.0):.2f} (chance: 50%)"
+            )
+        else:
+            print(f"{what}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))

@@ -1,0 +1,106 @@
+"""``shardfc embed``: embeddings of every image under a folder, with a checkpoint's backbone.
+
+Images are found recursively (sorted paths), resized to the training input size and normalised
+as in training. Corrupt images are skipped, counted and named in a warning. Output by suffix:
+
+* ``.pt``: ``{"embeddings": float32 [N, D], "paths": [N paths relative to --images], "checkpoint": str}``;
+* ``.npy``: the ``[N, D]`` array, with the paths one per line in ``<out>.paths.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Iterator, List, Optional
+
+import numpy as np
+import torch
+
+from .. import checkpoint as ckpt
+from ..data import CorruptImageError, decode_image, image_to_tensor
+from ..evaluation.verification import embed_batches
+from .artifacts import list_images, load_backbone, pick_device
+from .config import ConfigError
+
+__all__ = ["main"]
+
+SUFFIXES = (".pt", ".npy")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardfc embed", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--checkpoint", required=True, metavar="PATH", help="a checkpoint folder, or a run folder (its newest checkpoint)")
+    p.add_argument("--images", required=True, metavar="DIR", help="folder of images (searched recursively)")
+    p.add_argument("--out", required=True, metavar="FILE", help="output file: .pt or .npy")
+    p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default: 256)")
+    p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=True,
+                   help="add the mirrored image's embedding (default: on)")
+    p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
+                   help="L2-normalise the embeddings (default: on)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    p.add_argument("--force", action="store_true", help="replace an existing output file")
+    return p
+
+
+def _batches(files: List[Path], image_size, batch_size: int, kept: List[Path], corrupt: List[str]) -> Iterator[torch.Tensor]:
+    """Decoded image batches; appends each decoded file to ``kept`` and each undecodable one to ``corrupt``."""
+    batch: List[torch.Tensor] = []
+    for path in files:
+        try:
+            batch.append(image_to_tensor(decode_image(path), image_size))
+        except CorruptImageError as e:
+            corrupt.append(f"{path} ({e.reason})")
+            continue
+        kept.append(path)
+        if len(batch) == batch_size:
+            yield torch.stack(batch)
+            batch = []
+    if batch:
+        yield torch.stack(batch)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    out = Path(args.out)
+    try:
+        if out.suffix not in SUFFIXES:
+            raise ConfigError(f"--out {args.out!r} must end in {' or '.join(SUFFIXES)}")
+        if out.exists() and not args.force:
+            raise FileExistsError(f"{out} exists; pass --force to replace it")
+        if args.batch_size < 1:
+            raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+        files = list_images(args.images)
+        device = pick_device(args.device)
+        trained = load_backbone(args.checkpoint, device)
+        kept: List[Path] = []
+        corrupt: List[str] = []
+        batches = _batches(files, trained.image_size, args.batch_size, kept, corrupt)
+        try:
+            emb = embed_batches(trained.model, batches, flip=args.flip, device=device)
+        except ValueError:  # no batch at all
+            raise ValueError(f"none of the {len(files)} images under {args.images!r} could be decoded") from None
+    except (ConfigError, ckpt.CheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"shardfc embed: error: {e}", file=sys.stderr)
+        return 2
+    if args.normalize:
+        emb = torch.nn.functional.normalize(emb, dim=1)
+    root = Path(args.images)
+    paths = [str(p.relative_to(root)) for p in kept]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # a crash never leaves a half-written output
+    if out.suffix == ".pt":
+        torch.save({"embeddings": emb, "paths": paths, "checkpoint": str(trained.path)}, tmp)
+        os.replace(tmp, out)
+    else:
+        with open(tmp, "wb") as f:
+            np.save(f, emb.numpy())
+        os.replace(tmp, out)
+        Path(f"{out}.paths.txt").write_text("".join(p + "\n" for p in paths), encoding="utf-8")
+    if corrupt:
+        print(f"warning: skipped {len(corrupt)} corrupt image(s): " + "; ".join(corrupt[:5])
+              + (" ..." if len(corrupt) > 5 else ""), file=sys.stderr)
+    print(f"wrote {out}: {emb.shape[0]} x {emb.shape[1]} embeddings of images under {args.images}"
+          + (f" (paths in {out}.paths.txt)" if out.suffix == ".npy" else ""))
+    return 0

@@ -1,0 +1,72 @@
+"""``shardfc eval``: evaluate a checkpoint's backbone on verification pairs or a re-ID split.
+
+With no target flag, the targets of the run that saved the checkpoint are used (its val_bins,
+reid_root, and held-out synthetic pairs for a synthetic run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import sys
+from typing import List, Optional
+
+import torch
+
+from .. import checkpoint as ckpt
+from .artifacts import load_backbone, pick_device
+from .config import ConfigError
+from .evaluate import build_targets, run_targets
+from .runlog import format_metrics
+
+__all__ = ["main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardfc eval", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--checkpoint", required=True, metavar="PATH", help="a checkpoint folder, or a run folder (its newest checkpoint)")
+    p.add_argument("--bin", nargs="+", default=None, metavar="FILE", help="insightface verification .bin files")
+    p.add_argument("--reid-root", default=None, metavar="DIR", help="re-ID dataset root with query/gallery splits")
+    p.add_argument("--synthetic-pairs", type=int, default=None, metavar="N",
+                   help="held-out synthetic pairs of unseen identities (for a synthetic run; 0: none)")
+    p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default: 256)")
+    p.add_argument("--flip", action=argparse.BooleanOptionalAction, default=True,
+                   help="add the mirrored image's embedding (default: on)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    p.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none", help="autocast dtype (default: none)")
+    p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.batch_size < 1:
+            raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+        device = pick_device(args.device)
+        trained = load_backbone(args.checkpoint, device)
+        cfg = dataclasses.replace(trained.config, eval_batch_size=args.batch_size, eval_flip=args.flip)
+        explicit = args.bin is not None or args.reid_root is not None or args.synthetic_pairs is not None
+        dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+        autocast = contextlib.nullcontext if dtype is None else (lambda: torch.autocast(device.type, dtype=dtype))
+        targets = build_targets(
+            cfg, trained.image_size, device, autocast,
+            bins=args.bin or ([] if explicit else None),
+            reid_root=args.reid_root or ("" if explicit else None),
+            synthetic_pairs=args.synthetic_pairs if args.synthetic_pairs is not None else (0 if explicit else None),
+        )
+        if not targets:
+            raise ConfigError("nothing to evaluate: pass --bin FILE..., --reid-root DIR or --synthetic-pairs N")
+        metrics = run_targets(targets, trained.model)
+    except (ConfigError, ckpt.CheckpointError, FileNotFoundError, ValueError) as e:
+        print(f"shardfc eval: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"checkpoint": str(trained.path), "metrics": metrics}, indent=2))
+        return 0
+    print(f"checkpoint {trained.path} ({trained.config.backbone}, {trained.config.embedding_dim}-d)")
+    for t in targets:
+        print(f"  {t.name}: {format_metrics(metrics[t.name])}  [{t.description}]")
+    return 0

@@ -1,0 +1,114 @@
+"""``shardfc export``: write a checkpoint's backbone for inference, as TorchScript and optionally ONNX.
+
+The TorchScript file is traced on the CPU in eval mode; it maps float images ``[N, 3, H, W]`` in
+``[-1, 1]`` (the training normalisation) to ``[N, D]`` embeddings (not L2-normalised). It is
+reloaded and compared with the eager backbone before the command reports success. The file
+carries ``shardfc.json`` (backbone, embedding size, input size, normalisation) as an extra file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from .. import checkpoint as ckpt
+from .artifacts import load_backbone
+from .config import ConfigError
+
+__all__ = ["main", "export_torchscript", "export_onnx"]
+
+#: Largest |difference| between the eager and the reloaded exported model that counts as equal.
+TOLERANCE = 1e-4
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardfc export", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--checkpoint", required=True, metavar="PATH", help="a checkpoint folder, or a run folder (its newest checkpoint)")
+    p.add_argument("--out", required=True, metavar="FILE", help="TorchScript file to write (e.g. model.pt)")
+    p.add_argument("--onnx", nargs="?", const="", default=None, metavar="FILE",
+                   help="also write ONNX (default file: --out with the suffix .onnx); needs the 'onnx' package")
+    p.add_argument("--force", action="store_true", help="replace existing output files")
+    return p
+
+
+def _check_writable(path: Path, force: bool) -> None:
+    if path.exists() and not force:
+        raise FileExistsError(f"{path} exists; pass --force to replace it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+
+def export_torchscript(model: torch.nn.Module, example: torch.Tensor, out: Path, metadata: dict) -> float:
+    """Trace ``model`` to ``out`` (written atomically); returns the max |difference| after reloading."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch marks jit as deprecated; trace still works
+        traced = torch.jit.trace(model, example)
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        torch.jit.save(traced, str(tmp), _extra_files={"shardfc.json": json.dumps(metadata)})
+        os.replace(tmp, out)
+        reloaded = torch.jit.load(str(out), map_location="cpu")
+    probe = torch.randn(3, *example.shape[1:], generator=torch.Generator().manual_seed(0)).clamp(-1, 1)
+    with torch.no_grad():
+        return float((reloaded(probe) - model(probe)).abs().max())
+
+
+def export_onnx(model: torch.nn.Module, example: torch.Tensor, out: Path) -> None:
+    """Write ``model`` as ONNX with a dynamic batch dimension (input ``images``, output ``embeddings``)."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(
+            model, (example,), str(tmp), input_names=["images"], output_names=["embeddings"],
+            dynamic_axes={"images": {0: "batch"}, "embeddings": {0: "batch"}}, dynamo=False,
+        )
+    os.replace(tmp, out)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    out = Path(args.out)
+    onnx_out = None if args.onnx is None else Path(args.onnx or out.with_suffix(".onnx"))
+    try:
+        _check_writable(out, args.force)
+        if onnx_out is not None:
+            _check_writable(onnx_out, args.force)
+        trained = load_backbone(args.checkpoint, "cpu")
+        h, w = trained.image_size
+        example = torch.zeros(2, 3, h, w)
+        metadata = {
+            "backbone": trained.config.backbone,
+            "embedding_dim": trained.config.embedding_dim,
+            "input_size": [h, w],
+            "input": "float32 [N, 3, H, W], RGB, (pixel / 255 - 0.5) / 0.5",
+            "checkpoint": str(trained.path),
+        }
+        diff = export_torchscript(trained.model, example, out, metadata)
+    except (ConfigError, ckpt.CheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"shardfc export: error: {e}", file=sys.stderr)
+        return 2
+    if diff > TOLERANCE:
+        print(f"shardfc export: error: the reloaded TorchScript model differs from the checkpoint's by {diff:.3g}",
+              file=sys.stderr)
+        return 1
+    print(f"wrote {out} (TorchScript, {trained.config.backbone}, input [N, 3, {h}, {w}] -> "
+          f"[N, {trained.config.embedding_dim}]; reload check: max |diff| {diff:.2g})")
+    if onnx_out is None:
+        return 0
+    if importlib.util.find_spec("onnx") is None:
+        print(f"shardfc export: ONNX export needs the 'onnx' package, which is not installed (pip install onnx); "
+              f"{onnx_out} was not written", file=sys.stderr)
+        return 1
+    try:
+        export_onnx(trained.model, example, onnx_out)
+    except Exception as e:  # the exporter's many failure types all mean the same thing to a user
+        print(f"shardfc export: ONNX export failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {onnx_out} (ONNX, dynamic batch)")
+    return 0

@@ -1,0 +1,115 @@
+"""Evaluation targets of a run: synthetic held-out pairs, insightface ``.bin`` files, a re-ID split.
+
+Targets are loaded once (before training starts, so a missing file fails fast) and evaluated on
+one process with the plain backbone module: verification needs no collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from ..evaluation import evaluate_reid, evaluate_verification, load_bin, load_reid_split
+from .config import ConfigError, TrainConfig
+
+__all__ = ["EvalTarget", "build_targets", "run_targets", "synthetic_dataset"]
+
+logger = logging.getLogger("shardfc.train")
+
+
+@dataclass
+class EvalTarget:
+    """One named evaluation: a callable from a backbone to a metrics dict."""
+
+    name: str
+    """Short name, used as the metric prefix (``val/<name>/accuracy``)."""
+    description: str
+    """What is evaluated, for a person (``1000 held-out synthetic pairs of unseen identities``)."""
+    evaluate: Callable[[nn.Module], Dict[str, float]]
+    """Runs the evaluation with a backbone (any mode; restored afterwards)."""
+
+
+def synthetic_dataset(cfg: TrainConfig, image_size: Tuple[int, int]):
+    """The synthetic identity set a config trains on."""
+    from ..data import SyntheticIdentities
+
+    return SyntheticIdentities(
+        cfg.synthetic_identities, cfg.synthetic_images_per_identity, tuple(image_size), seed=cfg.seed
+    )
+
+
+def build_targets(
+    cfg: TrainConfig,
+    image_size: Tuple[int, int],
+    device: torch.device,
+    autocast: Callable[[], Any] = contextlib.nullcontext,
+    *,
+    bins: List[str] | None = None,
+    reid_root: str | None = None,
+    synthetic_pairs: int | None = None,
+) -> List[EvalTarget]:
+    """The targets ``cfg`` asks for (``bins``/``reid_root``/``synthetic_pairs`` override it)."""
+    bins = list(cfg.val_bins) if bins is None else bins
+    reid_root = cfg.reid_root if reid_root is None else reid_root
+    if synthetic_pairs is None:
+        synthetic_pairs = cfg.synthetic_val_pairs if cfg.dataset == "synthetic" else 0
+    kw = dict(batch_size=cfg.eval_batch_size, flip=cfg.eval_flip, device=device)
+    targets: List[EvalTarget] = []
+
+    if synthetic_pairs:
+        # Unseen identities make this open-set, like LFW: the backbone must generalise, not memorise.
+        pairs = synthetic_dataset(cfg, image_size).verification_pairs(
+            synthetic_pairs, seed=cfg.seed + 1, unseen_identities=True
+        )
+
+        def synthetic(model: nn.Module, pairs=pairs) -> Dict[str, float]:
+            with autocast():
+                return evaluate_verification(model, (pairs[0], pairs[1]), pairs[2], **kw)
+
+        targets.append(
+            EvalTarget("synthetic", f"{synthetic_pairs} held-out synthetic pairs of unseen identities", synthetic)
+        )
+
+    for path in bins:
+        try:
+            images, issame = load_bin(path, image_size)
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # a broken pickle surfaces as almost any error type; name the file
+            raise ConfigError(f"val_bins: cannot load {path!r}: {type(e).__name__}: {e}") from e
+        logger.info("loaded %s: %d pairs", path, len(issame))
+
+        def verification(model: nn.Module, images=images, issame=issame) -> Dict[str, float]:
+            with autocast():
+                return evaluate_verification(model, images, issame, **kw)
+
+        targets.append(EvalTarget(Path(path).stem, f"{len(issame)} pairs of {path}", verification))
+
+    if reid_root:
+        targets.append(_reid_target(reid_root, image_size, cfg, device, autocast))
+    return targets
+
+
+def _reid_target(root: str, image_size, cfg: TrainConfig, device, autocast) -> EvalTarget:
+    query, gallery = load_reid_split(root, image_size=tuple(image_size))  # scan now: a bad root fails early
+    logger.info("loaded re-ID split %s: %d query, %d gallery images", root, len(query), len(gallery))
+
+    def evaluate(model: nn.Module) -> Dict[str, float]:
+        with autocast():
+            return evaluate_reid(
+                model, root, image_size=tuple(image_size), batch_size=cfg.eval_batch_size, flip=cfg.eval_flip,
+                device=device,
+            )
+
+    return EvalTarget("reid", f"re-ID query/gallery of {root}", evaluate)
+
+
+def run_targets(targets: List[EvalTarget], model: nn.Module) -> Dict[str, Dict[str, float]]:
+    """``{target name: metrics}`` for every target."""
+    return {t.name: t.evaluate(model) for t in targets}

@@ -1,0 +1,159 @@
+"""What a run tells a person: log lines, a progress bar, and scalar logs (CSV, TensorBoard if installed).
+
+Only rank 0 writes anything; on the other ranks every method is a no-op and the ``shardfc``
+loggers are raised to ERROR, so a multi-process run prints one stream.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Dict, Mapping, Optional
+
+__all__ = ["RunLog", "format_metrics"]
+
+logger = logging.getLogger("shardfc.train")
+
+#: Loggers of the library whose records a run shows (data warnings, checkpoint saves, ...).
+_LIBRARY_LOGGER = "shardfc"
+
+
+class _TqdmHandler(logging.StreamHandler):
+    """Writes records above an active tqdm bar instead of through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # logging must never kill the run
+            self.handleError(record)
+
+
+class RunLog:
+    """Logging, progress bar and scalar files of one run; use as a context manager.
+
+    Args:
+        output_dir: run folder; ``train.log`` and ``metrics.csv`` are appended to (a resumed run
+            continues them, nothing earlier is lost).
+        is_main: this process writes (rank 0).
+        progress: show a bar (tqdm when installed and stderr is a terminal); without one, the
+            periodic log lines are the progress report.
+    """
+
+    def __init__(self, output_dir: Path, is_main: bool, progress: bool = True) -> None:
+        self.output_dir = Path(output_dir)
+        self.is_main = is_main
+        self.progress = progress
+        self._handlers: list = []
+        self._saved_level: Optional[int] = None
+        self._saved_propagate = True
+        self._csv_file = None
+        self._csv = None
+        self._tb = None
+        self._bar = None
+        self._use_bar = False
+        self._logfile: Optional[logging.Handler] = None
+        self._start = time.time()
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "RunLog":
+        lib = logging.getLogger(_LIBRARY_LOGGER)
+        self._saved_level, self._saved_propagate = lib.level, lib.propagate
+        if not self.is_main:
+            lib.setLevel(logging.ERROR)
+            return self
+        lib.setLevel(logging.INFO)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        use_bar = self.progress and sys.stderr.isatty() and importlib.util.find_spec("tqdm") is not None
+        console = _TqdmHandler() if use_bar else logging.StreamHandler(sys.stderr)
+        console.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        logfile = logging.FileHandler(self.output_dir / "train.log", encoding="utf-8")
+        logfile.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        for h in (console, logfile):
+            lib.addHandler(h)
+            self._handlers.append(h)
+        self._logfile = logfile
+        lib.propagate = False  # the run's handlers are the single place records go
+        self._use_bar = use_bar
+        csv_path = self.output_dir / "metrics.csv"
+        new = not csv_path.exists() or csv_path.stat().st_size == 0
+        self._csv_file = open(csv_path, "a", newline="", encoding="utf-8")
+        self._csv = csv.writer(self._csv_file)
+        if new:
+            self._csv.writerow(["step", "name", "value", "elapsed_s"])
+        if importlib.util.find_spec("tensorboard") is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.output_dir / "tensorboard"))
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close_bar()
+        if exc is not None and self._logfile is not None:
+            # The console gets a one-line error from the CLI; the log keeps the traceback.
+            record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, "run failed", (), (exc_type, exc, tb))
+            self._logfile.handle(record)
+        if self._csv_file is not None:
+            self._csv_file.close()
+        if self._tb is not None:
+            self._tb.close()
+        lib = logging.getLogger(_LIBRARY_LOGGER)
+        for h in self._handlers:
+            lib.removeHandler(h)
+            h.close()
+        if self._saved_level is not None:
+            lib.setLevel(self._saved_level)
+            lib.propagate = self._saved_propagate
+
+    # ------------------------------------------------------------------ progress
+    def open_bar(self, start: int, total: int) -> None:
+        if self._use_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def advance(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def set_postfix(self, values: Mapping[str, float]) -> None:
+        """Show ``values`` (loss, lr, images/s) next to the bar."""
+        if self._bar is not None:
+            self._bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()}, refresh=True)
+
+    def close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    # ------------------------------------------------------------------ scalars
+    def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        """Append ``values`` at ``step`` to metrics.csv (and TensorBoard)."""
+        if not self.is_main:
+            return
+        now = round(time.time() - self._start, 3)
+        for name, value in values.items():
+            self._csv.writerow([step, name, f"{float(value):.6g}", now])
+            if self._tb is not None and math.isfinite(float(value)):
+                self._tb.add_scalar(name, float(value), step)
+        self._csv_file.flush()
+
+
+def format_metrics(values: Dict[str, float], keys=("accuracy", "tar@far=1e-3")) -> str:
+    """``accuracy 93.10% ± 1.20, tar@far=1e-3 41.2%`` from a verification metrics dict."""
+    parts = []
+    if "accuracy" in values:
+        parts.append(f"accuracy {100 * values['accuracy']:.2f}% ± {100 * values.get('accuracy_std', 0.0):.2f}")
+    for k in keys[1:]:
+        if k in values and math.isfinite(values[k]):
+            parts.append(f"{k} {100 * values[k]:.2f}%")
+    for k in ("mAP", "rank1", "rank5"):
+        if k in values:
+            parts.append(f"{k} {100 * values[k]:.2f}%")
+    return ", ".join(parts) if parts else ", ".join(f"{k} {v:.4g}" for k, v in values.items())

@@ -1,0 +1,123 @@
+"""TrainConfig: TOML loading, presets, CLI overrides, and the errors for unknown keys and bad types."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shardfc.train import cli as train_cli
+from shardfc.train.config import (
+    SECTIONS,
+    ConfigError,
+    TrainConfig,
+    available_presets,
+    build_parser,
+    config_from_mapping,
+    field_help,
+    load_toml,
+    parse_config,
+    preset_path,
+    to_toml,
+)
+
+
+def _write(tmp_path, text: str, name: str = "cfg.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_valid_and_equal_the_synthetic_preset():
+    cfg = TrainConfig().validate()
+    preset = config_from_mapping(load_toml(preset_path("synthetic")))
+    assert preset == cfg
+    assert cfg.dataset == "synthetic" and cfg.nproc == 2
+
+
+def test_every_field_has_help_and_a_section():
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert names == {n for section in SECTIONS.values() for n in section}
+    assert all(field_help(n) for n in names), [n for n in names if not field_help(n)]
+    text = build_parser().format_help()
+    assert "--sample-rate" in text and field_help("sample_rate").split()[0] in text
+    assert "--no-eval-flip" in text
+
+
+@pytest.mark.parametrize("name", ["synthetic", "ms1mv3_r50_arcface", "glint360k_r100_pfc", "market1501_r50_reid"])
+def test_presets_load_and_validate(name):
+    assert name in available_presets()
+    cfg, _ = parse_config(["--preset", name])
+    if name == "glint360k_r100_pfc":
+        assert cfg.backbone == "iresnet100" and cfg.sample_rate == 0.2 and cfg.amp == "fp16"
+    if name == "market1501_r50_reid":
+        assert cfg.backbone == "resnet50" and cfg.image_size == [256, 128] and cfg.optimizer == "adamw"
+
+
+def test_flat_and_sectioned_toml_and_precedence(tmp_path):
+    flat = _write(tmp_path, 'lr = 0.05\nmargin = "cosface"\nbetas = [0.8, 0.99]\nepochs = 3\n', "flat.toml")
+    sectioned = _write(tmp_path, '[optim]\nlr = 0.05\n[head]\nmargin = "cosface"\nm = 0.4\n', "sec.toml")
+    cfg, _ = parse_config(["--config", str(flat)])
+    assert (cfg.lr, cfg.margin, cfg.betas, cfg.epochs) == (0.05, "cosface", [0.8, 0.99], 3)
+    cfg, _ = parse_config(["--config", str(sectioned), "--lr", "0.2", "--no-eval-flip", "--betas", "0.5", "0.6"])
+    assert (cfg.lr, cfg.margin, cfg.m, cfg.eval_flip, cfg.betas) == (0.2, "cosface", 0.4, False, [0.5, 0.6])
+    assert cfg.margin_params() == {"scale": 32.0, "margin": 0.4}
+    # preset < config < flags
+    cfg, _ = parse_config(["--preset", "ms1mv3_r50_arcface", "--config", str(flat), "--batch-size", "7"])
+    assert (cfg.backbone, cfg.lr, cfg.batch_size) == ("iresnet50", 0.05, 7)
+
+
+def test_int_accepted_for_float_and_roundtrip(tmp_path):
+    cfg = config_from_mapping({"lr": 1, "val_bins": ["a.bin"], "image_size": [16, 16]})
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float)
+    again = config_from_mapping(load_toml(_write(tmp_path, to_toml(cfg))))
+    assert again == cfg
+
+
+def test_unknown_toml_key_names_the_closest(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'lerning_rate'|unknown key 'lrr'.*did you mean 'lr'"):
+        parse_config(["--config", str(_write(tmp_path, "lrr = 0.1\n"))])
+    with pytest.raises(ConfigError, match=r"unknown key optim.momentun.*did you mean 'momentum'"):
+        config_from_mapping({"optim": {"momentun": 0.9}})
+    with pytest.raises(ConfigError, match=r"'lr' belongs in \[optim\], not \[data\]"):
+        config_from_mapping({"data": {"lr": 0.1}})
+
+
+def test_unknown_flag_and_preset_name_the_closest():
+    with pytest.raises(ConfigError, match=r"unknown argument '--sample-rat'.*did you mean '--sample-rate'"):
+        parse_config(["--sample-rat", "0.1"])
+    with pytest.raises(ConfigError, match=r"unknown preset 'glint360k'.*did you mean 'glint360k_r100_pfc'"):
+        parse_config(["--preset", "glint360k"])
+
+
+def test_type_errors_name_field_and_value(tmp_path):
+    with pytest.raises(ConfigError, match=r"lr must be float, got 'fast' \(str\)"):
+        parse_config(["--config", str(_write(tmp_path, 'lr = "fast"\n'))])
+    with pytest.raises(ConfigError, match=r"batch_size must be int, got True"):
+        config_from_mapping({"batch_size": True})
+    with pytest.raises(ConfigError, match=r"lr must be float, got 'abc'"):
+        parse_config(["--lr", "abc"])
+    with pytest.raises(ConfigError, match=r"margin must be one of .*got 'arcfce'; did you mean 'arcface'"):
+        parse_config(["--margin", "arcfce"])
+    with pytest.raises(ConfigError, match=r"sample_rate must be in \(0, 1\], got 1.5"):
+        parse_config(["--sample-rate", "1.5"])
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        parse_config(["--config", str(_write(tmp_path, "lr = = 1\n"))])
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_config(["--config", str(tmp_path / "missing.toml")])
+
+
+def test_cli_reports_config_errors_in_one_line(capsys):
+    assert train_cli.main(["--lrr", "0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean '--lr'" in err and "Traceback" not in err
+    assert train_cli.main(["--print-config", "--lr", "0.3"]) == 0
+    assert "lr = 0.3" in capsys.readouterr().out
+
+
+def test_folder_dataset_errors_before_spawning(tmp_path, capsys):
+    assert train_cli.main(["--dataset", "folder"]) == 2
+    assert "dataset='folder' needs data_root" in capsys.readouterr().err
+    missing = tmp_path / "nope"
+    assert train_cli.main(["--dataset", "folder", "--data-root", str(missing)]) == 2
+    assert f"data_root={str(missing)!r} does not exist" in capsys.readouterr().err

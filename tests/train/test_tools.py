@@ -1,0 +1,106 @@
+"""``shardfc export``, ``embed`` and ``eval`` on the checkpoint of the shared 2-process run."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from shardfc.train import cli_embed, cli_eval, cli_export
+from shardfc.train.artifacts import load_backbone
+
+# torch marks TorchScript deprecated; exporting to it is what these tests check.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+
+
+def _png_bytes(color, size=(16, 16)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_export_round_trip(run2, tmp_path, capsys):
+    cfg, _ = run2
+    out = tmp_path / "model.pt"
+    assert cli_export.main(["--checkpoint", cfg.output_dir, "--out", str(out)]) == 0
+    assert "reload check" in capsys.readouterr().out
+    scripted = torch.jit.load(str(out))
+    eager = load_backbone(cfg.output_dir).model
+    x = torch.rand(5, 3, 16, 16) * 2 - 1  # another batch size than the trace's
+    with torch.no_grad():
+        assert torch.allclose(scripted(x), eager(x), atol=1e-5)
+    extra = {"shardfc.json": ""}
+    torch.jit.load(str(out), _extra_files=extra)
+    meta = json.loads(extra["shardfc.json"])
+    assert meta["input_size"] == [16, 16] and meta["embedding_dim"] == 16
+
+    assert cli_export.main(["--checkpoint", cfg.output_dir, "--out", str(out)]) == 2
+    assert "exists; pass --force" in capsys.readouterr().err
+    if importlib.util.find_spec("onnx") is None:
+        code = cli_export.main(["--checkpoint", cfg.output_dir, "--out", str(out), "--force", "--onnx"])
+        assert code == 1
+        assert "needs the 'onnx' package" in capsys.readouterr().err
+        assert not (tmp_path / "model.onnx").exists()
+
+
+def test_embed_writes_one_row_per_decodable_image(run2, tmp_path, capsys):
+    cfg, _ = run2
+    images = tmp_path / "imgs"
+    (images / "a").mkdir(parents=True)
+    for i, name in enumerate(["a/1.png", "a/2.png", "3.png"]):
+        (images / name).write_bytes(_png_bytes((40 * i, 90, 200), size=(20, 24)))
+    (images / "bad.jpg").write_bytes(b"\xff\xd8 truncated")
+    out = tmp_path / "emb.pt"
+    assert cli_embed.main(["--checkpoint", cfg.output_dir, "--images", str(images), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "skipped 1 corrupt image(s)" in captured.err and "bad.jpg" in captured.err
+    saved = torch.load(out)
+    assert saved["embeddings"].shape == (3, 16)
+    assert saved["paths"] == ["3.png", "a/1.png", "a/2.png"]
+    assert torch.allclose(saved["embeddings"].norm(dim=1), torch.ones(3), atol=1e-5)
+
+    npy = tmp_path / "emb.npy"
+    assert cli_embed.main(["--checkpoint", cfg.output_dir, "--images", str(images), "--out", str(npy)]) == 0
+    assert np.load(npy).shape == (3, 16)
+    assert Path(f"{npy}.paths.txt").read_text().splitlines() == saved["paths"]
+
+    assert cli_embed.main(["--checkpoint", cfg.output_dir, "--images", str(images), "--out", str(tmp_path / "e.csv")]) == 2
+    empty = tmp_path / "none"
+    empty.mkdir()
+    assert cli_embed.main(["--checkpoint", cfg.output_dir, "--images", str(empty), "--out", str(tmp_path / "x.pt")]) == 2
+    assert "holds no images" in capsys.readouterr().err
+
+
+def test_eval_synthetic_bin_and_reid(run2, tmp_path, capsys):
+    cfg, _ = run2
+    # Default targets: the run's own (held-out synthetic pairs).
+    assert cli_eval.main(["--checkpoint", cfg.output_dir]) == 0
+    assert "synthetic: accuracy" in capsys.readouterr().out
+
+    # An insightface-style .bin: pickled (encoded images, issame), 10 pairs.
+    colors = [(25 * i, 100, 255 - 25 * i) for i in range(10)]
+    bins = [b for i, c in enumerate(colors) for b in (_png_bytes(c), _png_bytes(c if i % 2 == 0 else colors[-1 - i]))]
+    bin_path = tmp_path / "toy.bin"
+    bin_path.write_bytes(pickle.dumps((bins, [i % 2 == 0 for i in range(10)])))
+    assert cli_eval.main(["--checkpoint", cfg.output_dir, "--bin", str(bin_path), "--json"]) == 0
+    metrics = json.loads(capsys.readouterr().out)["metrics"]
+    assert set(metrics) == {"toy"} and 0.0 <= metrics["toy"]["accuracy"] <= 1.0
+
+    # A Market-1501 style split: <pid>_c<cam>s1_<frame>_01.jpg in query/ and bounding_box_test/.
+    for folder, cam in (("query", 1), ("bounding_box_test", 2)):
+        (tmp_path / "market" / folder).mkdir(parents=True)
+        for pid in (1, 2, 3):
+            img = Image.new("RGB", (8, 16), (70 * pid, 30, 100))
+            img.save(tmp_path / "market" / folder / f"{pid:04d}_c{cam}s1_000{pid}00_01.jpg")
+    assert cli_eval.main(["--checkpoint", cfg.output_dir, "--reid-root", str(tmp_path / "market")]) == 0
+    assert "reid: mAP" in capsys.readouterr().out
+
+    assert cli_eval.main(["--checkpoint", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -1,0 +1,250 @@
+"""``shardfc train`` end to end on tiny synthetic data, resume on other world sizes, and bad input.
+
+One 2-process training run (the session fixture ``run2`` in conftest.py) feeds the resume tests;
+the other runs train in-process (``nproc=1``) where one process is enough.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from shardfc.checkpoint import find_checkpoints
+from shardfc.distributed.launch import spawn
+from shardfc.train import cli as train_cli
+from shardfc.train.config import ConfigError, TrainConfig
+from shardfc.train.trainer import (
+    Context,
+    ShardBatches,
+    _amp_dtype,
+    apply_gradients,
+    build_parts,
+    clip_head_grad_,
+    load_parts,
+    train,
+)
+
+from .tiny import STEPS, tiny_config
+
+
+def _copy_run(cfg: TrainConfig, dest: Path, **overrides) -> TrainConfig:
+    shutil.copytree(cfg.output_dir, dest)
+    return dataclasses.replace(cfg, output_dir=str(dest), **overrides)
+
+
+def _saved_head(path: Path, world: int) -> dict:
+    """The logical head state exactly as the saving ranks wrote it: their files, concatenated."""
+    shards = [torch.load(path / f"head_{r}.pt", weights_only=False)["tensors"] for r in range(world)]
+    return {k: torch.cat([s[k] for s in shards]) for k in shards[0]}
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+def test_two_process_run_trains_logs_checkpoints_and_evaluates(run2):
+    cfg, summary = run2
+    out = Path(cfg.output_dir)
+    assert summary["step"] == STEPS
+    assert [p.name for p in find_checkpoints(out / "checkpoints")] == ["step_00000003", "step_00000006"]
+    assert summary["checkpoint"].endswith("step_00000006")
+    acc = summary["metrics"]["synthetic"]["accuracy"]
+    assert 0.0 <= acc <= 1.0
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    names = {r["name"] for r in rows}
+    assert {"train/loss", "train/lr", "train/images_per_s", "val/synthetic/accuracy"} <= names
+    assert [int(r["step"]) for r in rows if r["name"] == "train/loss"] == [2, 4, 6]
+    log = (out / "train.log").read_text()
+    assert "step 6/6" in log and "2 rank(s) on cpu (gloo)" in log
+    assert (out / "config.toml").is_file()
+
+
+def _restore_and_continue(rank: int, world: int, cfg: TrainConfig, ckpt: str) -> dict:
+    """Load the checkpoint on this world size, report the logical state, then train 2 more steps."""
+    parts, state = load_parts(cfg, Path(ckpt))
+    opt_state = parts.opt_head.state[parts.head.weight]
+    # numpy, not tensors: a tensor sent back from a process that then exits cannot be received.
+    report = {
+        "rows": (parts.head.class_range.start, parts.head.class_range.stop),
+        "weight": parts.head.weight.detach().numpy().copy(),
+        "momentum": opt_state["momentum_buffer"].numpy().copy(),
+        "step": state.step,
+        "lr": [g["lr"] for g in parts.opt_head.param_groups + parts.opt_backbone.param_groups],
+        "backbone": {k: v.numpy().copy() for k, v in parts.module.state_dict().items()},
+    }
+    del parts
+    report["continued"] = train(dataclasses.replace(cfg, max_steps=STEPS + 2, eval_every=0))["step"]
+    return report
+
+
+def _check_restored(reports, saved_dir: Path, saved_lr: float):
+    saved = _saved_head(saved_dir, world=2)
+    common = torch.load(saved_dir / "common.pt", weights_only=False)
+    ranges = [r["rows"] for r in reports]
+    assert ranges[0][0] == 0 and ranges[-1][1] == 24 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert np.array_equal(np.concatenate([r["weight"] for r in reports]), saved["weight"].numpy())
+    momentum = np.concatenate([r["momentum"] for r in reports])
+    assert np.array_equal(momentum, saved["optimizer.0.momentum_buffer"].numpy())
+    for r in reports:
+        assert r["step"] == 3
+        assert r["lr"] == pytest.approx([saved_lr, saved_lr])
+        assert all(np.array_equal(v, common["backbone"][k].numpy()) for k, v in r["backbone"].items())
+        assert r["continued"] == STEPS + 2
+
+
+def test_resume_on_one_and_three_ranks_restores_the_logical_state(run2, tmp_path):
+    cfg, _ = run2
+    ckpt = Path(cfg.output_dir) / "checkpoints" / "step_00000003"
+    saved_lr = torch.load(ckpt / "common.pt", weights_only=False)["head_optimizer_param_groups"][0]["lr"]
+    assert saved_lr > 0
+
+    # W=2 -> W=1, in this process (no process group): one shard holds every row.
+    cfg1 = _copy_run(cfg, tmp_path / "w1", nproc=1, eval_every=0)
+    report1 = _restore_and_continue(0, 1, cfg1, str(Path(cfg1.output_dir) / "checkpoints" / "step_00000003"))
+    _check_restored([report1], ckpt, saved_lr)
+
+    # W=2 -> W=3: 24 classes become 3 shards of 8.
+    cfg3 = _copy_run(cfg, tmp_path / "w3", nproc=3, eval_every=0)
+    reports3 = spawn(_restore_and_continue, 3, cfg3, str(Path(cfg3.output_dir) / "checkpoints" / "step_00000003"))
+    assert [r["rows"] for r in reports3] == [(0, 8), (8, 16), (16, 24)]
+    _check_restored(reports3, ckpt, saved_lr)
+
+
+def _clip_worker(rank: int, world: int) -> tuple:
+    torch.manual_seed(0)
+    full = torch.randn(10, 4)
+    rows = [(0, 5), (5, 10)][rank]
+    head = torch.nn.Linear(4, rows[1] - rows[0], bias=False)
+    head.weight.grad = full[rows[0] : rows[1]].clone()
+    ctx = Context(rank, world, None, True, torch.device("cpu"))
+    norm = clip_head_grad_(head, 1.0, ctx)
+    return float(norm), head.weight.grad.numpy().copy()
+
+
+def test_head_gradient_is_clipped_by_its_global_norm():
+    results = spawn(_clip_worker, 2)
+    torch.manual_seed(0)
+    full = torch.randn(10, 4)
+    expected = full * (1.0 / (full.norm() + 1e-6))
+    assert results[0][0] == pytest.approx(float(full.norm()), rel=1e-6)
+    assert np.allclose(np.concatenate([r[1] for r in results]), expected.numpy(), atol=1e-6)
+
+
+def _overflow_worker(rank: int, world: int) -> list:
+    """Two fp16-style steps with the loss scaler on: rank 1's head overflows in the first."""
+    cfg = TrainConfig(image_size=[16, 16], embedding_dim=8, synthetic_identities=10, warmup_steps=0, max_steps=10)
+    ctx = Context(rank, world, None, True, torch.device("cpu"))
+    torch.manual_seed(0)
+    parts = build_parts(cfg, ctx, 10, (16, 16), total_steps=10, amp_dtype=torch.float16)
+    out = []
+    for poison in (True, False):
+        before = [p.detach().clone() for p in (parts.head.weight, *parts.module.parameters())]
+        images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(rank))
+        loss = parts.head(parts.backbone(images), torch.arange(4) + 4 * rank)
+        parts.scaler.scale(loss).backward()
+        if poison and rank == 1:
+            parts.head.weight.grad[0, 0] = float("inf")
+        apply_gradients(parts, cfg.grad_clip, ctx)
+        after = [parts.head.weight, *parts.module.parameters()]
+        out.append((not torch.equal(before[0], after[0]),
+                    any(not torch.equal(b, a) for b, a in zip(before[1:], after[1:])),
+                    parts.scaler.get_scale()))
+        parts.opt_backbone.zero_grad()
+        parts.opt_head.zero_grad()
+    return out
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank():
+    results = spawn(_overflow_worker, 2)
+    scale = results[0][0][2]
+    # Step 1: skipped everywhere, scale halved everywhere; step 2: applied everywhere, same scale.
+    assert results[0] == results[1] == [(False, False, scale), (True, True, scale)]
+
+
+# ---------------------------------------------------------------------------- in-process runs and bad input
+
+
+def test_fp16_on_cpu_falls_back_to_bf16_with_a_message(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="shardfc.train"):
+        assert _amp_dtype(TrainConfig(amp="fp16"), torch.device("cpu")) is torch.bfloat16
+    assert "using bf16 autocast instead" in caplog.text
+    cfg = tiny_config(tmp_path / "fp16", amp="fp16", nproc=1, max_steps=2, grad_accum=1, synthetic_val_pairs=0)
+    assert train(cfg)["step"] == 2
+    assert "amp='fp16' asked for, but this run is on the CPU" in (tmp_path / "fp16" / "train.log").read_text()
+
+
+def test_checkpoint_of_another_model_or_class_count_is_refused(run2, tmp_path):
+    cfg, _ = run2
+    other_model = _copy_run(cfg, tmp_path / "a", nproc=1, embedding_dim=32)
+    with pytest.raises(ConfigError, match=r"embedding_dim: checkpoint=16, this run=32.*new --output-dir"):
+        train(other_model)
+    other_classes = _copy_run(cfg, tmp_path / "b", nproc=1, synthetic_identities=30)
+    with pytest.raises(ConfigError, match=r"num_classes"):
+        train(other_classes)
+    fresh = _copy_run(cfg, tmp_path / "c", nproc=1, resume="none")
+    with pytest.raises(ConfigError, match=r"resume='none' but .* already holds checkpoints"):
+        train(fresh)
+    # Nothing was touched by the refused runs.
+    assert [p.name for p in find_checkpoints(tmp_path / "a" / "checkpoints")] == ["step_00000003", "step_00000006"]
+
+
+def test_truncated_checkpoint_is_skipped_and_kept_aside(run2, tmp_path):
+    cfg, _ = run2
+    cfg1 = _copy_run(cfg, tmp_path / "run", nproc=1, eval_every=0, synthetic_val_pairs=0)
+    root = Path(cfg1.output_dir) / "checkpoints"
+    head = root / "step_00000006" / "head_1.pt"
+    head.write_bytes(head.read_bytes()[:100])
+    summary = train(cfg1)
+    assert summary["step"] == STEPS and summary["checkpoint"].endswith("step_00000006")
+    aside = [p for p in root.iterdir() if p.name.startswith("step_00000006.set-aside-")]
+    assert len(aside) == 1 and (aside[0] / "head_1.pt").stat().st_size == 100
+    log = (Path(cfg1.output_dir) / "train.log").read_text()
+    assert "resuming from" in log and "step_00000003" in log
+
+
+def _png(path: Path, color) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (16, 16), color).save(path)
+
+
+def test_folder_dataset_with_a_corrupt_image_and_empty_folder(tmp_path, capsys):
+    data = tmp_path / "faces"
+    for ident in range(4):
+        for k in range(3):
+            _png(data / f"id{ident}" / f"{k}.png", (60 * ident, 20 * k, 100))
+    (data / "id0" / "broken.png").write_bytes(b"not an image at all")
+    cfg = tiny_config(tmp_path / "run", dataset="folder", data_root=str(data), nproc=1, batch_size=4, grad_accum=1,
+                      max_steps=4, log_every=4, ckpt_every=0, eval_every=0, synthetic_val_pairs=0)
+    assert train(cfg)["step"] == 4
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "skipping corrupt image" in log and "broken.png" in log
+    assert "corrupt image(s) skipped" in log
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    argv = ["--dataset", "folder", "--data-root", str(empty), "--nproc", "1", "--output-dir", str(tmp_path / "e")]
+    assert train_cli.main(argv) == 2
+    assert "contains no images" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- data order
+
+
+def test_shard_batches_fold_single_image_tails_and_resume_mid_epoch():
+    # 2 ranks x 9 images, batch 4: 4 + 4 + 1 -> the lone image joins the last batch.
+    a, b = (ShardBatches(18, 4, r, 2, seed=0, drop_last=False) for r in range(2))
+    assert [len(x) for x in a] == [4, 5] and len(a) == len(b) == 2
+    assert sorted(i for batch in list(a) + list(b) for i in batch) == list(range(18))
+    a.set_epoch(1, start=1)
+    assert len(a) == 1 and list(a) == ShardBatches._all(a)[1:]
+    dropped = ShardBatches(22, 4, 0, 2, seed=0, drop_last=True)
+    assert [len(x) for x in dropped] == [4, 4] and len(dropped) == 2
+    with pytest.raises(ConfigError, match="fewer than 2 per rank"):
+        ShardBatches(3, 4, 0, 3, seed=0, drop_last=False)
