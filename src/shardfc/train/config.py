@@ -146,9 +146,9 @@ class TrainConfig:
     """Log loss, learning rate and throughput every this many steps."""
     progress: bool = True
     """Show a progress bar on rank 0 when stderr is a terminal (tqdm if installed)."""
-    eval_every: int = 0
+    eval_every: int = 250
     """Evaluate every this many steps; 0: only at the end."""
-    ckpt_every: int = 0
+    ckpt_every: int = 500
     """Save a checkpoint every this many steps; 0: only at the end."""
     keep_last: int = 3
     """Keep this many newest checkpoints, deleting older complete ones; 0: keep all."""

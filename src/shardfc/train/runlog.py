@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Dict, Mapping, Optional
 
-__all__ = ["RunLog", "format_metrics"]
+__all__ = ["RunLog", "format_metrics", "plot_metrics"]
 
 logger = logging.getLogger("shardfc.train")
 
@@ -101,6 +101,11 @@ class RunLog:
             self._logfile.handle(record)
         if self._csv_file is not None:
             self._csv_file.close()
+            try:  # a picture of the run is a convenience: it must never fail the run
+                if plot_metrics(self.output_dir / "metrics.csv", self.output_dir / "curves.png"):
+                    logger.info("curves: %s", self.output_dir / "curves.png")
+            except Exception as e:  # noqa: BLE001
+                logger.warning("could not draw curves.png: %s", e)
         if self._tb is not None:
             self._tb.close()
         lib = logging.getLogger(_LIBRARY_LOGGER)
@@ -157,3 +162,54 @@ def format_metrics(values: Dict[str, float], keys=("accuracy", "tar@far=1e-3")) 
         if k in values:
             parts.append(f"{k} {100 * values[k]:.2f}%")
     return ", ".join(parts) if parts else ", ".join(f"{k} {v:.4g}" for k, v in values.items())
+
+
+#: The scalars a person looks at; the rest (epoch, thresholds, counts) stay in the CSV.
+_PANELS = ("train/loss", "train/lr", "train/images_per_s", "/accuracy", "/tar@far", "/mAP", "/rank1")
+
+
+def _worth_a_panel(name: str) -> bool:
+    return name.startswith(_PANELS[:3]) or any(name.endswith(p) or p + "=" in name for p in _PANELS[3:])
+
+
+def plot_metrics(csv_path: Path, png_path: Path) -> bool:
+    """Draw every scalar of ``metrics.csv`` against the step, one panel each, into ``png_path``.
+
+    Returns False (and draws nothing) when matplotlib is not installed or there is nothing to draw.
+    """
+    if importlib.util.find_spec("matplotlib") is None:
+        return False
+    series: Dict[str, list] = {}
+    with open(csv_path, newline="", encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            try:
+                name, step, value = row["name"], int(row["step"]), float(row["value"])
+            except (KeyError, TypeError, ValueError):
+                continue  # a torn last line of an interrupted run
+            if _worth_a_panel(name) and math.isfinite(value):
+                series.setdefault(name, []).append((step, value))
+    if not series:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted(series, key=lambda n: (not n.startswith("train/loss"), n))
+    cols = min(3, len(names))
+    rows = math.ceil(len(names) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        steps, values = zip(*sorted(series[name]))
+        ax.plot(steps, values, marker="o" if len(steps) < 20 else None, markersize=3)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    fig.tight_layout()
+    tmp = Path(png_path).with_suffix(".png.tmp")
+    fig.savefig(tmp, dpi=100, format="png")
+    plt.close(fig)
+    tmp.replace(png_path)  # a reader never sees half a picture
+    return True
