@@ -64,7 +64,14 @@ def _inverse_norms(w: Tensor, cfg: ShardConfig) -> Optional[Tensor]:
     """
     if not cfg.margin.normalize_weights:
         return None
-    norm = torch.linalg.vector_norm(w, dim=1, dtype=cfg.stats_dtype)
+    sd = cfg.stats_dtype
+    if w.dtype == sd or w.device.type != "cpu":
+        norm = torch.linalg.vector_norm(w, dim=1, dtype=sd)
+    else:  # on the CPU, dtype= first casts all of w ([K, D]): bound that copy to WGRAD_BLOCK rows
+        norm = torch.empty(w.shape[0], dtype=sd, device=w.device)
+        for b0 in range(0, w.shape[0], WGRAD_BLOCK):
+            rows = slice(b0, b0 + WGRAD_BLOCK)
+            torch.linalg.vector_norm(w[rows], dim=1, dtype=sd, out=norm[rows])
     return torch.where(norm >= NORM_EPS, norm.clamp(min=NORM_EPS).reciprocal(), torch.zeros_like(norm))
 
 

@@ -231,7 +231,9 @@ def _train_step(
 ) -> Tuple[torch.Tensor, int]:
     """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, corrupt images skipped)."""
     parts.opt_backbone.zero_grad(set_to_none=True)
-    parts.opt_head.zero_grad(set_to_none=True)
+    # The head's gradient buffer is kept: its backward then adds into it in place, block by block,
+    # instead of allocating a fresh [n_local, D] gradient every step.
+    parts.opt_head.zero_grad(set_to_none=False)
     loss_sum = torch.zeros((), device=ctx.device)
     corrupt = 0
     for micro in range(cfg.grad_accum):

@@ -1,0 +1,16 @@
+"""``shardfc bench``: step time, per-rank peak memory and traffic of the head variants.
+
+Python API::
+
+    from shardfc.bench import run_bench
+    results = run_bench(world_size=2, batch=256, dim=64, classes=40_000, variants="sharded,chunked", steps=3)
+
+Each result is a dict with exactly ``variant, step_time_s, peak_bytes_per_rank, balance,
+comm_bytes_per_rank, floor_ratio`` (see :mod:`shardfc.bench.runner` for their definitions and
+:mod:`shardfc.bench.memory` for the memory measure). :mod:`shardfc.bench.report` writes the
+Markdown table, the JSON and the PNG.
+"""
+
+from .runner import DEFAULT_CHUNK_SIZE, FIELDS, VARIANTS, local_batch_sizes, parse_variants, run_bench, variant_status
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "FIELDS", "VARIANTS", "local_batch_sizes", "parse_variants", "run_bench", "variant_status"]

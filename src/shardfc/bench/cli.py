@@ -1,0 +1,105 @@
+"""``shardfc bench``: compare the head variants on W spawned processes.
+
+Example (CPU, 2 ranks)::
+
+    shardfc bench --world-size 2 --batch 256 --dim 64 --classes 40000 \\
+        --variants naive,replicated,sharded,chunked,partial --steps 3 --json out.json --plot out.png
+
+Prints a Markdown table on stdout and progress on stderr. ``--json`` writes a list with one object
+per variant holding exactly ``variant, step_time_s, peak_bytes_per_rank, balance,
+comm_bytes_per_rank, floor_ratio`` (definitions: :mod:`shardfc.bench.runner`). Every variant keeps
+its gradients between steps (``zero_grad(set_to_none=False)``): ``peak_bytes_per_rank`` is the
+step's peak above the resting state = weights + gradients + optimizer state, measured after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from . import report
+from .runner import DEFAULT_CHUNK_SIZE, DTYPES, VARIANTS, run_bench
+
+
+def _chunk_arg(text: str):
+    return "auto" if text == "auto" else int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..margins import MARGINS
+
+    p = argparse.ArgumentParser(
+        prog="shardfc bench",
+        description="Measure step time, per-rank peak memory, traffic and matmul-floor ratio of the head variants. "
+        "Gradients stay allocated between steps (zero_grad(set_to_none=False)); peak memory is the step's peak "
+        "above the resting state = weights + gradients + optimizer state, measured after warm-up.",
+    )
+    p.add_argument("--world-size", type=int, required=True, help="processes to spawn (ranks)")
+    p.add_argument("--batch", type=int, required=True, help="GLOBAL batch, split over the ranks")
+    p.add_argument("--dim", type=int, required=True, help="embedding width D")
+    p.add_argument("--classes", type=int, required=True, help="number of classes C")
+    p.add_argument(
+        "--variants",
+        default="sharded,chunked",
+        help=f"comma-separated, from {','.join(VARIANTS)} (default: sharded,chunked)",
+    )
+    p.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    p.add_argument("--sample-rate", type=float, default=0.1, help="Partial FC rate r of the partial variant (default 0.1)")
+    p.add_argument(
+        "--chunk-size",
+        type=_chunk_arg,
+        default=None,
+        help=f"classes per chunk of the chunked variant, or 'auto' (the head's own choice) (default {DEFAULT_CHUNK_SIZE})",
+    )
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and embeddings dtype")
+    p.add_argument("--margin", choices=sorted(MARGINS), default="arcface", help="margin (default arcface, s=64 m=0.5)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with CUDA, else gloo")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG: memory per rank and step time per variant")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2, message already printed)
+        return int(e.code or 0)
+    details: dict = {}
+    try:
+        results = run_bench(
+            world_size=args.world_size,
+            batch=args.batch,
+            dim=args.dim,
+            classes=args.classes,
+            variants=args.variants,
+            steps=args.steps,
+            warmup=args.warmup,
+            sample_rate=args.sample_rate,
+            chunk_size=args.chunk_size,
+            dtype=args.dtype,
+            margin=args.margin,
+            backend=args.backend,
+            progress=not args.quiet,
+            details=details,
+        )
+    except (ValueError, RuntimeError) as e:
+        if type(e).__name__ == "WorkerError":
+            raise
+        print(f"shardfc bench: error: {e}", file=sys.stderr)
+        return 2
+    print(report.markdown_table(results, details))
+    if args.json:
+        report.write_json(results, args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        report.plot(results, args.plot, details)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

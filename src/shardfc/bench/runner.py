@@ -1,0 +1,421 @@
+"""Measure the head variants on W spawned processes: step time, per-rank peak memory, traffic.
+
+Variants (all with the same margin, dtype and global batch):
+
+* ``naive``      :class:`shardfc.baselines.NaiveParallelHead` — logits of every shard gathered to rank 0.
+* ``replicated`` :class:`shardfc.baselines.ReplicatedHead` — the full FC on every rank, local batch
+  only; its weight gradient is all-reduced after the backward, as DDP would.
+* ``sharded``    :class:`shardfc.ShardedMarginHead`, one ``[B, n_local]`` buffer.
+* ``chunked``    the same with ``chunk_size`` (online softmax, logits recomputed in the backward).
+* ``partial``    the same with ``sample_rate`` (Partial FC) and the row-sparse head optimizer.
+
+A step is forward + backward + optimizer step (SGD, momentum 0.9, no weight decay) +
+``zero_grad(set_to_none=False)``, on random embeddings ``[B_r, D]`` (leaf tensors that require grad)
+and uniform labels. ``B`` is the *global* batch: rank ``r`` gets ``B // W`` rows, plus one for the
+first ``B % W`` ranks.
+
+Every variant keeps its weight gradients allocated between steps (``set_to_none=False``), as
+memory-conscious training loops do: the gradient buffer is part of the resting state, and the
+sharded head adds its weight gradient into it in place (``weight_grad_in_place``, its default;
+Partial FC's sampled rows go in with ``index_add_``), so its step allocates nothing of size
+``[n_local, D]``. The baselines get the same treatment: autograd adds their fresh gradient into
+the kept ``.grad``. The warm-up step (at least one before memory is measured) allocates the
+gradients and the optimizer state.
+
+Per variant (see :func:`run_bench`):
+
+* ``step_time_s``: median over the timed steps of the step's time, the step time being the
+  slowest rank's (all ranks start each step together after a barrier).
+* ``peak_bytes_per_rank``: per rank, the largest over the measured steps of the step's peak memory
+  above the resting state just before it. Resting state = weights + gradients + optimizer state
+  (and the step's inputs), measured after warm-up; everything else the step allocates counts.
+  Measure: see :mod:`shardfc.bench.memory`.
+* ``balance``: ``max / min`` of ``peak_bytes_per_rank`` (``None`` if a rank's peak is 0).
+* ``comm_bytes_per_rank``: bytes of one step's collectives as counted by
+  :func:`shardfc.distributed.count_comm` at the calls (gathered output / reduce-scatter input /
+  all-reduce tensor / ...), the largest over ranks.
+* ``floor_ratio``: ``step_time_s`` over the time of the step's three matmuls alone — logits
+  ``a·Wᵀ``, ``dZ·W`` and ``dZᵀ·a`` on the variant's shapes (``[B, D]×[D, n_local]`` for
+  naive/sharded/chunked, ``n_sampled = ⌈r·n_local⌉`` for partial, ``[B_r, D]×[D, C]`` for replicated),
+  timed on all ranks at once like the step, once right after each timed step (so both see the
+  same machine load), median over those of the slowest rank.
+
+Memory and traffic are measured first, on ``min(steps, 2)`` extra steps per variant after a warm-up
+step, with glibc tuned so that the resident set follows the live tensors; the timed steps come
+after, with glibc in its default steady state (see :mod:`shardfc.bench.memory`). On CUDA both use
+the caching allocator's counters.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from .memory import PeakMemory, allocator_env, malloc_trim
+
+VARIANTS = ("naive", "replicated", "sharded", "chunked", "partial")
+#: the fields of one result, in order (the JSON holds exactly these)
+FIELDS = ("variant", "step_time_s", "peak_bytes_per_rank", "balance", "comm_bytes_per_rank", "floor_ratio")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: chunk size of the ``chunked`` variant when none is given
+DEFAULT_CHUNK_SIZE = 1024
+LR = 0.01
+MOMENTUM = 0.9
+SEED = 1234
+
+
+# --------------------------------------------------------------------------- variants
+def variant_status() -> Dict[str, Optional[str]]:
+    """``{variant: None}`` when it can run here, else ``{variant: why not}``."""
+    status: Dict[str, Optional[str]] = {v: None for v in VARIANTS}
+    try:
+        from .. import baselines  # noqa: F401
+    except Exception as e:  # pragma: no cover - depends on the tree
+        status["naive"] = status["replicated"] = f"shardfc.baselines is not importable ({type(e).__name__}: {e})"
+    else:
+        for name, cls in (("naive", "NaiveParallelHead"), ("replicated", "ReplicatedHead")):
+            if not hasattr(baselines, cls):
+                status[name] = f"shardfc.baselines has no {cls}"
+    try:
+        from ..partial_fc import head_optimizer  # noqa: F401
+    except Exception as e:  # pragma: no cover
+        status["partial"] = f"shardfc.partial_fc.head_optimizer is not importable ({type(e).__name__}: {e})"
+    else:
+        from ..head import ShardedMarginHead
+
+        if "sample_rate" not in inspect.signature(ShardedMarginHead).parameters:
+            status["partial"] = "ShardedMarginHead has no sample_rate argument"
+    return status
+
+
+def parse_variants(variants: Union[str, Sequence[str]]) -> List[str]:
+    """``"a,b"`` or ``["a", "b"]`` -> checked list (unknown names or duplicates: ValueError)."""
+    names = [v.strip() for v in variants.split(",")] if isinstance(variants, str) else [str(v).strip() for v in variants]
+    names = [v for v in names if v]
+    if not names:
+        raise ValueError(f"variants must name at least one of {', '.join(VARIANTS)}, got {variants!r}")
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"variants: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(VARIANTS)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"variants: each variant at most once, got {names}")
+    return names
+
+
+def local_batch_sizes(batch: int, world_size: int) -> List[int]:
+    """The global batch split over ranks: ``B // W`` each, one more for the first ``B % W``."""
+    base, extra = divmod(batch, world_size)
+    return [base + (1 if r < extra else 0) for r in range(world_size)]
+
+
+# --------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class BenchConfig:
+    world_size: int
+    batch: int
+    dim: int
+    classes: int
+    variants: tuple
+    steps: int
+    warmup: int
+    sample_rate: float
+    chunk_size: Union[int, str]
+    dtype: str
+    margin: str
+    progress: bool
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_config(world_size, batch, dim, classes, variants, steps, warmup, sample_rate, chunk_size, dtype, margin, progress) -> BenchConfig:
+    from ..margins import build_margin
+
+    _check_int("world_size", world_size, 1)
+    _check_int("batch", batch, 1)
+    _check_int("dim", dim, 1)
+    _check_int("classes", classes, 1)
+    if classes < world_size:
+        raise ValueError(f"classes must be >= world_size so every rank holds a shard, got classes={classes}, world_size={world_size}")
+    names = parse_variants(variants)
+    _check_int("steps", steps, 1)
+    _check_int("warmup", warmup, 0)
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not (0 < sample_rate <= 1):
+        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+    if chunk_size is None:
+        chunk_size = DEFAULT_CHUNK_SIZE
+    if chunk_size != "auto":
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be an integer >= 1 or 'auto', got {chunk_size!r}")
+    if isinstance(dtype, torch.dtype):
+        dtype = {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype))
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if not isinstance(margin, str):
+        raise ValueError(f"margin must be a margin name such as 'arcface', got {margin!r}")
+    build_margin(margin)  # raises a clear ValueError for an unknown name
+    status = variant_status()
+    missing = {v: status[v] for v in names if status[v]}
+    if missing:
+        raise RuntimeError("cannot run " + "; ".join(f"{v}: {why}" for v, why in missing.items()))
+    return BenchConfig(world_size, batch, dim, classes, tuple(names), steps, warmup, float(sample_rate), chunk_size, dtype, margin, bool(progress))
+
+
+# --------------------------------------------------------------------------- public API
+def run_bench(
+    world_size: int,
+    batch: int,
+    dim: int,
+    classes: int,
+    variants: Union[str, Sequence[str]] = ("sharded", "chunked"),
+    steps: int = 5,
+    warmup: int = 1,
+    sample_rate: float = 0.1,
+    chunk_size: Union[int, str, None] = None,
+    dtype: Union[str, torch.dtype] = "float32",
+    margin: str = "arcface",
+    backend: Optional[str] = None,
+    progress: bool = True,
+    details: Optional[Dict[str, Any]] = None,
+) -> List[Dict[str, Any]]:
+    """Run the bench on ``world_size`` spawned processes; one result dict per variant.
+
+    Each dict has exactly the keys of :data:`FIELDS` (see the module docstring). ``details``, if
+    given, is filled with what the table needs besides: ``memory_measure``, ``backend``,
+    ``chunk_size``, ``sizes`` (local batches) and ``raw`` (per-rank measurements per variant).
+    Bad arguments raise ``ValueError`` naming the argument and value before anything starts.
+    """
+    from ..distributed.launch import default_backend, spawn
+
+    cfg = _check_config(world_size, batch, dim, classes, variants, steps, warmup, sample_rate, chunk_size, dtype, margin, progress)
+    backend = backend or default_backend()
+    if progress:
+        print(
+            f"[bench] {world_size} ranks ({backend}), B={batch} D={dim} C={classes} {cfg.dtype}, "
+            f"variants {','.join(cfg.variants)}, {cfg.warmup} warm-up + {cfg.steps} timed steps",
+            file=sys.stderr,
+            flush=True,
+        )
+    with allocator_env():  # inherited by the workers, whose glibc reads it at start-up
+        per_rank = spawn(_bench_worker, world_size, asdict(cfg), backend=backend, timeout_s=3600.0)
+    results = [_aggregate(v, [r["variants"][v] for r in per_rank]) for v in cfg.variants]
+    if details is not None:
+        details.update(
+            memory_measure=per_rank[0]["memory_measure"],
+            backend=backend,
+            chunk_size=cfg.chunk_size,
+            sample_rate=cfg.sample_rate,
+            sizes=local_batch_sizes(batch, world_size),
+            config=asdict(cfg),
+            raw={v: [r["variants"][v] for r in per_rank] for v in cfg.variants},
+        )
+    return results
+
+
+def _aggregate(variant: str, ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
+    steps = len(ranks[0]["step_s"])
+    step_time = statistics.median(max(r["step_s"][i] for r in ranks) for i in range(steps))
+    reps = len(ranks[0]["floor_s"])
+    floor = statistics.median(max(r["floor_s"][i] for r in ranks) for i in range(reps))
+    peaks = [int(max(r["peak"])) for r in ranks]
+    balance = (max(peaks) / min(peaks)) if min(peaks) > 0 else None
+    comm = int(max(max(r["comm"]) for r in ranks))
+    return {
+        "variant": variant,
+        "step_time_s": float(step_time),
+        "peak_bytes_per_rank": peaks,
+        "balance": balance,
+        "comm_bytes_per_rank": comm,
+        "floor_ratio": float(step_time / floor) if floor > 0 else None,
+    }
+
+
+# --------------------------------------------------------------------------- worker
+def _say(cfg: Dict[str, Any], rank: int, text: str) -> None:
+    if cfg["progress"] and rank == 0:
+        print(f"[bench] {text}", file=sys.stderr, flush=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _build(variant: str, cfg: Dict[str, Any], device: torch.device):
+    """(head, optimizer, after_backward hook, matmul shape (rows, classes)) for one variant."""
+    from ..head import ShardedMarginHead
+    from ..layout import class_ranges
+    from ..margins import build_margin
+
+    dtype = DTYPES[cfg["dtype"]]
+    common = dict(margin=build_margin(cfg["margin"]), device=device, dtype=dtype)
+    D, C, W = cfg["dim"], cfg["classes"], cfg["world_size"]
+    rank = dist.get_rank()
+    n_local = len(class_ranges(C, W)[rank])
+    B, b = cfg["batch"], local_batch_sizes(cfg["batch"], W)[rank]
+    after_backward = None
+    if variant == "naive":
+        from ..baselines import NaiveParallelHead
+
+        head, shape = NaiveParallelHead(D, C, **common), (B, n_local)
+    elif variant == "replicated":
+        from ..baselines import ReplicatedHead
+
+        head, shape = ReplicatedHead(D, C, **common), (b, C)
+        after_backward = head.average_gradients
+    elif variant == "sharded":
+        head, shape = ShardedMarginHead(D, C, **common), (B, n_local)
+    elif variant == "chunked":
+        head, shape = ShardedMarginHead(D, C, chunk_size=cfg["chunk_size"], **common), (B, n_local)
+    elif variant == "partial":
+        from ..partial_fc import head_optimizer
+
+        r = cfg["sample_rate"]
+        head = ShardedMarginHead(D, C, sample_rate=r, **common)
+        opt = head_optimizer(head, "sgd", lr=LR, momentum=MOMENTUM, weight_decay=0.0)
+        return head, opt, None, (B, min(n_local, math.ceil(r * n_local)))
+    else:  # pragma: no cover - checked in the parent
+        raise ValueError(variant)
+    opt = torch.optim.SGD(head.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=0.0)
+    return head, opt, after_backward, shape
+
+
+def _inputs(cfg: Dict[str, Any], rank: int, step: int, device: torch.device):
+    b = local_batch_sizes(cfg["batch"], cfg["world_size"])[rank]
+    g = torch.Generator().manual_seed(SEED * 1_000_003 + step * 1009 + rank)
+    x = torch.randn(b, cfg["dim"], generator=g).to(device, DTYPES[cfg["dtype"]]).requires_grad_(True)
+    y = torch.randint(0, cfg["classes"], (b,), generator=g).to(device)
+    return x, y
+
+
+def _step(head, opt, after_backward, x, y) -> float:
+    loss = head(x, y)
+    loss.backward()
+    if after_backward is not None:
+        after_backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)  # gradients stay allocated: part of the resting state
+    return float(loss.detach())
+
+
+class _Floor:
+    """The three matmuls of a step on ``[rows, D] × [D, classes]`` (this rank's part), timed
+    like a step: all ranks start together after a barrier."""
+
+    def __init__(self, shape, cfg: Dict[str, Any], device: torch.device):
+        rows, classes = shape
+        dtype = DTYPES[cfg["dtype"]]
+        g = torch.Generator().manual_seed(SEED + 7)
+        self.device = device
+        self.a = torch.randn(rows, cfg["dim"], generator=g).to(device, dtype)
+        self.w = torch.randn(classes, cfg["dim"], generator=g).to(device, dtype)
+        self.dz = torch.randn(rows, classes, generator=g).to(device, dtype)
+
+    def time(self) -> float:
+        dist.barrier()
+        _sync(self.device)
+        t0 = time.perf_counter()
+        z = self.a @ self.w.t()
+        ga = self.dz @ self.w
+        gw = self.dz.t() @ self.a
+        _sync(self.device)
+        dt = time.perf_counter() - t0
+        del z, ga, gw
+        return dt
+
+
+#: steps per variant whose memory is measured (after at least one warm-up step)
+MEMORY_STEPS = 2
+
+
+def _warm_up(head, opt, after_backward, cfg, rank, device, count: int, label: str) -> None:
+    for i in range(count):
+        x, y = _inputs(cfg, rank, -1 - i, device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        _step(head, opt, after_backward, x, y)
+        _sync(device)
+        _say(cfg, rank, f"{label}: warm-up {i + 1}/{count} {time.perf_counter() - t0:.3f} s")
+
+
+def _release() -> None:
+    gc.collect()
+    malloc_trim()
+
+
+def _bench_worker(rank: int, world_size: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """Phase 1 measures every variant's memory and traffic (glibc tuned so the resident set
+    follows the live tensors); phase 2 times every variant and its matmul floor (glibc in its
+    default steady state, see :func:`shardfc.bench.memory.use_default_malloc_steady_state`)."""
+    from ..distributed.collectives import comm_device, count_comm
+    from .memory import use_default_malloc_steady_state
+
+    device = comm_device(None)
+    mem = PeakMemory(device)
+    out: Dict[str, Any] = {"memory_measure": mem.measure, "variants": {}}
+    recs: Dict[str, Dict[str, Any]] = {v: {"peak": [], "comm": [], "step_s": [], "loss": []} for v in cfg["variants"]}
+
+    for variant in cfg["variants"]:  # phase 1: memory and traffic
+        rec = recs[variant]
+        _say(cfg, rank, f"{variant}: building (memory phase)")
+        head, opt, after_backward, shape = _build(variant, cfg, device)
+        head.train()
+        _warm_up(head, opt, after_backward, cfg, rank, device, max(1, cfg["warmup"]), f"{variant} memory")
+        for i in range(min(MEMORY_STEPS, cfg["steps"])):
+            x, y = _inputs(cfg, rank, 10_000 + i, device)
+            mem.start()
+            dist.barrier()
+            with count_comm() as counter:
+                _step(head, opt, after_backward, x, y)
+            rec["peak"].append(mem.stop())
+            rec["comm"].append(counter.total_bytes)
+            rec["comm_by_kind"] = dict(counter.bytes)
+            del x, y
+            _say(cfg, rank, f"{variant}: memory step {i + 1} peak {rec['peak'][-1] / 2**20:.1f} MiB (rank 0)")
+        rec["floor_shape"] = [shape[0], shape[1], cfg["dim"]]
+        del head, opt, after_backward
+        _release()
+
+    if device.type == "cpu":
+        use_default_malloc_steady_state()
+    for variant in cfg["variants"]:  # phase 2: time
+        rec = recs[variant]
+        _say(cfg, rank, f"{variant}: building (timing phase)")
+        head, opt, after_backward, shape = _build(variant, cfg, device)
+        head.train()
+        floor = _Floor(shape, cfg, device)
+        floor.time()  # warm-up
+        rec["floor_s"] = []
+        _warm_up(head, opt, after_backward, cfg, rank, device, cfg["warmup"], variant)
+        for i in range(cfg["steps"]):
+            x, y = _inputs(cfg, rank, i, device)
+            dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            loss = _step(head, opt, after_backward, x, y)
+            _sync(device)
+            dt = time.perf_counter() - t0
+            rec["step_s"].append(dt)
+            rec["loss"].append(loss)
+            del x, y
+            rec["floor_s"].append(floor.time())  # right after the step: the same machine load
+            _say(cfg, rank, f"{variant}: step {i + 1}/{cfg['steps']} {dt:.3f} s, matmul floor {rec['floor_s'][-1]:.3f} s (rank 0)")
+        del head, opt, after_backward, floor
+        _release()
+        out["variants"][variant] = rec
+    return out
+
+
+__all__ = ["FIELDS", "VARIANTS", "DEFAULT_CHUNK_SIZE", "run_bench", "variant_status", "parse_variants", "local_batch_sizes"]
