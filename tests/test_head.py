@@ -285,3 +285,27 @@ def test_autograd_grad_wrt_weights_with_in_place_disabled():
     head(x, y).backward()  # leaves a .grad behind
     (g,) = torch.autograd.grad(head(x, y), head.weight)
     torch.testing.assert_close(g, head.weight.grad)
+
+
+@pytest.mark.parametrize("margin", ALL_MARGINS, ids=repr)
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16-autocast"])
+def test_chunked_equals_unchunked_in_float32_and_autocast(margin, amp):
+    """Chunked == unchunked to 1e-5 relative in float32. Under bf16 autocast the loss and weight
+    gradient still agree to 1e-5 (each entry is one dot product, rounded alike), but the embedding
+    gradient is a bf16 matmul output summed over classes, so chunking moves its rounding: bf16 precision."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(33, 24, generator=g)
+    y = torch.randint(0, 101, (33,), generator=g)
+    y[::5] = -1
+    for devices, eps, reduction in ((None, 0.0, "mean"), (["cpu", "cpu"], 0.1, "none"), (None, 0.1, "sum")):
+        out = {}
+        for chunk in (None, 7):
+            head = shardfc.ShardedMarginHead(24, 101, margin=margin, chunk_size=chunk, devices=devices, label_smoothing=eps, reduction=reduction)
+            xa = x.clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                loss = head(xa, y)
+            loss.backward(torch.ones_like(loss))
+            out[chunk] = (loss.detach(), xa.grad, torch.cat([w.grad for w in head.parameters()]))
+        (l0, gx0, gw0), (l1, gx1, gw1) = out[None], out[7]
+        assert _rel(l1, l0) < 1e-5 and _rel(gw1, gw0) < 1e-5, (devices, eps, reduction)
+        assert _rel(gx1, gx0) < (2e-2 if amp else 1e-5), (devices, eps, reduction)
