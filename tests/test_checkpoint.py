@@ -419,3 +419,21 @@ def test_dist_differing_extras_detected_on_merge(dist_run: tuple[Path, list[dict
                        torch.tensor(0.0))
     with pytest.raises(CheckpointError, match="head extras differ between saved shards 0 and 1"):
         load_checkpoint(path, class_range=range(2, 6), num_classes=7)
+
+
+def test_load_common_reads_only_the_replicated_part(tmp_path):
+    from shardfc.checkpoint import CheckpointError, load_common, save_checkpoint
+
+    path = save_checkpoint(
+        tmp_path, 7, common={"backbone": {"w": torch.ones(2)}}, per_rank=None,
+        head_tensors={"weight": torch.zeros(4, 3)}, head_extras={}, class_range=range(0, 4),
+        num_classes=4, fingerprint={"model": "m"},
+    )
+    common, meta = load_common(path)
+    assert torch.equal(common["backbone"]["w"], torch.ones(2)) and meta["step"] == 7
+    common_file = path / "common.pt"
+    data = bytearray(common_file.read_bytes())
+    data[-1] ^= 0xFF  # same size, different bytes
+    common_file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="common.pt is corrupt"):
+        load_common(path)

@@ -74,6 +74,7 @@ __all__ = [
     "LoadedCheckpoint",
     "save_checkpoint",
     "load_checkpoint",
+    "load_common",
     "find_checkpoints",
     "latest_checkpoint",
     "verify_checkpoint",
@@ -669,6 +670,28 @@ def verify_checkpoint(path: str | os.PathLike[str], *, check_hashes: bool = True
     for fname, entry in meta["files"].items():
         _check_file(path / fname, entry, check_hash=check_hashes)
     return meta
+
+
+def load_common(path: str | os.PathLike[str], map_location: Any = "cpu") -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(common dict, meta)`` of a checkpoint without reading its head shards.
+
+    For inference tools: the head shards can be gigabytes. Every listed file must be present at
+    its recorded size; ``common.pt`` is also hash-checked.
+
+    Raises:
+        CheckpointError: The checkpoint is incomplete, or ``common.pt`` is corrupt or unreadable.
+    """
+    path = Path(path)
+    meta = verify_checkpoint(path, check_hashes=False)
+    if COMMON_FILE not in meta["files"]:
+        raise CheckpointError(f"{path} has no {COMMON_FILE}")
+    common_path = path / COMMON_FILE
+    _check_file(common_path, meta["files"][COMMON_FILE], check_hash=True)
+    try:
+        common = torch.load(common_path, map_location=map_location, weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"cannot read {common_path}: {type(e).__name__}: {e}") from e
+    return common, meta
 
 
 def latest_checkpoint(root: str | os.PathLike[str], *, check_hashes: bool = True) -> Path | None:

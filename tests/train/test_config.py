@@ -101,6 +101,9 @@ def test_type_errors_name_field_and_value(tmp_path):
         parse_config(["--margin", "arcfce"])
     with pytest.raises(ConfigError, match=r"sample_rate must be in \(0, 1\], got 1.5"):
         parse_config(["--sample-rate", "1.5"])
+    with pytest.raises(ConfigError, match=r"chunk_size must be >= 1, 0 \(no chunking\) or -1 \(auto\), got -2"):
+        parse_config(["--chunk-size", "-2"])
+    assert parse_config(["--chunk-size", "-1"])[0].chunk_size == -1
     with pytest.raises(ConfigError, match="not valid TOML"):
         parse_config(["--config", str(_write(tmp_path, "lr = = 1\n"))])
     with pytest.raises(ConfigError, match="does not exist"):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,15 +55,7 @@ def load_backbone(path: "str | os.PathLike[str]", device: "str | torch.device" =
     be gigabytes, are not needed for inference.
     """
     folder = resolve_checkpoint(path)
-    meta = ckpt.verify_checkpoint(folder, check_hashes=False)  # every file present at its recorded size
-    common_path = folder / ckpt.COMMON_FILE
-    expected = meta["files"][ckpt.COMMON_FILE].get("sha256")
-    if expected and _sha256(common_path) != expected:
-        raise ckpt.CheckpointError(f"{common_path} is corrupt: its sha256 does not match meta.json")
-    try:
-        common: Dict[str, Any] = torch.load(common_path, map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise ckpt.CheckpointError(f"cannot read {common_path}: {type(e).__name__}: {e}") from e
+    common, meta = ckpt.load_common(folder)
     if "config" not in common or "backbone" not in common:
         raise ckpt.CheckpointError(f"{folder} was not saved by 'shardfc train' (no config/backbone in common.pt)")
     known = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -75,14 +66,6 @@ def load_backbone(path: "str | os.PathLike[str]", device: "str | torch.device" =
     model = build_backbone(cfg.backbone, cfg.embedding_dim, **kwargs)
     model.load_state_dict(common["backbone"])
     return TrainedBackbone(model.to(device).eval(), cfg, (int(h), int(w)), folder)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def list_images(folder: "str | os.PathLike[str]") -> List[Path]:

@@ -91,7 +91,7 @@ class TrainConfig:
     sample_rate: float = 1.0
     """Partial FC: fraction of each shard's negative classes sampled per step (1.0: all classes, exact softmax)."""
     chunk_size: int = 0
-    """Walk each shard's classes this many at a time to bound activation memory; 0: all at once."""
+    """Walk each shard's classes this many at a time to bound activation memory (logits never stored); 0: all at once; -1: auto (the largest chunk whose logits fit 64 MiB)."""
     label_smoothing: float = 0.0
     """Label smoothing epsilon over all classes."""
 
@@ -192,7 +192,9 @@ class TrainConfig:
         for name in ("synthetic_identities", "synthetic_images_per_identity", "embedding_dim", "batch_size",
                      "grad_accum", "nproc", "log_every", "eval_batch_size"):
             _at_least(self, name, 1)
-        for name in ("num_workers", "chunk_size", "max_steps", "epochs", "warmup_steps", "eval_every",
+        if self.chunk_size < -1:
+            raise ConfigError(f"chunk_size must be >= 1, 0 (no chunking) or -1 (auto), got {self.chunk_size!r}")
+        for name in ("num_workers", "max_steps", "epochs", "warmup_steps", "eval_every",
                      "ckpt_every", "keep_last", "synthetic_val_pairs", "seed"):
             _at_least(self, name, 0)
         for name in ("lr", "scale", "eps"):

@@ -401,7 +401,7 @@ def build_parts(
         margin=build_margin(cfg.margin, **cfg.margin_params()),
         group=ctx.group if ctx.distributed else None,
         label_smoothing=cfg.label_smoothing,
-        chunk_size=cfg.chunk_size or None,
+        chunk_size={0: None, -1: "auto"}.get(cfg.chunk_size, cfg.chunk_size),
         sample_rate=cfg.sample_rate,
         sample_seed=cfg.seed,
         init_seed=cfg.seed,
