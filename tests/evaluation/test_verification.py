@@ -270,3 +270,15 @@ def test_evaluate_verification_interleaved_and_tuple_agree():
     assert m1["accuracy"] > 0.9
     with pytest.raises(ValueError, match="even"):
         evaluate_verification(model, interleaved[:39], issame)
+
+
+def test_load_bin_of_garbage_names_the_file(tmp_path):
+    import pytest as _pytest
+
+    from shardfc.evaluation import load_bin
+
+    for i, payload in enumerate((b"I123\nxx garbage", bytes(range(256)) * 3)):
+        path = tmp_path / f"garbage{i}.bin"
+        path.write_bytes(payload)
+        with _pytest.raises(ValueError, match="is not a readable verification .bin pickle"):
+            load_bin(path)

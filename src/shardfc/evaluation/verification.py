@@ -105,7 +105,8 @@ def load_bin(
     with open(path, "rb") as f:
         try:
             obj = _BinUnpickler(f, path).load()
-        except (pickle.UnpicklingError, EOFError) as exc:
+        # Garbage bytes fail in many ways inside the unpickler, not only as UnpicklingError.
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
             raise ValueError(f"{path!r} is not a readable verification .bin pickle: {exc}") from exc
     if not (isinstance(obj, (tuple, list)) and len(obj) == 2):
         raise ValueError(f"{path!r}: expected a pickled (bins, issame_list) pair, got {type(obj).__name__}")
