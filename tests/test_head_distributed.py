@@ -65,6 +65,12 @@ def _global_data(B: int, one_shard=False, ignore=False, all_ignored=False, ignor
     return x, y, grad
 
 
+def _rows(rank, world):
+    """The global batch size and this rank's slice ``[lo, hi)`` of it."""
+    sizes = SIZES[world]
+    return sum(sizes), sum(sizes[:rank]), sum(sizes[: rank + 1])
+
+
 def _rel(a, b):
     if b.numel() == 0:
         return 0.0
@@ -72,9 +78,7 @@ def _rel(a, b):
 
 
 def _run_case(rank, world, opts):
-    sizes = SIZES[world]
-    B = sum(sizes)
-    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    B, lo, hi = _rows(rank, world)
     ignore_index = opts.get("ignore_index", -1)
     x, y, gvec = _global_data(B, opts.get("one_shard", False), opts.get("ignore", False) or False, opts.get("all_ignored", False), ignore_index)
     margin = MARGINS[opts.get("margin", "arcface")]
@@ -139,9 +143,7 @@ def _bad_input_cases(rank, world):
 
 
 def _predict_case(rank, world):
-    sizes = SIZES[world]
-    B = sum(sizes)
-    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    B, lo, hi = _rows(rank, world)
     x, _, _ = _global_data(B)
     results = {}
     for name in ("arcface", "softmax", "sphereface"):
@@ -161,9 +163,7 @@ def _predict_case(rank, world):
 
 def _ddp_case(rank, world):
     """A backbone in DDP + the sharded head gives the backbone the gradients of one process."""
-    sizes = SIZES[world]
-    B = sum(sizes)
-    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    B, lo, hi = _rows(rank, world)
     g = torch.Generator().manual_seed(7)
     inputs = torch.randn(B, 10, generator=g, dtype=torch.float64)
     labels = torch.randint(0, C, (B,), generator=g)
@@ -187,9 +187,7 @@ def _ddp_case(rank, world):
 
 
 def _baselines_case(rank, world):
-    sizes = SIZES[world]
-    B = sum(sizes)
-    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    B, lo, hi = _rows(rank, world)
     x, y, _ = _global_data(B, ignore=True)
     out = {}
     for name, margin in (("arcface", MARGINS["arcface"]), ("sphereface", MARGINS["sphereface"])):
@@ -224,9 +222,7 @@ def _baselines_case(rank, world):
 
 def _partial_fc_case(rank, world):
     """Partial FC equals the dense loss over exactly the sampled classes (positives included)."""
-    sizes = SIZES[world]
-    B = sum(sizes)
-    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    B, lo, hi = _rows(rank, world)
     x, y, _ = _global_data(B)
     head = shardfc.ShardedMarginHead(D, C, margin=M.CosFace(64.0, 0.35), sample_rate=0.4, sample_seed=3, dtype=torch.float64, label_smoothing=0.1)
     xr = x[lo:hi].clone().requires_grad_()
