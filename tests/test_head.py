@@ -1,7 +1,6 @@
 """Single-shard and devices mode against the dense float64 reference; AMP; bad input."""
 
 import itertools
-import math
 
 import pytest
 import torch

@@ -12,7 +12,7 @@ reference) and exist for comparison in ``shardfc bench``.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist

@@ -155,7 +155,7 @@ def shard_backward(
     With ``grad_w_out`` (an existing ``.grad``) the weight gradient is added into it block by block
     and None is returned for it: the step then allocates nothing of size ``[n, D]``.
     """
-    B, n = a.shape[0], w.shape[0]
+    n = w.shape[0]
     margin, eps, C = cfg.margin, cfg.label_smoothing, cfg.num_classes
     rows_t = torch.nonzero(local_labels >= 0).squeeze(1)
     cols_t = local_labels[rows_t]

@@ -9,7 +9,7 @@ and the problem. The header doubles as the exchange of local batch sizes the gat
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist

@@ -11,6 +11,6 @@ comm_bytes_per_rank, floor_ratio`` (see :mod:`shardfc.bench.runner` for their de
 Markdown table, the JSON and the PNG.
 """
 
-from .runner import DEFAULT_CHUNK_SIZE, FIELDS, VARIANTS, local_batch_sizes, parse_variants, run_bench, variant_status
+from .runner import DEFAULT_CHUNK_SIZE, FIELDS, VARIANTS, local_batch_sizes, parse_variants, run_bench
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "FIELDS", "VARIANTS", "local_batch_sizes", "parse_variants", "run_bench", "variant_status"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "FIELDS", "VARIANTS", "local_batch_sizes", "parse_variants", "run_bench"]

@@ -19,7 +19,7 @@ import sys
 from typing import List, Optional
 
 from . import report
-from .runner import DEFAULT_CHUNK_SIZE, DTYPES, VARIANTS, run_bench
+from .runner import DEFAULT_CHUNK_SIZE, VARIANTS, run_bench
 
 
 def _chunk_arg(text: str):

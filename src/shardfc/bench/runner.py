@@ -49,7 +49,6 @@ the caching allocator's counters.
 from __future__ import annotations
 
 import gc
-import inspect
 import math
 import statistics
 import sys
@@ -74,29 +73,6 @@ SEED = 1234
 
 
 # --------------------------------------------------------------------------- variants
-def variant_status() -> Dict[str, Optional[str]]:
-    """``{variant: None}`` when it can run here, else ``{variant: why not}``."""
-    status: Dict[str, Optional[str]] = {v: None for v in VARIANTS}
-    try:
-        from .. import baselines  # noqa: F401
-    except Exception as e:  # pragma: no cover - depends on the tree
-        status["naive"] = status["replicated"] = f"shardfc.baselines is not importable ({type(e).__name__}: {e})"
-    else:
-        for name, cls in (("naive", "NaiveParallelHead"), ("replicated", "ReplicatedHead")):
-            if not hasattr(baselines, cls):
-                status[name] = f"shardfc.baselines has no {cls}"
-    try:
-        from ..partial_fc import head_optimizer  # noqa: F401
-    except Exception as e:  # pragma: no cover
-        status["partial"] = f"shardfc.partial_fc.head_optimizer is not importable ({type(e).__name__}: {e})"
-    else:
-        from ..head import ShardedMarginHead
-
-        if "sample_rate" not in inspect.signature(ShardedMarginHead).parameters:
-            status["partial"] = "ShardedMarginHead has no sample_rate argument"
-    return status
-
-
 def parse_variants(variants: Union[str, Sequence[str]]) -> List[str]:
     """``"a,b"`` or ``["a", "b"]`` -> checked list (unknown names or duplicates: ValueError)."""
     names = [v.strip() for v in variants.split(",")] if isinstance(variants, str) else [str(v).strip() for v in variants]
@@ -166,10 +142,6 @@ def _check_config(world_size, batch, dim, classes, variants, steps, warmup, samp
     if not isinstance(margin, str):
         raise ValueError(f"margin must be a margin name such as 'arcface', got {margin!r}")
     build_margin(margin)  # raises a clear ValueError for an unknown name
-    status = variant_status()
-    missing = {v: status[v] for v in names if status[v]}
-    if missing:
-        raise RuntimeError("cannot run " + "; ".join(f"{v}: {why}" for v, why in missing.items()))
     return BenchConfig(world_size, batch, dim, classes, tuple(names), steps, warmup, float(sample_rate), chunk_size, dtype, margin, bool(progress))
 
 
@@ -418,4 +390,4 @@ def _bench_worker(rank: int, world_size: int, cfg: Dict[str, Any]) -> Dict[str, 
     return out
 
 
-__all__ = ["FIELDS", "VARIANTS", "DEFAULT_CHUNK_SIZE", "run_bench", "variant_status", "parse_variants", "local_batch_sizes"]
+__all__ = ["FIELDS", "VARIANTS", "DEFAULT_CHUNK_SIZE", "run_bench", "parse_variants", "local_batch_sizes"]
