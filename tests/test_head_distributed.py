@@ -252,6 +252,33 @@ def _partial_fc_case(rank, world):
     }
 
 
+def _subgroup_case(rank, world):
+    """With ``group=`` a subgroup of ranks 1..W-1, the head shards and reduces over it alone."""
+    members = list(range(1, world))
+    sub = dist.new_group(members)  # every rank takes part in creating it
+    if rank not in members:
+        return None
+    sub_world, sub_rank = len(members), dist.get_rank(sub)
+    sizes = [3, 0, 4][:sub_world]
+    B, lo, hi = sum(sizes), sum(sizes[:sub_rank]), sum(sizes[: sub_rank + 1])
+    x, y, _ = _global_data(B)
+    head = shardfc.ShardedMarginHead(D, C, margin=MARGINS["arcface"], group=sub, dtype=torch.float64)
+    xr = x[lo:hi].clone().requires_grad_()
+    loss = head(xr, y[lo:hi])
+    loss.backward()
+    W_full = init_rows(0, C, D, 0).double().requires_grad_()
+    x_ref = x.clone().requires_grad_()
+    ref = shardfc.reference_loss(x_ref, W_full, y, MARGINS["arcface"])
+    ref.backward()
+    r = head.class_range
+    return {
+        "range": (r.start, r.stop),
+        "loss": _rel(loss.detach(), ref.detach()),
+        "grad_embeddings": _rel(xr.grad, sub_world * x_ref.grad[lo:hi]) if hi > lo else 0.0,
+        "grad_weight": _rel(head.weight.grad, W_full.grad[r.start : r.stop]),
+    }
+
+
 def _worker(rank, world):
     torch.set_num_threads(1)
     return {
@@ -261,6 +288,7 @@ def _worker(rank, world):
         "ddp": _ddp_case(rank, world),
         "baselines": _baselines_case(rank, world),
         "partial": _partial_fc_case(rank, world),
+        "subgroup": _subgroup_case(rank, world) if world >= 3 else None,
     }
 
 
@@ -333,3 +361,17 @@ def test_partial_fc_equals_dense_loss_over_sampled_classes(world_results):
         assert p["count"] >= p["expected_min"]
         for key in ("loss", "grad_embeddings", "grad_weight"):
             assert p[key] < TOL, f"{key}: {p[key]}"
+
+
+def test_explicit_subgroup_is_used_not_world(world_results):
+    world, results = world_results
+    if world < 3:
+        pytest.skip("needs a world of 3 or more ranks to leave one out")
+    assert results[0]["subgroup"] is None
+    members = results[1:]
+    ranges = [tuple(m["subgroup"]["range"]) for m in members]
+    assert ranges == [(r.start, r.stop) for r in shardfc.layout.class_ranges(C, world - 1)]
+    for m in members:
+        sub = m["subgroup"]
+        for key in ("loss", "grad_embeddings", "grad_weight"):
+            assert sub[key] < TOL, f"{key}: {sub[key]}"
