@@ -266,7 +266,7 @@ class ShardedMarginHead(nn.Module):
         )
         valid = all_labels != self.ignore_index
         losses = sharded_cross_entropy(plan, valid, local_labels, embeds, weights)
-        return reduce_losses(losses, all_labels, sizes, self.rank, self.reduction, self.ignore_index)
+        return reduce_losses(losses, valid, sizes, self.rank, self.reduction)
 
     def _chunk_for(self, batch: int) -> Optional[int]:
         """The chunk size for a global batch of ``batch`` samples."""
@@ -355,12 +355,11 @@ def _mix_seed(*parts: int) -> int:
     return seed
 
 
-def reduce_losses(
-    losses: Tensor, labels: Tensor, sizes: Sequence[int], rank: int, reduction: str, ignore_index: int
-) -> Tensor:
-    """Reduce the global batch's per-sample losses as ``reduction`` says (see the head)."""
+def reduce_losses(losses: Tensor, valid: Tensor, sizes: Sequence[int], rank: int, reduction: str) -> Tensor:
+    """Reduce the global batch's per-sample losses as ``reduction`` says (see the head);
+    ``valid`` marks the samples whose label is not ``ignore_index``."""
     if reduction == "mean":
-        return losses.sum() / (labels != ignore_index).sum().clamp(min=1).to(losses.dtype)
+        return losses.sum() / valid.sum().clamp(min=1).to(losses.dtype)
     if reduction == "sum":
         return losses.sum()
     offset = sum(sizes[:rank])

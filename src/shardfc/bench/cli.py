@@ -18,6 +18,7 @@ import argparse
 import sys
 from typing import List, Optional
 
+from ..distributed.launch import WorkerError
 from . import report
 from .runner import DEFAULT_CHUNK_SIZE, VARIANTS, run_bench
 
@@ -86,9 +87,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             progress=not args.quiet,
             details=details,
         )
+    except WorkerError:
+        raise  # a rank's crash: its traceback matters more than one line
     except (ValueError, RuntimeError) as e:
-        if type(e).__name__ == "WorkerError":
-            raise
         print(f"shardfc bench: error: {e}", file=sys.stderr)
         return 2
     print(report.markdown_table(results, details))
