@@ -4,22 +4,35 @@ Public names::
 
     shardfc.ShardedMarginHead      the head (process-group, devices or single-shard mode)
     shardfc.margins                ArcFace, CosFace/AMSoftmax, SphereFace, Combined, NormSoftmax, Softmax
-    shardfc.baselines              NaiveParallelHead, ReplicatedHead (for comparison)
+    shardfc.head_optimizer         the head's optimizer (row-sparse under Partial FC)
     shardfc.reference_loss         the plain dense reference the tests compare against
+    shardfc.baselines              NaiveParallelHead, ReplicatedHead (for comparison)
+
+Where things live (docs/architecture.md has the picture): ``shardfc.head`` the math,
+``shardfc.parallel`` the data movement and launch, ``shardfc.checkpoint`` resharding checkpoints,
+``shardfc.train`` the training loop, ``shardfc.tools`` bench / plan / demo.
 """
 
-from . import margins
-from .head import ShardedMarginHead
-from .reference import reference_loss
+import sys as _sys
+
+from shardfc.head import ShardedMarginHead, head_optimizer, margins, partial_fc, reference_loss
 
 __version__ = "0.1.0"
 
-__all__ = ["ShardedMarginHead", "margins", "reference_loss", "__version__"]
+__all__ = ["ShardedMarginHead", "head_optimizer", "margins", "reference_loss", "__version__"]
+
+# Names of the flat layout before 0.2, kept as aliases of the modules that now hold them:
+# ``shardfc.margins`` stays public; ``shardfc.partial_fc`` is deprecated (use
+# ``shardfc.head_optimizer`` / ``shardfc.head.partial_fc``).
+_sys.modules[__name__ + ".margins"] = margins
+_sys.modules[__name__ + ".partial_fc"] = partial_fc
 
 
 def __getattr__(name):  # baselines import lazily: they are not needed to train
     if name == "baselines":
         import importlib
 
-        return importlib.import_module(".baselines", __name__)
+        module = importlib.import_module("shardfc.head.baselines")
+        _sys.modules[__name__ + ".baselines"] = module
+        return module
     raise AttributeError(f"module 'shardfc' has no attribute {name!r}")

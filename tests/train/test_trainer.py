@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from shardfc.checkpoint import find_checkpoints
-from shardfc.distributed.launch import spawn
+from shardfc.parallel.launch import spawn
 from shardfc.train import cli as train_cli
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.trainer import (

@@ -1,8 +1,8 @@
 """Datasets and image transforms: folder / list-file datasets, a synthetic identity set."""
 
-from .folder import IMG_EXTENSIONS, ImageFolderDataset, ListFileDataset
-from .synthetic import SyntheticIdentities
-from .transforms import (
+from shardfc.data.folder import IMG_EXTENSIONS, ImageFolderDataset, ListFileDataset
+from shardfc.data.synthetic import SyntheticIdentities
+from shardfc.data.transforms import (
     CorruptImageError,
     ImageTransform,
     decode_image,

@@ -31,7 +31,7 @@ from typing import List, Optional, Set, Tuple, Union
 import torch
 from torch.utils.data import Dataset
 
-from .transforms import CorruptImageError, ImageTransform, decode_image
+from shardfc.data.transforms import CorruptImageError, ImageTransform, decode_image
 
 __all__ = ["IMG_EXTENSIONS", "ImageFolderDataset", "ListFileDataset"]
 

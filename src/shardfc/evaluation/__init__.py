@@ -1,7 +1,7 @@
 """Evaluation: face verification (insightface ``.bin`` pair sets) and person re-ID (CMC / mAP)."""
 
-from .reid import JUNK_PID, ReIDFolder, evaluate_reid, load_reid_split, parse_market1501_name, reid_metrics
-from .verification import (
+from shardfc.evaluation.reid import JUNK_PID, ReIDFolder, evaluate_reid, load_reid_split, parse_market1501_name, reid_metrics
+from shardfc.evaluation.verification import (
     embed_batches,
     embed_images,
     evaluate_verification,

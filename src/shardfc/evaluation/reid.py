@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ..data.folder import IMG_EXTENSIONS
-from ..data.transforms import decode_image, image_to_tensor
-from .verification import embed_batches
+from shardfc.data.folder import IMG_EXTENSIONS
+from shardfc.data.transforms import decode_image, image_to_tensor
+from shardfc.evaluation.verification import embed_batches
 
 __all__ = [
     "JUNK_PID",

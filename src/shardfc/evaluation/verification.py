@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..data.transforms import decode_image, image_to_tensor
+from shardfc.data.transforms import decode_image, image_to_tensor
 
 __all__ = [
     "load_bin",

@@ -12,10 +12,10 @@ from typing import Any, Callable
 
 from torch import nn
 
-from .iresnet import IResNet, iresnet18, iresnet34, iresnet50, iresnet100
-from .mobilefacenet import MobileFaceNet, mobilefacenet
-from .resnet import ReIDResNet, resnet50
-from .tiny import TinyNet, tiny
+from shardfc.models.iresnet import IResNet, iresnet18, iresnet34, iresnet50, iresnet100
+from shardfc.models.mobilefacenet import MobileFaceNet, mobilefacenet
+from shardfc.models.resnet import ReIDResNet, resnet50
+from shardfc.models.tiny import TinyNet, tiny
 
 __all__ = [
     "BACKBONES",

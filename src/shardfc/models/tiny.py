@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .init import init_weights
+from shardfc.models.init import init_weights
 
 __all__ = ["TinyNet", "tiny"]
 

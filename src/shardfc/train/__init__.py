@@ -7,7 +7,7 @@
 the command line does.
 """
 
-from .config import ConfigError, TrainConfig, parse_config
-from .trainer import train
+from shardfc.train.config import ConfigError, TrainConfig, parse_config
+from shardfc.train.trainer import train
 
 __all__ = ["ConfigError", "TrainConfig", "parse_config", "train"]

@@ -11,10 +11,10 @@ from typing import List, Tuple
 import torch
 from torch import nn
 
-from .. import checkpoint as ckpt
-from ..data import IMG_EXTENSIONS
-from ..models import build_backbone
-from .config import ConfigError, TrainConfig, config_from_mapping
+from shardfc import checkpoint as ckpt
+from shardfc.data import IMG_EXTENSIONS
+from shardfc.models import build_backbone
+from shardfc.train.config import ConfigError, TrainConfig, config_from_mapping
 
 __all__ = ["TrainedBackbone", "resolve_checkpoint", "load_backbone", "list_images", "pick_device"]
 

@@ -19,10 +19,10 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .. import checkpoint as ckpt
-from ..distributed.launch import WorkerError, init_from_env, launched_by_torchrun, spawn
-from .config import ConfigError, TrainConfig, parse_config, to_toml
-from .trainer import train
+from shardfc import checkpoint as ckpt
+from shardfc.parallel.launch import WorkerError, init_from_env, launched_by_torchrun, spawn
+from shardfc.train.config import ConfigError, TrainConfig, parse_config, to_toml
+from shardfc.train.trainer import train
 
 __all__ = ["main", "run", "USER_ERRORS"]
 

@@ -18,11 +18,11 @@ from typing import Iterator, List, Optional
 import numpy as np
 import torch
 
-from .. import checkpoint as ckpt
-from ..data import CorruptImageError, decode_image, image_to_tensor
-from ..evaluation.verification import embed_batches
-from .artifacts import list_images, load_backbone, pick_device
-from .config import ConfigError
+from shardfc import checkpoint as ckpt
+from shardfc.data import CorruptImageError, decode_image, image_to_tensor
+from shardfc.evaluation.verification import embed_batches
+from shardfc.train.artifacts import list_images, load_backbone, pick_device
+from shardfc.train.config import ConfigError
 
 __all__ = ["main"]
 

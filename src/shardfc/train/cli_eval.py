@@ -15,11 +15,11 @@ from typing import List, Optional
 
 import torch
 
-from .. import checkpoint as ckpt
-from .artifacts import load_backbone, pick_device
-from .config import ConfigError
-from .evaluate import build_targets, run_targets
-from .runlog import format_metrics
+from shardfc import checkpoint as ckpt
+from shardfc.train.artifacts import load_backbone, pick_device
+from shardfc.train.config import ConfigError
+from shardfc.train.evaluate import build_targets, run_targets
+from shardfc.train.runlog import format_metrics
 
 __all__ = ["main"]
 

@@ -19,9 +19,9 @@ from typing import List, Optional
 
 import torch
 
-from .. import checkpoint as ckpt
-from .artifacts import load_backbone
-from .config import ConfigError
+from shardfc import checkpoint as ckpt
+from shardfc.train.artifacts import load_backbone
+from shardfc.train.config import ConfigError
 
 __all__ = ["main", "export_torchscript", "export_onnx"]
 

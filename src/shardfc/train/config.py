@@ -167,7 +167,7 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ derived helpers
     def margin_params(self) -> Dict[str, Any]:
-        """Keyword arguments of :func:`shardfc.margins.build_margin` for ``self.margin``."""
+        """Keyword arguments of :func:`shardfc.head.margins.build_margin` for ``self.margin``."""
         name = self.margin
         if name == "arcface":
             return {"scale": self.scale, "margin": 0.5 if self.m < 0 else self.m, "easy_margin": self.easy_margin}

@@ -15,8 +15,8 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 from torch import nn
 
-from ..evaluation import evaluate_reid, evaluate_verification, load_bin, load_reid_split
-from .config import ConfigError, TrainConfig
+from shardfc.evaluation import evaluate_reid, evaluate_verification, load_bin, load_reid_split
+from shardfc.train.config import ConfigError, TrainConfig
 
 __all__ = ["EvalTarget", "build_targets", "run_targets", "synthetic_dataset"]
 
@@ -37,7 +37,7 @@ class EvalTarget:
 
 def synthetic_dataset(cfg: TrainConfig, image_size: Tuple[int, int]):
     """The synthetic identity set a config trains on."""
-    from ..data import SyntheticIdentities
+    from shardfc.data import SyntheticIdentities
 
     return SyntheticIdentities(
         cfg.synthetic_identities, cfg.synthetic_images_per_identity, tuple(image_size), seed=cfg.seed

@@ -10,7 +10,7 @@ gradients). A step:
 2. fp16 only: the ranks agree on whether any gradient overflowed, then unscale;
 3. clip the backbone gradient norm (identical on every rank after DDP) and the head's *global*
    gradient norm (squared shard norms all-reduced over the group);
-4. step both optimizers (the head's from :func:`shardfc.partial_fc.head_optimizer`, row-sparse
+4. step both optimizers (the head's from :func:`shardfc.head.partial_fc.head_optimizer`, row-sparse
    under Partial FC), then the warm-up + poly/cosine schedule of both.
 
 Checkpoints (:mod:`shardfc.checkpoint`) store the head shard and its per-row optimizer state as
@@ -38,14 +38,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from .. import checkpoint as ckpt
-from ..head import ShardedMarginHead
-from ..margins import build_margin
-from ..models import build_backbone, input_size as default_input_size
-from ..partial_fc import head_optimizer
-from .config import ConfigError, TrainConfig, to_toml
-from .evaluate import build_targets, run_targets, synthetic_dataset
-from .runlog import RunLog, format_metrics
+from shardfc import checkpoint as ckpt
+from shardfc.head.module import ShardedMarginHead
+from shardfc.head.margins import build_margin
+from shardfc.models import build_backbone, input_size as default_input_size
+from shardfc.head.partial_fc import head_optimizer
+from shardfc.train.config import ConfigError, TrainConfig, to_toml
+from shardfc.train.evaluate import build_targets, run_targets, synthetic_dataset
+from shardfc.train.runlog import RunLog, format_metrics
 
 __all__ = [
     "Parts",
@@ -119,7 +119,7 @@ class Parts:
     opt_backbone: torch.optim.Optimizer
     """torch SGD/AdamW over the backbone's trainable parameters."""
     opt_head: torch.optim.Optimizer
-    """:func:`shardfc.partial_fc.head_optimizer` over the head shard."""
+    """:func:`shardfc.head.partial_fc.head_optimizer` over the head shard."""
     schedulers: List[torch.optim.lr_scheduler.LambdaLR]
     """Warm-up + decay schedule of each optimizer (backbone first)."""
     scaler: torch.amp.GradScaler
@@ -345,7 +345,7 @@ def resolve_image_size(cfg: TrainConfig) -> Tuple[int, int]:
 def _train_dataset(cfg: TrainConfig, image_size: Tuple[int, int]) -> Dataset:
     if cfg.dataset == "synthetic":
         return synthetic_dataset(cfg, image_size)
-    from ..data import ImageFolderDataset, ListFileDataset
+    from shardfc.data import ImageFolderDataset, ListFileDataset
 
     if cfg.dataset == "folder":
         inner = ImageFolderDataset(cfg.data_root, image_size, train=True)

@@ -2,8 +2,8 @@
 
 Variants (all with the same margin, dtype and global batch):
 
-* ``naive``      :class:`shardfc.baselines.NaiveParallelHead` — logits of every shard gathered to rank 0.
-* ``replicated`` :class:`shardfc.baselines.ReplicatedHead` — the full FC on every rank, local batch
+* ``naive``      :class:`shardfc.head.baselines.NaiveParallelHead` — logits of every shard gathered to rank 0.
+* ``replicated`` :class:`shardfc.head.baselines.ReplicatedHead` — the full FC on every rank, local batch
   only; its weight gradient is all-reduced after the backward, as DDP would.
 * ``sharded``    :class:`shardfc.ShardedMarginHead`, one ``[B, n_local]`` buffer.
 * ``chunked``    the same with ``chunk_size`` (online softmax, logits recomputed in the backward).
@@ -29,10 +29,10 @@ Per variant (see :func:`run_bench`):
 * ``peak_bytes_per_rank``: per rank, the largest over the measured steps of the step's peak memory
   above the resting state just before it. Resting state = weights + gradients + optimizer state
   (and the step's inputs), measured after warm-up; everything else the step allocates counts.
-  Measure: see :mod:`shardfc.bench.memory`.
+  Measure: see :mod:`shardfc.tools.bench.memory`.
 * ``balance``: ``max / min`` of ``peak_bytes_per_rank`` (``None`` if a rank's peak is 0).
 * ``comm_bytes_per_rank``: bytes of one step's collectives as counted by
-  :func:`shardfc.distributed.count_comm` at the calls (gathered output / reduce-scatter input /
+  :func:`shardfc.parallel.count_comm` at the calls (gathered output / reduce-scatter input /
   all-reduce tensor / ...), the largest over ranks.
 * ``floor_ratio``: ``step_time_s`` over the time of the step's three matmuls alone — logits
   ``a·Wᵀ``, ``dZ·W`` and ``dZᵀ·a`` on the variant's shapes (``[B, D]×[D, n_local]`` for
@@ -42,7 +42,7 @@ Per variant (see :func:`run_bench`):
 
 Memory and traffic are measured first, on ``min(steps, 2)`` extra steps per variant after a warm-up
 step, with glibc tuned so that the resident set follows the live tensors; the timed steps come
-after, with glibc in its default steady state (see :mod:`shardfc.bench.memory`). On CUDA both use
+after, with glibc in its default steady state (see :mod:`shardfc.tools.bench.memory`). On CUDA both use
 the caching allocator's counters.
 """
 
@@ -59,7 +59,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from .memory import PeakMemory, allocator_env, malloc_trim
+from shardfc.tools.bench.memory import PeakMemory, allocator_env, malloc_trim
 
 VARIANTS = ("naive", "replicated", "sharded", "chunked", "partial")
 #: the fields of one result, in order (the JSON holds exactly these)
@@ -117,7 +117,7 @@ def _check_int(name: str, value, minimum: int) -> int:
 
 
 def _check_config(world_size, batch, dim, classes, variants, steps, warmup, sample_rate, chunk_size, dtype, margin, progress) -> BenchConfig:
-    from ..margins import build_margin
+    from shardfc.head.margins import build_margin
 
     _check_int("world_size", world_size, 1)
     _check_int("batch", batch, 1)
@@ -169,7 +169,7 @@ def run_bench(
     ``chunk_size``, ``sizes`` (local batches) and ``raw`` (per-rank measurements per variant).
     Bad arguments raise ``ValueError`` naming the argument and value before anything starts.
     """
-    from ..distributed.launch import default_backend, spawn
+    from shardfc.parallel.launch import default_backend, spawn
 
     cfg = _check_config(world_size, batch, dim, classes, variants, steps, warmup, sample_rate, chunk_size, dtype, margin, progress)
     backend = backend or default_backend()
@@ -227,9 +227,9 @@ def _sync(device: torch.device) -> None:
 
 def _build(variant: str, cfg: Dict[str, Any], device: torch.device):
     """(head, optimizer, after_backward hook, matmul shape (rows, classes)) for one variant."""
-    from ..head import ShardedMarginHead
-    from ..layout import class_ranges
-    from ..margins import build_margin
+    from shardfc.head.module import ShardedMarginHead
+    from shardfc.head.layout import class_ranges
+    from shardfc.head.margins import build_margin
 
     dtype = DTYPES[cfg["dtype"]]
     common = dict(margin=build_margin(cfg["margin"]), device=device, dtype=dtype)
@@ -239,11 +239,11 @@ def _build(variant: str, cfg: Dict[str, Any], device: torch.device):
     B, b = cfg["batch"], local_batch_sizes(cfg["batch"], W)[rank]
     after_backward = None
     if variant == "naive":
-        from ..baselines import NaiveParallelHead
+        from shardfc.head.baselines import NaiveParallelHead
 
         head, shape = NaiveParallelHead(D, C, **common), (B, n_local)
     elif variant == "replicated":
-        from ..baselines import ReplicatedHead
+        from shardfc.head.baselines import ReplicatedHead
 
         head, shape = ReplicatedHead(D, C, **common), (b, C)
         after_backward = head.average_gradients
@@ -252,7 +252,7 @@ def _build(variant: str, cfg: Dict[str, Any], device: torch.device):
     elif variant == "chunked":
         head, shape = ShardedMarginHead(D, C, chunk_size=cfg["chunk_size"], **common), (B, n_local)
     elif variant == "partial":
-        from ..partial_fc import head_optimizer
+        from shardfc.head.partial_fc import head_optimizer
 
         r = cfg["sample_rate"]
         head = ShardedMarginHead(D, C, sample_rate=r, **common)
@@ -330,9 +330,9 @@ def _release() -> None:
 def _bench_worker(rank: int, world_size: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     """Phase 1 measures every variant's memory and traffic (glibc tuned so the resident set
     follows the live tensors); phase 2 times every variant and its matmul floor (glibc in its
-    default steady state, see :func:`shardfc.bench.memory.use_default_malloc_steady_state`)."""
-    from ..distributed.collectives import comm_device, count_comm
-    from .memory import use_default_malloc_steady_state
+    default steady state, see :func:`shardfc.tools.bench.memory.use_default_malloc_steady_state`)."""
+    from shardfc.parallel.collectives import comm_device, count_comm
+    from shardfc.tools.bench.memory import use_default_malloc_steady_state
 
     device = comm_device(None)
     mem = PeakMemory(device)

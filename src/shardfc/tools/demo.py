@@ -13,10 +13,10 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from . import margins
-from .distributed.launch import spawn
-from .head import ShardedMarginHead
-from .partial_fc import head_optimizer
+from shardfc.head import margins
+from shardfc.parallel.launch import spawn
+from shardfc.head.module import ShardedMarginHead
+from shardfc.head.partial_fc import head_optimizer
 
 
 def _train(rank: int, world: int, args) -> List[float]:

@@ -7,7 +7,7 @@ import torch
 
 import shardfc
 from shardfc import margins as M
-from shardfc.partial_fc import ROWS_ATTR, RowSparseAdamW, RowSparseSGD, head_optimizer, num_sampled, sample_rows
+from shardfc.head.partial_fc import ROWS_ATTR, RowSparseAdamW, RowSparseSGD, head_optimizer, num_sampled, sample_rows
 
 C, D = 200, 8
 

@@ -26,26 +26,26 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import margins as _margins
-from .distributed.collectives import (
+from shardfc.head import margins as _margins
+from shardfc.parallel.collectives import (
     all_gather_rows,
     comm_device,
     gather_rows_forward_reduce_scatter_backward,
     group_rank,
     group_size,
 )
-from .layout import class_ranges
-from .normalize import l2_normalize
-from .shard_math import ShardConfig
-from .partial_fc import mark_rows, num_sampled, sample_rows, take_rows
-from .sharded_loss import (
+from shardfc.head.layout import class_ranges
+from shardfc.head.normalize import l2_normalize
+from shardfc.head.kernels import ShardConfig
+from shardfc.head.partial_fc import mark_rows, num_sampled, sample_rows, take_rows
+from shardfc.head.function import (
     ShardedLossPlan,
     compute_dtype_for,
     local_labels_for_range,
     sharded_cross_entropy,
     stats_dtype_for,
 )
-from .validation import (
+from shardfc.head.validation import (
     check_batch_and_exchange_sizes,
     check_embeddings,
     check_positive_int,
@@ -80,7 +80,7 @@ class ShardedMarginHead(nn.Module):
     Args:
         embedding_dim: width ``D`` of the embeddings.
         num_classes: total number of classes ``C`` over all shards.
-        margin: a :mod:`shardfc.margins` margin (default ``ArcFace(64, 0.5)``).
+        margin: a :mod:`shardfc.head.margins` margin (default ``ArcFace(64, 0.5)``).
         group: process group whose ranks hold the shards (default: the default group when
             torch.distributed is initialised). A given group is always used as is.
         devices: single-process multi-device mode: shard ``i`` on ``devices[i]``.
@@ -97,7 +97,7 @@ class ShardedMarginHead(nn.Module):
         sample_rate: Partial FC. In training mode each step each shard keeps the classes of the
             global batch's labels it owns plus uniform negatives, ``⌈r·n_local⌉`` in all (more if
             the positives need it); build the optimizer with
-            :func:`shardfc.partial_fc.head_optimizer` so only those rows move. ``1.0``: the full
+            :func:`shardfc.head.partial_fc.head_optimizer` so only those rows move. ``1.0``: the full
             head. Evaluation mode and :meth:`predict` always use every class.
         sample_seed: seed of the sampling; step ``t`` of shard ``i`` draws from
             ``(sample_seed, i, t)``, so a run is reproducible (``sample_step`` counts steps).
@@ -140,7 +140,7 @@ class ShardedMarginHead(nn.Module):
         self.num_classes = check_positive_int("num_classes", num_classes)
         margin = _margins.ArcFace() if margin is None else margin
         if not isinstance(margin, _margins.Margin):
-            raise TypeError(f"margin must be a shardfc.margins.Margin, got {margin!r}")
+            raise TypeError(f"margin must be a shardfc.head.margins.Margin, got {margin!r}")
         self.margin = margin
         self.label_smoothing = check_probability("label_smoothing", label_smoothing, low_open=False, high_open=False)
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):

@@ -7,7 +7,7 @@ Example (CPU, 2 ranks)::
 
 Prints a Markdown table on stdout and progress on stderr. ``--json`` writes a list with one object
 per variant holding exactly ``variant, step_time_s, peak_bytes_per_rank, balance,
-comm_bytes_per_rank, floor_ratio`` (definitions: :mod:`shardfc.bench.runner`). Every variant keeps
+comm_bytes_per_rank, floor_ratio`` (definitions: :mod:`shardfc.tools.bench.runner`). Every variant keeps
 its gradients between steps (``zero_grad(set_to_none=False)``): ``peak_bytes_per_rank`` is the
 step's peak above the resting state = weights + gradients + optimizer state, measured after warm-up.
 """
@@ -18,9 +18,9 @@ import argparse
 import sys
 from typing import List, Optional
 
-from ..distributed.launch import WorkerError
-from . import report
-from .runner import DEFAULT_CHUNK_SIZE, VARIANTS, run_bench
+from shardfc.parallel.launch import WorkerError
+from shardfc.tools.bench import report
+from shardfc.tools.bench.runner import DEFAULT_CHUNK_SIZE, VARIANTS, run_bench
 
 
 def _chunk_arg(text: str):
@@ -28,7 +28,7 @@ def _chunk_arg(text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..margins import MARGINS
+    from shardfc.head.margins import MARGINS
 
     p = argparse.ArgumentParser(
         prog="shardfc bench",

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .distributed.collectives import all_gather_rows, comm_device, group_rank, group_size
+from shardfc.parallel.collectives import all_gather_rows, comm_device, group_rank, group_size
 
 _KINDS = {None: 0, ValueError: 1, TypeError: 2}
 _TYPES = {1: ValueError, 2: TypeError}

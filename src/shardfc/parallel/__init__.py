@@ -1,6 +1,6 @@
 """Process-group plumbing: collectives as autograd functions, comm accounting, launch helpers."""
 
-from .collectives import (
+from shardfc.parallel.collectives import (
     CommCounter,
     all_gather_rows,
     all_reduce,

@@ -1,4 +1,4 @@
-"""``shardfc.plan``: the parts add up, the largest C and B fit, errors are clear, and the prediction
+"""``shardfc.tools.plan``: the parts add up, the largest C and B fit, errors are clear, and the prediction
 matches what ``shardfc bench`` measures (2 gloo ranks, B=256, C=40000, D=64) within 10%.
 
 The bench keeps gradients between steps (``zero_grad(set_to_none=False)``), which is the plan's
@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from shardfc.plan import PARTS, main, parse_bytes, plan
+from shardfc.tools.plan import PARTS, main, parse_bytes, plan
 
 CONFIGS = [
     dict(num_classes=40_000, dim=64, batch=256, world_size=2),
@@ -172,7 +172,7 @@ MW, MB, MD, MC, CHUNK = 2, 256, 64, 40_000, 1024
 
 @pytest.fixture(scope="module")
 def measured():
-    from shardfc.bench import run_bench
+    from shardfc.tools.bench import run_bench
 
     variants = ["sharded", "chunked", "partial"]
     details: dict = {}

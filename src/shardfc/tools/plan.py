@@ -76,7 +76,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .shard_math import WGRAD_BLOCK
+from shardfc.head.kernels import WGRAD_BLOCK
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 OPTIMIZERS = ("sgd", "sgd_nomomentum", "adamw")
@@ -442,7 +442,7 @@ def _check_pos_int(name: str, value) -> int:
 
 
 def _margin_flags(margin) -> Tuple[bool, bool, str]:
-    from .margins import Margin, build_margin
+    from shardfc.head.margins import Margin, build_margin
 
     m = margin if isinstance(margin, Margin) else build_margin(margin)
     return m.normalize_weights, m.normalize_embeddings, type(m).__name__

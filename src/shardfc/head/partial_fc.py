@@ -13,7 +13,7 @@ Build the optimizers like this (the head is never wrapped in DDP)::
 
     head = ShardedMarginHead(512, num_classes, sample_rate=0.1)
     opt_backbone = torch.optim.SGD(ddp_backbone.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
-    opt_head = shardfc.partial_fc.head_optimizer(head, "sgd", lr=0.1, momentum=0.9, weight_decay=5e-4)
+    opt_head = shardfc.head.partial_fc.head_optimizer(head, "sgd", lr=0.1, momentum=0.9, weight_decay=5e-4)
 
 ``head_optimizer`` returns torch's own dense optimizer when ``sample_rate == 1``.
 """

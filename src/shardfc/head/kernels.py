@@ -24,8 +24,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .margins import Margin
-from .normalize import NORM_EPS
+from shardfc.head.margins import Margin
+from shardfc.head.normalize import NORM_EPS
 
 #: Rows per block when the weight gradient is formed: bounds its transient to WGRAD_BLOCK × D.
 WGRAD_BLOCK = 8192

@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import margins as _margins
-from .distributed.collectives import (
+from shardfc.head import margins as _margins
+from shardfc.parallel.collectives import (
     all_gather_rows,
     all_reduce,
     broadcast_from_root,
@@ -30,9 +30,9 @@ from .distributed.collectives import (
     group_size,
     scatter_from_root,
 )
-from .head import ShardedMarginHead, init_rows
-from .reference import reference_logits
-from .validation import check_batch_and_exchange_sizes
+from shardfc.head.module import ShardedMarginHead, init_rows
+from shardfc.head.reference import reference_logits
+from shardfc.head.validation import check_batch_and_exchange_sizes
 
 
 def _dense_losses(logits: Tensor, labels: Tensor, head) -> Tensor:
@@ -117,7 +117,7 @@ class NaiveParallelHead(ShardedMarginHead):
         return loss.to(embeddings.device)
 
     def _all_ranges(self):
-        from .layout import class_ranges
+        from shardfc.head.layout import class_ranges
 
         return class_ranges(self.num_classes, self.world_size)
 

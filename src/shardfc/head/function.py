@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .distributed.collectives import all_reduce
-from .shard_math import ShardConfig, shard_backward, shard_forward
+from shardfc.parallel.collectives import all_reduce
+from shardfc.head.kernels import ShardConfig, shard_backward, shard_forward
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The plain dense reference: full ``[B, C]`` logits, margins by autograd, ``F.cross_entropy``.
 
-Written independently of :mod:`shardfc.shard_math` (the margins here are differentiated by
+Written independently of :mod:`shardfc.head.kernels` (the margins here are differentiated by
 autograd, not by their hand-written derivatives), it is what the tests hold every sharded mode
 to, in float64. Use it to check a configuration, never to train at scale.
 """
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import margins as M
+from shardfc.head import margins as M
 
 
 def reference_logits(embeddings: Tensor, weight: Tensor, labels: Tensor, margin: M.Margin) -> Tensor:

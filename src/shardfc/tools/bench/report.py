@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
-from .runner import FIELDS
+from shardfc.tools.bench.runner import FIELDS
 
 MEASURES = {
     "cpu_rss_hwm": "CPU resident set (VmHWM after clear_refs − VmRSS before the step)",

@@ -1,10 +1,10 @@
-"""Tests for shardfc.layout: contiguous class ranges per shard."""
+"""Tests for shardfc.head.layout: contiguous class ranges per shard."""
 
 from __future__ import annotations
 
 import pytest
 
-from shardfc.layout import class_range, class_ranges
+from shardfc.head.layout import class_range, class_ranges
 
 
 @pytest.mark.parametrize(

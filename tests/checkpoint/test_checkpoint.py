@@ -28,7 +28,7 @@ from shardfc.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from shardfc.layout import class_range, class_ranges
+from shardfc.head.layout import class_range, class_ranges
 
 DIM = 3
 FP = {"model": "iresnet50", "embedding_dim": DIM, "margins": [1.0, 0.5, 0.0]}

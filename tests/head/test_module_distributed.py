@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 import shardfc
 from shardfc import margins as M
-from shardfc.baselines import NaiveParallelHead, ReplicatedHead
-from shardfc.distributed.launch import spawn
-from shardfc.head import init_rows
+from shardfc.head.baselines import NaiveParallelHead, ReplicatedHead
+from shardfc.parallel.launch import spawn
+from shardfc.head.module import init_rows
 
 C, D, SEED = 23, 6, 1234  # 23 classes: not divisible by 2, 3 or 4
 SIZES = {1: [7], 2: [5, 3], 3: [4, 0, 6], 4: [3, 5, 0, 2]}  # unequal local batches, one empty
@@ -151,7 +151,7 @@ def _predict_case(rank, world):
             head = shardfc.ShardedMarginHead(D, C, margin=MARGINS[name], chunk_size=chunk, dtype=torch.float64)
             scores, ids = head.predict(x[lo:hi], k=5)
             W_full = init_rows(0, C, D, 0).double()
-            dense = shardfc.reference.reference_logits(x, W_full, torch.full((B,), -1), MARGINS[name])
+            dense = shardfc.head.reference.reference_logits(x, W_full, torch.full((B,), -1), MARGINS[name])
             ref_s, ref_i = dense.topk(5, dim=1)
             results[(name, chunk)] = (
                 _rel(scores, ref_s[lo:hi]) if hi > lo else 0.0,
@@ -228,7 +228,7 @@ def _partial_fc_case(rank, world):
     xr = x[lo:hi].clone().requires_grad_()
     loss = head(xr, y[lo:hi])
     loss.backward()
-    rows = getattr(head.weight, shardfc.partial_fc.ROWS_ATTR) + head.class_range.start
+    rows = getattr(head.weight, shardfc.head.partial_fc.ROWS_ATTR) + head.class_range.start
     gathered = [None] * world
     dist.all_gather_object(gathered, rows.tolist())
     kept = torch.tensor(sorted(sum(gathered, [])))
@@ -248,7 +248,7 @@ def _partial_fc_case(rank, world):
         "grad_weight": _rel(head.weight.grad, W_full.grad[r.start : r.stop]),
         "unsampled_grad_zero": bool((head.weight.grad[untouched[r.start : r.stop]] == 0).all()),
         "count": kept.numel(),
-        "expected_min": sum(math.ceil(0.4 * (len(rr))) for rr in shardfc.layout.class_ranges(C, world)),
+        "expected_min": sum(math.ceil(0.4 * (len(rr))) for rr in shardfc.head.layout.class_ranges(C, world)),
     }
 
 
@@ -370,7 +370,7 @@ def test_explicit_subgroup_is_used_not_world(world_results):
     assert results[0]["subgroup"] is None
     members = results[1:]
     ranges = [tuple(m["subgroup"]["range"]) for m in members]
-    assert ranges == [(r.start, r.stop) for r in shardfc.layout.class_ranges(C, world - 1)]
+    assert ranges == [(r.start, r.stop) for r in shardfc.head.layout.class_ranges(C, world - 1)]
     for m in members:
         sub = m["subgroup"]
         for key in ("loss", "grad_embeddings", "grad_weight"):

@@ -11,9 +11,9 @@ import json
 
 import pytest
 
-from shardfc.bench import FIELDS, VARIANTS, run_bench
-from shardfc.bench.cli import main
-from shardfc.bench.report import markdown_table
+from shardfc.tools.bench import FIELDS, VARIANTS, run_bench
+from shardfc.tools.bench.cli import main
+from shardfc.tools.bench.report import markdown_table
 
 W, B, D, C = 2, 9, 16, 1000  # B % W != 0: unequal local batches
 AVAILABLE = list(VARIANTS)

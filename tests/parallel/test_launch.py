@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from shardfc.distributed.launch import WorkerError, spawn
+from shardfc.parallel.launch import WorkerError, spawn
 
 
 def _returns_tensor(rank, world):
@@ -48,7 +48,7 @@ def test_world_size_must_be_positive():
 
 
 def test_group_that_never_forms_is_retried_then_reported(monkeypatch):
-    import shardfc.distributed.launch as launch
+    import shardfc.parallel.launch as launch
 
     monkeypatch.setattr(launch, "INIT_ATTEMPTS", 2)
     with pytest.raises(WorkerError, match="did not form in 2 attempts: rank .*process group init failed"):

@@ -7,7 +7,7 @@ import torch
 
 import shardfc
 from shardfc import margins as M
-from shardfc.head import init_rows
+from shardfc.head.module import init_rows
 
 C, D, B = 13, 5, 9
 ALL_MARGINS = [
@@ -123,7 +123,7 @@ def test_predict_single_and_devices():
         head = shardfc.ShardedMarginHead(D, C, margin=M.ArcFace(), devices=devices, chunk_size=chunk, dtype=torch.float64)
         scores, ids = head.predict(x, k=4)
         W = torch.cat([w.detach() for w in head.shard_weights])
-        dense = shardfc.reference.reference_logits(x, W, torch.full((B,), -1), M.ArcFace())
+        dense = shardfc.head.reference.reference_logits(x, W, torch.full((B,), -1), M.ArcFace())
         ref_s, ref_i = dense.topk(4, dim=1)
         assert torch.equal(ids, ref_i) and _rel(scores, ref_s) < 1e-12
 
@@ -217,7 +217,7 @@ def test_bad_forward_input(x, y, kind, text, devices):
         (dict(label_smoothing=1.2), ValueError, "label_smoothing"),
         (dict(reduction="avg"), ValueError, "reduction must be 'mean', 'sum' or 'none', got 'avg'"),
         (dict(ignore_index=3), ValueError, "ignore_index=3 is a valid class id"),
-        (dict(margin="arcface"), TypeError, "margin must be a shardfc.margins.Margin"),
+        (dict(margin="arcface"), TypeError, "margin must be a shardfc.head.margins.Margin"),
         (dict(group=None, devices=["cpu"], num_classes=0), ValueError, "num_classes must be a positive integer, got 0"),
     ],
 )
@@ -259,7 +259,7 @@ def test_auto_chunk_size_is_exact_and_bounded():
 @pytest.mark.parametrize("chunk", [None, 3])
 @pytest.mark.parametrize("devices", [None, ["cpu", "cpu"]])
 def test_weight_gradient_accumulates_in_place_into_existing_grad(monkeypatch, chunk, devices):
-    monkeypatch.setattr(shardfc.shard_math, "WGRAD_BLOCK", 2)  # several row blocks per chunk
+    monkeypatch.setattr(shardfc.head.kernels, "WGRAD_BLOCK", 2)  # several row blocks per chunk
     x1, y1 = _data(1)
     x2, y2 = _data(2)
     margin = M.ArcFace(32.0, 0.4)

@@ -1,0 +1,20 @@
+"""The sharded margin head: the math of an exact class-sharded softmax cross-entropy.
+
+    module.py       ShardedMarginHead: layouts, Partial FC sampling, predict, sharded state
+    margins.py      margin target logits and their exact derivatives
+    kernels.py      one shard's statistics and gradients (pure, no communication), chunked or not
+    function.py     the autograd function combining the shards' statistics
+    partial_fc.py   class sampling and the row-sparse SGD / AdamW
+    validation.py   input checks that raise on every rank
+    normalize.py    L2 normalisation with a finite gradient at zero
+    layout.py       which class ids each shard holds
+    reference.py    the plain dense implementation everything is tested against
+    baselines.py    NaiveParallelHead, ReplicatedHead (for comparison in bench)
+"""
+
+from shardfc.head import margins, partial_fc
+from shardfc.head.module import ShardedMarginHead
+from shardfc.head.partial_fc import head_optimizer
+from shardfc.head.reference import reference_loss
+
+__all__ = ["ShardedMarginHead", "head_optimizer", "margins", "reference_loss"]
