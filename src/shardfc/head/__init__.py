@@ -17,4 +17,4 @@ from shardfc.head.module import ShardedMarginHead
 from shardfc.head.partial_fc import head_optimizer
 from shardfc.head.reference import reference_loss
 
-__all__ = ["ShardedMarginHead", "head_optimizer", "margins", "reference_loss"]
+__all__ = ["ShardedMarginHead", "head_optimizer", "margins", "partial_fc", "reference_loss"]

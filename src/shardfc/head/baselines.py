@@ -27,12 +27,12 @@ from shardfc.parallel.collectives import (
     gather_rows_forward_reduce_scatter_backward,
     gather_to_root,
     group_rank,
-    group_size,
     scatter_from_root,
 )
 from shardfc.head.module import ShardedMarginHead, init_rows
 from shardfc.head.reference import reference_logits
 from shardfc.head.validation import check_batch_and_exchange_sizes
+from shardfc.parallel.context import DistContext
 
 
 def _dense_losses(logits: Tensor, labels: Tensor, head) -> Tensor:
@@ -149,16 +149,15 @@ class ReplicatedHead(nn.Module):
         self.embedding_dim, self.num_classes = embedding_dim, num_classes
         self.margin = _margins.ArcFace() if margin is None else margin
         self.label_smoothing, self.ignore_index, self.reduction = label_smoothing, ignore_index, reduction
-        self.distributed = group is not None or (dist.is_available() and dist.is_initialized())
-        self.group = group
-        self.world_size = group_size(group) if self.distributed else 1
+        self.ctx = DistContext.resolve(group)
+        self.distributed, self.group, self.world_size = self.ctx.distributed, self.ctx.group, self.ctx.world_size
         w = init_rows(0, num_classes, embedding_dim, init_seed)
         self.weight = nn.Parameter(w.to(device=device, dtype=dtype or torch.float32))
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
         check_batch_and_exchange_sizes(
             embeddings, labels, embedding_dim=self.embedding_dim, num_classes=self.num_classes,
-            ignore_index=self.ignore_index, group=self.group, distributed=self.distributed,
+            ignore_index=self.ignore_index, ctx=self.ctx,
         )
         labels = labels.long()
         losses = _dense_losses(reference_logits(embeddings, self.weight, labels, self.margin), labels, self)

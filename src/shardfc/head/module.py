@@ -27,13 +27,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from shardfc.head import margins as _margins
-from shardfc.parallel.collectives import (
-    all_gather_rows,
-    comm_device,
-    gather_rows_forward_reduce_scatter_backward,
-    group_rank,
-    group_size,
-)
+from shardfc.parallel.collectives import all_gather_rows, gather_rows_forward_reduce_scatter_backward
+from shardfc.parallel.context import DistContext
 from shardfc.head.layout import class_ranges
 from shardfc.head.normalize import l2_normalize
 from shardfc.head.kernels import ShardConfig
@@ -170,8 +165,7 @@ class ShardedMarginHead(nn.Module):
             if not devices:
                 raise ValueError("devices must name at least one device, got an empty list")
             self.mode = "devices"
-            self.group = None
-            self.world_size, self.rank = 1, 0
+            self.ctx = DistContext(device=devices[0])  # one process: no group, whatever torch.distributed says
             self.devices = devices
             self.shard_ranges = class_ranges(num_classes, len(devices))
             self.class_range = range(0, num_classes)
@@ -180,24 +174,15 @@ class ShardedMarginHead(nn.Module):
                 for r, d in zip(self.shard_ranges, devices)
             )
         else:
-            if group is not None or (dist.is_available() and dist.is_initialized()):
-                if not dist.is_initialized():
-                    raise ValueError("group was given but torch.distributed is not initialised")
-                self.mode = "group"
-                self.group = group
-                self.world_size, self.rank = group_size(group), group_rank(group)
-                default_device = comm_device(group)
-            else:
-                self.mode = "single"
-                self.group = None
-                self.world_size, self.rank = 1, 0
-                default_device = torch.device("cpu")
-            device = torch.device(device) if device is not None else default_device
-            self.class_range = class_ranges(num_classes, self.world_size)[self.rank]
+            self.ctx = DistContext.resolve(group, device)
+            self.mode = "group" if self.ctx.distributed else "single"
+            self.class_range = class_ranges(num_classes, self.ctx.world_size)[self.ctx.rank]
             self.shard_ranges = [self.class_range]
-            self.devices = [device]
+            self.devices = [self.ctx.device]
             r = self.class_range
-            self.weight = nn.Parameter(init_rows(r.start, r.stop, embedding_dim, self.init_seed).to(device, dtype))
+            self.weight = nn.Parameter(init_rows(r.start, r.stop, embedding_dim, self.init_seed).to(self.ctx.device, dtype))
+        # The group the shards are collective over, this process's rank and the group's size in it.
+        self.group, self.rank, self.world_size = self.ctx.group, self.ctx.rank, self.ctx.world_size
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -207,15 +192,16 @@ class ShardedMarginHead(nn.Module):
 
     @property
     def distributed(self) -> bool:
-        return self.mode == "group"
+        """The shards are spread over the ranks of a process group."""
+        return self.ctx.distributed
 
     def _exchange(self, error: Optional[Exception], local_batch: int) -> List[int]:
-        return raise_or_exchange_sizes(error, local_batch, self.group, distributed=self.distributed)
+        return raise_or_exchange_sizes(error, local_batch, self.ctx)
 
     def _check_and_exchange(self, embeddings: Tensor, labels: Tensor) -> List[int]:
         return check_batch_and_exchange_sizes(
             embeddings, labels, embedding_dim=self.embedding_dim, num_classes=self.num_classes,
-            ignore_index=self.ignore_index, group=self.group, distributed=self.distributed,
+            ignore_index=self.ignore_index, ctx=self.ctx,
         )
 
     def _prepare_embeddings(self, embeddings: Tensor) -> Tensor:

@@ -12,10 +12,10 @@ import math
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from shardfc.parallel.collectives import all_gather_rows, comm_device, group_rank, group_size
+from shardfc.parallel.collectives import all_gather_rows
+from shardfc.parallel.context import DistContext
 
 _KINDS = {None: 0, ValueError: 1, TypeError: 2}
 _TYPES = {1: ValueError, 2: TypeError}
@@ -66,25 +66,23 @@ def check_labels(labels, batch: int, num_classes: int, ignore_index: int) -> Opt
     return None
 
 
-def raise_or_exchange_sizes(
-    error: Optional[Exception], local_batch: int, group: Optional[dist.ProcessGroup], *, distributed: bool
-) -> List[int]:
-    """Raise ``error`` (on every rank when ``distributed``); else return every rank's batch size."""
-    if not distributed:
+def raise_or_exchange_sizes(error: Optional[Exception], local_batch: int, ctx: DistContext) -> List[int]:
+    """Raise ``error`` (on every rank of ``ctx``'s group); else return every rank's batch size."""
+    if not ctx.distributed:
         if error is not None:
             raise error
         return [local_batch]
+    group = ctx.group
     kind = _KINDS.get(type(error), 1) if error is not None else 0
-    header = torch.tensor([[local_batch, kind]], dtype=torch.int64, device=comm_device(group))
-    world = group_size(group)
+    header = torch.tensor([[local_batch, kind]], dtype=torch.int64, device=ctx.comm_device)
+    world = ctx.world_size
     table = all_gather_rows(header, [1] * world, group).cpu()
     kinds = table[:, 1].tolist()
     if any(kinds):
-        messages: List[Optional[str]] = [None] * world
-        dist.all_gather_object(messages, None if error is None else str(error), group=group)
+        messages = ctx.all_gather_object(None if error is None else str(error))
         failed = [(r, messages[r]) for r in range(world) if kinds[r]]
         text = "; ".join(f"rank {r}: {m}" for r, m in failed)
-        me = group_rank(group)
+        me = ctx.rank
         if error is not None:
             raise type(error)(text if len(failed) > 1 else f"rank {me}: {error}")
         raise _TYPES.get(kinds[failed[0][0]], ValueError)(text)
@@ -93,14 +91,14 @@ def raise_or_exchange_sizes(
 
 def check_batch_and_exchange_sizes(
     embeddings, labels, *, embedding_dim: int, num_classes: int, ignore_index: int,
-    group: Optional[dist.ProcessGroup], distributed: bool,
+    ctx: DistContext,
 ) -> List[int]:
     """Check a head's inputs, raise on every rank if any rank's are bad, else return all batch sizes."""
     error = check_embeddings(embeddings, embedding_dim)
     if error is None:
         error = check_labels(labels, embeddings.shape[0], num_classes, ignore_index)
     local_batch = embeddings.shape[0] if error is None else 0
-    return raise_or_exchange_sizes(error, local_batch, group, distributed=distributed)
+    return raise_or_exchange_sizes(error, local_batch, ctx)
 
 
 def check_positive_int(name: str, value) -> int:

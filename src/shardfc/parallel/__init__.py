@@ -1,4 +1,9 @@
-"""Process-group plumbing: collectives as autograd functions, comm accounting, launch helpers."""
+"""Data movement and process placement.
+
+    context.py      DistContext: group, rank, world size and device, resolved once at the boundary
+    collectives.py  every collective as a counted function, and the head's gather/reduce-scatter mapping
+    launch.py       spawn N local processes, or join a torchrun (env://) group
+"""
 
 from shardfc.parallel.collectives import (
     CommCounter,
@@ -11,9 +16,11 @@ from shardfc.parallel.collectives import (
     group_size,
     reduce_scatter_rows,
 )
+from shardfc.parallel.context import DistContext
 
 __all__ = [
     "CommCounter",
+    "DistContext",
     "all_gather_rows",
     "all_reduce",
     "comm_device",

@@ -13,8 +13,9 @@ That is the volume a rank moves through the collective (the backend may split it
 from __future__ import annotations
 
 import contextlib
+import pickle
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,8 +53,12 @@ def count_comm() -> Iterator[CommCounter]:
 
 
 def _record(kind: str, t: Tensor) -> None:
+    _record_bytes(kind, t.numel() * t.element_size())
+
+
+def _record_bytes(kind: str, nbytes: int) -> None:
     for c in _COUNTERS:
-        c.add(kind, t.numel() * t.element_size())
+        c.add(kind, nbytes)
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -146,6 +151,29 @@ def broadcast_from_root(t: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor
 
 def _global_rank(group: Optional[dist.ProcessGroup], rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def all_gather_object(obj: Any, group: Optional[dist.ProcessGroup]) -> List[Any]:
+    """Every rank's picklable ``obj``, in rank order (counted as the pickled bytes of this rank's)."""
+    _record_bytes("all_gather_object", len(pickle.dumps(obj)) * group_size(group))
+    out: List[Any] = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj: Any, group: Optional[dist.ProcessGroup]) -> Any:
+    """The group's rank 0's picklable ``obj`` on every rank."""
+    if group_rank(group) == 0:
+        _record_bytes("broadcast_object", len(pickle.dumps(obj)))
+    box = [obj]
+    dist.broadcast_object_list(box, src=_global_rank(group, 0), group=group)
+    return box[0]
+
+
+def barrier(group: Optional[dist.ProcessGroup]) -> None:
+    """Wait until every rank of ``group`` gets here (moves no payload)."""
+    _record_bytes("barrier", 0)
+    dist.barrier(group=group)
 
 
 class _GatherRowsForwardReduceScatterBackward(torch.autograd.Function):
