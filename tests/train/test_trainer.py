@@ -21,16 +21,11 @@ from shardfc.checkpoint import find_checkpoints
 from shardfc.parallel.launch import spawn
 from shardfc.train import cli as train_cli
 from shardfc.train.config import ConfigError, TrainConfig
-from shardfc.train.trainer import (
-    Context,
-    ShardBatches,
-    _amp_dtype,
-    apply_gradients,
-    build_parts,
-    clip_head_grad_,
-    load_parts,
-    train,
-)
+from shardfc.parallel.context import DistContext
+from shardfc.train.build import build_parts, resolve_amp_dtype
+from shardfc.train.data import ShardBatches
+from shardfc.train.loop import load_parts, train
+from shardfc.train.step import apply_gradients, clip_head_grad_
 
 from .tiny import STEPS, tiny_config
 
@@ -123,7 +118,7 @@ def _clip_worker(rank: int, world: int) -> tuple:
     rows = [(0, 5), (5, 10)][rank]
     head = torch.nn.Linear(4, rows[1] - rows[0], bias=False)
     head.weight.grad = full[rows[0] : rows[1]].clone()
-    ctx = Context(rank, world, None, True, torch.device("cpu"))
+    ctx = DistContext(None, rank, world, True, torch.device("cpu"))
     norm = clip_head_grad_(head, 1.0, ctx)
     return float(norm), head.weight.grad.numpy().copy()
 
@@ -140,7 +135,7 @@ def test_head_gradient_is_clipped_by_its_global_norm():
 def _overflow_worker(rank: int, world: int) -> list:
     """Two fp16-style steps with the loss scaler on: rank 1's head overflows in the first."""
     cfg = TrainConfig(image_size=[16, 16], embedding_dim=8, synthetic_identities=10, warmup_steps=0, max_steps=10)
-    ctx = Context(rank, world, None, True, torch.device("cpu"))
+    ctx = DistContext(None, rank, world, True, torch.device("cpu"))
     torch.manual_seed(0)
     parts = build_parts(cfg, ctx, 10, (16, 16), total_steps=10, amp_dtype=torch.float16)
     out = []
@@ -173,7 +168,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank():
 
 def test_fp16_on_cpu_falls_back_to_bf16_with_a_message(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="shardfc.train"):
-        assert _amp_dtype(TrainConfig(amp="fp16"), torch.device("cpu")) is torch.bfloat16
+        assert resolve_amp_dtype(TrainConfig(amp="fp16"), torch.device("cpu")) is torch.bfloat16
     assert "using bf16 autocast instead" in caplog.text
     cfg = tiny_config(tmp_path / "fp16", amp="fp16", nproc=1, max_steps=2, grad_accum=1, synthetic_val_pairs=0)
     assert train(cfg)["step"] == 2

@@ -27,30 +27,15 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["SyntheticIdentities"]
+from shardfc.seeding import mix_seed
 
-_MASK64 = (1 << 64) - 1
+__all__ = ["SyntheticIdentities"]
 
 # Stream tags keep the generators for different purposes independent.
 _STREAM_TEMPLATE = 1
 _STREAM_PROTOTYPE = 2
 _STREAM_SAMPLE = 3
 _STREAM_PAIRS = 4
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _mix_seed(*parts: int) -> int:
-    """Hash integers into a 63-bit seed (torch seeds must fit a signed int64)."""
-    h = 0
-    for p in parts:
-        h = _splitmix64(h ^ (int(p) & _MASK64))
-    return h >> 1
 
 
 class SyntheticIdentities(Dataset):
@@ -144,7 +129,7 @@ class SyntheticIdentities(Dataset):
         ty, tx = np.linspace(0.0, 1.0, h, dtype=np.float32), np.linspace(0.0, 1.0, w, dtype=np.float32)
         ly, lx = np.stack([1 - ty, ty], axis=1), np.stack([1 - tx, tx], axis=1)  # bilinear weights
         self._light_basis = np.einsum("yi,xj->ijyx", ly, lx).reshape(4, h * w)
-        g = torch.Generator().manual_seed(_mix_seed(self.seed, _STREAM_TEMPLATE))
+        g = torch.Generator().manual_seed(mix_seed(self.seed, _STREAM_TEMPLATE))
         self._template_coeffs = 0.5 * torch.randn(3, self.grid_size**2, generator=g).numpy()
 
     # ------------------------------------------------------------------ basics
@@ -185,7 +170,7 @@ class SyntheticIdentities(Dataset):
         """
         if identity < 0:
             raise ValueError(f"identity must be >= 0, got {identity!r}")
-        g = torch.Generator().manual_seed(_mix_seed(self.seed, _STREAM_PROTOTYPE, identity))
+        g = torch.Generator().manual_seed(mix_seed(self.seed, _STREAM_PROTOTYPE, identity))
         coeffs = torch.randn(3, self.grid_size**2, generator=g).numpy()
         # The field is linear in its coefficients: template + scale * identity pattern.
         coeffs = self._template_coeffs + np.float32(self.identity_scale) * coeffs
@@ -201,7 +186,7 @@ class SyntheticIdentities(Dataset):
         if index < 0:
             raise ValueError(f"index must be >= 0, got {index!r}")
         proto = self.prototype(identity)
-        g = torch.Generator().manual_seed(_mix_seed(self.seed, _STREAM_SAMPLE, identity, index))
+        g = torch.Generator().manual_seed(mix_seed(self.seed, _STREAM_SAMPLE, identity, index))
         h, w = self.image_size
         u = torch.rand(8, generator=g).tolist()
         span = 2 * self._pad + 1
@@ -264,7 +249,7 @@ class SyntheticIdentities(Dataset):
             raise ValueError(f"num_held_out_images must be >= 2, got {num_held_out_images!r}")
         if self.num_identities < 2:
             raise ValueError("verification_pairs needs num_identities >= 2 for negative pairs")
-        rng = np.random.default_rng(_mix_seed(self.seed, _STREAM_PAIRS, seed))
+        rng = np.random.default_rng(mix_seed(self.seed, _STREAM_PAIRS, seed))
         first_id = self.num_identities if unseen_identities else 0
         issame = np.arange(num_pairs) % 2 == 0
         id_a = rng.integers(0, self.num_identities, size=num_pairs)

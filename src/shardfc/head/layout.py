@@ -10,14 +10,9 @@ Example: ``class_ranges(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(
 
 from __future__ import annotations
 
+from shardfc.checks import check_positive_int
+
 __all__ = ["class_ranges", "class_range"]
-
-
-def _check_positive_int(name: str, value: object) -> int:
-    # bool is an int subclass; True as a class count is always a bug.
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
 
 
 def class_range(num_classes: int, num_shards: int, index: int) -> range:
@@ -34,8 +29,8 @@ def class_range(num_classes: int, num_shards: int, index: int) -> range:
     Raises:
         ValueError: If an argument is not an int in its valid domain.
     """
-    _check_positive_int("num_classes", num_classes)
-    _check_positive_int("num_shards", num_shards)
+    check_positive_int("num_classes", num_classes)
+    check_positive_int("num_shards", num_shards)
     if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < num_shards:
         raise ValueError(f"index must be an int in [0, num_shards={num_shards}), got {index!r}")
     base, extra = divmod(num_classes, num_shards)
@@ -53,6 +48,6 @@ def class_ranges(num_classes: int, num_shards: int) -> list[range]:
     Raises:
         ValueError: If ``num_classes`` or ``num_shards`` is not an int >= 1.
     """
-    _check_positive_int("num_classes", num_classes)
-    _check_positive_int("num_shards", num_shards)
+    check_positive_int("num_classes", num_classes)
+    check_positive_int("num_shards", num_shards)
     return [class_range(num_classes, num_shards, i) for i in range(num_shards)]

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from shardfc.head import margins as _margins
 from shardfc.parallel.collectives import all_gather_rows, gather_rows_forward_reduce_scatter_backward
 from shardfc.parallel.context import DistContext
+from shardfc.seeding import mix_seed
 from shardfc.head.layout import class_ranges
 from shardfc.head.normalize import l2_normalize
 from shardfc.head.kernels import ShardConfig
@@ -43,10 +44,9 @@ from shardfc.head.function import (
 from shardfc.head.validation import (
     check_batch_and_exchange_sizes,
     check_embeddings,
-    check_positive_int,
-    check_probability,
     raise_or_exchange_sizes,
 )
+from shardfc.checks import check_positive_int, check_probability
 
 DeviceLike = Union[str, torch.device, int]
 
@@ -61,7 +61,7 @@ def init_rows(start: int, stop: int, dim: int, seed: int) -> Tensor:
     out = torch.empty(stop - start, dim)
     first, last = start // INIT_BLOCK, (stop - 1) // INIT_BLOCK if stop > start else -1
     for block in range(first, last + 1):
-        g = torch.Generator().manual_seed(seed * 1_000_003 + block)
+        g = torch.Generator().manual_seed(mix_seed(seed, block))
         rows = torch.randn(INIT_BLOCK, dim, generator=g) * INIT_STD
         b0 = block * INIT_BLOCK
         lo, hi = max(start, b0), min(stop, b0 + INIT_BLOCK)
@@ -267,7 +267,7 @@ class ShardedMarginHead(nn.Module):
         first_shard = self.rank if self.distributed else 0
         sub_weights, sub_labels = [], []
         for i, (w, lab) in enumerate(zip(self.shard_weights, local_labels)):
-            gen = torch.Generator().manual_seed(_mix_seed(self.sample_seed, first_shard + i, step))
+            gen = torch.Generator().manual_seed(mix_seed(self.sample_seed, first_shard + i, step))
             positives = torch.unique(lab[lab >= 0])
             rows = sample_rows(positives, w.shape[0], self.sample_rate, gen)
             mark_rows(w, rows)
@@ -331,14 +331,6 @@ class ShardedMarginHead(nn.Module):
             f"{where}, classes={self.class_range.start}..{self.class_range.stop - 1}, "
             f"reduction={self.reduction!r}, label_smoothing={self.label_smoothing}{chunk}"
         )
-
-
-def _mix_seed(*parts: int) -> int:
-    """One 63-bit seed from several integers (the same in every process)."""
-    seed = 0
-    for p in parts:
-        seed = (seed * 1_000_003 + int(p)) % (2**63 - 1)
-    return seed
 
 
 def reduce_losses(losses: Tensor, valid: Tensor, sizes: Sequence[int], rank: int, reduction: str) -> Tensor:

@@ -8,7 +8,6 @@ and the problem. The header doubles as the exchange of local batch sizes the gat
 
 from __future__ import annotations
 
-import math
 from typing import List, Optional
 
 import torch
@@ -101,28 +100,9 @@ def check_batch_and_exchange_sizes(
     return raise_or_exchange_sizes(error, local_batch, ctx)
 
 
-def check_positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
-def check_probability(name: str, value, *, low_open: bool, high_open: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    lo_ok = value > 0 if low_open else value >= 0
-    hi_ok = value < 1 if high_open else value <= 1
-    if not (lo_ok and hi_ok):
-        interval = ("(" if low_open else "[") + "0, 1" + (")" if high_open else "]")
-        raise ValueError(f"{name} must be in {interval}, got {value!r}")
-    return float(value)
-
-
 __all__ = [
     "check_embeddings",
     "check_labels",
     "raise_or_exchange_sizes",
     "check_batch_and_exchange_sizes",
-    "check_positive_int",
-    "check_probability",
 ]

@@ -1,4 +1,16 @@
-"""``shardfc train`` and its companions: configuration, the training loop, and the eval/export/embed tools.
+"""``shardfc train`` and its companions.
+
+    config.py     TrainConfig (a docstring per field), TOML presets, flags
+    build.py      a run from its config: context, data, backbone in DDP, head shard, optimizers, precision
+    loop.py       train(): build -> resume -> loop -> save, read top to bottom
+    step.py       one optimizer step (micro-batches, fp16 overflow agreement, clipping)
+    data.py       the dataset, per-rank resumable batches, the micro-batch stream
+    schedule.py   warm-up + poly / cosine decay
+    resume.py     save to and restore from resharding checkpoints
+    reporting.py  setup lines, loss / lr / throughput windows, evaluations
+    runlog.py     train.log, metrics.csv, curves.png, the progress bar
+    evaluate.py   evaluation targets (.bin verification, re-ID, synthetic pairs)
+    cli*.py, artifacts.py   shardfc train / eval / export / embed
 
     from shardfc.train import TrainConfig, train
     summary = train(TrainConfig(max_steps=100, nproc=1))   # in this process, no process group
@@ -8,6 +20,6 @@ the command line does.
 """
 
 from shardfc.train.config import ConfigError, TrainConfig, parse_config
-from shardfc.train.trainer import train
+from shardfc.train.loop import train
 
 __all__ = ["ConfigError", "TrainConfig", "parse_config", "train"]

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from shardfc import checkpoint as ckpt
 from shardfc.parallel.launch import WorkerError, init_from_env, launched_by_torchrun, spawn
 from shardfc.train.config import ConfigError, TrainConfig, parse_config, to_toml
-from shardfc.train.trainer import train
+from shardfc.train.loop import train
 
 __all__ = ["main", "run", "USER_ERRORS"]
 

@@ -1,0 +1,34 @@
+"""Argument checks shared by every public entry point: each error names the argument and the value."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["check_int", "check_positive_int", "check_probability"]
+
+
+def check_int(name: str, value: Any, minimum: int) -> int:
+    """``value`` as an int ``>= minimum`` (bool is rejected: ``True`` as a count is always a bug)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """``value`` as an int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def check_probability(name: str, value: Any, *, low_open: bool, high_open: bool) -> float:
+    """``value`` as a float in [0, 1], each end open or closed as asked."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    lo_ok = value > 0 if low_open else value >= 0
+    hi_ok = value < 1 if high_open else value <= 1
+    if not (lo_ok and hi_ok):
+        interval = ("(" if low_open else "[") + "0, 1" + (")" if high_open else "]")
+        raise ValueError(f"{name} must be in {interval}, got {value!r}")
+    return float(value)

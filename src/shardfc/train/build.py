@@ -1,0 +1,166 @@
+"""Build a run's parts from its config: image size, backbone (in DDP), head shard, optimizers, precision."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import Dataset
+
+from shardfc.head import ShardedMarginHead, head_optimizer
+from shardfc.head.margins import build_margin
+from shardfc.models import build_backbone, input_size as default_input_size
+from shardfc.parallel.context import DistContext
+from shardfc.seeding import mix_seed, seed_all
+from shardfc.train.config import ConfigError, TrainConfig
+from shardfc.train.data import ShardBatches, train_dataset
+from shardfc.train.schedule import WarmupDecay
+from shardfc.train.state import Parts
+
+logger = logging.getLogger("shardfc.train")
+
+
+#: Backbones whose global pooling accepts any input size (the others have a fixed-size fc layer).
+_SIZE_AGNOSTIC = ("tiny", "resnet50")
+
+
+def resolve_image_size(cfg: TrainConfig) -> Tuple[int, int]:
+    """The backbone input ``(H, W)``: ``cfg.image_size`` or the backbone's default."""
+    default = default_input_size(cfg.backbone)
+    if not cfg.image_size:
+        return default
+    size = (int(cfg.image_size[0]), int(cfg.image_size[1]))
+    if size != default and cfg.backbone not in _SIZE_AGNOSTIC:
+        raise ConfigError(
+            f"image_size={list(size)} but backbone={cfg.backbone!r} takes {default[0]}x{default[1]} inputs "
+            f"(only {', '.join(_SIZE_AGNOSTIC)} accept other sizes)"
+        )
+    return size
+
+
+def build_parts(
+    cfg: TrainConfig,
+    ctx: DistContext,
+    num_classes: int,
+    image_size: Tuple[int, int],
+    total_steps: int,
+    amp_dtype: Optional[torch.dtype],
+) -> Parts:
+    """Backbone (DDP when several ranks), head shard, optimizers, schedules and scaler."""
+    kwargs = {"input_size": image_size} if cfg.backbone == "tiny" else {}
+    backbone = build_backbone(cfg.backbone, cfg.embedding_dim, **kwargs).to(ctx.device)
+    if ctx.distributed and ctx.world_size > 1:
+        # Frozen BN weights (requires_grad=False) are simply not reduced; no parameter goes unused.
+        backbone = DDP(
+            backbone,
+            device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
+            process_group=ctx.group,
+        )
+    head = ShardedMarginHead(
+        cfg.embedding_dim,
+        num_classes,
+        margin=build_margin(cfg.margin, **cfg.margin_params()),
+        group=ctx.group if ctx.distributed else None,
+        label_smoothing=cfg.label_smoothing,
+        chunk_size={0: None, -1: "auto"}.get(cfg.chunk_size, cfg.chunk_size),
+        sample_rate=cfg.sample_rate,
+        sample_seed=cfg.seed,
+        init_seed=cfg.seed,
+        device=ctx.device,
+    )
+    trainable = [p for p in backbone.parameters() if p.requires_grad]
+    if cfg.optimizer == "sgd":
+        opt_backbone: torch.optim.Optimizer = torch.optim.SGD(
+            trainable, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov
+        )
+    else:
+        opt_backbone = torch.optim.AdamW(
+            trainable, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
+    opt_head = head_optimizer(
+        head, cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+        nesterov=cfg.nesterov, betas=tuple(cfg.betas), eps=cfg.eps,
+    )
+    schedulers = [
+        torch.optim.lr_scheduler.LambdaLR(o, WarmupDecay(cfg, total_steps)) for o in (opt_backbone, opt_head)
+    ]
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp_dtype == torch.float16)
+    return Parts(backbone, head, opt_backbone, opt_head, schedulers, scaler)
+
+
+def resolve_amp_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dtype]:
+    """The autocast dtype, after falling back where the hardware cannot do what was asked."""
+    if cfg.amp == "none":
+        return None
+    if cfg.amp == "fp16" and device.type == "cpu":
+        logger.warning(
+            "amp='fp16' asked for, but this run is on the CPU, where fp16 autocast is slow and covers few ops: "
+            "using bf16 autocast instead (fp32's range, so no loss scaling)"
+        )
+        return torch.bfloat16
+    if cfg.amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        logger.warning("amp='bf16' asked for, but this GPU lacks bf16: using fp16 autocast with loss scaling instead")
+        return torch.float16
+    return torch.float16 if cfg.amp == "fp16" else torch.bfloat16
+
+
+def autocast_factory(device: torch.device, dtype: Optional[torch.dtype]):
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@dataclass
+class Run:
+    """A built run: where it is, its data and batches, its length, its precision and its parts."""
+
+    ctx: DistContext
+    image_size: Tuple[int, int]
+    dataset: Dataset
+    batches: ShardBatches
+    total_steps: int
+    amp_dtype: Optional[torch.dtype]
+    parts: Parts
+
+    @property
+    def num_classes(self) -> int:
+        return self.dataset.num_classes
+
+
+def build_run(cfg: TrainConfig, ctx: DistContext) -> Run:
+    """Data, batches, schedule length and parts; the backbone initialisation is the same on every rank."""
+    amp_dtype = resolve_amp_dtype(cfg, ctx.device)
+    image_size = resolve_image_size(cfg)
+    dataset = train_dataset(cfg, image_size)
+    batches = ShardBatches(len(dataset), cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed, cfg.drop_last)
+    total_steps = cfg.max_steps or math.ceil(cfg.epochs * len(batches) / cfg.grad_accum)
+    seed_all(cfg.seed)
+    parts = build_parts(cfg, ctx, dataset.num_classes, image_size, total_steps, amp_dtype)
+    return Run(ctx, image_size, dataset, batches, total_steps, amp_dtype, parts)
+
+
+def run_context(cfg: TrainConfig, group: Optional[dist.ProcessGroup]) -> DistContext:
+    """The run's :class:`DistContext`, on the device ``cfg.device`` asks for."""
+    want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if want_cuda and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but CUDA is not available here; use --device cpu or auto")
+    if want_cuda:
+        device = torch.device("cuda", torch.cuda.current_device())
+        torch.backends.cudnn.benchmark = True
+    else:
+        device = torch.device("cpu")
+    ctx = DistContext.resolve(group, device)
+    if ctx.backend == "nccl" and device.type == "cpu":
+        raise ConfigError("the process group uses NCCL but device is the CPU; use gloo for CPU runs")
+    return ctx
+
+
+def rank_seed(seed: int, rank: int, step: int) -> int:
+    """Seed of rank ``rank``'s own random stream (augmentation, dropout) from ``step`` on."""
+    return mix_seed(seed, rank, step)

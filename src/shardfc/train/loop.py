@@ -1,0 +1,113 @@
+"""The training loop of ``shardfc train``, read top to bottom in :func:`train`: build, resume, loop, save.
+
+One process per rank. Every rank holds a replica of the backbone (in DDP when there are several
+ranks) and one class shard of the :class:`~shardfc.ShardedMarginHead` (never in DDP: its
+embedding gradient is already scaled so that DDP's averaging gives the backbone exact
+gradients). What a step does is in :mod:`~shardfc.train.step`; building in
+:mod:`~shardfc.train.build`; checkpoints in :mod:`~shardfc.train.resume`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import torch.distributed as dist
+
+from shardfc.seeding import seed_all
+from shardfc.train.build import autocast_factory, build_run, rank_seed, run_context
+from shardfc.train.config import TrainConfig, to_toml
+from shardfc.train.data import micro_batches
+from shardfc.train.evaluate import build_targets
+from shardfc.train.reporting import ReportWindow, evaluate_targets, log_setup, report
+from shardfc.train.resume import restore, resume_path, save, step_of
+from shardfc.train.runlog import RunLog
+from shardfc.train.state import Parts, RunState
+from shardfc.train.step import train_step
+
+__all__ = ["load_parts", "train"]
+
+logger = logging.getLogger("shardfc.train")
+
+
+def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[str, Any]:
+    """Train as ``cfg`` says; collective over ``group`` when torch.distributed is initialised.
+
+    Returns a summary: ``step``, ``wall_time_s``, ``checkpoint`` and (rank 0) the last
+    evaluation's ``metrics`` (``{target: {metric: value}}``) with their ``descriptions``.
+    """
+    started = time.time()
+    cfg.validate()
+    ctx = run_context(cfg, group)
+    out = Path(cfg.output_dir)
+    with RunLog(out, ctx.is_main, cfg.progress) as runlog:
+        # ---- build: data, model and optimizers (the same initialisation on every rank), evaluation
+        run = build_run(cfg, ctx)
+        parts = run.parts
+        seed_all(rank_seed(cfg.seed, ctx.rank, 0))  # then per-rank augmentation / dropout streams
+        autocast = autocast_factory(ctx.device, run.amp_dtype)
+        targets = build_targets(cfg, run.image_size, ctx.device, autocast) if ctx.is_main else []
+        if ctx.is_main:
+            log_setup(cfg, ctx, run)
+
+        # ---- resume: the newest complete checkpoint, saved on any number of ranks
+        state = RunState(batches_per_epoch=len(run.batches))
+        resume_from = resume_path(cfg, ctx)
+        if resume_from is not None:
+            state = restore(run, resume_from, cfg)
+        if ctx.is_main:  # only now: a refused resume leaves the earlier run's config.toml alone
+            (out / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
+        stream = micro_batches(run.dataset, run.batches, state, cfg, ctx)
+
+        # ---- loop
+        metrics: Dict[str, Dict[str, float]] = {}
+        last_saved = resume_from
+        window = ReportWindow(state)
+        runlog.open_bar(state.step, run.total_steps)
+        parts.backbone.train()
+        parts.head.train()
+        while state.step < run.total_steps:
+            loss, corrupt = train_step(parts, stream, state, cfg, ctx, autocast)
+            state.step += 1
+            window.add(loss, corrupt)
+            runlog.advance()
+            last = state.step == run.total_steps
+            if state.step % cfg.log_every == 0 or last:
+                report(runlog, window, parts, state, run.total_steps, ctx)
+            if cfg.ckpt_every and state.step % cfg.ckpt_every == 0 and not last:
+                last_saved = save(run, state, cfg)
+            if cfg.eval_every and state.step % cfg.eval_every == 0 and not last:
+                metrics = evaluate_targets(targets, parts, state.step, runlog)
+        runlog.close_bar()
+
+        # ---- save: a final checkpoint (unless resumed at the end) and a final evaluation
+        if resume_from is None or state.step > step_of(resume_from):
+            last_saved = save(run, state, cfg)
+        elif ctx.is_main:
+            logger.info("%s is at step %d; max %d steps: nothing to train", resume_from, state.step, run.total_steps)
+        metrics = evaluate_targets(targets, parts, state.step, runlog)
+        ctx.barrier()  # leave together: no rank tears the group down under another
+        wall = time.time() - started
+        if ctx.is_main:
+            logger.info("done: step %d in %.1f s; checkpoint %s", state.step, wall, last_saved)
+    return {
+        "step": state.step,
+        "wall_time_s": wall,
+        "checkpoint": str(last_saved) if last_saved else None,
+        "metrics": metrics,
+        "descriptions": {t.name: t.description for t in targets},
+        "output_dir": str(out),
+    }
+
+
+def load_parts(cfg: TrainConfig, path: Path, group: Optional[dist.ProcessGroup] = None) -> Tuple[Parts, RunState]:
+    """Build the parts of a run as :func:`train` does and load checkpoint ``path`` into them.
+
+    For inspecting a checkpoint on any number of ranks; each rank gets its own head rows.
+    Collective over ``group`` (DDP's construction broadcasts the backbone): call it on every rank.
+    """
+    cfg.validate()
+    run = build_run(cfg, run_context(cfg, group))
+    return run.parts, restore(run, Path(path), cfg)

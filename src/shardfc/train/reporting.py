@@ -1,0 +1,118 @@
+"""What a run tells the person watching it: the setup, loss / lr / throughput windows, evaluations."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from shardfc.parallel.context import DistContext
+from shardfc.train.evaluate import run_targets
+from shardfc.train.runlog import RunLog, format_metrics
+from shardfc.train.schedule import current_lr
+from shardfc.train.state import Parts, RunState
+
+logger = logging.getLogger("shardfc.train")
+
+
+def log_setup(cfg, ctx: DistContext, run) -> None:
+    """Rank 0: where the run is, its data, model, head and optimisation, in a few lines."""
+    dataset, parts, image_size, amp_dtype = run.dataset, run.parts, run.image_size, run.amp_dtype
+    batches_per_epoch, total_steps = len(run.batches), run.total_steps
+    n_backbone = sum(p.numel() for p in parts.module.parameters())
+    logger.info(
+        "shardfc train: %d rank(s) on %s (%s), output %s",
+        ctx.world_size, ctx.device.type, ctx.backend or "no process group",
+        os.path.abspath(cfg.output_dir),
+    )
+    logger.info("data: %s, %d images, %d classes, %dx%d input", dataset, len(dataset), dataset.num_classes, *image_size)
+    logger.info(
+        "model: %s (%.2fM parameters) -> %d-d embeddings; head %s over %d classes, %d per rank (rank 0: %s)",
+        cfg.backbone, n_backbone / 1e6, cfg.embedding_dim, parts.head.margin, parts.head.num_classes,
+        len(parts.head.class_range), f"{parts.head.class_range.start}..{parts.head.class_range.stop - 1}",
+    )
+    global_batch = cfg.batch_size * ctx.world_size * cfg.grad_accum
+    logger.info(
+        "optimisation: %s lr %g, %s schedule, %d warm-up steps; %d steps of %d images (%d per rank x %d rank(s) x "
+        "%d accumulated), %d micro-batches per epoch per rank; precision %s%s",
+        cfg.optimizer, cfg.lr, cfg.scheduler, cfg.warmup_steps, total_steps, global_batch, cfg.batch_size,
+        ctx.world_size, cfg.grad_accum, batches_per_epoch, "fp32" if amp_dtype is None else str(amp_dtype)[6:],
+        f"; Partial FC sample_rate {cfg.sample_rate}" if cfg.sample_rate < 1 else "",
+    )
+    if cfg.warmup_steps >= total_steps:
+        logger.warning(
+            "warmup_steps=%d >= the %d steps of this run: the learning rate never reaches lr=%g",
+            cfg.warmup_steps, total_steps, cfg.lr,
+        )
+
+
+class ReportWindow:
+    """Loss, throughput and corrupt-image skips since the last report."""
+
+    def __init__(self, state: RunState) -> None:
+        self.state = state
+        self._reset()
+
+    def _reset(self) -> None:
+        self.t0, self.samples0 = time.time(), self.state.samples_seen
+        self.loss: Optional[torch.Tensor] = None
+        self.steps = 0
+        self.corrupt = 0
+
+    def add(self, loss: torch.Tensor, corrupt: int) -> None:
+        self.loss = loss if self.loss is None else self.loss + loss  # no host sync until the report
+        self.steps += 1
+        self.corrupt += corrupt
+
+    def take(self) -> Tuple[float, float, int]:
+        """(mean loss, images/s, corrupt skips on this rank) since the previous take; resets."""
+        loss = float(self.loss) / self.steps if self.steps else float("nan")
+        rate = (self.state.samples_seen - self.samples0) / max(time.time() - self.t0, 1e-9)
+        corrupt = self.corrupt
+        self._reset()
+        return loss, rate, corrupt
+
+
+def report(runlog: RunLog, window: ReportWindow, parts: Parts, state: RunState, total: int, ctx: DistContext) -> None:
+    """Log loss, lr, throughput and the corrupt images skipped on all ranks since the last report."""
+    loss, rate, corrupt = window.take()
+    if not math.isfinite(loss):
+        raise FloatingPointError(
+            f"the training loss is {loss} at step {state.step}: training diverged; lower --lr, raise "
+            "--warmup-steps or set --grad-clip"
+        )
+    skipped = torch.tensor([corrupt], dtype=torch.int64, device=ctx.device)
+    ctx.all_reduce_(skipped)
+    skipped_total = int(skipped)
+    if not ctx.is_main:
+        return
+    lr = current_lr(parts)
+    extra = f"  ({skipped_total} corrupt image(s) skipped)" if skipped_total else ""
+    logger.info(
+        "step %d/%d  epoch %d  loss %.4f  lr %.4g  %.0f images/s%s",
+        state.step, total, state.epoch, loss, lr, rate, extra,
+    )
+    runlog.set_postfix({"loss": loss, "lr": lr, "img/s": rate})
+    values = {"train/loss": loss, "train/lr": lr, "train/images_per_s": rate, "train/epoch": state.epoch}
+    if skipped_total:
+        values["data/corrupt_skipped"] = skipped_total
+    if parts.scaler.is_enabled():
+        values["train/loss_scale"] = parts.scaler.get_scale()
+    runlog.scalars(state.step, values)
+
+
+def evaluate_targets(targets, parts: Parts, step: int, runlog: RunLog) -> Dict[str, Dict[str, float]]:
+    """Rank 0 evaluates the plain backbone (no collective); the others move on and wait in the next one."""
+    if not targets:
+        return {}
+    t0 = time.time()
+    metrics = run_targets(targets, parts.module)
+    for t in targets:
+        logger.info("eval step %d  %s: %s  (%s)", step, t.name, format_metrics(metrics[t.name]), t.description)
+        runlog.scalars(step, {f"val/{t.name}/{k}": v for k, v in metrics[t.name].items()})
+    logger.info("evaluation took %.1f s", time.time() - t0)
+    return metrics

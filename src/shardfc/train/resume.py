@@ -1,0 +1,210 @@
+"""Save a run to a resharding checkpoint and resume from one, on any number of ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from shardfc import checkpoint as ckpt
+from shardfc.parallel.context import DistContext
+from shardfc.seeding import seed_all
+from shardfc.train.build import Run, rank_seed
+from shardfc.train.config import ConfigError, TrainConfig
+from shardfc.train.schedule import apply_schedule
+from shardfc.train.state import RunState
+
+logger = logging.getLogger("shardfc.train")
+
+
+def fingerprint(cfg: TrainConfig, num_classes: int, image_size: Tuple[int, int]) -> Dict[str, Any]:
+    """What must match for a checkpoint to be loaded into this run."""
+    return {
+        "backbone": cfg.backbone,
+        "embedding_dim": cfg.embedding_dim,
+        "num_classes": num_classes,
+        "image_size": list(image_size),
+        "optimizer": cfg.optimizer,
+    }
+
+
+def checkpoint_root(cfg: TrainConfig) -> Path:
+    return Path(cfg.output_dir) / "checkpoints"
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.split("_")[-1])
+
+
+def _head_optimizer_rows(opt: torch.optim.Optimizer, rows: int) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """Split the head optimizer's state into row tensors (resharded on load) and the rest."""
+    tensors, extras = {}, {}
+    for index, pstate in opt.state_dict()["state"].items():
+        for key, value in pstate.items():
+            name = f"optimizer.{index}.{key}"
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows:
+                tensors[name] = value
+            else:
+                extras[name] = value
+    return tensors, extras
+
+
+def save(run: Run, state: RunState, cfg: TrainConfig) -> Path:
+    """Save a checkpoint of the run at ``state.step`` (collective over the group)."""
+    parts, ctx, num_classes = run.parts, run.ctx, run.num_classes
+    rows = len(parts.head.class_range)
+    opt_tensors, opt_extras = _head_optimizer_rows(parts.opt_head, rows)
+    common = None
+    if ctx.is_main:
+        common = {
+            "backbone": parts.module.state_dict(),
+            "backbone_optimizer": parts.opt_backbone.state_dict(),
+            "head_optimizer_param_groups": parts.opt_head.state_dict()["param_groups"],
+            "schedulers": [s.state_dict() for s in parts.schedulers],
+            "scaler": parts.scaler.state_dict(),
+            "state": dataclasses.asdict(state),
+            "world_size": ctx.world_size,
+            "batch_size": cfg.batch_size,
+            "config": dataclasses.asdict(cfg),
+        }
+    per_rank = {"rng": rng_state(), "world_size": ctx.world_size}
+    return ckpt.save_checkpoint(
+        checkpoint_root(cfg),
+        state.step,
+        common=common,
+        per_rank=per_rank,
+        head_tensors={"weight": parts.head.weight.detach(), **opt_tensors},
+        head_extras={"sample_step": parts.head.sample_step, **opt_extras},
+        class_range=parts.head.class_range,
+        num_classes=num_classes,
+        fingerprint=fingerprint(cfg, num_classes, run.image_size),
+        group=ctx.group if ctx.distributed else None,
+        keep_last=cfg.keep_last or None,
+    )
+
+
+def resume_path(cfg: TrainConfig, ctx: DistContext) -> Optional[Path]:
+    """The checkpoint to resume from (rank 0 decides, so all ranks agree), after setting aside newer ones.
+
+    Training on from step s saves step directories after s, so any already there (a truncated
+    save found by 'auto', or the future of an explicitly chosen older checkpoint) are renamed
+    aside rather than overwritten: nothing saved is lost.
+    """
+    root = checkpoint_root(cfg)
+    decision: Any = None
+    if ctx.is_main:
+        try:
+            path = ckpt.resolve_resume(root, cfg.resume)
+            existing = ckpt.find_checkpoints(root) if root.is_dir() else []
+            if path is None and cfg.resume.strip().lower() == "none" and existing:
+                raise ConfigError(
+                    f"resume='none' but {root} already holds checkpoints (newest: {existing[-1].name}); pass "
+                    "--resume auto to continue that run, or choose another --output-dir"
+                )
+            start = step_of(path) if path is not None else -1
+            _set_aside_newer(root, start)
+            decision = ("ok", str(path) if path is not None else None)
+        except Exception as e:  # every rank must learn about it, or they would wait forever
+            decision = ("error", e)
+    kind, value = ctx.broadcast_object(decision)
+    if kind == "error":
+        raise value
+    if value is not None and ctx.is_main:
+        logger.info("resuming from %s", value)
+    return Path(value) if value is not None else None
+
+
+def _set_aside_newer(root: Path, start: int) -> None:
+    if not root.is_dir():
+        return
+    for entry in sorted(root.iterdir()):
+        name = entry.name
+        if entry.is_dir() and name.startswith("step_") and name[5:].isdigit() and int(name[5:]) > start:
+            aside = entry.with_name(f"{name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
+            os.replace(entry, aside)
+            logger.warning(
+                "%s is newer than the checkpoint this run resumes from (incomplete, corrupt, or resume names an "
+                "older one); renamed it to %s so that it is not overwritten", entry, aside.name,
+            )
+
+
+def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
+    """Load checkpoint ``path`` into ``run``'s parts; returns the run state to continue from.
+
+    The head rows of this rank's class range are read from whichever saved shards hold them,
+    so the world size may differ from the saving run's. RNG states are restored when the world
+    size is unchanged, otherwise each rank reseeds from (seed, rank, step).
+    """
+    parts, ctx, num_classes, image_size = run.parts, run.ctx, run.num_classes, run.image_size
+    batches_per_epoch, total_steps = len(run.batches), run.total_steps
+    try:
+        loaded = ckpt.load_checkpoint(
+            path,
+            class_range=parts.head.class_range,
+            num_classes=num_classes,
+            fingerprint=fingerprint(cfg, num_classes, image_size),
+            map_location="cpu",
+            rank=ctx.rank,
+        )
+    except ValueError as e:  # another model or class count: say how to get going
+        raise ConfigError(f"cannot resume: {e}. Train it in a new --output-dir (or pass --resume none there)") from e
+    common = loaded.common
+    parts.module.load_state_dict(common["backbone"])
+    parts.opt_backbone.load_state_dict(common["backbone_optimizer"])
+    with torch.no_grad():
+        parts.head.weight.copy_(loaded.head_tensors["weight"])
+    parts.head.sample_step = int(loaded.head_extras.get("sample_step", 0))
+    head_state: Dict[int, Dict[str, Any]] = {}
+    for source in (loaded.head_tensors, loaded.head_extras):
+        for name, value in source.items():
+            if name.startswith("optimizer."):
+                _, index, key = name.split(".", 2)
+                head_state.setdefault(int(index), {})[key] = value
+    parts.opt_head.load_state_dict({"state": head_state, "param_groups": common["head_optimizer_param_groups"]})
+    for s, saved in zip(parts.schedulers, common["schedulers"]):
+        s.load_state_dict(saved)
+    if parts.scaler.is_enabled() and common.get("scaler"):
+        parts.scaler.load_state_dict(common["scaler"])
+
+    state = RunState(**common["state"])
+    apply_schedule(parts, cfg, total_steps, state.step)
+    saved_world = common["world_size"]
+    if saved_world == ctx.world_size and loaded.per_rank is not None:
+        set_rng_state(loaded.per_rank["rng"])
+    else:
+        seed_all(rank_seed(cfg.seed, ctx.rank, state.step))
+    if saved_world != ctx.world_size or common["batch_size"] != cfg.batch_size:
+        # Another partition of the data: continue at the same fraction of the epoch.
+        fraction = state.batch_in_epoch / max(state.batches_per_epoch, 1)
+        state.batch_in_epoch = min(round(fraction * batches_per_epoch), batches_per_epoch)
+        if ctx.is_main:
+            logger.info(
+                "resuming with %d rank(s) x batch %d (saved with %d x %d): continuing epoch %d at %.0f%%",
+                ctx.world_size, cfg.batch_size, saved_world, common["batch_size"], state.epoch, 100 * fraction,
+            )
+    state.batches_per_epoch = batches_per_epoch
+    if ctx.is_main:
+        logger.info("restored step %d (epoch %d) from %s", state.step, state.epoch, path)
+    return state
+
+
+def rng_state() -> Dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

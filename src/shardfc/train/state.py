@@ -1,0 +1,51 @@
+"""What a run is made of (:class:`Parts`) and where it stands (:class:`RunState`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from shardfc.head import ShardedMarginHead
+
+
+@dataclass
+class RunState:
+    """Where training stands; saved in every checkpoint."""
+
+    step: int = 0
+    """Optimizer steps completed."""
+    epoch: int = 0
+    """Current pass over the data (the DistributedSampler's epoch)."""
+    batch_in_epoch: int = 0
+    """Micro-batches of ``epoch`` this rank has consumed."""
+    batches_per_epoch: int = 0
+    """Micro-batches per epoch per rank for the world size and batch size that saved this."""
+    samples_seen: int = 0
+    """Training images consumed over all ranks."""
+
+
+@dataclass
+class Parts:
+    """The trainable parts of a run and their optimizers."""
+
+    backbone: nn.Module
+    """The backbone, in DDP when the run has several ranks."""
+    head: ShardedMarginHead
+    """This rank's class shard of the margin head."""
+    opt_backbone: torch.optim.Optimizer
+    """torch SGD/AdamW over the backbone's trainable parameters."""
+    opt_head: torch.optim.Optimizer
+    """:func:`shardfc.head.partial_fc.head_optimizer` over the head shard."""
+    schedulers: List[torch.optim.lr_scheduler.LambdaLR]
+    """Warm-up + decay schedule of each optimizer (backbone first)."""
+    scaler: torch.amp.GradScaler
+    """fp16 loss scaler (disabled for other precisions)."""
+
+    @property
+    def module(self) -> nn.Module:
+        """The plain backbone (unwrapped from DDP): what is evaluated, saved and exported."""
+        return self.backbone.module if isinstance(self.backbone, DDP) else self.backbone

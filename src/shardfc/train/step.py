@@ -1,0 +1,105 @@
+"""One optimizer step: micro-batches forward and backward, fp16 overflow agreement, clipping, both optimizers."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from shardfc.parallel.context import DistContext
+from shardfc.train.config import TrainConfig
+from shardfc.train.state import Parts, RunState
+
+
+def train_step(
+    parts: Parts, stream: Iterator, state: RunState, cfg: TrainConfig, ctx: DistContext, autocast
+) -> Tuple[torch.Tensor, int]:
+    """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, corrupt images skipped)."""
+    parts.opt_backbone.zero_grad(set_to_none=True)
+    # The head's gradient buffer is kept: its backward then adds into it in place, block by block,
+    # instead of allocating a fresh [n_local, D] gradient every step.
+    parts.opt_head.zero_grad(set_to_none=False)
+    loss_sum = torch.zeros((), device=ctx.device)
+    corrupt = 0
+    for micro in range(cfg.grad_accum):
+        images, labels, skipped = next(stream)
+        images = images.to(ctx.device, non_blocking=True)
+        labels = labels.to(ctx.device, non_blocking=True)
+        corrupt += int(skipped.sum())
+        # DDP all-reduces the backbone gradients on the last micro-batch only.
+        last = micro == cfg.grad_accum - 1
+        sync = contextlib.nullcontext() if last or not isinstance(parts.backbone, DDP) else parts.backbone.no_sync()
+        with sync:
+            with autocast():
+                # The head's loss is already the mean over the global micro-batch.
+                loss = parts.head(parts.backbone(images), labels) / cfg.grad_accum
+            parts.scaler.scale(loss).backward()
+        loss_sum += loss.detach().float()
+        state.samples_seen += images.shape[0] * ctx.world_size
+    apply_gradients(parts, cfg.grad_clip, ctx)
+    return loss_sum, corrupt
+
+
+def apply_gradients(parts: Parts, grad_clip: float, ctx: DistContext) -> None:
+    """Unscale (fp16), clip, and step both optimizers and their schedules: the end of a step."""
+    if parts.scaler.is_enabled():
+        _agree_on_overflow(parts, ctx)
+    # One scaler for both optimizers: unscale both before clipping, step both, update once.
+    parts.scaler.unscale_(parts.opt_backbone)
+    parts.scaler.unscale_(parts.opt_head)
+    if grad_clip > 0:
+        params = [p for p in parts.backbone.parameters() if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        clip_head_grad_(parts.head, grad_clip, ctx)
+    parts.scaler.step(parts.opt_backbone)
+    parts.scaler.step(parts.opt_head)
+    parts.scaler.update()
+    for s in parts.schedulers:
+        s.step()
+
+
+def clip_head_grad_(head: nn.Module, max_norm: float, ctx: DistContext) -> torch.Tensor:
+    """Clip the head's gradient by its norm over *all* shards; returns that global norm.
+
+    Each rank holds different rows, so the local norm is only a part: the squared norms are
+    summed over the group first, and every rank scales its rows by the same factor.
+    """
+    grads = [p.grad for p in head.parameters() if p.grad is not None]
+    sq = torch.zeros((), device=ctx.device, dtype=torch.float32)
+    for g in grads:
+        sq += g.detach().float().pow(2).sum()
+    ctx.all_reduce_(sq)
+    total = sq.sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+def _agree_on_overflow(parts: Parts, ctx: DistContext) -> None:
+    """Make every rank's fp16 loss scaler see an overflow if any rank's gradients hold inf/NaN.
+
+    Backbone gradients are equal on all ranks (DDP), but head shards differ, so one rank may
+    overflow alone; the scaler would then skip the step on that rank only and the scales would
+    drift apart. After this, every optimizer on every rank holds a non-finite gradient or none does.
+    """
+    groups = [
+        [p.grad for p in parts.backbone.parameters() if p.grad is not None and p.grad.numel()],
+        [p.grad for p in parts.head.parameters() if p.grad is not None and p.grad.numel()],
+    ]
+    # [backbone overflowed, head overflowed, any rank overflowed]; one host sync for all of it.
+    flags = torch.zeros(3, device=ctx.device)
+    for i, grads in enumerate(groups):
+        if grads:
+            flags[i] = torch.stack([~torch.isfinite(g).all() for g in grads]).any().float()
+    flags[2] = flags[:2].max()
+    ctx.all_reduce_(flags[2:], op=dist.ReduceOp.MAX)
+    bad_backbone, bad_head, bad_anywhere = flags.tolist()
+    if bad_anywhere:
+        for grads, bad in zip(groups, (bad_backbone, bad_head)):
+            if grads and not bad:
+                grads[0].view(-1)[0] = float("inf")
