@@ -45,12 +45,23 @@ def test_sampling_reproducible_from_seed():
     assert not torch.equal(a[0], a[1])  # a new sample every step
 
 
-def test_sample_rate_one_is_the_full_head():
+def test_sampling_every_class_equals_the_full_head():
+    """A rate just under 1 samples all C classes through the sampling path: loss and gradients are the full head's."""
     x, y = _batch(0)
-    full = shardfc.ShardedMarginHead(D, C, dtype=torch.float64)
-    part = shardfc.ShardedMarginHead(D, C, sample_rate=1.0, dtype=torch.float64)
-    assert torch.equal(full(x.double(), y), part(x.double(), y))
-    assert isinstance(head_optimizer(part, "sgd", lr=0.1), torch.optim.SGD)
+    x = x.double()
+    full = shardfc.ShardedMarginHead(D, C, dtype=torch.float64, label_smoothing=0.1)
+    part = shardfc.ShardedMarginHead(D, C, sample_rate=1 - 1e-9, dtype=torch.float64, label_smoothing=0.1)
+    assert num_sampled(C, part.sample_rate, 0) == C
+    grads = []
+    for head in (full, part):
+        xi = x.clone().requires_grad_(True)
+        loss = head(xi, y)
+        loss.backward()
+        grads.append((loss.detach(), xi.grad, head.weight.grad))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    assert isinstance(head_optimizer(part, "sgd", lr=0.1), RowSparseSGD)
+    assert isinstance(head_optimizer(shardfc.ShardedMarginHead(D, C, sample_rate=1.0), "sgd", lr=0.1), torch.optim.SGD)
 
 
 def test_eval_mode_uses_every_class():

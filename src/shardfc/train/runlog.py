@@ -13,7 +13,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Mapping, Optional
+from typing import Dict, List, Mapping, Optional
 
 __all__ = ["RunLog", "format_metrics", "plot_metrics"]
 
@@ -172,13 +172,14 @@ def _worth_a_panel(name: str) -> bool:
     return name.startswith(_PANELS[:3]) or any(name.endswith(p) or p + "=" in name for p in _PANELS[3:])
 
 
-def plot_metrics(csv_path: Path, png_path: Path) -> bool:
+def plot_metrics(csv_path: Path, png_path: Path) -> List[str]:
     """Draw every scalar of ``metrics.csv`` against the step, one panel each, into ``png_path``.
 
-    Returns False (and draws nothing) when matplotlib is not installed or there is nothing to draw.
+    Returns the names drawn, in panel order: empty (and nothing drawn) when matplotlib is not
+    installed or there is nothing to draw.
     """
     if importlib.util.find_spec("matplotlib") is None:
-        return False
+        return []
     series: Dict[str, list] = {}
     with open(csv_path, newline="", encoding="utf-8") as f:
         for row in csv.DictReader(f):
@@ -189,7 +190,7 @@ def plot_metrics(csv_path: Path, png_path: Path) -> bool:
             if _worth_a_panel(name) and math.isfinite(value):
                 series.setdefault(name, []).append((step, value))
     if not series:
-        return False
+        return []
     import matplotlib
 
     matplotlib.use("Agg")
@@ -212,4 +213,4 @@ def plot_metrics(csv_path: Path, png_path: Path) -> bool:
     fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
     tmp.replace(png_path)  # a reader never sees half a picture
-    return True
+    return names
