@@ -9,6 +9,9 @@ A TOML file may list the fields flat or under tables named after their section (
 ``--field-name`` (booleans also ``--no-field-name``; lists take several values, ``--betas 0.9 0.95``).
 Unknown keys and flags are errors that name the closest valid one. Each field's help text is its
 attribute docstring below, so the dataclass is the single source of truth for ``--help``.
+
+(Longer than the other modules on purpose: the ~60 fields and their docstrings are the CLI's
+documentation, and splitting them would split ``--help`` from the parser that reads it.)
 """
 
 from __future__ import annotations
