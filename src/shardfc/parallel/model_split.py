@@ -32,8 +32,7 @@ backbone            segments (split points are all but the last)
 ``nn.Sequential``   one segment per child, named as the child
 ==================  ==========================================================================
 
-(MobileFaceNet's segments are declared here, not on the class, until ``models/mobilefacenet.py``
-can take the attribute.) A subclass that changes ``forward`` must change ``segments`` too.
+A subclass that changes ``forward`` must change ``segments`` too.
 
 Caveats
 -------
@@ -73,32 +72,20 @@ FLATTEN = "flatten"
 Segments = tuple[tuple[str, tuple[str, ...]], ...]
 DeviceLike = Union[str, int, torch.device]
 
-# models/mobilefacenet.py is outside this change; move this into the class as ``segments``.
-_MOBILEFACENET_SEGMENTS: Segments = (
-    ("stem", ("stem",)),
-    ("blocks", ("blocks",)),
-    ("head", ("conv_expand", "gdc", FLATTEN, "fc", "features")),
-)
 
 
 # --------------------------------------------------------------------------- segments
 def model_segments(model: nn.Module) -> Segments:
     """``model``'s forward as ``((segment_name, (item, ...)), ...)``, checked against its children.
 
-    From ``model.segments`` if it has one, else the declaration for a known class
-    (MobileFaceNet), else, for an ``nn.Sequential``, one segment per child. Raises TypeError for a
+    From ``model.segments`` if it has one, else, for an ``nn.Sequential``, one segment per child. Raises TypeError for a
     model with none of these and ValueError for a declaration that does not match the model.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     decl = getattr(model, "segments", None)
-    if decl is None:
-        from ..models.mobilefacenet import MobileFaceNet
-
-        if isinstance(model, MobileFaceNet):
-            decl = _MOBILEFACENET_SEGMENTS
-        elif isinstance(model, nn.Sequential):
-            decl = tuple((name, (name,)) for name, _ in model.named_children())
+    if decl is None and isinstance(model, nn.Sequential):
+        decl = tuple((name, (name,)) for name, _ in model.named_children())
     if decl is None:
         raise TypeError(
             f"{type(model).__name__} declares no segments, so it cannot be cut: give the class a "
