@@ -154,6 +154,12 @@ if ! "$PYTHON" -c 'import horovod.torch' 2>/dev/null; then
     log "the installed horovod does not import; reinstalling it from the wheel"
     "$PYTHON" -m pip install --force-reinstall --no-deps "$WHEEL"
 fi
+# Not in the wheel's Requires-Dist, but hvd.broadcast_object, hvd.allgather_object and
+# hvd.broadcast_optimizer_state call Tensor.numpy() and fail with "Numpy is not available" without it.
+if ! "$PYTHON" -c 'import numpy' 2>/dev/null; then
+    log "installing numpy (used by hvd.broadcast_object / allgather_object / broadcast_optimizer_state)"
+    "$PYTHON" -m pip install numpy
+fi
 
 "$PYTHON" -c '
 import horovod, horovod.torch as hvd
