@@ -17,8 +17,9 @@
 #                          that torch's C++ ABI and is useless with any other torch
 #   HOROVOD_BUILD_JOBS     parallel compile jobs (default: nproc; setup.py's own default is -j8)
 #
-# Idempotent: if `import horovod.torch` already works it does nothing; if the cache holds the wheel
-# it only installs it.
+# Idempotent: if horovod's torch extension already loads with gloo built in, it does nothing; if the
+# cache holds the wheel it only installs it. (A bare `import horovod.torch` is no test: when the
+# extension is missing it only prints a warning and the import succeeds.)
 set -euo pipefail
 
 HOROVOD_VERSION=0.28.1
@@ -43,10 +44,16 @@ if ! TORCH_VERSION=$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/de
 fi
 log "torch: $TORCH_VERSION"
 
+# Prints the horovod version when its torch extension loads and gloo is built in; fails otherwise.
+HVD_CHECK='import horovod, horovod.torch as hvd
+from horovod.torch import mpi_lib_v2  # the compiled extension; horovod.torch alone imports without it
+assert hvd.gloo_built(), "horovod is built without gloo"
+print(horovod.__version__)'
+
 # Already usable? Then there is nothing to do.
-if HVD_INFO=$("$PYTHON" -c 'import horovod, horovod.torch as hvd; print(horovod.__version__, "gloo" if hvd.gloo_built() else "no-gloo")' 2>/dev/null); then
-    log "horovod already imports with torch support (version/controller: $HVD_INFO); nothing to do."
-    [[ $HVD_INFO == "$HOROVOD_VERSION "* ]] || log "note: installed horovod is not $HOROVOD_VERSION; uninstall it to let this script install $HOROVOD_VERSION."
+if HVD_INSTALLED=$("$PYTHON" -c "$HVD_CHECK" 2>/dev/null); then
+    log "horovod $HVD_INSTALLED already imports with torch support and gloo; nothing to do."
+    [[ $HVD_INSTALLED == "$HOROVOD_VERSION" ]] || log "note: that is not $HOROVOD_VERSION; uninstall it to let this script install $HOROVOD_VERSION."
     exit 0
 fi
 
@@ -148,10 +155,10 @@ fi
 
 log "installing $(basename "$WHEEL") and its runtime requirements"
 "$PYTHON" -m pip install "$WHEEL"
-# A same-version horovod that does not import (e.g. built against another torch) is left alone by
-# the line above; replace it with this wheel.
-if ! "$PYTHON" -c 'import horovod.torch' 2>/dev/null; then
-    log "the installed horovod does not import; reinstalling it from the wheel"
+# A same-version horovod that does not work (built against another torch, without gloo, or damaged)
+# is left alone by the line above; replace it with this wheel.
+if ! "$PYTHON" -c "$HVD_CHECK" >/dev/null 2>&1; then
+    log "the installed horovod does not work; reinstalling it from the wheel"
     "$PYTHON" -m pip install --force-reinstall --no-deps "$WHEEL"
 fi
 # Not in the wheel's Requires-Dist, but hvd.broadcast_object, hvd.allgather_object and
@@ -161,10 +168,6 @@ if ! "$PYTHON" -c 'import numpy' 2>/dev/null; then
     "$PYTHON" -m pip install numpy
 fi
 
-"$PYTHON" -c '
-import horovod, horovod.torch as hvd
-assert hvd.gloo_built(), "horovod was built without gloo"
-print("[install_horovod] ok: horovod %s, torch extension imports, gloo built, mpi built: %s"
-      % (horovod.__version__, hvd.mpi_built()))
-' || die "horovod is installed but 'import horovod.torch' fails (see above)"
+HVD_INSTALLED=$("$PYTHON" -c "$HVD_CHECK") || die "horovod is installed but its torch extension does not load (see above)"
+log "ok: horovod $HVD_INSTALLED installed in $PY_EXE; torch extension loads, gloo built"
 log "run with: horovodrun -np 2 --gloo python your_script.py"
