@@ -4,7 +4,9 @@
 # Why this script exists: the registry's horovod 0.28.1 sdist asks for C++14, and torch >= 2.1
 # headers need C++17, so a plain `pip install horovod` fails against torch 2.13. We build the
 # pinned sdist (checked by sha256) with the two `set(CMAKE_CXX_STANDARD 14)` lines raised to 17,
-# and cache the wheel so the ~7 minute build happens once per (python, torch) pair.
+# and cache the wheel so the build (about 4 minutes on 2 cores) happens once per (python, torch)
+# pair. The build compiles with -mavx -mfma -mf16c (horovod's CMakeLists), so do not share the
+# cache with x86 machines that lack AVX/FMA.
 #
 #   python -m pip install -c constraints.txt torch==2.13.0   # torch first: the build links against it
 #   scripts/install_horovod.sh
@@ -15,7 +17,10 @@
 #   SHARDFC_WHEEL_CACHE    wheel cache (default: $HOME/.cache/shardfc/wheels); the wheel lies in
 #                          $SHARDFC_WHEEL_CACHE/torch-<torch version>/ because it links against
 #                          that torch's C++ ABI and is useless with any other torch
-#   HOROVOD_BUILD_JOBS     parallel compile jobs (default: nproc; setup.py's own default is -j8)
+#   SHARDFC_BUILD_JOBS     parallel compile jobs (default: nproc; setup.py's own default is -j8)
+#
+# Any HOROVOD_* variable in the caller's environment is ignored (unset): they change what the sdist
+# builds (HOROVOD_GPU_*, HOROVOD_WITH_*) or even its version (HOROVOD_LOCAL_VERSION).
 #
 # Idempotent: if horovod's torch extension already loads with gloo built in, it does nothing; if the
 # cache holds the wheel it only installs it. (A bare `import horovod.torch` is no test: when the
@@ -31,6 +36,12 @@ CACHE_ROOT=${SHARDFC_WHEEL_CACHE:-$HOME/.cache/shardfc/wheels}
 
 log() { printf '[install_horovod] %s\n' "$*" >&2; }
 die() { printf '[install_horovod] ERROR: %s\n' "$*" >&2; exit 1; }
+
+# Only the flags set for the build below decide what gets built.
+while read -r v; do
+    log "ignoring $v=${!v} from the environment"
+    unset "$v"
+done < <(compgen -e | grep '^HOROVOD_' || true)
 
 command -v "$PYTHON" >/dev/null 2>&1 || die "no '$PYTHON' on PATH; activate a venv (or set PYTHON=/path/to/python)"
 PY_EXE=$("$PYTHON" -c 'import sys; print(sys.executable)')
@@ -99,7 +110,8 @@ build_wheel() {
     trap "rm -rf '$tmp'" EXIT
 
     log "downloading the horovod==$HOROVOD_VERSION sdist"
-    "$PYTHON" -m pip download --no-deps --no-binary :all: --dest "$tmp/sdist" "horovod==$HOROVOD_VERSION"
+    "$PYTHON" -m pip download --no-deps --no-binary :all: --dest "$tmp/sdist" "horovod==$HOROVOD_VERSION" \
+        || die "could not download the horovod==$HOROVOD_VERSION sdist (see above)"
     local sdist="$tmp/sdist/horovod-$HOROVOD_VERSION.tar.gz"
     [[ -f $sdist ]] || die "pip download did not produce $sdist (got: $(ls "$tmp/sdist"))"
     local sha
@@ -120,12 +132,10 @@ build_wheel() {
         log "patched $f: CMAKE_CXX_STANDARD 14 -> 17"
     done
 
-    local jobs=${HOROVOD_BUILD_JOBS:-$(nproc 2>/dev/null || echo 2)}
-    log "building the wheel with $jobs jobs (about 7 minutes on 2 cores; verbose build output follows)"
+    local jobs=${SHARDFC_BUILD_JOBS:-$(nproc 2>/dev/null || echo 2)}
+    log "building the wheel with $jobs jobs (about 4 minutes on 2 cores; verbose build output follows)"
     local start=$SECONDS
     (
-        # Only the flags below decide what gets built; drop any HOROVOD_* the caller's env carries.
-        while read -r v; do unset "$v"; done < <(compgen -e | grep '^HOROVOD_' || true)
         export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
                HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
         export MAKEFLAGS="-j$jobs"
