@@ -14,6 +14,7 @@ COMMANDS = {
     "embed": ("shardfc.train.cli_embed", "write embeddings for a folder of images"),
     "bench": ("shardfc.bench.cli", "measure step time, memory and traffic of the head variants"),
     "plan": ("shardfc.plan", "predict per-rank memory and the largest C and B that fit"),
+    "data": ("shardfc.data.cli", "pack, inspect, shuffle and verify insightface/MXNet RecordIO datasets (.rec/.idx)"),
     "demo": ("shardfc.demo", "train a sharded head on 2 spawned CPU processes and print the loss"),
 }
 
