@@ -351,6 +351,12 @@ def test_cli_errors(folder, packed, tmp_path, capsys):
     assert data_cli.main(["pack", str(folder), str(packed), "--resize", "big"]) == 2
     assert "HEIGHTxWIDTH" in capsys.readouterr().err
     assert data_cli.main(["verify", str(tmp_path / "nope")]) == 2
+    lst = tmp_path / "l.txt"
+    lst.write_text(f"{next(folder.glob('a/*.png'))} 0\n{tmp_path / 'ghost.png'} 1\n")
+    failed = tmp_path / "failed"
+    assert data_cli.main(["pack", str(lst), str(failed), "--list-file"]) == 1
+    assert "ghost.png" in capsys.readouterr().err
+    assert list(failed.iterdir()) == []  # no half-written train.rec, no .part files left
     (packed / "train.idx").unlink()
     assert data_cli.main(["inspect", str(packed)]) == 1
     assert "train.idx" in capsys.readouterr().err

@@ -19,6 +19,7 @@ Progress bars go to stderr when it is a terminal and tqdm is installed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -26,7 +27,7 @@ import re
 import shutil
 import sys
 from collections import Counter
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 from PIL import Image
@@ -136,9 +137,24 @@ def _check_out(paths: List[str], force: bool) -> None:
         raise CommandError(f"{existing[0]!r} exists (use --force to replace it)")
 
 
-def _commit(pairs: List[Tuple[str, str]]) -> None:
-    for tmp, final in pairs:
-        os.replace(tmp, final)
+@contextlib.contextmanager
+def _staged(finals: List[str]) -> Iterator[List[str]]:
+    """Yields ``<final>.part`` names to write; on success renames them over ``finals``, on error deletes them.
+
+    So an interrupted or failed run never leaves a half-written train.rec that looks complete.
+    """
+    tmps = [f + ".part" for f in finals]
+    try:
+        yield tmps
+    except BaseException:
+        for t in tmps:
+            try:
+                os.remove(t)
+            except FileNotFoundError:
+                pass
+        raise
+    for t, f in zip(tmps, finals):
+        os.replace(t, f)
 
 
 def pack(
@@ -168,55 +184,56 @@ def pack(
     names = ["train.rec", "train.idx", "property"] + (["classes.txt"] if classes is not None else [])
     finals = [os.path.join(out, n) for n in names]
     _check_out(finals[:2], force)
-    tmps = [f + ".part" for f in finals]
-
-    fmt = encode if encode != "auto" else ("jpeg" if resize else None)
-    order = sorted(range(len(samples)), key=lambda i: samples[i][1])  # stable: keeps path order per class
-    first = [0] * num_classes
-    end = [0] * num_classes
-    sizes: Counter = Counter()
-    first_size: Optional[Tuple[int, int]] = None
-    skipped: List[Tuple[str, str]] = []
-    key = 1
-    with RecordIOWriter(tmps[0], tmps[1]) as writer:
-        for i in _progress(order, len(order), "pack"):
-            path, label = samples[i]
-            if not os.path.isfile(path):
-                raise CommandError(f"image file not found: {path!r}")
-            with open(path, "rb") as f:
-                data = f.read()
-            try:
-                img = decode_image(data, name=path)
-            except CorruptImageError as e:
-                skipped.append((path, e.reason))
-                continue
-            if resize is not None and img.size != (resize[1], resize[0]):
-                img = img.resize((resize[1], resize[0]), Image.BILINEAR)
-            if fmt is not None:
-                data = _encode(img, fmt, quality)
-            h_w = (img.size[1], img.size[0])
-            sizes[h_w] += 1
-            first_size = first_size or h_w
-            writer.write(key, pack_header(IRHeader(0, float(label), key, 0), data))
-            if end[label] == 0:
-                first[label] = key
-            end[label] = key + 1
-            key += 1
-        if key == 1:
-            raise CommandError(f"no decodable images in {src!r} ({len(skipped)} undecodable)")
-        a, b = key, key + num_classes
-        writer.write(0, pack_header(IRHeader(0, [a, b], 0, 0)))
-        next_start = 1
-        for c in range(num_classes):
-            start, stop = (first[c], end[c]) if end[c] else (next_start, next_start)
-            next_start = stop
-            writer.write(a + c, pack_header(IRHeader(0, [start, stop], 0, 0)))
-    assert first_size is not None
-    write_property(tmps[2], num_classes, *first_size)
-    if classes is not None:
-        with open(tmps[3], "w", encoding="utf-8") as f:
-            f.writelines(name + "\n" for name in classes)
-    _commit(list(zip(tmps, finals)))
+    with _staged(finals) as tmps:
+        fmt = encode if encode != "auto" else ("jpeg" if resize else None)
+        order = sorted(range(len(samples)), key=lambda i: samples[i][1])  # stable: keeps path order per class
+        first = [0] * num_classes
+        end = [0] * num_classes
+        sizes: Counter = Counter()
+        first_size: Optional[Tuple[int, int]] = None
+        skipped: List[Tuple[str, str]] = []
+        key = 1
+        with RecordIOWriter(tmps[0], tmps[1]) as writer:
+            for i in _progress(order, len(order), "pack"):
+                path, label = samples[i]
+                if not os.path.isfile(path):
+                    raise CommandError(f"image file not found: {path!r}")
+                with open(path, "rb") as f:
+                    data = f.read()
+                try:
+                    img = decode_image(data, name=path)
+                except CorruptImageError as e:
+                    skipped.append((path, e.reason))
+                    continue
+                if resize is not None and img.size != (resize[1], resize[0]):
+                    img = img.resize((resize[1], resize[0]), Image.BILINEAR)
+                if fmt is not None:
+                    data = _encode(img, fmt, quality)
+                h_w = (img.size[1], img.size[0])
+                sizes[h_w] += 1
+                first_size = first_size or h_w
+                writer.write(key, pack_header(IRHeader(0, float(label), key, 0), data))
+                if end[label] == 0:
+                    first[label] = key
+                end[label] = key + 1
+                key += 1
+            if key == 1:
+                raise CommandError(f"no decodable images in {src!r} ({len(skipped)} undecodable)")
+            a = key  # identity records: keys a .. a + num_classes - 1
+            writer.write(0, pack_header(IRHeader(0, [a, a + num_classes], 0, 0)))
+            next_start = 1
+            for c in range(num_classes):
+                start, stop = (first[c], end[c]) if end[c] else (next_start, next_start)
+                next_start = stop
+                writer.write(a + c, pack_header(IRHeader(0, [start, stop], 0, 0)))
+        assert first_size is not None
+        write_property(tmps[2], num_classes, *first_size)
+        if classes is not None:
+            with open(tmps[3], "w", encoding="utf-8") as f:
+                f.writelines(name + "\n" for name in classes)
+        stale = os.path.join(out, "classes.txt")
+        if classes is None and force and os.path.exists(stale):
+            os.remove(stale)  # from an earlier folder pack; would name the wrong labels
 
     summary = {
         "out": out,
@@ -315,14 +332,12 @@ def shuffle(path: str, out: str, seed: int = 0, force: bool = False, log=None) -
     copy_property = ds.property is not None and os.path.abspath(prop) != os.path.abspath(ds.property_path)
     _check_out([rec, idx] + ([prop] if copy_property else []), force)
     perm = np.random.default_rng(seed).permutation(len(ds))
-    with RecordIOWriter(rec + ".part", idx + ".part") as writer:
-        for new_key, i in enumerate(_progress(perm.tolist(), len(perm), "shuffle")):
-            writer.write(new_key, ds.reader.read(int(ds.keys[i])))
-    pairs = [(rec + ".part", rec), (idx + ".part", idx)]
-    if copy_property:
-        shutil.copyfile(ds.property_path, prop + ".part")
-        pairs.append((prop + ".part", prop))
-    _commit(pairs)
+    with _staged([rec, idx] + ([prop] if copy_property else [])) as tmps:
+        with RecordIOWriter(tmps[0], tmps[1]) as writer:
+            for new_key, i in enumerate(_progress(perm.tolist(), len(perm), "shuffle")):
+                writer.write(new_key, ds.reader.read(int(ds.keys[i])))
+        if copy_property:
+            shutil.copyfile(ds.property_path, tmps[2])
     print(f"wrote {len(perm)} images in shuffled order (seed {seed}) to {rec}", file=log)
     return {"rec": rec, "images": len(perm)}
 
