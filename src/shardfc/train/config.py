@@ -65,9 +65,9 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ data
     dataset: str = "synthetic"
-    """Training data: 'synthetic' (generated identities, no files), 'folder' (one sub-folder per identity under data_root) or 'list' (insightface-style 'path label' lines in list_file)."""
+    """Training data: 'synthetic' (generated identities, no files), 'folder' (one sub-folder per identity under data_root), 'recordio' (insightface / MXNet train.rec + train.idx in data_root, no mxnet needed) or 'list' (insightface-style 'path label' lines in list_file)."""
     data_root: str = ""
-    """Root folder of the 'folder' dataset; base folder of relative paths of the 'list' dataset (default: the list file's folder)."""
+    """Root folder of the 'folder' dataset; folder with train.rec/train.idx (or the .rec path) of 'recordio', where relative val_bins are also looked up; base folder of relative paths of the 'list' dataset (default: the list file's folder)."""
     list_file: str = ""
     """The 'path label' list file of the 'list' dataset."""
     image_size: List[int] = field(default_factory=list)
@@ -199,7 +199,7 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         """Check value ranges and combinations; raise :class:`ConfigError` naming the field and value."""
-        _choice(self, "dataset", ("synthetic", "folder", "list"))
+        _choice(self, "dataset", ("synthetic", "folder", "recordio", "list"))
         self.margin = MARGIN_ALIASES.get(self.margin, self.margin)
         _choice(self, "margin", ("arcface", "cosface", "sphereface", "combined", "normsoftmax", "softmax"))
         _choice(self, "optimizer", ("sgd", "adamw"))
@@ -246,6 +246,8 @@ class TrainConfig:
                 f"data_root={self.data_root!r} is set but dataset='synthetic' reads no files: pass --dataset folder "
                 "(one sub-folder per identity) or --dataset list"
             )
+        if self.dataset == "recordio" and not self.data_root:
+            raise ConfigError("dataset='recordio' needs data_root (the folder with train.rec and train.idx, or the .rec)")
         if self.dataset == "folder" and not self.data_root:
             raise ConfigError("dataset='folder' needs data_root (the folder with one sub-folder per identity)")
         if self.dataset == "list" and not self.list_file:
@@ -539,8 +541,10 @@ def parse_config(argv: Sequence[str]) -> Tuple[TrainConfig, argparse.Namespace]:
         cfg = config_from_mapping(load_toml(args.config), cfg, args.config)
     overrides = {k: v for k, v in vars(args).items() if k in _FIELDS}
     cfg = dataclasses.replace(cfg, **overrides)
-    if "data_root" in overrides and "dataset" not in overrides and cfg.dataset == "synthetic":
-        cfg.dataset = "folder"  # --data-root alone means a folder of identities, never the synthetic demo
+    if "data_root" in overrides and "dataset" not in overrides and cfg.dataset in ("synthetic", "folder", "recordio"):
+        # --data-root alone never means the synthetic demo: a release folder (train.rec) or a folder of identities.
+        root = Path(cfg.data_root)
+        cfg.dataset = "recordio" if root.suffix == ".rec" or (root / "train.rec").is_file() else "folder"
     if cfg.output_dir == DEFAULT_OUTPUT_DIR and (args.preset or cfg.dataset != "synthetic"):
         # A first real run must not resume (and append to) the synthetic demo's folder.
         cfg.output_dir = f"shardfc_runs/{args.preset or cfg.dataset}"
