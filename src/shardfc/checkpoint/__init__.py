@@ -24,6 +24,7 @@ from shardfc.checkpoint.format import (
     CheckpointError,
     parse_step_dir,
     step_dir_name,
+    step_dirs,
     step_of,
 )
 from shardfc.checkpoint.load import LoadedCheckpoint, load_checkpoint, load_common, verify_checkpoint
@@ -43,6 +44,7 @@ __all__ = [
     "step_dir_name",
     "step_of",
     "parse_step_dir",
+    "step_dirs",
     "FORMAT_NAME",
     "META_FILE",
     "COMMON_FILE",

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from shardfc import checkpoint as ckpt
+from shardfc.checkpoint import step_of
 from shardfc.parallel.context import DistContext
 from shardfc.seeding import seed_all
 from shardfc.train.build import Run, rank_seed
@@ -37,10 +38,6 @@ def fingerprint(cfg: TrainConfig, num_classes: int, image_size: Tuple[int, int])
 
 def checkpoint_root(cfg: TrainConfig) -> Path:
     return Path(cfg.output_dir) / "checkpoints"
-
-
-def step_of(path: Path) -> int:
-    return int(path.name.split("_")[-1])
 
 
 def _head_optimizer_rows(opt: torch.optim.Optimizer, rows: int) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
@@ -122,12 +119,9 @@ def resume_path(cfg: TrainConfig, ctx: DistContext) -> Optional[Path]:
 
 
 def _set_aside_newer(root: Path, start: int) -> None:
-    if not root.is_dir():
-        return
-    for entry in sorted(root.iterdir()):
-        name = entry.name
-        if entry.is_dir() and name.startswith("step_") and name[5:].isdigit() and int(name[5:]) > start:
-            aside = entry.with_name(f"{name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
+    for step, entry in ckpt.step_dirs(root):
+        if step > start:
+            aside = entry.with_name(f"{entry.name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
             os.replace(entry, aside)
             logger.warning(
                 "%s is newer than the checkpoint this run resumes from (incomplete, corrupt, or resume names an "
