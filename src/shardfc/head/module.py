@@ -20,7 +20,7 @@ the head in DDP: its parameters are different on every rank.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ from shardfc.seeding import mix_seed
 from shardfc.head.layout import class_ranges
 from shardfc.head.normalize import l2_normalize
 from shardfc.head.kernels import ShardConfig
-from shardfc.head.partial_fc import mark_rows, num_sampled, sample_rows, take_rows
+from shardfc.head.partial_fc import num_sampled, sample_rows, take_rows, union_rows
 from shardfc.head.function import (
     ShardedLossPlan,
     compute_dtype_for,
@@ -154,6 +154,8 @@ class ShardedMarginHead(nn.Module):
         self.sample_rate = check_probability("sample_rate", sample_rate, low_open=True, high_open=False)
         self.sample_seed = int(sample_seed)
         self.sample_step = 0
+        # Per shard, the rows the forwards since the optimizer's last step used (None: every row).
+        self._pending_rows: Optional[List[Optional[Tensor]]] = None
         self.weight_grad_in_place = bool(weight_grad_in_place)
         self.init_seed = int(init_seed)
         dtype = torch.float32 if dtype is None else dtype
@@ -191,6 +193,35 @@ class ShardedMarginHead(nn.Module):
         return list(self.shards) if self.mode == "devices" else [self.weight]
 
     @property
+    def sampled_rows(self) -> Optional[List[Optional[Tensor]]]:
+        """Per shard (in :attr:`shard_weights` order), the sorted local row ids that the forwards with
+        autograd enabled since the optimizer last took them used: the Partial FC sample, united over
+        the micro-batches of a step. An entry ``None`` means every row of that shard (a forward
+        without sampling, e.g. in evaluation mode); the whole is ``None`` when no forward was recorded.
+        """
+        return None if self._pending_rows is None else list(self._pending_rows)
+
+    def take_sampled_rows(self) -> Dict[Tensor, Tensor]:
+        """``{shard weight: rows}`` of :attr:`sampled_rows`, which are then forgotten.
+
+        What a row-sparse optimizer (:func:`~shardfc.head.partial_fc.head_optimizer`) asks at each
+        step. Shards whose forwards used every row are left out: their update is dense.
+        """
+        pending, self._pending_rows = self._pending_rows, None
+        if pending is None:
+            return {}
+        return {w: rows for w, rows in zip(self.shard_weights, pending) if rows is not None}
+
+    def _record_rows(self, rows: List[Optional[Tensor]]) -> None:
+        """Note the rows of each shard a forward used, for the optimizer (only when autograd records)."""
+        if not torch.is_grad_enabled():
+            return
+        if self._pending_rows is None:
+            self._pending_rows = list(rows)
+        else:
+            self._pending_rows = [union_rows(a, b) for a, b in zip(self._pending_rows, rows)]
+
+    @property
     def distributed(self) -> bool:
         """The shards are spread over the ranks of a process group."""
         return self.ctx.distributed
@@ -224,7 +255,10 @@ class ShardedMarginHead(nn.Module):
         labels = labels.to(device=embeddings.device, dtype=torch.int64)
 
         weights = self.shard_weights
+        sampling = self.training and self.sample_rate < 1.0
         if sum(sizes) == 0:  # nothing anywhere: a zero loss still connected to the parameters
+            # Under sampling no row took part; otherwise the (zero) gradient is dense as usual.
+            self._record_rows([w.new_empty(0, dtype=torch.int64) if sampling else None for w in weights])
             zero = embeddings.sum() * 0 + sum(w.sum().to(embeddings.device) for w in weights) * 0
             return zero.expand(0) if self.reduction == "none" else zero.float()
 
@@ -233,8 +267,10 @@ class ShardedMarginHead(nn.Module):
         all_labels = all_gather_rows(labels, sizes, self.group) if self.distributed else labels
         local_labels = [local_labels_for_range(all_labels.to(d), r) for d, r in zip(self.devices, self.shard_ranges)]
         num_classes = self.num_classes
-        if self.training and self.sample_rate < 1.0:
+        if sampling:
             weights, local_labels, num_classes = self._sample_classes(all_labels, local_labels)
+        else:
+            self._record_rows([None] * len(weights))
         plan = ShardedLossPlan(
             config=ShardConfig(
                 margin=self.margin,
@@ -265,16 +301,17 @@ class ShardedMarginHead(nn.Module):
         """Partial FC: the sampled sub-weights, labels re-indexed into them, and the sampled total."""
         step, self.sample_step = self.sample_step, self.sample_step + 1
         first_shard = self.rank if self.distributed else 0
-        sub_weights, sub_labels = [], []
+        sub_weights, sub_labels, sampled = [], [], []
         for i, (w, lab) in enumerate(zip(self.shard_weights, local_labels)):
             gen = torch.Generator().manual_seed(mix_seed(self.sample_seed, first_shard + i, step))
             positives = torch.unique(lab[lab >= 0])
             rows = sample_rows(positives, w.shape[0], self.sample_rate, gen)
-            mark_rows(w, rows)
+            sampled.append(rows)
             lut = torch.full((w.shape[0],), -1, dtype=torch.int64, device=w.device)
             lut[rows] = torch.arange(rows.numel(), device=w.device)
             sub_labels.append(torch.where(lab >= 0, lut[lab.clamp(min=0)], lab))
             sub_weights.append(take_rows(w, rows, self.weight_grad_in_place))
+        self._record_rows(sampled)
         # Every rank sees the global labels, so it can count every shard's sample without talking.
         valid = all_labels[all_labels != self.ignore_index]
         total = 0
