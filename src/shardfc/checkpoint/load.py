@@ -32,6 +32,7 @@ class LoadedCheckpoint:
         head_extras: Non-row head state (equal across saved shards), e.g. Adam's ``step``.
         meta: The parsed ``meta.json``.
         path: The checkpoint directory.
+        class_range: The class range the head rows were loaded for.
     """
 
     step: int
@@ -41,6 +42,18 @@ class LoadedCheckpoint:
     head_extras: dict[str, Any]
     meta: dict[str, Any]
     path: Path
+    class_range: range = range(0)
+
+    @property
+    def head_state(self) -> dict[str, Any]:
+        """The head rows as ``{"num_classes", "class_range", "tensors", "extras"}``: what
+        :meth:`shardfc.head.ShardedMarginHead.load_sharded_state` takes."""
+        return {
+            "num_classes": self.meta["num_classes"],
+            "class_range": self.class_range,
+            "tensors": self.head_tensors,
+            "extras": self.head_extras,
+        }
 
 
 def verify_checkpoint(path: str | os.PathLike[str], *, check_hashes: bool = True) -> dict[str, Any]:
@@ -179,6 +192,7 @@ def load_checkpoint(
         head_extras=extras,
         meta=meta,
         path=path,
+        class_range=class_range,
     )
 
 

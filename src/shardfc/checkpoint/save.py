@@ -77,10 +77,11 @@ def save_checkpoint(
     *,
     common: dict[str, Any] | None,
     per_rank: dict[str, Any] | None,
-    head_tensors: dict[str, torch.Tensor],
-    head_extras: dict[str, Any],
-    class_range: range,
-    num_classes: int,
+    head_tensors: dict[str, torch.Tensor] | None = None,
+    head_extras: dict[str, Any] | None = None,
+    class_range: range | None = None,
+    num_classes: int | None = None,
+    head_state: dict[str, Any] | None = None,
     fingerprint: dict[str, Any],
     group: ProcessGroup | None = None,
     keep_last: int | None = None,
@@ -99,9 +100,11 @@ def save_checkpoint(
         per_rank: This rank's own state (RNG states, ...), or None to write no rank file.
         head_tensors: This rank's shard tensors, each with ``shape[0] == len(class_range)``
             (weight, momentum_buffer, exp_avg, exp_avg_sq, ...).
-        head_extras: Non-row shard state, equal on all ranks (e.g. Adam's scalar step).
+        head_extras: Non-row shard state, equal on all ranks (e.g. Adam's scalar step); None: ``{}``.
         class_range: The class ids this rank holds.
         num_classes: Total number of classes.
+        head_state: Instead of the four above: ``{"num_classes", "class_range", "tensors",
+            "extras"}``, as :meth:`shardfc.head.ShardedMarginHead.sharded_state` returns it.
         fingerprint: JSON-serialisable dict identifying the model/config; rank 0's is stored
             and checked by :func:`~shardfc.checkpoint.load_checkpoint`.
         group: Process group to save over; None means the default group.
@@ -119,11 +122,9 @@ def save_checkpoint(
     """
     ctx = DistContext.resolve(group)
     root = Path(root)
+    head = dict(num_classes=num_classes, class_range=class_range, tensors=head_tensors, extras=head_extras)
     shard = _agree_on_arguments(
-        ctx,
-        step,
-        lambda: _prepare(step, num_classes, keep_last, class_range, common, per_rank, head_tensors, head_extras,
-                         fingerprint),
+        ctx, step, lambda: _prepare(step, keep_last, common, per_rank, _head_arguments(head, head_state), fingerprint)
     )
     tmp = root / scratch_dir_name("tmp", step_dir_name(step), shard.token)
     files = _write_rank_files(ctx, shard, tmp, root, common, per_rank)
@@ -138,18 +139,28 @@ def save_checkpoint(
 # --------------------------------------------------------------------------- 1. arguments
 
 
+def _head_arguments(head: dict[str, Any], head_state: Any) -> dict[str, Any]:
+    """The head shard to save, from ``head_state`` or from the separate arguments (not both)."""
+    if head_state is None:
+        if head["tensors"] is None or head["class_range"] is None or head["num_classes"] is None:
+            raise ValueError("pass head_state, or head_tensors, class_range and num_classes")
+        return dict(head, extras={} if head["extras"] is None else head["extras"])
+    given = [f"head_{k}" if k in ("tensors", "extras") else k for k, v in head.items() if v is not None]
+    if given:
+        raise ValueError(f"pass either head_state or {', '.join(given)}, not both")
+    if not isinstance(head_state, dict) or not {"num_classes", "class_range", "tensors"} <= head_state.keys():
+        raise ValueError("head_state must be a dict with num_classes, class_range, tensors (and extras)")
+    return {k: head_state.get(k, {} if k == "extras" else None) for k in head}
+
+
 def _prepare(
-    step: Any,
-    num_classes: Any,
-    keep_last: Any,
-    class_range: Any,
-    common: Any,
-    per_rank: Any,
-    head_tensors: Any,
-    head_extras: Any,
-    fingerprint: Any,
+    step: Any, keep_last: Any, common: Any, per_rank: Any, head: dict[str, Any], fingerprint: Any
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
-    """This rank's arguments checked: ``(shard description, compact CPU tensors, extras)``."""
+    """This rank's arguments checked: ``(shard description, compact CPU tensors, extras)``.
+
+    ``head``: ``{"num_classes", "class_range", "tensors", "extras"}`` of this rank's shard.
+    """
+    num_classes, class_range = head["num_classes"], head["class_range"]
     check_int("step", step, 0)
     check_int("num_classes", num_classes, 1)
     if keep_last is not None:
@@ -159,9 +170,9 @@ def _prepare(
         raise ValueError(f"common must be a dict or None, got {type(common).__name__}")
     if per_rank is not None and not isinstance(per_rank, dict):
         raise ValueError(f"per_rank must be a dict or None, got {type(per_rank).__name__}")
-    extras = check_str_keys("head_extras", head_extras)
+    extras = check_str_keys("head_extras", head["extras"])
     fp = json_roundtrip("fingerprint", check_str_keys("fingerprint", fingerprint))
-    tensors = prepare_head_tensors(head_tensors, len(class_range))
+    tensors = prepare_head_tensors(head["tensors"], len(class_range))
     info = {
         "step": step,
         "num_classes": num_classes,

@@ -20,7 +20,7 @@ the head in DDP: its parameters are different on every rank.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,14 @@ from shardfc.seeding import mix_seed
 from shardfc.head.layout import class_ranges
 from shardfc.head.normalize import l2_normalize
 from shardfc.head.kernels import ShardConfig
-from shardfc.head.partial_fc import num_sampled, sample_rows, take_rows, union_rows
+from shardfc.head.partial_fc import (
+    load_optimizer_rows,
+    num_sampled,
+    optimizer_rows,
+    sample_rows,
+    take_rows,
+    union_rows,
+)
 from shardfc.head.function import (
     ShardedLossPlan,
     compute_dtype_for,
@@ -320,6 +327,69 @@ class ShardedMarginHead(nn.Module):
             total += num_sampled(len(r), self.sample_rate, n_pos)
         return sub_weights, sub_labels, total
 
+    # ------------------------------------------------------------------ sharded state
+    def state_layout(self) -> Dict[str, Any]:
+        """Which rows of the logical head :meth:`sharded_state` holds and :meth:`load_sharded_state`
+        expects: ``{"num_classes": C, "class_range": range(start, stop)}`` (this process's classes,
+        one contiguous block over its local shards). What to ask a resharding checkpoint for."""
+        return {"num_classes": self.num_classes, "class_range": self.class_range}
+
+    def sharded_state(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
+        """This process's part of the head's state, as one block of classes whatever its sharding.
+
+        Returns ``{"num_classes": C, "class_range": range(start, stop), "tensors": {...}, "extras": {...}}``
+        (the form :func:`shardfc.checkpoint.save_checkpoint` takes as ``head_state``):
+
+        * ``tensors``: ``"weight"`` ``[n, D]`` (``n = stop - start``) and, with ``optimizer``,
+          ``"optimizer.<key>"`` for each per-row state tensor (``momentum_buffer``; ``exp_avg``,
+          ``exp_avg_sq``, the row-sparse AdamW's ``row_step``), each ``[n, ...]``. Detached CPU
+          tensors, the local shards' rows concatenated in class order (a single CPU shard's are
+          returned without a copy: they share memory with the live ones).
+        * ``extras``: ``"sample_step"`` (the Partial FC step counter) and, with ``optimizer``,
+          ``"optimizer.<key>"`` for state that is not per row (torch AdamW's scalar ``step``) and
+          ``"optimizer.param_groups"`` (its hyper-parameters).
+
+        Saved per process and loaded with :meth:`load_sharded_state` into a head of any number of
+        shards, in any mode, the logical weights and optimizer rows are the same.
+        """
+        weights = self.shard_weights
+        parts = [w.detach().cpu() for w in weights]
+        tensors = {"weight": parts[0] if len(parts) == 1 else torch.cat(parts)}
+        extras: Dict[str, Any] = {"sample_step": int(self.sample_step)}
+        if optimizer is not None:
+            opt_tensors, opt_extras = optimizer_rows(optimizer, weights)
+            tensors.update({f"optimizer.{k}": v for k, v in opt_tensors.items()})
+            extras.update({f"optimizer.{k}": v for k, v in opt_extras.items()})
+        return {**self.state_layout(), "tensors": tensors, "extras": extras}
+
+    def load_sharded_state(self, state: Mapping[str, Any], optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Load a :meth:`sharded_state` dict holding this process's classes (e.g. read from a
+        checkpoint saved with any sharding: ``LoadedCheckpoint.head_state``) into the local shards,
+        and with ``optimizer`` (built over this head) its state and hyper-parameters too.
+
+        Raises:
+            ValueError: ``state`` is for other classes, or its tensors have the wrong shape.
+        """
+        layout = self.state_layout()
+        for key, mine in layout.items():
+            if key in state and state[key] != mine:
+                raise ValueError(f"sharded state has {key}={state[key]!r}, this head has {key}={mine!r}")
+        tensors, extras = state["tensors"], state.get("extras", {})
+        weight = tensors["weight"]
+        n = len(self.class_range)
+        if tuple(weight.shape) != (n, self.embedding_dim):
+            raise ValueError(f"sharded state weight has shape {tuple(weight.shape)}, this head's rows are ({n}, {self.embedding_dim})")
+        slices = [(r.start - self.class_range.start, r.stop - self.class_range.start) for r in self.shard_ranges]
+        with torch.no_grad():
+            for w, (lo, hi) in zip(self.shard_weights, slices):
+                w.copy_(weight[lo:hi])
+        self.sample_step = int(extras.get("sample_step", 0))
+        self._pending_rows = None
+        if optimizer is not None:
+            opt_tensors = {_optimizer_key(k): v for k, v in tensors.items() if k.startswith("optimizer.")}
+            opt_extras = {_optimizer_key(k): v for k, v in extras.items() if k.startswith("optimizer.")}
+            load_optimizer_rows(optimizer, self.shard_weights, slices, opt_tensors, opt_extras)
+
     # ------------------------------------------------------------------ predict
     @torch.no_grad()
     def predict(self, embeddings: Tensor, k: int = 5) -> Tuple[Tensor, Tensor]:
@@ -368,6 +438,17 @@ class ShardedMarginHead(nn.Module):
             f"{where}, classes={self.class_range.start}..{self.class_range.stop - 1}, "
             f"reduction={self.reduction!r}, label_smoothing={self.label_smoothing}{chunk}"
         )
+
+
+def _optimizer_key(name: str) -> str:
+    """``optimizer.<key>`` -> ``key``; checkpoints of format 1 named it ``optimizer.0.<key>`` (one shard)."""
+    key = name[len("optimizer."):]
+    index, dot, rest = key.partition(".")
+    if dot and index.isdigit():
+        if index != "0":
+            raise ValueError(f"head state {name!r} is for a parameter other than the head weight")
+        return rest
+    return key
 
 
 def reduce_losses(losses: Tensor, valid: Tensor, sizes: Sequence[int], rank: int, reduction: str) -> Tensor:

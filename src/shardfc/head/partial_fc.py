@@ -29,8 +29,9 @@ recorded rows, since the gradient they belong to is gone (e.g. a step skipped by
 
 from __future__ import annotations
 
+import copy
 import math
-from typing import Callable, Iterable, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -238,3 +239,93 @@ def head_optimizer(
         return RowSparseAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                               sampled_rows=head.take_sampled_rows)
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+# --------------------------------------------------------------------------- optimizer state of a sharded head
+
+
+def _is_row_tensor(value, param: Tensor) -> bool:
+    return isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == param.shape[0]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
+    return a == b
+
+
+def optimizer_rows(
+    optimizer: torch.optim.Optimizer, params: Sequence[Tensor]
+) -> Tuple[Dict[str, Tensor], Dict[str, Any]]:
+    """The state ``optimizer`` keeps for ``params`` (a head's shard weights, in class order), as if
+    they were one shard: ``(row tensors, the rest)``.
+
+    A state tensor whose first dim is its parameter's row count (momentum, Adam's moments, the
+    row-sparse AdamW's per-row step) is per row: the shards' tensors are concatenated, on the CPU
+    (a single CPU shard's is returned as is, sharing memory). Any other state value (AdamW's scalar
+    step) must be equal for every shard and is returned once, as is ``"param_groups"``: the
+    optimizer's hyper-parameters, without the parameters.
+    """
+    states = [optimizer.state.get(p, {}) for p in params]
+    keys = set(states[0]) if states else set()
+    for p, st in zip(params, states):
+        if set(st) != keys:
+            raise ValueError(f"the optimizer holds state {sorted(st)} for one shard but {sorted(keys)} for another")
+    tensors: Dict[str, Tensor] = {}
+    extras: Dict[str, Any] = {}
+    for key in sorted(keys):
+        values = [st[key] for st in states]
+        rows = [_is_row_tensor(v, p) for v, p in zip(values, params)]
+        if all(rows):
+            parts = [v.detach().cpu() for v in values]
+            tensors[key] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        elif not any(rows):
+            if not all(_same(values[0], v) for v in values[1:]):
+                raise ValueError(f"optimizer state {key!r} differs between shards: {values!r}")
+            v = values[0]
+            extras[key] = v.detach().cpu().clone() if isinstance(v, Tensor) else copy.deepcopy(v)
+        else:
+            raise ValueError(f"optimizer state {key!r} is a per-row tensor for some shards only")
+    extras["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return tensors, extras
+
+
+def load_optimizer_rows(
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[Tensor],
+    row_slices: Sequence[Tuple[int, int]],
+    tensors: Mapping[str, Tensor],
+    extras: Mapping[str, Any],
+) -> None:
+    """Put state in :func:`optimizer_rows`' form back into ``optimizer``: rows ``row_slices[i]`` of
+    each row tensor become ``params[i]``'s, and every shard gets its own copy of the other values.
+
+    Tensors keep their saved dtype (the optimizer chose it: e.g. a float64 per-row step) and move
+    to their parameter's device; a non-row tensor (AdamW's step) stays on the CPU as torch keeps it.
+    The param groups' hyper-parameters are restored when ``extras`` holds them. Without any state
+    (saved before the first step), the parameters' state is cleared.
+    """
+    groups = extras.get("param_groups")
+    if groups is not None:
+        if len(groups) != len(optimizer.param_groups):
+            raise ValueError(f"saved optimizer state has {len(groups)} param groups, this optimizer {len(optimizer.param_groups)}")
+        for group, saved in zip(optimizer.param_groups, groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+    total = sum(hi - lo for lo, hi in row_slices)
+    for key, t in tensors.items():
+        if t.dim() < 1 or t.shape[0] != total:
+            raise ValueError(f"optimizer state {key!r} has shape {tuple(t.shape)}; expected {total} rows")
+    for p, (lo, hi) in zip(params, row_slices):
+        state: Dict[str, Any] = {}
+        for key, t in tensors.items():
+            rows = t[lo:hi].to(p.device)
+            if rows.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                rows = rows.clone()  # the optimizer's own storage: stepping must not write into the caller's
+            state[key] = rows
+        for key, v in extras.items():
+            if key != "param_groups":
+                state[key] = v.clone() if isinstance(v, Tensor) else copy.deepcopy(v)
+        if state:
+            optimizer.state[p] = state
+        else:
+            optimizer.state.pop(p, None)
