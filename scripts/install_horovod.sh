@@ -4,9 +4,9 @@
 # Why this script exists: the registry's horovod 0.28.1 sdist asks for C++14, and torch >= 2.1
 # headers need C++17, so a plain `pip install horovod` fails against torch 2.13. We build the
 # pinned sdist (checked by sha256) with the two `set(CMAKE_CXX_STANDARD 14)` lines raised to 17,
-# and cache the wheel so the build (about 4 minutes on 2 cores) happens once per (python, torch)
-# pair. The build compiles with -mavx -mfma -mf16c (horovod's CMakeLists), so do not share the
-# cache with x86 machines that lack AVX/FMA.
+# and cache the wheel so the build (4 minutes on 2 idle cores, 10 on a busy machine) happens once
+# per (python, torch) pair. The build compiles with -mavx -mfma -mf16c (horovod's CMakeLists), so do
+# not share the cache with x86 machines that lack AVX/FMA.
 #
 #   python -m pip install -c constraints.txt torch==2.13.0   # torch first: the build links against it
 #   scripts/install_horovod.sh
@@ -133,7 +133,7 @@ build_wheel() {
     done
 
     local jobs=${SHARDFC_BUILD_JOBS:-$(nproc 2>/dev/null || echo 2)}
-    log "building the wheel with $jobs jobs (about 4 minutes on 2 cores; verbose build output follows)"
+    log "building the wheel with $jobs jobs (4-10 minutes on 2 cores; verbose build output follows)"
     local start=$SECONDS
     (
         export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
