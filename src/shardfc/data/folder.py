@@ -69,16 +69,20 @@ class _FileImageDataset(Dataset):
         path, label = self.samples[index]
         return self.transform(decode_image(path)), label
 
+    def sample_name(self, index: int) -> str:
+        """How ``index`` is named in corrupt-image reports (the file path)."""
+        return self.samples[index][0]
+
     def _record_corrupt(self, index: int, err: CorruptImageError) -> None:
         self.corrupt_count += 1
         self._corrupt_indices.add(index)
-        path = self.samples[index][0]
+        path = self.sample_name(index)
         if path not in self.corrupt_paths:
             self.corrupt_paths.add(path)
             logger.warning("skipping corrupt image %s (%s); substituting the next valid sample", path, err.reason)
 
     def __getitem__(self, index: int) -> Tuple[torch.Tensor, int]:
-        n = len(self.samples)
+        n = len(self)
         if not -n <= index < n:
             raise IndexError(f"index {index} out of range for dataset of size {n}")
         index %= n

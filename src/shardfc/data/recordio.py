@@ -50,9 +50,9 @@ from typing import Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, U
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
-from shardfc.data.transforms import CorruptImageError, ImageTransform, decode_image
+from shardfc.data.folder import _FileImageDataset  # the shared decode / skip-and-count policy
+from shardfc.data.transforms import decode_image
 
 __all__ = [
     "RECORDIO_MAGIC",
@@ -563,7 +563,7 @@ def _class_id(reader: RecordIOReader, key: int, value: float) -> int:
 
 
 # ----------------------------------------------------------------- dataset
-class RecordIODataset(Dataset):
+class RecordIODataset(_FileImageDataset):
     """Images of an insightface / MXNet RecordIO dataset, as ``(tensor [3, H, W], class id)``.
 
     Same interface and corrupt-image policy as
@@ -622,12 +622,7 @@ class RecordIODataset(Dataset):
                 )
         else:
             self.num_classes = needed
-        self.image_size = tuple(image_size)
-        self.train = train
-        self.transform = ImageTransform(image_size, random_flip=train, flip_prob=flip_prob)
-        self.corrupt_count = 0
-        self.corrupt_paths: Set[str] = set()
-        self._corrupt_indices: Set[int] = set()
+        super().__init__(image_size, train, flip_prob)
 
     def _scan_labels(self, keys: np.ndarray) -> np.ndarray:
         labels = np.empty(keys.size, dtype=np.int64)
@@ -654,30 +649,6 @@ class RecordIODataset(Dataset):
     def _load(self, index: int) -> Tuple[torch.Tensor, int]:
         img = decode_image(self.read_image_bytes(index), name=self.sample_name(index))
         return self.transform(img), int(self.labels[index])
-
-    def _record_corrupt(self, index: int, err: CorruptImageError) -> None:
-        self.corrupt_count += 1
-        self._corrupt_indices.add(index)
-        name = self.sample_name(index)
-        if name not in self.corrupt_paths:
-            self.corrupt_paths.add(name)
-            logger.warning("skipping corrupt image %s (%s); substituting the next valid sample", name, err.reason)
-
-    def __getitem__(self, index: int) -> Tuple[torch.Tensor, int]:
-        n = len(self)
-        if not -n <= index < n:
-            raise IndexError(f"index {index} out of range for dataset of size {n}")
-        index %= n
-        for step in range(n):
-            i = (index + step) % n
-            if i in self._corrupt_indices:
-                self.corrupt_count += 1
-                continue
-            try:
-                return self._load(i)
-            except CorruptImageError as err:
-                self._record_corrupt(i, err)
-        raise RuntimeError(f"all {n} images of {self!r} are corrupt")
 
     def __repr__(self) -> str:
         return (
