@@ -124,3 +124,10 @@ def test_folder_dataset_errors_before_spawning(tmp_path, capsys):
     missing = tmp_path / "nope"
     assert train_cli.main(["--dataset", "folder", "--data-root", str(missing)]) == 2
     assert f"data_root={str(missing)!r} does not exist" in capsys.readouterr().err
+
+
+def test_trust_checkpoint_is_an_explicit_opt_in():
+    assert TrainConfig().trust_checkpoint is False
+    cfg, _ = parse_config(["--trust-checkpoint"])
+    assert cfg.trust_checkpoint is True
+    assert "--trust-checkpoint" in build_parser().format_help()
