@@ -126,13 +126,13 @@ def save_checkpoint(
     """
     ctx = DistContext.resolve(group)
     root = Path(root)
-    head = dict(num_classes=num_classes, class_range=class_range, tensors=head_tensors, extras=head_extras)
-    shard = _agree_on_arguments(
-            ctx,
-        step,
-        lambda: _prepare(step, keep_last, common, per_rank, _head_arguments(head, head_state), fingerprint,
-                         writes_common=ctx.is_main),
-    )
+    separate = dict(num_classes=num_classes, class_range=class_range, tensors=head_tensors, extras=head_extras)
+
+    def prepare():
+        head = _head_arguments(separate, head_state)
+        return _prepare(step, keep_last, common, per_rank, head, fingerprint, writes_common=ctx.is_main)
+
+    shard = _agree_on_arguments(ctx, step, prepare)
     tmp = root / scratch_dir_name("tmp", step_dir_name(step), shard.token)
     files = _write_rank_files(ctx, shard, tmp, root, common, per_rank)
     final = _publish_from_first(ctx, shard, tmp, root, files)
@@ -319,7 +319,8 @@ def _publish_from_first(
         except Exception as e:
             publish_error = e
             shutil.rmtree(tmp, ignore_errors=True)
-    verdict = ctx.broadcast_object(None if publish_error is None else f"{type(publish_error).__name__}: {publish_error}")
+    error = None if publish_error is None else f"{type(publish_error).__name__}: {publish_error}"
+    verdict = ctx.broadcast_object(error)
     if publish_error is not None:
         raise publish_error
     if verdict is not None:
