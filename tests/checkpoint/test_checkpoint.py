@@ -344,11 +344,21 @@ def _dist_worker(rank: int, world: int, port: int, root: Path) -> None:
                                                      head_tensors=_shard(full, class_range(DIST_CLASSES, world, 0))))
         except ValueError as e:
             results["bad_range"] = str(e)
-        # Rank 1's per-rank state cannot be pickled: a write failure on one rank only.
+        # Rank 1's per-rank state is not plain data: refused on every rank before anything is written.
         try:
             save_checkpoint(root / "run", 50, **dict(kwargs, per_rank={"f": lambda: 0} if rank == 1 else {}))
+        except ValueError as e:
+            results["not_plain"] = str(e)
+        # Writing fails on rank 1 only (e.g. its disk is full).
+        real_save = torch.save
+        if rank == 1:
+            torch.save = lambda *args, **kw: (_ for _ in ()).throw(OSError("disk full"))
+        try:
+            save_checkpoint(root / "run", 55, **kwargs)
         except Exception as e:
             results["write_fail"] = type(e).__name__
+        finally:
+            torch.save = real_save
         # Extras that differ between shards (saved as is; detected when a load merges them).
         save_checkpoint(root / "run", 60, **dict(kwargs, head_extras={"step": torch.tensor(float(rank))}))
     finally:
@@ -405,10 +415,12 @@ def test_dist_errors_raise_on_every_rank(dist_run: tuple[Path, list[dict[str, st
     root, results = dist_run
     for res in results:
         assert "contiguous" in res["bad_range"]
+    assert "save_checkpoint of step 50 failed on rank 1: per_rank['f'] is a function" in results[0]["not_plain"]
+    assert results[1]["not_plain"].startswith("per_rank['f'] is a function")
     assert results[0]["write_fail"] == "CheckpointError"  # told about rank 1's failure
-    assert results[1]["write_fail"] != "CheckpointError"  # its own pickling error
+    assert results[1]["write_fail"] == "OSError"  # its own error
     names = sorted(p.name for p in (root / "run").iterdir())
-    assert names == ["step_00000010", "step_00000020", "step_00000060"]  # nothing of steps 40/50
+    assert names == ["step_00000010", "step_00000020", "step_00000060"]  # nothing of steps 40/50/55
 
 
 def test_dist_differing_extras_detected_on_merge(dist_run: tuple[Path, list[dict[str, str]]]) -> None:

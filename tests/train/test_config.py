@@ -172,3 +172,10 @@ def test_every_rank_must_hold_a_class(tmp_path):
                       image_size=[16, 16], output_dir=str(tmp_path)).validate()
     with pytest.raises(ConfigError, match=r"3 class\(es\) for 4 ranks: every rank must hold at least one class"):
         build_run(cfg, DistContext(None, 0, 4, True))
+
+
+def test_trust_checkpoint_is_an_explicit_opt_in():
+    assert TrainConfig().trust_checkpoint is False
+    cfg, _ = parse_config(["--trust-checkpoint"])
+    assert cfg.trust_checkpoint is True
+    assert "--trust-checkpoint" in build_parser().format_help()

@@ -6,6 +6,7 @@ import importlib.util
 import io
 import json
 import pickle
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,8 @@ from PIL import Image
 
 from shardfc.train import cli_embed, cli_eval, cli_export
 from shardfc.train.artifacts import load_backbone
+
+from .legacy import rewrite_file
 
 # torch marks TorchScript deprecated; exporting to it is what these tests check.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
@@ -113,3 +116,18 @@ def test_eval_synthetic_bin_and_reid(run2, tmp_path, capsys):
 
     assert cli_eval.main(["--checkpoint", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_checkpoint_needing_pickle_is_refused_unless_trusted(run2, tmp_path, capsys):
+    cfg, _ = run2
+    ckpt = tmp_path / "step_00000006"
+    shutil.copytree(Path(cfg.output_dir) / "checkpoints" / "step_00000006", ckpt)
+    common = torch.load(ckpt / "common.pt", weights_only=True)
+    rewrite_file(ckpt, "common.pt", {**common, "best_accuracy": np.float64(0.5)})  # a numpy scalar: pickled
+    out = tmp_path / "model.pt"
+    for main, extra in ((cli_eval.main, []), (cli_export.main, ["--out", str(out)])):
+        assert main(["--checkpoint", str(ckpt), *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"refusing to load {ckpt / 'common.pt'}" in err and "--trust-checkpoint" in err
+    assert cli_export.main(["--checkpoint", str(ckpt), "--out", str(out), "--trust-checkpoint"]) == 0
+    assert out.is_file()

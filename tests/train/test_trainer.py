@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from shardfc.checkpoint import find_checkpoints
+from shardfc.checkpoint import CheckpointError, find_checkpoints
 from shardfc.parallel.launch import spawn
 from shardfc.train import cli as train_cli
 from shardfc.train.config import ConfigError, TrainConfig
@@ -27,6 +27,7 @@ from shardfc.train.data import ShardBatches
 from shardfc.train.loop import load_parts, train
 from shardfc.train.step import apply_gradients, clip_head_grad_
 
+from .legacy import as_format_1
 from .tiny import STEPS, tiny_config
 
 
@@ -37,7 +38,7 @@ def _copy_run(cfg: TrainConfig, dest: Path, **overrides) -> TrainConfig:
 
 def _saved_head(path: Path, world: int) -> dict:
     """The logical head state exactly as the saving ranks wrote it: their files, concatenated."""
-    shards = [torch.load(path / f"head_{r}.pt", weights_only=False)["tensors"] for r in range(world)]
+    shards = [torch.load(path / f"head_{r}.pt", weights_only=True)["tensors"] for r in range(world)]
     return {k: torch.cat([s[k] for s in shards]) for k in shards[0]}
 
 
@@ -83,7 +84,7 @@ def _restore_and_continue(rank: int, world: int, cfg: TrainConfig, ckpt: str) ->
 
 def _check_restored(reports, saved_dir: Path, saved_lr: float):
     saved = _saved_head(saved_dir, world=2)
-    common = torch.load(saved_dir / "common.pt", weights_only=False)
+    common = torch.load(saved_dir / "common.pt", weights_only=True)
     ranges = [r["rows"] for r in reports]
     assert ranges[0][0] == 0 and ranges[-1][1] == 24 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     assert np.array_equal(np.concatenate([r["weight"] for r in reports]), saved["weight"].numpy())
@@ -99,7 +100,7 @@ def _check_restored(reports, saved_dir: Path, saved_lr: float):
 def test_resume_on_one_and_three_ranks_restores_the_logical_state(run2, tmp_path):
     cfg, _ = run2
     ckpt = Path(cfg.output_dir) / "checkpoints" / "step_00000003"
-    head_extras = torch.load(ckpt / "head_0.pt", weights_only=False)["extras"]
+    head_extras = torch.load(ckpt / "head_0.pt", weights_only=True)["extras"]
     saved_lr = head_extras["optimizer.param_groups"][0]["lr"]
     assert saved_lr > 0
 
@@ -205,6 +206,45 @@ def test_truncated_checkpoint_is_skipped_and_kept_aside(run2, tmp_path):
     assert len(aside) == 1 and (aside[0] / "head_1.pt").stat().st_size == 100
     log = (Path(cfg1.output_dir) / "train.log").read_text()
     assert "resuming from" in log and "step_00000003" in log
+
+
+def test_format_1_checkpoint_resumes_only_when_trusted(run2, tmp_path):
+    """A checkpoint of shardfc before format 2 holds pickled RNG states: refused, naming the way in."""
+    cfg, _ = run2
+    cfg1 = _copy_run(cfg, tmp_path / "old", nproc=1, eval_every=0, synthetic_val_pairs=0)
+    root = Path(cfg1.output_dir) / "checkpoints"
+    shutil.rmtree(root / "step_00000006")
+    as_format_1(root / "step_00000003")
+    with pytest.raises(CheckpointError, match=r"rank_0\.pt: .*checkpoint format 1.*--trust-checkpoint"):
+        train(cfg1)
+    trusted = dataclasses.replace(cfg1, trust_checkpoint=True)
+    parts, state = load_parts(trusted, root / "step_00000003")
+    head = parts.head.sharded_state(parts.opt_head)
+    saved = _saved_head(Path(cfg.output_dir) / "checkpoints" / "step_00000003", world=2)
+    assert state.step == 3 and torch.equal(head["tensors"]["weight"], saved["weight"])
+    assert torch.equal(head["tensors"]["optimizer.momentum_buffer"], saved["optimizer.momentum_buffer"])
+    del parts
+    assert train(trusted)["step"] == STEPS
+
+
+def test_rng_state_is_plain_data_and_restores_every_generator(tmp_path):
+    import random
+
+    from shardfc.train.resume import rng_state, set_rng_state
+
+    def draws():
+        return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    torch.save(rng_state(), tmp_path / "rng.pt")
+    expected = draws()
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert draws() == expected
+    # Format 1 stored the states as they come: a tuple and a numpy array.
+    old = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    expected = draws()
+    set_rng_state(old)
+    assert draws() == expected
 
 
 def _png(path: Path, color) -> None:

@@ -7,6 +7,7 @@ world size can change between save and resume without any collective at load tim
     format.py       names, FORMAT_VERSION, meta.json, step directories, CheckpointError
     durable.py      hashed writes, fsync, publishing by rename, pruning and tidying up
     validation.py   argument checks of save and load
+    weights_only.py only tensors and plain data in .pt files; loading without unpickling code
     save.py         save_checkpoint (collective over the group)
     load.py         load_checkpoint, load_common, verify_checkpoint (no collectives)
     discovery.py    find_checkpoints, latest_checkpoint, resolve_resume

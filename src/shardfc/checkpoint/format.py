@@ -1,6 +1,6 @@
 """What a checkpoint looks like on disk: names, the format version, ``meta.json``, step directories.
 
-On-disk format (``format_version`` 1)
+On-disk format (``format_version`` 2)
 =====================================
 
 ::
@@ -13,12 +13,15 @@ On-disk format (``format_version`` 1)
                                   "tensors": {name: Tensor with shape[0] == stop - start},
                                   "extras": {name: value}})   # e.g. Adam's scalar "step"
 
-``.pt`` files are read with ``torch.load(weights_only=False)`` because ``common`` and
-``per_rank`` hold arbitrary picklable objects: only load checkpoints you trust.
+Every ``.pt`` file holds only tensors and plain data (dict, list, tuple, str, int, float, bool,
+None, ...), so it loads with ``torch.load(weights_only=True)``, which cannot run code; see
+:mod:`shardfc.checkpoint.weights_only`. Format 1 (shardfc before this rule) has the same layout,
+but its files may hold pickled objects (e.g. numpy RNG states): they are read only with
+``trust_pickle=True``.
 
 ``meta.json`` holds::
 
-    {"format": "shardfc-checkpoint", "format_version": 1,
+    {"format": "shardfc-checkpoint", "format_version": 2,
      "step": int, "world_size": int, "num_classes": int,
      "embedding_dim": int | null,             # row width of the head weight, informative
      "class_ranges": [[start, stop], ...],    # one per saved rank, in rank order
@@ -68,8 +71,9 @@ __all__ = [
 ]
 
 FORMAT_NAME = "shardfc-checkpoint"
-FORMAT_VERSION = 1
-READABLE_VERSIONS = (1,)
+#: 2: every .pt file loads with ``torch.load(weights_only=True)``. 1: the same layout, pickled objects allowed.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 META_FILE = "meta.json"
 COMMON_FILE = "common.pt"
 
@@ -79,7 +83,7 @@ _SCRATCH_DIR_RE = re.compile(r"^\.(tmp|old|del)-step_\d+-[0-9a-f]+$")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, truncated, corrupt or inconsistent, or a save failed on another rank."""
+    """A checkpoint is missing, truncated, corrupt, inconsistent or unsafe to read, or a save failed on another rank."""
 
 
 def head_file(rank: int) -> str:

@@ -13,6 +13,7 @@ import torch
 from shardfc.checkpoint.durable import check_file
 from shardfc.checkpoint.format import COMMON_FILE, META_FILE, CheckpointError, head_file, rank_file, read_meta
 from shardfc.checkpoint.validation import check_class_range, check_str_keys, json_roundtrip
+from shardfc.checkpoint.weights_only import load_pt
 from shardfc.checks import check_int
 from shardfc.parallel.context import DistContext
 
@@ -72,31 +73,35 @@ def verify_checkpoint(path: str | os.PathLike[str], *, check_hashes: bool = True
     return meta
 
 
-def _load_file(path: Path, fname: str, meta: Mapping[str, Any], map_location: Any, verify: bool) -> Any:
-    """Check ``path/fname`` against ``meta.json`` (size always, sha256 if ``verify``) and read it."""
+def _load_file(
+    path: Path, fname: str, meta: Mapping[str, Any], map_location: Any, verify: bool, trust_pickle: bool
+) -> Any:
+    """Check ``path/fname`` against ``meta.json`` (size always, sha256 if ``verify``) and read it
+    with ``weights_only=True`` (see :func:`~shardfc.checkpoint.weights_only.load_pt`)."""
     fpath = path / fname
     entry = meta["files"].get(fname)
     if entry is None:
         raise CheckpointError(f"{path / META_FILE} does not list {fname}")
     check_file(fpath, entry, check_hash=verify)
-    try:
-        return torch.load(fpath, map_location=map_location, weights_only=False)
-    except Exception as e:
-        raise CheckpointError(f"cannot read checkpoint file {fpath}: {type(e).__name__}: {e}") from e
+    return load_pt(fpath, map_location, trust_pickle=trust_pickle, meta=meta)
 
 
-def load_common(path: str | os.PathLike[str], map_location: Any = "cpu") -> tuple[dict[str, Any], dict[str, Any]]:
+def load_common(
+    path: str | os.PathLike[str], map_location: Any = "cpu", *, trust_pickle: bool = False
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(common dict, meta)`` of a checkpoint without reading its head shards.
 
     For inference tools: the head shards can be gigabytes. Every listed file must be present at
-    its recorded size; ``common.pt`` is also hash-checked.
+    its recorded size; ``common.pt`` is also hash-checked. ``trust_pickle``: as for
+    :func:`load_checkpoint`.
 
     Raises:
-        CheckpointError: The checkpoint is incomplete, or ``common.pt`` is corrupt or unreadable.
+        CheckpointError: The checkpoint is incomplete, or ``common.pt`` is corrupt, unreadable or
+            needs full unpickling without ``trust_pickle``.
     """
     path = Path(path)
     meta = verify_checkpoint(path, check_hashes=False)
-    common = _load_file(path, COMMON_FILE, meta, map_location, verify=True)
+    common = _load_file(path, COMMON_FILE, meta, map_location, verify=True, trust_pickle=trust_pickle)
     if not isinstance(common, dict):
         raise CheckpointError(f"{path / COMMON_FILE} does not hold a dict (got {type(common).__name__})")
     return common, meta
@@ -144,6 +149,7 @@ def load_checkpoint(
     map_location: Any = "cpu",
     rank: Optional[int] = None,
     verify: bool = True,
+    trust_pickle: bool = False,
 ) -> LoadedCheckpoint:
     """Load the rows of ``class_range`` from a checkpoint saved on any number of ranks.
 
@@ -160,10 +166,15 @@ def load_checkpoint(
         rank: Index whose ``rank_<r>.pt`` is returned as ``per_rank``; defaults to this
             process's rank in the default group, or 0 without torch.distributed.
         verify: Check size and sha256 of every file read (size is always checked).
+        trust_pickle: Every file is read with ``torch.load(weights_only=True)``; one that needs
+            more (checkpoint format 1, or a file not written by shardfc) is refused unless this is
+            True, which reads it with full unpickling: that can run arbitrary code, so only for
+            checkpoints you trust.
 
     Raises:
         ValueError: Bad arguments, ``num_classes`` or fingerprint mismatch.
-        CheckpointError: Missing, truncated, corrupt or inconsistent checkpoint files.
+        CheckpointError: Missing, truncated, corrupt or inconsistent checkpoint files, or a file
+            that needs full unpickling without ``trust_pickle``.
     """
     path = Path(path)
     check_int("num_classes", num_classes, 1)
@@ -177,13 +188,13 @@ def load_checkpoint(
     if fingerprint is not None:
         _check_fingerprint(meta["fingerprint"], fingerprint, path)
 
-    common = _load_file(path, COMMON_FILE, meta, map_location, verify)
+    common = _load_file(path, COMMON_FILE, meta, map_location, verify, trust_pickle)
     if not isinstance(common, dict):
         raise CheckpointError(f"{path / COMMON_FILE} does not hold a dict (got {type(common).__name__})")
     per_rank = None
     if rank_file(rank) in meta["files"]:
-        per_rank = _load_file(path, rank_file(rank), meta, map_location, verify)
-    tensors, extras = _load_head_rows(path, meta, class_range, map_location, verify)
+        per_rank = _load_file(path, rank_file(rank), meta, map_location, verify, trust_pickle)
+    tensors, extras = _load_head_rows(path, meta, class_range, map_location, verify, trust_pickle)
     return LoadedCheckpoint(
         step=meta["step"],
         common=common,
@@ -197,7 +208,7 @@ def load_checkpoint(
 
 
 def _load_head_rows(
-    path: Path, meta: Mapping[str, Any], class_range: range, map_location: Any, verify: bool
+    path: Path, meta: Mapping[str, Any], class_range: range, map_location: Any, verify: bool, trust_pickle: bool
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The rows of ``class_range`` of every head tensor, from the saved shards that hold them, and the extras."""
     saved = [range(int(a), int(b)) for a, b in meta["class_ranges"]]
@@ -215,7 +226,7 @@ def _load_head_rows(
     extras_from = -1
     for i in wanted:
         fname = head_file(i)
-        head = _load_file(path, fname, meta, map_location, verify)
+        head = _load_file(path, fname, meta, map_location, verify, trust_pickle)
         if not (isinstance(head, dict) and {"class_range", "tensors", "extras"} <= head.keys()):
             raise CheckpointError(f"{path / fname} is not a head shard file")
         if tuple(head["class_range"]) != (saved[i].start, saved[i].stop):

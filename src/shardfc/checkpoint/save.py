@@ -45,6 +45,7 @@ from shardfc.checkpoint.validation import (
     json_roundtrip,
     prepare_head_tensors,
 )
+from shardfc.checkpoint.weights_only import check_plain
 from shardfc.checks import check_int
 from shardfc.parallel.context import DistContext
 
@@ -98,6 +99,9 @@ def save_checkpoint(
         step: Training step (int >= 0); names the directory ``step_<step:08d>``.
         common: State shared by all ranks; only rank 0's is written (None: ``{}``).
         per_rank: This rank's own state (RNG states, ...), or None to write no rank file.
+            ``common``, ``per_rank`` and ``head_extras`` may hold only tensors and plain data
+            (dict, list, tuple, str, int, float, bool, None, ...): every file then loads with
+            ``torch.load(weights_only=True)``; anything else is a ValueError naming it.
         head_tensors: This rank's shard tensors, each with ``shape[0] == len(class_range)``
             (weight, momentum_buffer, exp_avg, exp_avg_sq, ...).
         head_extras: Non-row shard state, equal on all ranks (e.g. Adam's scalar step); None: ``{}``.
@@ -122,10 +126,13 @@ def save_checkpoint(
     """
     ctx = DistContext.resolve(group)
     root = Path(root)
-    head = dict(num_classes=num_classes, class_range=class_range, tensors=head_tensors, extras=head_extras)
-    shard = _agree_on_arguments(
-        ctx, step, lambda: _prepare(step, keep_last, common, per_rank, _head_arguments(head, head_state), fingerprint)
-    )
+    separate = dict(num_classes=num_classes, class_range=class_range, tensors=head_tensors, extras=head_extras)
+
+    def prepare():
+        head = _head_arguments(separate, head_state)
+        return _prepare(step, keep_last, common, per_rank, head, fingerprint, writes_common=ctx.is_main)
+
+    shard = _agree_on_arguments(ctx, step, prepare)
     tmp = root / scratch_dir_name("tmp", step_dir_name(step), shard.token)
     files = _write_rank_files(ctx, shard, tmp, root, common, per_rank)
     final = _publish_from_first(ctx, shard, tmp, root, files)
@@ -154,11 +161,19 @@ def _head_arguments(head: dict[str, Any], head_state: Any) -> dict[str, Any]:
 
 
 def _prepare(
-    step: Any, keep_last: Any, common: Any, per_rank: Any, head: dict[str, Any], fingerprint: Any
+    step: Any,
+    keep_last: Any,
+    common: Any,
+    per_rank: Any,
+    head: dict[str, Any],
+    fingerprint: Any,
+    *,
+    writes_common: bool,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's arguments checked: ``(shard description, compact CPU tensors, extras)``.
 
-    ``head``: ``{"num_classes", "class_range", "tensors", "extras"}`` of this rank's shard.
+    ``head``: ``{"num_classes", "class_range", "tensors", "extras"}`` of this rank's shard;
+    ``writes_common``: this rank writes ``common`` (rank 0).
     """
     num_classes, class_range = head["num_classes"], head["class_range"]
     check_int("step", step, 0)
@@ -170,7 +185,12 @@ def _prepare(
         raise ValueError(f"common must be a dict or None, got {type(common).__name__}")
     if per_rank is not None and not isinstance(per_rank, dict):
         raise ValueError(f"per_rank must be a dict or None, got {type(per_rank).__name__}")
+    # Only what torch.load(weights_only=True) reads back, so that loading never needs to unpickle.
+    if writes_common:
+        check_plain("common", common)
+    check_plain("per_rank", per_rank)
     extras = check_str_keys("head_extras", head["extras"])
+    check_plain("head_extras", extras)
     fp = json_roundtrip("fingerprint", check_str_keys("fingerprint", fingerprint))
     tensors = prepare_head_tensors(head["tensors"], len(class_range))
     info = {
@@ -299,7 +319,8 @@ def _publish_from_first(
         except Exception as e:
             publish_error = e
             shutil.rmtree(tmp, ignore_errors=True)
-    verdict = ctx.broadcast_object(None if publish_error is None else f"{type(publish_error).__name__}: {publish_error}")
+    error = None if publish_error is None else f"{type(publish_error).__name__}: {publish_error}"
+    verdict = ctx.broadcast_object(error)
     if publish_error is not None:
         raise publish_error
     if verdict is not None:

@@ -378,7 +378,9 @@ class ShardedMarginHead(nn.Module):
         weight = tensors["weight"]
         n = len(self.class_range)
         if tuple(weight.shape) != (n, self.embedding_dim):
-            raise ValueError(f"sharded state weight has shape {tuple(weight.shape)}, this head's rows are ({n}, {self.embedding_dim})")
+            raise ValueError(
+                f"sharded state weight has shape {tuple(weight.shape)}, this head's rows are ({n}, {self.embedding_dim})"
+            )
         slices = [(r.start - self.class_range.start, r.stop - self.class_range.start) for r in self.shard_ranges]
         with torch.no_grad():
             for w, (lo, hi) in zip(self.shard_weights, slices):

@@ -308,7 +308,9 @@ def load_optimizer_rows(
     groups = extras.get("param_groups")
     if groups is not None:
         if len(groups) != len(optimizer.param_groups):
-            raise ValueError(f"saved optimizer state has {len(groups)} param groups, this optimizer {len(optimizer.param_groups)}")
+            raise ValueError(
+                f"saved optimizer state has {len(groups)} param groups, this optimizer {len(optimizer.param_groups)}"
+            )
         for group, saved in zip(optimizer.param_groups, groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
     total = sum(hi - lo for lo, hi in row_slices)

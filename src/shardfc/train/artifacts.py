@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ from shardfc.data import IMG_EXTENSIONS
 from shardfc.models import build_backbone
 from shardfc.train.config import ConfigError, TrainConfig, config_from_mapping
 
-__all__ = ["TrainedBackbone", "resolve_checkpoint", "load_backbone", "list_images", "pick_device"]
+__all__ = ["TrainedBackbone", "resolve_checkpoint", "saved_config", "load_backbone", "list_images", "pick_device"]
 
 def resolve_checkpoint(path: "str | os.PathLike[str]") -> Path:
     """A checkpoint folder from ``path``: the folder itself, or the newest complete one in a run
@@ -48,19 +49,35 @@ class TrainedBackbone:
     """The checkpoint folder."""
 
 
-def load_backbone(path: "str | os.PathLike[str]", device: "str | torch.device" = "cpu") -> TrainedBackbone:
+def saved_config(common: Dict[str, Any], where: Path) -> TrainConfig:
+    """The :class:`TrainConfig` a run stored in its ``common.pt`` (JSON text; a dict in format 1).
+
+    Fields this shardfc does not know are dropped, missing ones take their defaults.
+    """
+    if isinstance(common.get("config_json"), str):
+        raw = json.loads(common["config_json"])
+    elif isinstance(common.get("config"), dict):  # checkpoint format 1
+        raw = common["config"]
+    else:
+        raise ckpt.CheckpointError(f"{where} was not saved by 'shardfc train' (no config in common.pt)")
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    return config_from_mapping({k: v for k, v in raw.items() if k in known}, source=str(where / ckpt.COMMON_FILE))
+
+
+def load_backbone(
+    path: "str | os.PathLike[str]", device: "str | torch.device" = "cpu", *, trust_pickle: bool = False
+) -> TrainedBackbone:
     """The backbone of a checkpoint (a checkpoint folder or a run folder: see :func:`resolve_checkpoint`).
 
     Only the replicated part (``common.pt``, hash-checked) is read: the head shards, which can
-    be gigabytes, are not needed for inference.
+    be gigabytes, are not needed for inference. ``trust_pickle``: read a ``common.pt`` that needs
+    full unpickling (``--trust-checkpoint``; see :func:`shardfc.checkpoint.load_checkpoint`).
     """
     folder = resolve_checkpoint(path)
-    common, meta = ckpt.load_common(folder)
-    if "config" not in common or "backbone" not in common:
-        raise ckpt.CheckpointError(f"{folder} was not saved by 'shardfc train' (no config/backbone in common.pt)")
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    saved = {k: v for k, v in common["config"].items() if k in known}
-    cfg = config_from_mapping(saved, source=str(folder / ckpt.COMMON_FILE))
+    common, meta = ckpt.load_common(folder, trust_pickle=trust_pickle)
+    if "backbone" not in common:
+        raise ckpt.CheckpointError(f"{folder} was not saved by 'shardfc train' (no backbone in common.pt)")
+    cfg = saved_config(common, folder)
     h, w = meta["fingerprint"]["image_size"]
     kwargs = {"input_size": (h, w)} if cfg.backbone == "tiny" else {}
     model = build_backbone(cfg.backbone, cfg.embedding_dim, **kwargs)

@@ -32,6 +32,9 @@ SUFFIXES = (".pt", ".npy")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardfc embed", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--checkpoint", required=True, metavar="PATH", help="a checkpoint folder, or a run folder (its newest checkpoint)")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="load a checkpoint whose files need full unpickling (written by shardfc before checkpoint format 2, "
+                        "or not by shardfc): unpickling can run arbitrary code, so only for checkpoints you trust")
     p.add_argument("--images", required=True, metavar="DIR", help="folder of images (searched recursively)")
     p.add_argument("--out", required=True, metavar="FILE", help="output file: .pt or .npy")
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default: 256)")
@@ -73,7 +76,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
         files = list_images(args.images)
         device = pick_device(args.device)
-        trained = load_backbone(args.checkpoint, device)
+        trained = load_backbone(args.checkpoint, device, trust_pickle=args.trust_checkpoint)
         kept: List[Path] = []
         corrupt: List[str] = []
         batches = _batches(files, trained.image_size, args.batch_size, kept, corrupt)

@@ -27,6 +27,9 @@ __all__ = ["main"]
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardfc eval", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--checkpoint", required=True, metavar="PATH", help="a checkpoint folder, or a run folder (its newest checkpoint)")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="load a checkpoint whose files need full unpickling (written by shardfc before checkpoint format 2, "
+                        "or not by shardfc): unpickling can run arbitrary code, so only for checkpoints you trust")
     p.add_argument("--bin", nargs="+", default=None, metavar="FILE", help="insightface verification .bin files")
     p.add_argument("--reid-root", default=None, metavar="DIR", help="re-ID dataset root with query/gallery splits")
     p.add_argument("--synthetic-pairs", type=int, default=None, metavar="N",
@@ -46,7 +49,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.batch_size < 1:
             raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
         device = pick_device(args.device)
-        trained = load_backbone(args.checkpoint, device)
+        trained = load_backbone(args.checkpoint, device, trust_pickle=args.trust_checkpoint)
         cfg = dataclasses.replace(trained.config, eval_batch_size=args.batch_size, eval_flip=args.flip)
         explicit = args.bin is not None or args.reid_root is not None or args.synthetic_pairs is not None
         dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]

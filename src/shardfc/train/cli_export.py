@@ -32,6 +32,9 @@ TOLERANCE = 1e-4
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardfc export", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--checkpoint", required=True, metavar="PATH", help="a checkpoint folder, or a run folder (its newest checkpoint)")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="load a checkpoint whose files need full unpickling (written by shardfc before checkpoint format 2, "
+                        "or not by shardfc): unpickling can run arbitrary code, so only for checkpoints you trust")
     p.add_argument("--out", required=True, metavar="FILE", help="TorchScript file to write (e.g. model.pt)")
     p.add_argument("--onnx", nargs="?", const="", default=None, metavar="FILE",
                    help="also write ONNX (default file: --out with the suffix .onnx); needs the 'onnx' package")
@@ -79,7 +82,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         _check_writable(out, args.force)
         if onnx_out is not None:
             _check_writable(onnx_out, args.force)
-        trained = load_backbone(args.checkpoint, "cpu")
+        trained = load_backbone(args.checkpoint, "cpu", trust_pickle=args.trust_checkpoint)
         h, w = trained.image_size
         example = torch.zeros(2, 3, h, w)
         metadata = {

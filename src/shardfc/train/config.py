@@ -168,6 +168,8 @@ class TrainConfig:
     """Save a checkpoint every this many steps; 0: only at the end."""
     keep_last: int = 3
     """Keep this many newest checkpoints, deleting older complete ones; 0: keep all."""
+    trust_checkpoint: bool = False
+    """Resume from a checkpoint even if its files need full unpickling (written by shardfc before checkpoint format 2, or not by shardfc): unpickling can run arbitrary code, so only for checkpoints you trust."""
 
     # ------------------------------------------------------------------ eval
     val_bins: List[str] = field(default_factory=list)
@@ -292,7 +294,7 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
     "optim": ("optimizer", "lr", "momentum", "weight_decay", "nesterov", "betas", "eps", "grad_clip", "grad_accum"),
     "schedule": ("batch_size", "max_steps", "epochs", "scheduler", "poly_power", "warmup_steps"),
     "run": ("amp", "seed", "nproc", "device", "output_dir", "resume", "log_every", "progress", "eval_every",
-            "ckpt_every", "keep_last"),
+            "ckpt_every", "keep_last", "trust_checkpoint"),
     "eval": ("val_bins", "reid_root", "synthetic_val_pairs", "eval_batch_size", "eval_flip"),
 }
 _SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import random
@@ -53,7 +54,8 @@ def save(run: Run, state: RunState, cfg: TrainConfig) -> Path:
             "state": dataclasses.asdict(state),
             "world_size": ctx.world_size,
             "batch_size": cfg.batch_size,
-            "config": dataclasses.asdict(cfg),
+            # Text, read back by shardfc.train.artifacts.saved_config: the file stays plain data.
+            "config_json": json.dumps(dataclasses.asdict(cfg)),
         }
     per_rank = {"rng": rng_state(), "world_size": ctx.world_size}
     return ckpt.save_checkpoint(
@@ -126,6 +128,7 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
             fingerprint=fingerprint(cfg, num_classes, image_size),
             map_location="cpu",
             rank=ctx.rank,
+            trust_pickle=cfg.trust_checkpoint,
         )
     except ValueError as e:  # another model or class count: say how to get going
         raise ConfigError(f"cannot resume: {e}. Train it in a new --output-dir (or pass --resume none there)") from e
@@ -162,15 +165,29 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
 
 
 def rng_state() -> Dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's Python, numpy, torch (and CUDA) generator states, as tensors and plain types
+    (a checkpoint file must load with ``torch.load(weights_only=True)``)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [version, list(internal), gauss],
+        # numpy's (str, uint32[624] array, int, int, float), the array as an int64 tensor.
+        "numpy": (str(kind), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: Dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    """Restore :func:`rng_state`'s states (also those of format-1 checkpoints: tuples and a numpy array)."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    if isinstance(keys, torch.Tensor):
+        keys = keys.numpy().astype(np.uint32)
+    np.random.set_state((kind, keys, pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,127 @@
+"""Checkpoint files load with torch.load(weights_only=True); anything needing more is refused unless trusted."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from shardfc.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint, load_common, save_checkpoint
+
+C = 5
+
+
+def _save(root: Path, step: int = 1, **overrides: Any) -> Path:
+    kwargs: dict[str, Any] = dict(
+        common={"backbone": OrderedDict(w=torch.ones(2)), "sched": [{"lr": 0.1, "betas": (0.9, 0.99)}], "n": None},
+        per_rank={"rng": {"python": [3, list(range(5)), None], "torch": torch.get_rng_state()}},
+        head_tensors={"weight": torch.arange(C * 2.0).reshape(C, 2)},
+        head_extras={"sample_step": 4, "step": torch.tensor(3.0), "dtype": torch.float32},
+        class_range=range(C),
+        num_classes=C,
+        fingerprint={"model": "m"},
+    )
+    kwargs.update(overrides)
+    return save_checkpoint(root, step, **kwargs)
+
+
+def _replace_file(path: Path, name: str, obj: Any, *, format_version: int | None = None) -> None:
+    """Put ``obj`` (pickled as torch.save does) in place of ``path/name``, with meta.json updated to
+    match, as someone who crafts or converts a checkpoint would: sizes and hashes all check out."""
+    torch.save(obj, path / name)
+    data = (path / name).read_bytes()
+    meta = json.loads((path / "meta.json").read_text())
+    meta["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    if format_version is not None:
+        meta["format_version"] = format_version
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+class RunsCode:
+    """Unpickling this runs ``touch <sentinel>``."""
+
+    def __init__(self, sentinel: Path) -> None:
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.sentinel}",))
+
+
+class Benign:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def test_every_file_loads_with_weights_only(tmp_path: Path) -> None:
+    path = _save(tmp_path)
+    assert json.loads((path / "meta.json").read_text())["format_version"] == FORMAT_VERSION == 2
+    for f in sorted(path.glob("*.pt")):
+        torch.load(f, weights_only=True)
+    loaded = load_checkpoint(path, class_range=range(C), num_classes=C)
+    assert loaded.common["sched"][0]["betas"] == (0.9, 0.99) and loaded.head_extras["dtype"] is torch.float32
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"common": {"opt": {"state": np.zeros(3)}}}, r"common\['opt'\]\['state'\] is a numpy.ndarray"),
+        ({"per_rank": {"rng": (1, np.uint32(7))}}, r"per_rank\['rng'\]\[1\] is a numpy.uint32"),
+        ({"head_extras": {"fn": Benign(1)}}, r"head_extras\['fn'\] is a .*Benign"),
+        ({"common": {"cfg": {Benign(1): 1}}}, r"common\['cfg'\] has a key .* of type .*Benign"),
+    ],
+)
+def test_save_refuses_what_weights_only_cannot_read(tmp_path: Path, overrides: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _save(tmp_path, **overrides)
+    assert list(tmp_path.iterdir()) == []  # refused before anything is written
+
+
+@pytest.mark.parametrize("victim", ["common.pt", "rank_0.pt", "head_0.pt"])
+def test_crafted_file_is_refused_without_running_its_code(tmp_path: Path, victim: str) -> None:
+    path = _save(tmp_path / "ckpt")
+    sentinel = tmp_path / "SENTINEL"
+    original = torch.load(path / victim, weights_only=True)
+    _replace_file(path, victim, {**original, "payload": RunsCode(sentinel)})
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path, class_range=range(C), num_classes=C, rank=0)
+    message = str(info.value)
+    assert str(path / victim) in message and "posix.system" in message
+    assert "shardfc's saver did not write this file" in message and "trust_pickle=True" in message
+    assert "--trust-checkpoint" in message
+    if victim == "common.pt":
+        with pytest.raises(CheckpointError, match="refusing to load .*common.pt"):
+            load_common(path)
+    assert not sentinel.exists()  # nothing ran
+
+
+def test_format_1_checkpoint_needs_the_opt_in(tmp_path: Path) -> None:
+    """Format 1 stored numpy's RNG state as a pickled array: readable only when trusted."""
+    path = _save(tmp_path)
+    numpy_state = np.random.get_state()
+    _replace_file(path, "rank_0.pt", {"rng": {"numpy": numpy_state}}, format_version=1)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path, class_range=range(C), num_classes=C, rank=0)
+    message = str(info.value)
+    assert str(path / "rank_0.pt") in message and "numpy" in message
+    assert "older shardfc (checkpoint format 1)" in message and "trust_pickle=True" in message
+    loaded = load_checkpoint(path, class_range=range(C), num_classes=C, rank=0, trust_pickle=True)
+    assert np.array_equal(loaded.per_rank["rng"]["numpy"][1], numpy_state[1])
+    assert torch.equal(loaded.head_tensors["weight"], torch.arange(C * 2.0).reshape(C, 2))
+    # Its plain files need no opt-in: load_common reads common.pt alone.
+    assert torch.equal(load_common(path)[0]["backbone"]["w"], torch.ones(2))
+
+
+def test_opt_in_reads_a_trusted_pickled_object(tmp_path: Path) -> None:
+    path = _save(tmp_path)
+    _replace_file(path, "common.pt", {"thing": Benign(5)})
+    with pytest.raises(CheckpointError, match=r"needs the global .*Benign"):
+        load_common(path)
+    common, _ = load_common(path, trust_pickle=True)
+    assert common["thing"].value == 5
