@@ -63,8 +63,10 @@ def test_plot_is_a_png(bench_run):
 
 def test_one_head_at_a_time(tmp_path, monkeypatch):
     """The worker (run here as the only rank) builds each variant's head, for memory then for
-    time, only once the previous one is gone, and its matmul floor copies none of the head."""
-    cfg = asdict(runner._check_config(1, 8, 16, 2000, VARIANTS, 1, 1, 0.5, 64, "float32", "arcface", False))
+    time, only once the previous one is gone, and its matmul floor copies none of the head.
+    (Three variants: the floors of naive and sharded have chunked's shapes.)"""
+    variants = ("replicated", "chunked", "partial")
+    cfg = asdict(runner._check_config(1, 8, 16, 2000, variants, 1, 1, 0.5, 64, "float32", "arcface", False))
     at_build, at_floor = [], []
     with LiveTensorBytes() as mode:
         real_build, real_time = runner._build, runner._Floor.time
@@ -74,8 +76,10 @@ def test_one_head_at_a_time(tmp_path, monkeypatch):
             return real_build(*args)
 
         def floor_time(floor, head):
-            at_floor.append((mode.current, head.weight.untyped_storage().nbytes()))
-            return real_time(floor, head)
+            with LiveTensorBytes() as inner:
+                dt = real_time(floor, head)
+            at_floor.append((mode.current, head.weight.untyped_storage().nbytes(), inner.peak, floor))
+            return dt
 
         monkeypatch.setattr(runner, "_build", build)
         monkeypatch.setattr(runner._Floor, "time", floor_time)
@@ -84,10 +88,12 @@ def test_one_head_at_a_time(tmp_path, monkeypatch):
             out = runner._bench_worker(0, 1, cfg)
         finally:
             dist.destroy_process_group()
-    assert list(out["variants"]) == list(VARIANTS) and len(at_build) == 2 * len(VARIANTS)
+    assert list(out["variants"]) == list(variants) and len(at_build) == 2 * len(variants)
     assert max(at_build) < 16 * 1024  # nothing of a previous variant's head, optimizer or buffers
-    for live, weight in at_floor:  # the head's weight, gradient, momentum and small inputs only
-        assert live <= 3 * weight + 16 * 1024
+    for live, weight, peak, floor in at_floor:
+        assert live <= 3 * weight + 16 * 1024  # the head's weight, gradient, momentum, small inputs
+        rows, classes, d = floor.rows, floor.classes, 16
+        assert peak == 4 * (2 * rows * classes + rows * d + classes * d)  # dZ, a·Wᵀ, dZ·W, dZᵀ·a only
 
 
 def test_local_batches_split_the_global_batch():

@@ -43,6 +43,19 @@ def _tensors(x) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
+_ALIASING: Dict[Any, bool] = {}
+
+
+def _may_alias(func) -> bool:
+    """Whether a result of ``func`` may share an argument's storage (a view, in place, ``out=``),
+    by its schema's alias annotations."""
+    found = _ALIASING.get(func)
+    if found is None:
+        found = func.namespace == "c10d" or any(r.alias_info is not None for r in func._schema.returns)
+        _ALIASING[func] = found
+    return found
+
+
 class LiveTensorBytes(TorchDispatchMode):
     """Live and peak bytes of the tensor storages created while the mode is active.
 
@@ -90,7 +103,8 @@ class LiveTensorBytes(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _record(self, func, inputs, out) -> None:
-        arg_keys = {_storage_key(t) for t in _tensors(inputs)}
+        # An operator whose schema says no result aliases an argument returns new storages only.
+        arg_keys = {_storage_key(t) for t in _tensors(inputs)} if _may_alias(func) else ()
         for t in _tensors(out):
             storage = t.untyped_storage()
             key = storage._cdata
@@ -99,7 +113,6 @@ class LiveTensorBytes(TorchDispatchMode):
                 self._resize(serial, storage.nbytes())
             elif key not in arg_keys:  # a new storage
                 self._track(key, storage)
-                arg_keys.add(key)
         if func.namespace == "c10d":
             for t in _tensors((inputs, out)):
                 serial = self._serials.get(_storage_key(t))
