@@ -1,8 +1,8 @@
-"""``shardfc.tools.plan``: the parts add up, the largest C and B fit, errors are clear, and the prediction
-matches what ``shardfc bench`` measures (2 gloo ranks, B=256, C=40000, D=64) within 10%.
+"""``shardfc.tools.plan``: the plan is the real head's step replayed on the meta device.
 
-The bench keeps gradients between steps (``zero_grad(set_to_none=False)``), which is the plan's
-default ``grad_in_place=True``."""
+It equals the same step measured on real CPU tensors, it follows a change in the head's buffers
+by itself, it matches what ``shardfc bench`` measures on 2 gloo ranks within 10% (the shared run of
+conftest.py), its parts add up, the largest C and B fit the budget, and errors are clear."""
 
 from __future__ import annotations
 
@@ -10,19 +10,165 @@ import contextlib
 import io
 import json
 import math
+import pickle
 
 import pytest
+import torch
+import torch.distributed as dist
 
+import shardfc.head.function as head_function
+from shardfc.head.margins import build_margin
+from shardfc.head.module import ShardedMarginHead
+from shardfc.head.partial_fc import head_optimizer
+from shardfc.tools import plan as plan_module
+from shardfc.tools.bench.memory import LiveTensorBytes
+from shardfc.tools.bench.runner import train_step
 from shardfc.tools.plan import PARTS, main, parse_bytes, plan
+from shardfc.tools.plan import replay as replay_module
 
+
+# --------------------------------------------------------------------------- the plan is the step
+def _measured_step_peak(C, D, B, grads_kept=True, optimizer="sgd", dtype="float32", margin="arcface", **head_options):
+    """The bench's step on real CPU tensors, W = 1, after a real warm-up step; labels distinct."""
+    torch.manual_seed(0)
+    dtype = getattr(torch, dtype)
+    head = ShardedMarginHead(D, C, margin=build_margin(margin), dtype=dtype, **head_options)
+    name = "adamw" if optimizer == "adamw" else "sgd"
+    opt = head_optimizer(head, name, lr=0.1, momentum=0.9 if optimizer == "sgd" else 0.0, weight_decay=0.0)
+
+    def inputs():
+        return torch.randn(B, D, dtype=dtype, requires_grad=True), torch.arange(B) * (C // B)
+
+    train_step(head, opt, *inputs(), set_to_none=not grads_kept)
+    x, y = inputs()
+    with LiveTensorBytes() as mode:
+        train_step(head, opt, x, y, set_to_none=not grads_kept)
+    return mode.peak
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(grads_kept=False),
+        dict(sample_rate=0.25),
+        dict(sample_rate=0.25, grads_kept=False, optimizer="adamw"),
+        dict(optimizer="adamw"),
+        dict(dtype="bfloat16", margin="sphereface"),
+        dict(dtype="float64", margin="softmax", sample_rate=0.25),
+        dict(chunk_size=256),
+        dict(chunk_size=256, grads_kept=False),
+    ],
+)
+def test_plan_equals_the_step_measured_on_real_tensors(options):
+    """W = 1: the replay on meta tensors allocates what the real CPU step does, byte for byte, but
+    for the chunked loop, where the replay puts every target in every chunk (a few [B] index
+    tensors more)."""
+    options = dict(options)
+    kept = options.pop("grads_kept", True)
+    optimizer = options.pop("optimizer", "sgd")
+    predicted = plan(4000, 32, 64, 1, optimizer=optimizer, grad_in_place=kept, **options)["step_peak"]
+    measured = _measured_step_peak(4000, 32, 64, kept, optimizer, **options)
+    if "chunk_size" in options:
+        assert measured <= predicted <= measured + 16 * 64 * 8
+    else:
+        assert predicted == measured
+
+
+def test_plan_follows_a_change_in_the_head(monkeypatch):
+    """A kernel that keeps one more [B, n] buffer from the forward to the backward: the plan grows
+    by exactly its bytes, with nothing in the planner told about it."""
+    C, D, B, W = 40_000, 64, 256, 2
+    before = plan(C, D, B, W)
+    real_forward = head_function.shard_forward
+
+    def forward_with_an_extra_buffer(a, w, local_labels, norms, cfg):
+        stats = real_forward(a, w, local_labels, norms, cfg)
+        stats.extra = torch.empty(a.shape[0], w.shape[0], dtype=torch.float32, device=a.device)
+        return stats
+
+    monkeypatch.setattr(head_function, "shard_forward", forward_with_an_extra_buffer)
+    after = plan(C, D, B, W)
+    extra = B * math.ceil(C / W) * 4
+    assert after["step_peak"] - before["step_peak"] == extra
+    assert after["parts"]["activations"] - before["parts"]["activations"] == extra
+    assert after["parts"]["communication"] == before["parts"]["communication"]
+
+
+def test_a_value_the_replay_cannot_know_is_an_error(monkeypatch):
+    real_forward = head_function.shard_forward
+
+    def forward_reading_a_value(a, w, local_labels, norms, cfg):
+        int(local_labels.sum())
+        return real_forward(a, w, local_labels, norms, cfg)
+
+    monkeypatch.setattr(head_function, "shard_forward", forward_reading_a_value)
+    with pytest.raises(replay_module.ReplayError, match="_local_scalar_dense"):
+        plan(1000, 16, 32, 2)
+    assert not dist.is_initialized()  # the fake group is gone even so
+
+
+def test_remembered_shapes_change_nothing(monkeypatch):
+    configs = [dict(chunk_size=300), dict(sample_rate=0.1, grad_in_place=False)]
+    cached = [plan(20_000, 32, 96, 3, **c) for c in configs]
+    monkeypatch.setattr(replay_module._MetaStep, "call", lambda self, func, args, kwargs: self._run(func, args, kwargs))
+    assert [plan(20_000, 32, 96, 3, **c) for c in configs] == cached
+
+
+def test_collective_buffers_are_communication():
+    C, D, B = 40_000, 64, 256
+    single, two = plan(C, D, B, 1), plan(C, D, B, 2)
+    assert single["parts"]["communication"] == 0
+    # at the backward's peak: the gathered [B, D] embeddings and the rank's own [B/2, D] it sent
+    # (both saved for the backward), the [B, D] gradient to reduce-scatter, the gathered labels and
+    # the [B] statistics
+    matrices = 2 * B * D * 4 + B // 2 * D * 4
+    assert matrices <= two["parts"]["communication"] <= matrices + 16 * B
+
+
+def test_no_process_group_is_left_behind():
+    plan(1000, 16, 32, 4)
+    assert not dist.is_initialized()
+
+
+def test_in_a_process_group_the_replay_runs_in_a_fresh_process(monkeypatch, tmp_path):
+    calls = []
+
+    def fresh(fn, *args, **kwargs):
+        pickle.dumps((fn, args, kwargs))  # what the spawned process receives
+        calls.append(fn)
+        return "from a fresh process"
+
+    monkeypatch.setattr(plan_module, "_in_fresh_process", fresh)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert plan(1000, 16, 32, 2) == "from a fresh process" and calls == [plan]
+        assert dist.is_initialized() and dist.get_world_size() == 2 - 1  # the caller's group, untouched
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- plan vs bench
+@pytest.mark.parametrize("variant", ["sharded", "chunked", "partial"])
+def test_plan_matches_bench_within_10_percent(bench_run, variant):
+    """The bench's CPU measure counts live tensors on every machine: no skip."""
+    assert bench_run["code"] == 0, bench_run["stderr"]
+    s = bench_run["sizes"]
+    options = {"chunked": dict(chunk_size=s["CHUNK"]), "partial": dict(sample_rate=s["RATE"])}.get(variant, {})
+    predicted = plan(s["C"], s["D"], s["B"], s["W"], "float32", "sgd", grad_in_place=True, **options)["step_peak"]
+    measured = max(bench_run["results"][variant]["peak_bytes_per_rank"])
+    assert abs(measured - predicted) <= 0.10 * predicted, (variant, measured, predicted)
+
+
+# --------------------------------------------------------------------------- parts
 CONFIGS = [
     dict(num_classes=40_000, dim=64, batch=256, world_size=2),
     dict(num_classes=40_000, dim=64, batch=256, world_size=2, chunk_size=1024),
-    dict(num_classes=1_000_003, dim=512, batch=1000, world_size=8, chunk_size=4096, dtype="bfloat16"),
+    dict(num_classes=100_003, dim=128, batch=1000, world_size=8, chunk_size=4096, dtype="bfloat16"),
     dict(num_classes=100_000, dim=128, batch=255, world_size=3, sample_rate=0.1, optimizer="adamw"),
+    dict(num_classes=100_000, dim=128, batch=255, world_size=3, optimizer="adamw"),
     dict(num_classes=5000, dim=32, batch=64, world_size=1, optimizer="sgd_nomomentum", margin="softmax"),
-    dict(num_classes=50_000, dim=64, batch=128, world_size=4, weight_decay=5e-4, memory_model="resident"),
-    dict(num_classes=100_000, dim=128, batch=255, world_size=3, sample_rate=0.1, memory_model="resident", dtype="bfloat16"),
+    dict(num_classes=50_000, dim=64, batch=128, world_size=4, weight_decay=5e-4, chunk_size="auto", chunk_budget_bytes=2**18),
 ]
 
 
@@ -34,76 +180,88 @@ def test_parts_add_up(cfg, grads_kept):
     assert set(parts) == set(PARTS) and r["grad_in_place"] is grads_kept
     assert r["total"] == sum(parts.values()) == r["resting"] + r["step_peak"]
     n = math.ceil(cfg["num_classes"] / cfg["world_size"])
-    assert r["n_local"] == n
+    assert r["n_local"] == n and r["local_batch"] == math.ceil(cfg["batch"] / cfg["world_size"])
     s = {"float32": 4, "bfloat16": 2}[cfg.get("dtype", "float32")]
-    assert parts["weights"] == n * cfg["dim"] * s
-    if grads_kept:  # the [n, D] .grad rests like the weights; the step holds blocks of it at most
-        assert parts["gradients"] == n * cfg["dim"] * s
+    nd = n * cfg["dim"] * s
+    assert parts["weights"] == nd
+    sparse = cfg.get("sample_rate", 1.0) < 1.0
+    state = {"sgd": nd, "sgd_nomomentum": 0, "adamw": 2 * nd + (8 * n if sparse else 4)}  # + per-row / scalar step
+    assert parts["optimizer_state"] == state[cfg.get("optimizer", "sgd")]
+    if grads_kept:  # the [n, D] .grad rests like the weights; the step adds into it
+        assert parts["gradients"] == nd
         assert r["resting"] == parts["weights"] + parts["gradients"] + parts["optimizer_state"]
         assert r["step_peak"] == parts["activations"] + parts["communication"]
-    else:
-        assert 0 < parts["gradients"] <= n * cfg["dim"] * s
+    else:  # the step allocates it: part of the peak if alive then (not when the forward peaks)
+        assert parts["gradients"] in (0, nd)
         assert r["resting"] == parts["weights"] + parts["optimizer_state"]
         assert r["step_peak"] == parts["gradients"] + parts["activations"] + parts["communication"]
 
 
 def test_model_shapes():
-    base = dict(num_classes=400_000, dim=128, batch=256, world_size=4)
+    base = dict(num_classes=100_000, dim=128, batch=256, world_size=4)
+    n = 25_000
     full = plan(**base)["step_peak"]
     chunked = plan(**base, chunk_size=1024)["step_peak"]
-    partial = plan(**base, sample_rate=0.1)["step_peak"]
-    assert chunked < full / 2 and partial < full / 2
-    # the unchunked peak holds the [B, n] logits: it grows with B, the chunked one barely does
-    assert plan(**{**base, "batch": 512})["step_peak"] - full > 256 * 100_000 * 4 * 0.99
-    # allocated counts grad_w from its allocation, resident from its first write
-    assert plan(**base, memory_model="allocated")["step_peak"] >= plan(**base, memory_model="resident")["step_peak"]
-    assert plan(**base, optimizer="adamw")["parts"]["optimizer_state"] == 2 * 100_000 * 128 * 4
-    assert plan(**base, optimizer="sgd_nomomentum")["parts"]["optimizer_state"] == 0
+    partial = plan(**base, sample_rate=0.1)
+    assert chunked < full / 8 and partial["step_peak"] < full / 4
+    assert partial["n_sampled"] == 2500 and partial["n_local"] == n
+    # the unchunked peak holds the [B, n] logits: it grows with B, the chunked one by far less
+    assert plan(**{**base, "batch": 512})["step_peak"] - full >= 256 * n * 4
+    assert plan(**{**base, "batch": 512}, chunk_size=1024)["step_peak"] - chunked < 256 * n * 4 / 8
 
 
 def test_gradients_kept_or_not():
     base = dict(num_classes=400_000, dim=128, batch=256, world_size=4)
     grad = 100_000 * 128 * 4  # the [n, D] weight gradient of rank 0
-    block = 8192 * 128 * 4  # shard_math.WGRAD_BLOCK rows
-    for model in ("allocated", "resident"):
-        # kept: nothing of size [n, D] in the step (chunked: O(B·chunk) + two [chunk, D] blocks)
-        chunked = plan(**base, chunk_size=1024, memory_model=model)
-        assert chunked["step_peak"] < grad / 8
-        # not kept: the step allocates the gradient (resident: filled block by block)
-        no = plan(**base, chunk_size=1024, memory_model=model, grad_in_place=False)
-        assert no["step_peak"] > grad and no["parts"]["gradients"] > 0.99 * grad
-        assert no["total"] - chunked["total"] < grad * 0.05  # the same bytes, resting or not
-        # unchunked: the [B, n] logits + two [block, D] gradient blocks vs logits + the gradient
-        kept = plan(**base, memory_model=model)["step_peak"]
-        freed = plan(**base, memory_model=model, grad_in_place=False)["step_peak"]
-        assert abs((freed - kept) - (grad - 2 * block)) < 0.05 * grad
-        # Partial FC: index_add_ into .grad, or a dense zeros [n, D]
-        partial = plan(**base, sample_rate=0.1, memory_model=model)
-        assert partial["step_peak"] < grad / 2
-        assert plan(**base, sample_rate=0.1, memory_model=model, grad_in_place=False)["step_peak"] > grad
-    # allocated counts the empty [n, D] from its allocation, resident as it is filled
-    assert plan(**base, chunk_size=1024, grad_in_place=False)["step_peak"] >= plan(
-        **base, chunk_size=1024, grad_in_place=False, memory_model="resident")["step_peak"]
+    # kept: nothing of size [n, D] in the step (chunked: O(B·chunk) and [block, D] blocks)
+    chunked = plan(**base, chunk_size=1024)
+    assert chunked["step_peak"] < grad / 8
+    # not kept: the step allocates the gradient
+    freed = plan(**base, chunk_size=1024, grad_in_place=False)
+    assert freed["step_peak"] > grad and freed["parts"]["gradients"] == grad
+    assert abs(freed["total"] - chunked["total"]) < grad * 0.05  # the same bytes, resting or not
+    # Partial FC: index_add_ into .grad, or a dense zeros [n, D]
+    assert plan(**base, sample_rate=0.1)["step_peak"] < grad / 2
+    assert plan(**base, sample_rate=0.1, grad_in_place=False)["step_peak"] > grad
 
 
-@pytest.mark.parametrize("chunk", [None, 2048])
+# --------------------------------------------------------------------------- budget
+@pytest.mark.parametrize("chunk", [None, 1024])
 def test_largest_classes_and_batch_fit_the_budget(chunk):
-    base = dict(dim=128, batch=256, world_size=4, chunk_size=chunk)
-    r = plan(num_classes=400_000, budget_bytes="1GiB", **base)
+    base = dict(dim=256, batch=128, world_size=2, chunk_size=chunk)
+    r = plan(num_classes=10_000, budget_bytes="32MiB", **base)
     budget = r["budget_bytes"]
-    assert budget == 2**30 and r["fits"]
+    assert budget == 32 * 2**20 and r["fits"]
     c = r["max_classes"]
     assert plan(num_classes=c, **base)["total"] <= budget < plan(num_classes=c + 1, **base)["total"]
     b = r["max_batch"]
-    assert plan(num_classes=400_000, **{**base, "batch": b})["total"] <= budget
-    assert plan(num_classes=400_000, **{**base, "batch": b + 1})["total"] > budget
-    bigger = plan(num_classes=400_000, budget_bytes="2GiB", **base)
+    assert plan(num_classes=10_000, **{**base, "batch": b})["total"] <= budget
+    assert plan(num_classes=10_000, **{**base, "batch": b + 1})["total"] > budget
+    bigger = plan(num_classes=10_000, budget_bytes="48MiB", **base)
     assert bigger["max_classes"] > c and bigger["max_batch"] > b  # monotone in the budget
-    assert plan(num_classes=400_000, budget_bytes="512MiB", **base)["max_classes"] < c
+
+
+def test_largest_finds_the_boundary_of_any_nondecreasing_total():
+    def check(f, budget):
+        calls = []
+
+        def total(x):
+            calls.append(x)
+            assert len(calls) < 200, "the search does not converge"
+            return f(x)
+
+        x = plan_module._largest(total, budget, 1)
+        assert f(x) <= budget < f(x + 1)
+
+    check(lambda x: 1000 + 384 * x, 17_179_868_428)
+    check(lambda x: 1000 + 641 * min(x, 2048) + 384 * x + 7 * -(-x // 4), 10**10)
+    check(lambda x: x * x, 10**12)
+    check(lambda x: 5 * (x // 100), 10**9)
+    check(lambda x: 100 if x < 50 else 10**20, 1000)
 
 
 def test_budget_holding_weights_but_no_batch_reports_zero():
-    r = plan(num_classes=2_000_000, dim=128, batch=256, world_size=1, budget_bytes="1GiB")
+    r = plan(num_classes=2_000_000, dim=32, batch=256, world_size=1, budget_bytes="600MiB")
     assert not r["fits"] and r["max_batch"] == 0 and r["max_classes"] < 2_000_000
 
 
@@ -112,6 +270,7 @@ def test_budget_too_small_for_one_class():
         plan(num_classes=1000, dim=128, batch=256, world_size=2, budget_bytes=1000)
 
 
+# --------------------------------------------------------------------------- arguments and CLI
 @pytest.mark.parametrize(
     "kwargs, text",
     [
@@ -123,8 +282,9 @@ def test_budget_too_small_for_one_class():
         (dict(dtype="int8"), "dtype"),
         (dict(world_size=0), "world_size"),
         (dict(budget_bytes="lots"), "budget"),
-        (dict(memory_model="virtual"), "memory_model"),
+        (dict(memory_model="resident"), "'resident' model was removed"),
         (dict(grad_in_place="yes"), "grad_in_place"),
+        (dict(margin="nope"), "nope"),
     ],
 )
 def test_bad_arguments(kwargs, text):
@@ -143,14 +303,15 @@ def test_parse_bytes():
 
 def test_cli_prints_a_table(tmp_path):
     out, path = io.StringIO(), tmp_path / "plan.json"
-    argv = ["--classes", "1000000", "--dim", "512", "--batch", "1024", "--world-size", "8", "--chunk-size", "4096",
-            "--budget", "16GiB", "--json", str(path)]
+    argv = ["--classes", "20000", "--dim", "128", "--batch", "256", "--world-size", "4", "--chunk-size", "1024",
+            "--budget", "32MiB", "--json", str(path)]
     with contextlib.redirect_stdout(out):
         assert main(argv) == 0
     text = out.getvalue()
     for label in ("weights", "gradients", "optimizer state", "logits / activations", "communication buffers", "largest C", "largest global B"):
         assert label in text
-    assert path.exists() and json.loads(path.read_text())["grad_in_place"] is True
+    kept = json.loads(path.read_text())
+    assert kept["grad_in_place"] is True and kept == plan(20_000, 128, 256, 4, chunk_size=1024, budget_bytes="32MiB")
     assert "gradients + optimizer state" in text
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -164,38 +325,3 @@ def test_cli_prints_a_table(tmp_path):
         assert main(["--classes", "10", "--dim", "4", "--batch", "4", "--sample-rate", "2"]) == 2
         assert main(["--classes", "10", "--dim", "4", "--batch", "4", "--budget", "10"]) == 2
     assert "chunk_size" in err.getvalue() and "sample_rate" in err.getvalue() and "one class" in err.getvalue()
-
-
-# --------------------------------------------------------------------------- plan vs bench
-MW, MB, MD, MC, CHUNK = 2, 256, 64, 40_000, 1024
-
-
-@pytest.fixture(scope="module")
-def measured():
-    from shardfc.tools.bench import run_bench
-
-    variants = ["sharded", "chunked", "partial"]
-    details: dict = {}
-    results = run_bench(MW, MB, MD, MC, variants, steps=2, warmup=1, sample_rate=0.1, chunk_size=CHUNK,
-                        dtype="float32", margin="arcface", progress=False, details=details)
-    return {r["variant"]: r for r in results}, details
-
-
-@pytest.mark.parametrize("variant", ["sharded", "chunked", "partial"])
-def test_plan_matches_bench_within_10_percent(measured, variant):
-    results, details = measured
-    measure = details["memory_measure"]
-    if measure == "cpu_rss_sampled":
-        pytest.skip("clear_refs is not writable here: the sampled resident set can miss the peak")
-    model = "resident" if measure.startswith("cpu") else "allocated"
-    kwargs = dict(chunk_size=CHUNK) if variant == "chunked" else dict(sample_rate=0.1) if variant == "partial" else {}
-    predicted = plan(MC, MD, MB, MW, "float32", "sgd", memory_model=model, grad_in_place=True, **kwargs)["step_peak"]
-    got = max(results[variant]["peak_bytes_per_rank"])
-    assert abs(got - predicted) <= 0.10 * predicted, (variant, got, predicted)
-
-
-def test_sharded_traffic_is_two_embedding_matrices_plus_statistics(measured):
-    results, _ = measured
-    target = 2 * MB * MD * 4 + 3 * MB * 4 + MB * 8
-    for v in ("sharded", "chunked"):
-        assert abs(results[v]["comm_bytes_per_rank"] - target) <= 0.05 * target

@@ -18,6 +18,7 @@ weight gradient stays on its shard; the embedding gradient goes back through the
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -49,6 +50,12 @@ def local_labels_for_range(labels: Tensor, r: range) -> Tensor:
     return torch.where(inside, labels - r.start, torch.full_like(labels, -1))
 
 
+def _autocast_off(device_type: str):
+    """Autocast disabled on ``device_type``. The ``meta`` device (where ``shardfc plan`` replays the
+    step) has no autocast, and torch raises when asked about it."""
+    return contextlib.nullcontext() if device_type == "meta" else torch.autocast(device_type, enabled=False)
+
+
 def _existing_grad(w: Tensor) -> Optional[Tensor]:
     """``w.grad`` when the weight gradient can be added into it in place."""
     g = w.grad if (w.is_leaf and w.requires_grad) else None
@@ -65,12 +72,12 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
         cfg = plan.config
         home = valid.device
         sd = cfg.stats_dtype
-        with torch.autocast(home.type, enabled=False):
+        with _autocast_off(home.type):
             norms, stats = [], []
             for a, w, lab in zip(embeds, weights, local_labels):
                 norm = torch.linalg.vector_norm(a.to(sd), dim=1) if cfg.margin.needs_norm else None
                 norms.append(norm)
-                with torch.autocast(a.device.type, enabled=False):
+                with _autocast_off(a.device.type):
                     stats.append(shard_forward(a, w, lab, norm, cfg))
 
             row_max = torch.stack([s.row_max.to(home) for s in stats]).amax(dim=0)
@@ -121,7 +128,7 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
         for a, w, lab, norm, stats in zip(embeds, weights, ctx.local_labels, ctx.norms, ctx.stats):
             dev = a.device
             out = _existing_grad(w) if plan.weight_grad_in_place else None
-            with torch.autocast(dev.type, enabled=False):
+            with _autocast_off(dev.type):
                 ga, gw = shard_backward(
                     a, w, lab, norm, stats, row_max.to(dev), sum_exp.to(dev), coef.to(dev), cfg, out
                 )
@@ -160,7 +167,7 @@ def stats_dtype_for(*tensors: Tensor) -> torch.dtype:
 
 def compute_dtype_for(device: torch.device, *tensors: Tensor) -> torch.dtype:
     """The autocast dtype when autocast is on for ``device``, else the inputs' promoted dtype."""
-    if torch.is_autocast_enabled(device.type):
+    if device.type != "meta" and torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     dtype = tensors[0].dtype
     for t in tensors[1:]:

@@ -1,76 +1,105 @@
-"""``shardfc bench`` smoke run: 2 gloo ranks, tiny sizes, 2 timed steps, every variant that exists.
-
-One CLI run for the whole module (it spawns the process group once); the tests read its outputs.
-"""
+"""``shardfc bench``: the shared run of tests/tools/conftest.py (2 gloo ranks, every variant), the
+table and JSON it writes, and argument checking before anything is spawned."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+from dataclasses import asdict
 
 import pytest
+import torch.distributed as dist
 
-from shardfc.tools.bench import FIELDS, VARIANTS, run_bench
+from shardfc.tools.bench import FIELDS, VARIANTS, local_batch_sizes, run_bench, runner
 from shardfc.tools.bench.cli import main
-from shardfc.tools.bench.report import markdown_table
-
-W, B, D, C = 2, 9, 16, 1000  # B % W != 0: unequal local batches
-AVAILABLE = list(VARIANTS)
+from shardfc.tools.bench.memory import LiveTensorBytes
+from shardfc.tools.bench.report import MEASURES, markdown_table
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench")
-    json_path, png_path = out / "bench.json", out / "bench.png"
-    stdout, stderr = io.StringIO(), io.StringIO()
-    argv = [
-        "--world-size", str(W), "--batch", str(B), "--dim", str(D), "--classes", str(C),
-        "--variants", ",".join(AVAILABLE), "--steps", "2", "--warmup", "1",
-        "--chunk-size", "64", "--sample-rate", "0.25",
-        "--json", str(json_path), "--plot", str(png_path),
-    ]
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = main(argv)
-    return dict(code=code, json=json_path, png=png_path, stdout=stdout.getvalue(), stderr=stderr.getvalue())
-
-
-def test_cli_succeeds_and_prints_table(run):
-    assert run["code"] == 0, run["stderr"]
-    table = run["stdout"]
+def test_cli_succeeds_and_prints_table(bench_run):
+    assert bench_run["code"] == 0, bench_run["stderr"]
+    table = bench_run["stdout"]
     assert "| variant | step time (s) |" in table
-    assert "memory measure:" in table
-    for v in AVAILABLE:
+    assert f"memory measure: cpu_live_tensors — {MEASURES['cpu_live_tensors']}" in table
+    for v in VARIANTS:
         assert f"| {v} |" in table
-    assert "[bench]" in run["stderr"]  # progress on stderr
+    assert "[bench]" in bench_run["stderr"]  # progress on stderr
 
 
-def test_json_has_exactly_the_documented_fields(run):
-    results = json.loads(run["json"].read_text())
-    assert [r["variant"] for r in results] == AVAILABLE
+def test_json_has_exactly_the_documented_fields(bench_run):
+    results = json.loads(bench_run["json"].read_text())
+    assert [r["variant"] for r in results] == list(VARIANTS)
     for r in results:
         assert tuple(r) == FIELDS
-        assert r["step_time_s"] > 0
-        assert len(r["peak_bytes_per_rank"]) == W and all(isinstance(p, int) and p >= 0 for p in r["peak_bytes_per_rank"])
-        assert r["balance"] is None or r["balance"] >= 1.0
+        assert r["step_time_s"] > 0 and r["floor_ratio"] > 0
+        peaks = r["peak_bytes_per_rank"]
+        assert len(peaks) == bench_run["sizes"]["W"] and all(isinstance(p, int) and p > 0 for p in peaks)
+        assert r["balance"] == pytest.approx(max(peaks) / min(peaks))
         assert isinstance(r["comm_bytes_per_rank"], int) and r["comm_bytes_per_rank"] > 0
-        assert r["floor_ratio"] > 0
 
 
-def test_plot_is_a_png(run):
-    data = run["png"].read_bytes()
+def test_peaks_rank_the_variants(bench_run):
+    """What the variants exist to show: the naive head's rank 0 holds every rank's logits, the
+    chunked head far less than the sharded one."""
+    peak = {v: r["peak_bytes_per_rank"] for v, r in bench_run["results"].items()}
+    B, C, W = (bench_run["sizes"][k] for k in "BCW")
+    assert peak["naive"][0] > max(B * C * 4, 1.5 * peak["naive"][1])  # the [B, C] logits on rank 0
+    assert peak["sharded"][0] > B * (C // W) * 4 > 2 * peak["chunked"][0]
+    assert peak["partial"][0] < peak["sharded"][0] / 2
+
+
+def test_sharded_traffic_is_two_embedding_matrices_plus_statistics(bench_run):
+    B, D = bench_run["sizes"]["B"], bench_run["sizes"]["D"]
+    target = 2 * B * D * 4 + 3 * B * 4 + B * 8
+    for v in ("sharded", "chunked", "partial"):
+        assert abs(bench_run["results"][v]["comm_bytes_per_rank"] - target) <= 0.05 * target
+
+
+def test_plot_is_a_png(bench_run):
+    data = bench_run["png"].read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
 
 
-def test_sharded_and_chunked_move_the_same_bytes(run):
-    results = {r["variant"]: r for r in json.loads(run["json"].read_text())}
-    assert results["sharded"]["comm_bytes_per_rank"] == results["chunked"]["comm_bytes_per_rank"]
+def test_one_head_at_a_time(tmp_path, monkeypatch):
+    """The worker (run here as the only rank) builds each variant's head, for memory then for
+    time, only once the previous one is gone, and its matmul floor copies none of the head.
+    (Three variants: the floors of naive and sharded have chunked's shapes.)"""
+    variants = ("replicated", "chunked", "partial")
+    cfg = asdict(runner._check_config(1, 8, 16, 2000, variants, 1, 1, 0.5, 64, "float32", "arcface", False))
+    at_build, at_floor = [], []
+    with LiveTensorBytes() as mode:
+        real_build, real_time = runner._build, runner._Floor.time
+
+        def build(*args):
+            at_build.append(mode.current)
+            return real_build(*args)
+
+        def floor_time(floor, head):
+            with LiveTensorBytes() as inner:
+                dt = real_time(floor, head)
+            at_floor.append((mode.current, head.weight.untyped_storage().nbytes(), inner.peak, floor))
+            return dt
+
+        monkeypatch.setattr(runner, "_build", build)
+        monkeypatch.setattr(runner._Floor, "time", floor_time)
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+        try:
+            out = runner._bench_worker(0, 1, cfg)
+        finally:
+            dist.destroy_process_group()
+    assert list(out["variants"]) == list(variants) and len(at_build) == 2 * len(variants)
+    assert max(at_build) < 16 * 1024  # nothing of a previous variant's head, optimizer or buffers
+    for live, weight, peak, floor in at_floor:
+        assert live <= 3 * weight + 16 * 1024  # the head's weight, gradient, momentum, small inputs
+        rows, classes, d = floor.rows, floor.classes, 16
+        assert peak == 4 * (2 * rows * classes + rows * d + classes * d)  # dZ, a·Wᵀ, dZ·W, dZᵀ·a only
 
 
-@pytest.mark.parametrize("variant", ["naive", "replicated", "partial"])
-def test_baseline_and_partial_variants_ran(run, variant):
-    results = {r["variant"]: r for r in json.loads(run["json"].read_text())}
-    assert variant in results
+def test_local_batches_split_the_global_batch():
+    assert local_batch_sizes(9, 2) == [5, 4]
+    assert local_batch_sizes(10, 4) == [3, 3, 2, 2]
+    assert local_batch_sizes(3, 4) == [1, 1, 1, 0]
 
 
 def test_markdown_table_of_results():

@@ -1,121 +1,172 @@
 """Peak memory of one training step above the process's resting state.
 
-Resting state = weights + gradients + optimizer state, measured after warm-up (the bench keeps
-gradients allocated between steps with ``zero_grad(set_to_none=False)``); the peak is what the step
-adds above it.
+Resting state = weights + gradients + optimizer state (the bench keeps gradients allocated between
+steps with ``zero_grad(set_to_none=False)``) and the step's inputs: everything alive when the
+measure starts. The peak is what the step adds above it.
 
 Two measures, chosen by device:
 
 * ``"cuda_max_allocated"`` (CUDA): ``torch.cuda.max_memory_allocated()`` after
-  ``reset_peak_memory_stats()``, minus ``memory_allocated()`` before the step. Every tensor counts
-  from its allocation.
-* ``"cpu_rss_hwm"`` (CPU, Linux): the resident set. Before the step the peak is reset by writing
-  ``5`` to ``/proc/self/clear_refs`` (which resets ``VmHWM`` to the current ``VmRSS``); after it the
-  step's peak is ``VmHWM − VmRSS(before)``, both from ``/proc/self/status``. A CPU tensor counts from
-  the first write to its pages (``torch.empty`` that is filled later counts when filled).
-  For freed tensors to leave the resident set, glibc must return them to the OS:
-  :func:`allocator_env` sets ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``
-  (so every allocation of 64 KiB or more is its own ``mmap``, unmapped when freed) — it must run
-  before the worker processes start (they read it at start-up) — and :meth:`PeakMemory.start`
-  calls ``malloc_trim(0)``. Those settings slow down steps that allocate many MiB-sized blocks
-  (each one page-faults in afresh), so the bench measures memory first and then, before timing,
-  switches glibc to its default steady state (:func:`use_default_malloc_steady_state`).
-* ``"cpu_rss_sampled"``: fallback where ``clear_refs`` is not writable: ``VmRSS`` sampled every
-  millisecond by a thread during the step (can miss short peaks).
+  ``reset_peak_memory_stats()``, minus ``memory_allocated()`` before the step.
+* ``"cpu_live_tensors"`` (CPU): :class:`LiveTensorBytes`, a dispatch mode that counts the bytes of
+  every tensor storage an operator creates during the step, from the operator's return until the
+  storage is freed, and keeps their peak. It is what ``max_memory_allocated`` counts on CUDA, minus
+  the caching allocator's rounding and an operator's internal scratch buffers, which no dispatch
+  mode sees. It needs nothing from the platform, but it slows every operator down by some
+  microseconds, so the bench measures memory in steps of its own, never in the timed ones.
+
+``shardfc plan`` replays the head's step under the same mode (on the ``meta`` device).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
-import gc
-import os
-import threading
-from typing import Dict, Iterator, Optional
+import weakref
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set
 
 import torch
-
-#: glibc tunables that make freed large blocks leave the resident set (see module docstring).
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
-
-_STATUS = "/proc/self/status"
-_CLEAR_REFS = "/proc/self/clear_refs"
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
-@contextlib.contextmanager
-def allocator_env() -> Iterator[Dict[str, str]]:
-    """Inside the block, :data:`MALLOC_ENV` is in ``os.environ`` (values already set are kept), so
-    processes started there inherit it (glibc reads it at start-up); restored on exit."""
-    saved = {key: os.environ.get(key) for key in MALLOC_ENV}
-    for key, value in MALLOC_ENV.items():
-        os.environ.setdefault(key, value)
-    try:
-        yield {key: os.environ[key] for key in MALLOC_ENV}
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
 
 
-def _read_status() -> Dict[str, int]:
-    out: Dict[str, int] = {}
-    with open(_STATUS) as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
+def _tensors(x) -> Iterator[torch.Tensor]:
+    """The tensors in an operator's arguments or results (tuples, lists, dicts of them)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            yield from _tensors(v)
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
 
 
-def _clear_refs_works() -> bool:
-    try:
-        with open(_CLEAR_REFS, "w") as f:
-            f.write("5")
-        return "VmHWM" in _read_status()
-    except OSError:
-        return False
+_ALIASING: Dict[Any, bool] = {}
 
 
-_LIBC = None
+def _may_alias(func) -> bool:
+    """Whether a result of ``func`` may share an argument's storage (a view, in place, ``out=``),
+    by its schema's alias annotations."""
+    found = _ALIASING.get(func)
+    if found is None:
+        found = func.namespace == "c10d" or any(r.alias_info is not None for r in func._schema.returns)
+        _ALIASING[func] = found
+    return found
 
 
-def malloc_trim() -> None:
-    """Ask glibc to give free heap memory back to the OS (no-op elsewhere)."""
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC.malloc_trim  # noqa: B018 - raises AttributeError off glibc
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
+class LiveTensorBytes(TorchDispatchMode):
+    """Live and peak bytes of the tensor storages created while the mode is active.
 
+    A storage counts from the operator that returns it (whatever the device, ``meta`` included)
+    until it is freed, which a finalizer on the storage reports (torch keeps one Python object per
+    live storage). Storages that existed before the mode (weights, gradients, inputs) never count,
+    nor do views of them or in-place writes into them.
 
-#: glibc ``mallopt`` parameters
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-#: glibc's largest dynamic mmap threshold on 64-bit (``DEFAULT_MMAP_THRESHOLD_MAX``)
-_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
-
-
-def use_default_malloc_steady_state() -> bool:
-    """Switch glibc back to what an untuned process converges to, for timing.
-
-    Under :data:`MALLOC_ENV` every block of 64 KiB or more is a fresh ``mmap``: its pages fault in
-    on every allocation, which would charge the chunked loop (MiB-sized blocks, many per step)
-    with page faults a normal process does not pay. glibc's default raises its mmap threshold to
-    the size of freed blocks, up to 32 MiB, so those blocks are reused from the heap; this sets
-    that state (threshold 32 MiB, trim threshold 64 MiB). Blocks above 32 MiB stay mmapped, as by
-    default. Returns False off glibc.
+    After the ``with`` block: :attr:`peak` (bytes), :attr:`peak_live` (serial -> bytes of each
+    storage alive at the peak), :attr:`communication` (serials of the storages a collective read or
+    wrote) and :meth:`serial_of` (the serial of a tracked tensor's storage, or None while active).
     """
-    malloc_trim()
-    if not _LIBC:
-        return False
-    ok = _LIBC.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
-    return ok and _LIBC.mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_MAX) == 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: record nothing while False (a subclass may run operators before and after the measure)
+        self.tracking = True
+        self.live: Dict[int, int] = {}  # serial -> bytes
+        self.peak = 0
+        self.peak_live: Dict[int, int] = {}
+        self.communication: Set[int] = set()
+        self._current = 0
+        self._serials: Dict[int, int] = {}  # storage key (address of the StorageImpl) -> serial
+        self._next = 0
+        self._finalizers: Dict[int, weakref.finalize] = {}  # serial -> the finalizer of a live storage
+        self._busy = False  # a finalizer that runs while the books are being updated waits
+        self._pending: List[tuple] = []
+
+    # ------------------------------------------------------------------ dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = self.call(func, args, kwargs)
+        if self.tracking:
+            self._busy = True
+            try:
+                self._record(func, (args, kwargs), out)
+            finally:
+                self._busy = False
+                while self._pending:
+                    self._free(*self._pending.pop())
+        return out
+
+    def call(self, func, args, kwargs) -> Any:
+        """Run the operator (a subclass may run it differently)."""
+        return func(*args, **kwargs)
+
+    def _record(self, func, inputs, out) -> None:
+        # An operator whose schema says no result aliases an argument returns new storages only.
+        arg_keys = {_storage_key(t) for t in _tensors(inputs)} if _may_alias(func) else ()
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            key = storage._cdata
+            serial = self._serials.get(key)
+            if serial is not None:  # out= or in place: the storage may have been resized
+                self._resize(serial, storage.nbytes())
+            elif key not in arg_keys:  # a new storage
+                self._track(key, storage)
+        if func.namespace == "c10d":
+            for t in _tensors((inputs, out)):
+                serial = self._serials.get(_storage_key(t))
+                if serial is not None:
+                    self.communication.add(serial)
+
+    def _track(self, key: int, storage) -> None:
+        self._next += 1
+        serial = self._next
+        self._serials[key] = serial
+        self.live[serial] = 0
+        self._finalizers[serial] = weakref.finalize(storage, self._free, key, serial)
+        self._resize(serial, storage.nbytes())
+
+    def _resize(self, serial: int, nbytes: int) -> None:
+        self._current += nbytes - self.live[serial]
+        self.live[serial] = nbytes
+        if self._current > self.peak:
+            self.peak = self._current
+            self.peak_live = dict(self.live)
+
+    def _free(self, key: int, serial: int) -> None:
+        if self._busy:  # a garbage collection inside _record: settle it after
+            self._pending.append((key, serial))
+            return
+        if self._serials.get(key) == serial:
+            del self._serials[key]
+        self._finalizers.pop(serial, None)
+        self._current -= self.live.pop(serial, 0)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def current(self) -> int:
+        """Bytes of the tracked storages alive now."""
+        return self._current
+
+    def serial_of(self, t: torch.Tensor) -> Optional[int]:
+        """The serial of ``t``'s storage if the mode tracks it (created while active, still alive)."""
+        return self._serials.get(_storage_key(t))
+
+    def peak_by(self, category: Callable[[int], str]) -> Dict[str, int]:
+        """Bytes alive at the peak, summed by ``category(serial)``."""
+        parts: Dict[str, int] = {}
+        for serial, nbytes in self.peak_live.items():
+            name = category(serial)
+            parts[name] = parts.get(name, 0) + nbytes
+        return parts
+
+    def __exit__(self, *exc):
+        for f in self._finalizers.values():  # storages still alive are no longer followed
+            f.detach()
+        self._finalizers.clear()
+        self._serials.clear()
+        return super().__exit__(*exc)
 
 
 class PeakMemory:
@@ -123,52 +174,26 @@ class PeakMemory:
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
-        if self.device.type == "cuda":
-            self.measure = "cuda_max_allocated"
-        elif os.path.exists(_STATUS) and _clear_refs_works():
-            self.measure = "cpu_rss_hwm"
-        elif os.path.exists(_STATUS):
-            self.measure = "cpu_rss_sampled"
-        else:
-            raise RuntimeError("no memory measure on this platform (needs CUDA or Linux /proc)")
+        self.measure = "cuda_max_allocated" if self.device.type == "cuda" else "cpu_live_tensors"
         self._base = 0
-        self._sampler: Optional[threading.Thread] = None
-        self._stop_sampling = threading.Event()
-        self._sampled_peak = 0
+        self._mode: Optional[LiveTensorBytes] = None
 
     def start(self) -> None:
-        gc.collect()
         if self.measure == "cuda_max_allocated":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
             return
-        malloc_trim()
-        self._base = _read_status()["VmRSS"]
-        if self.measure == "cpu_rss_hwm":
-            with open(_CLEAR_REFS, "w") as f:
-                f.write("5")
-        else:
-            self._sampled_peak = self._base
-            self._stop_sampling.clear()
-            self._sampler = threading.Thread(target=self._sample, daemon=True)
-            self._sampler.start()
-
-    def _sample(self) -> None:
-        while not self._stop_sampling.wait(0.001):
-            self._sampled_peak = max(self._sampled_peak, _read_status()["VmRSS"])
+        self._mode = LiveTensorBytes()
+        self._mode.__enter__()
 
     def stop(self) -> int:
         if self.measure == "cuda_max_allocated":
             torch.cuda.synchronize(self.device)
             return max(0, torch.cuda.max_memory_allocated(self.device) - self._base)
-        if self.measure == "cpu_rss_hwm":
-            return max(0, _read_status()["VmHWM"] - self._base)
-        self._stop_sampling.set()
-        if self._sampler is not None:
-            self._sampler.join()
-        peak = max(self._sampled_peak, _read_status()["VmRSS"])
-        return max(0, peak - self._base)
+        mode, self._mode = self._mode, None
+        mode.__exit__(None, None, None)
+        return mode.peak
 
 
-__all__ = ["MALLOC_ENV", "PeakMemory", "allocator_env", "malloc_trim", "use_default_malloc_steady_state"]
+__all__ = ["LiveTensorBytes", "PeakMemory"]

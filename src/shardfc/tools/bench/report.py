@@ -8,9 +8,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from shardfc.tools.bench.runner import FIELDS
 
+#: what ``peak_bytes_per_rank`` counts, by measure (see :mod:`shardfc.tools.bench.memory`)
 MEASURES = {
-    "cpu_rss_hwm": "CPU resident set (VmHWM after clear_refs − VmRSS before the step)",
-    "cpu_rss_sampled": "CPU resident set sampled every 1 ms (VmRSS peak − VmRSS before the step)",
+    "cpu_live_tensors": "peak bytes of the tensors the step's operators create and still hold, "
+    "counted by a dispatch mode (operators' internal scratch not included)",
     "cuda_max_allocated": "CUDA max_memory_allocated − memory_allocated before the step",
 }
 
@@ -59,7 +60,8 @@ def write_json(results: Sequence[Dict[str, Any]], path: str) -> None:
     """``results`` as a JSON list of objects with exactly the fields of :data:`FIELDS`.
 
     ``peak_bytes_per_rank`` is each rank's step peak above the resting state = weights + gradients
-    + optimizer state, measured after warm-up (gradients are kept between steps)."""
+    + optimizer state, measured after warm-up (gradients are kept between steps), counted as
+    :data:`MEASURES` says for the run's measure."""
     clean = [{k: r[k] for k in FIELDS} for r in results]
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)

@@ -29,7 +29,9 @@ Per variant (see :func:`run_bench`):
 * ``peak_bytes_per_rank``: per rank, the largest over the measured steps of the step's peak memory
   above the resting state just before it. Resting state = weights + gradients + optimizer state
   (and the step's inputs), measured after warm-up; everything else the step allocates counts.
-  Measure: see :mod:`shardfc.tools.bench.memory`.
+  On CUDA: ``max_memory_allocated``; on the CPU: the peak of the live bytes of the tensors the
+  step's operators create, counted by a dispatch mode (:mod:`shardfc.tools.bench.memory`), on any
+  machine — what ``shardfc plan`` predicts.
 * ``balance``: ``max / min`` of ``peak_bytes_per_rank`` (``None`` if a rank's peak is 0).
 * ``comm_bytes_per_rank``: bytes of one step's collectives as counted by
   :func:`shardfc.parallel.count_comm` at the calls (gathered output / reduce-scatter input /
@@ -38,12 +40,13 @@ Per variant (see :func:`run_bench`):
   ``a·Wᵀ``, ``dZ·W`` and ``dZᵀ·a`` on the variant's shapes (``[B, D]×[D, n_local]`` for
   naive/sharded/chunked, ``n_sampled = ⌈r·n_local⌉`` for partial, ``[B_r, D]×[D, C]`` for replicated),
   timed on all ranks at once like the step, once right after each timed step (so both see the
-  same machine load), median over those of the slowest rank.
+  same machine load), median over those of the slowest rank. The matmuls read the head's own weight
+  rows; their ``dZ`` and products exist only while they are timed.
 
 Memory and traffic are measured first, on ``min(steps, 2)`` extra steps per variant after a warm-up
-step, with glibc tuned so that the resident set follows the live tensors; the timed steps come
-after, with glibc in its default steady state (see :mod:`shardfc.tools.bench.memory`). On CUDA both use
-the caching allocator's counters.
+step; the timed steps come after, in a phase of their own, because the CPU measure slows every
+operator down (see :mod:`shardfc.tools.bench.memory`). One head exists at a time: each variant's
+head, optimizer and buffers are gone before the next one is built.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from shardfc.tools.bench.memory import PeakMemory, allocator_env, malloc_trim
+from shardfc.tools.bench.memory import PeakMemory
 
 VARIANTS = ("naive", "replicated", "sharded", "chunked", "partial")
 #: the fields of one result, in order (the JSON holds exactly these)
@@ -165,8 +168,8 @@ def run_bench(
     """Run the bench on ``world_size`` spawned processes; one result dict per variant.
 
     Each dict has exactly the keys of :data:`FIELDS` (see the module docstring). ``details``, if
-    given, is filled with what the table needs besides: ``memory_measure``, ``backend``,
-    ``chunk_size``, ``sizes`` (local batches) and ``raw`` (per-rank measurements per variant).
+    given, is filled with what the table and the plot need besides: ``memory_measure``,
+    ``backend``, ``config`` (the checked arguments) and ``sizes`` (local batches).
     Bad arguments raise ``ValueError`` naming the argument and value before anything starts.
     """
     from shardfc.parallel.launch import default_backend, spawn
@@ -180,18 +183,14 @@ def run_bench(
             file=sys.stderr,
             flush=True,
         )
-    with allocator_env():  # inherited by the workers, whose glibc reads it at start-up
-        per_rank = spawn(_bench_worker, world_size, asdict(cfg), backend=backend, timeout_s=3600.0)
+    per_rank = spawn(_bench_worker, world_size, asdict(cfg), backend=backend, timeout_s=3600.0)
     results = [_aggregate(v, [r["variants"][v] for r in per_rank]) for v in cfg.variants]
     if details is not None:
         details.update(
             memory_measure=per_rank[0]["memory_measure"],
             backend=backend,
-            chunk_size=cfg.chunk_size,
-            sample_rate=cfg.sample_rate,
             sizes=local_batch_sizes(batch, world_size),
             config=asdict(cfg),
-            raw={v: [r["variants"][v] for r in per_rank] for v in cfg.variants},
         )
     return results
 
@@ -272,39 +271,43 @@ def _inputs(cfg: Dict[str, Any], rank: int, step: int, device: torch.device):
     return x, y
 
 
-def _step(head, opt, after_backward, x, y) -> float:
+def train_step(head, optimizer, x, y, after_backward=None, set_to_none: bool = False) -> None:
+    """One training step of a head: forward, backward, ``after_backward()``, optimizer step,
+    ``zero_grad(set_to_none)``. The bench keeps gradients (``set_to_none=False``): they are part
+    of the resting state. ``shardfc plan`` replays this same function."""
     loss = head(x, y)
     loss.backward()
+    del loss
     if after_backward is not None:
         after_backward()
-    opt.step()
-    opt.zero_grad(set_to_none=False)  # gradients stay allocated: part of the resting state
-    return float(loss.detach())
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=set_to_none)
 
 
 class _Floor:
     """The three matmuls of a step on ``[rows, D] × [D, classes]`` (this rank's part), timed
-    like a step: all ranks start together after a barrier."""
+    like a step: all ranks start together after a barrier. ``W`` is the first ``classes`` rows of
+    the head's own weight (no copy); ``dZ`` is made for each timing and freed after it, so nothing
+    of the floor's but the small ``a`` outlives :meth:`time`."""
 
     def __init__(self, shape, cfg: Dict[str, Any], device: torch.device):
-        rows, classes = shape
-        dtype = DTYPES[cfg["dtype"]]
+        self.rows, self.classes = shape
         g = torch.Generator().manual_seed(SEED + 7)
         self.device = device
-        self.a = torch.randn(rows, cfg["dim"], generator=g).to(device, dtype)
-        self.w = torch.randn(classes, cfg["dim"], generator=g).to(device, dtype)
-        self.dz = torch.randn(rows, classes, generator=g).to(device, dtype)
+        self.a = torch.randn(self.rows, cfg["dim"], generator=g).to(device, DTYPES[cfg["dtype"]])
 
-    def time(self) -> float:
+    def time(self, head) -> float:
+        w = head.weight.detach()[: self.classes]
+        dz = torch.zeros(self.rows, self.classes, dtype=w.dtype, device=w.device)
         dist.barrier()
         _sync(self.device)
         t0 = time.perf_counter()
-        z = self.a @ self.w.t()
-        ga = self.dz @ self.w
-        gw = self.dz.t() @ self.a
+        z = self.a @ w.t()
+        ga = dz @ w
+        gw = dz.t() @ self.a
         _sync(self.device)
         dt = time.perf_counter() - t0
-        del z, ga, gw
+        del z, ga, gw, dz
         return dt
 
 
@@ -317,77 +320,76 @@ def _warm_up(head, opt, after_backward, cfg, rank, device, count: int, label: st
         x, y = _inputs(cfg, rank, -1 - i, device)
         dist.barrier()
         t0 = time.perf_counter()
-        _step(head, opt, after_backward, x, y)
+        train_step(head, opt, x, y, after_backward)
         _sync(device)
         _say(cfg, rank, f"{label}: warm-up {i + 1}/{count} {time.perf_counter() - t0:.3f} s")
 
 
-def _release() -> None:
+def _release(device: torch.device) -> None:
+    """Free what the last variant left (reference cycles included) before the next is built."""
     gc.collect()
-    malloc_trim()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _measure(variant: str, cfg: Dict[str, Any], rank: int, device: torch.device) -> Dict[str, List[int]]:
+    """Peak memory and traffic of ``min(MEMORY_STEPS, steps)`` steps after a warm-up."""
+    from shardfc.parallel.collectives import count_comm
+
+    mem = PeakMemory(device)
+    rec: Dict[str, List[int]] = {"peak": [], "comm": []}
+    _say(cfg, rank, f"{variant}: building (memory phase)")
+    head, opt, after_backward, _ = _build(variant, cfg, device)
+    _warm_up(head, opt, after_backward, cfg, rank, device, max(1, cfg["warmup"]), f"{variant} memory")
+    for i in range(min(MEMORY_STEPS, cfg["steps"])):
+        x, y = _inputs(cfg, rank, 10_000 + i, device)
+        dist.barrier()
+        mem.start()
+        with count_comm() as counter:
+            train_step(head, opt, x, y, after_backward)
+        rec["peak"].append(mem.stop())
+        rec["comm"].append(counter.total_bytes)
+        _say(cfg, rank, f"{variant}: memory step {i + 1} peak {rec['peak'][-1] / 2**20:.1f} MiB (rank 0)")
+    return rec
+
+
+def _time(variant: str, cfg: Dict[str, Any], rank: int, device: torch.device) -> Dict[str, List[float]]:
+    """Step times and matmul-floor times of ``steps`` steps after ``warmup`` steps."""
+    rec: Dict[str, List[float]] = {"step_s": [], "floor_s": []}
+    _say(cfg, rank, f"{variant}: building (timing phase)")
+    head, opt, after_backward, shape = _build(variant, cfg, device)
+    floor = _Floor(shape, cfg, device)
+    floor.time(head)  # warm-up
+    _warm_up(head, opt, after_backward, cfg, rank, device, cfg["warmup"], variant)
+    for i in range(cfg["steps"]):
+        x, y = _inputs(cfg, rank, i, device)
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        train_step(head, opt, x, y, after_backward)
+        _sync(device)
+        dt = time.perf_counter() - t0
+        rec["step_s"].append(dt)
+        rec["floor_s"].append(floor.time(head))  # right after the step: the same machine load
+        _say(cfg, rank, f"{variant}: step {i + 1}/{cfg['steps']} {dt:.3f} s, matmul floor {rec['floor_s'][-1]:.3f} s (rank 0)")
+    return rec
 
 
 def _bench_worker(rank: int, world_size: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """Phase 1 measures every variant's memory and traffic (glibc tuned so the resident set
-    follows the live tensors); phase 2 times every variant and its matmul floor (glibc in its
-    default steady state, see :func:`shardfc.tools.bench.memory.use_default_malloc_steady_state`)."""
-    from shardfc.parallel.collectives import comm_device, count_comm
-    from shardfc.tools.bench.memory import use_default_malloc_steady_state
+    """Phase 1 measures every variant's memory and traffic, phase 2 times every variant and its
+    matmul floor. Each variant's head lives in one call of :func:`_measure` or :func:`_time` and
+    is freed (:func:`_release`) before the next is built."""
+    from shardfc.parallel.collectives import comm_device
 
     device = comm_device(None)
-    mem = PeakMemory(device)
-    out: Dict[str, Any] = {"memory_measure": mem.measure, "variants": {}}
-    recs: Dict[str, Dict[str, Any]] = {v: {"peak": [], "comm": [], "step_s": [], "loss": []} for v in cfg["variants"]}
-
-    for variant in cfg["variants"]:  # phase 1: memory and traffic
-        rec = recs[variant]
-        _say(cfg, rank, f"{variant}: building (memory phase)")
-        head, opt, after_backward, shape = _build(variant, cfg, device)
-        head.train()
-        _warm_up(head, opt, after_backward, cfg, rank, device, max(1, cfg["warmup"]), f"{variant} memory")
-        for i in range(min(MEMORY_STEPS, cfg["steps"])):
-            x, y = _inputs(cfg, rank, 10_000 + i, device)
-            mem.start()
-            dist.barrier()
-            with count_comm() as counter:
-                _step(head, opt, after_backward, x, y)
-            rec["peak"].append(mem.stop())
-            rec["comm"].append(counter.total_bytes)
-            rec["comm_by_kind"] = dict(counter.bytes)
-            del x, y
-            _say(cfg, rank, f"{variant}: memory step {i + 1} peak {rec['peak'][-1] / 2**20:.1f} MiB (rank 0)")
-        rec["floor_shape"] = [shape[0], shape[1], cfg["dim"]]
-        del head, opt, after_backward
-        _release()
-
-    if device.type == "cpu":
-        use_default_malloc_steady_state()
-    for variant in cfg["variants"]:  # phase 2: time
-        rec = recs[variant]
-        _say(cfg, rank, f"{variant}: building (timing phase)")
-        head, opt, after_backward, shape = _build(variant, cfg, device)
-        head.train()
-        floor = _Floor(shape, cfg, device)
-        floor.time()  # warm-up
-        rec["floor_s"] = []
-        _warm_up(head, opt, after_backward, cfg, rank, device, cfg["warmup"], variant)
-        for i in range(cfg["steps"]):
-            x, y = _inputs(cfg, rank, i, device)
-            dist.barrier()
-            _sync(device)
-            t0 = time.perf_counter()
-            loss = _step(head, opt, after_backward, x, y)
-            _sync(device)
-            dt = time.perf_counter() - t0
-            rec["step_s"].append(dt)
-            rec["loss"].append(loss)
-            del x, y
-            rec["floor_s"].append(floor.time())  # right after the step: the same machine load
-            _say(cfg, rank, f"{variant}: step {i + 1}/{cfg['steps']} {dt:.3f} s, matmul floor {rec['floor_s'][-1]:.3f} s (rank 0)")
-        del head, opt, after_backward, floor
-        _release()
-        out["variants"][variant] = rec
-    return out
+    recs: Dict[str, Dict[str, Any]] = {}
+    for variant in cfg["variants"]:
+        recs[variant] = _measure(variant, cfg, rank, device)
+        _release(device)
+    for variant in cfg["variants"]:
+        recs[variant].update(_time(variant, cfg, rank, device))
+        _release(device)
+    return {"memory_measure": PeakMemory(device).measure, "variants": recs}
 
 
-__all__ = ["FIELDS", "VARIANTS", "DEFAULT_CHUNK_SIZE", "run_bench", "parse_variants", "local_batch_sizes"]
+__all__ = ["FIELDS", "VARIANTS", "DEFAULT_CHUNK_SIZE", "run_bench", "parse_variants", "local_batch_sizes", "train_step"]

@@ -1,0 +1,388 @@
+"""``shardfc plan``: per-rank memory of a :class:`~shardfc.ShardedMarginHead` step, and what fits a budget.
+
+The plan is not a model of the head: it runs the head. :mod:`.replay` builds the real head and its
+real optimizer (:func:`~shardfc.head.partial_fc.head_optimizer`) on the ``meta`` device (shapes, no
+data: any ``C`` is free), as rank 0 of a fake ``W``-rank process group (the largest shard,
+``⌈C/W⌉`` classes, and the real collectives with their buffers), and runs the training step that
+``shardfc bench`` runs, forward + backward + optimizer step + ``zero_grad``, under the dispatch mode
+the bench measures CPU memory with. Every tensor storage the step creates counts from its creation
+to its release; the largest total is ``step_peak``. Where a shape depends on values the replay
+takes the worst case for Partial FC: every label of the global batch a distinct class of rank 0's
+shard (see :mod:`.replay`). Every rank is assumed to hold rank 0's ``⌈B/W⌉`` rows.
+
+Parts (per rank, bytes): ``weights``, ``optimizer_state`` and, when kept, ``gradients`` are the
+state the step rests on (``resting``); at the step's peak, ``gradients`` (when not kept: the
+storages that become a ``.grad``), ``communication`` (storages a collective reads or writes) and
+``activations`` (all the others, including tensors Partial FC keeps on the host). ``total =
+resting + step_peak``. Gradients kept (``grad_in_place=True``, the default, CLI ``--grads-kept``)
+means ``zero_grad(set_to_none=False)``, as ``shardfc bench`` does; ``False`` means
+``set_to_none=True``: the step then allocates the ``[n, D]`` gradient.
+
+Counted: what the step's operators return. Not counted: an operator's internal scratch, the CUDA
+caching allocator's rounding and reserve. One memory model, ``"allocated"`` (the former
+``"resident"`` model is gone: the bench now counts live tensors on the CPU too). A replay costs
+about 15 µs per operator, some 1.5 ms per chunk of a chunked head: a budget search that reaches
+millions of chunks' worth of classes takes tens of seconds.
+
+Usage::
+
+    shardfc plan --classes 1000000 --dim 512 --batch 1024 --world-size 8 --budget 16GiB
+    shardfc plan ... --no-grads-kept      # the training loop calls zero_grad(set_to_none=True)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from typing import Any, Callable, Dict, List, Optional, Union
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+OPTIMIZERS = ("sgd", "sgd_nomomentum", "adamw")
+MEMORY_MODELS = ("allocated",)
+PARTS = ("weights", "gradients", "optimizer_state", "activations", "communication")
+
+
+# --------------------------------------------------------------------------- checks
+def _check_pos_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _dtype_name(dtype) -> str:
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).replace("torch.", "")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+def _margin(margin):
+    from shardfc.head.margins import Margin, build_margin
+
+    return margin if isinstance(margin, Margin) else build_margin(margin)
+
+
+# --------------------------------------------------------------------------- public API
+def plan(
+    num_classes: int,
+    dim: int,
+    batch: int,
+    world_size: int = 1,
+    dtype: Union[str, torch.dtype] = "float32",
+    optimizer: str = "sgd",
+    sample_rate: float = 1.0,
+    chunk_size: Union[int, str, None] = None,
+    budget_bytes: Optional[Union[int, str]] = None,
+    *,
+    margin="arcface",
+    weight_decay: float = 0.0,
+    memory_model: str = "allocated",
+    chunk_budget_bytes: int = 64 * 2**20,
+    grad_in_place: bool = True,
+) -> Dict[str, Any]:
+    """Per-rank memory of one head training step, and (with a budget) the largest C and B that fit.
+
+    Args:
+        num_classes, dim: ``C`` and ``D`` of the head.
+        batch: the GLOBAL batch ``B`` (every rank scores all of it against its classes).
+        world_size: ranks ``W`` (1: a single process, no collectives).
+        dtype: of the weights and embeddings (``float32``, ``bfloat16``, ``float16``, ``float64``).
+        optimizer: ``"sgd"`` (momentum 0.9), ``"sgd_nomomentum"`` or ``"adamw"``, as
+            :func:`~shardfc.head.partial_fc.head_optimizer` builds them (row-sparse under Partial FC).
+        sample_rate: Partial FC rate in ``(0, 1]`` (1: every class every step).
+        chunk_size: the head's ``chunk_size`` (``None``, an int or ``"auto"``).
+        budget_bytes: bytes per rank (an int, or a string like ``"16GiB"``); ``None``: no search.
+        margin: a margin name or instance.
+        weight_decay: the optimizer's.
+        memory_model: ``"allocated"`` (the only one; see the module docstring).
+        chunk_budget_bytes: the head's budget for ``chunk_size="auto"`` (default 64 MiB).
+        grad_in_place: ``True`` (default): gradients kept between steps
+            (``optimizer.zero_grad(set_to_none=False)``), the head adds into them in place.
+            ``False``: ``zero_grad(set_to_none=True)``: the step allocates them.
+
+    Returns a dict with ``parts`` (bytes per part, see the module docstring), ``step_peak``,
+    ``resting``, ``total``, ``n_local``, ``n_sampled``, ``local_batch``, the inputs, and with a
+    budget ``budget_bytes``, ``fits``, ``max_classes``, ``max_batch`` (0 when not even ``B = 1``
+    fits).
+
+    Raises ValueError naming the argument for bad arguments, and when the budget does not hold
+    even one class. In a process where torch.distributed is initialised the replay runs in a
+    spawned process (it needs a fake process group of its own).
+    """
+    _check_pos_int("num_classes", num_classes)
+    _check_pos_int("dim", dim)
+    _check_pos_int("batch", batch)
+    _check_pos_int("world_size", world_size)
+    dtype = _dtype_name(dtype)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not (0 < sample_rate <= 1):
+        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+    if chunk_size == "auto":
+        _check_pos_int("chunk_budget_bytes", chunk_budget_bytes)
+    elif chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
+        raise ValueError(f"chunk_size must be a positive integer, 'auto' or None, got {chunk_size!r}")
+    if memory_model not in MEMORY_MODELS:
+        raise ValueError(f"memory_model must be 'allocated' (the 'resident' model was removed: shardfc bench "
+                         f"now counts live tensors on the CPU too), got {memory_model!r}")
+    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or weight_decay < 0:
+        raise ValueError(f"weight_decay must be a number >= 0, got {weight_decay!r}")
+    if not isinstance(grad_in_place, bool):
+        raise ValueError(f"grad_in_place must be True or False, got {grad_in_place!r}")
+    budget = None if budget_bytes is None else parse_bytes(budget_bytes)
+    margin = _margin(margin)
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return _in_fresh_process(
+            plan, num_classes, dim, batch, world_size, dtype, optimizer, sample_rate, chunk_size, budget,
+            margin=margin, weight_decay=weight_decay, chunk_budget_bytes=chunk_budget_bytes, grad_in_place=grad_in_place,
+        )
+    from shardfc.tools.plan.replay import fake_world
+
+    head_options = dict(margin=margin, chunk_size=chunk_size, chunk_budget_bytes=chunk_budget_bytes, sample_rate=float(sample_rate))
+    with fake_world(world_size):
+        evaluate = _Evaluator(dim, world_size, DTYPES[dtype], optimizer, weight_decay, grad_in_place, head_options)
+        result = dict(evaluate(num_classes, batch))
+        result.update(
+            num_classes=num_classes, dim=dim, batch=batch, world_size=world_size, dtype=dtype, optimizer=optimizer,
+            sample_rate=float(sample_rate), chunk_size=chunk_size, margin=type(margin).__name__,
+            weight_decay=weight_decay, memory_model=memory_model, grad_in_place=grad_in_place,
+        )
+        if budget is not None:
+            one = evaluate(1, batch)["total"]
+            if one > budget:
+                raise ValueError(
+                    f"budget_bytes={budget} ({format_bytes(budget)}) is too small for even one class at "
+                    f"batch={batch}, dim={dim}, world_size={world_size}: that alone needs {format_bytes(one)} per rank"
+                )
+            max_c = _largest(lambda c: evaluate(c, batch)["total"], budget, 1)
+            fits_b1 = evaluate(num_classes, 1)["total"] <= budget
+            max_b = _largest(lambda b: evaluate(num_classes, b)["total"], budget, 1) if fits_b1 else 0
+            result.update(budget_bytes=budget, fits=result["total"] <= budget, max_classes=max_c, max_batch=max_b)
+    return result
+
+
+class _Evaluator:
+    """``(C, B) -> parts and totals`` by one replay each, remembered."""
+
+    def __init__(self, dim, world_size, dtype, optimizer, weight_decay, grad_in_place, head_options):
+        self.args = (dim, world_size, dtype, optimizer, weight_decay, grad_in_place)
+        self.head_options = head_options
+        self.seen: Dict[tuple, Dict[str, Any]] = {}
+
+    def __call__(self, num_classes: int, batch: int) -> Dict[str, Any]:
+        key = (num_classes, batch)
+        if key not in self.seen:
+            self.seen[key] = self._evaluate(num_classes, batch)
+        return self.seen[key]
+
+    def _evaluate(self, num_classes: int, batch: int) -> Dict[str, Any]:
+        from shardfc.head.partial_fc import num_sampled
+        from shardfc.tools.plan.replay import replay_step
+
+        dim, world_size, dtype, optimizer, weight_decay, kept = self.args
+        r = replay_step(num_classes, dim, batch, world_size, dtype, optimizer, weight_decay, kept, **self.head_options)
+        gradients = r.gradients if kept else r.step_parts["gradients"]
+        parts = dict(weights=r.weights, gradients=gradients, optimizer_state=r.optimizer_state,
+                     activations=r.step_parts["activations"], communication=r.step_parts["communication"])
+        resting = r.weights + r.optimizer_state + r.gradients
+        rate = self.head_options["sample_rate"]
+        n_sampled = r.n_local
+        if rate < 1.0:  # the replay's policy: every label of the global batch a distinct class of this shard
+            n_sampled = num_sampled(r.n_local, rate, min(r.local_batch * world_size, r.n_local))
+        return dict(parts=parts, step_peak=r.step_peak, resting=resting, total=resting + r.step_peak,
+                    n_local=r.n_local, n_sampled=n_sampled, local_batch=r.local_batch)
+
+
+def _in_fresh_process(fn, *args, **kwargs):
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args, **kwargs).result()
+
+
+def _largest(total: Callable[[int], int], budget: int, low: int, cap: int = 1 << 50) -> int:
+    """Largest integer ``x >= low`` with ``total(x) <= budget`` (``total(low)`` fits, ``total``
+    nondecreasing), in few evaluations of ``total`` (each is a replay, dearer for larger ``x``).
+
+    ``total`` is close to affine by pieces, so the bracket grows by extrapolating the last two
+    values (at most 8× at a time until two successive slopes agree within 1%), landing just past
+    the answer; then each secant guess is evaluated with its neighbour on the other side of the
+    budget, which settles an affine ``total`` at once (halving when that stops gaining)."""
+    evaluations = 0
+
+    def total_checked(x: int) -> int:
+        nonlocal evaluations
+        evaluations += 1
+        if evaluations > 500:  # a bracket that halves at least every third try needs far fewer
+            raise RuntimeError("shardfc plan: the budget search does not converge (is the memory monotone?)")
+        return total(x)
+
+    lo, t_lo = low, total_checked(low)
+    prev: Optional[tuple] = None
+    slope_before = None
+    hi = t_hi = None
+    while hi is None:
+        x = 2 * lo
+        if prev is not None and t_lo > prev[1]:
+            slope = (t_lo - prev[1]) / (lo - prev[0])
+            guess = lo + int((budget - t_lo) / slope)
+            x = max(guess + guess // 1024 + 1, lo + 1)
+            if slope_before is None or abs(slope - slope_before) > 0.01 * slope:
+                x = min(x, 8 * lo)
+            slope_before = slope
+        if x > cap:
+            return lo
+        t = total_checked(x)
+        if t > budget:
+            hi, t_hi = x, t
+        else:
+            prev, (lo, t_lo) = (lo, t_lo), (x, t)
+    slow = 0
+    while hi - lo > 1:
+        width = hi - lo
+        x = (lo + hi) // 2 if slow >= 2 else lo + (budget - t_lo) * (hi - lo) // (t_hi - t_lo)
+        for x in (min(max(x, lo + 1), hi - 1), None):  # the guess, then its neighbour
+            if x is None:
+                x = lo + 1 if t_x <= budget else hi - 1
+                if not lo < x < hi:
+                    break
+            t_x = total_checked(x)
+            if t_x <= budget:
+                lo, t_lo = x, t_x
+            else:
+                hi, t_hi = x, t_x
+        slow = slow + 1 if hi - lo > width // 2 else 0
+    return lo
+
+
+# --------------------------------------------------------------------------- bytes
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kib": 1024, "kb": 1000,
+    "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
+    "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
+    "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
+}
+
+
+def parse_bytes(value: Union[int, float, str]) -> int:
+    """``16GiB``, ``16G`` (binary), ``16GB`` (decimal), ``1.5e9``, ``123`` -> bytes (positive)."""
+    if isinstance(value, bool):
+        raise ValueError(f"budget must be a byte count such as 16GiB, got {value!r}")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"budget must be a byte count such as 16GiB, 500MB or 1e9, got {value!r}")
+        number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not math.isfinite(number) or number < 1:
+        raise ValueError(f"budget must be at least 1 byte, got {value!r}")
+    return int(number)
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{int(n)} B"
+
+
+# --------------------------------------------------------------------------- output and CLI
+def format_plan(result: Dict[str, Any]) -> str:
+    """A readable table of :func:`plan`'s result."""
+    r = result
+    chunk = r["chunk_size"] if r["chunk_size"] else "none"
+    lines = [
+        f"head: C={r['num_classes']:,} D={r['dim']} global B={r['batch']} on W={r['world_size']} "
+        f"({r['dtype']}, {r['margin']}, optimizer {r['optimizer']}, chunk {chunk}, sample rate {r['sample_rate']})",
+        f"rank 0: {r['n_local']:,} classes"
+        + (f" ({r['n_sampled']:,} sampled per step)" if r["n_sampled"] != r["n_local"] else "")
+        + f", {r['local_batch']} local rows; memory model: {r['memory_model']}",
+        "gradients kept between steps (zero_grad(set_to_none=False)), added into in place"
+        if r["grad_in_place"]
+        else "gradients freed between steps (zero_grad(set_to_none=True)): the step allocates them",
+        "",
+        "| part (per rank) | bytes | |",
+        "|---|---:|---:|",
+    ]
+    labels = {
+        "weights": "weights",
+        "gradients": "gradients",
+        "optimizer_state": "optimizer state",
+        "activations": "logits / activations",
+        "communication": "communication buffers",
+    }
+    for part in PARTS:
+        lines.append(f"| {labels[part]} | {r['parts'][part]:,} | {format_bytes(r['parts'][part])} |")
+    lines.append(f"| **total** | **{r['total']:,}** | **{format_bytes(r['total'])}** |")
+    lines.append("")
+    resting = "weights + gradients + optimizer state" if r["grad_in_place"] else "weights + optimizer state"
+    lines.append(f"resting ({resting}): {format_bytes(r['resting'])}; "
+                 f"step peak above it: {format_bytes(r['step_peak'])}")
+    if "budget_bytes" in r:
+        lines.append(f"budget {format_bytes(r['budget_bytes'])} per rank: {'fits' if r['fits'] else 'DOES NOT FIT'}")
+        lines.append(f"largest C at B={r['batch']}: {r['max_classes']:,}")
+        lines.append(
+            f"largest global B at C={r['num_classes']:,}: "
+            + (f"{r['max_batch']:,}" if r["max_batch"] else "none (weights and optimizer state alone exceed the budget)")
+        )
+    return "\n".join(lines)
+
+
+def _chunk_arg(text: str):
+    return "auto" if text == "auto" else int(text)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="shardfc plan", description="Per-rank memory of the sharded head, and the largest C and B that fit a budget.")
+    p.add_argument("--classes", type=int, required=True, help="number of classes C")
+    p.add_argument("--dim", type=int, required=True, help="embedding width D")
+    p.add_argument("--batch", type=int, required=True, help="GLOBAL batch B")
+    p.add_argument("--world-size", type=int, default=1, help="ranks W (default 1)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
+    p.add_argument("--sample-rate", type=float, default=1.0, help="Partial FC rate in (0, 1] (default 1)")
+    p.add_argument("--chunk-size", type=_chunk_arg, default=None, help="classes per chunk, or 'auto' (default: none)")
+    p.add_argument("--budget", default=None, help="bytes per rank, e.g. 16GiB, 500MB, 1e9")
+    p.add_argument("--margin", default="arcface", help="margin name (default arcface)")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--memory-model", choices=MEMORY_MODELS, default="allocated",
+                   help="allocated: every tensor counts from its creation (the only model)")
+    p.add_argument("--grads-kept", dest="grad_in_place", action=argparse.BooleanOptionalAction, default=True,
+                   help="--grads-kept (default): the head's gradient stays allocated between steps "
+                        "(zero_grad(set_to_none=False)) and the step adds into it in place; --no-grads-kept: "
+                        "zero_grad(set_to_none=True), the step allocates the [n, D] gradient")
+    p.add_argument("--json", metavar="PATH", help="also write the result as JSON")
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        result = plan(
+            args.classes, args.dim, args.batch, args.world_size, args.dtype, args.optimizer, args.sample_rate,
+            args.chunk_size, args.budget, margin=args.margin, weight_decay=args.weight_decay,
+            memory_model=args.memory_model, grad_in_place=args.grad_in_place,
+        )
+    except ValueError as e:
+        print(f"shardfc plan: error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+__all__ = ["plan", "parse_bytes", "format_bytes", "format_plan", "main", "PARTS", "OPTIMIZERS"]
