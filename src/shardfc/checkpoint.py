@@ -63,7 +63,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
-import torch.distributed as dist
+
+from shardfc.parallel.context import DistContext
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -139,42 +140,23 @@ def _rank_file(rank: int) -> str:
 
 
 class _Comm:
-    """The few collectives a save needs; a no-op world of one without torch.distributed."""
+    """The few collectives a save needs, through the group's DistContext (torch.distributed, or
+    Horovod's world when no torch group exists); a no-op world of one without either."""
 
     def __init__(self, group: ProcessGroup | None) -> None:
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.group = group
-        if not self.distributed:
-            if group is not None:
-                raise ValueError(f"group={group!r} was given but torch.distributed is not initialised")
-            self.rank, self.world_size, self.src = 0, 1, 0
-            return
-        self.rank = dist.get_rank(group)
-        if self.rank < 0:
-            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of group={group!r}")
-        self.world_size = dist.get_world_size(group)
-        # broadcast_object_list takes a *global* source rank.
-        self.src = dist.get_global_rank(group, 0) if group is not None else 0
+        self.ctx = DistContext.resolve(group)
+        self.distributed, self.group = self.ctx.distributed, group
+        self.rank, self.world_size = self.ctx.rank, self.ctx.world_size
 
     def all_gather(self, obj: Any) -> list[Any]:
-        if not self.distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return self.ctx.all_gather_object(obj)
 
     def broadcast_from_first(self, obj: Any) -> Any:
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=self.src, group=self.group)
-        return box[0]
+        return self.ctx.broadcast_object(obj)
 
 
 def _default_rank() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return 0
+    return DistContext.resolve().rank
 
 
 # --------------------------------------------------------------------------- file helpers
