@@ -236,10 +236,9 @@ class HorovodCommunicator(Communicator):
         hvd = self.hvd
         hvd_op = {"sum": hvd.Sum, "max": hvd.Max}[reduce_op_name(op)]
         collectives._record("all_reduce", t)
-        if t.is_contiguous():
-            hvd.synchronize(hvd.allreduce_async_(t, op=hvd_op))
-        else:  # Horovod reduces contiguous buffers only
-            t.copy_(hvd.synchronize(hvd.allreduce_async(t.contiguous(), op=hvd_op)))
+        # Out of place and copied back: ``t`` may be a view (a slice of flags), which Horovod's
+        # in-place op would not see as its own buffer. These tensors are small.
+        t.copy_(hvd.synchronize(hvd.allreduce_async(t.contiguous(), op=hvd_op)))
         return t
 
     def all_gather_object(self, obj: Any) -> List[Any]:
