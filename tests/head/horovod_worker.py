@@ -84,6 +84,50 @@ def distributed_optimizer_case(rank, world):
             "loss": tmd._rel(loss.detach(), ref.detach())}
 
 
+def apply_gradients_case(rank, world):
+    """The trainer's step end under Horovod: gradients averaged *before* clipping, as DDP's are.
+
+    Clipping is made active (max norm far below the gradients'); the backbone and head after one
+    SGD step must equal a single process's: the exact gradient, clipped, applied.
+    """
+    from shardfc.train.state import Parts
+    from shardfc.train.step import apply_gradients
+
+    B, lo, hi = tmd._rows(rank, world)
+    g = torch.Generator().manual_seed(11)
+    inputs = torch.randn(B, 10, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, tmd.C, (B,), generator=g)
+    max_norm, lr = 1e-3, 0.5
+
+    def make_backbone():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, tmd.D)).double()
+
+    backbone = make_backbone()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(backbone.parameters(), lr=lr), named_parameters=backbone.named_parameters(), op=hvd.Average
+    )
+    head = shardfc.ShardedMarginHead(tmd.D, tmd.C, dtype=torch.float64)
+    parts = Parts(backbone, head, opt, torch.optim.SGD(head.parameters(), lr=lr), [],
+                  torch.amp.GradScaler("cpu", enabled=False))
+    head(backbone(inputs[lo:hi]), labels[lo:hi]).backward()
+    apply_gradients(parts, max_norm, head.ctx)
+
+    ref_backbone = make_backbone()
+    W_full = init_rows(0, tmd.C, tmd.D, 0).double().requires_grad_()
+    shardfc.reference_loss(ref_backbone(inputs), W_full, labels, M.ArcFace()).backward()
+    with torch.no_grad():
+        torch.nn.utils.clip_grad_norm_(list(ref_backbone.parameters()), max_norm)
+        torch.nn.utils.clip_grad_norm_([W_full], max_norm)
+        for p in [*ref_backbone.parameters(), W_full]:
+            p -= lr * p.grad
+    r = head.class_range
+    return {
+        "backbone": max(tmd._rel(p.detach(), q.detach()) for p, q in zip(backbone.parameters(), ref_backbone.parameters())),
+        "head": tmd._rel(head.weight.detach(), W_full.detach()[r.start : r.stop]),
+    }
+
+
 def partial_fc_case(rank, world):
     """Partial FC over Horovod equals the dense loss over exactly the sampled classes."""
     B, lo, hi = tmd._rows(rank, world)
@@ -133,6 +177,7 @@ def main(out: Path) -> None:
         "predict": tmd._predict_case(rank, world),
         "context": explicit_context_case(rank, world),
         "optimizer": distributed_optimizer_case(rank, world),
+        "apply_gradients": apply_gradients_case(rank, world),
         "partial": partial_fc_case(rank, world),
         "counted": counted_case(rank, world),
     }
