@@ -126,6 +126,40 @@ def test_dp_code_path_trains_checkpoints_and_resumes(dp_on_two_cpu_devices, run2
     assert more["step"] == 6
 
 
+def test_dp_replicas_compute_in_the_callers_autocast_dtype(monkeypatch):
+    """DataParallel's replica threads start with the default autocast dtype; ours pass the caller's on."""
+    import threading
+
+    def threaded_parallel_apply(self, replicas, inputs, kwargs):  # torch's, minus the devices: a thread per replica
+        out = [None] * len(replicas)
+
+        def work(i):
+            with torch.autocast("cpu", enabled=True):  # what torch re-enters: the flag, not the dtype
+                out[i] = replicas[i](*inputs[i], **kwargs[i])
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(replicas))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
+    monkeypatch.setattr(torch.nn.DataParallel, "parallel_apply", threaded_parallel_apply)
+    lin = torch.nn.Linear(4, 4)
+    dp = strategy_module.AutocastDataParallel(lin)
+    dp.src_device_obj = torch.device("cpu")  # set by DataParallel only when it has devices
+    x = ((torch.randn(2, 4),), (torch.randn(2, 4),))
+    torch.set_autocast_dtype("cpu", torch.float16)  # this thread's choice; a new thread defaults to bf16
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            outs = dp.parallel_apply([lin, lin], x, [{}, {}])
+        plain = threaded_parallel_apply(dp, [lin, lin], x, [{}, {}])
+    finally:
+        torch.set_autocast_dtype("cpu", torch.bfloat16)
+    assert [o.dtype for o in outs] == [torch.float16, torch.float16]
+    assert [o.dtype for o in plain] == [torch.bfloat16, torch.bfloat16]  # what plain DataParallel would do
+
+
 # ---------------------------------------------------------------------------- the same run under ddp and horovod
 
 
