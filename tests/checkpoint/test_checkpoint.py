@@ -437,3 +437,14 @@ def test_load_common_reads_only_the_replicated_part(tmp_path):
     common_file.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="common.pt is corrupt"):
         load_common(path)
+
+
+def test_step_of_reads_the_name_or_else_meta(tmp_path: Path) -> None:
+    path = _save_single(tmp_path / "run", 12)
+    assert ck.step_of(path) == 12 and ck.parse_step_dir(path.name) == 12
+    assert ck.parse_step_dir("step_12.set-aside-20260101") is None and ck.parse_step_dir(".tmp-step_1-ab") is None
+    copy = tmp_path / "best"
+    path.rename(copy)  # a checkpoint kept under another name: its meta.json knows the step
+    assert ck.step_of(copy) == 12
+    with pytest.raises(CheckpointError, match="meta.json is missing"):
+        ck.step_of(tmp_path / "run")

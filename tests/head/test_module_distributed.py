@@ -228,7 +228,7 @@ def _partial_fc_case(rank, world):
     xr = x[lo:hi].clone().requires_grad_()
     loss = head(xr, y[lo:hi])
     loss.backward()
-    rows = getattr(head.weight, shardfc.head.partial_fc.ROWS_ATTR) + head.class_range.start
+    rows = head.sampled_rows[0] + head.class_range.start
     gathered = [None] * world
     dist.all_gather_object(gathered, rows.tolist())
     kept = torch.tensor(sorted(sum(gathered, [])))

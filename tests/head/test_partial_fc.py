@@ -7,7 +7,7 @@ import torch
 
 import shardfc
 from shardfc import margins as M
-from shardfc.head.partial_fc import ROWS_ATTR, RowSparseAdamW, RowSparseSGD, head_optimizer, num_sampled, sample_rows
+from shardfc.head.partial_fc import RowSparseAdamW, RowSparseSGD, head_optimizer, num_sampled, sample_rows
 
 C, D = 200, 8
 
@@ -35,8 +35,10 @@ def test_sampling_reproducible_from_seed():
         for step in range(3):
             x, y = _batch(step)
             head(x, y)
-            out.append(getattr(head.weight, ROWS_ATTR).clone())
-            setattr(head.weight, ROWS_ATTR, None)
+            (rows,) = head.sampled_rows
+            out.append(rows.clone())
+            assert set(head.take_sampled_rows()) == {head.weight}
+            assert head.sampled_rows is None  # taken
         return out
 
     a, b, c = rows_for(5), rows_for(5), rows_for(6)
@@ -92,7 +94,7 @@ def test_update_is_row_sparse(name, kwargs, devices, chunk):
         x, y = _batch(step)
         opt.zero_grad()
         head(x, y).backward()
-        sampled = [getattr(w, ROWS_ATTR).clone() for w in head.parameters()]
+        sampled = [rows.clone() for rows in head.sampled_rows]
         opt.step()
         for w, old, state, rows in zip(head.parameters(), before, states, sampled):
             untouched = torch.ones(w.shape[0], dtype=torch.bool)
@@ -104,7 +106,7 @@ def test_update_is_row_sparse(name, kwargs, devices, chunk):
                     assert torch.equal(value[untouched], state[key][untouched]), key
                 else:  # created this step: zero outside the sampled rows
                     assert (value[untouched] == 0).all(), key
-            assert getattr(w, ROWS_ATTR) is None  # consumed by the step
+        assert head.sampled_rows is None  # consumed by the step
 
 
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
@@ -112,16 +114,19 @@ def test_row_sparse_optimizers_equal_torch_when_every_row_is_sampled(name):
     torch.manual_seed(0)
     p1 = torch.nn.Parameter(torch.randn(30, 4))
     p2 = torch.nn.Parameter(p1.detach().clone())
+
+    def every_row():
+        return {p1: torch.arange(30)}
+
     if name == "sgd":
-        ours = RowSparseSGD([p1], lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=True)
+        ours = RowSparseSGD([p1], lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=True, sampled_rows=every_row)
         ref = torch.optim.SGD([p2], lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=True)
     else:
-        ours = RowSparseAdamW([p1], lr=0.01, weight_decay=0.05)
+        ours = RowSparseAdamW([p1], lr=0.01, weight_decay=0.05, sampled_rows=every_row)
         ref = torch.optim.AdamW([p2], lr=0.01, weight_decay=0.05)
     for step in range(5):
         g = torch.randn(30, 4)
         p1.grad, p2.grad = g.clone(), g.clone()
-        setattr(p1, ROWS_ATTR, torch.arange(30))
         ours.step()
         ref.step()
     torch.testing.assert_close(p1.detach(), p2.detach(), rtol=1e-5, atol=1e-6)
@@ -143,8 +148,50 @@ def test_partial_fc_gradient_accumulates_in_place_like_dense_indexing():
             x, y = _batch(step)
             head(x.double(), y).backward()
         grads[in_place] = head.weight.grad
-        rows = getattr(head.weight, ROWS_ATTR)
+        (rows,) = head.sampled_rows
     torch.testing.assert_close(grads[True], grads[False], rtol=1e-12, atol=1e-15)
     untouched = torch.ones(C, dtype=torch.bool)
     untouched[rows] = False  # the union of the three samples
     assert (grads[True][untouched] == 0).all() and (grads[True][rows].abs().sum(1) > 0).all()
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_step_after_a_full_forward_is_dense(name):
+    """Evaluation mode scores every class, so its gradient is dense: the step updates every row,
+    exactly as torch's optimizer does (a forward without autograd records nothing)."""
+    head = shardfc.ShardedMarginHead(D, C, sample_rate=0.1, dtype=torch.float64)
+    ref_head = shardfc.ShardedMarginHead(D, C, dtype=torch.float64)  # same init, sample_rate 1
+    opt = head_optimizer(head, name, lr=0.1, momentum=0.9, weight_decay=5e-4)
+    ref = head_optimizer(ref_head, name, lr=0.1, momentum=0.9, weight_decay=5e-4)
+    assert isinstance(ref, (torch.optim.SGD, torch.optim.AdamW))
+    for step in range(2):
+        x, y = _batch(step)
+        for h, o in ((head, opt), (ref_head, ref)):
+            o.zero_grad()
+            h.eval()(x.double(), y).backward()
+        assert head.sampled_rows == [None]  # every row took part
+        opt.step()
+        ref.step()
+        torch.testing.assert_close(head.weight, ref_head.weight, rtol=1e-12, atol=1e-14)
+        assert head.sampled_rows is None
+
+
+def test_no_grad_forward_records_nothing_and_zero_grad_forgets():
+    head = shardfc.ShardedMarginHead(D, C, sample_rate=0.1)
+    opt = head_optimizer(head, "sgd", lr=0.1, momentum=0.9)
+    x, y = _batch(0)
+    head(x, y).backward()
+    (rows,) = head.sampled_rows
+    with torch.no_grad():  # e.g. a validation loss between backward and step: not part of the step
+        head(x, y)
+        head.eval()(x, y)
+    head.train()
+    assert torch.equal(head.sampled_rows[0], rows)
+    before = head.weight.detach().clone()
+    opt.step()
+    untouched = torch.ones(C, dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.equal(head.weight.detach()[untouched], before[untouched])
+    head(x, y).backward()
+    opt.zero_grad()  # the gradient is gone, and so are its rows (e.g. a step the fp16 scaler skips)
+    assert head.sampled_rows is None

@@ -124,3 +124,51 @@ def test_folder_dataset_errors_before_spawning(tmp_path, capsys):
     missing = tmp_path / "nope"
     assert train_cli.main(["--dataset", "folder", "--data-root", str(missing)]) == 2
     assert f"data_root={str(missing)!r} does not exist" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- traps a new user meets
+
+
+def test_margin_aliases_are_accepted_as_the_python_api_accepts_them():
+    cfg, _ = parse_config(["--margin", "amsoftmax", "--m", "0.3"])
+    assert cfg.margin == "cosface" and cfg.margin_params() == {"scale": cfg.scale, "margin": 0.3}
+
+
+@pytest.mark.parametrize(
+    "flag,suggestion", [("--learning-rate", "--lr"), ("--wd", "--weight-decay"), ("--steps", "--max-steps")]
+)
+def test_synonym_flags_suggest_the_flag_of_the_same_meaning(flag, suggestion):
+    with pytest.raises(ConfigError, match=f"unknown argument '{flag}'; did you mean '{suggestion}'"):
+        parse_config([flag, "1"])
+
+
+def test_a_table_named_after_a_field_says_it_is_a_field(tmp_path):
+    path = _write(tmp_path, "[optimizer]\nname = 'sgd'\n")
+    with pytest.raises(ConfigError, match=r"\[optimizer\] is a table, but 'optimizer' is a field \(str\)"):
+        parse_config(["--config", str(path)])
+
+
+def test_margin_parameter_errors_name_the_flag():
+    with pytest.raises(ConfigError, match=r"margin='arcface' with scale=.* m=4.0 \(--m\).*"):
+        parse_config(["--margin", "arcface", "--m", "4"])
+
+
+def test_data_root_alone_means_the_folder_dataset_in_its_own_run_folder(tmp_path):
+    cfg, _ = parse_config(["--data-root", str(tmp_path)])
+    assert cfg.dataset == "folder" and cfg.output_dir == "shardfc_runs/folder"
+    cfg, _ = parse_config(["--preset", "ms1mv3_r50_arcface"])
+    assert cfg.output_dir == "shardfc_runs/ms1mv3_r50_arcface"
+    cfg, _ = parse_config(["--data-root", str(tmp_path), "--output-dir", str(tmp_path / "mine")])
+    assert cfg.output_dir == str(tmp_path / "mine")
+    with pytest.raises(ConfigError, match="data_root=.* is set but dataset='synthetic' reads no files"):
+        TrainConfig(data_root=str(tmp_path)).validate()
+
+
+def test_every_rank_must_hold_a_class(tmp_path):
+    from shardfc.parallel.context import DistContext
+    from shardfc.train.build import build_run
+
+    cfg = TrainConfig(synthetic_identities=3, synthetic_images_per_identity=4, backbone="tiny", embedding_dim=8,
+                      image_size=[16, 16], output_dir=str(tmp_path)).validate()
+    with pytest.raises(ConfigError, match=r"3 class\(es\) for 4 ranks: every rank must hold at least one class"):
+        build_run(cfg, DistContext(None, 0, 4, True))

@@ -66,12 +66,12 @@ def test_two_process_run_trains_logs_checkpoints_and_evaluates(run2):
 def _restore_and_continue(rank: int, world: int, cfg: TrainConfig, ckpt: str) -> dict:
     """Load the checkpoint on this world size, report the logical state, then train 2 more steps."""
     parts, state = load_parts(cfg, Path(ckpt))
-    opt_state = parts.opt_head.state[parts.head.weight]
+    head = parts.head.sharded_state(parts.opt_head)
     # numpy, not tensors: a tensor sent back from a process that then exits cannot be received.
     report = {
-        "rows": (parts.head.class_range.start, parts.head.class_range.stop),
-        "weight": parts.head.weight.detach().numpy().copy(),
-        "momentum": opt_state["momentum_buffer"].numpy().copy(),
+        "rows": (head["class_range"].start, head["class_range"].stop),
+        "weight": head["tensors"]["weight"].numpy().copy(),
+        "momentum": head["tensors"]["optimizer.momentum_buffer"].numpy().copy(),
         "step": state.step,
         "lr": [g["lr"] for g in parts.opt_head.param_groups + parts.opt_backbone.param_groups],
         "backbone": {k: v.numpy().copy() for k, v in parts.module.state_dict().items()},
@@ -88,7 +88,7 @@ def _check_restored(reports, saved_dir: Path, saved_lr: float):
     assert ranges[0][0] == 0 and ranges[-1][1] == 24 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     assert np.array_equal(np.concatenate([r["weight"] for r in reports]), saved["weight"].numpy())
     momentum = np.concatenate([r["momentum"] for r in reports])
-    assert np.array_equal(momentum, saved["optimizer.0.momentum_buffer"].numpy())
+    assert np.array_equal(momentum, saved["optimizer.momentum_buffer"].numpy())
     for r in reports:
         assert r["step"] == 3
         assert r["lr"] == pytest.approx([saved_lr, saved_lr])
@@ -99,7 +99,8 @@ def _check_restored(reports, saved_dir: Path, saved_lr: float):
 def test_resume_on_one_and_three_ranks_restores_the_logical_state(run2, tmp_path):
     cfg, _ = run2
     ckpt = Path(cfg.output_dir) / "checkpoints" / "step_00000003"
-    saved_lr = torch.load(ckpt / "common.pt", weights_only=False)["head_optimizer_param_groups"][0]["lr"]
+    head_extras = torch.load(ckpt / "head_0.pt", weights_only=False)["extras"]
+    saved_lr = head_extras["optimizer.param_groups"][0]["lr"]
     assert saved_lr > 0
 
     # W=2 -> W=1, in this process (no process group): one shard holds every row.

@@ -20,7 +20,7 @@ the head in DDP: its parameters are different on every rank.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,14 @@ from shardfc.seeding import mix_seed
 from shardfc.head.layout import class_ranges
 from shardfc.head.normalize import l2_normalize
 from shardfc.head.kernels import ShardConfig
-from shardfc.head.partial_fc import mark_rows, num_sampled, sample_rows, take_rows
+from shardfc.head.partial_fc import (
+    load_optimizer_rows,
+    num_sampled,
+    optimizer_rows,
+    sample_rows,
+    take_rows,
+    union_rows,
+)
 from shardfc.head.function import (
     ShardedLossPlan,
     compute_dtype_for,
@@ -159,6 +166,8 @@ class ShardedMarginHead(nn.Module):
         self.sample_rate = check_probability("sample_rate", sample_rate, low_open=True, high_open=False)
         self.sample_seed = int(sample_seed)
         self.sample_step = 0
+        # Per shard, the rows the forwards since the optimizer's last step used (None: every row).
+        self._pending_rows: Optional[List[Optional[Tensor]]] = None
         self.weight_grad_in_place = bool(weight_grad_in_place)
         self.init_seed = int(init_seed)
         dtype = torch.float32 if dtype is None else dtype
@@ -201,6 +210,35 @@ class ShardedMarginHead(nn.Module):
         return list(self.shards) if self.mode == "devices" else [self.weight]
 
     @property
+    def sampled_rows(self) -> Optional[List[Optional[Tensor]]]:
+        """Per shard (in :attr:`shard_weights` order), the sorted local row ids that the forwards with
+        autograd enabled since the optimizer last took them used: the Partial FC sample, united over
+        the micro-batches of a step. An entry ``None`` means every row of that shard (a forward
+        without sampling, e.g. in evaluation mode); the whole is ``None`` when no forward was recorded.
+        """
+        return None if self._pending_rows is None else list(self._pending_rows)
+
+    def take_sampled_rows(self) -> Dict[Tensor, Tensor]:
+        """``{shard weight: rows}`` of :attr:`sampled_rows`, which are then forgotten.
+
+        What a row-sparse optimizer (:func:`~shardfc.head.partial_fc.head_optimizer`) asks at each
+        step. Shards whose forwards used every row are left out: their update is dense.
+        """
+        pending, self._pending_rows = self._pending_rows, None
+        if pending is None:
+            return {}
+        return {w: rows for w, rows in zip(self.shard_weights, pending) if rows is not None}
+
+    def _record_rows(self, rows: List[Optional[Tensor]]) -> None:
+        """Note the rows of each shard a forward used, for the optimizer (only when autograd records)."""
+        if not torch.is_grad_enabled():
+            return
+        if self._pending_rows is None:
+            self._pending_rows = list(rows)
+        else:
+            self._pending_rows = [union_rows(a, b) for a, b in zip(self._pending_rows, rows)]
+
+    @property
     def distributed(self) -> bool:
         """The shards are spread over the ranks of a process group."""
         return self.ctx.distributed
@@ -234,7 +272,10 @@ class ShardedMarginHead(nn.Module):
         labels = labels.to(device=embeddings.device, dtype=torch.int64)
 
         weights = self.shard_weights
+        sampling = self.training and self.sample_rate < 1.0
         if sum(sizes) == 0:  # nothing anywhere: a zero loss still connected to the parameters
+            # Under sampling no row took part; otherwise the (zero) gradient is dense as usual.
+            self._record_rows([w.new_empty(0, dtype=torch.int64) if sampling else None for w in weights])
             zero = embeddings.sum() * 0 + sum(w.sum().to(embeddings.device) for w in weights) * 0
             return zero.expand(0) if self.reduction == "none" else zero.float()
 
@@ -243,8 +284,10 @@ class ShardedMarginHead(nn.Module):
         all_labels = self.ctx.all_gather_rows(labels, sizes) if self.distributed else labels
         local_labels = [local_labels_for_range(all_labels.to(d), r) for d, r in zip(self.devices, self.shard_ranges)]
         num_classes = self.num_classes
-        if self.training and self.sample_rate < 1.0:
+        if sampling:
             weights, local_labels, num_classes = self._sample_classes(all_labels, local_labels)
+        else:
+            self._record_rows([None] * len(weights))
         plan = ShardedLossPlan(
             config=ShardConfig(
                 margin=self.margin,
@@ -275,16 +318,17 @@ class ShardedMarginHead(nn.Module):
         """Partial FC: the sampled sub-weights, labels re-indexed into them, and the sampled total."""
         step, self.sample_step = self.sample_step, self.sample_step + 1
         first_shard = self.rank if self.distributed else 0
-        sub_weights, sub_labels = [], []
+        sub_weights, sub_labels, sampled = [], [], []
         for i, (w, lab) in enumerate(zip(self.shard_weights, local_labels)):
             gen = torch.Generator().manual_seed(mix_seed(self.sample_seed, first_shard + i, step))
             positives = torch.unique(lab[lab >= 0])
             rows = sample_rows(positives, w.shape[0], self.sample_rate, gen)
-            mark_rows(w, rows)
+            sampled.append(rows)
             lut = torch.full((w.shape[0],), -1, dtype=torch.int64, device=w.device)
             lut[rows] = torch.arange(rows.numel(), device=w.device)
             sub_labels.append(torch.where(lab >= 0, lut[lab.clamp(min=0)], lab))
             sub_weights.append(take_rows(w, rows, self.weight_grad_in_place))
+        self._record_rows(sampled)
         # Every rank sees the global labels, so it can count every shard's sample without talking.
         valid = all_labels[all_labels != self.ignore_index]
         total = 0
@@ -292,6 +336,69 @@ class ShardedMarginHead(nn.Module):
             n_pos = int(torch.unique(valid[(valid >= r.start) & (valid < r.stop)]).numel())
             total += num_sampled(len(r), self.sample_rate, n_pos)
         return sub_weights, sub_labels, total
+
+    # ------------------------------------------------------------------ sharded state
+    def state_layout(self) -> Dict[str, Any]:
+        """Which rows of the logical head :meth:`sharded_state` holds and :meth:`load_sharded_state`
+        expects: ``{"num_classes": C, "class_range": range(start, stop)}`` (this process's classes,
+        one contiguous block over its local shards). What to ask a resharding checkpoint for."""
+        return {"num_classes": self.num_classes, "class_range": self.class_range}
+
+    def sharded_state(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
+        """This process's part of the head's state, as one block of classes whatever its sharding.
+
+        Returns ``{"num_classes": C, "class_range": range(start, stop), "tensors": {...}, "extras": {...}}``
+        (the form :func:`shardfc.checkpoint.save_checkpoint` takes as ``head_state``):
+
+        * ``tensors``: ``"weight"`` ``[n, D]`` (``n = stop - start``) and, with ``optimizer``,
+          ``"optimizer.<key>"`` for each per-row state tensor (``momentum_buffer``; ``exp_avg``,
+          ``exp_avg_sq``, the row-sparse AdamW's ``row_step``), each ``[n, ...]``. Detached CPU
+          tensors, the local shards' rows concatenated in class order (a single CPU shard's are
+          returned without a copy: they share memory with the live ones).
+        * ``extras``: ``"sample_step"`` (the Partial FC step counter) and, with ``optimizer``,
+          ``"optimizer.<key>"`` for state that is not per row (torch AdamW's scalar ``step``) and
+          ``"optimizer.param_groups"`` (its hyper-parameters).
+
+        Saved per process and loaded with :meth:`load_sharded_state` into a head of any number of
+        shards, in any mode, the logical weights and optimizer rows are the same.
+        """
+        weights = self.shard_weights
+        parts = [w.detach().cpu() for w in weights]
+        tensors = {"weight": parts[0] if len(parts) == 1 else torch.cat(parts)}
+        extras: Dict[str, Any] = {"sample_step": int(self.sample_step)}
+        if optimizer is not None:
+            opt_tensors, opt_extras = optimizer_rows(optimizer, weights)
+            tensors.update({f"optimizer.{k}": v for k, v in opt_tensors.items()})
+            extras.update({f"optimizer.{k}": v for k, v in opt_extras.items()})
+        return {**self.state_layout(), "tensors": tensors, "extras": extras}
+
+    def load_sharded_state(self, state: Mapping[str, Any], optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Load a :meth:`sharded_state` dict holding this process's classes (e.g. read from a
+        checkpoint saved with any sharding: ``LoadedCheckpoint.head_state``) into the local shards,
+        and with ``optimizer`` (built over this head) its state and hyper-parameters too.
+
+        Raises:
+            ValueError: ``state`` is for other classes, or its tensors have the wrong shape.
+        """
+        layout = self.state_layout()
+        for key, mine in layout.items():
+            if key in state and state[key] != mine:
+                raise ValueError(f"sharded state has {key}={state[key]!r}, this head has {key}={mine!r}")
+        tensors, extras = state["tensors"], state.get("extras", {})
+        weight = tensors["weight"]
+        n = len(self.class_range)
+        if tuple(weight.shape) != (n, self.embedding_dim):
+            raise ValueError(f"sharded state weight has shape {tuple(weight.shape)}, this head's rows are ({n}, {self.embedding_dim})")
+        slices = [(r.start - self.class_range.start, r.stop - self.class_range.start) for r in self.shard_ranges]
+        with torch.no_grad():
+            for w, (lo, hi) in zip(self.shard_weights, slices):
+                w.copy_(weight[lo:hi])
+        self.sample_step = int(extras.get("sample_step", 0))
+        self._pending_rows = None
+        if optimizer is not None:
+            opt_tensors = {_optimizer_key(k): v for k, v in tensors.items() if k.startswith("optimizer.")}
+            opt_extras = {_optimizer_key(k): v for k, v in extras.items() if k.startswith("optimizer.")}
+            load_optimizer_rows(optimizer, self.shard_weights, slices, opt_tensors, opt_extras)
 
     # ------------------------------------------------------------------ predict
     @torch.no_grad()
@@ -341,6 +448,17 @@ class ShardedMarginHead(nn.Module):
             f"{where}, classes={self.class_range.start}..{self.class_range.stop - 1}, "
             f"reduction={self.reduction!r}, label_smoothing={self.label_smoothing}{chunk}"
         )
+
+
+def _optimizer_key(name: str) -> str:
+    """``optimizer.<key>`` -> ``key``; checkpoints of format 1 named it ``optimizer.0.<key>`` (one shard)."""
+    key = name[len("optimizer."):]
+    index, dot, rest = key.partition(".")
+    if dot and index.isdigit():
+        if index != "0":
+            raise ValueError(f"head state {name!r} is for a parameter other than the head weight")
+        return rest
+    return key
 
 
 def reduce_losses(losses: Tensor, valid: Tensor, sizes: Sequence[int], rank: int, reduction: str) -> Tensor:

@@ -16,18 +16,28 @@ Build the optimizers like this (the head is never wrapped in DDP)::
     opt_head = shardfc.head.partial_fc.head_optimizer(head, "sgd", lr=0.1, momentum=0.9, weight_decay=5e-4)
 
 ``head_optimizer`` returns torch's own dense optimizer when ``sample_rate == 1``.
+
+How the sampled rows reach the optimizer: the head records, per shard, the rows each forward with
+autograd enabled used (:attr:`ShardedMarginHead.sampled_rows`, the union over the micro-batches of
+a step); ``head_optimizer`` builds the row-sparse optimizer with ``sampled_rows=head.take_sampled_rows``,
+which ``step()`` calls once to get ``{shard weight: rows}`` and which forgets the rows. A shard whose
+forward used every row (evaluation mode, or a forward without sampling) has no entry and is updated
+densely, like torch's optimizer would: its gradient is dense. So is every parameter when no forward
+was recorded since the last step (e.g. a gradient set by hand). ``zero_grad()`` also forgets the
+recorded rows, since the gradient they belong to is gone (e.g. a step skipped by the fp16 scaler).
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from typing import Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
-#: Attribute set on a head parameter: the rows sampled since the optimizer's last step.
-ROWS_ATTR = "_shardfc_sampled_rows"
+#: What a row-sparse optimizer asks once per step: ``{parameter: rows to update}`` (and forget them).
+SampledRows = Callable[[], Mapping[Tensor, Tensor]]
 
 
 def num_sampled(num_local: int, sample_rate: float, num_positive: int) -> int:
@@ -74,42 +84,65 @@ def take_rows(w: Tensor, rows: Tensor, grad_in_place: bool = True) -> Tensor:
     return _TakeRows.apply(w, rows, grad_in_place)
 
 
-def mark_rows(param: Tensor, rows: Tensor) -> None:
-    """Record that ``rows`` of ``param`` take part in this step (union over accumulation steps)."""
-    previous: Optional[Tensor] = getattr(param, ROWS_ATTR, None)
-    if previous is not None:
-        rows = torch.unique(torch.cat([previous, rows.to(previous.device)]))
-    setattr(param, ROWS_ATTR, rows)
+def union_rows(previous: Optional[Tensor], rows: Optional[Tensor]) -> Optional[Tensor]:
+    """Rows used by two forwards of one step, ``None`` standing for every row."""
+    if previous is None or rows is None:
+        return None
+    return torch.unique(torch.cat([previous, rows.to(previous.device)]))
 
 
-def _take_rows(param: Tensor) -> Optional[Tensor]:
-    rows = getattr(param, ROWS_ATTR, None)
-    if rows is not None:
-        setattr(param, ROWS_ATTR, None)
-    return rows
+class _RowSparseOptimizer(torch.optim.Optimizer):
+    """An optimizer that asks ``sampled_rows()`` once per step which rows of each parameter to update.
 
-
-class RowSparseSGD(torch.optim.Optimizer):
-    """``torch.optim.SGD`` (momentum, nesterov, weight decay; no dampening) on the sampled rows only.
-
-    A parameter with no recorded rows (never sampled, or not a Partial FC head) is updated densely,
-    exactly as ``torch.optim.SGD`` would.
+    A parameter missing from the answer (or every parameter, without ``sampled_rows``) is updated
+    densely, exactly as torch's optimizer would.
     """
 
-    def __init__(self, params: Iterable, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False):
+    def __init__(self, params: Iterable, defaults: dict, sampled_rows: Optional[SampledRows]):
+        super().__init__(params, defaults)
+        self.sampled_rows = sampled_rows
+
+    def _take_rows(self) -> Mapping[Tensor, Tensor]:
+        return self.sampled_rows() if self.sampled_rows is not None else {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._take_rows()  # the gradient the recorded rows belong to is discarded: forget them too
+        super().zero_grad(set_to_none)
+
+
+class RowSparseSGD(_RowSparseOptimizer):
+    """``torch.optim.SGD`` (momentum, nesterov, weight decay; no dampening) on the sampled rows only.
+
+    ``sampled_rows``: called once per :meth:`step`, returns ``{parameter: row ids}`` (normally a head's
+    :meth:`~shardfc.head.module.ShardedMarginHead.take_sampled_rows`). A parameter without rows is
+    updated densely, exactly as ``torch.optim.SGD`` would.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        sampled_rows: Optional[SampledRows] = None,
+    ):
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"lr, momentum, weight_decay must be >= 0, got {lr}, {momentum}, {weight_decay}")
         if nesterov and momentum <= 0:
             raise ValueError("nesterov needs momentum > 0")
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov))
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+        super().__init__(params, defaults, sampled_rows)
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
+        rows_of = self._take_rows()
         for group in self.param_groups:
             lr, mom, wd, nesterov = group["lr"], group["momentum"], group["weight_decay"], group["nesterov"]
             for p in group["params"]:
-                rows = _take_rows(p)
+                rows = rows_of.get(p)
                 if p.grad is None:
                     continue
                 idx = rows if rows is not None else slice(None)
@@ -129,21 +162,34 @@ class RowSparseSGD(torch.optim.Optimizer):
         return loss
 
 
-class RowSparseAdamW(torch.optim.Optimizer):
-    """``torch.optim.AdamW`` on the sampled rows only, with a per-row step count for bias correction."""
+class RowSparseAdamW(_RowSparseOptimizer):
+    """``torch.optim.AdamW`` on the sampled rows only, with a per-row step count for bias correction.
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
+    ``sampled_rows`` as for :class:`RowSparseSGD`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        sampled_rows: Optional[SampledRows] = None,
+    ):
         if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid AdamW hyper-parameters lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), sampled_rows)
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
+        rows_of = self._take_rows()
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
-                rows = _take_rows(p)
+                rows = rows_of.get(p)
                 if p.grad is None:
                     continue
                 state = self.state[p]
@@ -175,7 +221,10 @@ def head_optimizer(
     betas: Tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
 ) -> torch.optim.Optimizer:
-    """The optimizer for a head's shards: row-sparse under Partial FC, torch's own otherwise."""
+    """The optimizer for a head's shards: row-sparse under Partial FC, torch's own otherwise.
+
+    The row-sparse optimizers take the rows to update from ``head.take_sampled_rows`` at each step.
+    """
     key = str(name).lower()
     if key not in ("sgd", "adamw"):
         raise ValueError(f"optimizer name must be 'sgd' or 'adamw', got {name!r}")
@@ -183,8 +232,100 @@ def head_optimizer(
     params = list(head.parameters())
     if key == "sgd":
         if sparse:
-            return RowSparseSGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+            return RowSparseSGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
+                                sampled_rows=head.take_sampled_rows)
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
     if sparse:
-        return RowSparseAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        return RowSparseAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                              sampled_rows=head.take_sampled_rows)
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+# --------------------------------------------------------------------------- optimizer state of a sharded head
+
+
+def _is_row_tensor(value, param: Tensor) -> bool:
+    return isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == param.shape[0]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
+    return a == b
+
+
+def optimizer_rows(
+    optimizer: torch.optim.Optimizer, params: Sequence[Tensor]
+) -> Tuple[Dict[str, Tensor], Dict[str, Any]]:
+    """The state ``optimizer`` keeps for ``params`` (a head's shard weights, in class order), as if
+    they were one shard: ``(row tensors, the rest)``.
+
+    A state tensor whose first dim is its parameter's row count (momentum, Adam's moments, the
+    row-sparse AdamW's per-row step) is per row: the shards' tensors are concatenated, on the CPU
+    (a single CPU shard's is returned as is, sharing memory). Any other state value (AdamW's scalar
+    step) must be equal for every shard and is returned once, as is ``"param_groups"``: the
+    optimizer's hyper-parameters, without the parameters.
+    """
+    states = [optimizer.state.get(p, {}) for p in params]
+    keys = set(states[0]) if states else set()
+    for p, st in zip(params, states):
+        if set(st) != keys:
+            raise ValueError(f"the optimizer holds state {sorted(st)} for one shard but {sorted(keys)} for another")
+    tensors: Dict[str, Tensor] = {}
+    extras: Dict[str, Any] = {}
+    for key in sorted(keys):
+        values = [st[key] for st in states]
+        rows = [_is_row_tensor(v, p) for v, p in zip(values, params)]
+        if all(rows):
+            parts = [v.detach().cpu() for v in values]
+            tensors[key] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        elif not any(rows):
+            if not all(_same(values[0], v) for v in values[1:]):
+                raise ValueError(f"optimizer state {key!r} differs between shards: {values!r}")
+            v = values[0]
+            extras[key] = v.detach().cpu().clone() if isinstance(v, Tensor) else copy.deepcopy(v)
+        else:
+            raise ValueError(f"optimizer state {key!r} is a per-row tensor for some shards only")
+    extras["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return tensors, extras
+
+
+def load_optimizer_rows(
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[Tensor],
+    row_slices: Sequence[Tuple[int, int]],
+    tensors: Mapping[str, Tensor],
+    extras: Mapping[str, Any],
+) -> None:
+    """Put state in :func:`optimizer_rows`' form back into ``optimizer``: rows ``row_slices[i]`` of
+    each row tensor become ``params[i]``'s, and every shard gets its own copy of the other values.
+
+    Tensors keep their saved dtype (the optimizer chose it: e.g. a float64 per-row step) and move
+    to their parameter's device; a non-row tensor (AdamW's step) stays on the CPU as torch keeps it.
+    The param groups' hyper-parameters are restored when ``extras`` holds them. Without any state
+    (saved before the first step), the parameters' state is cleared.
+    """
+    groups = extras.get("param_groups")
+    if groups is not None:
+        if len(groups) != len(optimizer.param_groups):
+            raise ValueError(f"saved optimizer state has {len(groups)} param groups, this optimizer {len(optimizer.param_groups)}")
+        for group, saved in zip(optimizer.param_groups, groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+    total = sum(hi - lo for lo, hi in row_slices)
+    for key, t in tensors.items():
+        if t.dim() < 1 or t.shape[0] != total:
+            raise ValueError(f"optimizer state {key!r} has shape {tuple(t.shape)}; expected {total} rows")
+    for p, (lo, hi) in zip(params, row_slices):
+        state: Dict[str, Any] = {}
+        for key, t in tensors.items():
+            rows = t[lo:hi].to(p.device)
+            if rows.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                rows = rows.clone()  # the optimizer's own storage: stepping must not write into the caller's
+            state[key] = rows
+        for key, v in extras.items():
+            if key != "param_groups":
+                state[key] = v.clone() if isinstance(v, Tensor) else copy.deepcopy(v)
+        if state:
+            optimizer.state[p] = state
+        else:
+            optimizer.state.pop(p, None)

@@ -12,6 +12,8 @@ Mixed precision is not a flag here: wrap the forward in ``torch.autocast``.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -56,6 +58,21 @@ class IBasicBlock(nn.Module):
 
 class IResNet(nn.Module):
     """IResNet trunk + BN-Dropout-FC-BN embedding head; [N,3,112,112] -> [N,embedding_dim]."""
+
+    #: ``forward`` as named segments in order, each running the listed top-level children in
+    #: turn (``"flatten"`` is ``torch.flatten(x, 1)``). Model parallelism may cut the model
+    #: after any segment but the last: see :func:`shardfc.parallel.model_split.stages`, whose
+    #: tests check that the segments run in order reproduce ``forward`` exactly.
+    segments: ClassVar[tuple[tuple[str, tuple[str, ...]], ...]] = (
+        ("stem", ("conv1", "bn1", "prelu")),
+        ("layer1", ("layer1",)),
+        ("layer2", ("layer2",)),
+        ("layer3", ("layer3",)),
+        ("layer4", ("layer4",)),
+        ("head", ("bn2", "dropout", "flatten", "fc", "features")),
+    )
+    #: where the model may be cut (after these segments), in forward order
+    split_points: ClassVar[tuple[str, ...]] = ("stem", "layer1", "layer2", "layer3", "layer4")
 
     def __init__(
         self,

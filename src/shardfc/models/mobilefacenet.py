@@ -11,6 +11,8 @@ other face backbones here.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -65,6 +67,15 @@ class Bottleneck(nn.Module):
 
 class MobileFaceNet(nn.Module):
     """[N,3,112,112] -> [N,embedding_dim]."""
+
+    #: ``forward`` as named segments (see :attr:`shardfc.models.iresnet.IResNet.segments`).
+    segments: ClassVar[tuple[tuple[str, tuple[str, ...]], ...]] = (
+        ("stem", ("stem",)),
+        ("blocks", ("blocks",)),
+        ("head", ("conv_expand", "gdc", "flatten", "fc", "features")),
+    )
+    #: where the model may be cut (after these segments), in forward order
+    split_points: ClassVar[tuple[str, ...]] = ("stem", "blocks")
 
     def __init__(self, embedding_dim: int = 512) -> None:
         super().__init__()

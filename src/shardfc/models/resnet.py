@@ -11,6 +11,8 @@ no ImageNet checkpoint is loaded.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -56,6 +58,20 @@ class ReIDResNet(nn.Module):
     Global pooling makes the trunk size-agnostic; ``input_size`` only records the
     resolution the model is meant to be fed (data pipelines read it).
     """
+
+    #: ``forward`` as named segments in order, each running the listed top-level children in
+    #: turn (``"flatten"`` is ``torch.flatten(x, 1)``). Model parallelism may cut the model
+    #: after any segment but the last: see :func:`shardfc.parallel.model_split.stages`.
+    segments: ClassVar[tuple[tuple[str, tuple[str, ...]], ...]] = (
+        ("stem", ("stem",)),
+        ("layer1", ("layer1",)),
+        ("layer2", ("layer2",)),
+        ("layer3", ("layer3",)),
+        ("layer4", ("layer4",)),
+        ("head", ("pool", "flatten", "reduce", "neck")),
+    )
+    #: where the model may be cut (after these segments), in forward order
+    split_points: ClassVar[tuple[str, ...]] = ("stem", "layer1", "layer2", "layer3", "layer4")
 
     def __init__(
         self,

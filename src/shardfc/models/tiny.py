@@ -9,6 +9,8 @@ residuals, which buy nothing at this depth.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -21,6 +23,16 @@ INPUT_SIZE: tuple[int, int] = (32, 32)
 
 class TinyNet(nn.Module):
     """[N,3,H,W] -> [N,embedding_dim]; global pooling makes it work at any H, W."""
+
+    #: ``forward`` as named segments in order, each running the listed top-level children in
+    #: turn (``"flatten"`` is ``torch.flatten(x, 1)``). Model parallelism may cut the model
+    #: after any segment but the last: see :func:`shardfc.parallel.model_split.stages`.
+    segments: ClassVar[tuple[tuple[str, tuple[str, ...]], ...]] = (
+        ("body", ("body",)),
+        ("head", ("pool", "flatten", "fc", "features")),
+    )
+    #: where the model may be cut (after these segments), in forward order
+    split_points: ClassVar[tuple[str, ...]] = ("body",)
 
     def __init__(
         self,

@@ -4,6 +4,8 @@
     comm.py         Communicator: the head's and trainer's collectives over torch.distributed or Horovod
     collectives.py  every torch.distributed collective as a counted function, and the head's gather/reduce-scatter mapping
     launch.py       spawn N local processes, or join a torchrun (env://) group
+    model_split.py  a backbone cut at named split points over devices (SplitModel), and micro-batch pipelining
+    split_bench.py  time one device vs split vs pipelined (for shardfc bench)
 """
 
 from shardfc.parallel.collectives import (

@@ -138,6 +138,11 @@ def build_run(cfg: TrainConfig, ctx: DistContext) -> Run:
     amp_dtype = resolve_amp_dtype(cfg, ctx.device)
     image_size = resolve_image_size(cfg)
     dataset = train_dataset(cfg, image_size)
+    if dataset.num_classes < ctx.world_size:
+        raise ConfigError(
+            f"the dataset has {dataset.num_classes} class(es) for {ctx.world_size} ranks: every rank must hold at "
+            f"least one class of the head; use --nproc {dataset.num_classes} or fewer"
+        )
     batches = ShardBatches(len(dataset), loader_batch_size(cfg), ctx.rank, ctx.world_size, cfg.seed, cfg.drop_last)
     total_steps = cfg.max_steps or math.ceil(cfg.epochs * len(batches) / cfg.grad_accum)
     seed_all(cfg.seed)

@@ -9,6 +9,9 @@ A TOML file may list the fields flat or under tables named after their section (
 ``--field-name`` (booleans also ``--no-field-name``; lists take several values, ``--betas 0.9 0.95``).
 Unknown keys and flags are errors that name the closest valid one. Each field's help text is its
 attribute docstring below, so the dataclass is the single source of truth for ``--help``.
+
+(Longer than the other modules on purpose: the ~60 fields and their docstrings are the CLI's
+documentation, and splitting them would split ``--help`` from the parser that reads it.)
 """
 
 from __future__ import annotations
@@ -47,6 +50,18 @@ class ConfigError(ValueError):
 #: Values of ``TrainConfig.strategy`` (what each does: :mod:`shardfc.train.strategy`).
 STRATEGIES = ("ddp", "dp", "horovod")
 
+#: Other names of a margin, accepted as the Python API accepts them (shardfc.margins.build_margin).
+MARGIN_ALIASES = {"amsoftmax": "cosface"}
+
+#: Flags users reach for that mean one of ours: suggested before any spelling match, which could
+#: propose a flag of another meaning (--learning-rate is not --sample-rate).
+FLAG_SYNONYMS = {
+    "--learning-rate": "--lr", "--learning_rate": "--lr", "--base-lr": "--lr",
+    "--wd": "--weight-decay", "--bs": "--batch-size", "--batch": "--batch-size",
+    "--steps": "--max-steps", "--num-epochs": "--epochs", "--workers": "--num-workers",
+    "--margin-m": "--m", "--s": "--scale", "--out": "--output-dir", "--output": "--output-dir",
+}
+
 
 @dataclass
 class TrainConfig:
@@ -54,9 +69,9 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ data
     dataset: str = "synthetic"
-    """Training data: 'synthetic' (generated identities, no files), 'folder' (one sub-folder per identity under data_root) or 'list' (insightface-style 'path label' lines in list_file)."""
+    """Training data: 'synthetic' (generated identities, no files), 'folder' (one sub-folder per identity under data_root), 'recordio' (insightface / MXNet train.rec + train.idx in data_root, no mxnet needed) or 'list' (insightface-style 'path label' lines in list_file)."""
     data_root: str = ""
-    """Root folder of the 'folder' dataset; base folder of relative paths of the 'list' dataset (default: the list file's folder)."""
+    """Root folder of the 'folder' dataset; folder with train.rec/train.idx (or the .rec path) of 'recordio', where relative val_bins are also looked up; base folder of relative paths of the 'list' dataset (default: the list file's folder)."""
     list_file: str = ""
     """The 'path label' list file of the 'list' dataset."""
     image_size: List[int] = field(default_factory=list)
@@ -146,7 +161,7 @@ class TrainConfig:
     device: str = "auto"
     """'auto' (one CUDA device per rank when available, else CPU), 'cpu' or 'cuda'."""
     output_dir: str = "shardfc_runs/synthetic"
-    """Run folder: checkpoints/, metrics.csv, train.log, config.toml."""
+    """Run folder: checkpoints/, metrics.csv, train.log, config.toml (default: shardfc_runs/<preset or dataset>)."""
     resume: str = "auto"
     """'auto': continue from the newest complete checkpoint in output_dir (if any); 'none': start fresh (refused if output_dir holds checkpoints); or a checkpoint folder."""
     log_every: int = 50
@@ -190,7 +205,8 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         """Check value ranges and combinations; raise :class:`ConfigError` naming the field and value."""
-        _choice(self, "dataset", ("synthetic", "folder", "list"))
+        _choice(self, "dataset", ("synthetic", "folder", "recordio", "list"))
+        self.margin = MARGIN_ALIASES.get(self.margin, self.margin)
         _choice(self, "margin", ("arcface", "cosface", "sphereface", "combined", "normsoftmax", "softmax"))
         _choice(self, "optimizer", ("sgd", "adamw"))
         _choice(self, "scheduler", ("poly", "cosine"))
@@ -225,6 +241,20 @@ class TrainConfig:
             raise ConfigError("max_steps and epochs are both 0: set one of them to say how long to train")
         if self.margin == "sphereface" and self.m >= 0 and (self.m != int(self.m) or self.m < 1):
             raise ConfigError(f"m must be an integer >= 1 for margin='sphereface', got {self.m!r}")
+        from shardfc.head.margins import build_margin  # the margin's own checks, named by our flags
+
+        try:
+            build_margin(self.margin, **self.margin_params())
+        except (TypeError, ValueError) as e:
+            given = ", ".join(f"{k}={getattr(self, k)!r} (--{k.replace('_', '-')})" for k in _MARGIN_FIELDS[self.margin])
+            raise ConfigError(f"margin={self.margin!r} with {given}: {e}") from None
+        if self.dataset == "synthetic" and self.data_root:
+            raise ConfigError(
+                f"data_root={self.data_root!r} is set but dataset='synthetic' reads no files: pass --dataset folder "
+                "(one sub-folder per identity) or --dataset list"
+            )
+        if self.dataset == "recordio" and not self.data_root:
+            raise ConfigError("dataset='recordio' needs data_root (the folder with train.rec and train.idx, or the .rec)")
         if self.dataset == "folder" and not self.data_root:
             raise ConfigError("dataset='folder' needs data_root (the folder with one sub-folder per identity)")
         if self.dataset == "list" and not self.list_file:
@@ -232,6 +262,15 @@ class TrainConfig:
         if not self.output_dir:
             raise ConfigError("output_dir must not be empty")
         return self
+
+
+DEFAULT_OUTPUT_DIR = "shardfc_runs/synthetic"
+
+#: The fields each margin reads (named in its errors).
+_MARGIN_FIELDS = {
+    "arcface": ("scale", "m", "easy_margin"), "cosface": ("scale", "m"), "sphereface": ("m", "sphereface_lambda"),
+    "combined": ("scale", "m1", "m2", "m3"), "normsoftmax": ("scale",), "softmax": (),
+}
 
 
 def _choice(cfg: TrainConfig, name: str, choices: Sequence[str]) -> None:
@@ -369,6 +408,11 @@ def _flatten(data: Mapping[str, Any], source: str) -> Dict[str, Any]:
                     raise ConfigError(f"{where}unknown key {key}.{sub}{_closest(sub, SECTIONS[key] or _FIELDS)}")
                 flat[sub] = subvalue
         elif key in _FIELDS:
+            if isinstance(value, Mapping):
+                raise ConfigError(
+                    f"{where}[{key}] is a table, but {key!r} is a field ({_type_name(key)}): write '{key} = ...' "
+                    f"at the top or under [{_SECTION_OF[key]}]; the tables are {', '.join(f'[{s}]' for s in SECTIONS)}"
+                )
             flat[key] = value
         else:
             raise ConfigError(f"{where}unknown key {key!r}{_closest(key, list(_FIELDS) + list(SECTIONS))}")
@@ -491,7 +535,11 @@ def parse_config(argv: Sequence[str]) -> Tuple[TrainConfig, argparse.Namespace]:
     if unknown:
         first = unknown[0]
         flags = [o for a in parser._actions for o in a.option_strings]
-        hint = _closest(first.split("=", 1)[0], flags) if first.startswith("-") else ""
+        flag = first.split("=", 1)[0]
+        if flag in FLAG_SYNONYMS:
+            hint = f"; did you mean {FLAG_SYNONYMS[flag]!r}?"
+        else:
+            hint = _closest(flag, flags) if first.startswith("-") else ""
         raise ConfigError(f"unknown argument {first!r}{hint}")
     cfg = TrainConfig()
     if args.preset:
@@ -500,4 +548,11 @@ def parse_config(argv: Sequence[str]) -> Tuple[TrainConfig, argparse.Namespace]:
         cfg = config_from_mapping(load_toml(args.config), cfg, args.config)
     overrides = {k: v for k, v in vars(args).items() if k in _FIELDS}
     cfg = dataclasses.replace(cfg, **overrides)
+    if "data_root" in overrides and "dataset" not in overrides and cfg.dataset in ("synthetic", "folder", "recordio"):
+        # --data-root alone never means the synthetic demo: a release folder (train.rec) or a folder of identities.
+        root = Path(cfg.data_root)
+        cfg.dataset = "recordio" if root.suffix == ".rec" or (root / "train.rec").is_file() else "folder"
+    if cfg.output_dir == DEFAULT_OUTPUT_DIR and (args.preset or cfg.dataset != "synthetic"):
+        # A first real run must not resume (and append to) the synthetic demo's folder.
+        cfg.output_dir = f"shardfc_runs/{args.preset or cfg.dataset}"
     return cfg.validate(), args

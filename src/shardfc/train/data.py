@@ -17,9 +17,12 @@ def train_dataset(cfg: TrainConfig, image_size: Tuple[int, int]) -> Dataset:
     if cfg.dataset == "synthetic":
         return synthetic_dataset(cfg, image_size)
     from shardfc.data import ImageFolderDataset, ListFileDataset
+    from shardfc.data.recordio import RecordIODataset
 
     if cfg.dataset == "folder":
         inner = ImageFolderDataset(cfg.data_root, image_size, train=True)
+    elif cfg.dataset == "recordio":
+        inner = RecordIODataset(cfg.data_root, image_size, train=True)
     else:
         inner = ListFileDataset(cfg.list_file, cfg.data_root or None, image_size, train=True)
     return CountCorrupt(inner)

@@ -7,6 +7,7 @@ one process with the plain backbone module: verification needs no collective.
 from __future__ import annotations
 
 import contextlib
+import os
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,11 @@ def build_targets(
         )
 
     for path in bins:
+        # insightface releases ship lfw.bin etc. beside train.rec: a relative name not found here is
+        # looked up in data_root, so '--data-root /data/ms1m-retinaface-t1' finds its .bin files.
+        if cfg.data_root and not os.path.isabs(path) and not os.path.exists(path):
+            beside = os.path.join(cfg.data_root, path)
+            path = beside if os.path.exists(beside) else path
         try:
             images, issame = load_bin(path, image_size)
         except FileNotFoundError:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from shardfc import checkpoint as ckpt
+from shardfc.checkpoint import step_of
 from shardfc.parallel.context import DistContext
 from shardfc.seeding import seed_all
 from shardfc.train.build import Run, rank_seed
@@ -39,34 +40,14 @@ def checkpoint_root(cfg: TrainConfig) -> Path:
     return Path(cfg.output_dir) / "checkpoints"
 
 
-def step_of(path: Path) -> int:
-    return int(path.name.split("_")[-1])
-
-
-def _head_optimizer_rows(opt: torch.optim.Optimizer, rows: int) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """Split the head optimizer's state into row tensors (resharded on load) and the rest."""
-    tensors, extras = {}, {}
-    for index, pstate in opt.state_dict()["state"].items():
-        for key, value in pstate.items():
-            name = f"optimizer.{index}.{key}"
-            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows:
-                tensors[name] = value
-            else:
-                extras[name] = value
-    return tensors, extras
-
-
 def save(run: Run, state: RunState, cfg: TrainConfig) -> Path:
     """Save a checkpoint of the run at ``state.step`` (collective over the group)."""
     parts, ctx, num_classes = run.parts, run.ctx, run.num_classes
-    rows = len(parts.head.class_range)
-    opt_tensors, opt_extras = _head_optimizer_rows(parts.opt_head, rows)
     common = None
     if ctx.is_main:
         common = {
             "backbone": parts.module.state_dict(),
             "backbone_optimizer": parts.opt_backbone.state_dict(),
-            "head_optimizer_param_groups": parts.opt_head.state_dict()["param_groups"],
             "schedulers": [s.state_dict() for s in parts.schedulers],
             "scaler": parts.scaler.state_dict(),
             "state": dataclasses.asdict(state),
@@ -80,10 +61,7 @@ def save(run: Run, state: RunState, cfg: TrainConfig) -> Path:
         state.step,
         common=common,
         per_rank=per_rank,
-        head_tensors={"weight": parts.head.weight.detach(), **opt_tensors},
-        head_extras={"sample_step": parts.head.sample_step, **opt_extras},
-        class_range=parts.head.class_range,
-        num_classes=num_classes,
+        head_state=parts.head.sharded_state(parts.opt_head),
         fingerprint=fingerprint(cfg, num_classes, run.image_size),
         group=ctx.group if ctx.distributed else None,
         keep_last=cfg.keep_last or None,
@@ -122,12 +100,9 @@ def resume_path(cfg: TrainConfig, ctx: DistContext) -> Optional[Path]:
 
 
 def _set_aside_newer(root: Path, start: int) -> None:
-    if not root.is_dir():
-        return
-    for entry in sorted(root.iterdir()):
-        name = entry.name
-        if entry.is_dir() and name.startswith("step_") and name[5:].isdigit() and int(name[5:]) > start:
-            aside = entry.with_name(f"{name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
+    for step, entry in ckpt.step_dirs(root):
+        if step > start:
+            aside = entry.with_name(f"{entry.name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
             os.replace(entry, aside)
             logger.warning(
                 "%s is newer than the checkpoint this run resumes from (incomplete, corrupt, or resume names an "
@@ -147,8 +122,7 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
     try:
         loaded = ckpt.load_checkpoint(
             path,
-            class_range=parts.head.class_range,
-            num_classes=num_classes,
+            **parts.head.state_layout(),
             fingerprint=fingerprint(cfg, num_classes, image_size),
             map_location="cpu",
             rank=ctx.rank,
@@ -158,16 +132,8 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
     common = loaded.common
     parts.module.load_state_dict(common["backbone"])
     parts.opt_backbone.load_state_dict(common["backbone_optimizer"])
-    with torch.no_grad():
-        parts.head.weight.copy_(loaded.head_tensors["weight"])
-    parts.head.sample_step = int(loaded.head_extras.get("sample_step", 0))
-    head_state: Dict[int, Dict[str, Any]] = {}
-    for source in (loaded.head_tensors, loaded.head_extras):
-        for name, value in source.items():
-            if name.startswith("optimizer."):
-                _, index, key = name.split(".", 2)
-                head_state.setdefault(int(index), {})[key] = value
-    parts.opt_head.load_state_dict({"state": head_state, "param_groups": common["head_optimizer_param_groups"]})
+    # The head's rows, Partial FC step and optimizer rows: this rank's classes, whatever the saved sharding.
+    parts.head.load_sharded_state(loaded.head_state, parts.opt_head)
     for s, saved in zip(parts.schedulers, common["schedulers"]):
         s.load_state_dict(saved)
     if parts.scaler.is_enabled() and common.get("scaler"):

@@ -1,0 +1,68 @@
+"""Finding checkpoints under a root: all of them, the newest valid one, the one ``--resume`` names."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+from shardfc.checkpoint.format import META_FILE, CheckpointError, step_dirs
+from shardfc.checkpoint.load import verify_checkpoint
+
+__all__ = ["find_checkpoints", "latest_checkpoint", "resolve_resume"]
+
+logger = logging.getLogger("shardfc.checkpoint")
+
+
+def find_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
+    """Return the ``step_*`` directories under ``root`` that have a ``meta.json``, oldest first.
+
+    This does not check file sizes or hashes; see :func:`latest_checkpoint`.
+    """
+    return [p for _, p in step_dirs(root) if (p / META_FILE).is_file()]
+
+
+def latest_checkpoint(root: str | os.PathLike[str], *, check_hashes: bool = True) -> Optional[Path]:
+    """Return the newest valid checkpoint under ``root``, or None.
+
+    Invalid ones (no/unparseable ``meta.json``, missing or truncated files, hash mismatch)
+    are skipped with a warning on logger ``shardfc.checkpoint``.
+    """
+    for _, path in reversed(step_dirs(root)):
+        try:
+            verify_checkpoint(path, check_hashes=check_hashes)
+        except CheckpointError as e:
+            logger.warning("skipping invalid checkpoint %s: %s", path, e)
+            continue
+        return path
+    return None
+
+
+def resolve_resume(root: str | os.PathLike[str] | None, resume: str | os.PathLike[str] | None) -> Optional[Path]:
+    """Turn a ``--resume`` value into a checkpoint directory.
+
+    Args:
+        root: The run's checkpoint directory (used by ``"auto"`` and for relative names).
+        resume: ``"auto"``: the latest valid checkpoint under ``root`` (None if there is
+            none); ``"none"``, ``""`` or None: None; anything else: a checkpoint directory,
+            absolute, relative to the working directory, or relative to ``root``.
+
+    Raises:
+        FileNotFoundError: ``resume`` names a directory that does not exist.
+        CheckpointError: The named checkpoint is incomplete or corrupt.
+    """
+    key = "" if resume is None else os.fspath(resume).strip()
+    if key.lower() in ("", "none"):
+        return None
+    if key.lower() == "auto":
+        if root is None:
+            raise ValueError("resume='auto' needs a checkpoint root, got root=None")
+        return latest_checkpoint(root)
+    path = Path(key).expanduser()
+    if not path.exists() and not path.is_absolute() and root is not None and (Path(root) / path).exists():
+        path = Path(root) / path
+    if not path.is_dir():
+        raise FileNotFoundError(f"resume={key!r}: no checkpoint directory at {path}")
+    verify_checkpoint(path)
+    return path

@@ -1,0 +1,248 @@
+"""What a checkpoint looks like on disk: names, the format version, ``meta.json``, step directories.
+
+On-disk format (``format_version`` 1)
+=====================================
+
+::
+
+    <root>/step_<step:08d>/
+        meta.json     written last, by rank 0 (see below)
+        common.pt     torch.save(dict) from rank 0: backbone, scheduler, scaler, config, ...
+        rank_<r>.pt   torch.save(dict) from rank r, only if it passed ``per_rank``: RNG states, ...
+        head_<r>.pt   torch.save({"class_range": (start, stop),
+                                  "tensors": {name: Tensor with shape[0] == stop - start},
+                                  "extras": {name: value}})   # e.g. Adam's scalar "step"
+
+``.pt`` files are read with ``torch.load(weights_only=False)`` because ``common`` and
+``per_rank`` hold arbitrary picklable objects: only load checkpoints you trust.
+
+``meta.json`` holds::
+
+    {"format": "shardfc-checkpoint", "format_version": 1,
+     "step": int, "world_size": int, "num_classes": int,
+     "embedding_dim": int | null,             # row width of the head weight, informative
+     "class_ranges": [[start, stop], ...],    # one per saved rank, in rank order
+     "head_tensors": {name: {"dtype": "float32", "row_shape": [D, ...]}},
+     "head_extras": [name, ...],
+     "fingerprint": {...},                    # caller's JSON dict (model name, config, ...)
+     "files": {file_name: {"size": bytes, "sha256": hex}},
+     "torch_version": str, "created_unix": float}
+
+A checkpoint directory is named ``step_<step:08d>``; :data:`STEP_DIR_RE` is the one pattern that
+recognises such names (discovery, pruning, and the trainer's setting aside of newer steps all use
+it). Scratch directories of saves in progress are ``.tmp-``, ``.old-`` or ``.del-`` + the step
+directory name + ``-<token>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "READABLE_VERSIONS",
+    "META_FILE",
+    "COMMON_FILE",
+    "STEP_DIR_RE",
+    "CheckpointError",
+    "head_file",
+    "rank_file",
+    "step_dir_name",
+    "parse_step_dir",
+    "step_dirs",
+    "step_of",
+    "scratch_dir_name",
+    "is_scratch_dir",
+    "tensor_specs",
+    "build_meta",
+    "read_meta",
+]
+
+FORMAT_NAME = "shardfc-checkpoint"
+FORMAT_VERSION = 1
+READABLE_VERSIONS = (1,)
+META_FILE = "meta.json"
+COMMON_FILE = "common.pt"
+
+#: The name of a checkpoint directory: ``step_`` and the step in decimal (zero-padded when written).
+STEP_DIR_RE = re.compile(r"^step_(\d+)$")
+_SCRATCH_DIR_RE = re.compile(r"^\.(tmp|old|del)-step_\d+-[0-9a-f]+$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, truncated, corrupt or inconsistent, or a save failed on another rank."""
+
+
+def head_file(rank: int) -> str:
+    return f"head_{rank}.pt"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank}.pt"
+
+
+# --------------------------------------------------------------------------- step directories
+
+
+def step_dir_name(step: int) -> str:
+    """Directory name of the checkpoint for ``step`` (``step_00001234``)."""
+    return f"step_{step:08d}"
+
+
+def parse_step_dir(name: str) -> Optional[int]:
+    """The step a checkpoint directory name ``step_<N>`` encodes; None for any other name."""
+    m = STEP_DIR_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def step_dirs(root: "str | os.PathLike[str]") -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step_<N>`` directory directly under ``root``, by step (``[]`` if no root)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        step = parse_step_dir(entry.name)
+        if step is not None and entry.is_dir():
+            found.append((step, entry))
+    return sorted(found)
+
+
+def step_of(path: "str | os.PathLike[str]") -> int:
+    """The step of checkpoint directory ``path``: from its ``step_<N>`` name, else from its ``meta.json``
+    (a checkpoint copied under another name).
+
+    Raises:
+        CheckpointError: The name is not a step directory and ``meta.json`` is missing or malformed.
+    """
+    path = Path(path)
+    step = parse_step_dir(path.name)
+    return step if step is not None else read_meta(path)["step"]
+
+
+def scratch_dir_name(kind: str, step_dir: str, token: str) -> str:
+    """Name of a save's scratch directory: ``kind`` is ``tmp`` (being written), ``old`` (being
+    replaced) or ``del`` (being pruned)."""
+    return f".{kind}-{step_dir}-{token}"
+
+
+def is_scratch_dir(name: str) -> bool:
+    return _SCRATCH_DIR_RE.match(name) is not None
+
+
+# --------------------------------------------------------------------------- meta.json
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """``{name: {"dtype", "row_shape"}}`` of head shard tensors, as ``meta.json`` records them."""
+    return {n: {"dtype": _dtype_name(t.dtype), "row_shape": list(t.shape[1:])} for n, t in sorted(tensors.items())}
+
+
+def _embedding_dim(specs: Mapping[str, Mapping[str, Any]]) -> Optional[int]:
+    """Row width of the head: that of "weight" if present, else of the first tensor by name."""
+    names = (["weight"] if "weight" in specs else []) + sorted(specs)
+    for name in names:
+        row_shape = specs[name]["row_shape"]
+        if row_shape:
+            return int(row_shape[-1])
+    return None
+
+
+def build_meta(
+    *,
+    step: int,
+    num_classes: int,
+    class_ranges: list[tuple[int, int]],
+    specs: dict[str, Any],
+    extras: list[str],
+    fingerprint: dict[str, Any],
+    files: Mapping[str, Mapping[str, Any]],
+) -> dict[str, Any]:
+    """The ``meta.json`` of a checkpoint saved on ``len(class_ranges)`` ranks."""
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "world_size": len(class_ranges),
+        "num_classes": num_classes,
+        "embedding_dim": _embedding_dim(specs),
+        "class_ranges": [list(r) for r in class_ranges],
+        "head_tensors": specs,
+        "head_extras": extras,
+        "fingerprint": fingerprint,
+        "files": dict(sorted(files.items())),
+        "torch_version": torch.__version__,
+        "created_unix": time.time(),
+    }
+
+
+def read_meta(path: "str | os.PathLike[str]") -> dict[str, Any]:
+    """Parse and structurally validate ``path/meta.json``.
+
+    Raises:
+        CheckpointError: It is missing, unparseable, of another format or a newer version, or
+            does not describe a complete checkpoint (ranges tiling the classes, every file listed).
+    """
+    path = Path(path)
+    meta_path = path / META_FILE
+    try:
+        meta = json.loads(meta_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is not a checkpoint: {meta_path} is missing") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot parse {meta_path}: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{meta_path} is not a {FORMAT_NAME} meta file")
+    version = meta.get("format_version")
+    if version not in READABLE_VERSIONS:
+        raise CheckpointError(
+            f"{meta_path} has format_version={version!r}; this shardfc reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
+        )
+    if not _well_formed(meta):
+        raise CheckpointError(f"{meta_path} is malformed or does not list all of its files")
+    step = parse_step_dir(path.name)
+    if step is not None and step != meta["step"]:
+        raise CheckpointError(f"{meta_path} records step={meta['step']} but the directory is {path.name}")
+    return meta
+
+
+def _well_formed(meta: dict[str, Any]) -> bool:
+    try:
+        world = meta["world_size"]
+        ranges = meta["class_ranges"]
+        files = meta["files"]
+        ok = (
+            isinstance(meta["step"], int)
+            and isinstance(meta["num_classes"], int)
+            and isinstance(world, int)
+            and isinstance(ranges, list)
+            and len(ranges) == world
+            and isinstance(files, dict)
+            and isinstance(meta["head_tensors"], dict)
+            and isinstance(meta["fingerprint"], dict)
+            and COMMON_FILE in files
+            and all(head_file(r) in files for r in range(world))
+            and all(isinstance(e, dict) and isinstance(e.get("size"), int) for e in files.values())
+        )
+        # Saved ranges must tile [0, num_classes) in rank order, as the saver enforces.
+        bounds = [0] + [b for a, b in ranges]
+        ok = ok and all(
+            isinstance(a, int) and isinstance(b, int) and a == bounds[i] and a <= b for i, (a, b) in enumerate(ranges)
+        )
+        return ok and bounds[-1] == meta["num_classes"]
+    except (KeyError, TypeError, ValueError):
+        return False
