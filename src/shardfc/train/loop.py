@@ -28,7 +28,7 @@ from shardfc.train.resume import restore, resume_path, save, step_of
 from shardfc.train.runlog import RunLog
 from shardfc.train.state import Parts, RunState
 from shardfc.train.step import train_step
-from shardfc.train.strategy import checkpoint_view, sync_after_restore
+from shardfc.train.strategy import sync_after_restore
 
 __all__ = ["load_parts", "train"]
 
@@ -81,14 +81,14 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
             if state.step % cfg.log_every == 0 or last:
                 report(runlog, window, parts, state, run.total_steps, ctx)
             if cfg.ckpt_every and state.step % cfg.ckpt_every == 0 and not last:
-                last_saved = _save(run, state, cfg)
+                last_saved = save(run, state, cfg)
             if cfg.eval_every and state.step % cfg.eval_every == 0 and not last:
                 metrics = evaluate_targets(targets, parts, state.step, runlog)
         runlog.close_bar()
 
         # ---- save: a final checkpoint (unless resumed at the end) and a final evaluation
         if resume_from is None or state.step > step_of(resume_from):
-            last_saved = _save(run, state, cfg)
+            last_saved = save(run, state, cfg)
         elif ctx.is_main:
             logger.info("%s is at step %d; max %d steps: nothing to train", resume_from, state.step, run.total_steps)
         metrics = evaluate_targets(targets, parts, state.step, runlog)
@@ -117,13 +117,8 @@ def load_parts(cfg: TrainConfig, path: Path, group: Optional[dist.ProcessGroup] 
     return run.parts, _restore(run, Path(path), cfg)
 
 
-def _save(run, state: RunState, cfg: TrainConfig) -> Path:
-    with checkpoint_view(run, write_back=False) as view:
-        return save(view, state, cfg)
-
-
 def _restore(run, path: Path, cfg: TrainConfig) -> RunState:
-    with checkpoint_view(run, write_back=True) as view:
-        state = restore(view, path, cfg)
+    """:func:`~shardfc.train.resume.restore`, then what the strategy synchronises after one."""
+    state = restore(run, path, cfg)
     sync_after_restore(run.ctx, run.parts)
     return state

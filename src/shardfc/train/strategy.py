@@ -13,16 +13,13 @@ averaging data-parallel backbone (DDP and Horovod's DistributedOptimizer both av
 there is one process and nothing to scale). :mod:`~shardfc.train.build`, :mod:`~shardfc.train.loop`
 and :mod:`~shardfc.train.step` ask this module the few questions whose answers differ: the run's
 :class:`DistContext`, how the backbone and its optimizer are wrapped, where the head's shards live,
-how big one process's loader batch is, what to synchronise after a restore, and (dp) how the head
-looks to a checkpoint.
+how big one process's loader batch is, and what to synchronise after a restore.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -223,90 +220,10 @@ def sync_after_restore(ctx: DistContext, parts) -> None:
         hvd.broadcast_optimizer_state(parts.opt_backbone, root_rank=0)
 
 
-# ---------------------------------------------------------------------- checkpoints of a devices-mode head
-
-
-@contextlib.contextmanager
-def checkpoint_view(run, write_back: bool) -> Iterator[Any]:
-    """``run`` as the checkpoint code reads and writes it.
-
-    The checkpoint code saves and restores a head that is one shard (``head.weight``, its class
-    range, its optimizer's per-parameter state). A dp run's head is several shards on several
-    devices, so it is shown as one flat CPU shard of all classes (and its optimizer as one
-    parameter); with ``write_back`` what a restore wrote into the view goes back to the shards and
-    their optimizer on leaving. Other heads are passed through.
-    """
-    parts = run.parts
-    if getattr(parts.head, "mode", None) != "devices":
-        yield run
-        return
-    head = _FlatHead(parts.head)
-    opt = _FlatOptimizer(parts.opt_head, [len(r) for r in parts.head.shard_ranges])
-    yield dataclasses.replace(run, parts=dataclasses.replace(parts, head=head, opt_head=opt))
-    if write_back:
-        with torch.no_grad():
-            for w, rows in zip(parts.head.shard_weights, head.weight.split([len(r) for r in parts.head.shard_ranges])):
-                w.copy_(rows)
-
-
-class _FlatHead:
-    """A devices-mode head as one shard: ``weight`` [C, D] on the CPU, ``class_range`` 0..C."""
-
-    def __init__(self, head) -> None:
-        self._head = head
-        self.class_range = range(0, head.num_classes)
-        self.weight = torch.cat([w.detach().cpu() for w in head.shard_weights])
-        self.num_classes = head.num_classes
-
-    @property
-    def sample_step(self) -> int:
-        return self._head.sample_step
-
-    @sample_step.setter
-    def sample_step(self, value: int) -> None:
-        self._head.sample_step = value
-
-
-class _FlatOptimizer:
-    """A head optimizer over shards ``[n_0, D], [n_1, D], ...`` as one over a single ``[C, D]`` parameter."""
-
-    def __init__(self, opt: torch.optim.Optimizer, rows: List[int]) -> None:
-        self._opt, self._rows = opt, rows
-
-    def state_dict(self) -> Dict[str, Any]:
-        sd = self._opt.state_dict()
-        shards = [sd["state"].get(i, {}) for i in range(len(self._rows))]
-        flat: Dict[str, Any] = {}
-        for key in shards[0]:
-            values = [s.get(key) for s in shards]
-            if all(self._is_rows(v, n) for v, n in zip(values, self._rows)):
-                flat[key] = torch.cat([v.detach().cpu() for v in values])
-            else:  # the same on every shard (Adam's step): one copy
-                flat[key] = values[0]
-        groups = [dict(g, params=[0]) for g in sd["param_groups"][:1]]
-        return {"state": {0: flat} if flat else {}, "param_groups": groups}
-
-    def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        total = sum(self._rows)
-        flat = sd["state"].get(0, {})
-        state: Dict[int, Dict[str, Any]] = {i: {} for i in range(len(self._rows))}
-        for key, value in flat.items():
-            parts = value.split(self._rows) if self._is_rows(value, total) else [value] * len(self._rows)
-            for i, part in enumerate(parts):
-                state[i][key] = part.clone() if isinstance(part, torch.Tensor) else part
-        groups = [dict(g, params=list(range(len(self._rows)))) for g in sd["param_groups"][:1]]
-        self._opt.load_state_dict({"state": {i: s for i, s in state.items() if s}, "param_groups": groups})
-
-    @staticmethod
-    def _is_rows(value: Any, rows: int) -> bool:
-        return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows
-
-
 __all__ = [
     "AutocastDataParallel",
     "STRATEGIES",
     "check_launch",
-    "checkpoint_view",
     "dp_devices",
     "head_placement",
     "is_horovod_optimizer",
