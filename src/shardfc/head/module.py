@@ -299,7 +299,7 @@ class ShardedMarginHead(nn.Module):
             ),
             num_shards=len(weights),
             distributed=self.distributed,
-            comm=self.ctx.comm,
+            comm=self.ctx.communicator,
             world_size=self.world_size,
             weight_grad_in_place=self.weight_grad_in_place,
         )

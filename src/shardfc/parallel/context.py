@@ -52,11 +52,14 @@ class DistContext:
     """Where this rank computes."""
     comm: Optional[Communicator] = field(default=None, compare=False)
     """The collectives of the group (None: a world of one without any). Left out with ``distributed``:
-    torch.distributed over ``group``."""
+    torch.distributed over ``group``, made at the first collective."""
 
-    def __post_init__(self) -> None:
-        if self.distributed and self.comm is None:
+    @property
+    def communicator(self) -> Optional[Communicator]:
+        """``comm``, made for ``group`` on first use when left out of a distributed context."""
+        if self.comm is None and self.distributed:
             object.__setattr__(self, "comm", TorchDistCommunicator(self.group))
+        return self.comm
 
     @classmethod
     def resolve(cls, group: Optional[dist.ProcessGroup] = None, device: Optional[DeviceLike] = None) -> "DistContext":
@@ -109,7 +112,8 @@ class DistContext:
     @property
     def backend(self) -> Optional[str]:
         """"gloo" / "nccl" (torch.distributed), "horovod", or None without a communicator."""
-        return self.comm.backend if self.comm is not None else None
+        comm = self.communicator
+        return comm.backend if comm is not None else None
 
     @property
     def is_horovod(self) -> bool:
@@ -118,7 +122,8 @@ class DistContext:
     @property
     def comm_device(self) -> torch.device:
         """Where small control tensors of a collective live: the CUDA device under NCCL, else the CPU."""
-        return self.comm.comm_device if self.comm is not None else torch.device("cpu")
+        comm = self.communicator
+        return comm.comm_device if comm is not None else torch.device("cpu")
 
     def with_device(self, device: DeviceLike) -> "DistContext":
         return DistContext(self.group, self.rank, self.world_size, self.distributed, torch.device(device), self.comm)
@@ -126,26 +131,32 @@ class DistContext:
     # ---- collectives (no-ops in a world of one without a communicator)
     def all_gather_rows(self, x: Tensor, sizes: Sequence[int]) -> Tensor:
         """Every rank's ``x`` (``sizes[r]`` rows on rank r) concatenated along dim 0, in rank order."""
-        return self.comm.all_gather_rows(x, sizes) if self.comm is not None else x
+        comm = self.communicator
+        return comm.all_gather_rows(x, sizes) if comm is not None else x
 
     def reduce_scatter_rows(self, x: Tensor, sizes: Sequence[int]) -> Tensor:
         """The sum over ranks of ``x`` (all ranks' rows in rank order); this rank's rows."""
-        return self.comm.reduce_scatter_rows(x, sizes) if self.comm is not None else x
+        comm = self.communicator
+        return comm.reduce_scatter_rows(x, sizes) if comm is not None else x
 
     def all_reduce_(self, t: Tensor, op: ReduceOpLike = "sum") -> Tensor:
         """In place over the group (``op``: "sum"/"max" or torch's ReduceOp.SUM/MAX); returns ``t``."""
-        return self.comm.all_reduce_(t, op) if self.comm is not None else t
+        comm = self.communicator
+        return comm.all_reduce_(t, op) if comm is not None else t
 
     def all_gather_object(self, obj: Any) -> List[Any]:
-        return self.comm.all_gather_object(obj) if self.comm is not None else [obj]
+        comm = self.communicator
+        return comm.all_gather_object(obj) if comm is not None else [obj]
 
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
-        return self.comm.broadcast_object(obj) if self.comm is not None else obj
+        comm = self.communicator
+        return comm.broadcast_object(obj) if comm is not None else obj
 
     def barrier(self) -> None:
-        if self.comm is not None:
-            self.comm.barrier()
+        comm = self.communicator
+        if comm is not None:
+            comm.barrier()
 
 
 __all__ = ["DistContext"]
