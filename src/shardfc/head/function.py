@@ -23,10 +23,9 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from shardfc.parallel.collectives import all_reduce
+from shardfc.parallel.comm import Communicator
 from shardfc.head.kernels import ShardConfig, shard_backward, shard_forward
 
 
@@ -36,9 +35,9 @@ class ShardedLossPlan:
 
     config: ShardConfig
     num_shards: int  # local shards (devices) in this process
-    distributed: bool  # shards on the ranks of ``group`` (else: this process only)
-    group: Optional[dist.ProcessGroup]  # None with ``distributed``: torch's default group
-    world_size: int  # ranks in ``group`` (1 when not distributed)
+    distributed: bool  # shards on the ranks of ``comm``'s group (else: this process only)
+    comm: Optional[Communicator]  # the collectives over those ranks (torch.distributed or Horovod)
+    world_size: int  # ranks in the group (1 when not distributed)
     #: Add weight gradients straight into an existing ``.grad`` of a leaf weight (no ``[n, D]``
     #: transient); autograd then sees no gradient for that weight.
     weight_grad_in_place: bool = True
@@ -82,7 +81,7 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
 
             row_max = torch.stack([s.row_max.to(home) for s in stats]).amax(dim=0)
             if plan.distributed:
-                all_reduce(row_max, dist.ReduceOp.MAX, plan.group)
+                plan.comm.all_reduce_(row_max, "max")
             parts = []
             for s in stats:
                 rescale = torch.exp(s.row_max.to(home) - row_max)
@@ -92,7 +91,7 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
                 parts.append(torch.stack(fields))
             combined = torch.stack(parts).sum(dim=0)
             if plan.distributed:
-                all_reduce(combined, dist.ReduceOp.SUM, plan.group)
+                plan.comm.all_reduce_(combined, "sum")
             sum_exp, target = combined[0], combined[1]
             eps = cfg.label_smoothing
             loss = torch.log(sum_exp) + row_max - (1.0 - eps) * target
@@ -120,7 +119,7 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
         # The objective is the average over ranks of what each rank back-propagates.
         coef = grad_loss.to(cfg.stats_dtype).contiguous()
         if plan.distributed:
-            all_reduce(coef, dist.ReduceOp.SUM, plan.group)
+            plan.comm.all_reduce_(coef, "sum")
             coef = coef / plan.world_size
         coef = torch.where(valid, coef, torch.zeros_like(coef))
         grads_a: List[Tensor] = []

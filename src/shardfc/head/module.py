@@ -2,9 +2,9 @@
 
 Three layouts, one loss:
 
-* **process-group mode** (torch.distributed initialised, or ``group`` given): one shard per rank,
-  contiguous class ranges in rank order. Each rank passes its own local batch (sizes may differ,
-  including 0); the embeddings and labels are gathered, each rank scores the *global* batch against
+* **process-group mode** (torch.distributed or Horovod initialised, or ``group`` / ``context``
+  given): one shard per rank, contiguous class ranges in rank order. Each rank passes its own local
+  batch (sizes may differ, including 0); the embeddings and labels are gathered, each rank scores the *global* batch against
   its classes, and only per-sample statistics cross ranks.
 * **devices mode** (``devices=[...]``, one process): shard ``i`` lives on ``devices[i]``; only the
   ``[B, D]`` embeddings and ``[B]`` statistics move between devices.
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from shardfc.head import margins as _margins
-from shardfc.parallel.collectives import all_gather_rows, gather_rows_forward_reduce_scatter_backward
+from shardfc.parallel.collectives import gather_rows_forward_reduce_scatter_backward
 from shardfc.parallel.context import DistContext
 from shardfc.seeding import mix_seed
 from shardfc.head.layout import class_ranges
@@ -84,7 +84,11 @@ class ShardedMarginHead(nn.Module):
         num_classes: total number of classes ``C`` over all shards.
         margin: a :mod:`shardfc.head.margins` margin (default ``ArcFace(64, 0.5)``).
         group: process group whose ranks hold the shards (default: the default group when
-            torch.distributed is initialised). A given group is always used as is.
+            torch.distributed is initialised, else Horovod's world when ``hvd.init()`` has run).
+            A given group is always used as is.
+        context: a :class:`~shardfc.parallel.context.DistContext` to shard over instead of
+            ``group``, e.g. ``DistContext.horovod()``: its ranks hold the shards, its communicator
+            carries every collective, its device holds the weight (unless ``device`` is given).
         devices: single-process multi-device mode: shard ``i`` on ``devices[i]``.
         label_smoothing: ε of ``F.cross_entropy(label_smoothing=ε)``, over all ``C`` classes.
         ignore_index: label value that contributes no loss and no gradient.
@@ -136,6 +140,7 @@ class ShardedMarginHead(nn.Module):
         init_seed: int = 0,
         device: Optional[DeviceLike] = None,
         dtype: Optional[torch.dtype] = None,
+        context: Optional[DistContext] = None,
     ):
         super().__init__()
         self.embedding_dim = check_positive_int("embedding_dim", embedding_dim)
@@ -167,6 +172,8 @@ class ShardedMarginHead(nn.Module):
         self.init_seed = int(init_seed)
         dtype = torch.float32 if dtype is None else dtype
 
+        if context is not None and (group is not None or devices is not None):
+            raise ValueError("pass one of context, group (process-group mode) or devices (one process), not several")
         if devices is not None:
             if group is not None:
                 raise ValueError("pass either devices (one process, many devices) or group, not both")
@@ -183,7 +190,10 @@ class ShardedMarginHead(nn.Module):
                 for r, d in zip(self.shard_ranges, devices)
             )
         else:
-            self.ctx = DistContext.resolve(group, device)
+            if context is None:
+                self.ctx = DistContext.resolve(group, device)
+            else:
+                self.ctx = context if device is None else context.with_device(device)
             self.mode = "group" if self.ctx.distributed else "single"
             self.class_range = class_ranges(num_classes, self.ctx.world_size)[self.ctx.rank]
             self.shard_ranges = [self.class_range]
@@ -250,9 +260,9 @@ class ShardedMarginHead(nn.Module):
         if self.distributed:
             if autograd:
                 # W× on the way back: DDP's average over ranks then gives the exact gradient.
-                x = gather_rows_forward_reduce_scatter_backward(x, sizes, self.group, grad_scale=self.world_size)
+                x = gather_rows_forward_reduce_scatter_backward(x, sizes, self.ctx, grad_scale=self.world_size)
             else:
-                x = all_gather_rows(x, sizes, self.group)
+                x = self.ctx.all_gather_rows(x, sizes)
         return [x.to(d) for d in self.devices]
 
     # ------------------------------------------------------------------ forward
@@ -271,7 +281,7 @@ class ShardedMarginHead(nn.Module):
 
         x = self._prepare_embeddings(embeddings)
         embeds = self._global_embeddings(x, sizes, autograd=True)
-        all_labels = all_gather_rows(labels, sizes, self.group) if self.distributed else labels
+        all_labels = self.ctx.all_gather_rows(labels, sizes) if self.distributed else labels
         local_labels = [local_labels_for_range(all_labels.to(d), r) for d, r in zip(self.devices, self.shard_ranges)]
         num_classes = self.num_classes
         if sampling:
@@ -289,7 +299,7 @@ class ShardedMarginHead(nn.Module):
             ),
             num_shards=len(weights),
             distributed=self.distributed,
-            group=self.group,
+            comm=self.ctx.communicator,
             world_size=self.world_size,
             weight_grad_in_place=self.weight_grad_in_place,
         )
@@ -418,8 +428,8 @@ class ShardedMarginHead(nn.Module):
         scores, ids = torch.cat(cand_scores, dim=1), torch.cat(cand_ids, dim=1)
         if self.distributed:
             world = self.world_size
-            scores = all_gather_rows(scores, [B] * world, self.group).view(world, B, k)
-            ids = all_gather_rows(ids, [B] * world, self.group).view(world, B, k)
+            scores = self.ctx.all_gather_rows(scores, [B] * world).view(world, B, k)
+            ids = self.ctx.all_gather_rows(ids, [B] * world).view(world, B, k)
             scores, ids = scores.permute(1, 0, 2).reshape(B, world * k), ids.permute(1, 0, 2).reshape(B, world * k)
             offset = sum(sizes[: self.rank])
             scores, ids = scores[offset : offset + sizes[self.rank]], ids[offset : offset + sizes[self.rank]]

@@ -13,7 +13,6 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from shardfc.parallel.collectives import all_gather_rows
 from shardfc.parallel.context import DistContext
 
 _KINDS = {None: 0, ValueError: 1, TypeError: 2}
@@ -71,11 +70,10 @@ def raise_or_exchange_sizes(error: Optional[Exception], local_batch: int, ctx: D
         if error is not None:
             raise error
         return [local_batch]
-    group = ctx.group
     kind = _KINDS.get(type(error), 1) if error is not None else 0
     header = torch.tensor([[local_batch, kind]], dtype=torch.int64, device=ctx.comm_device)
     world = ctx.world_size
-    table = all_gather_rows(header, [1] * world, group).cpu()
+    table = ctx.all_gather_rows(header, [1] * world).cpu()
     kinds = table[:, 1].tolist()
     if any(kinds):
         messages = ctx.all_gather_object(None if error is None else str(error))

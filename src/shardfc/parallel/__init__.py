@@ -1,7 +1,8 @@
 """Data movement and process placement.
 
-    context.py      DistContext: group, rank, world size and device, resolved once at the boundary
-    collectives.py  every collective as a counted function, and the head's gather/reduce-scatter mapping
+    context.py      DistContext: group, rank, world size, device and communicator, resolved once at the boundary
+    comm.py         Communicator: the head's and trainer's collectives over torch.distributed or Horovod
+    collectives.py  every torch.distributed collective as a counted function, and the head's gather/reduce-scatter mapping
     launch.py       spawn N local processes, or join a torchrun (env://) group
     model_split.py  a backbone cut at named split points over devices (SplitModel), and micro-batch pipelining
     split_bench.py  time one device vs split vs pipelined (for shardfc bench)
@@ -18,11 +19,15 @@ from shardfc.parallel.collectives import (
     group_size,
     reduce_scatter_rows,
 )
+from shardfc.parallel.comm import Communicator, HorovodCommunicator, TorchDistCommunicator
 from shardfc.parallel.context import DistContext
 
 __all__ = [
     "CommCounter",
+    "Communicator",
     "DistContext",
+    "HorovodCommunicator",
+    "TorchDistCommunicator",
     "all_gather_rows",
     "all_reduce",
     "comm_device",

@@ -180,24 +180,32 @@ class _GatherRowsForwardReduceScatterBackward(torch.autograd.Function):
     """All-gather rows forward; reduce-scatter (sum) of the row gradients backward, times a scale."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, sizes: List[int], group, grad_scale: float) -> Tensor:
-        ctx.sizes, ctx.group, ctx.grad_scale = sizes, group, grad_scale
-        return all_gather_rows(x, sizes, group)
+    def forward(ctx, x: Tensor, sizes: List[int], comm, grad_scale: float) -> Tensor:
+        ctx.sizes, ctx.comm, ctx.grad_scale = sizes, comm, grad_scale
+        return comm.all_gather_rows(x, sizes)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        out = reduce_scatter_rows(grad, ctx.sizes, ctx.group)
+        out = ctx.comm.reduce_scatter_rows(grad, ctx.sizes)
         if ctx.grad_scale != 1:
             out = out * ctx.grad_scale
         return out, None, None, None
 
 
 def gather_rows_forward_reduce_scatter_backward(
-    x: Tensor, sizes: Sequence[int], group: Optional[dist.ProcessGroup], grad_scale: float = 1.0
+    x: Tensor, sizes: Sequence[int], group: Any, grad_scale: float = 1.0
 ) -> Tensor:
     """Autograd-aware gather of every rank's rows; the backward sums gradients over ranks.
 
+    ``group``: a torch.distributed process group (``None``: the default group), or anything with
+    ``all_gather_rows`` and ``reduce_scatter_rows`` (a :class:`~shardfc.parallel.comm.Communicator`
+    or a :class:`~shardfc.parallel.context.DistContext`, e.g. over Horovod).
     ``grad_scale`` multiplies the returned gradient: a model-parallel head under the DDP
     convention passes the world size, because DDP will average the backbone's gradients.
     """
-    return _GatherRowsForwardReduceScatterBackward.apply(x, list(sizes), group, grad_scale)
+    comm = group
+    if not (hasattr(comm, "all_gather_rows") and hasattr(comm, "reduce_scatter_rows")):
+        from shardfc.parallel.comm import TorchDistCommunicator  # comm imports this module
+
+        comm = TorchDistCommunicator(group)
+    return _GatherRowsForwardReduceScatterBackward.apply(x, list(sizes), comm, grad_scale)

@@ -1,7 +1,8 @@
 """``shardfc train`` and its companions.
 
     config.py     TrainConfig (a docstring per field), TOML presets, flags
-    build.py      a run from its config: context, data, backbone in DDP, head shard, optimizers, precision
+    strategy.py   ddp / dp / horovod: the run's context, backbone and optimizer wrapping, head placement
+    build.py      a run from its config: context, data, backbone (wrapped per strategy), head shard, optimizers, precision
     loop.py       train(): build -> resume -> loop -> save, read top to bottom
     step.py       one optimizer step (micro-batches, fp16 overflow agreement, clipping)
     data.py       the dataset, per-rank resumable batches, the micro-batch stream
@@ -15,8 +16,8 @@
     from shardfc.train import TrainConfig, train
     summary = train(TrainConfig(max_steps=100, nproc=1))   # in this process, no process group
 
-``shardfc.train.cli.run(cfg)`` picks the launch (spawned processes, torchrun, or in-process) the way
-the command line does.
+``shardfc.train.cli.run(cfg)`` picks the launch (spawned processes, torchrun, horovodrun, or
+in-process) the way the command line does.
 """
 
 from shardfc.train.config import ConfigError, TrainConfig, parse_config

@@ -1,4 +1,4 @@
-"""Build a run's parts from its config: image size, backbone (in DDP), head shard, optimizers, precision."""
+"""Build a run's parts from its config: image size, backbone (wrapped as the strategy says), head shard, optimizers, precision."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
 from shardfc.head import ShardedMarginHead, head_optimizer
@@ -22,6 +21,13 @@ from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.data import ShardBatches, train_dataset
 from shardfc.train.schedule import WarmupDecay
 from shardfc.train.state import Parts
+from shardfc.train.strategy import (
+    head_placement,
+    loader_batch_size,
+    run_context as strategy_context,
+    wrap_backbone,
+    wrap_backbone_optimizer,
+)
 
 logger = logging.getLogger("shardfc.train")
 
@@ -52,27 +58,20 @@ def build_parts(
     total_steps: int,
     amp_dtype: Optional[torch.dtype],
 ) -> Parts:
-    """Backbone (DDP when several ranks), head shard, optimizers, schedules and scaler."""
+    """Backbone (in DDP / DataParallel as the strategy says), head shard(s), optimizers, schedules and scaler."""
     kwargs = {"input_size": image_size} if cfg.backbone == "tiny" else {}
     backbone = build_backbone(cfg.backbone, cfg.embedding_dim, **kwargs).to(ctx.device)
-    if ctx.distributed and ctx.world_size > 1:
-        # Frozen BN weights (requires_grad=False) are simply not reduced; no parameter goes unused.
-        backbone = DDP(
-            backbone,
-            device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
-            process_group=ctx.group,
-        )
+    backbone = wrap_backbone(cfg, ctx, backbone)
     head = ShardedMarginHead(
         cfg.embedding_dim,
         num_classes,
         margin=build_margin(cfg.margin, **cfg.margin_params()),
-        group=ctx.group if ctx.distributed else None,
         label_smoothing=cfg.label_smoothing,
         chunk_size={0: None, -1: "auto"}.get(cfg.chunk_size, cfg.chunk_size),
         sample_rate=cfg.sample_rate,
         sample_seed=cfg.seed,
         init_seed=cfg.seed,
-        device=ctx.device,
+        **head_placement(cfg, ctx),
     )
     trainable = [p for p in backbone.parameters() if p.requires_grad]
     if cfg.optimizer == "sgd":
@@ -83,6 +82,7 @@ def build_parts(
         opt_backbone = torch.optim.AdamW(
             trainable, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
         )
+    opt_backbone = wrap_backbone_optimizer(cfg, ctx, backbone, opt_backbone)
     opt_head = head_optimizer(
         head, cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
         nesterov=cfg.nesterov, betas=tuple(cfg.betas), eps=cfg.eps,
@@ -143,7 +143,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext) -> Run:
             f"the dataset has {dataset.num_classes} class(es) for {ctx.world_size} ranks: every rank must hold at "
             f"least one class of the head; use --nproc {dataset.num_classes} or fewer"
         )
-    batches = ShardBatches(len(dataset), cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed, cfg.drop_last)
+    batches = ShardBatches(len(dataset), loader_batch_size(cfg), ctx.rank, ctx.world_size, cfg.seed, cfg.drop_last)
     total_steps = cfg.max_steps or math.ceil(cfg.epochs * len(batches) / cfg.grad_accum)
     seed_all(cfg.seed)
     parts = build_parts(cfg, ctx, dataset.num_classes, image_size, total_steps, amp_dtype)
@@ -151,19 +151,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext) -> Run:
 
 
 def run_context(cfg: TrainConfig, group: Optional[dist.ProcessGroup]) -> DistContext:
-    """The run's :class:`DistContext`, on the device ``cfg.device`` asks for."""
-    want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if want_cuda and not torch.cuda.is_available():
-        raise ConfigError("device='cuda' but CUDA is not available here; use --device cpu or auto")
-    if want_cuda:
-        device = torch.device("cuda", torch.cuda.current_device())
-        torch.backends.cudnn.benchmark = True
-    else:
-        device = torch.device("cpu")
-    ctx = DistContext.resolve(group, device)
-    if ctx.backend == "nccl" and device.type == "cpu":
-        raise ConfigError("the process group uses NCCL but device is the CPU; use gloo for CPU runs")
-    return ctx
+    """The run's :class:`DistContext` for its strategy, on the device ``cfg.device`` asks for."""
+    return strategy_context(cfg, group)
 
 
 def rank_seed(seed: int, rank: int, step: int) -> int:

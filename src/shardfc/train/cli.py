@@ -1,10 +1,16 @@
-"""``shardfc train``: resolve the config, then run on spawned processes, under torchrun, or in-process.
+"""``shardfc train``: resolve the config, then run on spawned processes, under torchrun or horovodrun, or in-process.
+
+``--strategy ddp`` (the default):
 
 * under ``torchrun`` (RANK/WORLD_SIZE/MASTER_* set): join the env:// group the launcher describes;
 * ``--nproc N`` with N > 1 (default 2): spawn N local processes in a 127.0.0.1 group;
 * ``--nproc 1``: train in this process without a process group.
 
-gloo on CPU, NCCL when training on CUDA. Only rank 0 prints.
+gloo on CPU, NCCL when training on CUDA.
+
+``--strategy horovod``: every process ``horovodrun -np N`` starts trains as one Horovod rank (a
+world of one outside horovodrun). ``--strategy dp``: this process drives every visible GPU.
+Only rank 0 prints.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from shardfc import checkpoint as ckpt
 from shardfc.parallel.launch import WorkerError, init_from_env, launched_by_torchrun, spawn
 from shardfc.train.config import ConfigError, TrainConfig, parse_config, to_toml
 from shardfc.train.loop import train
+from shardfc.train.strategy import check_launch, horovod_module
 
 __all__ = ["main", "run", "USER_ERRORS"]
 
@@ -52,12 +59,21 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def run(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
-    """Train with the launch mode the environment and ``cfg.nproc`` select.
+    """Train with the launch mode ``cfg.strategy``, the environment and ``cfg.nproc`` select.
 
-    Returns rank 0's summary (None on the other ranks under torchrun). Errors of the input are
-    raised as themselves in-process, as :class:`ConfigError` with the same message from spawned
-    ranks; a spawned rank's unexpected error as :class:`WorkerError` with its traceback.
+    Returns rank 0's summary (None on the other ranks under torchrun or horovodrun). Errors of the
+    input are raised as themselves in-process, as :class:`ConfigError` with the same message from
+    spawned ranks; a spawned rank's unexpected error as :class:`WorkerError` with its traceback.
     """
+    cfg.validate()
+    check_launch(cfg)
+    if cfg.strategy == "horovod":
+        return _run_horovod(cfg)
+    if cfg.strategy == "dp":
+        preflight(cfg)
+        if cfg.nproc != 1:
+            logging.getLogger("shardfc.train").info("strategy='dp' is one process: --nproc %d is not used", cfg.nproc)
+        return train(cfg)
     if launched_by_torchrun():
         backend = "nccl" if _wants_cuda(cfg) else "gloo"
         rank, _ = init_from_env(backend)
@@ -87,6 +103,19 @@ def run(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
             raise ConfigError(first["error"])
         raise WorkerError(f"rank {first['rank']} failed:\n{first['traceback']}")
     return results[0]
+
+
+def _run_horovod(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
+    """This process as one rank of the Horovod world horovodrun started; rank 0's summary."""
+    preflight(cfg)
+    hvd = horovod_module()
+    try:
+        summary = train(cfg)
+        rank = hvd.rank()
+    finally:
+        # Also on an error: the other ranks then fail in their next collective instead of waiting.
+        hvd.shutdown()
+    return summary if rank == 0 else None
 
 
 def _spawned(rank: int, world_size: int, cfg: TrainConfig) -> Dict[str, Any]:

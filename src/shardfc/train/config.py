@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = [
     "ConfigError",
+    "STRATEGIES",
     "TrainConfig",
     "SECTIONS",
     "field_help",
@@ -45,6 +46,9 @@ __all__ = [
 class ConfigError(ValueError):
     """A configuration value, key, file or flag is invalid; the message names it."""
 
+
+#: Values of ``TrainConfig.strategy`` (what each does: :mod:`shardfc.train.strategy`).
+STRATEGIES = ("ddp", "dp", "horovod")
 
 #: Other names of a margin, accepted as the Python API accepts them (shardfc.margins.build_margin).
 MARGIN_ALIASES = {"amsoftmax": "cosface"}
@@ -146,12 +150,14 @@ class TrainConfig:
     """Steps of linear learning-rate warm-up from 0."""
 
     # ------------------------------------------------------------------ run
+    strategy: str = "ddp"
+    """How the run spreads over processes and devices: 'ddp' (one process per rank, spawned with --nproc or by torchrun; backbone in DistributedDataParallel, one head shard per rank), 'dp' (one process; backbone in nn.DataParallel over every visible CUDA device, one head shard per device; needs >= 2 GPUs; batch_size is per GPU) or 'horovod' (launched by `horovodrun -np N`; backbone optimizer in hvd.DistributedOptimizer, one head shard per rank over Horovod's collectives)."""
     amp: str = "none"
     """Mixed precision: 'none', 'bf16' (autocast) or 'fp16' (autocast + loss scaling; on CPU it falls back to bf16)."""
     seed: int = 0
     """Seed of the model initialisation, data order, augmentation and the synthetic dataset."""
     nproc: int = 2
-    """Processes to spawn on this machine (ignored under torchrun, whose environment decides)."""
+    """Processes to spawn on this machine (strategy 'ddp'; ignored under torchrun and horovodrun, whose environment decides, and by 'dp', which is one process)."""
     device: str = "auto"
     """'auto' (one CUDA device per rank when available, else CPU), 'cpu' or 'cuda'."""
     output_dir: str = "shardfc_runs/synthetic"
@@ -206,6 +212,7 @@ class TrainConfig:
         _choice(self, "margin", ("arcface", "cosface", "sphereface", "combined", "normsoftmax", "softmax"))
         _choice(self, "optimizer", ("sgd", "adamw"))
         _choice(self, "scheduler", ("poly", "cosine"))
+        _choice(self, "strategy", STRATEGIES)
         _choice(self, "amp", ("none", "bf16", "fp16"))
         _choice(self, "device", ("auto", "cpu", "cuda"))
         for name in ("synthetic_identities", "synthetic_images_per_identity", "embedding_dim", "batch_size",
@@ -293,8 +300,8 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
              "chunk_size", "label_smoothing"),
     "optim": ("optimizer", "lr", "momentum", "weight_decay", "nesterov", "betas", "eps", "grad_clip", "grad_accum"),
     "schedule": ("batch_size", "max_steps", "epochs", "scheduler", "poly_power", "warmup_steps"),
-    "run": ("amp", "seed", "nproc", "device", "output_dir", "resume", "log_every", "progress", "eval_every",
-            "ckpt_every", "keep_last", "trust_checkpoint"),
+    "run": ("strategy", "amp", "seed", "nproc", "device", "output_dir", "resume", "log_every", "progress",
+            "eval_every", "ckpt_every", "keep_last", "trust_checkpoint"),
     "eval": ("val_bins", "reid_root", "synthetic_val_pairs", "eval_batch_size", "eval_flip"),
 }
 _SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}

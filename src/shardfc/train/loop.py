@@ -1,10 +1,12 @@
 """The training loop of ``shardfc train``, read top to bottom in :func:`train`: build, resume, loop, save.
 
-One process per rank. Every rank holds a replica of the backbone (in DDP when there are several
-ranks) and one class shard of the :class:`~shardfc.ShardedMarginHead` (never in DDP: its
-embedding gradient is already scaled so that DDP's averaging gives the backbone exact
-gradients). What a step does is in :mod:`~shardfc.train.step`; building in
-:mod:`~shardfc.train.build`; checkpoints in :mod:`~shardfc.train.resume`.
+One process per rank (ddp, horovod) or one process for all GPUs (dp): see
+:mod:`~shardfc.train.strategy`. Every rank holds a replica of the backbone (in DDP, or with
+Horovod's averaging optimizer, when there are several ranks) and one class shard of the
+:class:`~shardfc.ShardedMarginHead` (never in DDP: its embedding gradient is already scaled so that
+the backbone's averaging gives it exact gradients). What a step does is in
+:mod:`~shardfc.train.step`; building in :mod:`~shardfc.train.build`; checkpoints in
+:mod:`~shardfc.train.resume`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from shardfc.train.resume import restore, resume_path, save, step_of
 from shardfc.train.runlog import RunLog
 from shardfc.train.state import Parts, RunState
 from shardfc.train.step import train_step
+from shardfc.train.strategy import sync_after_restore
 
 __all__ = ["load_parts", "train"]
 
@@ -33,7 +36,8 @@ logger = logging.getLogger("shardfc.train")
 
 
 def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[str, Any]:
-    """Train as ``cfg`` says; collective over ``group`` when torch.distributed is initialised.
+    """Train as ``cfg`` says; collective over ``group`` when torch.distributed is initialised
+    (``cfg.strategy`` 'ddp'), over Horovod's world ('horovod'), or in one process ('dp').
 
     Returns a summary: ``step``, ``wall_time_s``, ``checkpoint`` and (rank 0) the last
     evaluation's ``metrics`` (``{target: {metric: value}}``) with their ``descriptions``.
@@ -56,7 +60,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         state = RunState(batches_per_epoch=len(run.batches))
         resume_from = resume_path(cfg, ctx)
         if resume_from is not None:
-            state = restore(run, resume_from, cfg)
+            state = _restore(run, resume_from, cfg)
         if ctx.is_main:  # only now: a refused resume leaves the earlier run's config.toml alone
             (out / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
         stream = micro_batches(run.dataset, run.batches, state, cfg, ctx)
@@ -110,4 +114,11 @@ def load_parts(cfg: TrainConfig, path: Path, group: Optional[dist.ProcessGroup] 
     """
     cfg.validate()
     run = build_run(cfg, run_context(cfg, group))
-    return run.parts, restore(run, Path(path), cfg)
+    return run.parts, _restore(run, Path(path), cfg)
+
+
+def _restore(run, path: Path, cfg: TrainConfig) -> RunState:
+    """:func:`~shardfc.train.resume.restore`, then what the strategy synchronises after one."""
+    state = restore(run, path, cfg)
+    sync_after_restore(run.ctx, run.parts)
+    return state

@@ -24,9 +24,10 @@ def log_setup(cfg, ctx: DistContext, run) -> None:
     dataset, parts, image_size, amp_dtype = run.dataset, run.parts, run.image_size, run.amp_dtype
     batches_per_epoch, total_steps = len(run.batches), run.total_steps
     n_backbone = sum(p.numel() for p in parts.module.parameters())
+    devices = f"{len(parts.head.devices)} {ctx.device.type} devices" if parts.head.mode == "devices" else ctx.device.type
     logger.info(
-        "shardfc train: %d rank(s) on %s (%s), output %s",
-        ctx.world_size, ctx.device.type, ctx.backend or "no process group",
+        "shardfc train: %d rank(s) on %s (%s), strategy %s, output %s",
+        ctx.world_size, devices, ctx.backend or "no process group", cfg.strategy,
         os.path.abspath(cfg.output_dir),
     )
     logger.info("data: %s, %d images, %d classes, %dx%d input", dataset, len(dataset), dataset.num_classes, *image_size)
@@ -35,11 +36,12 @@ def log_setup(cfg, ctx: DistContext, run) -> None:
         cfg.backbone, n_backbone / 1e6, cfg.embedding_dim, parts.head.margin, parts.head.num_classes,
         len(parts.head.class_range), f"{parts.head.class_range.start}..{parts.head.class_range.stop - 1}",
     )
-    global_batch = cfg.batch_size * ctx.world_size * cfg.grad_accum
+    per_rank = run.batches.batch_size
+    global_batch = per_rank * ctx.world_size * cfg.grad_accum
     logger.info(
         "optimisation: %s lr %g, %s schedule, %d warm-up steps; %d steps of %d images (%d per rank x %d rank(s) x "
         "%d accumulated), %d micro-batches per epoch per rank; precision %s%s",
-        cfg.optimizer, cfg.lr, cfg.scheduler, cfg.warmup_steps, total_steps, global_batch, cfg.batch_size,
+        cfg.optimizer, cfg.lr, cfg.scheduler, cfg.warmup_steps, total_steps, global_batch, per_rank,
         ctx.world_size, cfg.grad_accum, batches_per_epoch, "fp32" if amp_dtype is None else str(amp_dtype)[6:],
         f"; Partial FC sample_rate {cfg.sample_rate}" if cfg.sample_rate < 1 else "",
     )

@@ -33,11 +33,11 @@ class Parts:
     """The trainable parts of a run and their optimizers."""
 
     backbone: nn.Module
-    """The backbone, in DDP when the run has several ranks."""
+    """The backbone as the strategy trains it: in DDP (ddp, several ranks), in DataParallel (dp), or plain."""
     head: ShardedMarginHead
     """This rank's class shard of the margin head."""
     opt_backbone: torch.optim.Optimizer
-    """torch SGD/AdamW over the backbone's trainable parameters."""
+    """torch SGD/AdamW over the backbone's trainable parameters (in hvd.DistributedOptimizer under horovod)."""
     opt_head: torch.optim.Optimizer
     """:func:`shardfc.head.partial_fc.head_optimizer` over the head shard."""
     schedulers: List[torch.optim.lr_scheduler.LambdaLR]
@@ -47,5 +47,5 @@ class Parts:
 
     @property
     def module(self) -> nn.Module:
-        """The plain backbone (unwrapped from DDP): what is evaluated, saved and exported."""
-        return self.backbone.module if isinstance(self.backbone, DDP) else self.backbone
+        """The plain backbone (unwrapped from DDP / DataParallel): what is evaluated, saved and exported."""
+        return self.backbone.module if isinstance(self.backbone, (DDP, nn.DataParallel)) else self.backbone

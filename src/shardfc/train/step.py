@@ -6,20 +6,21 @@ import contextlib
 from typing import Iterator, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardfc.parallel.context import DistContext
 from shardfc.train.config import TrainConfig
 from shardfc.train.state import Parts, RunState
+from shardfc.train.strategy import is_horovod_optimizer
 
 
 def train_step(
     parts: Parts, stream: Iterator, state: RunState, cfg: TrainConfig, ctx: DistContext, autocast
 ) -> Tuple[torch.Tensor, int]:
     """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, corrupt images skipped)."""
-    parts.opt_backbone.zero_grad(set_to_none=True)
+    # set_to_none=True is torch's default; Horovod's DistributedOptimizer.zero_grad() takes no argument.
+    parts.opt_backbone.zero_grad()
     # The head's gradient buffer is kept: its backward then adds into it in place, block by block,
     # instead of allocating a fresh [n_local, D] gradient every step.
     parts.opt_head.zero_grad(set_to_none=False)
@@ -30,7 +31,8 @@ def train_step(
         images = images.to(ctx.device, non_blocking=True)
         labels = labels.to(ctx.device, non_blocking=True)
         corrupt += int(skipped.sum())
-        # DDP all-reduces the backbone gradients on the last micro-batch only.
+        # DDP all-reduces the backbone gradients on the last micro-batch only (Horovod's optimizer
+        # counts grad_accum backward passes itself).
         last = micro == cfg.grad_accum - 1
         sync = contextlib.nullcontext() if last or not isinstance(parts.backbone, DDP) else parts.backbone.no_sync()
         with sync:
@@ -45,7 +47,12 @@ def train_step(
 
 
 def apply_gradients(parts: Parts, grad_clip: float, ctx: DistContext) -> None:
-    """Unscale (fp16), clip, and step both optimizers and their schedules: the end of a step."""
+    """Average (Horovod), unscale (fp16), clip, and step both optimizers and their schedules: the end of a step."""
+    horovod = is_horovod_optimizer(parts.opt_backbone)
+    if horovod:
+        # The averaged backbone gradients now, before the overflow check and the clipping read them;
+        # the optimizer's step must then not synchronise again.
+        parts.opt_backbone.synchronize()
     if parts.scaler.is_enabled():
         _agree_on_overflow(parts, ctx)
     # One scaler for both optimizers: unscale both before clipping, step both, update once.
@@ -55,7 +62,8 @@ def apply_gradients(parts: Parts, grad_clip: float, ctx: DistContext) -> None:
         params = [p for p in parts.backbone.parameters() if p.grad is not None]
         torch.nn.utils.clip_grad_norm_(params, grad_clip)
         clip_head_grad_(parts.head, grad_clip, ctx)
-    parts.scaler.step(parts.opt_backbone)
+    with parts.opt_backbone.skip_synchronize() if horovod else contextlib.nullcontext():
+        parts.scaler.step(parts.opt_backbone)
     parts.scaler.step(parts.opt_head)
     parts.scaler.update()
     for s in parts.schedulers:
@@ -70,20 +78,20 @@ def clip_head_grad_(head: nn.Module, max_norm: float, ctx: DistContext) -> torch
     """
     grads = [p.grad for p in head.parameters() if p.grad is not None]
     sq = torch.zeros((), device=ctx.device, dtype=torch.float32)
-    for g in grads:
-        sq += g.detach().float().pow(2).sum()
+    for g in grads:  # the shards may sit on several devices (dp)
+        sq += g.detach().float().pow(2).sum().to(sq.device)
     ctx.all_reduce_(sq)
     total = sq.sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for g in grads:
-        g.mul_(coef.to(g.dtype))
+        g.mul_(coef.to(g.device, g.dtype))
     return total
 
 
 def _agree_on_overflow(parts: Parts, ctx: DistContext) -> None:
     """Make every rank's fp16 loss scaler see an overflow if any rank's gradients hold inf/NaN.
 
-    Backbone gradients are equal on all ranks (DDP), but head shards differ, so one rank may
+    Backbone gradients are equal on all ranks (DDP, Horovod after synchronize()), but head shards differ, so one rank may
     overflow alone; the scaler would then skip the step on that rank only and the scales would
     drift apart. After this, every optimizer on every rank holds a non-finite gradient or none does.
     """
@@ -95,9 +103,9 @@ def _agree_on_overflow(parts: Parts, ctx: DistContext) -> None:
     flags = torch.zeros(3, device=ctx.device)
     for i, grads in enumerate(groups):
         if grads:
-            flags[i] = torch.stack([~torch.isfinite(g).all() for g in grads]).any().float()
+            flags[i] = torch.stack([(~torch.isfinite(g).all()).to(flags.device) for g in grads]).any().float()
     flags[2] = flags[:2].max()
-    ctx.all_reduce_(flags[2:], op=dist.ReduceOp.MAX)
+    ctx.all_reduce_(flags[2:], op="max")
     bad_backbone, bad_head, bad_anywhere = flags.tolist()
     if bad_anywhere:
         for grads, bad in zip(groups, (bad_backbone, bad_head)):

@@ -1,0 +1,76 @@
+"""Fixtures shared by every test folder: running a command under ``horovodrun``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import pytest
+
+#: Set to 1 (CI does) to make the Horovod tests fail instead of skipping when Horovod is missing.
+REQUIRE_HOROVOD = "SHARDFC_REQUIRE_HOROVOD"
+
+INSTALL_HINT = "install it with `bash scripts/install_horovod.sh` (horovod 0.28.1 built with PyTorch and Gloo)"
+
+
+def _horovodrun_path() -> Optional[str]:
+    beside = Path(sys.executable).with_name("horovodrun")  # the launcher of this interpreter's venv
+    if beside.is_file():
+        return str(beside)
+    import shutil
+
+    return shutil.which("horovodrun")
+
+
+def horovod_missing() -> Optional[str]:
+    """Why Horovod tests cannot run here, or None."""
+    try:
+        import horovod.torch as hvd
+    except ImportError as e:
+        return f"horovod.torch is not importable ({e}); {INSTALL_HINT}"
+    if not hvd.gloo_built():
+        return f"horovod is built without Gloo, which these CPU tests launch with; {INSTALL_HINT}"
+    if _horovodrun_path() is None:
+        return f"horovod imports but its launcher `horovodrun` is not on PATH; {INSTALL_HINT}"
+    return None
+
+
+class HorovodRun:
+    """``horovodrun -np N --gloo python ARGS...``, output to a file, killed after a timeout."""
+
+    def __init__(self, launcher: str) -> None:
+        self.launcher = launcher
+
+    def __call__(self, np: int, args: List[str], log: Path, timeout_s: float = 600.0, cwd: Optional[Path] = None):
+        """Run; returns ``(exit code, the log's text)``; the code is None when the run timed out."""
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        src = str(Path(__file__).resolve().parents[1] / "src")
+        env["PYTHONPATH"] = os.pathsep.join([src] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        cmd = [self.launcher, "-np", str(np), "--gloo", sys.executable, *args]
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as out:
+            out.write("$ " + " ".join(cmd) + "\n")
+            out.flush()
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+            try:
+                code: Optional[int] = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the workers it started
+                proc.wait()
+                code = None
+        return code, log.read_text(errors="replace")
+
+
+@pytest.fixture(scope="session")
+def horovodrun() -> HorovodRun:
+    """A :class:`HorovodRun`; skips the test when Horovod is missing (fails with SHARDFC_REQUIRE_HOROVOD=1)."""
+    reason = horovod_missing()
+    if reason is not None:
+        if os.environ.get(REQUIRE_HOROVOD) == "1":
+            pytest.fail(f"{REQUIRE_HOROVOD}=1 but {reason}", pytrace=False)
+        pytest.skip(reason)
+    return HorovodRun(_horovodrun_path())

@@ -1,0 +1,236 @@
+"""``shardfc train --strategy ddp | dp | horovod``: the same loss curve, checkpoints and resume, clear errors.
+
+Processes: one 2-rank ddp run (spawned), one horovodrun -np 2 run of the same config and its
+resume from the middle, one horovod world of one outside horovodrun. dp needs >= 2 GPUs; here it is
+tested for its error, and its code path (DataParallel is a pass-through without CUDA, the head in
+devices mode over two CPU "devices", its checkpoints) on the CPU.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shardfc.checkpoint import find_checkpoints
+from shardfc.train import cli as train_cli
+from shardfc.train import strategy as strategy_module
+from shardfc.train.config import ConfigError, TrainConfig, parse_config, to_toml
+from shardfc.train.loop import load_parts, train
+
+from .tiny import STEPS, tiny_config
+
+RTOL = 1e-4
+
+
+def _losses(out: Path) -> dict:
+    rows = csv.DictReader(open(Path(out) / "metrics.csv"))
+    return {int(r["step"]): float(r["value"]) for r in rows if r["name"] == "train/loss"}
+
+
+def _head(ckpt: Path) -> dict:
+    """The logical head state of a checkpoint: every rank's file, concatenated in class order."""
+    files = sorted(ckpt.glob("head_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+    shards = [torch.load(p, weights_only=False)["tensors"] for p in files]
+    return {k: torch.cat([s[k] for s in shards]) for k in shards[0]}
+
+
+def _horovod_train(horovodrun, cfg: TrainConfig, log: Path, *flags: str):
+    config = Path(cfg.output_dir).parent / f"{Path(cfg.output_dir).name}.toml"
+    config.write_text(to_toml(cfg))
+    code, text = horovodrun(2, ["-m", "shardfc", "train", "--config", str(config), *flags], log, timeout_s=600)
+    assert code == 0, f"horovodrun exited with {code} (None: timed out):\n{text[-4000:]}"
+    return text
+
+
+# ---------------------------------------------------------------------------- config and launch errors
+
+
+def test_strategy_flag_and_choices():
+    cfg, _ = parse_config(["--strategy", "horovod"])
+    assert cfg.strategy == "horovod" and TrainConfig().strategy == "ddp"
+    with pytest.raises(ConfigError, match=r"strategy must be one of ddp, dp, horovod; got 'horovd'; did you mean 'horovod'\?"):
+        parse_config(["--strategy", "horovd"])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine can run dp")
+def test_dp_without_two_gpus_says_why_and_what_to_use(tmp_path, capsys):
+    cfg = tiny_config(tmp_path / "dp", strategy="dp")
+    with pytest.raises(ConfigError, match=r"nn\.DataParallel .* replicates nothing\. Use --strategy ddp"):
+        train_cli.run(cfg)
+    assert not (tmp_path / "dp").exists()  # refused before anything started
+    assert train_cli.main(["--strategy", "dp", "--device", "cpu", "--output-dir", str(tmp_path / "dp")]) == 2
+    err = capsys.readouterr().err
+    assert "shardfc train: error: strategy='dp'" in err and "device='cpu' was asked for" in err
+
+
+def test_horovod_not_installed_says_how_to_install(tmp_path, monkeypatch):
+    def missing():
+        raise ImportError("Horovod with PyTorch support is not importable here (No module named 'horovod'); "
+                          "install it with `bash scripts/install_horovod.sh` ...")
+
+    monkeypatch.setattr(strategy_module, "import_horovod", missing)
+    with pytest.raises(ConfigError, match=r"strategy='horovod' needs Horovod: .*bash scripts/install_horovod\.sh"):
+        train_cli.run(tiny_config(tmp_path / "h", strategy="horovod"))
+
+
+def test_wrong_launcher_for_the_strategy(tmp_path, monkeypatch):
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=r"strategy='horovod' under torchrun: launch it with `horovodrun -np N"):
+        train_cli.run(tiny_config(tmp_path / "h", strategy="horovod"))
+    with pytest.raises(ConfigError, match=r"strategy='dp' is one process driving every GPU"):
+        train_cli.run(tiny_config(tmp_path / "d", strategy="dp"))
+
+
+# ---------------------------------------------------------------------------- dp's code path on the CPU
+
+
+@pytest.fixture
+def dp_on_two_cpu_devices(monkeypatch):
+    """dp with two CPU "devices": the backbone in a (pass-through) DataParallel, the head in devices mode."""
+    monkeypatch.setattr(strategy_module, "_dp_device_list", lambda cfg: [torch.device("cpu"), torch.device("cpu")])
+
+
+def test_dp_code_path_trains_checkpoints_and_resumes(dp_on_two_cpu_devices, run2, tmp_path):
+    cfg = tiny_config(tmp_path / "dp", strategy="dp", max_steps=3, ckpt_every=0, eval_every=0, synthetic_val_pairs=0)
+    summary = train_cli.run(cfg)  # nproc=2 is not used: one process
+    assert summary["step"] == 3
+    log = (tmp_path / "dp" / "train.log").read_text()
+    assert "1 rank(s) on 2 cpu devices (no process group), strategy dp" in log
+    assert "of 32 images (16 per rank x 1 rank(s) x 2 accumulated)" in log  # batch_size is per device
+    ckpt = Path(summary["checkpoint"])
+    saved = _head(ckpt)
+    assert saved["weight"].shape == (24, 16) and saved["optimizer.momentum_buffer"].shape == (24, 16)
+
+    # Its own checkpoint and a 2-rank ddp one both load into the two shards, row for row.
+    for source in (ckpt, Path(run2[0].output_dir) / "checkpoints" / "step_00000003"):
+        parts, state = load_parts(dataclasses.replace(cfg, output_dir=str(tmp_path / "load")), source)
+        expected = _head(source)
+        assert parts.head.mode == "devices" and len(parts.head.shard_weights) == 2
+        assert torch.equal(torch.cat([w.detach() for w in parts.head.shard_weights]), expected["weight"])
+        momentum = torch.cat([parts.opt_head.state[w]["momentum_buffer"] for w in parts.head.shard_weights])
+        assert torch.equal(momentum, expected["optimizer.momentum_buffer"])
+        assert state.step == int(source.name.split("_")[1])
+
+    # Training on from its checkpoint: 3 more steps.
+    more = train(dataclasses.replace(cfg, max_steps=6))
+    assert more["step"] == 6
+
+
+def test_dp_replicas_compute_in_the_callers_autocast_dtype(monkeypatch):
+    """DataParallel's replica threads start with the default autocast dtype; ours pass the caller's on."""
+    import threading
+
+    def threaded_parallel_apply(self, replicas, inputs, kwargs):  # torch's, minus the devices: a thread per replica
+        out = [None] * len(replicas)
+
+        def work(i):
+            with torch.autocast("cpu", enabled=True):  # what torch re-enters: the flag, not the dtype
+                out[i] = replicas[i](*inputs[i], **kwargs[i])
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(replicas))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
+    monkeypatch.setattr(torch.nn.DataParallel, "parallel_apply", threaded_parallel_apply)
+    lin = torch.nn.Linear(4, 4)
+    dp = strategy_module.AutocastDataParallel(lin)
+    dp.src_device_obj = torch.device("cpu")  # set by DataParallel only when it has devices
+    x = ((torch.randn(2, 4),), (torch.randn(2, 4),))
+    torch.set_autocast_dtype("cpu", torch.float16)  # this thread's choice; a new thread defaults to bf16
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            outs = dp.parallel_apply([lin, lin], x, [{}, {}])
+        plain = threaded_parallel_apply(dp, [lin, lin], x, [{}, {}])
+    finally:
+        torch.set_autocast_dtype("cpu", torch.bfloat16)
+    assert [o.dtype for o in outs] == [torch.float16, torch.float16]
+    assert [o.dtype for o in plain] == [torch.bfloat16, torch.bfloat16]  # what plain DataParallel would do
+
+
+# ---------------------------------------------------------------------------- the same run under ddp and horovod
+
+
+@pytest.fixture(scope="module")
+def ddp_and_horovod(horovodrun, tmp_path_factory):
+    """The tiny run, logged every step, under ddp (2 spawned processes) and horovod (horovodrun -np 2).
+
+    Without gradient clipping: clipped at every step, a backbone gradient W times too large (a sum
+    where an average is due) would give the same updates. The clipping under Horovod is tested in
+    tests/head/test_module_horovod.py.
+    """
+    root = tmp_path_factory.mktemp("strategies")
+    ddp = tiny_config(root / "ddp", log_every=1, grad_clip=0.0)
+    train_cli.run(ddp)
+    hvd = dataclasses.replace(ddp, output_dir=str(root / "horovod"), strategy="horovod")
+    log = _horovod_train(horovodrun, hvd, root / "horovod.log")
+    return ddp, hvd, log
+
+
+def test_horovod_run_has_the_ddp_loss_curve(ddp_and_horovod):
+    ddp, hvd, log = ddp_and_horovod
+    assert "shardfc train: 2 rank(s) on cpu (horovod), strategy horovod" in log
+    assert log.count("shardfc train: 2 rank(s)") == 1  # rank 0 alone logs
+    a, b = _losses(ddp.output_dir), _losses(hvd.output_dir)
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([b[s] for s in sorted(b)], [a[s] for s in sorted(a)], rtol=RTOL)
+
+
+def test_horovod_checkpoints_equal_ddp_checkpoints(ddp_and_horovod):
+    ddp, hvd, _ = ddp_and_horovod
+    names = [p.name for p in find_checkpoints(Path(hvd.output_dir) / "checkpoints")]
+    assert names == ["step_00000003", "step_00000006"]
+    for name in names:
+        a = _head(Path(ddp.output_dir) / "checkpoints" / name)
+        b = _head(Path(hvd.output_dir) / "checkpoints" / name)
+        assert set(a) == set(b) and b["weight"].shape == (24, 16)
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], rtol=RTOL, atol=1e-6, msg=f"{name} {key}")
+        common = torch.load(Path(hvd.output_dir) / "checkpoints" / name / "common.pt", weights_only=False)
+        assert common["world_size"] == 2
+
+
+def test_horovod_resume_continues_the_same_curve(ddp_and_horovod, horovodrun, tmp_path):
+    _, hvd, _ = ddp_and_horovod
+    out = tmp_path / "resumed"
+    shutil.copytree(hvd.output_dir, out)
+    step3 = out / "checkpoints" / "step_00000003"
+    resumed = dataclasses.replace(hvd, output_dir=str(out), resume=str(step3))
+    log = _horovod_train(horovodrun, resumed, tmp_path / "resume.log")
+    assert "restored step 3" in log
+    # metrics.csv is appended to: the copied run's steps 1..6, then the resumed run's.
+    rows = [r for r in csv.DictReader(open(out / "metrics.csv")) if r["name"] == "train/loss"]
+    again = [(int(r["step"]), float(r["value"])) for r in rows[STEPS:]]
+    assert [s for s, _ in again] == [4, 5, 6]
+    uninterrupted = _losses(hvd.output_dir)
+    np.testing.assert_allclose([v for _, v in again], [uninterrupted[s] for s, _ in again], rtol=RTOL)
+    final = _head(out / "checkpoints" / "step_00000006")
+    torch.testing.assert_close(final["weight"], _head(Path(hvd.output_dir) / "checkpoints" / "step_00000006")["weight"],
+                               rtol=RTOL, atol=1e-6)
+
+
+def test_horovod_outside_horovodrun_is_a_world_of_one(horovodrun, tmp_path):
+    cfg = tiny_config(tmp_path / "one", strategy="horovod", max_steps=2, ckpt_every=0, eval_every=0,
+                      synthetic_val_pairs=0)
+    config = tmp_path / "one.toml"
+    config.write_text(to_toml(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-m", "shardfc", "train", "--config", str(config)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "outside horovodrun: training as a world of one process" in done.stderr
+    assert "shardfc train: 1 rank(s) on cpu (horovod), strategy horovod" in done.stderr
+    assert [p.name for p in find_checkpoints(tmp_path / "one" / "checkpoints")] == ["step_00000002"]
