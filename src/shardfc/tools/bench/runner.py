@@ -62,6 +62,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from shardfc.checks import check_int
 from shardfc.tools.bench.memory import PeakMemory
 
 VARIANTS = ("naive", "replicated", "sharded", "chunked", "partial")
@@ -113,24 +114,18 @@ class BenchConfig:
     progress: bool
 
 
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 def _check_config(world_size, batch, dim, classes, variants, steps, warmup, sample_rate, chunk_size, dtype, margin, progress) -> BenchConfig:
     from shardfc.head.margins import build_margin
 
-    _check_int("world_size", world_size, 1)
-    _check_int("batch", batch, 1)
-    _check_int("dim", dim, 1)
-    _check_int("classes", classes, 1)
+    check_int("world_size", world_size, 1)
+    check_int("batch", batch, 1)
+    check_int("dim", dim, 1)
+    check_int("classes", classes, 1)
     if classes < world_size:
         raise ValueError(f"classes must be >= world_size so every rank holds a shard, got classes={classes}, world_size={world_size}")
     names = parse_variants(variants)
-    _check_int("steps", steps, 1)
-    _check_int("warmup", warmup, 0)
+    check_int("steps", steps, 1)
+    check_int("warmup", warmup, 0)
     if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not (0 < sample_rate <= 1):
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
     if chunk_size is None:

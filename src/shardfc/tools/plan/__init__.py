@@ -41,6 +41,8 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 
+from shardfc.checks import check_positive_int
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 OPTIMIZERS = ("sgd", "sgd_nomomentum", "adamw")
 MEMORY_MODELS = ("allocated",)
@@ -48,12 +50,6 @@ PARTS = ("weights", "gradients", "optimizer_state", "activations", "communicatio
 
 
 # --------------------------------------------------------------------------- checks
-def _check_pos_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 def _dtype_name(dtype) -> str:
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).replace("torch.", "")
@@ -115,17 +111,17 @@ def plan(
     even one class. In a process where torch.distributed is initialised the replay runs in a
     spawned process (it needs a fake process group of its own).
     """
-    _check_pos_int("num_classes", num_classes)
-    _check_pos_int("dim", dim)
-    _check_pos_int("batch", batch)
-    _check_pos_int("world_size", world_size)
+    check_positive_int("num_classes", num_classes)
+    check_positive_int("dim", dim)
+    check_positive_int("batch", batch)
+    check_positive_int("world_size", world_size)
     dtype = _dtype_name(dtype)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not (0 < sample_rate <= 1):
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
     if chunk_size == "auto":
-        _check_pos_int("chunk_budget_bytes", chunk_budget_bytes)
+        check_positive_int("chunk_budget_bytes", chunk_budget_bytes)
     elif chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
         raise ValueError(f"chunk_size must be a positive integer, 'auto' or None, got {chunk_size!r}")
     if memory_model not in MEMORY_MODELS:
