@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -17,7 +18,15 @@ from shardfc.data import IMG_EXTENSIONS
 from shardfc.models import build_backbone
 from shardfc.train.config import ConfigError, TrainConfig, config_from_mapping
 
-__all__ = ["TrainedBackbone", "resolve_checkpoint", "saved_config", "load_backbone", "list_images", "pick_device"]
+__all__ = ["add_checkpoint_args", "TrainedBackbone", "resolve_checkpoint", "saved_config", "load_backbone", "list_images", "pick_device"]
+
+def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    """``--checkpoint`` and ``--trust-checkpoint``, as every command that reads a trained run takes them."""
+    p.add_argument("--checkpoint", required=True, metavar="PATH", help="a checkpoint folder, or a run folder (its newest checkpoint)")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="load a checkpoint whose files need full unpickling (written by shardfc before checkpoint format 2, "
+                        "or not by shardfc): unpickling can run arbitrary code, so only for checkpoints you trust")
+
 
 def resolve_checkpoint(path: "str | os.PathLike[str]") -> Path:
     """A checkpoint folder from ``path``: the folder itself, or the newest complete one in a run

@@ -21,7 +21,7 @@ import torch
 from shardfc import checkpoint as ckpt
 from shardfc.data import CorruptImageError, decode_image, image_to_tensor
 from shardfc.evaluation.verification import embed_batches
-from shardfc.train.artifacts import list_images, load_backbone, pick_device
+from shardfc.train.artifacts import add_checkpoint_args, list_images, load_backbone, pick_device
 from shardfc.train.config import ConfigError
 
 __all__ = ["main"]
@@ -31,10 +31,7 @@ SUFFIXES = (".pt", ".npy")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardfc embed", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--checkpoint", required=True, metavar="PATH", help="a checkpoint folder, or a run folder (its newest checkpoint)")
-    p.add_argument("--trust-checkpoint", action="store_true",
-                   help="load a checkpoint whose files need full unpickling (written by shardfc before checkpoint format 2, "
-                        "or not by shardfc): unpickling can run arbitrary code, so only for checkpoints you trust")
+    add_checkpoint_args(p)
     p.add_argument("--images", required=True, metavar="DIR", help="folder of images (searched recursively)")
     p.add_argument("--out", required=True, metavar="FILE", help="output file: .pt or .npy")
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default: 256)")

@@ -16,7 +16,7 @@ from typing import List, Optional
 import torch
 
 from shardfc import checkpoint as ckpt
-from shardfc.train.artifacts import load_backbone, pick_device
+from shardfc.train.artifacts import add_checkpoint_args, load_backbone, pick_device
 from shardfc.train.config import ConfigError
 from shardfc.train.evaluate import build_targets, run_targets
 from shardfc.train.runlog import format_metrics
@@ -26,10 +26,7 @@ __all__ = ["main"]
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardfc eval", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--checkpoint", required=True, metavar="PATH", help="a checkpoint folder, or a run folder (its newest checkpoint)")
-    p.add_argument("--trust-checkpoint", action="store_true",
-                   help="load a checkpoint whose files need full unpickling (written by shardfc before checkpoint format 2, "
-                        "or not by shardfc): unpickling can run arbitrary code, so only for checkpoints you trust")
+    add_checkpoint_args(p)
     p.add_argument("--bin", nargs="+", default=None, metavar="FILE", help="insightface verification .bin files")
     p.add_argument("--reid-root", default=None, metavar="DIR", help="re-ID dataset root with query/gallery splits")
     p.add_argument("--synthetic-pairs", type=int, default=None, metavar="N",

@@ -20,7 +20,7 @@ from typing import List, Optional
 import torch
 
 from shardfc import checkpoint as ckpt
-from shardfc.train.artifacts import load_backbone
+from shardfc.train.artifacts import add_checkpoint_args, load_backbone
 from shardfc.train.config import ConfigError
 
 __all__ = ["main", "export_torchscript", "export_onnx"]
@@ -31,10 +31,7 @@ TOLERANCE = 1e-4
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardfc export", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--checkpoint", required=True, metavar="PATH", help="a checkpoint folder, or a run folder (its newest checkpoint)")
-    p.add_argument("--trust-checkpoint", action="store_true",
-                   help="load a checkpoint whose files need full unpickling (written by shardfc before checkpoint format 2, "
-                        "or not by shardfc): unpickling can run arbitrary code, so only for checkpoints you trust")
+    add_checkpoint_args(p)
     p.add_argument("--out", required=True, metavar="FILE", help="TorchScript file to write (e.g. model.pt)")
     p.add_argument("--onnx", nargs="?", const="", default=None, metavar="FILE",
                    help="also write ONNX (default file: --out with the suffix .onnx); needs the 'onnx' package")
