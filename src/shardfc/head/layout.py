@@ -11,6 +11,7 @@ Example: ``class_ranges(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(
 from __future__ import annotations
 
 from shardfc.checks import check_positive_int
+from shardfc.parallel.partition import split_evenly
 
 __all__ = ["class_ranges", "class_range"]
 
@@ -33,11 +34,9 @@ def class_range(num_classes: int, num_shards: int, index: int) -> range:
     check_positive_int("num_shards", num_shards)
     if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < num_shards:
         raise ValueError(f"index must be an int in [0, num_shards={num_shards}), got {index!r}")
-    base, extra = divmod(num_classes, num_shards)
-    # Shards before `index` each hold `base` classes, plus one for those among the first `extra`.
-    start = index * base + min(index, extra)
-    stop = start + base + (1 if index < extra else 0)
-    return range(start, stop)
+    sizes = split_evenly(num_classes, num_shards)
+    start = sum(sizes[:index])
+    return range(start, start + sizes[index])
 
 
 def class_ranges(num_classes: int, num_shards: int) -> list[range]:

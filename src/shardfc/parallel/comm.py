@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from shardfc.parallel import collectives
+from shardfc.parallel.partition import split_evenly
 
 #: How to get Horovod, for error messages.
 HOROVOD_INSTALL_HINT = (
@@ -261,8 +262,7 @@ def _row_bytes(x: Tensor) -> int:
 
 def _horovod_split(rows: int, world: int) -> List[int]:
     """How ``hvd.reducescatter`` divides ``rows``: evenly, the remainder to the first ranks."""
-    base, extra = divmod(rows, world)
-    return [base + (1 if r < extra else 0) for r in range(world)]
+    return split_evenly(rows, world)
 
 
 __all__ = [

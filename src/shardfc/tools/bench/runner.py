@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 
 from shardfc.checks import check_int
+from shardfc.parallel.partition import split_evenly
 from shardfc.tools.bench.memory import PeakMemory
 
 VARIANTS = ("naive", "replicated", "sharded", "chunked", "partial")
@@ -93,8 +94,7 @@ def parse_variants(variants: Union[str, Sequence[str]]) -> List[str]:
 
 def local_batch_sizes(batch: int, world_size: int) -> List[int]:
     """The global batch split over ranks: ``B // W`` each, one more for the first ``B % W``."""
-    base, extra = divmod(batch, world_size)
-    return [base + (1 if r < extra else 0) for r in range(world_size)]
+    return split_evenly(batch, world_size)
 
 
 # --------------------------------------------------------------------------- config
