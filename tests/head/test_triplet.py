@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from shardfc.head.triplet import BatchHardTripletLoss
+from shardfc.parallel.collectives import count_comm
 from shardfc.parallel.context import DistContext
 from shardfc.parallel.launch import spawn
 
@@ -77,7 +78,17 @@ def _run_cases(rank, world):
                 "ref": want,
             }
     out["bad_input"] = _bad_input(rank, world, ctx)
+    out["comm"] = _counted_traffic(sizes, lo, hi, ctx)
     return out
+
+
+def _counted_traffic(sizes, lo, hi, ctx):
+    """The bytes the features move, as count_comm sees them: a padded gather forward, a reduce-scatter back."""
+    x, y = _global_data(sum(sizes), 3)
+    xr = x[lo:hi].clone().requires_grad_()
+    with count_comm() as counter:
+        BatchHardTripletLoss(context=ctx)(xr, y[lo:hi]).backward()
+    return dict(counter.bytes)
 
 
 def _bad_input(rank, world, ctx):
@@ -105,6 +116,9 @@ def test_single_process_matches_reference():
         if key == "bad_input":
             assert "labels must be an integer tensor" in r
             continue
+        if key == "comm":
+            assert r == {}  # one process: nothing to move
+            continue
         assert r["loss"] < TOL and r["grad"] < TOL, (key, r)
 
 
@@ -112,7 +126,7 @@ def test_global_batch_matches_dense_reference(results):
     world, per_rank = results
     for rank, out in enumerate(per_rank):
         for key, r in out.items():
-            if key == "bad_input":
+            if key in ("bad_input", "comm"):
                 continue
             assert r["loss"] < TOL, (world, rank, key, r)
             assert r["grad"] < TOL, (world, rank, key, r)
@@ -120,6 +134,17 @@ def test_global_batch_matches_dense_reference(results):
     refs = {name: per_rank[0][(name, 1.0)]["ref"] for name in CASES}
     assert refs.pop("one_label") == 0.0
     assert all(v > 0 for v in refs.values()), refs
+
+
+def test_feature_traffic_is_counted(results):
+    world, per_rank = results
+    sizes = SIZES[world]
+    for out in per_rank:
+        # float64 features [B, D]: padded to the largest local batch forward, exact rows backward
+        assert out["comm"]["reduce_scatter"] == sum(sizes) * D * 8
+        features, labels, header = world * max(sizes) * D * 8, world * max(sizes) * 8, world * 2 * 8
+        assert out["comm"]["all_gather"] == features + labels + header
+        assert out["comm"]["all_reduce"] == 2 * 8  # the loss sum and the anchor count
 
 
 def test_bad_input_raises_on_every_rank(results):
