@@ -18,6 +18,10 @@ One epoch:
    ties broken at random. Taking the fullest first never strands an identity (with at most
    ``B - t`` chunks each and ``(B - t) * P`` in all before batch t, P identities are always left),
    so an epoch always has exactly B batches: the length is known before training.
+
+Building an epoch costs O(B x identities) (a top-P over all identities per batch), a fraction of a
+second for re-ID sets (751 identities and ~180 batches for Market-1501, ~1,000 for MSMT17), but
+not meant for face sets with millions of identities, where P x K batching has little to offer.
 """
 
 from __future__ import annotations
