@@ -155,6 +155,19 @@ def test_bad_input_raises_on_every_rank(results):
 
 
 def test_rejects_bad_margin():
-    with pytest.raises(ValueError, match="margin must be a number >= 0, got -0.1"):
+    with pytest.raises(ValueError, match="margin must be a finite number >= 0, got -0.1"):
         BatchHardTripletLoss(-0.1, context=DistContext())
+    with pytest.raises(ValueError, match="margin must be a finite number >= 0, got inf"):
+        BatchHardTripletLoss(float("inf"), context=DistContext())
+
+
+def test_grad_scale_in_a_world_of_one():
+    x, y = _global_data(9, 3)
+    grads = []
+    for scale in (1.0, 3.0):
+        xr = x.clone().requires_grad_()
+        loss = BatchHardTripletLoss(context=DistContext(), grad_scale=scale)(xr, y)
+        loss.backward()
+        grads.append((float(loss.detach()), xr.grad))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-12) and torch.allclose(3 * grads[0][1], grads[1][1])
     assert not dist.is_initialized()

@@ -17,6 +17,7 @@ same value (the global mean), while the gradient flows through its own part only
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional
 
 import torch
@@ -94,8 +95,8 @@ class BatchHardTripletLoss(nn.Module):
         grad_scale: Optional[float] = None,
     ) -> None:
         super().__init__()
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
-            raise ValueError(f"margin must be a number >= 0, got {margin!r}")
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < math.inf:
+            raise ValueError(f"margin must be a finite number >= 0, got {margin!r}")
         self.margin = float(margin)
         self.soft = bool(soft)
         self.ctx = context if context is not None else DistContext.resolve()
@@ -116,8 +117,9 @@ class BatchHardTripletLoss(nn.Module):
         if self.ctx.distributed:
             everyone = gather_rows_forward_reduce_scatter_backward(x, sizes, self.ctx, grad_scale=self.grad_scale)
             all_labels = self.ctx.all_gather_rows(labels, sizes)
-        else:
-            everyone, all_labels = x, labels
+        else:  # the same value with the gradient times grad_scale, as the gather's backward would give
+            everyone = x if self.grad_scale == 1 else x * self.grad_scale - (x * (self.grad_scale - 1)).detach()
+            all_labels = labels
         offset = sum(sizes[: self.ctx.rank])
         mine = torch.arange(offset, offset + sizes[self.ctx.rank], device=x.device)
         losses, valid = batch_hard_triplet_terms(
