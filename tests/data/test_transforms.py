@@ -104,3 +104,49 @@ def test_transform_random_flip_with_generator(rgb):
     assert torch.equal(ImageTransform(None, random_flip=False)(img), base)
     with pytest.raises(ValueError, match="flip_prob"):
         ImageTransform(flip_prob=1.5)
+
+
+def _erased_boxes(before, after):
+    """Per image, the bounding box (top, bottom, left, right) of changed pixels, or None."""
+    boxes = []
+    for b, a in zip(before, after):
+        changed = (b != a).any(0)
+        if not changed.any():
+            boxes.append(None)
+            continue
+        rows, cols = changed.any(1).nonzero().flatten(), changed.any(0).nonzero().flatten()
+        boxes.append((int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1))
+    return boxes
+
+
+def test_random_erasing_is_one_seeded_rectangle_of_bounded_area():
+    from shardfc.data.transforms import random_erase_
+
+    images = torch.rand(64, 3, 32, 16) + 0.5  # never 0, so every erased pixel shows
+    a = random_erase_(images.clone(), 1.0, torch.Generator().manual_seed(3))
+    b = random_erase_(images.clone(), 1.0, torch.Generator().manual_seed(3))
+    c = random_erase_(images.clone(), 1.0, torch.Generator().manual_seed(4))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    boxes = _erased_boxes(images, a)
+    assert sum(box is not None for box in boxes) >= 60  # a rectangle that never fits is rare
+    for img, box in zip(a, boxes):
+        if box is None:
+            continue
+        top, bottom, left, right = box
+        assert (img[:, top:bottom, left:right] == 0).all()  # a filled rectangle, all channels
+        frac = (bottom - top) * (right - left) / (32 * 16)
+        assert 0.01 <= frac <= 0.45, frac  # area (0.02, 0.4) of the image, up to rounding
+        assert (bottom - top) < 32 and (right - left) < 16
+
+
+def test_random_erasing_probability():
+    from shardfc.data.transforms import random_erase_
+
+    images = torch.rand(400, 3, 16, 8) + 0.5
+    untouched = random_erase_(images.clone(), 0.0, torch.Generator().manual_seed(0))
+    assert torch.equal(untouched, images)
+    half = random_erase_(images.clone(), 0.5, torch.Generator().manual_seed(0))
+    erased = sum(box is not None for box in _erased_boxes(images, half))
+    assert 150 <= erased <= 230, erased  # ~200 of 400, minus the few rectangles that never fit
+    with pytest.raises(ValueError, match="prob must be in"):
+        random_erase_(images, 1.5, torch.Generator())

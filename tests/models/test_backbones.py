@@ -75,6 +75,30 @@ def test_resnet50_bnneck_and_last_stride() -> None:
         assert f.shape[-2:] == fmap
 
 
+@pytest.mark.parametrize("name", ["resnet50", "tiny"])
+def test_with_features_returns_the_feature_before_the_neck(name: str) -> None:
+    m = build_backbone(name, embedding_dim=32).train()
+    x = torch.randn(4, 3, 64, 32)
+    feature, embedding = m(x, with_features=True)
+    neck = m.neck if name == "resnet50" else m.features
+    assert isinstance(neck, nn.BatchNorm1d)
+    assert torch.allclose(embedding, neck(feature), atol=1e-6)
+    # training-mode BN over the batch: the embedding is centred, the feature is not
+    assert embedding.mean(0).abs().max() < 1e-4 < feature.mean(0).abs().max()
+    m.eval()
+    assert torch.equal(m(x), m(x, with_features=True)[1])
+
+
+def test_resnet50_without_neck() -> None:
+    m = build_backbone("resnet50", embedding_dim=16, neck="none").eval()
+    assert isinstance(m.neck, nn.Identity)
+    x = torch.randn(2, 3, 64, 32)
+    feature, embedding = m(x, with_features=True)
+    assert torch.equal(feature, embedding)
+    with pytest.raises(ValueError, match="neck must be one of bnneck, none; got 'bn'"):
+        build_backbone("resnet50", neck="bn")
+
+
 @pytest.mark.parametrize("name", ["iresnet18", "mobilefacenet"])
 def test_wrong_input_size_raises(name: str) -> None:
     model = build_backbone(name).eval()

@@ -44,7 +44,7 @@ def test_every_field_has_help_and_a_section():
     assert "--no-eval-flip" in text
 
 
-@pytest.mark.parametrize("name", ["synthetic", "ms1mv3_r50_arcface", "glint360k_r100_pfc", "market1501_r50_reid"])
+@pytest.mark.parametrize("name", ["synthetic", "ms1mv3_r50_arcface", "glint360k_r100_pfc", "market1501_r50_reid", "market1501"])
 def test_presets_load_and_validate(name):
     assert name in available_presets()
     cfg, _ = parse_config(["--preset", name])
@@ -52,6 +52,10 @@ def test_presets_load_and_validate(name):
         assert cfg.backbone == "iresnet100" and cfg.sample_rate == 0.2 and cfg.amp == "fp16"
     if name == "market1501_r50_reid":
         assert cfg.backbone == "resnet50" and cfg.image_size == [256, 128] and cfg.optimizer == "adamw"
+    if name == "market1501":
+        assert (cfg.dataset, cfg.backbone, cfg.neck, cfg.sampler, cfg.pk_instances) == ("market1501", "resnet50", "bnneck", "pk", 4)
+        assert (cfg.triplet_weight, cfg.triplet_margin, cfg.random_erasing) == (1.0, 0.3, 0.5)
+        assert cfg.reid_root and cfg.eval_every > 0
 
 
 def test_flat_and_sectioned_toml_and_precedence(tmp_path):
@@ -179,3 +183,32 @@ def test_trust_checkpoint_is_an_explicit_opt_in():
     cfg, _ = parse_config(["--trust-checkpoint"])
     assert cfg.trust_checkpoint is True
     assert "--trust-checkpoint" in build_parser().format_help()
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--sampler", "pq"], r"sampler must be one of random, pk; got 'pq'"),
+        (["--sampler", "pk", "--pk-instances", "1"], r"pk_instances must be >= 2 .*got 1"),
+        (["--random-erasing", "1.5"], r"random_erasing must be a probability in \[0, 1\], got 1.5"),
+        (["--triplet-weight", "-1"], r"triplet_weight must be a finite number >= 0, got -1.0"),
+        (["--triplet-margin", "inf", "--triplet-weight", "1"], r"triplet_margin must be a finite number >= 0, got inf"),
+        (["--triplet-weight", "1", "--backbone", "iresnet18"], r"triplet_weight=1.0 needs .*resnet50, tiny give; got backbone='iresnet18'"),
+        (["--neck", "none"], r"neck='none' applies to backbone='resnet50' only, got backbone='tiny'"),
+        (["--neck", "bn", "--backbone", "resnet50"], r"neck must be one of auto, bnneck, none; got 'bn'"),
+        (["--dataset", "market1501"], r"dataset='market1501' needs data_root"),
+    ],
+)
+def test_reid_recipe_fields_are_validated(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(flags)
+
+
+def test_data_root_of_a_market1501_release_is_detected(tmp_path):
+    (tmp_path / "bounding_box_train").mkdir()
+    cfg, _ = parse_config(["--data-root", str(tmp_path)])
+    assert cfg.dataset == "market1501" and cfg.reid_root == str(tmp_path)
+    cfg, _ = parse_config(["--data-root", str(tmp_path), "--reid-root", ""])
+    assert cfg.reid_root == ""  # an explicit --reid-root wins
+    cfg, _ = parse_config(["--sampler", "pk", "--pk-instances", "8", "--triplet-soft", "--neck", "none", "--backbone", "resnet50"])
+    assert (cfg.sampler, cfg.pk_instances, cfg.triplet_soft, cfg.neck) == ("pk", 8, True, "none")

@@ -9,6 +9,7 @@ with ``(x / 255 - 0.5) / 0.5``, the convention of insightface's arcface_torch
 from __future__ import annotations
 
 import io
+import math
 import os
 from typing import Optional, Tuple, Union
 
@@ -24,6 +25,7 @@ __all__ = [
     "normalize",
     "image_to_tensor",
     "ImageTransform",
+    "random_erase_",
 ]
 
 #: What :func:`decode_image` accepts: a filesystem path or the encoded bytes.
@@ -165,3 +167,41 @@ class ImageTransform:
             f"{type(self).__name__}(image_size={self.image_size}, "
             f"random_flip={self.random_flip}, flip_prob={self.flip_prob})"
         )
+
+
+def random_erase_(
+    images: torch.Tensor,
+    prob: float,
+    generator: torch.Generator,
+    area: Tuple[float, float] = (0.02, 0.4),
+    aspect: Tuple[float, float] = (0.3, 1 / 0.3),
+) -> torch.Tensor:
+    """Random erasing ("Random Erasing Data Augmentation", Zhong et al., 2020), in place on a batch.
+
+    Each image of ``images [N, C, H, W]`` is, with probability ``prob``, given one rectangle of a
+    random fraction ``area`` of the image and a random height/width ratio in ``aspect`` (drawn
+    uniformly in log space, so tall and wide are alike) at a random place, filled with 0: the
+    middle grey of the ``[-1, 1]`` normalisation, which stands for the mean pixel Luo et al. fill
+    with. A rectangle that does not fit is drawn again (up to 10 times, then the image is kept).
+    Every draw comes from ``generator``, so a seeded generator makes the augmentation reproducible.
+    Returns ``images``.
+    """
+    if not 0.0 <= prob <= 1.0:
+        raise ValueError(f"prob must be in [0, 1], got {prob!r}")
+    if images.ndim != 4:
+        raise ValueError(f"images must be [N, C, H, W], got shape {tuple(images.shape)}")
+    h, w = images.shape[-2:]
+    log_lo, log_hi = math.log(aspect[0]), math.log(aspect[1])
+    for i in range(images.shape[0]):
+        if float(torch.rand((), generator=generator)) >= prob:
+            continue
+        for _ in range(10):
+            frac, log_ratio, y, x = torch.rand(4, generator=generator, dtype=torch.float64).tolist()
+            target = (area[0] + frac * (area[1] - area[0])) * h * w
+            ratio = math.exp(log_lo + log_ratio * (log_hi - log_lo))
+            eh, ew = int(round(math.sqrt(target * ratio))), int(round(math.sqrt(target / ratio)))
+            if 0 < eh < h and 0 < ew < w:
+                top, left = int(y * (h - eh + 1)), int(x * (w - ew + 1))
+                images[i, :, top : top + eh, left : left + ew] = 0
+                break
+    return images

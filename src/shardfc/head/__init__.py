@@ -10,11 +10,13 @@
     layout.py       which class ids each shard holds
     reference.py    the plain dense implementation everything is tested against
     baselines.py    NaiveParallelHead, ReplicatedHead (for comparison in bench)
+    triplet.py      BatchHardTripletLoss over the global batch (the re-ID recipe's metric loss)
 """
 
 from shardfc.head import margins, partial_fc
 from shardfc.head.module import ShardedMarginHead
 from shardfc.head.partial_fc import head_optimizer
 from shardfc.head.reference import reference_loss
+from shardfc.head.triplet import BatchHardTripletLoss
 
-__all__ = ["ShardedMarginHead", "head_optimizer", "margins", "partial_fc", "reference_loss"]
+__all__ = ["BatchHardTripletLoss", "ShardedMarginHead", "head_optimizer", "margins", "partial_fc", "reference_loss"]

@@ -19,6 +19,7 @@ from shardfc.models.tiny import TinyNet, tiny
 
 __all__ = [
     "BACKBONES",
+    "WITH_FEATURES",
     "IResNet",
     "MobileFaceNet",
     "ReIDResNet",
@@ -36,6 +37,10 @@ BACKBONES: dict[str, Callable[..., nn.Module]] = {
     "resnet50": resnet50,
     "tiny": tiny,
 }
+
+#: Backbones whose ``forward(x, with_features=True)`` also returns the feature before their final
+#: BN (the BNNeck of resnet50), which a metric loss such as the triplet reads.
+WITH_FEATURES: tuple[str, ...] = ("resnet50", "tiny")
 
 # Default (H, W) per backbone; tiny's can be overridden via its ``input_size`` kwarg,
 # in which case the built model's ``input_size`` attribute is authoritative.

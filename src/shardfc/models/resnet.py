@@ -5,7 +5,9 @@ bottleneck blocks [3, 4, 6, 3], with the stride on the 3x3 conv. Re-ID tweaks
 from "Bag of Tricks and A Strong Baseline for Deep Person Re-identification"
 (Luo et al., 2019): last stride 1, so a 256x128 input leaves a 16x8 map rather
 than 8x4 before pooling, and a BNNeck (BatchNorm1d after global pooling) whose
-output is the embedding fed to the classifier. Weights are randomly initialised;
+output is the embedding fed to the classifier, while a metric loss (triplet) reads
+the feature before it (``forward(x, with_features=True)``). ``neck="none"`` drops
+the BN: the pooled feature is the embedding. Weights are randomly initialised;
 no ImageNet checkpoint is loaded.
 """
 
@@ -18,9 +20,12 @@ from torch import nn
 
 from shardfc.models.init import init_weights
 
-__all__ = ["Bottleneck", "ReIDResNet", "resnet50"]
+__all__ = ["NECKS", "Bottleneck", "ReIDResNet", "resnet50"]
 
 INPUT_SIZE: tuple[int, int] = (256, 128)
+
+#: What may sit between the pooled feature and the embedding.
+NECKS = ("bnneck", "none")
 
 
 class Bottleneck(nn.Module):
@@ -55,6 +60,8 @@ class Bottleneck(nn.Module):
 class ReIDResNet(nn.Module):
     """ResNet trunk -> global average pool -> [Linear] -> BNNeck; [N,3,H,W] -> [N,embedding_dim].
 
+    ``forward(x, with_features=True)`` returns ``(feature before the neck, embedding)``.
+
     Global pooling makes the trunk size-agnostic; ``input_size`` only records the
     resolution the model is meant to be fed (data pipelines read it).
     """
@@ -78,8 +85,11 @@ class ReIDResNet(nn.Module):
         layers: tuple[int, int, int, int] = (3, 4, 6, 3),
         embedding_dim: int = 2048,
         last_stride: int = 1,
+        neck: str = "bnneck",
     ) -> None:
         super().__init__()
+        if neck not in NECKS:
+            raise ValueError(f"neck must be one of {', '.join(NECKS)}; got {neck!r}")
         self.input_size = INPUT_SIZE
         self.embedding_dim = embedding_dim
         self.stem = nn.Sequential(
@@ -104,19 +114,19 @@ class ReIDResNet(nn.Module):
             if embedding_dim != inplanes
             else nn.Identity()
         )
-        self.neck = nn.BatchNorm1d(embedding_dim)
+        self.neck: nn.Module = nn.BatchNorm1d(embedding_dim) if neck == "bnneck" else nn.Identity()
         init_weights(self, kaiming=(nn.Conv2d, nn.Linear))
-        # Luo et al. freeze the BNNeck shift so the embedding stays centred at the
-        # origin, where a bias-free (cosine) classifier separates it best.
-        self.neck.bias.requires_grad_(False)
+        if neck == "bnneck":
+            # Luo et al. freeze the BNNeck shift so the embedding stays centred at the
+            # origin, where a bias-free (cosine) classifier separates it best.
+            self.neck.bias.requires_grad_(False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, with_features: bool = False):
         x = self.layer4(self.layer3(self.layer2(self.layer1(self.stem(x)))))
-        x = torch.flatten(self.pool(x), 1)
-        return self.neck(self.reduce(x))
+        feature = self.reduce(torch.flatten(self.pool(x), 1))
+        embedding = self.neck(feature)
+        return (feature, embedding) if with_features else embedding
 
 
-
-
-def resnet50(embedding_dim: int = 2048, last_stride: int = 1) -> ReIDResNet:
-    return ReIDResNet((3, 4, 6, 3), embedding_dim, last_stride)
+def resnet50(embedding_dim: int = 2048, last_stride: int = 1, neck: str = "bnneck") -> ReIDResNet:
+    return ReIDResNet((3, 4, 6, 3), embedding_dim, last_stride, neck)

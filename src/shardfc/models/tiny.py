@@ -22,7 +22,11 @@ INPUT_SIZE: tuple[int, int] = (32, 32)
 
 
 class TinyNet(nn.Module):
-    """[N,3,H,W] -> [N,embedding_dim]; global pooling makes it work at any H, W."""
+    """[N,3,H,W] -> [N,embedding_dim]; global pooling makes it work at any H, W.
+
+    ``forward(x, with_features=True)`` returns ``(feature before the final BN, embedding)``, as
+    the re-ID ResNet does for its BNNeck, so CPU tests can train the triplet recipe.
+    """
 
     #: ``forward`` as named segments in order, each running the listed top-level children in
     #: turn (``"flatten"`` is ``torch.flatten(x, 1)``). Model parallelism may cut the model
@@ -60,9 +64,10 @@ class TinyNet(nn.Module):
         self.features = nn.BatchNorm1d(embedding_dim)
         init_weights(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.flatten(self.pool(self.body(x)), 1)
-        return self.features(self.fc(x))
+    def forward(self, x: torch.Tensor, with_features: bool = False):
+        feature = self.fc(torch.flatten(self.pool(self.body(x)), 1))
+        embedding = self.features(feature)
+        return (feature, embedding) if with_features else embedding
 
 
 def tiny(

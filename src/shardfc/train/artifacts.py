@@ -88,8 +88,9 @@ def load_backbone(
         raise ckpt.CheckpointError(f"{folder} was not saved by 'shardfc train' (no backbone in common.pt)")
     cfg = saved_config(common, folder)
     h, w = meta["fingerprint"]["image_size"]
-    kwargs = {"input_size": (h, w)} if cfg.backbone == "tiny" else {}
-    model = build_backbone(cfg.backbone, cfg.embedding_dim, **kwargs)
+    from shardfc.train.build import backbone_kwargs  # build imports the training stack; only needed here
+
+    model = build_backbone(cfg.backbone, cfg.embedding_dim, **backbone_kwargs(cfg, (int(h), int(w))))
     model.load_state_dict(common["backbone"])
     return TrainedBackbone(model.to(device).eval(), cfg, (int(h), int(w)), folder)
 

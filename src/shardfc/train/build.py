@@ -10,15 +10,16 @@ from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Sampler
 
 from shardfc.head import ShardedMarginHead, head_optimizer
 from shardfc.head.margins import build_margin
+from shardfc.head.triplet import BatchHardTripletLoss
 from shardfc.models import build_backbone, input_size as default_input_size
 from shardfc.parallel.context import DistContext
 from shardfc.seeding import mix_seed, seed_all
 from shardfc.train.config import ConfigError, TrainConfig
-from shardfc.train.data import ShardBatches, train_dataset
+from shardfc.train.data import rank_batches, train_dataset
 from shardfc.train.schedule import WarmupDecay
 from shardfc.train.state import Parts
 from shardfc.train.strategy import (
@@ -50,6 +51,14 @@ def resolve_image_size(cfg: TrainConfig) -> Tuple[int, int]:
     return size
 
 
+def backbone_kwargs(cfg: TrainConfig, image_size: Tuple[int, int]) -> dict:
+    """Constructor arguments of ``cfg.backbone`` beyond the embedding width (also used to rebuild it for export)."""
+    kwargs: dict = {"input_size": tuple(image_size)} if cfg.backbone == "tiny" else {}
+    if cfg.neck != "auto":
+        kwargs["neck"] = cfg.neck
+    return kwargs
+
+
 def build_parts(
     cfg: TrainConfig,
     ctx: DistContext,
@@ -59,8 +68,7 @@ def build_parts(
     amp_dtype: Optional[torch.dtype],
 ) -> Parts:
     """Backbone (in DDP / DataParallel as the strategy says), head shard(s), optimizers, schedules and scaler."""
-    kwargs = {"input_size": image_size} if cfg.backbone == "tiny" else {}
-    backbone = build_backbone(cfg.backbone, cfg.embedding_dim, **kwargs).to(ctx.device)
+    backbone = build_backbone(cfg.backbone, cfg.embedding_dim, **backbone_kwargs(cfg, image_size)).to(ctx.device)
     backbone = wrap_backbone(cfg, ctx, backbone)
     head = ShardedMarginHead(
         cfg.embedding_dim,
@@ -91,7 +99,9 @@ def build_parts(
         torch.optim.lr_scheduler.LambdaLR(o, WarmupDecay(cfg, total_steps)) for o in (opt_backbone, opt_head)
     ]
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp_dtype == torch.float16)
-    return Parts(backbone, head, opt_backbone, opt_head, schedulers, scaler)
+    # W x gradient (the triplet's default), like the head's: the backbone's wrapper averages over ranks.
+    triplet = BatchHardTripletLoss(cfg.triplet_margin, cfg.triplet_soft, context=ctx) if cfg.triplet_weight > 0 else None
+    return Parts(backbone, head, opt_backbone, opt_head, schedulers, scaler, triplet)
 
 
 def resolve_amp_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dtype]:
@@ -123,7 +133,7 @@ class Run:
     ctx: DistContext
     image_size: Tuple[int, int]
     dataset: Dataset
-    batches: ShardBatches
+    batches: Sampler
     total_steps: int
     amp_dtype: Optional[torch.dtype]
     parts: Parts
@@ -143,7 +153,10 @@ def build_run(cfg: TrainConfig, ctx: DistContext) -> Run:
             f"the dataset has {dataset.num_classes} class(es) for {ctx.world_size} ranks: every rank must hold at "
             f"least one class of the head; use --nproc {dataset.num_classes} or fewer"
         )
-    batches = ShardBatches(len(dataset), loader_batch_size(cfg), ctx.rank, ctx.world_size, cfg.seed, cfg.drop_last)
+    batches = rank_batches(cfg, dataset, loader_batch_size(cfg), ctx)
+    if cfg.triplet_weight > 0 and cfg.sampler != "pk" and ctx.is_main:
+        logger.warning("triplet_weight > 0 with sampler=%r: few batches hold two images of one identity; "
+                       "use --sampler pk", cfg.sampler)
     total_steps = cfg.max_steps or math.ceil(cfg.epochs * len(batches) / cfg.grad_accum)
     seed_all(cfg.seed)
     parts = build_parts(cfg, ctx, dataset.num_classes, image_size, total_steps, amp_dtype)

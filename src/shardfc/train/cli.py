@@ -140,6 +140,8 @@ def preflight(cfg: TrainConfig) -> None:
             raise FileNotFoundError(f"data_root={cfg.data_root!r} does not exist or is not a folder")
     if cfg.dataset == "list" and not Path(cfg.list_file).is_file():
         raise FileNotFoundError(f"list_file={cfg.list_file!r} does not exist")
+    if cfg.dataset == "market1501" and not (Path(cfg.data_root) / "bounding_box_train").is_dir():
+        raise FileNotFoundError(f"data_root={cfg.data_root!r} holds no bounding_box_train/ folder (dataset='market1501')")
     for path in cfg.val_bins:
         if not Path(path).is_file():
             raise FileNotFoundError(f"val_bins: {path!r} does not exist")

@@ -69,9 +69,9 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ data
     dataset: str = "synthetic"
-    """Training data: 'synthetic' (generated identities, no files), 'folder' (one sub-folder per identity under data_root), 'recordio' (insightface / MXNet train.rec + train.idx in data_root, no mxnet needed) or 'list' (insightface-style 'path label' lines in list_file)."""
+    """Training data: 'synthetic' (generated identities, no files), 'folder' (one sub-folder per identity under data_root), 'recordio' (insightface / MXNet train.rec + train.idx in data_root, no mxnet needed), 'list' (insightface-style 'path label' lines in list_file) or 'market1501' (data_root/bounding_box_train/ of a Market-1501 style re-ID set, person ids from the file names; junk and distractors left out)."""
     data_root: str = ""
-    """Root folder of the 'folder' dataset; folder with train.rec/train.idx (or the .rec path) of 'recordio', where relative val_bins are also looked up; base folder of relative paths of the 'list' dataset (default: the list file's folder)."""
+    """Root folder of the 'folder' dataset; folder with train.rec/train.idx (or the .rec path) of 'recordio', where relative val_bins are also looked up; base folder of relative paths of the 'list' dataset (default: the list file's folder); the Market-1501 root (holding bounding_box_train/) of 'market1501'."""
     list_file: str = ""
     """The 'path label' list file of the 'list' dataset."""
     image_size: List[int] = field(default_factory=list)
@@ -84,12 +84,20 @@ class TrainConfig:
     """DataLoader worker processes per rank (0: load in the training process; synthetic images render faster than workers could ship them on a small CPU)."""
     drop_last: bool = False
     """Drop each epoch's last partial batch; by default it is trained on (the head accepts unequal per-rank batches)."""
+    sampler: str = "random"
+    """Order of the training images: 'random' (a shuffled pass over the data per epoch) or 'pk' (every global micro-batch holds P identities x pk_instances images, for the triplet loss; identities with fewer images are topped up with repeats)."""
+    pk_instances: int = 4
+    """K of sampler='pk': images per identity in a global batch (batch_size * ranks must be a multiple)."""
+    random_erasing: float = 0.0
+    """Probability of erasing a random rectangle of each training image (re-ID augmentation, 0.5 in the strong baseline); 0: off."""
 
     # ------------------------------------------------------------------ model
     backbone: str = "tiny"
     """Backbone name: iresnet18/34/50/100, mobilefacenet, resnet50 (re-ID) or tiny (CPU demos)."""
     embedding_dim: int = 128
     """Width of the embeddings the backbone produces and the head classifies."""
+    neck: str = "auto"
+    """resnet50 only: 'bnneck' (a BatchNorm1d between the pooled feature and the embedding; the triplet loss reads the feature before it) or 'none'; 'auto': the backbone's own (bnneck for resnet50)."""
 
     # ------------------------------------------------------------------ head
     margin: str = "arcface"
@@ -114,6 +122,12 @@ class TrainConfig:
     """Walk each shard's classes this many at a time to bound activation memory (logits never stored); 0: all at once; -1: auto (the largest chunk whose logits fit 64 MiB)."""
     label_smoothing: float = 0.0
     """Label smoothing epsilon over all classes."""
+    triplet_weight: float = 0.0
+    """Weight of a batch-hard triplet loss over the global batch added to the classification loss (1.0 in the re-ID strong baseline; use sampler='pk'); 0: off. Needs a backbone with a neck (resnet50, tiny)."""
+    triplet_margin: float = 0.3
+    """Margin of the triplet loss's hinge max(0, d(a,p) - d(a,n) + margin)."""
+    triplet_soft: bool = False
+    """Soft-margin triplet loss log(1 + exp(d(a,p) - d(a,n))) instead of the hinge (triplet_margin is then unused)."""
 
     # ------------------------------------------------------------------ optim
     optimizer: str = "sgd"
@@ -207,7 +221,9 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         """Check value ranges and combinations; raise :class:`ConfigError` naming the field and value."""
-        _choice(self, "dataset", ("synthetic", "folder", "recordio", "list"))
+        _choice(self, "dataset", ("synthetic", "folder", "recordio", "list", "market1501"))
+        _choice(self, "sampler", ("random", "pk"))
+        _choice(self, "neck", ("auto", "bnneck", "none"))
         self.margin = MARGIN_ALIASES.get(self.margin, self.margin)
         _choice(self, "margin", ("arcface", "cosface", "sphereface", "combined", "normsoftmax", "softmax"))
         _choice(self, "optimizer", ("sgd", "adamw"))
@@ -233,6 +249,7 @@ class TrainConfig:
             raise ConfigError(f"momentum must be in [0, 1), got {self.momentum!r}")
         if not 0.0 < self.sample_rate <= 1.0:
             raise ConfigError(f"sample_rate must be in (0, 1], got {self.sample_rate!r}")
+        _validate_reid(self)
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
@@ -259,6 +276,8 @@ class TrainConfig:
             raise ConfigError("dataset='recordio' needs data_root (the folder with train.rec and train.idx, or the .rec)")
         if self.dataset == "folder" and not self.data_root:
             raise ConfigError("dataset='folder' needs data_root (the folder with one sub-folder per identity)")
+        if self.dataset == "market1501" and not self.data_root:
+            raise ConfigError("dataset='market1501' needs data_root (the folder holding bounding_box_train/)")
         if self.dataset == "list" and not self.list_file:
             raise ConfigError("dataset='list' needs list_file (lines of 'path label')")
         if not self.output_dir:
@@ -273,6 +292,27 @@ _MARGIN_FIELDS = {
     "arcface": ("scale", "m", "easy_margin"), "cosface": ("scale", "m"), "sphereface": ("m", "sphereface_lambda"),
     "combined": ("scale", "m1", "m2", "m3"), "normsoftmax": ("scale",), "softmax": (),
 }
+
+
+def _validate_reid(cfg: TrainConfig) -> None:
+    """The re-ID recipe's fields: the neck, the triplet loss, P x K sampling, random erasing."""
+    from shardfc.models import WITH_FEATURES  # models import torch; keep this module light to import
+
+    if cfg.neck != "auto" and cfg.backbone != "resnet50":
+        raise ConfigError(f"neck={cfg.neck!r} applies to backbone='resnet50' only, got backbone={cfg.backbone!r}")
+    for name in ("triplet_weight", "triplet_margin"):
+        value = getattr(cfg, name)
+        if not (value >= 0 and value != float("inf")):
+            raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+    if cfg.triplet_weight > 0 and cfg.backbone not in WITH_FEATURES:
+        raise ConfigError(
+            f"triplet_weight={cfg.triplet_weight!r} needs the feature before the backbone's neck, which only "
+            f"{', '.join(WITH_FEATURES)} give; got backbone={cfg.backbone!r}"
+        )
+    if cfg.pk_instances < 2:
+        raise ConfigError(f"pk_instances must be >= 2 (an identity needs a positive pair), got {cfg.pk_instances!r}")
+    if not 0.0 <= cfg.random_erasing <= 1.0:
+        raise ConfigError(f"random_erasing must be a probability in [0, 1], got {cfg.random_erasing!r}")
 
 
 def _choice(cfg: TrainConfig, name: str, choices: Sequence[str]) -> None:
@@ -294,10 +334,11 @@ def _at_least(cfg: TrainConfig, name: str, low: int) -> None:
 #: Section of each field: groups ``--help`` and the optional TOML tables.
 SECTIONS: Dict[str, Tuple[str, ...]] = {
     "data": ("dataset", "data_root", "list_file", "image_size", "synthetic_identities",
-             "synthetic_images_per_identity", "num_workers", "drop_last"),
-    "model": ("backbone", "embedding_dim"),
+             "synthetic_images_per_identity", "num_workers", "drop_last", "sampler", "pk_instances",
+             "random_erasing"),
+    "model": ("backbone", "embedding_dim", "neck"),
     "head": ("margin", "scale", "m", "m1", "m2", "m3", "easy_margin", "sphereface_lambda", "sample_rate",
-             "chunk_size", "label_smoothing"),
+             "chunk_size", "label_smoothing", "triplet_weight", "triplet_margin", "triplet_soft"),
     "optim": ("optimizer", "lr", "momentum", "weight_decay", "nesterov", "betas", "eps", "grad_clip", "grad_accum"),
     "schedule": ("batch_size", "max_steps", "epochs", "scheduler", "poly_power", "warmup_steps"),
     "run": ("strategy", "amp", "seed", "nproc", "device", "output_dir", "resume", "log_every", "progress",
@@ -550,10 +591,18 @@ def parse_config(argv: Sequence[str]) -> Tuple[TrainConfig, argparse.Namespace]:
         cfg = config_from_mapping(load_toml(args.config), cfg, args.config)
     overrides = {k: v for k, v in vars(args).items() if k in _FIELDS}
     cfg = dataclasses.replace(cfg, **overrides)
-    if "data_root" in overrides and "dataset" not in overrides and cfg.dataset in ("synthetic", "folder", "recordio"):
+    if "data_root" in overrides and "dataset" not in overrides and cfg.dataset in ("synthetic", "folder", "recordio", "market1501"):
         # --data-root alone never means the synthetic demo: a release folder (train.rec) or a folder of identities.
         root = Path(cfg.data_root)
-        cfg.dataset = "recordio" if root.suffix == ".rec" or (root / "train.rec").is_file() else "folder"
+        if root.suffix == ".rec" or (root / "train.rec").is_file():
+            cfg.dataset = "recordio"
+        elif (root / "bounding_box_train").is_dir():
+            cfg.dataset = "market1501"
+        else:
+            cfg.dataset = "folder"
+    if cfg.dataset == "market1501" and "data_root" in overrides and "reid_root" not in overrides:
+        # The release holds query/ and bounding_box_test/ beside bounding_box_train/: evaluate there.
+        cfg.reid_root = cfg.data_root
     if cfg.output_dir == DEFAULT_OUTPUT_DIR and (args.preset or cfg.dataset != "synthetic"):
         # A first real run must not resume (and append to) the synthetic demo's folder.
         cfg.output_dir = f"shardfc_runs/{args.preset or cfg.dataset}"

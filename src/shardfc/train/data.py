@@ -7,7 +7,9 @@ from typing import List, Tuple
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from shardfc.data.transforms import random_erase_
 from shardfc.parallel.context import DistContext
+from shardfc.seeding import mix_seed
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.evaluate import synthetic_dataset
 from shardfc.train.state import RunState
@@ -23,6 +25,10 @@ def train_dataset(cfg: TrainConfig, image_size: Tuple[int, int]) -> Dataset:
         inner = ImageFolderDataset(cfg.data_root, image_size, train=True)
     elif cfg.dataset == "recordio":
         inner = RecordIODataset(cfg.data_root, image_size, train=True)
+    elif cfg.dataset == "market1501":
+        from shardfc.data.market1501 import Market1501TrainDataset
+
+        inner = Market1501TrainDataset(cfg.data_root, image_size, train=True)
     else:
         inner = ListFileDataset(cfg.list_file, cfg.data_root or None, image_size, train=True)
     return CountCorrupt(inner)
@@ -102,7 +108,21 @@ class ShardBatches(Sampler):
         return full - self.start
 
 
-def micro_batches(dataset: Dataset, batches: ShardBatches, state: RunState, cfg: TrainConfig, ctx: DistContext):
+def rank_batches(cfg: TrainConfig, dataset: Dataset, batch_size: int, ctx: DistContext) -> Sampler:
+    """This rank's resumable batches: a shuffled pass (sampler 'random') or P x K identities ('pk')."""
+    if cfg.sampler == "pk":
+        from shardfc.train.identity_sampler import IdentityBatches, dataset_labels
+
+        return IdentityBatches(dataset_labels(dataset), batch_size, cfg.pk_instances, ctx.rank, ctx.world_size, cfg.seed)
+    return ShardBatches(len(dataset), batch_size, ctx.rank, ctx.world_size, cfg.seed, cfg.drop_last)
+
+
+def erasing_generator(seed: int, rank: int, epoch: int, batch_in_epoch: int) -> torch.Generator:
+    """The random-erasing stream of one micro-batch: a function of where it is, so a resume repeats it."""
+    return torch.Generator().manual_seed(mix_seed(seed, rank, epoch, batch_in_epoch, 0x4552))  # 'ER'
+
+
+def micro_batches(dataset: Dataset, batches: Sampler, state: RunState, cfg: TrainConfig, ctx: DistContext):
     """Endless ``(images, labels, corrupt skips)`` over epochs; advances ``state.epoch``/``batch_in_epoch``."""
     use_workers = cfg.num_workers > 0
     loader = DataLoader(
@@ -117,6 +137,8 @@ def micro_batches(dataset: Dataset, batches: ShardBatches, state: RunState, cfg:
     while True:
         batches.set_epoch(state.epoch, state.batch_in_epoch)
         for batch in loader:
+            if cfg.random_erasing > 0:
+                random_erase_(batch[0], cfg.random_erasing, erasing_generator(cfg.seed, ctx.rank, state.epoch, state.batch_in_epoch))
             state.batch_in_epoch += 1
             if counted:
                 yield batch

@@ -45,6 +45,14 @@ def log_setup(cfg, ctx: DistContext, run) -> None:
         ctx.world_size, cfg.grad_accum, batches_per_epoch, "fp32" if amp_dtype is None else str(amp_dtype)[6:],
         f"; Partial FC sample_rate {cfg.sample_rate}" if cfg.sample_rate < 1 else "",
     )
+    if parts.triplet is not None or cfg.sampler == "pk" or cfg.random_erasing > 0:
+        logger.info(
+            "re-ID recipe: %s; sampler %s; random erasing p=%g",
+            f"+ {cfg.triplet_weight:g} x batch-hard triplet ({parts.triplet}) on the pre-neck features"
+            if parts.triplet is not None else "no triplet loss",
+            f"pk ({run.batches.p} identities x {run.batches.k} images per global batch)" if cfg.sampler == "pk" else cfg.sampler,
+            cfg.random_erasing,
+        )
     if cfg.warmup_steps >= total_steps:
         logger.warning(
             "warmup_steps=%d >= the %d steps of this run: the learning rate never reaches lr=%g",

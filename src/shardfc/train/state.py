@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardfc.head import ShardedMarginHead
+from shardfc.head.triplet import BatchHardTripletLoss
 
 
 @dataclass
@@ -44,6 +45,8 @@ class Parts:
     """Warm-up + decay schedule of each optimizer (backbone first)."""
     scaler: torch.amp.GradScaler
     """fp16 loss scaler (disabled for other precisions)."""
+    triplet: Optional[BatchHardTripletLoss] = None
+    """The global-batch triplet loss on the features before the neck (triplet_weight > 0), else None."""
 
     @property
     def module(self) -> nn.Module:

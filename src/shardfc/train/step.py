@@ -37,13 +37,22 @@ def train_step(
         sync = contextlib.nullcontext() if last or not isinstance(parts.backbone, DDP) else parts.backbone.no_sync()
         with sync:
             with autocast():
-                # The head's loss is already the mean over the global micro-batch.
-                loss = parts.head(parts.backbone(images), labels) / cfg.grad_accum
+                # Both losses are already means over the global micro-batch.
+                loss = micro_batch_loss(parts, images, labels, cfg.triplet_weight) / cfg.grad_accum
             parts.scaler.scale(loss).backward()
         loss_sum += loss.detach().float()
         state.samples_seen += images.shape[0] * ctx.world_size
     apply_gradients(parts, cfg.grad_clip, ctx)
     return loss_sum, corrupt
+
+
+def micro_batch_loss(parts: Parts, images: torch.Tensor, labels: torch.Tensor, triplet_weight: float) -> torch.Tensor:
+    """The head's classification loss of the embeddings, plus the weighted triplet loss of the
+    features before the neck when the run has one (the re-ID strong baseline)."""
+    if parts.triplet is None:
+        return parts.head(parts.backbone(images), labels)
+    features, embeddings = parts.backbone(images, with_features=True)
+    return parts.head(embeddings, labels) + triplet_weight * parts.triplet(features, labels)
 
 
 def apply_gradients(parts: Parts, grad_clip: float, ctx: DistContext) -> None:

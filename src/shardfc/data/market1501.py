@@ -1,0 +1,74 @@
+"""The training split of a Market-1501 style re-ID folder, read as it is released.
+
+Market-1501 (and DukeMTMC-reID, MSMT17 in its Market-style export) keeps all training crops in one
+flat folder, ``bounding_box_train/``, the person and camera in each name: ``0002_c1s1_000451_03.jpg``
+is person 2 from camera 1. The person ids are relabelled ``0 .. N-1`` in increasing id order;
+junk crops (id ``-1``) and distractors (id ``0``, background) carry no identity and are left out,
+as every re-ID codebase does. Query and gallery (``query/``, ``bounding_box_test/``) are read by
+:mod:`shardfc.evaluation.reid`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Tuple
+
+from shardfc.data.folder import IMG_EXTENSIONS, PathLike, _FileImageDataset
+from shardfc.evaluation.reid import JUNK_PID, parse_market1501_name
+
+__all__ = ["DISTRACTOR_PID", "Market1501TrainDataset"]
+
+#: Person id of Market-1501 distractors (background crops).
+DISTRACTOR_PID = 0
+
+
+class Market1501TrainDataset(_FileImageDataset):
+    """``root/<split>/<pid>_c<camera>...jpg`` -> ``(image, label)`` with labels ``0 .. N-1``.
+
+    Corrupt images are skipped and counted like the other file datasets (:mod:`shardfc.data.folder`).
+
+    Args:
+        root: the dataset root (holding ``bounding_box_train/``).
+        image_size: output ``(height, width)``.
+        train: apply random horizontal flips.
+        flip_prob: flip probability when ``train``.
+        split: the training folder under ``root``.
+
+    Attributes:
+        samples: ``(path, label)`` pairs in file-name order.
+        pids: ``pids[label]`` is the person id in the file names.
+        cams: the camera of each sample.
+
+    Raises:
+        FileNotFoundError: ``root/split`` is not a folder.
+        ValueError: no images with a person id, or a name that does not parse.
+    """
+
+    def __init__(
+        self,
+        root: PathLike,
+        image_size: Tuple[int, int] = (256, 128),
+        train: bool = True,
+        flip_prob: float = 0.5,
+        split: str = "bounding_box_train",
+    ) -> None:
+        super().__init__(image_size, train, flip_prob)
+        self.root = os.path.join(os.fspath(root), split)
+        if not os.path.isdir(self.root):
+            raise FileNotFoundError(
+                f"Market-1501 training folder {self.root!r} does not exist: data_root must hold {split}/"
+            )
+        found: List[Tuple[str, int, int]] = []
+        for name in sorted(os.listdir(self.root)):
+            if name.startswith(".") or os.path.splitext(name)[1].lower() not in IMG_EXTENSIONS:
+                continue
+            pid, cam = parse_market1501_name(name)
+            if pid not in (JUNK_PID, DISTRACTOR_PID):
+                found.append((os.path.join(self.root, name), pid, cam))
+        if not found:
+            raise ValueError(f"Market-1501 training folder {self.root!r} holds no images of a person (id > 0)")
+        self.pids = sorted({pid for _, pid, _ in found})
+        label_of = {pid: label for label, pid in enumerate(self.pids)}
+        self.samples = [(path, label_of[pid]) for path, pid, _ in found]
+        self.cams = [cam for _, _, cam in found]
+        self.num_classes = len(self.pids)

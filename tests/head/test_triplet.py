@@ -1,0 +1,173 @@
+"""Batch-hard triplet loss over the global batch against a dense single-process float64 reference.
+
+One process group per world size (2 and 3 gloo ranks) runs every case with unequal local batches
+(one empty); the reference loops over anchors with plain per-pair distances.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardfc.head.triplet import BatchHardTripletLoss
+from shardfc.parallel.collectives import count_comm
+from shardfc.parallel.context import DistContext
+from shardfc.parallel.launch import spawn
+
+D, SEED, TOL = 5, 4321, 1e-10
+SIZES = {1: [9], 2: [7, 4], 3: [5, 0, 8]}
+
+CASES = {
+    "hinge": dict(margin=0.3, soft=False, num_labels=4),
+    "hinge_wide_margin": dict(margin=2.5, soft=False, num_labels=3),
+    "soft": dict(margin=0.3, soft=True, num_labels=4),
+    # Many singletons: anchors without a positive are left out of the mean.
+    "singletons": dict(margin=0.3, soft=False, num_labels=9),
+    # One label: no negatives anywhere, no valid anchor, a zero loss with a zero gradient.
+    "one_label": dict(margin=0.3, soft=False, num_labels=1),
+}
+
+
+def _global_data(B: int, num_labels: int):
+    g = torch.Generator().manual_seed(SEED)
+    x = torch.randn(B, D, generator=g, dtype=torch.float64)
+    y = torch.randint(0, num_labels, (B,), generator=g)
+    return x, y
+
+
+def reference_loss(x: torch.Tensor, y: torch.Tensor, margin: float, soft: bool) -> torch.Tensor:
+    """Mean over anchors with a positive and a negative of the hardest-triplet loss; a plain loop."""
+    terms = []
+    for i in range(len(x)):
+        pos = [((x[i] - x[j]) ** 2).sum().sqrt() for j in range(len(x)) if j != i and y[j] == y[i]]
+        neg = [((x[i] - x[j]) ** 2).sum().sqrt() for j in range(len(x)) if y[j] != y[i]]
+        if not pos or not neg:
+            continue
+        gap = torch.stack(pos).max() - torch.stack(neg).min()
+        terms.append(torch.log1p(torch.exp(gap)) if soft else torch.relu(gap + margin))
+    return torch.stack(terms).mean() if terms else x.sum() * 0
+
+
+def _rel(a, b):
+    if b.numel() == 0:
+        return 0.0
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def _run_cases(rank, world):
+    sizes = SIZES[world]
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    ctx = DistContext.resolve() if world > 1 else DistContext()
+    out = {}
+    for name, case in CASES.items():
+        x, y = _global_data(sum(sizes), case["num_labels"])
+        x_ref = x.clone().requires_grad_()
+        ref = reference_loss(x_ref, y, case["margin"], case["soft"])
+        ref.backward()
+        for scale in (1.0, None):  # the plain gradient, and the default W x for an averaging backbone
+            loss_fn = BatchHardTripletLoss(case["margin"], case["soft"], context=ctx, grad_scale=scale)
+            xr = x[lo:hi].clone().requires_grad_()
+            loss = loss_fn(xr, y[lo:hi].to(torch.int32))
+            loss.backward()
+            factor = world if scale is None else 1.0
+            value, want = float(loss.detach()), float(ref.detach())
+            out[(name, scale)] = {
+                "loss": abs(value - want) / abs(want) if want else abs(value),
+                "grad": _rel(xr.grad, factor * x_ref.grad[lo:hi]) if want else float(xr.grad.abs().sum()),
+                "ref": want,
+            }
+    out["bad_input"] = _bad_input(rank, world, ctx)
+    out["comm"] = _counted_traffic(sizes, lo, hi, ctx)
+    return out
+
+
+def _counted_traffic(sizes, lo, hi, ctx):
+    """The bytes the features move, as count_comm sees them: a padded gather forward, a reduce-scatter back."""
+    x, y = _global_data(sum(sizes), 3)
+    xr = x[lo:hi].clone().requires_grad_()
+    with count_comm() as counter:
+        BatchHardTripletLoss(context=ctx)(xr, y[lo:hi]).backward()
+    return dict(counter.bytes)
+
+
+def _bad_input(rank, world, ctx):
+    """One rank passes float labels: every rank raises naming it, none hangs."""
+    loss_fn = BatchHardTripletLoss(context=ctx)
+    x, y = torch.randn(3, D), torch.tensor([0, 1, 0])
+    if rank == world - 1:
+        y = y.float()
+    try:
+        loss_fn(x, y)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def results(request):
+    world = request.param
+    return world, spawn(_run_cases, world, backend="gloo")
+
+
+def test_single_process_matches_reference():
+    out = _run_cases(0, 1)
+    for key, r in out.items():
+        if key == "bad_input":
+            assert "labels must be an integer tensor" in r
+            continue
+        if key == "comm":
+            assert r == {}  # one process: nothing to move
+            continue
+        assert r["loss"] < TOL and r["grad"] < TOL, (key, r)
+
+
+def test_global_batch_matches_dense_reference(results):
+    world, per_rank = results
+    for rank, out in enumerate(per_rank):
+        for key, r in out.items():
+            if key in ("bad_input", "comm"):
+                continue
+            assert r["loss"] < TOL, (world, rank, key, r)
+            assert r["grad"] < TOL, (world, rank, key, r)
+    # The cases are not degenerate: all but 'one_label' have a positive loss.
+    refs = {name: per_rank[0][(name, 1.0)]["ref"] for name in CASES}
+    assert refs.pop("one_label") == 0.0
+    assert all(v > 0 for v in refs.values()), refs
+
+
+def test_feature_traffic_is_counted(results):
+    world, per_rank = results
+    sizes = SIZES[world]
+    for out in per_rank:
+        # float64 features [B, D]: padded to the largest local batch forward, exact rows backward
+        assert out["comm"]["reduce_scatter"] == sum(sizes) * D * 8
+        features, labels, header = world * max(sizes) * D * 8, world * max(sizes) * 8, world * 2 * 8
+        assert out["comm"]["all_gather"] == features + labels + header
+        assert out["comm"]["all_reduce"] == 2 * 8  # the loss sum and the anchor count
+
+
+def test_bad_input_raises_on_every_rank(results):
+    world, per_rank = results
+    for out in per_rank:
+        assert "labels must be an integer tensor" in out["bad_input"], out["bad_input"]
+        assert f"rank {world - 1}" in out["bad_input"]
+
+
+def test_rejects_bad_margin():
+    with pytest.raises(ValueError, match="margin must be a finite number >= 0, got -0.1"):
+        BatchHardTripletLoss(-0.1, context=DistContext())
+    with pytest.raises(ValueError, match="margin must be a finite number >= 0, got inf"):
+        BatchHardTripletLoss(float("inf"), context=DistContext())
+
+
+def test_grad_scale_in_a_world_of_one():
+    x, y = _global_data(9, 3)
+    grads = []
+    for scale in (1.0, 3.0):
+        xr = x.clone().requires_grad_()
+        loss = BatchHardTripletLoss(context=DistContext(), grad_scale=scale)(xr, y)
+        loss.backward()
+        grads.append((float(loss.detach()), xr.grad))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-12) and torch.allclose(3 * grads[0][1], grads[1][1])
+    assert not dist.is_initialized()
