@@ -63,6 +63,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
             state = _restore(run, resume_from, cfg)
         if ctx.is_main:  # only now: a refused resume leaves the earlier run's config.toml alone
             (out / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
+        runlog.start_at(state.step)
         stream = micro_batches(run.dataset, run.batches, state, cfg, ctx)
 
         # ---- loop
@@ -87,11 +88,13 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         runlog.close_bar()
 
         # ---- save: a final checkpoint (unless resumed at the end) and a final evaluation
-        if resume_from is None or state.step > step_of(resume_from):
+        trained = resume_from is None or state.step > step_of(resume_from)
+        if trained:
             last_saved = save(run, state, cfg)
         elif ctx.is_main:
             logger.info("%s is at step %d; max %d steps: nothing to train", resume_from, state.step, run.total_steps)
-        metrics = evaluate_targets(targets, parts, state.step, runlog)
+        # Re-evaluated when nothing was trained (the summary reports it), but not logged twice in metrics.csv.
+        metrics = evaluate_targets(targets, parts, state.step, runlog, record=trained)
         ctx.barrier()  # leave together: no rank tears the group down under another
         wall = time.time() - started
         if ctx.is_main:
