@@ -40,6 +40,7 @@ __all__ = [
     "build_parser",
     "parse_config",
     "to_toml",
+    "absolute_paths",
 ]
 
 
@@ -267,6 +268,31 @@ class TrainConfig:
 
 
 DEFAULT_OUTPUT_DIR = "shardfc_runs/synthetic"
+
+#: The fields that name files or folders (``val_bins`` is a list of them).
+PATH_FIELDS = ("data_root", "list_file", "output_dir", "reid_root", "val_bins")
+
+
+def absolute_paths(cfg: TrainConfig, base: "str | os.PathLike[str] | None" = None) -> TrainConfig:
+    """``cfg`` with its relative paths made absolute against ``base`` (default: the working folder).
+
+    A run stores its config in checkpoints and ``config.toml``; with absolute paths ``shardfc
+    eval`` and a resume find the data and evaluation sets from any folder. A relative ``val_bins``
+    entry is resolved as the evaluation looks it up: in ``base`` if there, else beside ``data_root``.
+    """
+    root = Path(os.path.abspath(base if base is not None else os.getcwd()))
+
+    def resolve(path: str) -> str:
+        return str(Path(os.path.normpath(root / Path(path).expanduser()))) if path else path
+
+    updates: Dict[str, Any] = {name: resolve(getattr(cfg, name)) for name in PATH_FIELDS if name != "val_bins"}
+    bins = []
+    for path in cfg.val_bins:
+        here = resolve(path)
+        beside = os.path.join(updates["data_root"], path) if cfg.data_root and not os.path.isabs(path) else ""
+        bins.append(os.path.normpath(beside) if beside and not os.path.exists(here) and os.path.exists(beside) else here)
+    updates["val_bins"] = bins
+    return dataclasses.replace(cfg, **updates)
 
 #: The fields each margin reads (named in its errors).
 _MARGIN_FIELDS = {

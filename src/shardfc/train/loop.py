@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from shardfc.seeding import seed_all
 from shardfc.train.build import autocast_factory, build_run, rank_seed, run_context
-from shardfc.train.config import TrainConfig, to_toml
+from shardfc.train.config import TrainConfig, absolute_paths, to_toml
 from shardfc.train.data import micro_batches
 from shardfc.train.evaluate import build_targets
 from shardfc.train.reporting import ReportWindow, evaluate_targets, log_setup, report
@@ -43,7 +43,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
     evaluation's ``metrics`` (``{target: {metric: value}}``) with their ``descriptions``.
     """
     started = time.time()
-    cfg.validate()
+    cfg = absolute_paths(cfg.validate())  # stored in checkpoints: readable from any folder
     ctx = run_context(cfg, group)
     out = Path(cfg.output_dir)
     with RunLog(out, ctx.is_main, cfg.progress) as runlog:
