@@ -170,7 +170,10 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank():
 # ---------------------------------------------------------------------------- in-process runs and bad input
 
 
-def test_fp16_on_cpu_falls_back_to_bf16_with_a_message(tmp_path, caplog):
+def test_fp16_on_cpu_falls_back_to_bf16_with_a_message(tmp_path, caplog, monkeypatch):
+    from shardfc.train import cpu
+
+    monkeypatch.setattr(cpu, "bf16_support", lambda: (True, "a CPU with native bf16"))  # see test_cpu_defaults.py
     with caplog.at_level(logging.WARNING, logger="shardfc.train"):
         assert resolve_amp_dtype(TrainConfig(amp="fp16"), torch.device("cpu")) is torch.bfloat16
     assert "using bf16 autocast instead" in caplog.text

@@ -161,6 +161,8 @@ class TrainConfig:
     """Processes to spawn on this machine (strategy 'ddp'; ignored under torchrun and horovodrun, whose environment decides, and by 'dp', which is one process)."""
     device: str = "auto"
     """'auto' (one CUDA device per rank when available, else CPU), 'cpu' or 'cuda'."""
+    threads: int = 0
+    """Intra-op CPU threads per process; 0: OMP_NUM_THREADS when set, else the usable cores divided by the training processes on this machine."""
     output_dir: str = "shardfc_runs/synthetic"
     """Run folder: checkpoints/, metrics.csv, train.log, config.toml (default: shardfc_runs/<preset or dataset>)."""
     resume: str = "auto"
@@ -221,7 +223,7 @@ class TrainConfig:
             _at_least(self, name, 1)
         if self.chunk_size < -1:
             raise ConfigError(f"chunk_size must be >= 1, 0 (no chunking) or -1 (auto), got {self.chunk_size!r}")
-        for name in ("num_workers", "max_steps", "epochs", "warmup_steps", "eval_every",
+        for name in ("num_workers", "threads", "max_steps", "epochs", "warmup_steps", "eval_every",
                      "ckpt_every", "keep_last", "synthetic_val_pairs", "seed"):
             _at_least(self, name, 0)
         for name in ("lr", "scale", "eps"):
@@ -326,7 +328,7 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
              "chunk_size", "label_smoothing"),
     "optim": ("optimizer", "lr", "momentum", "weight_decay", "nesterov", "betas", "eps", "grad_clip", "grad_accum"),
     "schedule": ("batch_size", "max_steps", "epochs", "scheduler", "poly_power", "warmup_steps"),
-    "run": ("strategy", "amp", "seed", "nproc", "device", "output_dir", "resume", "log_every", "progress",
+    "run": ("strategy", "amp", "seed", "nproc", "device", "threads", "output_dir", "resume", "log_every", "progress",
             "eval_every", "ckpt_every", "keep_last", "trust_checkpoint"),
     "eval": ("val_bins", "reid_root", "synthetic_val_pairs", "eval_batch_size", "eval_flip"),
 }

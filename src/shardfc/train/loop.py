@@ -21,6 +21,7 @@ import torch.distributed as dist
 from shardfc.seeding import seed_all
 from shardfc.train.build import autocast_factory, build_run, rank_seed, run_context
 from shardfc.train.config import TrainConfig, absolute_paths, to_toml
+from shardfc.train.cpu import apply_threads
 from shardfc.train.data import micro_batches
 from shardfc.train.evaluate import build_targets
 from shardfc.train.reporting import ReportWindow, evaluate_targets, log_setup, report
@@ -47,6 +48,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
     ctx = run_context(cfg, group)
     out = Path(cfg.output_dir)
     with RunLog(out, ctx.is_main, cfg.progress) as runlog:
+        threads = apply_threads(cfg.threads, cfg.strategy, ctx.world_size)  # before any work, in every process
         # ---- build: data, model and optimizers (the same initialisation on every rank), evaluation
         run = build_run(cfg, ctx)
         parts = run.parts
@@ -55,6 +57,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         targets = build_targets(cfg, run.image_size, ctx.device, autocast) if ctx.is_main else []
         if ctx.is_main:
             log_setup(cfg, ctx, run)
+            logger.info("%s", threads)
 
         # ---- resume: the newest complete checkpoint, saved on any number of ranks
         state = RunState(batches_per_epoch=len(run.batches))
