@@ -154,7 +154,7 @@ class TrainConfig:
     strategy: str = "ddp"
     """How the run spreads over processes and devices: 'ddp' (one process per rank, spawned with --nproc or by torchrun; backbone in DistributedDataParallel, one head shard per rank), 'dp' (one process; backbone in nn.DataParallel over every visible CUDA device, one head shard per device; needs >= 2 GPUs; batch_size is per GPU) or 'horovod' (launched by `horovodrun -np N`; backbone optimizer in hvd.DistributedOptimizer, one head shard per rank over Horovod's collectives)."""
     amp: str = "none"
-    """Mixed precision: 'none', 'bf16' (autocast) or 'fp16' (autocast + loss scaling; on CPU it falls back to bf16)."""
+    """Mixed precision: 'none', 'bf16' (autocast) or 'fp16' (autocast + loss scaling; on CPU it falls back to bf16 where the CPU has native bf16, else to fp32)."""
     seed: int = 0
     """Seed of the model initialisation, data order, augmentation and the synthetic dataset."""
     nproc: int = 2
