@@ -121,3 +121,32 @@ def test_eval_json_is_strict_json_with_undefined_values_explained(run4, tmp_path
     assert 0.0 <= toy["accuracy"] <= 1.0 and toy["tar@far=1e-3"] is None
     assert "1000 negative pairs" in report["undefined"]["toy"]["tar@far=1e-3"]
     assert set(report["undefined"]["toy"]) == {k for k, v in toy.items() if v is None}
+
+
+def _name_on_two_ranks(rank: int, world: int) -> list:
+    """Rank 1 alone met broken.png (twice: in two reports); rank 0 must name it, once."""
+    import logging
+
+    import torch
+
+    from shardfc.parallel.context import DistContext
+    from shardfc.train.reporting import _name_corrupt_images
+
+    lines: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("shardfc.train").addHandler(handler)
+    ctx = DistContext(None, rank, world, True, torch.device("cpu"))
+    named: set = set()
+    met = [("/data/id3/broken.png", "UnidentifiedImageError: cannot identify")] if rank == 1 else []
+    for _ in range(2):
+        _name_corrupt_images(met, named, ctx)
+    return lines
+
+
+def test_corrupt_images_met_on_another_rank_are_named_once_by_rank_0():
+    from shardfc.parallel.launch import spawn
+
+    rank0, rank1 = spawn(_name_on_two_ranks, 2)
+    assert rank1 == []
+    assert len(rank0) == 1 and "/data/id3/broken.png (UnidentifiedImageError" in rank0[0]
