@@ -52,7 +52,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         # ---- build: data, model and optimizers (the same initialisation on every rank), evaluation
         run = build_run(cfg, ctx)
         parts = run.parts
-        seed_all(rank_seed(cfg.seed, ctx.rank, 0))  # then per-rank augmentation / dropout streams
+        seed_all(rank_seed(cfg.seed, ctx.rank, 0))  # then per-rank streams (dropout); augmentation: data.py
         autocast = autocast_factory(ctx.device, run.amp_dtype)
         targets = build_targets(cfg, run.image_size, ctx.device, autocast) if ctx.is_main else []
         if ctx.is_main:
