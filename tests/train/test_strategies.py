@@ -210,9 +210,10 @@ def test_horovod_resume_continues_the_same_curve(ddp_and_horovod, horovodrun, tm
     resumed = dataclasses.replace(hvd, output_dir=str(out), resume=str(step3))
     log = _horovod_train(horovodrun, resumed, tmp_path / "resume.log")
     assert "restored step 3" in log
-    # metrics.csv is appended to: the copied run's steps 1..6, then the resumed run's.
+    # metrics.csv keeps the copied run's steps up to the checkpoint (1..3), then the resumed run's.
     rows = [r for r in csv.DictReader(open(out / "metrics.csv")) if r["name"] == "train/loss"]
-    again = [(int(r["step"]), float(r["value"])) for r in rows[STEPS:]]
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+    again = [(int(r["step"]), float(r["value"])) for r in rows[3:]]
     assert [s for s, _ in again] == [4, 5, 6]
     uninterrupted = _losses(hvd.output_dir)
     np.testing.assert_allclose([v for _, v in again], [uninterrupted[s] for s, _ in again], rtol=RTOL)

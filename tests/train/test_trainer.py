@@ -170,7 +170,10 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank():
 # ---------------------------------------------------------------------------- in-process runs and bad input
 
 
-def test_fp16_on_cpu_falls_back_to_bf16_with_a_message(tmp_path, caplog):
+def test_fp16_on_cpu_falls_back_to_bf16_with_a_message(tmp_path, caplog, monkeypatch):
+    from shardfc.train import cpu
+
+    monkeypatch.setattr(cpu, "bf16_support", lambda: (True, "a CPU with native bf16"))  # see test_cpu_defaults.py
     with caplog.at_level(logging.WARNING, logger="shardfc.train"):
         assert resolve_amp_dtype(TrainConfig(amp="fp16"), torch.device("cpu")) is torch.bfloat16
     assert "using bf16 autocast instead" in caplog.text
@@ -258,11 +261,13 @@ def test_folder_dataset_with_a_corrupt_image_and_empty_folder(tmp_path, capsys):
         for k in range(3):
             _png(data / f"id{ident}" / f"{k}.png", (60 * ident, 20 * k, 100))
     (data / "id0" / "broken.png").write_bytes(b"not an image at all")
+    # 13 images, 3 batches an epoch, 2 workers: broken.png is met in 3 epochs, by either worker.
     cfg = tiny_config(tmp_path / "run", dataset="folder", data_root=str(data), nproc=1, batch_size=4, grad_accum=1,
-                      max_steps=4, log_every=4, ckpt_every=0, eval_every=0, synthetic_val_pairs=0)
-    assert train(cfg)["step"] == 4
+                      max_steps=8, log_every=4, ckpt_every=0, eval_every=0, synthetic_val_pairs=0, num_workers=2)
+    assert train(cfg)["step"] == 8
     log = (tmp_path / "run" / "train.log").read_text()
-    assert "skipping corrupt image" in log and "broken.png" in log
+    named = [line for line in log.splitlines() if "broken.png" in line]
+    assert len(named) == 1 and "corrupt image skipped" in named[0], named  # once per run, with its name
     assert "corrupt image(s) skipped" in log
 
     empty = tmp_path / "empty"

@@ -11,7 +11,8 @@ and counted**:
   deterministic and independent of timing or worker layout;
 * ``corrupt_count`` is incremented once per skip and the path is added to
   ``corrupt_paths``; a warning naming the path is logged once per path on the
-  ``"shardfc.data"`` logger;
+  ``"shardfc.data"`` logger (unless ``log_corrupt`` is off: the trainer names
+  them itself, once over all workers and ranks, from :meth:`load_sample`);
 * known-corrupt indices are remembered, so later epochs skip them without
   decoding again;
 * if every image is corrupt, :class:`RuntimeError` is raised.
@@ -20,18 +21,28 @@ Counters live in the process that decoded the image: with DataLoader workers
 each worker has its own copy, so read the warnings log for a global picture.
 A *missing* file is not corrupt, it is a configuration error, and raises
 :class:`FileNotFoundError`.
+
+Random augmentation (both datasets)
+-----------------------------------
+The random flip of sample ``i`` in epoch ``e`` draws from a generator seeded
+with ``mix_seed(seed, e, i)``, never from a process's global RNG: the same
+images come out whichever DataLoader worker loads them, however many workers
+there are, and after a resume (workers restart with fresh RNGs). ``dataset[i]``
+uses the epoch set with :meth:`set_epoch`; :meth:`load_sample` takes it as an
+argument (what the trainer uses, since workers hold copies of the dataset).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import List, Optional, Set, Tuple, Union
+from typing import Dict, List, Optional, Set, Tuple, Union
 
 import torch
 from torch.utils.data import Dataset
 
 from shardfc.data.transforms import CorruptImageError, ImageTransform, decode_image
+from shardfc.seeding import mix_seed
 
 __all__ = ["IMG_EXTENSIONS", "ImageFolderDataset", "ListFileDataset"]
 
@@ -41,6 +52,9 @@ logger = logging.getLogger("shardfc.data")
 IMG_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp"})
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+#: Stream tag of the augmentation generators (keeps them apart from other uses of the seed).
+_STREAM_AUGMENT = 0x617567
 
 
 def _is_image(name: str) -> bool:
@@ -53,49 +67,72 @@ class _FileImageDataset(Dataset):
     samples: List[Tuple[str, int]]
     num_classes: int
 
-    def __init__(self, image_size: Tuple[int, int], train: bool, flip_prob: float) -> None:
+    def __init__(self, image_size: Tuple[int, int], train: bool, flip_prob: float, seed: int = 0) -> None:
         self.image_size = tuple(image_size)
         self.train = train
         # Flip augmentation only for training; evaluation adds flips explicitly.
         self.transform = ImageTransform(image_size, random_flip=train, flip_prob=flip_prob)
+        self.seed = int(seed)
+        self.epoch = 0
+        self.log_corrupt = True
         self.corrupt_count = 0
         self.corrupt_paths: Set[str] = set()
-        self._corrupt_indices: Set[int] = set()
+        self._corrupt_reasons: Dict[int, str] = {}
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def _load(self, index: int) -> Tuple[torch.Tensor, int]:
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch ``dataset[i]`` draws its augmentation for (see the module docstring)."""
+        self.epoch = int(epoch)
+
+    def augmentation_generator(self, index: int, epoch: int) -> Optional[torch.Generator]:
+        """The generator of sample ``index``'s random choices in ``epoch``; ``None`` without augmentation."""
+        if not self.transform.random_flip:
+            return None
+        return torch.Generator().manual_seed(mix_seed(self.seed, _STREAM_AUGMENT, epoch, index))
+
+    def _load(self, index: int, generator: Optional[torch.Generator]) -> Tuple[torch.Tensor, int]:
         path, label = self.samples[index]
-        return self.transform(decode_image(path)), label
+        return self.transform(decode_image(path), generator), label
 
     def sample_name(self, index: int) -> str:
         """How ``index`` is named in corrupt-image reports (the file path)."""
         return self.samples[index][0]
 
     def _record_corrupt(self, index: int, err: CorruptImageError) -> None:
-        self.corrupt_count += 1
-        self._corrupt_indices.add(index)
+        self._corrupt_reasons[index] = err.reason
         path = self.sample_name(index)
         if path not in self.corrupt_paths:
             self.corrupt_paths.add(path)
-            logger.warning("skipping corrupt image %s (%s); substituting the next valid sample", path, err.reason)
+            if self.log_corrupt:
+                logger.warning("skipping corrupt image %s (%s); substituting the next valid sample", path, err.reason)
 
-    def __getitem__(self, index: int) -> Tuple[torch.Tensor, int]:
+    def load_sample(self, index: int, epoch: int) -> Tuple[torch.Tensor, int, List[Tuple[str, str]]]:
+        """``(image, label, skipped)`` of ``index`` in ``epoch``: ``skipped`` holds ``(name, reason)`` of
+        each corrupt image passed over to reach a decodable one (see the module docstring)."""
         n = len(self)
         if not -n <= index < n:
             raise IndexError(f"index {index} out of range for dataset of size {n}")
         index %= n
+        # Drawn for the requested index, so the choice does not depend on which images are corrupt.
+        generator = self.augmentation_generator(index, epoch)
+        skipped: List[Tuple[str, str]] = []
         for step in range(n):
             i = (index + step) % n
-            if i in self._corrupt_indices:
-                self.corrupt_count += 1
-                continue
-            try:
-                return self._load(i)
-            except CorruptImageError as err:
-                self._record_corrupt(i, err)
+            if i not in self._corrupt_reasons:
+                try:
+                    image, label = self._load(i, generator)
+                    return image, label, skipped
+                except CorruptImageError as err:
+                    self._record_corrupt(i, err)
+            self.corrupt_count += 1
+            skipped.append((self.sample_name(i), self._corrupt_reasons[i]))
         raise RuntimeError(f"all {n} images of {self!r} are corrupt")
+
+    def __getitem__(self, index: int) -> Tuple[torch.Tensor, int]:
+        image, label, _ = self.load_sample(index, self.epoch)
+        return image, label
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(samples={len(self.samples)}, num_classes={self.num_classes})"
@@ -115,6 +152,7 @@ class ImageFolderDataset(_FileImageDataset):
         image_size: output ``(height, width)``; images are resized if needed.
         train: apply random horizontal flips.
         flip_prob: flip probability when ``train``.
+        seed: seed of the augmentation (see the module docstring).
 
     Attributes:
         classes: identity folder names; ``classes[label]``.
@@ -132,8 +170,9 @@ class ImageFolderDataset(_FileImageDataset):
         image_size: Tuple[int, int] = (112, 112),
         train: bool = True,
         flip_prob: float = 0.5,
+        seed: int = 0,
     ) -> None:
-        super().__init__(image_size, train, flip_prob)
+        super().__init__(image_size, train, flip_prob, seed)
         self.root = os.fspath(root)
         if not os.path.isdir(self.root):
             raise FileNotFoundError(f"ImageFolderDataset root {self.root!r} does not exist or is not a directory")
@@ -172,6 +211,7 @@ class ListFileDataset(_FileImageDataset):
         image_size: output ``(height, width)``.
         train: apply random horizontal flips.
         flip_prob: flip probability when ``train``.
+        seed: seed of the augmentation (see the module docstring).
 
     Raises:
         FileNotFoundError: ``list_file`` does not exist.
@@ -186,8 +226,9 @@ class ListFileDataset(_FileImageDataset):
         image_size: Tuple[int, int] = (112, 112),
         train: bool = True,
         flip_prob: float = 0.5,
+        seed: int = 0,
     ) -> None:
-        super().__init__(image_size, train, flip_prob)
+        super().__init__(image_size, train, flip_prob, seed)
         self.list_file = os.fspath(list_file)
         if not os.path.isfile(self.list_file):
             raise FileNotFoundError(f"ListFileDataset list_file {self.list_file!r} does not exist")

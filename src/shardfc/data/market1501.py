@@ -51,8 +51,9 @@ class Market1501TrainDataset(_FileImageDataset):
         train: bool = True,
         flip_prob: float = 0.5,
         split: str = "bounding_box_train",
+        seed: int = 0,
     ) -> None:
-        super().__init__(image_size, train, flip_prob)
+        super().__init__(image_size, train, flip_prob, seed)
         self.root = os.path.join(os.fspath(root), split)
         if not os.path.isdir(self.root):
             raise FileNotFoundError(

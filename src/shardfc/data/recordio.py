@@ -580,6 +580,8 @@ class RecordIODataset(_FileImageDataset):
         image_size: output ``(height, width)``; images are resized if needed.
         train: random horizontal flips.
         flip_prob: flip probability when ``train``.
+        seed: seed of the augmentation (a function of seed, epoch and index,
+            as in :mod:`shardfc.data.folder`).
 
     Attributes:
         labels: int64 array, the class of each index, read from the record
@@ -602,6 +604,7 @@ class RecordIODataset(_FileImageDataset):
         image_size: Tuple[int, int] = (112, 112),
         train: bool = True,
         flip_prob: float = 0.5,
+        seed: int = 0,
     ) -> None:
         self.rec_path, self.idx_path, self.property_path = resolve_recordio_paths(root_or_rec_path)
         self.reader = RecordIOReader(self.rec_path, self.idx_path)
@@ -622,7 +625,7 @@ class RecordIODataset(_FileImageDataset):
                 )
         else:
             self.num_classes = needed
-        super().__init__(image_size, train, flip_prob)
+        super().__init__(image_size, train, flip_prob, seed)
 
     def _scan_labels(self, keys: np.ndarray) -> np.ndarray:
         labels = np.empty(keys.size, dtype=np.int64)
@@ -646,9 +649,9 @@ class RecordIODataset(_FileImageDataset):
         key = int(self.keys[index])
         return unpack_header(self.reader.read(key), self.reader.name(key))[1]
 
-    def _load(self, index: int) -> Tuple[torch.Tensor, int]:
+    def _load(self, index: int, generator: Optional[torch.Generator]) -> Tuple[torch.Tensor, int]:
         img = decode_image(self.read_image_bytes(index), name=self.sample_name(index))
-        return self.transform(img), int(self.labels[index])
+        return self.transform(img, generator), int(self.labels[index])
 
     def __repr__(self) -> str:
         return (

@@ -18,6 +18,7 @@ from shardfc.head.triplet import BatchHardTripletLoss
 from shardfc.models import build_backbone, input_size as default_input_size
 from shardfc.parallel.context import DistContext
 from shardfc.seeding import mix_seed, seed_all
+from shardfc.train import cpu
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.data import rank_batches, train_dataset
 from shardfc.train.schedule import WarmupDecay
@@ -108,11 +109,26 @@ def resolve_amp_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.
     """The autocast dtype, after falling back where the hardware cannot do what was asked."""
     if cfg.amp == "none":
         return None
-    if cfg.amp == "fp16" and device.type == "cpu":
-        logger.warning(
-            "amp='fp16' asked for, but this run is on the CPU, where fp16 autocast is slow and covers few ops: "
-            "using bf16 autocast instead (fp32's range, so no loss scaling)"
-        )
+    if device.type == "cpu" and cfg.amp in ("fp16", "bf16"):
+        native, found = cpu.bf16_support()
+        if cfg.amp == "fp16" and native is False:
+            logger.warning(
+                "amp='fp16' asked for, but this run is on the CPU, where fp16 autocast is slow and covers few ops, "
+                "and this CPU has no native bf16 (%s), so bf16 autocast would be slower than fp32 too: "
+                "training in fp32, the faster of the two", found,
+            )
+            return None
+        if cfg.amp == "fp16":
+            logger.warning(
+                "amp='fp16' asked for, but this run is on the CPU, where fp16 autocast is slow and covers few ops: "
+                "using bf16 autocast instead (fp32's range, so no loss scaling)"
+            )
+        elif native is False:
+            logger.warning(
+                "amp='bf16' on a CPU without native bf16 (%s): every bf16 op is converted through fp32 in "
+                "software, so steps are slower than in fp32, not faster; pass --amp none unless you want bf16's "
+                "numerics", found,
+            )
         return torch.bfloat16
     if cfg.amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         logger.warning("amp='bf16' asked for, but this GPU lacks bf16: using fp16 autocast with loss scaling instead")

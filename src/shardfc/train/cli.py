@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from shardfc import checkpoint as ckpt
 from shardfc.parallel.launch import WorkerError, init_from_env, launched_by_torchrun, spawn
-from shardfc.train.config import ConfigError, TrainConfig, parse_config, to_toml
+from shardfc.train.config import ConfigError, TrainConfig, absolute_paths, parse_config, to_toml
 from shardfc.train.loop import train
 from shardfc.train.strategy import check_launch, horovod_module
 
@@ -65,7 +65,7 @@ def run(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
     input are raised as themselves in-process, as :class:`ConfigError` with the same message from
     spawned ranks; a spawned rank's unexpected error as :class:`WorkerError` with its traceback.
     """
-    cfg.validate()
+    cfg = absolute_paths(cfg.validate())
     check_launch(cfg)
     if cfg.strategy == "horovod":
         return _run_horovod(cfg)

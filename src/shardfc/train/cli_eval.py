@@ -10,8 +10,9 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import sys
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -21,7 +22,7 @@ from shardfc.train.config import ConfigError
 from shardfc.train.evaluate import build_targets, run_targets
 from shardfc.train.runlog import format_metrics
 
-__all__ = ["main"]
+__all__ = ["main", "json_report"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +39,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none", help="autocast dtype (default: none)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     return p
+
+
+def json_report(checkpoint: str, metrics: Dict[str, Dict[str, float]]) -> str:
+    """Strict JSON of the metrics: an undefined value (NaN, infinity) is ``null``, and
+    ``undefined[target][metric]`` says why (JSON has no NaN; most parsers reject it)."""
+    clean: Dict[str, Dict[str, Any]] = {}
+    undefined: Dict[str, Dict[str, str]] = {}
+    for target, values in metrics.items():
+        clean[target] = {}
+        for name, value in values.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                clean[target][name] = None
+                undefined.setdefault(target, {})[name] = _why_undefined(name, value, values)
+            else:
+                clean[target][name] = value
+    return json.dumps({"checkpoint": checkpoint, "metrics": clean, "undefined": undefined}, indent=2, allow_nan=False)
+
+
+def _why_undefined(name: str, value: float, values: Dict[str, float]) -> str:
+    if "@far=" in name:
+        far = float(name.split("@far=", 1)[1])
+        pairs = values.get("num_pairs")
+        return (
+            f"FAR {name.split('@far=', 1)[1]} cannot be measured with fewer than {math.ceil(1 / far)} negative pairs"
+            + (f" (this set has {int(pairs)} pairs in all)" if pairs is not None else "")
+        )
+    return f"{value} (not defined for this data)"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -64,7 +92,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"shardfc eval: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"checkpoint": str(trained.path), "metrics": metrics}, indent=2))
+        print(json_report(str(trained.path), metrics))
         return 0
     print(f"checkpoint {trained.path} ({trained.config.backbone}, {trained.config.embedding_dim}-d)")
     for t in targets:

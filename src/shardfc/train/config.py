@@ -40,6 +40,7 @@ __all__ = [
     "build_parser",
     "parse_config",
     "to_toml",
+    "absolute_paths",
 ]
 
 
@@ -167,13 +168,15 @@ class TrainConfig:
     strategy: str = "ddp"
     """How the run spreads over processes and devices: 'ddp' (one process per rank, spawned with --nproc or by torchrun; backbone in DistributedDataParallel, one head shard per rank), 'dp' (one process; backbone in nn.DataParallel over every visible CUDA device, one head shard per device; needs >= 2 GPUs; batch_size is per GPU) or 'horovod' (launched by `horovodrun -np N`; backbone optimizer in hvd.DistributedOptimizer, one head shard per rank over Horovod's collectives)."""
     amp: str = "none"
-    """Mixed precision: 'none', 'bf16' (autocast) or 'fp16' (autocast + loss scaling; on CPU it falls back to bf16)."""
+    """Mixed precision: 'none', 'bf16' (autocast) or 'fp16' (autocast + loss scaling; on CPU it falls back to bf16 where the CPU has native bf16, else to fp32)."""
     seed: int = 0
     """Seed of the model initialisation, data order, augmentation and the synthetic dataset."""
     nproc: int = 2
     """Processes to spawn on this machine (strategy 'ddp'; ignored under torchrun and horovodrun, whose environment decides, and by 'dp', which is one process)."""
     device: str = "auto"
     """'auto' (one CUDA device per rank when available, else CPU), 'cpu' or 'cuda'."""
+    threads: int = 0
+    """Intra-op CPU threads per process; 0: OMP_NUM_THREADS when set, else the usable cores divided by the training processes on this machine."""
     output_dir: str = "shardfc_runs/synthetic"
     """Run folder: checkpoints/, metrics.csv, train.log, config.toml (default: shardfc_runs/<preset or dataset>)."""
     resume: str = "auto"
@@ -236,7 +239,7 @@ class TrainConfig:
             _at_least(self, name, 1)
         if self.chunk_size < -1:
             raise ConfigError(f"chunk_size must be >= 1, 0 (no chunking) or -1 (auto), got {self.chunk_size!r}")
-        for name in ("num_workers", "max_steps", "epochs", "warmup_steps", "eval_every",
+        for name in ("num_workers", "threads", "max_steps", "epochs", "warmup_steps", "eval_every",
                      "ckpt_every", "keep_last", "synthetic_val_pairs", "seed"):
             _at_least(self, name, 0)
         for name in ("lr", "scale", "eps"):
@@ -286,6 +289,31 @@ class TrainConfig:
 
 
 DEFAULT_OUTPUT_DIR = "shardfc_runs/synthetic"
+
+#: The fields that name files or folders (``val_bins`` is a list of them).
+PATH_FIELDS = ("data_root", "list_file", "output_dir", "reid_root", "val_bins")
+
+
+def absolute_paths(cfg: TrainConfig, base: "str | os.PathLike[str] | None" = None) -> TrainConfig:
+    """``cfg`` with its relative paths made absolute against ``base`` (default: the working folder).
+
+    A run stores its config in checkpoints and ``config.toml``; with absolute paths ``shardfc
+    eval`` and a resume find the data and evaluation sets from any folder. A relative ``val_bins``
+    entry is resolved as the evaluation looks it up: in ``base`` if there, else beside ``data_root``.
+    """
+    root = Path(os.path.abspath(base if base is not None else os.getcwd()))
+
+    def resolve(path: str) -> str:
+        return str(Path(os.path.normpath(root / Path(path).expanduser()))) if path else path
+
+    updates: Dict[str, Any] = {name: resolve(getattr(cfg, name)) for name in PATH_FIELDS if name != "val_bins"}
+    bins = []
+    for path in cfg.val_bins:
+        here = resolve(path)
+        beside = os.path.join(updates["data_root"], path) if cfg.data_root and not os.path.isabs(path) else ""
+        bins.append(os.path.normpath(beside) if beside and not os.path.exists(here) and os.path.exists(beside) else here)
+    updates["val_bins"] = bins
+    return dataclasses.replace(cfg, **updates)
 
 #: The fields each margin reads (named in its errors).
 _MARGIN_FIELDS = {
@@ -341,7 +369,7 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
              "chunk_size", "label_smoothing", "triplet_weight", "triplet_margin", "triplet_soft"),
     "optim": ("optimizer", "lr", "momentum", "weight_decay", "nesterov", "betas", "eps", "grad_clip", "grad_accum"),
     "schedule": ("batch_size", "max_steps", "epochs", "scheduler", "poly_power", "warmup_steps"),
-    "run": ("strategy", "amp", "seed", "nproc", "device", "output_dir", "resume", "log_every", "progress",
+    "run": ("strategy", "amp", "seed", "nproc", "device", "threads", "output_dir", "resume", "log_every", "progress",
             "eval_every", "ckpt_every", "keep_last", "trust_checkpoint"),
     "eval": ("val_bins", "reid_root", "synthetic_val_pairs", "eval_batch_size", "eval_flip"),
 }

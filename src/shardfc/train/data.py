@@ -22,39 +22,66 @@ def train_dataset(cfg: TrainConfig, image_size: Tuple[int, int]) -> Dataset:
     from shardfc.data.recordio import RecordIODataset
 
     if cfg.dataset == "folder":
-        inner = ImageFolderDataset(cfg.data_root, image_size, train=True)
+        dataset = ImageFolderDataset(cfg.data_root, image_size, train=True, seed=cfg.seed)
     elif cfg.dataset == "recordio":
-        inner = RecordIODataset(cfg.data_root, image_size, train=True)
+        dataset = RecordIODataset(cfg.data_root, image_size, train=True, seed=cfg.seed)
     elif cfg.dataset == "market1501":
         from shardfc.data.market1501 import Market1501TrainDataset
 
-        inner = Market1501TrainDataset(cfg.data_root, image_size, train=True)
+        dataset = Market1501TrainDataset(cfg.data_root, image_size, train=True, seed=cfg.seed)
     else:
-        inner = ListFileDataset(cfg.list_file, cfg.data_root or None, image_size, train=True)
-    return CountCorrupt(inner)
+        dataset = ListFileDataset(cfg.list_file, cfg.data_root or None, image_size, train=True, seed=cfg.seed)
+    dataset.log_corrupt = False  # named by rank 0, once over all workers and ranks (reporting.py)
+    return dataset
 
 
-class CountCorrupt(Dataset):
-    """Adds to each sample how many corrupt images were skipped to produce it.
+class KeyedSamples(Dataset):
+    """The training dataset read by ``(epoch, index)`` keys: ``(image, label, skipped)``.
 
-    The dataset's own counter lives in whichever DataLoader worker decoded the image; passing
-    the count along with the batch lets rank 0 report a total over all workers and ranks.
+    The epoch travels with each index from the sampler (which runs in the training process), so
+    a DataLoader worker, holding its own copy of the dataset, draws sample ``index``'s
+    augmentation for the right epoch (:meth:`~shardfc.data.folder.ImageFolderDataset.load_sample`).
+    ``skipped`` lists ``(name, reason)`` of the corrupt images passed over: the dataset's own
+    counters live in whichever worker decoded the image, so they travel with the batch too.
+    Datasets without ``load_sample`` (the synthetic one: every sample a function of the seed and
+    its index alone) are read by index.
     """
 
     def __init__(self, inner: Dataset) -> None:
         self.inner = inner
-        self.num_classes = inner.num_classes
+        self.keyed = hasattr(inner, "load_sample")
 
     def __len__(self) -> int:
         return len(self.inner)
 
-    def __getitem__(self, index: int):
-        before = self.inner.corrupt_count
+    def __getitem__(self, key: Tuple[int, int]):
+        epoch, index = key
+        if self.keyed:
+            return self.inner.load_sample(index, epoch)
         image, label = self.inner[index]
-        return image, label, self.inner.corrupt_count - before
+        return image, label, []
 
-    def __repr__(self) -> str:
-        return repr(self.inner)
+
+class EpochKeys(Sampler):
+    """A batch sampler's batches (:class:`ShardBatches` or the P x K one) with each index as
+    ``(epoch, index)`` (for :class:`KeyedSamples`)."""
+
+    def __init__(self, batches: Sampler) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        epoch = self.batches.epoch
+        for batch in self.batches:
+            yield [(epoch, i) for i in batch]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def collate_keyed(samples):
+    """Stack images and labels; the skipped corrupt images of the batch in one list."""
+    images, labels, skipped = zip(*samples)
+    return torch.stack(images), torch.tensor(labels, dtype=torch.int64), [s for per in skipped for s in per]
 
 
 class ShardBatches(Sampler):
@@ -85,6 +112,10 @@ class ShardBatches(Sampler):
                 f"drop_last with batch_size={batch_size} leaves no batch: each of {world_size} rank(s) gets "
                 f"{per_rank} images per epoch"
             )
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.sampler.set_epoch(epoch)
@@ -123,26 +154,29 @@ def erasing_generator(seed: int, rank: int, epoch: int, batch_in_epoch: int) -> 
 
 
 def micro_batches(dataset: Dataset, batches: Sampler, state: RunState, cfg: TrainConfig, ctx: DistContext):
-    """Endless ``(images, labels, corrupt skips)`` over epochs; advances ``state.epoch``/``batch_in_epoch``."""
+    """Endless ``(images, labels, skipped corrupt images)`` over epochs; advances ``state.epoch``/``batch_in_epoch``.
+
+    Every random choice of the data is a function of (seed, epoch, index): the order (the
+    sampler's seed and epoch), the augmentation (:class:`KeyedSamples`) and random erasing
+    (:func:`erasing_generator`), so a resumed run sees exactly the batches the uninterrupted one
+    would have, with any number of workers.
+    """
     use_workers = cfg.num_workers > 0
     loader = DataLoader(
-        dataset,
-        batch_sampler=batches,
+        KeyedSamples(dataset),
+        batch_sampler=EpochKeys(batches),
         num_workers=cfg.num_workers,
+        collate_fn=collate_keyed,
         pin_memory=ctx.device.type == "cuda",
         persistent_workers=use_workers,
         generator=torch.Generator().manual_seed(cfg.seed + ctx.rank),
     )
-    counted = isinstance(dataset, CountCorrupt)
     while True:
         batches.set_epoch(state.epoch, state.batch_in_epoch)
         for batch in loader:
             if cfg.random_erasing > 0:
                 random_erase_(batch[0], cfg.random_erasing, erasing_generator(cfg.seed, ctx.rank, state.epoch, state.batch_in_epoch))
             state.batch_in_epoch += 1
-            if counted:
-                yield batch
-            else:
-                yield batch[0], batch[1], torch.zeros(1, dtype=torch.int64)
+            yield batch
         state.epoch += 1
         state.batch_in_epoch = 0

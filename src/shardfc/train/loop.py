@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from shardfc.seeding import seed_all
 from shardfc.train.build import autocast_factory, build_run, rank_seed, run_context
-from shardfc.train.config import TrainConfig, to_toml
+from shardfc.train.config import TrainConfig, absolute_paths, to_toml
+from shardfc.train.cpu import apply_threads
 from shardfc.train.data import micro_batches
 from shardfc.train.evaluate import build_targets
 from shardfc.train.reporting import ReportWindow, evaluate_targets, log_setup, report
@@ -43,18 +44,20 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
     evaluation's ``metrics`` (``{target: {metric: value}}``) with their ``descriptions``.
     """
     started = time.time()
-    cfg.validate()
+    cfg = absolute_paths(cfg.validate())  # stored in checkpoints: readable from any folder
     ctx = run_context(cfg, group)
     out = Path(cfg.output_dir)
     with RunLog(out, ctx.is_main, cfg.progress) as runlog:
+        threads = apply_threads(cfg.threads, cfg.strategy, ctx.world_size)  # before any work, in every process
         # ---- build: data, model and optimizers (the same initialisation on every rank), evaluation
         run = build_run(cfg, ctx)
         parts = run.parts
-        seed_all(rank_seed(cfg.seed, ctx.rank, 0))  # then per-rank augmentation / dropout streams
+        seed_all(rank_seed(cfg.seed, ctx.rank, 0))  # then per-rank streams (dropout); augmentation: data.py
         autocast = autocast_factory(ctx.device, run.amp_dtype)
         targets = build_targets(cfg, run.image_size, ctx.device, autocast) if ctx.is_main else []
         if ctx.is_main:
             log_setup(cfg, ctx, run)
+            logger.info("%s", threads)
 
         # ---- resume: the newest complete checkpoint, saved on any number of ranks
         state = RunState(batches_per_epoch=len(run.batches))
@@ -63,6 +66,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
             state = _restore(run, resume_from, cfg)
         if ctx.is_main:  # only now: a refused resume leaves the earlier run's config.toml alone
             (out / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
+        runlog.start_at(state.step)
         stream = micro_batches(run.dataset, run.batches, state, cfg, ctx)
 
         # ---- loop
@@ -87,11 +91,13 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         runlog.close_bar()
 
         # ---- save: a final checkpoint (unless resumed at the end) and a final evaluation
-        if resume_from is None or state.step > step_of(resume_from):
+        trained = resume_from is None or state.step > step_of(resume_from)
+        if trained:
             last_saved = save(run, state, cfg)
         elif ctx.is_main:
             logger.info("%s is at step %d; max %d steps: nothing to train", resume_from, state.step, run.total_steps)
-        metrics = evaluate_targets(targets, parts, state.step, runlog)
+        # Re-evaluated when nothing was trained (the summary reports it), but not logged twice in metrics.csv.
+        metrics = evaluate_targets(targets, parts, state.step, runlog, record=trained)
         ctx.barrier()  # leave together: no rank tears the group down under another
         wall = time.time() - started
         if ctx.is_main:

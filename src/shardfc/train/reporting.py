@@ -6,7 +6,7 @@ import logging
 import math
 import os
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -65,21 +65,23 @@ class ReportWindow:
 
     def __init__(self, state: RunState) -> None:
         self.state = state
+        self.named: Set[str] = set()
+        """Corrupt images already named in the log (rank 0): each is named once per run."""
         self._reset()
 
     def _reset(self) -> None:
         self.t0, self.samples0 = time.time(), self.state.samples_seen
         self.loss: Optional[torch.Tensor] = None
         self.steps = 0
-        self.corrupt = 0
+        self.corrupt: List[Tuple[str, str]] = []
 
-    def add(self, loss: torch.Tensor, corrupt: int) -> None:
+    def add(self, loss: torch.Tensor, corrupt: List[Tuple[str, str]]) -> None:
         self.loss = loss if self.loss is None else self.loss + loss  # no host sync until the report
         self.steps += 1
         self.corrupt += corrupt
 
-    def take(self) -> Tuple[float, float, int]:
-        """(mean loss, images/s, corrupt skips on this rank) since the previous take; resets."""
+    def take(self) -> Tuple[float, float, List[Tuple[str, str]]]:
+        """(mean loss, images/s, (name, reason) of corrupt skips on this rank) since the previous take; resets."""
         loss = float(self.loss) / self.steps if self.steps else float("nan")
         rate = (self.state.samples_seen - self.samples0) / max(time.time() - self.t0, 1e-9)
         corrupt = self.corrupt
@@ -95,9 +97,11 @@ def report(runlog: RunLog, window: ReportWindow, parts: Parts, state: RunState, 
             f"the training loss is {loss} at step {state.step}: training diverged; lower --lr, raise "
             "--warmup-steps or set --grad-clip"
         )
-    skipped = torch.tensor([corrupt], dtype=torch.int64, device=ctx.device)
+    skipped = torch.tensor([len(corrupt)], dtype=torch.int64, device=ctx.device)
     ctx.all_reduce_(skipped)
     skipped_total = int(skipped)
+    if skipped_total:  # every rank knows the total, so all take part in the gather
+        _name_corrupt_images(corrupt, window.named, ctx)
     if not ctx.is_main:
         return
     lr = current_lr(parts)
@@ -115,14 +119,29 @@ def report(runlog: RunLog, window: ReportWindow, parts: Parts, state: RunState, 
     runlog.scalars(state.step, values)
 
 
-def evaluate_targets(targets, parts: Parts, step: int, runlog: RunLog) -> Dict[str, Dict[str, float]]:
-    """Rank 0 evaluates the plain backbone (no collective); the others move on and wait in the next one."""
+def _name_corrupt_images(corrupt: List[Tuple[str, str]], named: Set[str], ctx: DistContext) -> None:
+    """Rank 0 names each corrupt image once per run, whichever rank and worker met it (collective)."""
+    mine = sorted(set(corrupt))
+    found = ctx.all_gather_object(mine)
+    if not ctx.is_main:
+        return
+    for name, reason in sorted({item for per_rank in found for item in per_rank}):
+        if name not in named:
+            named.add(name)
+            logger.warning("corrupt image skipped (the next valid sample is used instead): %s (%s)", name, reason)
+
+
+def evaluate_targets(targets, parts: Parts, step: int, runlog: RunLog, record: bool = True) -> Dict[str, Dict[str, float]]:
+    """Rank 0 evaluates the plain backbone (no collective); the others move on and wait in the next one.
+
+    ``record``: append the metrics to metrics.csv (off for a re-evaluation of a logged step)."""
     if not targets:
         return {}
     t0 = time.time()
     metrics = run_targets(targets, parts.module)
     for t in targets:
         logger.info("eval step %d  %s: %s  (%s)", step, t.name, format_metrics(metrics[t.name]), t.description)
-        runlog.scalars(step, {f"val/{t.name}/{k}": v for k, v in metrics[t.name].items()})
+        if record:
+            runlog.scalars(step, {f"val/{t.name}/{k}": v for k, v in metrics[t.name].items()})
     logger.info("evaluation took %.1f s", time.time() - t0)
     return metrics

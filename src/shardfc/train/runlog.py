@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional
 
-__all__ = ["RunLog", "format_metrics", "plot_metrics"]
+__all__ = ["RunLog", "format_metrics", "plot_metrics", "truncate_metrics"]
 
 logger = logging.getLogger("shardfc.train")
 
@@ -40,7 +40,8 @@ class RunLog:
 
     Args:
         output_dir: run folder; ``train.log`` and ``metrics.csv`` are appended to (a resumed run
-            continues them, nothing earlier is lost).
+            continues them; :meth:`start_at` drops the rows an interrupted attempt wrote after the
+            checkpoint it resumes from).
         is_main: this process writes (rank 0).
         progress: show a bar (tqdm when installed and stderr is a terminal); without one, the
             periodic log lines are the progress report.
@@ -81,17 +82,31 @@ class RunLog:
         self._logfile = logfile
         lib.propagate = False  # the run's handlers are the single place records go
         self._use_bar = use_bar
+        return self
+
+    def start_at(self, step: int) -> None:
+        """Open the scalar logs for a run that continues from ``step`` (0: a fresh start).
+
+        Rows of ``metrics.csv`` after ``step`` were written by an earlier attempt past its last
+        checkpoint; the run trains those steps again, so they are dropped (as are TensorBoard's
+        events after ``step``): the curves then go one way, without a zig-zag back in time.
+        """
+        if not self.is_main:
+            return
         csv_path = self.output_dir / "metrics.csv"
+        dropped = truncate_metrics(csv_path, step) if csv_path.exists() else 0
+        if dropped:
+            logger.info("metrics.csv: dropped %d row(s) after step %d, written before the run was interrupted",
+                        dropped, step)
         new = not csv_path.exists() or csv_path.stat().st_size == 0
         self._csv_file = open(csv_path, "a", newline="", encoding="utf-8")
         self._csv = csv.writer(self._csv_file)
         if new:
-            self._csv.writerow(["step", "name", "value", "elapsed_s"])
+            self._csv.writerow(_CSV_HEADER)
         if importlib.util.find_spec("tensorboard") is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.output_dir / "tensorboard"))
-        return self
+            self._tb = SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=step or None)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close_bar()
@@ -139,15 +154,39 @@ class RunLog:
 
     # ------------------------------------------------------------------ scalars
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
-        """Append ``values`` at ``step`` to metrics.csv (and TensorBoard)."""
+        """Append ``values`` at ``step`` to metrics.csv (and TensorBoard); after :meth:`start_at`."""
         if not self.is_main:
             return
+        if self._csv is None:
+            raise RuntimeError("RunLog.scalars() before start_at()")
         now = round(time.time() - self._start, 3)
         for name, value in values.items():
             self._csv.writerow([step, name, f"{float(value):.6g}", now])
             if self._tb is not None and math.isfinite(float(value)):
                 self._tb.add_scalar(name, float(value), step)
         self._csv_file.flush()
+
+
+_CSV_HEADER = ["step", "name", "value", "elapsed_s"]
+
+
+def truncate_metrics(csv_path: Path, step: int) -> int:
+    """Keep the rows of ``csv_path`` up to ``step`` (and drop a torn last line); returns how many were dropped."""
+    with open(csv_path, newline="", encoding="utf-8") as f:
+        rows = list(csv.reader(f))
+    if not rows:
+        return 0
+    body = rows[1:] if rows[0] == _CSV_HEADER else rows
+    kept = [r for r in body if len(r) == len(_CSV_HEADER) and r[0].isdigit() and int(r[0]) <= step]
+    if len(kept) == len(body):
+        return 0
+    tmp = csv_path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(_CSV_HEADER)
+        writer.writerows(kept)
+    tmp.replace(csv_path)  # never half a file, even if this is interrupted too
+    return len(body) - len(kept)
 
 
 def format_metrics(values: Dict[str, float], keys=("accuracy", "tar@far=1e-3")) -> str:

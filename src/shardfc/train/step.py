@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Tuple
+from typing import Iterator, List, Tuple
 
 import torch
 from torch import nn
@@ -17,20 +17,21 @@ from shardfc.train.strategy import is_horovod_optimizer
 
 def train_step(
     parts: Parts, stream: Iterator, state: RunState, cfg: TrainConfig, ctx: DistContext, autocast
-) -> Tuple[torch.Tensor, int]:
-    """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, corrupt images skipped)."""
+) -> Tuple[torch.Tensor, List[Tuple[str, str]]]:
+    """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, (name, reason) of the
+    corrupt images skipped)."""
     # set_to_none=True is torch's default; Horovod's DistributedOptimizer.zero_grad() takes no argument.
     parts.opt_backbone.zero_grad()
     # The head's gradient buffer is kept: its backward then adds into it in place, block by block,
     # instead of allocating a fresh [n_local, D] gradient every step.
     parts.opt_head.zero_grad(set_to_none=False)
     loss_sum = torch.zeros((), device=ctx.device)
-    corrupt = 0
+    corrupt: List[Tuple[str, str]] = []
     for micro in range(cfg.grad_accum):
         images, labels, skipped = next(stream)
         images = images.to(ctx.device, non_blocking=True)
         labels = labels.to(ctx.device, non_blocking=True)
-        corrupt += int(skipped.sum())
+        corrupt += skipped
         # DDP all-reduces the backbone gradients on the last micro-batch only (Horovod's optimizer
         # counts grad_accum backward passes itself).
         last = micro == cfg.grad_accum - 1
