@@ -1,4 +1,6 @@
-"""``shardfc import-arcface``: arcface_torch backbones and per-rank FC shards into a resharding checkpoint."""
+"""``shardfc import-arcface``: arcface_torch backbones and per-rank FC shards into a resharding checkpoint.
+
+Also ``shardfc export --fc``, the reverse: the joined class centres as one tensor."""
 
 from __future__ import annotations
 
@@ -7,10 +9,13 @@ import argparse
 import pytest
 import torch
 
+# torch marks TorchScript deprecated; export writes it.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+
 from shardfc import checkpoint as ckpt
 from shardfc.models import build_backbone
 from shardfc.train import cli as train_cli
-from shardfc.train import cli_import
+from shardfc.train import cli_export, cli_import
 from shardfc.train.arcface_import import arcface_class_range, import_arcface, load_arcface_backbone
 from shardfc.train.artifacts import load_backbone
 
@@ -123,23 +128,27 @@ def test_v2_shards_become_a_checkpoint_read_by_any_split(tmp_path):
         assert torch.equal(v, backbone[k])
 
 
-def test_v1_softmax_weight_files(tmp_path):
+def test_v1_softmax_weight_files_through_the_cli(tmp_path, capsys):
     g = torch.Generator().manual_seed(3)
     ws = [torch.randn(n, 8, generator=g) for n in (3, 3, 2, 2)]  # 10 classes on 4 ranks
     for r, w in enumerate(ws):
         torch.save(w, tmp_path / f"rank_{r}_softmax_weight.pt")
         torch.save(w * 2, tmp_path / f"rank_{r}_softmax_weight_mom.pt")
-    torch.save(build_backbone("tiny", 8, input_size=(16, 16)).state_dict(), tmp_path / "backbone.pth")
+    torch.save(build_backbone("tiny", 8).state_dict(), tmp_path / "backbone.pth")
     argv = ["--backbone", str(tmp_path / "backbone.pth"), "--network", "tiny", "--out", str(tmp_path / "run"),
-            "--head", str(tmp_path / "rank_*_softmax_weight.pt")]
-    # The CLI cannot build a 16x16 tiny net (it takes the default input size): use the library for the run,
-    # and the CLI for its error path below.
-    path, head = import_arcface(tmp_path / "run", tmp_path / "backbone.pth", "tiny",
-                                sorted(tmp_path.glob("rank_*_softmax_weight.pt")), input_size=(16, 16))
+            "--head", str(tmp_path / "rank_*_softmax_weight.pt")]  # a quoted glob, expanded by the command
+    assert cli_import.main(argv + ["--num-classes", "11"]) == 2
+    assert "--num-classes 11 but the head files hold 10 classes" in capsys.readouterr().err
+    assert cli_import.main(argv) == 0
+    assert "10 classes x 8 from 4 arcface_torch rank(s)" in capsys.readouterr().out
+    path = ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints")
     loaded = ckpt.load_checkpoint(path, class_range=range(10), num_classes=10)
     assert torch.equal(loaded.head_tensors["weight"], torch.cat(ws))
     assert torch.equal(loaded.head_tensors["optimizer.momentum_buffer"], torch.cat(ws) * 2)
-    assert cli_import.main(argv + ["--num-classes", "11"]) == 2
+    # And back out as one tensor.
+    fc = tmp_path / "fc.pt"
+    assert cli_export.main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "m.pt"), "--fc", str(fc)]) == 0
+    assert torch.equal(torch.load(fc, weights_only=True), torch.cat(ws))
 
 
 def test_bad_shards_are_named(tmp_path, capsys):

@@ -46,6 +46,15 @@ def test_export_round_trip(run2, tmp_path, capsys):
 
     assert cli_export.main(["--checkpoint", cfg.output_dir, "--out", str(out)]) == 2
     assert "exists; pass --force" in capsys.readouterr().err
+
+    # The class centres as one tensor: the 2 saved shards' rows, read straight from their files, joined.
+    fc = tmp_path / "fc.pt"
+    assert cli_export.main(["--checkpoint", cfg.output_dir, "--out", str(out), "--force", "--fc", str(fc)]) == 0
+    assert "class centres, one tensor [24, 16]" in capsys.readouterr().out
+    step = max((Path(cfg.output_dir) / "checkpoints").glob("step_*"))
+    shards = [torch.load(step / f"head_{r}.pt", weights_only=True) for r in (0, 1)]
+    assert shards[0]["class_range"][1] == shards[1]["class_range"][0]
+    assert torch.equal(torch.load(fc, weights_only=True), torch.cat([s["tensors"]["weight"] for s in shards]))
     if importlib.util.find_spec("onnx") is None:
         code = cli_export.main(["--checkpoint", cfg.output_dir, "--out", str(out), "--force", "--onnx"])
         assert code == 1

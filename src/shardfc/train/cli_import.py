@@ -12,6 +12,7 @@ import sys
 from typing import List, Optional
 
 from shardfc import checkpoint as ckpt
+from shardfc.checkpoint.format import read_meta
 from shardfc.models import BACKBONES
 from shardfc.train.arcface_import import import_arcface
 
@@ -59,7 +60,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ValueError, FileNotFoundError, ckpt.CheckpointError) as e:
         print(f"shardfc import-arcface: error: {e}", file=sys.stderr)
         return 2
-    meta = ckpt.read_meta(path)
+    meta = read_meta(path)
     source = f"{head.world_size} arcface_torch rank(s), step {head.global_step}" if head else "a fresh head"
     print(f"wrote {path}: {args.network}, {meta['num_classes']} classes x {meta['embedding_dim']} from {source}")
     for note in head.notes if head else []:
