@@ -181,12 +181,15 @@ def _reference_scores(root, model, flip, norm_score, detector_score):
     return np.array(scores), np.array([int(y) for _, _, y in pairs])
 
 
-@pytest.mark.parametrize("flip,norm_score,detector_score", [(True, True, True), (False, False, False), (True, False, True)])
-def test_end_to_end_matches_plain_reference(tmp_path, flip, norm_score, detector_score):
+@pytest.mark.parametrize(
+    "flip,norm_score,detector_score,workers", [(True, True, True, 0), (False, False, False, 0), (True, False, True, 2)]
+)
+def test_end_to_end_matches_plain_reference(tmp_path, flip, norm_score, detector_score, workers):
     root = _write_release(tmp_path / "IJBC")
     model = _model()
     metrics, scores, meta = evaluate_ijb(
-        model, root, "IJBC", batch_size=4, flip=flip, norm_score=norm_score, detector_score=detector_score
+        model, root, "IJBC", batch_size=4, flip=flip, norm_score=norm_score, detector_score=detector_score,
+        workers=workers,
     )
     ref_scores, labels = _reference_scores(root, model, flip, norm_score, detector_score)
     assert np.allclose(scores, ref_scores, atol=1e-6)

@@ -26,6 +26,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 from PIL import Image
 
@@ -43,6 +44,7 @@ __all__ = [
     "roc_curve",
     "tar_at_nearest_far",
     "ijb_metrics",
+    "AlignedFaces",
     "embed_ijb_faces",
     "evaluate_ijb",
     "write_ijb_report",
@@ -217,14 +219,27 @@ def ijb_metrics(scores: np.ndarray, labels: np.ndarray, fars: Sequence[float] = 
 
 
 # --------------------------------------------------------------------- embedding
-def _aligned_faces(meta: IJBMeta) -> Iterator[torch.Tensor]:
-    crops = meta.root / "loose_crop"
-    for name, lmk in zip(meta.names, meta.landmarks):
-        path = crops / name
+class AlignedFaces(Dataset):
+    """The faces of an IJB release, aligned and normalised: item ``i`` is a float tensor
+    ``[3, H, W]`` in ``[-1, 1]`` (the aligned 112x112 crop, resized to ``image_size`` if that differs)."""
+
+    def __init__(self, meta: IJBMeta, image_size: Tuple[int, int] = (112, 112)) -> None:
+        self.meta = meta
+        self.image_size = (int(image_size[0]), int(image_size[1]))
+
+    def __len__(self) -> int:
+        return len(self.meta.names)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        path = self.meta.root / "loose_crop" / self.meta.names[i]
         if not path.is_file():
             raise FileNotFoundError(f"IJB face image not found: {str(path)!r}")
-        image = pil_to_tensor(decode_image(str(path), name=str(path)))
-        yield align_face(image, lmk)
+        face = align_face(pil_to_tensor(decode_image(str(path), name=str(path))), self.meta.landmarks[i])
+        return image_to_tensor(Image.fromarray(face.permute(1, 2, 0).numpy()), self.image_size)
+
+
+def _one_thread(_: int) -> None:
+    torch.set_num_threads(1)  # workers run many small ops: threads would only contend
 
 
 @torch.no_grad()
@@ -235,21 +250,15 @@ def embed_ijb_faces(
     flip: bool = True,
     device: Optional[Union[str, torch.device]] = None,
     image_size: Tuple[int, int] = (112, 112),
+    workers: int = 0,
 ) -> np.ndarray:
     """Aligned, embedded faces ``[F, D]`` (float64, unnormalised; with ``flip`` the mirror
-    image's embedding added). A backbone taking another ``image_size`` gets the aligned 112x112
-    crop resized to it."""
-    def batches() -> Iterator[torch.Tensor]:
-        chunk: List[torch.Tensor] = []
-        for face in _aligned_faces(meta):
-            chunk.append(image_to_tensor(Image.fromarray(face.permute(1, 2, 0).numpy()), tuple(image_size)))
-            if len(chunk) == batch_size:
-                yield torch.stack(chunk)
-                chunk = []
-        if chunk:
-            yield torch.stack(chunk)
-
-    return embed_batches(model, batches(), flip=flip, device=device).double().numpy()
+    image's embedding added). ``workers`` DataLoader processes decode and align."""
+    loader = DataLoader(
+        AlignedFaces(meta, image_size), batch_size=batch_size, shuffle=False, num_workers=workers,
+        worker_init_fn=_one_thread if workers else None,
+    )
+    return embed_batches(model, loader, flip=flip, device=device).double().numpy()
 
 
 def evaluate_ijb(
@@ -263,6 +272,7 @@ def evaluate_ijb(
     device: Optional[Union[str, torch.device]] = None,
     meta: Optional[IJBMeta] = None,
     image_size: Tuple[int, int] = (112, 112),
+    workers: int = 0,
 ) -> Tuple[Dict[str, float], np.ndarray, IJBMeta]:
     """Run the protocol on ``root``: ``(metrics, pair scores, meta)``.
 
@@ -270,7 +280,7 @@ def evaluate_ijb(
     ``detector_score=False`` ignores the detector scores ("D0").
     """
     meta = read_ijb_meta(root, target) if meta is None else meta
-    feats = embed_ijb_faces(model, meta, batch_size, flip, device, image_size)
+    feats = embed_ijb_faces(model, meta, batch_size, flip, device, image_size, workers)
     if not norm_score:
         norms = np.linalg.norm(feats, axis=1, keepdims=True)
         feats = feats / np.where(norms == 0, 1.0, norms)

@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--no-ijb-norm-score normalises faces first)")
     p.add_argument("--ijb-detector-score", action=argparse.BooleanOptionalAction, default=True,
                    help="weight each face feature by its detector score (insightface's default)")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader processes decoding and aligning IJB faces (default: 0)")
     p.add_argument("--synthetic-pairs", type=int, default=None, metavar="N",
                    help="held-out synthetic pairs of unseen identities (for a synthetic run; 0: none)")
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default: 256)")
@@ -63,6 +64,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.batch_size < 1:
             raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+        if args.workers < 0:
+            raise ConfigError(f"--workers must be >= 0, got {args.workers}")
         device = pick_device(args.device)
         trained = load_backbone(args.checkpoint, device, trust_pickle=args.trust_checkpoint)
         cfg = dataclasses.replace(trained.config, eval_batch_size=args.batch_size, eval_flip=args.flip)
@@ -71,7 +74,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         )
         ijb = None
         if args.ijb is not None:
-            ijb = IJBOptions(args.ijb, args.ijb_target, args.ijb_out, args.ijb_norm_score, args.ijb_detector_score)
+            ijb = IJBOptions(
+                args.ijb, args.ijb_target, args.ijb_out, args.ijb_norm_score, args.ijb_detector_score, args.workers
+            )
         dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
         autocast = contextlib.nullcontext if dtype is None else (lambda: torch.autocast(device.type, dtype=dtype))
         targets = build_targets(

@@ -117,6 +117,8 @@ class IJBOptions:
     """Where to write the scores, the ROC as CSV and its plot; None: nowhere."""
     norm_score: bool = True
     detector_score: bool = True
+    workers: int = 0
+    """DataLoader processes that decode and align the faces."""
 
 
 def _ijb_target(opts: IJBOptions, image_size, cfg: TrainConfig, device, autocast) -> EvalTarget:
@@ -130,7 +132,7 @@ def _ijb_target(opts: IJBOptions, image_size, cfg: TrainConfig, device, autocast
             metrics, scores, _ = evaluate_ijb(
                 model, opts.root, opts.target, batch_size=cfg.eval_batch_size, flip=cfg.eval_flip,
                 norm_score=opts.norm_score, detector_score=opts.detector_score, device=device, meta=meta,
-                image_size=tuple(image_size),
+                image_size=tuple(image_size), workers=opts.workers,
             )
         if opts.out_dir:
             write_ijb_report(opts.out_dir, opts.target, scores, meta.labels)
