@@ -124,6 +124,8 @@ def test_v2_shards_become_a_checkpoint_read_by_any_split(tmp_path):
         assert torch.equal(loaded.head_tensors["optimizer.momentum_buffer"], full_m[rng.start:rng.stop])
     trained = load_backbone(tmp_path / "run")
     assert trained.config.backbone == "tiny" and trained.image_size == (16, 16)
+    with pytest.raises(ValueError, match="already holds checkpoints .*step_00000007"):
+        import_arcface(tmp_path / "run", heads[1], "tiny", heads, input_size=(16, 16))
     for k, v in trained.model.state_dict().items():
         assert torch.equal(v, backbone[k])
 

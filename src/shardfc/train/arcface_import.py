@@ -198,6 +198,9 @@ def import_arcface(
     N(0, 0.01), for fine-tuning a released backbone). Backbone optimizer, schedule and scaler are
     absent: ``shardfc train --resume`` starts them fresh at the imported step.
     """
+    existing = ckpt.find_checkpoints(checkpoint_root(TrainConfig(output_dir=str(out_dir))))
+    if existing:
+        raise ValueError(f"{out_dir} already holds checkpoints (newest: {existing[-1].name}); import into a new folder")
     head = read_arcface_head(head_paths, trust_pickle=trust_pickle) if head_paths else None
     if head is not None:
         if num_classes is not None and num_classes != head.weight.shape[0]:
