@@ -12,6 +12,7 @@ COMMANDS = {
     "eval": ("shardfc.train.cli_eval", "evaluate a checkpoint: face verification (.bin) or re-ID (query/gallery)"),
     "export": ("shardfc.train.cli_export", "write the backbone for inference (TorchScript / ONNX)"),
     "embed": ("shardfc.train.cli_embed", "write embeddings for a folder of images"),
+    "import-arcface": ("shardfc.train.cli_import", "turn an insightface arcface_torch run or backbone into a shardfc checkpoint"),
     "data": ("shardfc.data.cli", "pack, inspect, shuffle and verify insightface/MXNet RecordIO datasets (.rec/.idx)"),
     "bench": ("shardfc.tools.bench.cli", "measure step time, memory and traffic of the head variants"),
     "plan": ("shardfc.tools.plan", "predict per-rank memory and the largest C and B that fit"),

@@ -127,9 +127,9 @@ def test_hand_computed_accuracy():
     scores[0] = 0.1
     a, b = _pairs_with_scores(scores)
     m = verification_metrics(a, b, issame, nfolds=10, far_targets=(0.1,))
-    assert m["accuracy"] == pytest.approx(0.95)
-    assert m["accuracy_std"] == pytest.approx(0.15)
-    assert m["best_threshold"] == pytest.approx(0.5)
+    assert m["exact_accuracy"] == pytest.approx(0.95)
+    assert m["exact_accuracy_std"] == pytest.approx(0.15)
+    assert m["exact_best_threshold"] == pytest.approx(0.5)
     assert m["num_pairs"] == 20
 
 
@@ -143,13 +143,13 @@ def test_hand_computed_tar_at_far():
     m = verification_metrics(a, b, issame, nfolds=3, far_targets=(0.1, 0.25, 1e-3))
     # FAR <= 0.1 allows 1 of 10 negatives above the threshold: threshold =
     # second-largest negative 0.45 -> positives above: 0.9, 0.47, 0.6.
-    assert m["threshold@far=1e-1"] == pytest.approx(0.45)
-    assert m["tar@far=1e-1"] == pytest.approx(3 / 5)
-    assert m["achieved_far@far=1e-1"] == pytest.approx(0.1)
+    assert m["exact_threshold@far=1e-1"] == pytest.approx(0.45)
+    assert m["exact_tar@far=1e-1"] == pytest.approx(3 / 5)
+    assert m["exact_achieved_far@far=1e-1"] == pytest.approx(0.1)
     # FAR <= 0.25 allows 2 negatives: threshold = third-largest negative 0.40.
-    assert m["tar@far=2.5e-1"] == pytest.approx(4 / 5)
+    assert m["exact_tar@far=2.5e-1"] == pytest.approx(4 / 5)
     # 10 negatives cannot measure FAR = 1e-3.
-    assert math.isnan(m["tar@far=1e-3"]) and math.isnan(m["threshold@far=1e-3"])
+    assert math.isnan(m["exact_tar@far=1e-3"]) and math.isnan(m["exact_threshold@far=1e-3"])
 
 
 def test_separable_scores_are_perfect():
@@ -158,8 +158,8 @@ def test_separable_scores_are_perfect():
     scores = np.where(issame, rng.uniform(0.5, 0.9, 40), rng.uniform(-0.5, 0.3, 40))
     a, b = _pairs_with_scores(scores.tolist())
     m = verification_metrics(a, b, issame)
-    assert m["accuracy"] == 1.0 and m["accuracy_std"] == 0.0
-    assert 0.3 < m["best_threshold"] < 0.5
+    assert m["exact_accuracy"] == 1.0 and m["exact_accuracy_std"] == 0.0
+    assert 0.3 < m["exact_best_threshold"] < 0.5
 
 
 def _brute_force_accuracy(scores, issame, nfolds):
@@ -204,9 +204,9 @@ def test_against_brute_force(seed):
     a, b = _pairs_with_scores(scores.tolist())
     sims = (torch.nn.functional.normalize(a, dim=1) * b).sum(1).numpy()  # exactly what the metric sees
     m = verification_metrics(a, b, issame, nfolds=10, far_targets=(0.05, 0.2))
-    assert m["accuracy"] == pytest.approx(_brute_force_accuracy(sims.tolist(), issame.tolist(), 10))
+    assert m["exact_accuracy"] == pytest.approx(_brute_force_accuracy(sims.tolist(), issame.tolist(), 10))
     for far, key in ((0.05, "5e-2"), (0.2, "2e-1")):
-        assert m[f"tar@far={key}"] == pytest.approx(_brute_force_tar(sims.tolist(), issame.tolist(), far))
+        assert m[f"exact_tar@far={key}"] == pytest.approx(_brute_force_tar(sims.tolist(), issame.tolist(), far))
 
 
 def test_metric_input_validation():

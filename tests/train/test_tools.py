@@ -46,6 +46,15 @@ def test_export_round_trip(run2, tmp_path, capsys):
 
     assert cli_export.main(["--checkpoint", cfg.output_dir, "--out", str(out)]) == 2
     assert "exists; pass --force" in capsys.readouterr().err
+
+    # The class centres as one tensor: the 2 saved shards' rows, read straight from their files, joined.
+    fc = tmp_path / "fc.pt"
+    assert cli_export.main(["--checkpoint", cfg.output_dir, "--out", str(out), "--force", "--fc", str(fc)]) == 0
+    assert "class centres, one tensor [24, 16]" in capsys.readouterr().out
+    step = max((Path(cfg.output_dir) / "checkpoints").glob("step_*"))
+    shards = [torch.load(step / f"head_{r}.pt", weights_only=True) for r in (0, 1)]
+    assert shards[0]["class_range"][1] == shards[1]["class_range"][0]
+    assert torch.equal(torch.load(fc, weights_only=True), torch.cat([s["tensors"]["weight"] for s in shards]))
     if importlib.util.find_spec("onnx") is None:
         code = cli_export.main(["--checkpoint", cfg.output_dir, "--out", str(out), "--force", "--onnx"])
         assert code == 1
@@ -120,6 +129,45 @@ def test_eval_synthetic_bin_and_reid(run2, tmp_path, capsys):
 
     assert cli_eval.main(["--checkpoint", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def _write_ijb_release(root: Path) -> None:
+    """4 templates of 1-2 faces (2 identities, by colour), their 6 pairs, as IJB-C lays them out."""
+    from shardfc.evaluation.alignment import ARCFACE_TEMPLATE
+
+    (root / "meta").mkdir(parents=True)
+    (root / "loose_crop").mkdir()
+    faces, lmks = [], []
+    for face, (tid, mid, color) in enumerate([(1, 1, (200, 40, 40)), (1, 1, (190, 50, 40)), (2, 2, (210, 30, 50)),
+                                              (3, 3, (30, 40, 200)), (4, 4, (40, 60, 190)), (4, 5, (20, 40, 210))]):
+        Image.new("RGB", (130, 130), color).save(root / "loose_crop" / f"{face}.jpg")
+        faces.append(f"{face}.jpg {tid} {mid}")
+        lmks.append(" ".join([f"{face}.jpg"] + [f"{v + 5:.3f}" for v in ARCFACE_TEMPLATE.reshape(-1)] + ["0.9"]))
+    (root / "meta" / "ijbc_face_tid_mid.txt").write_text("\n".join(faces) + "\n")
+    (root / "meta" / "ijbc_name_5pts_score.txt").write_text("\n".join(lmks) + "\n")
+    pairs = [f"{a} {b} {int((a < 3) == (b < 3))}" for a in range(1, 5) for b in range(a + 1, 5)]
+    (root / "meta" / "ijbc_template_pair_label.txt").write_text("\n".join(pairs) + "\n")
+
+
+def test_eval_ijb(run2, tmp_path, capsys):
+    cfg, _ = run2
+    root = tmp_path / "IJBC"
+    _write_ijb_release(root)
+    argv = ["--checkpoint", cfg.output_dir, "--ijb", str(root), "--ijb-out", str(tmp_path / "ijb_out")]
+    assert cli_eval.main(argv + ["--json"]) == 0
+    metrics = json.loads(capsys.readouterr().out)["metrics"]
+    from shardfc.evaluation.ijb import evaluate_ijb
+
+    trained = load_backbone(cfg.output_dir)  # a 16x16 backbone: the aligned 112x112 crops are resized
+    expected, scores, _ = evaluate_ijb(trained.model, root, "IJBC", image_size=trained.image_size)
+    assert set(metrics) == {"ijbc"}
+    assert metrics["ijbc"] == pytest.approx(expected, nan_ok=True)
+    assert np.allclose(np.load(tmp_path / "ijb_out" / "ijbc_scores.npy"), scores)
+    assert (tmp_path / "ijb_out" / "ijbc_roc.csv").is_file()
+    assert cli_eval.main(argv) == 0
+    assert "ijbc: TAR@FAR 1e-6" in capsys.readouterr().out
+    assert cli_eval.main(["--checkpoint", cfg.output_dir, "--ijb", str(tmp_path / "nowhere")]) == 2
+    assert "--ijb" in capsys.readouterr().err
 
 
 def test_a_checkpoint_needing_pickle_is_refused_unless_trusted(run2, tmp_path, capsys):

@@ -1,16 +1,16 @@
 """Face verification: insightface ``.bin`` pair sets (LFW, CFP-FP, AgeDB-30, ...) and metrics.
 
-Protocol (after insightface's arcface_torch ``eval/verification.py``, with
-cosine similarity instead of Euclidean distance on normalised embeddings,
-which orders pairs identically):
+Two protocols are reported side by side on the same embeddings:
 
-* embeddings are L2-normalised; a pair's score is the cosine similarity, and a
-  pair is predicted "same" when ``score > threshold``;
-* accuracy is 10-fold cross-validated over contiguous folds (no shuffle, like
-  ``sklearn.model_selection.KFold(10)``): for each fold the threshold that
-  maximises accuracy on the other nine folds is applied to the held-out fold;
-* TAR@FAR uses all pairs at once: the threshold is the smallest one whose
-  false-accept rate over the negative pairs is ``<= far``.
+* insightface's (the headline ``accuracy`` and ``tar@far=...``): squared distances of the
+  normalised embeddings, thresholds on a fixed grid, first best threshold, TAR@FAR interpolated
+  per fold, exactly as insightface's ``eval/verification.py`` computes them, so the numbers
+  compare with its logs; see :mod:`shardfc.evaluation.insightface_protocol`;
+* the exact one (keys prefixed ``exact_``): a pair's score is the cosine similarity, predicted
+  "same" when ``score > threshold``; accuracy is 10-fold cross-validated over the same contiguous
+  folds with the threshold searched over *every* split of the training scores (no grid);
+  TAR@FAR uses all pairs at once: the threshold is the smallest one whose false-accept rate over
+  the negative pairs is ``<= far``.
 """
 
 from __future__ import annotations
@@ -18,13 +18,15 @@ from __future__ import annotations
 import math
 import os
 import pickle
-from typing import BinaryIO, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import BinaryIO, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from torch import nn
 
 from shardfc.data.transforms import decode_image, image_to_tensor
+from shardfc.evaluation.folds import kfold_indices
+from shardfc.evaluation.insightface_protocol import insightface_metrics, normalized_squared_distances
 
 __all__ = [
     "load_bin",
@@ -133,24 +135,6 @@ def _to_numpy(x: ArrayLike) -> np.ndarray:
     return np.asarray(x)
 
 
-def kfold_indices(n: int, nfolds: int) -> List[Tuple[np.ndarray, np.ndarray]]:
-    """Contiguous, unshuffled folds like ``sklearn.model_selection.KFold(nfolds)``:
-    the first ``n % nfolds`` folds hold one extra element. Returns a list of
-    ``(train_idx, test_idx)`` index arrays."""
-    if nfolds < 2:
-        raise ValueError(f"nfolds must be >= 2, got {nfolds!r}")
-    if n < nfolds:
-        raise ValueError(f"cannot split {n} pairs into nfolds={nfolds} folds")
-    sizes = np.full(nfolds, n // nfolds, dtype=np.int64)
-    sizes[: n % nfolds] += 1
-    bounds = np.concatenate([[0], np.cumsum(sizes)])
-    idx = np.arange(n)
-    return [
-        (np.concatenate([idx[: bounds[k]], idx[bounds[k + 1] :]]), idx[bounds[k] : bounds[k + 1]])
-        for k in range(nfolds)
-    ]
-
-
 def best_threshold(scores: np.ndarray, issame: np.ndarray) -> Tuple[float, float]:
     """Threshold maximising the accuracy of ``score > threshold`` on these pairs.
 
@@ -177,6 +161,8 @@ def best_threshold(scores: np.ndarray, issame: np.ndarray) -> Tuple[float, float
         thr = float(np.nextafter(s[-1], np.inf))
     else:
         thr = float((s[k - 1] + s[k]) / 2)
+        if thr >= s[k]:  # scores one float step apart: the midpoint rounds up onto s[k]
+            thr = float(s[k - 1])  # s[k - 1] is not > itself, s[k] is: the same split
     return thr, float(correct[k]) / n
 
 
@@ -217,22 +203,24 @@ def verification_metrics(
     nfolds: int = 10,
     far_targets: Iterable[float] = (1e-3, 1e-4),
 ) -> Dict[str, float]:
-    """Verification metrics of paired embeddings (see the module docstring).
+    """Verification metrics of paired embeddings under both protocols (see the module docstring).
 
     Args:
         embeddings_a, embeddings_b: ``[N, D]`` embeddings of the two sides of
             each pair (need not be normalised).
         issame: bool ``[N]``.
-        nfolds: cross-validation folds for the accuracy.
+        nfolds: cross-validation folds.
         far_targets: FAR values to report TAR at.
 
     Returns:
-        ``accuracy`` (mean over folds), ``accuracy_std``, ``best_threshold``
-        (mean over folds, a cosine similarity), ``num_pairs``, and for each
-        ``far`` in ``far_targets`` (key written like ``1e-3``):
-        ``tar@far=<far>``, ``achieved_far@far=<far>`` and
-        ``threshold@far=<far>``; NaN when there are fewer than ``1/far``
-        negative pairs.
+        insightface's protocol: ``accuracy`` (mean over folds), ``accuracy_std``,
+        ``best_distance_threshold`` (mean over folds, a squared distance), and for each ``far``
+        (key written like ``1e-3``) ``tar@far=<far>`` (mean over folds), ``tar_std@far=<far>``
+        and ``far@far=<far>`` (the mean held-out FAR reached).
+        The exact protocol: ``exact_accuracy``, ``exact_accuracy_std``, ``exact_best_threshold``
+        (mean over folds, a cosine similarity), ``exact_tar@far=<far>``,
+        ``exact_achieved_far@far=<far>`` and ``exact_threshold@far=<far>`` over all pairs (NaN
+        when there are fewer than ``1/far`` negative pairs). And ``num_pairs``.
     """
     a = _to_numpy(embeddings_a).astype(np.float64)
     b = _to_numpy(embeddings_b).astype(np.float64)
@@ -243,28 +231,33 @@ def verification_metrics(
         )
     if len(same) != len(a):
         raise ValueError(f"issame has {len(same)} entries for {len(a)} embedding pairs")
+    far_targets = [float(f) for f in far_targets]
+    for far in far_targets:
+        if not 0.0 < far < 1.0:
+            raise ValueError(f"far target must be in (0, 1), got {far!r}")
+    keyed = [(_far_key(far), far) for far in far_targets]
+    out = insightface_metrics(normalized_squared_distances(a, b), same, nfolds, keyed)
+
     eps = 1e-12  # zero embeddings get similarity 0 rather than NaN
     a /= np.maximum(np.linalg.norm(a, axis=1, keepdims=True), eps)
     b /= np.maximum(np.linalg.norm(b, axis=1, keepdims=True), eps)
     scores = np.sum(a * b, axis=1)
-
     accs, thrs = [], []
     for train, test in kfold_indices(len(scores), nfolds):
         thr, _ = best_threshold(scores[train], same[train])
         thrs.append(thr)
         accs.append(float(np.mean((scores[test] > thr) == same[test])))
-    out: Dict[str, float] = {
-        "accuracy": float(np.mean(accs)),
-        "accuracy_std": float(np.std(accs)),
-        "best_threshold": float(np.mean(thrs)),
+    out.update({
+        "exact_accuracy": float(np.mean(accs)),
+        "exact_accuracy_std": float(np.std(accs)),
+        "exact_best_threshold": float(np.mean(thrs)),
         "num_pairs": float(len(scores)),
-    }
-    for far in far_targets:
+    })
+    for key, far in keyed:
         tar, achieved, thr = tar_at_far(scores, same, far)
-        key = _far_key(far)
-        out[f"tar@far={key}"] = tar
-        out[f"achieved_far@far={key}"] = achieved
-        out[f"threshold@far={key}"] = thr
+        out[f"exact_tar@far={key}"] = tar
+        out[f"exact_achieved_far@far={key}"] = achieved
+        out[f"exact_threshold@far={key}"] = thr
     return out
 
 

@@ -1,4 +1,4 @@
-"""``shardfc eval``: evaluate a checkpoint's backbone on verification pairs or a re-ID split.
+"""``shardfc eval``: evaluate a checkpoint's backbone on verification pairs, IJB-B/C or a re-ID split.
 
 With no target flag, the targets of the run that saved the checkpoint are used (its val_bins,
 reid_root, and held-out synthetic pairs for a synthetic run).
@@ -19,7 +19,7 @@ import torch
 from shardfc import checkpoint as ckpt
 from shardfc.train.artifacts import add_checkpoint_args, load_backbone, pick_device
 from shardfc.train.config import ConfigError
-from shardfc.train.evaluate import build_targets, run_targets
+from shardfc.train.evaluate import IJBOptions, build_targets, run_targets
 from shardfc.train.runlog import format_metrics
 
 __all__ = ["main", "json_report"]
@@ -30,6 +30,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_checkpoint_args(p)
     p.add_argument("--bin", nargs="+", default=None, metavar="FILE", help="insightface verification .bin files")
     p.add_argument("--reid-root", default=None, metavar="DIR", help="re-ID dataset root with query/gallery splits")
+    p.add_argument("--ijb", default=None, metavar="ROOT",
+                   help="IJB-B/IJB-C release folder (meta/ and loose_crop/): 1:1 template verification, TAR at FAR 1e-6..1e-1")
+    p.add_argument("--ijb-target", choices=("IJBC", "IJBB"), default="IJBC", help="which IJB protocol (default: IJBC)")
+    p.add_argument("--ijb-out", default=None, metavar="DIR", help="write the IJB pair scores, ROC CSV and ROC plot here")
+    p.add_argument("--ijb-norm-score", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep each face feature's norm as its weight in the template (insightface's default; "
+                        "--no-ijb-norm-score normalises faces first)")
+    p.add_argument("--ijb-detector-score", action=argparse.BooleanOptionalAction, default=True,
+                   help="weight each face feature by its detector score (insightface's default)")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader processes decoding and aligning IJB faces (default: 0)")
     p.add_argument("--synthetic-pairs", type=int, default=None, metavar="N",
                    help="held-out synthetic pairs of unseen identities (for a synthetic run; 0: none)")
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default: 256)")
@@ -68,15 +78,30 @@ def _why_undefined(name: str, value: float, values: Dict[str, float]) -> str:
     return f"{value} (not defined for this data)"
 
 
+def _ijb_table(values) -> str:
+    """``TAR@FAR 1e-6 80.12% | 1e-5 ... | 1e-1 99.01%`` (insightface's nearest-ROC-point figures)."""
+    cells = [f"{k.split('=')[1]} {100 * v:.2f}%" for k, v in values.items() if k.startswith("tar@far=")]
+    return "TAR@FAR " + " | ".join(cells) + f", AUC {100 * values['auc']:.2f}%"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.batch_size < 1:
             raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+        if args.workers < 0:
+            raise ConfigError(f"--workers must be >= 0, got {args.workers}")
         device = pick_device(args.device)
         trained = load_backbone(args.checkpoint, device, trust_pickle=args.trust_checkpoint)
         cfg = dataclasses.replace(trained.config, eval_batch_size=args.batch_size, eval_flip=args.flip)
-        explicit = args.bin is not None or args.reid_root is not None or args.synthetic_pairs is not None
+        explicit = (
+            args.bin is not None or args.reid_root is not None or args.synthetic_pairs is not None or args.ijb is not None
+        )
+        ijb = None
+        if args.ijb is not None:
+            ijb = IJBOptions(
+                args.ijb, args.ijb_target, args.ijb_out, args.ijb_norm_score, args.ijb_detector_score, args.workers
+            )
         dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
         autocast = contextlib.nullcontext if dtype is None else (lambda: torch.autocast(device.type, dtype=dtype))
         targets = build_targets(
@@ -84,9 +109,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             bins=args.bin or ([] if explicit else None),
             reid_root=args.reid_root or ("" if explicit else None),
             synthetic_pairs=args.synthetic_pairs if args.synthetic_pairs is not None else (0 if explicit else None),
+            ijb=ijb,
         )
         if not targets:
-            raise ConfigError("nothing to evaluate: pass --bin FILE..., --reid-root DIR or --synthetic-pairs N")
+            raise ConfigError("nothing to evaluate: pass --bin FILE..., --ijb ROOT, --reid-root DIR or --synthetic-pairs N")
         metrics = run_targets(targets, trained.model)
     except (ConfigError, ckpt.CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"shardfc eval: error: {e}", file=sys.stderr)
@@ -96,5 +122,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     print(f"checkpoint {trained.path} ({trained.config.backbone}, {trained.config.embedding_dim}-d)")
     for t in targets:
-        print(f"  {t.name}: {format_metrics(metrics[t.name])}  [{t.description}]")
+        if ijb is not None and t.name == ijb.target.lower():
+            print(f"  {t.name}: {_ijb_table(metrics[t.name])}  [{t.description}]")
+        else:
+            print(f"  {t.name}: {format_metrics(metrics[t.name])}  [{t.description}]")
     return 0

@@ -20,10 +20,11 @@ from typing import List, Optional
 import torch
 
 from shardfc import checkpoint as ckpt
+from shardfc.checkpoint.format import read_meta
 from shardfc.train.artifacts import add_checkpoint_args, load_backbone
 from shardfc.train.config import ConfigError
 
-__all__ = ["main", "export_torchscript", "export_onnx"]
+__all__ = ["main", "export_torchscript", "export_onnx", "export_fc"]
 
 #: Largest |difference| between the eager and the reloaded exported model that counts as equal.
 TOLERANCE = 1e-4
@@ -35,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="FILE", help="TorchScript file to write (e.g. model.pt)")
     p.add_argument("--onnx", nargs="?", const="", default=None, metavar="FILE",
                    help="also write ONNX (default file: --out with the suffix .onnx); needs the 'onnx' package")
+    p.add_argument("--fc", default=None, metavar="FILE",
+                   help="also write the head's class centres, all shards joined, as one float tensor [C, D] (torch.save)")
     p.add_argument("--force", action="store_true", help="replace existing output files")
     return p
 
@@ -71,6 +74,20 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, out: Path) -> Non
     os.replace(tmp, out)
 
 
+def export_fc(folder: Path, out: Path, *, trust_pickle: bool = False) -> torch.Size:
+    """Write the class centres of checkpoint ``folder`` (every saved shard's rows, in class order)
+    to ``out`` as one tensor; returns its shape."""
+    num_classes = read_meta(folder)["num_classes"]
+    loaded = ckpt.load_checkpoint(
+        folder, class_range=range(num_classes), num_classes=num_classes, rank=0, trust_pickle=trust_pickle
+    )
+    weight = loaded.head_tensors["weight"].contiguous()
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    torch.save(weight, tmp)
+    os.replace(tmp, out)
+    return weight.shape
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     out = Path(args.out)
@@ -79,6 +96,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         _check_writable(out, args.force)
         if onnx_out is not None:
             _check_writable(onnx_out, args.force)
+        if args.fc is not None:
+            _check_writable(Path(args.fc), args.force)
         trained = load_backbone(args.checkpoint, "cpu", trust_pickle=args.trust_checkpoint)
         h, w = trained.image_size
         example = torch.zeros(2, 3, h, w)
@@ -90,6 +109,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "checkpoint": str(trained.path),
         }
         diff = export_torchscript(trained.model, example, out, metadata)
+        fc_shape = export_fc(trained.path, Path(args.fc), trust_pickle=args.trust_checkpoint) if args.fc else None
     except (ConfigError, ckpt.CheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"shardfc export: error: {e}", file=sys.stderr)
         return 2
@@ -99,6 +119,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     print(f"wrote {out} (TorchScript, {trained.config.backbone}, input [N, 3, {h}, {w}] -> "
           f"[N, {trained.config.embedding_dim}]; reload check: max |diff| {diff:.2g})")
+    if fc_shape is not None:
+        print(f"wrote {args.fc} (class centres, one tensor {list(fc_shape)})")
     if onnx_out is None:
         return 0
     if importlib.util.find_spec("onnx") is None:

@@ -1,4 +1,5 @@
-"""Evaluation targets of a run: synthetic held-out pairs, insightface ``.bin`` files, a re-ID split.
+"""Evaluation targets of a run: synthetic held-out pairs, insightface ``.bin`` files, a re-ID split,
+an IJB-B/IJB-C release (``shardfc eval --ijb``).
 
 Targets are loaded once (before training starts, so a missing file fails fast) and evaluated on
 one process with the plain backbone module: verification needs no collective.
@@ -19,7 +20,7 @@ from torch import nn
 from shardfc.evaluation import evaluate_reid, evaluate_verification, load_bin, load_reid_split
 from shardfc.train.config import ConfigError, TrainConfig
 
-__all__ = ["EvalTarget", "build_targets", "run_targets", "synthetic_dataset"]
+__all__ = ["EvalTarget", "IJBOptions", "build_targets", "run_targets", "synthetic_dataset"]
 
 logger = logging.getLogger("shardfc.train")
 
@@ -54,8 +55,10 @@ def build_targets(
     bins: List[str] | None = None,
     reid_root: str | None = None,
     synthetic_pairs: int | None = None,
+    ijb: "IJBOptions | None" = None,
 ) -> List[EvalTarget]:
-    """The targets ``cfg`` asks for (``bins``/``reid_root``/``synthetic_pairs`` override it)."""
+    """The targets ``cfg`` asks for (``bins``/``reid_root``/``synthetic_pairs`` override it), plus
+    an IJB release when ``ijb`` is given."""
     bins = list(cfg.val_bins) if bins is None else bins
     reid_root = cfg.reid_root if reid_root is None else reid_root
     if synthetic_pairs is None:
@@ -99,7 +102,45 @@ def build_targets(
 
     if reid_root:
         targets.append(_reid_target(reid_root, image_size, cfg, device, autocast))
+    if ijb is not None:
+        targets.append(_ijb_target(ijb, image_size, cfg, device, autocast))
     return targets
+
+
+@dataclass
+class IJBOptions:
+    """What ``shardfc eval --ijb`` asks for (see :func:`shardfc.evaluation.ijb.evaluate_ijb`)."""
+
+    root: str
+    target: str = "IJBC"
+    out_dir: str | None = None
+    """Where to write the scores, the ROC as CSV and its plot; None: nowhere."""
+    norm_score: bool = True
+    detector_score: bool = True
+    workers: int = 0
+    """DataLoader processes that decode and align the faces."""
+
+
+def _ijb_target(opts: IJBOptions, image_size, cfg: TrainConfig, device, autocast) -> EvalTarget:
+    from shardfc.evaluation.ijb import evaluate_ijb, read_ijb_meta, write_ijb_report
+
+    meta = read_ijb_meta(opts.root, opts.target)  # parse now: a bad release fails before embedding
+    logger.info("loaded %s meta of %s: %d faces, %d template pairs", opts.target, opts.root, len(meta.names), len(meta.labels))
+
+    def evaluate(model: nn.Module) -> Dict[str, float]:
+        with autocast():
+            metrics, scores, _ = evaluate_ijb(
+                model, opts.root, opts.target, batch_size=cfg.eval_batch_size, flip=cfg.eval_flip,
+                norm_score=opts.norm_score, detector_score=opts.detector_score, device=device, meta=meta,
+                image_size=tuple(image_size), workers=opts.workers,
+            )
+        if opts.out_dir:
+            write_ijb_report(opts.out_dir, opts.target, scores, meta.labels)
+        return metrics
+
+    return EvalTarget(
+        opts.target.lower(), f"{len(meta.labels)} template pairs of {opts.target} in {opts.root}", evaluate
+    )
 
 
 def _reid_target(root: str, image_size, cfg: TrainConfig, device, autocast) -> EvalTarget:

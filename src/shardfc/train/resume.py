@@ -134,10 +134,14 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
         raise ConfigError(f"cannot resume: {e}. Train it in a new --output-dir (or pass --resume none there)") from e
     common = loaded.common
     parts.module.load_state_dict(common["backbone"])
-    parts.opt_backbone.load_state_dict(common["backbone_optimizer"])
+    if "backbone_optimizer" in common:
+        parts.opt_backbone.load_state_dict(common["backbone_optimizer"])
+    elif ctx.is_main:  # an imported run (shardfc import-arcface): weights only
+        logger.info("%s holds no backbone optimizer state (imported from %s): it starts fresh",
+                    path, common.get("imported_from", "elsewhere"))
     # The head's rows, Partial FC step and optimizer rows: this rank's classes, whatever the saved sharding.
     parts.head.load_sharded_state(loaded.head_state, parts.opt_head)
-    for s, saved in zip(parts.schedulers, common["schedulers"]):
+    for s, saved in zip(parts.schedulers, common.get("schedulers", [])):
         s.load_state_dict(saved)
     if parts.scaler.is_enabled() and common.get("scaler"):
         parts.scaler.load_state_dict(common["scaler"])
