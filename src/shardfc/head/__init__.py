@@ -2,6 +2,8 @@
 
     module.py       ShardedMarginHead: layouts, Partial FC sampling, predict, sharded state
     margins.py      margin target logits and their exact derivatives
+    adaptive_margins.py  AdaFace and MagFace: margins of the feature norm before normalisation
+    subcenters.py   after Sub-center ArcFace: keep the dominant centres, flag noisy samples
     kernels.py      one shard's statistics and gradients (pure, no communication), chunked or not
     function.py     the autograd function combining the shards' statistics
     partial_fc.py   class sampling and the row-sparse SGD / AdamW
@@ -12,9 +14,9 @@
     baselines.py    NaiveParallelHead, ReplicatedHead (for comparison in bench)
 """
 
-from shardfc.head import margins, partial_fc
+from shardfc.head import margins, partial_fc, subcenters
 from shardfc.head.module import ShardedMarginHead
 from shardfc.head.partial_fc import head_optimizer
 from shardfc.head.reference import reference_loss
 
-__all__ = ["ShardedMarginHead", "head_optimizer", "margins", "partial_fc", "reference_loss"]
+__all__ = ["ShardedMarginHead", "head_optimizer", "margins", "partial_fc", "reference_loss", "subcenters"]
