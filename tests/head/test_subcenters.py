@@ -64,6 +64,21 @@ def test_subcenter_loss_and_gradients_equal_dense(devices, chunk, margin, reduct
     assert (W.grad.view(C, K, D).abs().sum(2) == 0).any()
 
 
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_weight_gradient_accumulates_in_place(chunk):
+    """A second backward adds into the existing .grad (the in-place path), centre row by centre row."""
+    x, y, _ = _data(6)
+    head = shardfc.ShardedMarginHead(D, C, subcenters=K, chunk_size=chunk, dtype=torch.float64)
+    head(x, y).backward()
+    grad_buffer = head.weight.grad
+    head(x * 0.5, y).backward()
+    assert head.weight.grad is grad_buffer  # added in place
+    W = init_rows(0, C * K, D, 0).double().requires_grad_()
+    dense_loss(x, W, y, head.margin, subcenters=K).backward()
+    dense_loss(x * 0.5, W, y, head.margin, subcenters=K).backward()
+    assert _rel(head.weight.grad, W.grad) < TOL
+
+
 def test_subcenters_one_is_the_plain_head():
     x, y, _ = _data(2)
     a = shardfc.ShardedMarginHead(D, C, dtype=torch.float64)

@@ -348,7 +348,6 @@ class ShardedMarginHead(nn.Module):
             norms = gather_rows_forward_reduce_scatter_backward(
                 norms.unsqueeze(1), sizes, self.ctx, grad_scale=self.world_size
             ).squeeze(1)
-        norms = norms.to(self.devices[0])
         if self.training and hasattr(self.margin, "update_statistics"):
             self.margin.update_statistics(norms.detach()[valid.to(norms.device)])
         return norms
