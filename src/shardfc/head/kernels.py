@@ -14,6 +14,11 @@ the one ``[B, n]`` buffer holding ``exp(z − m_s)`` is kept for the backward (t
 place, never a one-hot). The backward turns that buffer (or recomputed chunks) into
 ``dL/dz = coef · (softmax − (1−ε)·onehot − ε/C)`` in place and multiplies it back through the
 margin and the weight normalisation.
+
+With sub-centres (``cfg.subcenters = K``) a class is ``K`` consecutive rows and its logit the max over
+them: the ``[B, K·classes]`` products of a chunk are reduced to ``[B, classes]`` at once, and the
+backward scatters each class's gradient to its arg-max row. With inter-class filtering the classes
+too close to a sample's target centre get a −inf logit, i.e. no softmax mass and no gradient.
 """
 
 from __future__ import annotations
