@@ -18,6 +18,8 @@ Usage::
 
 References: ArcFace (Deng et al., CVPR 2019), CosFace (Wang et al., CVPR 2018), AM-Softmax
 (Wang et al., IEEE SPL 2018), SphereFace (Liu et al., CVPR 2017), NormFace (Wang et al., 2017).
+AdaFace (Kim et al., CVPR 2022) and MagFace (Meng et al., CVPR 2021), whose margins depend on the
+feature norm before normalisation, live in :mod:`shardfc.head.adaptive_margins` and are exported here.
 """
 
 from __future__ import annotations
