@@ -3,7 +3,7 @@
 Public names::
 
     shardfc.ShardedMarginHead      the head (process-group, devices or single-shard mode)
-    shardfc.margins                ArcFace, CosFace/AMSoftmax, SphereFace, Combined, NormSoftmax, Softmax
+    shardfc.margins                ArcFace, CosFace/AMSoftmax, SphereFace, Combined, AdaFace, MagFace, NormSoftmax, Softmax
     shardfc.head_optimizer         the head's optimizer (row-sparse under Partial FC)
     shardfc.reference_loss         the plain dense reference the tests compare against
     shardfc.baselines              NaiveParallelHead, ReplicatedHead (for comparison)

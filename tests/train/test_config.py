@@ -212,3 +212,31 @@ def test_data_root_of_a_market1501_release_is_detected(tmp_path):
     assert cfg.reid_root == ""  # an explicit --reid-root wins
     cfg, _ = parse_config(["--sampler", "pk", "--pk-instances", "8", "--triplet-soft", "--neck", "none", "--backbone", "resnet50"])
     assert (cfg.sampler, cfg.pk_instances, cfg.triplet_soft, cfg.neck) == ("pk", 8, True, "none")
+
+
+def test_new_losses_flags_reach_the_margin_and_the_head():
+    from shardfc import margins as M
+
+    cfg, _ = parse_config(["--margin", "adaface", "--scale", "64", "--adaface-h", "0.5", "--subcenters", "3",
+                           "--interclass-filter-threshold", "0.4"])
+    assert cfg.margin_params() == {"scale": 64.0, "margin": 0.4, "h": 0.5, "momentum": 0.01}
+    assert (cfg.subcenters, cfg.interclass_filter_threshold) == (3, 0.4)
+    cfg, _ = parse_config(["--margin", "magface", "--magface-u-m", "0.7"])
+    margin = M.build_margin(cfg.margin, **cfg.margin_params())
+    assert isinstance(margin, M.MagFace) and (margin.l_a, margin.u_a, margin.u_m, margin.lambda_g) == (10, 110, 0.7, 35)
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--subcenters", "0"], "subcenters must be >= 1, got 0"),
+        (["--subcenters", "300"], "subcenters must be <= 255, got 300"),
+        (["--interclass-filter-threshold", "1.5"], r"interclass_filter_threshold must be in \(0, 1\] \(0: off\), got 1.5"),
+        (["--interclass-filter-threshold", "0.3", "--label-smoothing", "0.1"], "label_smoothing=0.1"),
+        (["--margin", "magface", "--magface-u-a", "5"], r"margin='magface' with .*magface_u_a=5.0 \(--magface-u-a\).*u_a must be > l_a"),
+        (["--margin", "adaface", "--adaface-momentum", "2"], r"adaface_momentum=2.0 \(--adaface-momentum\).*momentum must be in"),
+    ],
+)
+def test_new_losses_bad_values_name_the_flag(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config(argv)

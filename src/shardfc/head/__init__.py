@@ -2,6 +2,8 @@
 
     module.py       ShardedMarginHead: layouts, Partial FC sampling, predict, sharded state
     margins.py      margin target logits and their exact derivatives
+    adaptive_margins.py  AdaFace and MagFace: margins of the feature norm before normalisation
+    subcenters.py   after Sub-center ArcFace: keep the dominant centres, flag noisy samples
     kernels.py      one shard's statistics and gradients (pure, no communication), chunked or not
     function.py     the autograd function combining the shards' statistics
     partial_fc.py   class sampling and the row-sparse SGD / AdamW
@@ -13,10 +15,11 @@
     triplet.py      BatchHardTripletLoss over the global batch (the re-ID recipe's metric loss)
 """
 
-from shardfc.head import margins, partial_fc
+from shardfc.head import margins, partial_fc, subcenters
 from shardfc.head.module import ShardedMarginHead
 from shardfc.head.partial_fc import head_optimizer
 from shardfc.head.reference import reference_loss
 from shardfc.head.triplet import BatchHardTripletLoss
 
-__all__ = ["BatchHardTripletLoss", "ShardedMarginHead", "head_optimizer", "margins", "partial_fc", "reference_loss"]
+__all__ = ["BatchHardTripletLoss", "ShardedMarginHead", "head_optimizer", "margins", "partial_fc", "reference_loss",
+           "subcenters"]

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from shardfc.parallel.comm import Communicator
 from shardfc.head.kernels import ShardConfig, shard_backward, shard_forward
+from shardfc.head.normalize import NORM_EPS
 
 
 @dataclass
@@ -65,19 +66,31 @@ def _existing_grad(w: Tensor) -> Optional[Tensor]:
 
 class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan: ShardedLossPlan, valid: Tensor, local_labels: List[Tensor], *tensors: Tensor) -> Tensor:
+    def forward(
+        ctx, plan: ShardedLossPlan, valid: Tensor, local_labels: List[Tensor], feature_norms: Optional[Tensor],
+        *tensors: Tensor,
+    ) -> Tensor:
         n_shards = plan.num_shards
         embeds, weights = tensors[:n_shards], tensors[n_shards:]
         cfg = plan.config
         home = valid.device
         sd = cfg.stats_dtype
         with _autocast_off(home.type):
-            norms, stats = [], []
+            target_rows = None
+            if cfg.filter_threshold is not None:
+                target_rows = gather_target_centres(plan, embeds, weights, local_labels, home)
+            norms, stats, rows_on = [], [], []
             for a, w, lab in zip(embeds, weights, local_labels):
-                norm = torch.linalg.vector_norm(a.to(sd), dim=1) if cfg.margin.needs_norm else None
+                if feature_norms is not None:
+                    norm = feature_norms.to(a.device, sd)
+                else:
+                    norm = torch.linalg.vector_norm(a.to(sd), dim=1) if cfg.margin.needs_norm else None
                 norms.append(norm)
+                rows = None if target_rows is None else target_rows.to(a.device)
+                rows_on.append(rows)
+                extra = {} if rows is None else {"target_rows": rows}
                 with _autocast_off(a.device.type):
-                    stats.append(shard_forward(a, w, lab, norm, cfg))
+                    stats.append(shard_forward(a, w, lab, norm, cfg, **extra))
 
             row_max = torch.stack([s.row_max.to(home) for s in stats]).amax(dim=0)
             if plan.distributed:
@@ -97,10 +110,16 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
             loss = torch.log(sum_exp) + row_max - (1.0 - eps) * target
             if eps > 0:
                 loss = loss - (eps / cfg.num_classes) * combined[2]
+            if feature_norms is not None:
+                reg = cfg.margin.regularizer(feature_norms.to(home, sd))
+                if reg is not None:  # MagFace's per-sample norm regulariser
+                    loss = loss + reg[0]
             loss = torch.where(valid, loss, torch.zeros_like(loss))
 
         ctx.plan = plan
-        ctx.stats, ctx.local_labels, ctx.norms = stats, local_labels, norms
+        ctx.stats, ctx.local_labels, ctx.norms, ctx.target_rows = stats, local_labels, norms, rows_on
+        ctx.feature_norms = feature_norms is not None
+        ctx.norm_dtype = None if feature_norms is None else feature_norms.dtype
         ctx.save_for_backward(valid, row_max, sum_exp, *tensors)
         return loss
 
@@ -124,17 +143,53 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
         coef = torch.where(valid, coef, torch.zeros_like(coef))
         grads_a: List[Tensor] = []
         grads_w: List[Tensor] = []
-        for a, w, lab, norm, stats in zip(embeds, weights, ctx.local_labels, ctx.norms, ctx.stats):
+        grad_norms = None
+        zipped = zip(embeds, weights, ctx.local_labels, ctx.norms, ctx.stats, ctx.target_rows)
+        for a, w, lab, norm, stats, rows in zipped:
             dev = a.device
             out = _existing_grad(w) if plan.weight_grad_in_place else None
             with _autocast_off(dev.type):
-                ga, gw = shard_backward(
-                    a, w, lab, norm, stats, row_max.to(dev), sum_exp.to(dev), coef.to(dev), cfg, out
+                ga, gw, gn = shard_backward(
+                    a, w, lab, norm, stats, row_max.to(dev), sum_exp.to(dev), coef.to(dev), cfg, out,
+                    target_rows=rows, feature_norms=ctx.feature_norms,
                 )
             grads_a.append(ga)
             grads_w.append(gw)
-        ctx.stats = ctx.local_labels = ctx.norms = None
-        return (None, None, None, *grads_a, *grads_w)
+            if gn is not None:
+                gn = gn.to(valid.device)
+                grad_norms = gn if grad_norms is None else grad_norms + gn
+        if grad_norms is not None:
+            grad_norms = grad_norms.to(ctx.norm_dtype)
+        ctx.stats = ctx.local_labels = ctx.norms = ctx.target_rows = None
+        return (None, None, None, grad_norms, *grads_a, *grads_w)
+
+
+def gather_target_centres(
+    plan: ShardedLossPlan, embeds: Sequence[Tensor], weights: Sequence[Tensor], local_labels: Sequence[Tensor], home
+) -> Tensor:
+    """Each sample's unit target centre ``[B, D]`` (stats dtype; zero for ignored samples), on every
+    shard: the label's owner fills its rows, and one all-reduce of ``[B, D]`` (the others hold zeros)
+    hands them to every rank. With sub-centres the centre is the one closest to the sample."""
+    cfg = plan.config
+    sd, K = cfg.stats_dtype, cfg.subcenters
+    B, D = embeds[0].shape[0], weights[0].shape[1]
+    total = torch.zeros(B, D, dtype=sd, device=home)
+    for a, w, lab in zip(embeds, weights, local_labels):
+        rows = torch.nonzero(lab >= 0).squeeze(1)
+        ids = (lab[rows].unsqueeze(1) * K + torch.arange(K, device=lab.device)).view(-1)
+        centres = w[ids].to(sd).view(-1, K, D)
+        unit = centres / torch.linalg.vector_norm(centres, dim=2, keepdim=True).clamp(min=NORM_EPS)
+        if K > 1:
+            # The class logit's own measure: a·ŵ (or a·w for a margin that keeps centres raw).
+            pick = unit if cfg.margin.normalize_weights else centres
+            best = (pick @ a[rows].to(sd).unsqueeze(2)).squeeze(2).argmax(dim=1)
+            unit = unit[torch.arange(rows.numel(), device=unit.device), best]
+        else:
+            unit = unit.view(-1, D)
+        total.index_add_(0, rows.to(home), unit.to(home))
+    if plan.distributed:
+        plan.comm.all_reduce_(total, "sum")
+    return total
 
 
 def sharded_cross_entropy(
@@ -143,12 +198,15 @@ def sharded_cross_entropy(
     local_labels: Sequence[Tensor],
     embeds: Sequence[Tensor],
     weights: Sequence[Tensor],
+    feature_norms: Optional[Tensor] = None,
 ) -> Tensor:
     """Per-sample losses ``[B]`` of the global batch (0 where ``valid`` is False).
 
     ``embeds[i]`` is the global batch's (normalised, if the margin says so) embeddings on the
     device of ``weights[i]``; ``local_labels[i]`` the row of each sample's label in ``weights[i]``
-    or −1; ``valid`` marks the samples that are not ``ignore_index``.
+    or −1; ``valid`` marks the samples that are not ``ignore_index``. ``feature_norms`` ``[B]``:
+    the embeddings' norms before normalisation, for margins with ``uses_feature_norm`` (AdaFace,
+    MagFace); gradients flow back to them.
     """
     n = plan.num_shards
     if not (len(embeds) == len(weights) == len(local_labels) == n):
@@ -156,7 +214,7 @@ def sharded_cross_entropy(
             f"need one embedding copy, one label map and one weight per shard: {n} shards, "
             f"{len(embeds)} embeddings, {len(local_labels)} label maps, {len(weights)} weights"
         )
-    return _ShardedSoftmaxCrossEntropy.apply(plan, valid, list(local_labels), *embeds, *weights)
+    return _ShardedSoftmaxCrossEntropy.apply(plan, valid, list(local_labels), feature_norms, *embeds, *weights)
 
 
 def stats_dtype_for(*tensors: Tensor) -> torch.dtype:

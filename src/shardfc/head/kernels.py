@@ -14,6 +14,11 @@ the one ``[B, n]`` buffer holding ``exp(z − m_s)`` is kept for the backward (t
 place, never a one-hot). The backward turns that buffer (or recomputed chunks) into
 ``dL/dz = coef · (softmax − (1−ε)·onehot − ε/C)`` in place and multiplies it back through the
 margin and the weight normalisation.
+
+With sub-centres (``cfg.subcenters = K``) a class is ``K`` consecutive rows and its logit the max over
+them: the ``[B, K·classes]`` products of a chunk are reduced to ``[B, classes]`` at once, and the
+backward scatters each class's gradient to its arg-max row. With inter-class filtering the classes
+too close to a sample's target centre get a −inf logit, i.e. no softmax mass and no gradient.
 """
 
 from __future__ import annotations
@@ -40,6 +45,12 @@ class ShardConfig:
     chunk_size: Optional[int]
     compute_dtype: torch.dtype  # the matmuls (bf16/fp16 under autocast)
     stats_dtype: torch.dtype  # logits, softmax statistics, loss (fp32, or fp64 for fp64 inputs)
+    #: Sub-center ArcFace: each class owns this many consecutive weight rows (class-major); its
+    #: logit is the max over them. ``chunk_size`` counts classes, not rows.
+    subcenters: int = 1
+    #: Inter-class filtering: a negative class whose cosine to the sample's target centre exceeds
+    #: this is left out of the softmax (its logit is −inf). None: off.
+    filter_threshold: Optional[float] = None
 
 
 @dataclass
@@ -51,7 +62,8 @@ class ShardStats:
     # Saved for the backward:
     target_draw: Tensor  # ∂z_t/∂raw_t where the target is on this shard, else 0
     target_dnorm: Optional[Tensor]  # ∂z_t/∂‖a‖ (SphereFace)
-    buffers: Optional[List[Tuple[int, int, Tensor, Tensor]]]  # (start, stop, exp(z − m_chunk), m_chunk)
+    # (start, stop, exp(z − m_chunk), m_chunk, arg-max centre per class or None); None when chunked
+    buffers: Optional[List[Tuple[int, int, Tensor, Tensor, Optional[Tensor]]]]
 
 
 def _inverse_norms(w: Tensor, cfg: ShardConfig) -> Optional[Tensor]:
@@ -91,11 +103,49 @@ def _targets_in(rows_t: Tensor, cols_t: Tensor, start: int, stop: int) -> Tuple[
     return rows_t[sel], cols_t[sel] - start
 
 
+def _class_logits(a_s: Tensor, w_c: Tensor, inv: Optional[Tensor], cfg: ShardConfig) -> Tuple[Tensor, Optional[Tensor]]:
+    """``[B, classes]`` logits of a chunk of centre rows, and with sub-centres the arg-max centre of
+    each class (uint8; its logit is the class logit, and the class gradient goes to it alone)."""
+    z = _raw_products(a_s, w_c, cfg)
+    if inv is not None:
+        z.mul_(inv.unsqueeze(0))  # s·a·ŵ_j: the non-target logits
+    K = cfg.subcenters
+    if K == 1:
+        return z, None
+    z, arg = z.view(z.shape[0], -1, K).max(dim=2)
+    return z, arg.to(torch.uint8)
+
+
+def _filtered_classes(target_rows: Tensor, w_c: Tensor, cfg: ShardConfig) -> Tensor:
+    """``[B, classes]``: True where the class's cosine to the sample's target centre (the unit rows
+    ``target_rows``; zero for samples without a target here) exceeds the filter threshold. The best
+    sub-centre counts. Computed in the stats dtype: the mask must be the same forward and backward."""
+    sd = cfg.stats_dtype
+    norm = torch.linalg.vector_norm(w_c, dim=1, dtype=sd)
+    inv = torch.where(norm >= NORM_EPS, norm.clamp(min=NORM_EPS).reciprocal(), torch.zeros_like(norm))
+    cos = (target_rows @ w_c.to(sd).t()).mul_(inv.unsqueeze(0))
+    if cfg.subcenters > 1:
+        cos = cos.view(cos.shape[0], -1, cfg.subcenters).amax(dim=2)
+    return cos > cfg.filter_threshold
+
+
+def _finite_or_zero(m: Tensor) -> Tensor:
+    """A row max to subtract: −inf (a chunk whose classes were all filtered out) becomes 0."""
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
 def shard_forward(
-    a: Tensor, w: Tensor, local_labels: Tensor, norms: Optional[Tensor], cfg: ShardConfig
+    a: Tensor,
+    w: Tensor,
+    local_labels: Tensor,
+    norms: Optional[Tensor],
+    cfg: ShardConfig,
+    target_rows: Optional[Tensor] = None,
 ) -> ShardStats:
-    """Partial statistics of one shard. ``local_labels[i]`` is the label's row in ``w`` or −1."""
-    B, n = a.shape[0], w.shape[0]
+    """Partial statistics of one shard. ``local_labels[i]`` is the label's class row in ``w`` or −1;
+    ``target_rows`` the unit target centres ``[B, D]`` for inter-class filtering."""
+    K = cfg.subcenters
+    B, n = a.shape[0], w.shape[0] // K
     sd, dev = cfg.stats_dtype, a.device
     margin = cfg.margin
     row_max = torch.full((B,), float("-inf"), dtype=sd, device=dev)
@@ -112,11 +162,8 @@ def shard_forward(
     step = cfg.chunk_size or max(n, 1)
     for start in range(0, n, step):
         stop = min(start + step, n)
-        w_c = w[start:stop]
-        inv = _inverse_norms(w_c, cfg)
-        z = _raw_products(a_s, w_c, cfg)
-        if inv is not None:
-            z.mul_(inv.unsqueeze(0))  # s·a·ŵ_j: the non-target logits
+        w_c = w[start * K : stop * K]
+        z, arg = _class_logits(a_s, w_c, _inverse_norms(w_c, cfg), cfg)
         r, c = _targets_in(rows_t, cols_t, start, stop)
         raw_t = z[r, c] / margin.scale
         if r.numel():
@@ -124,16 +171,21 @@ def shard_forward(
             z[r, c] = value
             target[r] = value
             target_draw[r] = d_raw
-            if target_dnorm is not None:
+            if target_dnorm is not None and d_norm is not None:
                 target_dnorm[r] = d_norm
+        if target_rows is not None:
+            drop = _filtered_classes(target_rows, w_c, cfg)
+            drop[r, c] = False  # the target itself always stays
+            z.masked_fill_(drop, float("-inf"))
         if logit_sum is not None:
             logit_sum += z.sum(dim=1)
         new_max = torch.maximum(row_max, z.amax(dim=1))
-        z.sub_(new_max.unsqueeze(1)).exp_()  # the softmax numerator, in place
-        sum_exp = sum_exp * torch.exp(row_max - new_max) + z.sum(dim=1)
+        shift = _finite_or_zero(new_max)
+        z.sub_(shift.unsqueeze(1)).exp_()  # the softmax numerator, in place
+        sum_exp = sum_exp * torch.exp(row_max - shift) + z.sum(dim=1)
         row_max = new_max
         if buffers is not None:
-            buffers.append((start, stop, z, new_max))
+            buffers.append((start, stop, z, shift, arg))
     return ShardStats(row_max, sum_exp, target, logit_sum, target_draw, target_dnorm, buffers)
 
 
@@ -148,14 +200,19 @@ def shard_backward(
     coef: Tensor,
     cfg: ShardConfig,
     grad_w_out: Optional[Tensor] = None,
-) -> Tuple[Tensor, Optional[Tensor]]:
-    """Gradients of ``Σ_i coef_i · loss_i`` with respect to ``a`` and this shard's ``w``.
+    target_rows: Optional[Tensor] = None,
+    feature_norms: bool = False,
+) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """Gradients of ``Σ_i coef_i · loss_i`` with respect to ``a``, this shard's ``w`` and, with
+    ``feature_norms`` (``norms`` are then the embeddings' norms before normalisation, an input of
+    their own), ``norms``.
 
     ``global_max``/``global_sum`` are the combined statistics over all shards; no communication.
     With ``grad_w_out`` (an existing ``.grad``) the weight gradient is added into it block by block
     and None is returned for it: the step then allocates nothing of size ``[n, D]``.
     """
-    n = w.shape[0]
+    K = cfg.subcenters
+    n = w.shape[0] // K
     margin, eps, C = cfg.margin, cfg.label_smoothing, cfg.num_classes
     rows_t = torch.nonzero(local_labels >= 0).squeeze(1)
     cols_t = local_labels[rows_t]
@@ -172,33 +229,39 @@ def shard_backward(
 
     for k, start in enumerate(range(0, n, step)):
         stop = min(start + step, n)
-        w_c = w[start:stop]
+        w_c = w[start * K : stop * K]
         inv = _inverse_norms(w_c, cfg)
         r, c = _targets_in(rows_t, cols_t, start, stop)
         sel = (cols_t >= start) & (cols_t < stop)
         if stats.buffers is not None:
-            _, _, z, chunk_max = stats.buffers[k]  # exp(z − chunk_max): rescale to coef·softmax
+            _, _, z, chunk_max, arg = stats.buffers[k]  # exp(z − chunk_max): rescale to coef·softmax
             z.mul_((torch.exp(chunk_max - global_max) * coef_over_sum).unsqueeze(1))
         else:
-            z = _raw_products(a_s, w_c, cfg)
-            if inv is not None:
-                z.mul_(inv.unsqueeze(0))
+            z, arg = _class_logits(a_s, w_c, inv, cfg)
             z[r, c] = stats.target[r]
+            if target_rows is not None:
+                drop = _filtered_classes(target_rows, w_c, cfg)
+                drop[r, c] = False
+                z.masked_fill_(drop, float("-inf"))
             z.sub_(global_max.unsqueeze(1)).exp_().mul_(coef_over_sum.unsqueeze(1))
         if smooth is not None:
             z.sub_(smooth)
         # z is now dL/dz. Through the margin, dL/draw is s·dz off target and (∂z_t/∂raw)·dz_t on
         # target; the factor s is applied to the matmul operands/results, so targets get ÷s here.
         z[r, c] = dz_t[sel] * stats.target_draw[r] / margin.scale
+        if arg is not None:  # a class's gradient goes to its arg-max centre; the others get none
+            full = torch.zeros(z.shape[0], z.shape[1], K, dtype=z.dtype, device=z.device)
+            z = full.scatter_(2, arg.long().unsqueeze(2), z.unsqueeze(2)).view(z.shape[0], -1)
         if inv is not None:
             z.mul_(inv.unsqueeze(0))  # dL/d(a·w_j) = inv_j · dL/d(a·ŵ_j)
         g = z.to(cfg.compute_dtype)
         grad_a.add_((g @ w_c.to(cfg.compute_dtype)).to(cfg.stats_dtype), alpha=margin.scale)
-        for b0 in range(0, stop - start, WGRAD_BLOCK):
-            b1 = min(b0 + WGRAD_BLOCK, stop - start)
+        r0, r1 = start * K, stop * K
+        for b0 in range(0, r1 - r0, WGRAD_BLOCK):
+            b1 = min(b0 + WGRAD_BLOCK, r1 - r0)
             # h_j = inv_j·dL/dŵ_j (a_s = s·a carries the scale). Through the normalisation:
             # dL/dw_j = inv_j·(G_j − ŵ_j(ŵ_j·G_j)) = h_j − inv_j²·w_j·(w_j·h_j).
-            rows = grad_w[start + b0 : start + b1]
+            rows = grad_w[r0 + b0 : r0 + b1]
             g_t = g[:, b0:b1].t()
             if not accumulate and g_t.dtype == a_s.dtype == rows.dtype:
                 h = torch.mm(g_t, a_s, out=rows)  # straight into the gradient, no copy
@@ -215,8 +278,18 @@ def shard_backward(
         del z, g
     if stats.buffers is not None:
         stats.buffers.clear()
-    if stats.target_dnorm is not None and rows_t.numel():
+    grad_norm = None
+    if feature_norms:
+        # AdaFace / MagFace: the target logit (and MagFace's regulariser, counted once: by the
+        # label's owner) depends on the norm before normalisation, an input of its own.
+        grad_norm = torch.zeros(a.shape[0], dtype=cfg.stats_dtype, device=a.device)
+        if rows_t.numel():
+            grad_norm[rows_t] = dz_t * stats.target_dnorm[rows_t]
+            reg = margin.regularizer(norms[rows_t])
+            if reg is not None:
+                grad_norm[rows_t] += coef[rows_t] * reg[1]
+    elif stats.target_dnorm is not None and rows_t.numel():
         # SphereFace: the target logit also depends on ‖a‖; ∂‖a‖/∂a = a/‖a‖.
         coeff = dz_t * stats.target_dnorm[rows_t] / norms[rows_t].clamp(min=NORM_EPS)
         grad_a[rows_t] += coeff.unsqueeze(1) * a[rows_t].to(cfg.stats_dtype)
-    return grad_a.to(a.dtype), (None if accumulate else grad_w)
+    return grad_a.to(a.dtype), (None if accumulate else grad_w), grad_norm

@@ -18,6 +18,8 @@ Usage::
 
 References: ArcFace (Deng et al., CVPR 2019), CosFace (Wang et al., CVPR 2018), AM-Softmax
 (Wang et al., IEEE SPL 2018), SphereFace (Liu et al., CVPR 2017), NormFace (Wang et al., 2017).
+AdaFace (Kim et al., CVPR 2022) and MagFace (Meng et al., CVPR 2021), whose margins depend on the
+feature norm before normalisation, live in :mod:`shardfc.head.adaptive_margins` and are exported here.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ __all__ = [
     "ArcFace",
     "SphereFace",
     "Combined",
+    "AdaFace",
+    "MagFace",
     "build_margin",
     "MARGINS",
 ]
@@ -73,6 +77,9 @@ class Margin:
     normalize_weights: bool = True
     #: :meth:`target` needs the embedding norm.
     needs_norm: bool = False
+    #: That norm is the feature norm *before* normalisation (AdaFace, MagFace): the head passes it
+    #: through the sharded loss as an input of its own, and gradients flow back to it.
+    uses_feature_norm: bool = False
 
     @property
     def scale(self) -> float:
@@ -83,15 +90,24 @@ class Margin:
         """Target logits for target products ``raw`` ``[N]``: ``(value, d value/d raw, d value/d norm)``."""
         raise NotImplementedError
 
+    def regularizer(self, norm: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+        """A per-sample term added to the loss, a function of the feature norm: ``(value, d/d norm)``
+        (MagFace), or None."""
+        return None
+
+    def _params(self) -> dict:
+        """The hyper-parameters (what repr, == and hash compare; running state excluded)."""
+        return dict(vars(self))
+
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        fields = ", ".join(f"{k}={v!r}" for k, v in self._params().items())
         return f"{type(self).__name__}({fields})"
 
     def __eq__(self, other) -> bool:
-        return type(self) is type(other) and vars(self) == vars(other)
+        return type(self) is type(other) and self._params() == other._params()
 
     def __hash__(self) -> int:
-        return hash((type(self).__name__, tuple(sorted(vars(self).items()))))
+        return hash((type(self).__name__, tuple(sorted(self._params().items()))))
 
 
 class Softmax(Margin):
@@ -252,6 +268,8 @@ class SphereFace(Margin):
         return norm * h, dh, h - c * dh
 
 
+from shardfc.head.adaptive_margins import AdaFace, MagFace  # noqa: E402  (they subclass Margin)
+
 MARGINS = {
     "softmax": Softmax,
     "normsoftmax": NormSoftmax,
@@ -260,12 +278,14 @@ MARGINS = {
     "arcface": ArcFace,
     "sphereface": SphereFace,
     "combined": Combined,
+    "adaface": AdaFace,
+    "magface": MagFace,
 }
 
 
 def build_margin(name: str, **params) -> Margin:
     """Margin from its name (``arcface``, ``cosface``, ``amsoftmax``, ``sphereface``, ``combined``,
-    ``normsoftmax``, ``softmax``; case-insensitive) and keyword parameters."""
+    ``adaface``, ``magface``, ``normsoftmax``, ``softmax``; case-insensitive) and keyword parameters."""
     key = str(name).lower().replace("-", "").replace("_", "")
     if key not in MARGINS:
         import difflib

@@ -115,6 +115,14 @@ class ShardedMarginHead(nn.Module):
         init_seed: seed of the ``N(0, 0.01²)`` initialisation, identical for any sharding.
         device, dtype: of the weights in process-group / single mode (default: the current CUDA
             device under NCCL, else the CPU; float32).
+        subcenters: Sub-center ArcFace (Deng et al., ECCV 2020): ``K`` centres per class, stored
+            class-major as ``K`` consecutive weight rows (``weight`` is ``[n_local·K, D]``) on the
+            class's shard; the class logit is the max over its centres, the margin applies to the
+            target's best centre and the gradient goes to the arg-max centres. See
+            :mod:`shardfc.head.subcenters` for dropping the non-dominant centres after training.
+        interclass_filter_threshold: ``t`` in ``(0, 1]``: a negative class whose cosine to the
+            sample's target centre exceeds ``t`` is left out of that sample's softmax (as if masked
+            in a dense head; the mask carries no gradient). ``None``: off.
 
     Example::
 
@@ -141,6 +149,8 @@ class ShardedMarginHead(nn.Module):
         device: Optional[DeviceLike] = None,
         dtype: Optional[torch.dtype] = None,
         context: Optional[DistContext] = None,
+        subcenters: int = 1,
+        interclass_filter_threshold: Optional[float] = None,
     ):
         super().__init__()
         self.embedding_dim = check_positive_int("embedding_dim", embedding_dim)
@@ -169,6 +179,19 @@ class ShardedMarginHead(nn.Module):
         # Per shard, the rows the forwards since the optimizer's last step used (None: every row).
         self._pending_rows: Optional[List[Optional[Tensor]]] = None
         self.weight_grad_in_place = bool(weight_grad_in_place)
+        self.subcenters = check_positive_int("subcenters", subcenters)
+        if self.subcenters > 255:  # the arg-max centre is kept as uint8
+            raise ValueError(f"subcenters must be <= 255, got {subcenters!r}")
+        if interclass_filter_threshold is not None:
+            interclass_filter_threshold = check_probability(
+                "interclass_filter_threshold", interclass_filter_threshold, low_open=True, high_open=False
+            )
+            if self.label_smoothing > 0:
+                raise ValueError(
+                    f"interclass_filter_threshold={interclass_filter_threshold} removes classes from the softmax, "
+                    f"so label_smoothing={label_smoothing} (spread over all classes) is undefined with it; use one"
+                )
+        self.interclass_filter_threshold = interclass_filter_threshold
         self.init_seed = int(init_seed)
         dtype = torch.float32 if dtype is None else dtype
 
@@ -186,7 +209,7 @@ class ShardedMarginHead(nn.Module):
             self.shard_ranges = class_ranges(num_classes, len(devices))
             self.class_range = range(0, num_classes)
             self.shards = nn.ParameterList(
-                nn.Parameter(init_rows(r.start, r.stop, embedding_dim, self.init_seed).to(d, dtype))
+                nn.Parameter(self._init_centres(r).to(d, dtype))
                 for r, d in zip(self.shard_ranges, devices)
             )
         else:
@@ -199,11 +222,16 @@ class ShardedMarginHead(nn.Module):
             self.shard_ranges = [self.class_range]
             self.devices = [self.ctx.device]
             r = self.class_range
-            self.weight = nn.Parameter(init_rows(r.start, r.stop, embedding_dim, self.init_seed).to(self.ctx.device, dtype))
+            self.weight = nn.Parameter(self._init_centres(r).to(self.ctx.device, dtype))
         # The group the shards are collective over, this process's rank and the group's size in it.
         self.group, self.rank, self.world_size = self.ctx.group, self.ctx.rank, self.ctx.world_size
 
     # ------------------------------------------------------------------ helpers
+    def _init_centres(self, r: range) -> Tensor:
+        """The centre rows of classes ``r``: rows ``[K·start, K·stop)`` of the logical matrix."""
+        K = self.subcenters
+        return init_rows(r.start * K, r.stop * K, self.embedding_dim, self.init_seed)
+
     @property
     def shard_weights(self) -> List[nn.Parameter]:
         """This process's shards, in class order (one in process-group and single mode)."""
@@ -282,6 +310,8 @@ class ShardedMarginHead(nn.Module):
         x = self._prepare_embeddings(embeddings)
         embeds = self._global_embeddings(x, sizes, autograd=True)
         all_labels = self.ctx.all_gather_rows(labels, sizes) if self.distributed else labels
+        valid = all_labels != self.ignore_index
+        feature_norms = self._feature_norms(embeddings, sizes, valid) if self.margin.uses_feature_norm else None
         local_labels = [local_labels_for_range(all_labels.to(d), r) for d, r in zip(self.devices, self.shard_ranges)]
         num_classes = self.num_classes
         if sampling:
@@ -296,6 +326,8 @@ class ShardedMarginHead(nn.Module):
                 chunk_size=self._chunk_for(sum(sizes)),
                 compute_dtype=compute_dtype_for(embeds[0].device, embeds[0], weights[0]),
                 stats_dtype=stats_dtype_for(embeddings, weights[0]),
+                subcenters=self.subcenters,
+                filter_threshold=self.interclass_filter_threshold,
             ),
             num_shards=len(weights),
             distributed=self.distributed,
@@ -303,9 +335,22 @@ class ShardedMarginHead(nn.Module):
             world_size=self.world_size,
             weight_grad_in_place=self.weight_grad_in_place,
         )
-        valid = all_labels != self.ignore_index
-        losses = sharded_cross_entropy(plan, valid, local_labels, embeds, weights)
+        losses = sharded_cross_entropy(plan, valid, local_labels, embeds, weights, feature_norms)
         return reduce_losses(losses, valid, sizes, self.rank, self.reduction)
+
+    def _feature_norms(self, embeddings: Tensor, sizes: List[int], valid: Tensor) -> Tensor:
+        """The global batch's norms before normalisation ``[B]`` (AdaFace, MagFace), gathered like
+        the embeddings (gradient reduce-scattered, W× under the DDP convention). In training mode
+        the margin's running statistics step on the valid ones: the same values on every rank."""
+        x = embeddings.float() if embeddings.dtype in (torch.float16, torch.bfloat16) else embeddings
+        norms = torch.linalg.vector_norm(x, dim=1)
+        if self.distributed:
+            norms = gather_rows_forward_reduce_scatter_backward(
+                norms.unsqueeze(1), sizes, self.ctx, grad_scale=self.world_size
+            ).squeeze(1)
+        if self.training and hasattr(self.margin, "update_statistics"):
+            self.margin.update_statistics(norms.detach()[valid.to(norms.device)])
+        return norms
 
     def _chunk_for(self, batch: int) -> Optional[int]:
         """The chunk size for a global batch of ``batch`` samples."""
@@ -322,11 +367,16 @@ class ShardedMarginHead(nn.Module):
         for i, (w, lab) in enumerate(zip(self.shard_weights, local_labels)):
             gen = torch.Generator().manual_seed(mix_seed(self.sample_seed, first_shard + i, step))
             positives = torch.unique(lab[lab >= 0])
-            rows = sample_rows(positives, w.shape[0], self.sample_rate, gen)
+            n_classes = w.shape[0] // self.subcenters
+            rows = sample_rows(positives, n_classes, self.sample_rate, gen)
             sampled.append(rows)
-            lut = torch.full((w.shape[0],), -1, dtype=torch.int64, device=w.device)
+            lut = torch.full((n_classes,), -1, dtype=torch.int64, device=w.device)
             lut[rows] = torch.arange(rows.numel(), device=w.device)
             sub_labels.append(torch.where(lab >= 0, lut[lab.clamp(min=0)], lab))
+            if self.subcenters > 1:  # a sampled class brings all its centres
+                K = self.subcenters
+                rows = (rows.unsqueeze(1) * K + torch.arange(K, device=rows.device)).view(-1)
+                sampled[-1] = rows
             sub_weights.append(take_rows(w, rows, self.weight_grad_in_place))
         self._record_rows(sampled)
         # Every rank sees the global labels, so it can count every shard's sample without talking.
@@ -370,6 +420,10 @@ class ShardedMarginHead(nn.Module):
             opt_tensors, opt_extras = optimizer_rows(optimizer, weights)
             tensors.update({f"optimizer.{k}": v for k, v in opt_tensors.items()})
             extras.update({f"optimizer.{k}": v for k, v in opt_extras.items()})
+        if hasattr(self.margin, "state"):  # AdaFace's running norm statistics
+            extras.update({f"margin.{k}": v for k, v in self.margin.state().items()})
+        if self.subcenters > 1:  # class-indexed: [n, K, ...], so a checkpoint reshards by class
+            tensors = {k: _by_class(v, self.subcenters) for k, v in tensors.items()}
         return {**self.state_layout(), "tensors": tensors, "extras": extras}
 
     def load_sharded_state(self, state: Mapping[str, Any], optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -386,16 +440,26 @@ class ShardedMarginHead(nn.Module):
                 raise ValueError(f"sharded state has {key}={state[key]!r}, this head has {key}={mine!r}")
         tensors, extras = state["tensors"], state.get("extras", {})
         weight = tensors["weight"]
-        n = len(self.class_range)
-        if tuple(weight.shape) != (n, self.embedding_dim):
+        n, K = len(self.class_range), self.subcenters
+        expected = (n, self.embedding_dim) if K == 1 else (n, K, self.embedding_dim)
+        if tuple(weight.shape) != expected:
             raise ValueError(
-                f"sharded state weight has shape {tuple(weight.shape)}, this head's rows are ({n}, {self.embedding_dim})"
+                f"sharded state weight has shape {tuple(weight.shape)}, this head's (subcenters={K}) "
+                f"is {expected}"
             )
-        slices = [(r.start - self.class_range.start, r.stop - self.class_range.start) for r in self.shard_ranges]
+        if K > 1:  # back to centre rows; slices below count rows
+            tensors = {k: v.reshape(v.shape[0] * K, *v.shape[2:]) for k, v in tensors.items()}
+        weight = tensors["weight"]
+        base = self.class_range.start
+        slices = [((r.start - base) * K, (r.stop - base) * K) for r in self.shard_ranges]
         with torch.no_grad():
             for w, (lo, hi) in zip(self.shard_weights, slices):
                 w.copy_(weight[lo:hi])
         self.sample_step = int(extras.get("sample_step", 0))
+        if hasattr(self.margin, "load_state"):
+            margin_state = {k[len("margin."):]: v for k, v in extras.items() if k.startswith("margin.")}
+            if margin_state:
+                self.margin.load_state(margin_state)
         self._pending_rows = None
         if optimizer is not None:
             opt_tensors = {_optimizer_key(k): v for k, v in tensors.items() if k.startswith("optimizer.")}
@@ -422,7 +486,7 @@ class ShardedMarginHead(nn.Module):
         B = sum(sizes)
         cand_scores, cand_ids = [], []
         for a, w, r in zip(embeds, self.shard_weights, self.shard_ranges):
-            s, i = _shard_topk(a, w, r, k, self.margin, self._chunk_for(B))
+            s, i = _shard_topk(a, w, r, k, self.margin, self._chunk_for(B), self.subcenters)
             cand_scores.append(s.to(home))
             cand_ids.append(i.to(home))
         scores, ids = torch.cat(cand_scores, dim=1), torch.cat(cand_ids, dim=1)
@@ -445,6 +509,10 @@ class ShardedMarginHead(nn.Module):
         chunk = f", chunk_size={self.chunk_size}" if self.chunk_size else ""
         if self.sample_rate < 1.0:
             chunk += f", sample_rate={self.sample_rate}"
+        if self.subcenters > 1:
+            chunk += f", subcenters={self.subcenters}"
+        if self.interclass_filter_threshold is not None:
+            chunk += f", interclass_filter_threshold={self.interclass_filter_threshold}"
         return (
             f"embedding_dim={self.embedding_dim}, num_classes={self.num_classes}, margin={self.margin}, "
             f"{where}, classes={self.class_range.start}..{self.class_range.stop - 1}, "
@@ -474,19 +542,27 @@ def reduce_losses(losses: Tensor, valid: Tensor, sizes: Sequence[int], rank: int
     return losses[offset : offset + sizes[rank]]
 
 
-def _shard_topk(a: Tensor, w: Tensor, r: range, k: int, margin, chunk_size: Optional[int]):
-    """This shard's top-k margin-free logits, padded with (−inf, −1) to k columns."""
-    B, n = a.shape[0], w.shape[0]
+def _by_class(t: Tensor, K: int) -> Tensor:
+    """Per-centre-row state ``[n·K, ...]`` as ``[n, K, ...]``."""
+    return t.reshape(t.shape[0] // K, K, *t.shape[1:])
+
+
+def _shard_topk(a: Tensor, w: Tensor, r: range, k: int, margin, chunk_size: Optional[int], subcenters: int = 1):
+    """This shard's top-k margin-free logits (a class's best centre), padded with (−inf, −1) to k columns."""
+    K = subcenters
+    B, n = a.shape[0], w.shape[0] // K
     sd = torch.float64 if torch.float64 in (a.dtype, w.dtype) else torch.float32
     best_s = torch.full((B, k), -math.inf, dtype=sd, device=a.device)
     best_i = torch.full((B, k), -1, dtype=torch.int64, device=a.device)
     step = chunk_size or max(n, 1)
     for start in range(0, n, step):
         stop = min(start + step, n)
-        centres = w[start:stop]
+        centres = w[start * K : stop * K]
         if margin.normalize_weights:
             centres = l2_normalize(centres)
         z = (a.to(sd) @ centres.to(sd).t()) * margin.scale
+        if K > 1:
+            z = z.view(B, -1, K).amax(dim=2)
         ids = torch.arange(r.start + start, r.start + stop, device=a.device).expand(B, -1)
         s_all, i_all = torch.cat([best_s, z], dim=1), torch.cat([best_i, ids], dim=1)
         best_s, pos = s_all.topk(k, dim=1)

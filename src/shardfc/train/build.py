@@ -80,6 +80,8 @@ def build_parts(
         sample_rate=cfg.sample_rate,
         sample_seed=cfg.seed,
         init_seed=cfg.seed,
+        subcenters=cfg.subcenters,
+        interclass_filter_threshold=cfg.interclass_filter_threshold or None,
         **head_placement(cfg, ctx),
     )
     trainable = [p for p in backbone.parameters() if p.requires_grad]

@@ -102,11 +102,11 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ head
     margin: str = "arcface"
-    """Margin of the classifier: arcface, cosface, sphereface, combined, normsoftmax or softmax."""
+    """Margin of the classifier: arcface, cosface, sphereface, combined, adaface, magface, normsoftmax or softmax."""
     scale: float = 32.0
-    """Logit scale s of arcface, cosface, combined and normsoftmax."""
+    """Logit scale s of arcface, cosface, combined, adaface, magface and normsoftmax (the papers train faces with 64)."""
     m: float = -1.0
-    """Margin m: angular (arcface, default 0.5), additive cosine (cosface, default 0.35) or the integer multiplier (sphereface, default 4); negative: the margin's default."""
+    """Margin m: angular (arcface, default 0.5), additive cosine (cosface, default 0.35), AdaFace's m (default 0.4) or the integer multiplier (sphereface, default 4); negative: the margin's default."""
     m1: float = 1.0
     """Multiplicative angular margin m1 of 'combined': cos(m1*theta + m2) - m3."""
     m2: float = 0.5
@@ -117,6 +117,24 @@ class TrainConfig:
     """ArcFace: apply the margin only where cos(theta) > 0."""
     sphereface_lambda: float = 0.0
     """SphereFace annealing: target logit = (lambda*cos + psi) / (1 + lambda); 0 is the pure margin."""
+    adaface_h: float = 0.333
+    """AdaFace: h, the concentration of the normalised feature norm (quality) z = clip(h*(norm - mean)/std, -1, 1)."""
+    adaface_momentum: float = 0.01
+    """AdaFace: momentum of the running mean and std of the feature norms (all ranks share them; saved in checkpoints)."""
+    magface_l_a: float = 10.0
+    """MagFace: lower bound l_a of the feature norm a."""
+    magface_u_a: float = 110.0
+    """MagFace: upper bound u_a of the feature norm a."""
+    magface_l_m: float = 0.45
+    """MagFace: angular margin at a = l_a."""
+    magface_u_m: float = 0.8
+    """MagFace: angular margin at a = u_a."""
+    magface_lambda_g: float = 35.0
+    """MagFace: weight lambda_g of the norm regulariser a/u_a^2 + 1/a."""
+    subcenters: int = 1
+    """Sub-center ArcFace: centres per class (the class logit is the max over them); 1: one centre per class."""
+    interclass_filter_threshold: float = 0.0
+    """Inter-class filtering: leave out of each sample's softmax the negative classes whose cosine to its target centre exceeds this, in (0, 1]; 0: off."""
     sample_rate: float = 1.0
     """Partial FC: fraction of each shard's negative classes sampled per step (1.0: all classes, exact softmax)."""
     chunk_size: int = 0
@@ -220,6 +238,12 @@ class TrainConfig:
             return {"scale": self.scale, "m1": self.m1, "m2": self.m2, "m3": self.m3}
         if name == "normsoftmax":
             return {"scale": self.scale}
+        if name == "adaface":
+            return {"scale": self.scale, "margin": 0.4 if self.m < 0 else self.m, "h": self.adaface_h,
+                    "momentum": self.adaface_momentum}
+        if name == "magface":
+            return {"scale": self.scale, "l_a": self.magface_l_a, "u_a": self.magface_u_a, "l_m": self.magface_l_m,
+                    "u_m": self.magface_u_m, "lambda_g": self.magface_lambda_g}
         return {}
 
     def validate(self) -> "TrainConfig":
@@ -228,14 +252,15 @@ class TrainConfig:
         _choice(self, "sampler", ("random", "pk"))
         _choice(self, "neck", ("auto", "bnneck", "none"))
         self.margin = MARGIN_ALIASES.get(self.margin, self.margin)
-        _choice(self, "margin", ("arcface", "cosface", "sphereface", "combined", "normsoftmax", "softmax"))
+        _choice(self, "margin", ("arcface", "cosface", "sphereface", "combined", "adaface", "magface", "normsoftmax",
+                                 "softmax"))
         _choice(self, "optimizer", ("sgd", "adamw"))
         _choice(self, "scheduler", ("poly", "cosine"))
         _choice(self, "strategy", STRATEGIES)
         _choice(self, "amp", ("none", "bf16", "fp16"))
         _choice(self, "device", ("auto", "cpu", "cuda"))
         for name in ("synthetic_identities", "synthetic_images_per_identity", "embedding_dim", "batch_size",
-                     "grad_accum", "nproc", "log_every", "eval_batch_size"):
+                     "grad_accum", "nproc", "log_every", "eval_batch_size", "subcenters"):
             _at_least(self, name, 1)
         if self.chunk_size < -1:
             raise ConfigError(f"chunk_size must be >= 1, 0 (no chunking) or -1 (auto), got {self.chunk_size!r}")
@@ -255,6 +280,17 @@ class TrainConfig:
         _validate_reid(self)
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
+        if self.subcenters > 255:
+            raise ConfigError(f"subcenters must be <= 255, got {self.subcenters!r}")
+        if not 0.0 <= self.interclass_filter_threshold <= 1.0:
+            raise ConfigError(
+                f"interclass_filter_threshold must be in (0, 1] (0: off), got {self.interclass_filter_threshold!r}"
+            )
+        if self.interclass_filter_threshold > 0 and self.label_smoothing > 0:
+            raise ConfigError(
+                f"interclass_filter_threshold={self.interclass_filter_threshold!r} removes classes from the softmax, "
+                f"so label_smoothing={self.label_smoothing!r} (over all classes) is undefined with it: use one"
+            )
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
         if self.image_size and (len(self.image_size) != 2 or min(self.image_size) < 1):
@@ -319,6 +355,8 @@ def absolute_paths(cfg: TrainConfig, base: "str | os.PathLike[str] | None" = Non
 _MARGIN_FIELDS = {
     "arcface": ("scale", "m", "easy_margin"), "cosface": ("scale", "m"), "sphereface": ("m", "sphereface_lambda"),
     "combined": ("scale", "m1", "m2", "m3"), "normsoftmax": ("scale",), "softmax": (),
+    "adaface": ("scale", "m", "adaface_h", "adaface_momentum"),
+    "magface": ("scale", "magface_l_a", "magface_u_a", "magface_l_m", "magface_u_m", "magface_lambda_g"),
 }
 
 
@@ -365,8 +403,10 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
              "synthetic_images_per_identity", "num_workers", "drop_last", "sampler", "pk_instances",
              "random_erasing"),
     "model": ("backbone", "embedding_dim", "neck"),
-    "head": ("margin", "scale", "m", "m1", "m2", "m3", "easy_margin", "sphereface_lambda", "sample_rate",
-             "chunk_size", "label_smoothing", "triplet_weight", "triplet_margin", "triplet_soft"),
+    "head": ("margin", "scale", "m", "m1", "m2", "m3", "easy_margin", "sphereface_lambda", "adaface_h",
+             "adaface_momentum", "magface_l_a", "magface_u_a", "magface_l_m", "magface_u_m", "magface_lambda_g",
+             "subcenters", "interclass_filter_threshold", "sample_rate", "chunk_size", "label_smoothing",
+             "triplet_weight", "triplet_margin", "triplet_soft"),
     "optim": ("optimizer", "lr", "momentum", "weight_decay", "nesterov", "betas", "eps", "grad_clip", "grad_accum"),
     "schedule": ("batch_size", "max_steps", "epochs", "scheduler", "poly_power", "warmup_steps"),
     "run": ("strategy", "amp", "seed", "nproc", "device", "threads", "output_dir", "resume", "log_every", "progress",

@@ -32,9 +32,11 @@ def log_setup(cfg, ctx: DistContext, run) -> None:
     )
     logger.info("data: %s, %d images, %d classes, %dx%d input", dataset, len(dataset), dataset.num_classes, *image_size)
     logger.info(
-        "model: %s (%.2fM parameters) -> %d-d embeddings; head %s over %d classes, %d per rank (rank 0: %s)",
+        "model: %s (%.2fM parameters) -> %d-d embeddings; head %s over %d classes, %d per rank (rank 0: %s)%s%s",
         cfg.backbone, n_backbone / 1e6, cfg.embedding_dim, parts.head.margin, parts.head.num_classes,
         len(parts.head.class_range), f"{parts.head.class_range.start}..{parts.head.class_range.stop - 1}",
+        f", {cfg.subcenters} sub-centres per class" if cfg.subcenters > 1 else "",
+        f", inter-class filter at cos > {cfg.interclass_filter_threshold}" if cfg.interclass_filter_threshold else "",
     )
     per_rank = run.batches.batch_size
     global_batch = per_rank * ctx.world_size * cfg.grad_accum
