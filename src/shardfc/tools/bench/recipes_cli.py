@@ -88,7 +88,9 @@ def _sweep(args, threads: int) -> list:
     except ValueError:
         raise ValueError(f"--split-sizes must be comma-separated integers, got {args.split_sizes!r}") from None
     batch = args.split_batch or args.batch_size * args.nproc
-    torch.set_num_threads(threads * args.nproc)  # the cores the recipes' processes share
+    # One process's share of the CPU, as each recipe's process gets: on a loaded machine more OpenMP
+    # threads than free cores wait on each other at every barrier and time nothing useful.
+    torch.set_num_threads(threads)
     if not args.quiet:
         print(f"[bench --split-sweep] {args.backbone} batch {batch} on {devices}, split sizes {sizes} ...", file=sys.stderr, flush=True)
     return time_split_sweep(args.backbone, batch, tuple(args.image_size), devices, sizes, args.steps,
