@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 from typing import Any, Dict, List, Optional, Sequence
 
 from shardfc.parallel.split_bench import FIELDS as SPLIT_FIELDS
@@ -98,12 +99,12 @@ def _save(fig, path: str) -> None:
 
 
 def plot_recipes(rows: Sequence[Dict[str, Any]], path: str, meta: Optional[Dict[str, Any]] = None) -> None:
-    """Three panels, one bar per row: time per step (± std), peak RSS per process, comm bytes per step.
+    """Three panels, one above the other, one bar per row: time per step (± std), peak RSS per process, comm bytes per step.
     A row that did not run keeps its place, marked 'n/a'."""
     plt = _pyplot()
     labels = [f"{r['recipe']}\n{r['precision']}" for r in rows]
     xs = range(len(rows))
-    fig, axes = plt.subplots(1, 3, figsize=(max(12, 1.3 * len(rows) * 3), 5))
+    fig, axes = plt.subplots(3, 1, figsize=(max(8, 0.9 * len(rows)), 11), sharex=True)
     panels = (
         ("time per step (s)", lambda r: r["step_time_s"], lambda r: r["step_time_std_s"]),
         ("peak RSS per process, largest (MiB)", lambda r: max(r["peak_rss_bytes_per_process"]) / 2**20, None),
@@ -115,19 +116,20 @@ def plot_recipes(rows: Sequence[Dict[str, Any]], path: str, meta: Optional[Dict[
             if r["status"] == "ok":
                 ax.bar(x, value(r), yerr=err(r) if err else None, color=color, capsize=3)
                 if err:
-                    ax.annotate(f"{r['samples_per_s']:.0f}/s", (x, value(r)), ha="center", va="bottom",
-                                fontsize="x-small", xytext=(0, 4), textcoords="offset points")
+                    ax.annotate(f"{r['samples_per_s']:.1f} samples/s", (x, value(r) + err(r)), ha="center",
+                                va="bottom", fontsize="x-small", xytext=(0, 3), textcoords="offset points")
             else:
                 ax.annotate("n/a", (x, 0), ha="center", va="bottom", fontsize="small", color="gray")
-        ax.set_xticks(list(xs), labels, rotation=60, ha="right", fontsize="x-small")
-        ax.set_title(title, fontsize="medium")
+        ax.set_xticks(list(xs), labels, fontsize="x-small")
+        ax.set_ylabel(title, fontsize="small")
         ax.margins(y=0.15)
-    axes[0].bar([], [], color="tab:blue", label="fp32")
-    axes[0].bar([], [], color="tab:orange", label="mixed precision")
-    axes[0].legend(fontsize="small")
+    from matplotlib.patches import Patch
+
+    axes[0].legend(handles=[Patch(color="tab:blue", label="fp32"), Patch(color="tab:orange", label="mixed precision")],
+                   fontsize="small")
     head = _header(meta or {})
     if head:
-        fig.suptitle("\n".join(head[:2]), fontsize="small")
+        fig.suptitle("\n".join(textwrap.fill(h, 150) for h in head), fontsize="x-small")
     fig.tight_layout()
     _save(fig, path)
     plt.close(fig)
