@@ -111,8 +111,11 @@ def test_measure_takes_the_slowest_process_per_step_after_warmup(tmp_path):
     assert m["step_time_std_s"] == pytest.approx(torch.tensor([3.0, 4.0, 2.5]).std(unbiased=False).item())
     assert m["samples_per_s"] == pytest.approx(10 / 3.0)
     assert m["comm_bytes_per_step"] == 210 and m["peak_rss_bytes_per_process"] == [7, 8]
+    assert m["processes"] == 2 and measure(tmp_path, None, warmup=1) == m  # None: as many as were written
     with pytest.raises(ValueError, match="expected 3 profile file"):
         measure(tmp_path, 3, warmup=1)
+    with pytest.raises(ValueError, match="expected some profile file"):
+        measure(tmp_path / "nothing", None, warmup=1)
     with pytest.raises(ValueError, match="need > 4"):
         measure(tmp_path, 2, warmup=4)
 
@@ -127,6 +130,7 @@ def test_measure_takes_the_slowest_process_per_step_after_warmup(tmp_path):
         (["--recipes", "--backbone", "iresnet18", "--image-size", "32", "32"], "image_size=[32, 32] but backbone='iresnet18'"),
         (["--recipes", "--timeout", "0"], "timeout must be > 0 seconds, got 0.0"),
         (["--split-sweep", "--split-sizes", "2,x"], "--split-sizes must be comma-separated integers"),
+        (["--split-sweep", "--threads", "0"], "threads must be a positive integer, got 0"),
     ],
 )
 def test_bad_arguments_are_refused_by_name_before_anything_runs(tmp_path, argv, message):

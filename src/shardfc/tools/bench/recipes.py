@@ -87,7 +87,7 @@ class Recipe:
     launcher: str  # "torchrun" | "spawn" | "horovodrun" | "one process"
     strategy: str
     flags: Callable[[int], List[str]]  # nproc -> the recipe's own train flags
-    processes: Callable[[int], int]  # nproc -> processes that train (profile files expected)
+    processes: Optional[Callable[[int], int]]  # nproc -> processes that train (profile files); None: as the run writes
     about: str
 
 
@@ -111,8 +111,8 @@ RECIPES: Dict[str, Recipe] = {
         Recipe("horovod", "horovodrun", "horovod", lambda n: ["--strategy", "horovod"], _many,
                "Horovod DistributedOptimizer, one process per rank started by `horovodrun --gloo`"),
         Recipe("pipeline", "spawn", "pipeline",
-               lambda n: ["--strategy", "pipeline", "--pipeline-stages", "2", "--nproc", str(n)], _many,
-               "the backbone cut into 2 pipelined stages"),
+               lambda n: ["--strategy", "pipeline", "--pipeline-stages", "2", "--nproc", str(n)], None,
+               "the backbone cut into 2 pipelined stages (built on another branch: its process layout is its own)"),
     )
 }
 
@@ -253,7 +253,7 @@ def run_recipe(recipe: Recipe, precision: str, work: Workload, work_dir: Path, t
     row: Dict[str, Any] = dict.fromkeys(ROW_FIELDS)
     row.update(recipe=recipe.name, launcher=recipe.launcher, strategy=recipe.strategy,
                precision="fp32" if precision == "fp32" else f"{amp_flag(work.device)} autocast",
-               processes=recipe.processes(work.nproc), command=" ".join(cmd), log=str(log))
+               processes=recipe.processes(work.nproc) if recipe.processes else None, command=" ".join(cmd), log=str(log))
     reason = launcher_missing(recipe) or train_refuses(cmd[cmd.index("train") + 1:])
     if reason:
         return dict(row, status="unavailable", reason=reason)
@@ -271,11 +271,12 @@ def run_recipe(recipe: Recipe, precision: str, work: Workload, work_dir: Path, t
         return dict(row, status="failed", reason=f"{e} (log: {log})")
 
 
-def measure(output_dir: Path, processes: int, warmup: int) -> Dict[str, Any]:
-    """The row's measurements from the ``profile/rank<R>.json`` files of one run (see the module docstring)."""
+def measure(output_dir: Path, processes: Optional[int], warmup: int) -> Dict[str, Any]:
+    """The row's measurements from the ``profile/rank<R>.json`` files of one run (see the module
+    docstring); ``processes``: how many files the run must have written (None: at least one)."""
     files = sorted((Path(output_dir) / "profile").glob("rank*.json"))
-    if len(files) != processes:
-        raise ValueError(f"expected {processes} profile file(s) in {output_dir}/profile, found {len(files)}")
+    if (processes is None and not files) or (processes is not None and len(files) != processes):
+        raise ValueError(f"expected {processes or 'some'} profile file(s) in {output_dir}/profile, found {len(files)}")
     ranks = [json.loads(f.read_text()) for f in files]
     steps = len(ranks[0]["step_s"])
     if steps <= warmup or any(len(r["step_s"]) != steps for r in ranks):
@@ -285,6 +286,7 @@ def measure(output_dir: Path, processes: int, warmup: int) -> Dict[str, Any]:
     samples = statistics.median(ranks[0]["samples"][warmup:])
     cuda = [r["cuda_peak_bytes"] for r in ranks]
     return {
+        "processes": len(ranks),
         "step_time_s": step_time,
         "step_time_std_s": statistics.pstdev(slowest),
         "samples_per_s": samples / step_time if step_time > 0 else None,

@@ -106,6 +106,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not (args.recipes or args.split_sweep):
         print("shardfc bench: error: give --recipes and/or --split-sweep", file=sys.stderr)
         return 2
+    if args.threads is not None and args.threads < 1:
+        print(f"shardfc bench: error: threads must be a positive integer, got {args.threads}", file=sys.stderr)
+        return 2
     threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 1) // max(args.nproc, 1))
     work = Workload(args.nproc, args.backbone, tuple(args.image_size), args.batch_size, args.classes,
                     args.embedding_dim, args.steps, args.warmup, args.seed, threads, args.device)

@@ -42,7 +42,8 @@ def recipes_table(rows: Sequence[Dict[str, Any]], meta: Optional[Dict[str, Any]]
     lines.append("|---|---|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['recipe']} | {r['launcher']} | {r['precision']} | {r['processes']} | — | — | — | — | "
+            procs = "—" if r["processes"] is None else r["processes"]
+            lines.append(f"| {r['recipe']} | {r['launcher']} | {r['precision']} | {procs} | — | — | — | — | "
                          f"{r['status']}: {r['reason']} |")
             continue
         rss = " / ".join(_mib(b) for b in r["peak_rss_bytes_per_process"])
