@@ -14,7 +14,7 @@ COMMANDS = {
     "embed": ("shardfc.train.cli_embed", "write embeddings for a folder of images"),
     "import-arcface": ("shardfc.train.cli_import", "turn an insightface arcface_torch run or backbone into a shardfc checkpoint"),
     "data": ("shardfc.data.cli", "pack, inspect, shuffle and verify insightface/MXNet RecordIO datasets (.rec/.idx)"),
-    "bench": ("shardfc.tools.bench.cli", "measure step time, memory and traffic of the head variants"),
+    "bench": ("shardfc.tools.bench.cli", "measure step time, memory and traffic of the head variants, or of whole training recipes (--recipes)"),
     "plan": ("shardfc.tools.plan", "predict per-rank memory and the largest C and B that fit"),
     "demo": ("shardfc.tools.demo", "train a sharded head on 2 spawned CPU processes and print the loss"),
 }

@@ -61,6 +61,12 @@ def _record_bytes(kind: str, nbytes: int) -> None:
         c.add(kind, nbytes)
 
 
+def record_comm_bytes(kind: str, nbytes: int) -> None:
+    """Count ``nbytes`` of a collective issued outside this module (DDP's gradient buckets,
+    Horovod's gradient all-reduces) in every active :func:`count_comm`, by the same convention."""
+    _record_bytes(kind, nbytes)
+
+
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
     return dist.get_world_size(group)
 

@@ -217,29 +217,30 @@ class HorovodCommunicator(Communicator):
     def all_gather_rows(self, x: Tensor, sizes: Sequence[int]) -> Tensor:
         if x.shape[0] != sizes[self.rank]:
             raise ValueError(f"rank {self.rank} has {x.shape[0]} rows but sizes says {sizes[self.rank]}")
-        x = x.contiguous()
-        collectives._record_bytes("all_gather", sum(sizes) * _row_bytes(x))
+        wire = _to_wire(x.contiguous())
+        collectives._record_bytes("all_gather", sum(sizes) * _row_bytes(wire))
         hvd = self.hvd
-        return hvd.synchronize(hvd.allgather_async(x))
+        return hvd.synchronize(hvd.allgather_async(wire)).to(x.dtype)
 
     def reduce_scatter_rows(self, x: Tensor, sizes: Sequence[int]) -> Tensor:
-        x = x.contiguous()
-        collectives._record("reduce_scatter", x)
+        wire = _to_wire(x.contiguous())
+        collectives._record("reduce_scatter", wire)
         hvd = self.hvd
         lo = sum(sizes[: self.rank])
         if min(sizes) > 0 and list(sizes) == _horovod_split(x.shape[0], self.world_size):
-            return hvd.synchronize(hvd.reducescatter_async(x, op=hvd.Sum))
+            return hvd.synchronize(hvd.reducescatter_async(wire, op=hvd.Sum)).to(x.dtype)
         # Horovod cannot scatter unequal splits of our choosing: reduce everything, keep our rows.
-        total = hvd.synchronize(hvd.allreduce_async(x, op=hvd.Sum))
-        return total[lo : lo + sizes[self.rank]]
+        total = hvd.synchronize(hvd.allreduce_async(wire, op=hvd.Sum))
+        return total[lo : lo + sizes[self.rank]].to(x.dtype)
 
     def all_reduce_(self, t: Tensor, op: ReduceOpLike = "sum") -> Tensor:
         hvd = self.hvd
         hvd_op = {"sum": hvd.Sum, "max": hvd.Max}[reduce_op_name(op)]
-        collectives._record("all_reduce", t)
+        wire = _to_wire(t.contiguous())
+        collectives._record("all_reduce", wire)
         # Out of place and copied back: ``t`` may be a view (a slice of flags), which Horovod's
         # in-place op would not see as its own buffer. These tensors are small.
-        t.copy_(hvd.synchronize(hvd.allreduce_async(t.contiguous(), op=hvd_op)))
+        t.copy_(hvd.synchronize(hvd.allreduce_async(wire, op=hvd_op)))
         return t
 
     def all_gather_object(self, obj: Any) -> List[Any]:
@@ -254,6 +255,15 @@ class HorovodCommunicator(Communicator):
     def barrier(self) -> None:
         collectives._record_bytes("barrier", 0)
         self.hvd.barrier()
+
+
+#: dtypes Horovod's ops refuse ("Tensor type torch.BFloat16Tensor is not supported"), and the one
+#: they travel in instead: bf16 -> fp32 is exact, and its sums are then rounded once, on the way back.
+_HOROVOD_WIRE_DTYPE = {torch.bfloat16: torch.float32}
+
+
+def _to_wire(x: Tensor) -> Tensor:
+    return x.to(_HOROVOD_WIRE_DTYPE.get(x.dtype, x.dtype))
 
 
 def _row_bytes(x: Tensor) -> int:

@@ -203,6 +203,8 @@ class TrainConfig:
     """Log loss, learning rate and throughput every this many steps."""
     progress: bool = True
     """Show a progress bar on rank 0 when stderr is a terminal (tqdm if installed)."""
+    profile: bool = False
+    """Write profile/rank<R>.json at the end of the run, one per process: each step's time, samples and bytes communicated (counted at the collectives, DDP's gradient buckets and Horovod's gradient all-reduces included), and the process's peak memory (what `shardfc bench --recipes` reads)."""
     eval_every: int = 250
     """Evaluate every this many steps; 0: only at the end."""
     ckpt_every: int = 500
@@ -410,7 +412,7 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
     "optim": ("optimizer", "lr", "momentum", "weight_decay", "nesterov", "betas", "eps", "grad_clip", "grad_accum"),
     "schedule": ("batch_size", "max_steps", "epochs", "scheduler", "poly_power", "warmup_steps"),
     "run": ("strategy", "amp", "seed", "nproc", "device", "threads", "output_dir", "resume", "log_every", "progress",
-            "eval_every", "ckpt_every", "keep_last", "trust_checkpoint"),
+            "profile", "eval_every", "ckpt_every", "keep_last", "trust_checkpoint"),
     "eval": ("val_bins", "reid_root", "synthetic_val_pairs", "eval_batch_size", "eval_flip"),
 }
 _SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}

@@ -11,12 +11,14 @@ the backbone's averaging gives it exact gradients). What a step does is in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardfc.seeding import seed_all
 from shardfc.train.build import autocast_factory, build_run, rank_seed, run_context
@@ -24,6 +26,7 @@ from shardfc.train.config import TrainConfig, absolute_paths, to_toml
 from shardfc.train.cpu import apply_threads
 from shardfc.train.data import micro_batches
 from shardfc.train.evaluate import build_targets
+from shardfc.train.profile import StepProfiler, count_ddp_traffic, profile_path
 from shardfc.train.reporting import ReportWindow, evaluate_targets, log_setup, report
 from shardfc.train.resume import restore, resume_path, save, step_of
 from shardfc.train.runlog import RunLog
@@ -68,6 +71,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
             (out / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
         runlog.start_at(state.step)
         stream = micro_batches(run.dataset, run.batches, state, cfg, ctx)
+        profiler = _profiler(cfg, ctx, parts)
 
         # ---- loop
         metrics: Dict[str, Dict[str, float]] = {}
@@ -77,7 +81,8 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         parts.backbone.train()
         parts.head.train()
         while state.step < run.total_steps:
-            loss, corrupt = train_step(parts, stream, state, cfg, ctx, autocast)
+            with profiler.step(state) if profiler else contextlib.nullcontext():
+                loss, corrupt = train_step(parts, stream, state, cfg, ctx, autocast)
             state.step += 1
             window.add(loss, corrupt)
             runlog.advance()
@@ -100,6 +105,11 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         metrics = evaluate_targets(targets, parts, state.step, runlog, record=trained)
         ctx.barrier()  # leave together: no rank tears the group down under another
         wall = time.time() - started
+        if profiler:
+            summary = profiler.summary(
+                rank=ctx.rank, world_size=ctx.world_size, cfg=cfg, backbone=parts.module, amp_dtype=run.amp_dtype
+            )
+            profiler.write(profile_path(out, ctx.rank), summary)
         if ctx.is_main:
             logger.info("done: step %d in %.1f s; checkpoint %s", state.step, wall, last_saved)
     return {
@@ -110,6 +120,15 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         "descriptions": {t.name: t.description for t in targets},
         "output_dir": str(out),
     }
+
+
+def _profiler(cfg: TrainConfig, ctx, parts) -> Optional[StepProfiler]:
+    """``--profile``: a StepProfiler, with DDP's own traffic counted too (its hooks go in before the first step)."""
+    if not cfg.profile:
+        return None
+    if isinstance(parts.backbone, DDP):
+        count_ddp_traffic(parts.backbone, ctx.group)
+    return StepProfiler(ctx.device)
 
 
 def load_parts(cfg: TrainConfig, path: Path, group: Optional[dist.ProcessGroup] = None) -> Tuple[Parts, RunState]:

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardfc.parallel.context import DistContext
 from shardfc.train.config import TrainConfig
+from shardfc.train.profile import count_horovod_gradients
 from shardfc.train.state import Parts, RunState
 from shardfc.train.strategy import is_horovod_optimizer
 
@@ -63,6 +64,7 @@ def apply_gradients(parts: Parts, grad_clip: float, ctx: DistContext) -> None:
         # The averaged backbone gradients now, before the overflow check and the clipping read them;
         # the optimizer's step must then not synchronise again.
         parts.opt_backbone.synchronize()
+        count_horovod_gradients(parts.opt_backbone)
     if parts.scaler.is_enabled():
         _agree_on_overflow(parts, ctx)
     # One scaler for both optimizers: unscale both before clipping, step both, update once.

@@ -5,6 +5,9 @@ Example (CPU, 2 ranks)::
     shardfc bench --world-size 2 --batch 256 --dim 64 --classes 40000 \\
         --variants naive,replicated,sharded,chunked,partial --steps 3 --json out.json --plot out.png
 
+``shardfc bench --recipes`` / ``--split-sweep`` compare whole training recipes instead (DDP, DataParallel,
+Horovod, pipeline; see :mod:`shardfc.tools.bench.recipes_cli`).
+
 Prints a Markdown table on stdout and progress on stderr. ``--json`` writes a list with one object
 per variant holding exactly ``variant, step_time_s, peak_bytes_per_rank, balance,
 comm_bytes_per_rank, floor_ratio`` (definitions: :mod:`shardfc.tools.bench.runner`). Every variant keeps
@@ -32,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="shardfc bench",
-        description="Measure step time, per-rank peak memory, traffic and matmul-floor ratio of the head variants. "
+        description="Measure step time, per-rank peak memory, traffic and matmul-floor ratio of the head variants "
+        "(shardfc bench --recipes --help: compare whole training recipes). "
         "Gradients stay allocated between steps (zero_grad(set_to_none=False)); peak memory is the step's peak "
         "above the resting state = weights + gradients + optimizer state, measured after warm-up.",
     )
@@ -64,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--recipes" in argv or "--split-sweep" in argv:  # the training-recipe comparison has its own options
+        from shardfc.tools.bench import recipes_cli
+
+        return recipes_cli.main(argv)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -1,0 +1,145 @@
+"""``--profile``: what one process measured of its run, written to ``profile/rank<R>.json`` at the end.
+
+Per step (the optimizer step, from its first micro-batch to both optimizers' update; logging,
+checkpoints and evaluation are outside it): its wall time (``time.perf_counter``, after a CUDA
+synchronise when the run is on CUDA), the images it trained on over all ranks, and the bytes this
+process communicated, counted with :func:`~shardfc.parallel.collectives.count_comm` by its
+convention (the gathered output of an all-gather, the input of a reduce-scatter, the tensor of an
+all-reduce or broadcast). Besides the head's counted collectives that includes
+
+* DDP: every gradient bucket it all-reduces (a comm hook that counts, then runs torch's default
+  all-reduce hook) and the module buffers it broadcasts from rank 0 before a forward (DDP does
+  so after a synchronised backward: once per step with gradient accumulation);
+* Horovod: the backbone gradients its DistributedOptimizer all-reduces (counted at ``synchronize()``);
+* dp: nothing of DataParallel's own traffic (its replicate / scatter / gather copies are not
+  collectives): ``backbone_traffic_counted`` says so.
+
+Per process: the peak resident set size (``ru_maxrss``, the whole life of the process, imports
+included) and, on CUDA, ``max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, List
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from shardfc.parallel.collectives import count_comm, record_comm_bytes
+from shardfc.parallel.comm import launched_by_horovodrun
+from shardfc.parallel.launch import launched_by_torchrun
+
+__all__ = ["StepProfiler", "count_ddp_traffic", "count_horovod_gradients", "peak_rss_bytes", "profile_path"]
+
+
+def profile_path(output_dir: Path, rank: int) -> Path:
+    return Path(output_dir) / "profile" / f"rank{rank}.json"
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def count_ddp_traffic(ddp: DDP, group) -> None:
+    """Count what ``ddp`` communicates per step: its gradient buckets and its buffer broadcasts.
+
+    Registers a comm hook (before the first backward) that records each bucket, then runs torch's
+    default all-reduce hook, so the gradients are the same as without it.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def counting_allreduce(state, bucket):
+        record_comm_bytes("ddp_gradients", _nbytes(bucket.buffer()))
+        return allreduce_hook(state, bucket)
+
+    def count_buffer_broadcast(module, args):
+        # DDP broadcasts rank 0's buffers (BatchNorm statistics) in its forward when this holds.
+        if module.will_sync_module_buffers():
+            record_comm_bytes("ddp_buffers", sum(_nbytes(b) for b in module.modules_buffers))
+
+    ddp.register_comm_hook(group, counting_allreduce)
+    ddp.register_forward_pre_hook(count_buffer_broadcast)
+
+
+def count_horovod_gradients(opt: torch.optim.Optimizer) -> None:
+    """Record the gradients a Horovod DistributedOptimizer has just all-reduced (after ``synchronize()``)."""
+    nbytes = sum(_nbytes(p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None)
+    record_comm_bytes("horovod_gradients", nbytes)
+
+
+def _launcher(world_size: int, strategy: str) -> str:
+    if launched_by_torchrun():
+        return "torchrun"
+    if launched_by_horovodrun():
+        return "horovodrun"
+    return "spawn" if world_size > 1 and strategy == "ddp" else "one process"
+
+
+class StepProfiler:
+    """Times and counts each optimizer step of one process; :meth:`write` dumps it as JSON."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.step_s: List[float] = []
+        self.samples: List[int] = []
+        self.comm_bytes: List[int] = []
+        self.comm_by_kind: Dict[str, int] = {}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def step(self, state) -> Iterator[None]:
+        """Measure the optimizer step run inside the ``with`` (``state``: the run's RunState)."""
+        self._sync()
+        samples0 = state.samples_seen
+        with count_comm() as counter:
+            start = time.perf_counter()
+            yield
+            self._sync()
+            self.step_s.append(time.perf_counter() - start)
+        self.samples.append(state.samples_seen - samples0)
+        self.comm_bytes.append(counter.total_bytes)
+        for kind, n in counter.bytes.items():
+            self.comm_by_kind[kind] = self.comm_by_kind.get(kind, 0) + n
+
+    def summary(self, *, rank: int, world_size: int, cfg, backbone: nn.Module, amp_dtype) -> Dict[str, Any]:
+        cuda_peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        return {
+            "rank": rank,
+            "world_size": world_size,
+            "strategy": cfg.strategy,
+            "launcher": _launcher(world_size, cfg.strategy),
+            "device": str(self.device),
+            "amp": "fp32" if amp_dtype is None else str(amp_dtype).replace("torch.", ""),
+            "backbone": cfg.backbone,
+            "step_s": self.step_s,
+            "samples": self.samples,
+            "comm_bytes": self.comm_bytes,
+            "comm_bytes_by_kind": self.comm_by_kind,
+            "backbone_traffic_counted": cfg.strategy != "dp",
+            "peak_rss_bytes": peak_rss_bytes(),
+            "cuda_peak_bytes": cuda_peak,
+            "pid": os.getpid(),
+        }
+
+    def write(self, path: Path, summary: Dict[str, Any]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+        tmp.replace(path)  # a reader never sees half a file

@@ -1,0 +1,162 @@
+"""``shardfc bench --recipes`` / ``--split-sweep``: real ``shardfc train`` runs, measured from their profiles."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardfc.parallel.split_bench import FIELDS as SPLIT_FIELDS
+from shardfc.tools.bench import recipes
+from shardfc.tools.bench.cli import main as bench_main
+from shardfc.tools.bench.recipes import RECIPES, ROW_FIELDS, Recipe, Workload, measure, run_recipe
+
+TINY = ["--backbone", "tiny", "--image-size", "16", "16", "--batch-size", "8", "--classes", "24",
+        "--embedding-dim", "16", "--nproc", "2", "--threads", "1"]
+
+
+def _bench(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = bench_main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One ddp-spawn run (2 ranks, 2 + 1 steps) beside the rows that cannot run here."""
+    tmp = tmp_path_factory.mktemp("recipes")
+    argv = ["--recipes", "--only", "ddp-spawn,dp,pipeline", "--precisions", "fp32", "--steps", "2", "--warmup", "1",
+            *TINY, "--work-dir", str(tmp / "work"), "--json", str(tmp / "r.json"), "--plot", str(tmp / "r.png"), "--quiet"]
+    code, out, err = _bench(argv)
+    assert code == 0, err
+    return tmp, out, json.loads((tmp / "r.json").read_text())
+
+
+def test_recipes_json_has_the_documented_fields(smoke):
+    tmp, _, doc = smoke
+    assert set(doc) == {"workload", "devices_note", "load_average", "recipes", "split_sweep"}
+    assert doc["split_sweep"] is None and set(doc["load_average"]) == {"before", "after"}
+    assert doc["workload"]["backbone"] == "tiny" and doc["workload"]["steps"] == 2
+    rows = {r["recipe"]: r for r in doc["recipes"]}
+    assert list(rows) == ["ddp-spawn", "dp", "pipeline"]
+    for r in doc["recipes"]:
+        assert list(r) == list(ROW_FIELDS)
+    assert (tmp / "r.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_recipes_ddp_row_is_read_from_the_trainer_profiles(smoke):
+    _, _, doc = smoke
+    row = doc["recipes"][0]
+    assert (row["status"], row["reason"], row["processes"], row["launcher"], row["precision"]) == ("ok", None, 2, "spawn", "fp32")
+    profiles = [json.loads(p.read_text()) for p in sorted((Path(row["log"]).with_suffix("") / "profile").glob("rank*.json"))]
+    assert len(profiles) == 2 and all(len(p["step_s"]) == 3 for p in profiles)
+    # the median over the 2 timed steps (after 1 warm-up) of the slowest process's time
+    assert row["step_time_s"] == pytest.approx(statistics.median(max(p["step_s"][i] for p in profiles) for i in (1, 2)))
+    assert row["samples_per_s"] == pytest.approx(16 / row["step_time_s"])
+    assert row["peak_rss_bytes_per_process"] == [p["peak_rss_bytes"] for p in profiles]
+    assert row["comm_bytes_per_step"] >= sum(p.numel() * 4 for p in _tiny().parameters())  # DDP's gradients at least
+    assert row["comm_counted"] is True and row["cuda_peak_bytes_per_process"] is None
+
+
+def _tiny():
+    from shardfc.models import build_backbone
+
+    return build_backbone("tiny", 16, input_size=(16, 16))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="dp runs on >= 2 CUDA devices")
+def test_recipes_that_cannot_run_here_keep_a_row_with_the_reason(smoke):
+    _, out, doc = smoke
+    dp, pipeline = doc["recipes"][1], doc["recipes"][2]
+    assert dp["status"] == "unavailable" and dp["reason"].startswith("cannot run here:") and "CUDA" in dp["reason"]
+    # The pipeline strategy is built on another branch: until it is merged, this build refuses its flags.
+    assert pipeline["status"] == "ok" or pipeline["reason"].startswith("not available in this build: shardfc train:")
+    assert dp["reason"] in out and "devices: none but the CPU" in out
+
+
+def test_a_recipe_this_build_refuses_is_named_with_the_cli_error(tmp_path):
+    fake = Recipe("warp", "spawn", "warp", lambda n: ["--strategy", "warp", "--nproc", str(n)], lambda n: n, "no such thing")
+    row = run_recipe(fake, "fp32", Workload(backbone="tiny", image_size=(16, 16)), tmp_path, timeout_s=60)
+    assert row["status"] == "unavailable"
+    assert row["reason"].startswith("not available in this build: shardfc train: strategy must be one of")
+    assert not (tmp_path / "warp-fp32.log").exists()  # nothing was started
+
+
+def test_a_run_past_its_timeout_is_killed_and_reported(tmp_path):
+    work = Workload(backbone="tiny", image_size=(16, 16), batch_size=8, classes=24, embedding_dim=16, steps=2, warmup=1)
+    row = run_recipe(RECIPES["ddp-spawn"], "fp32", work, tmp_path, timeout_s=0.5)
+    assert row["status"] == "failed" and row["reason"].startswith("timed out after 0.5 s")
+    assert row["step_time_s"] is None
+
+
+def _profile(folder: Path, rank: int, step_s, comm, rss, samples=(10, 10, 10, 10)):
+    (folder / "profile").mkdir(parents=True, exist_ok=True)
+    doc = {"step_s": list(step_s), "samples": list(samples), "comm_bytes": list(comm), "peak_rss_bytes": rss,
+           "cuda_peak_bytes": None, "backbone_traffic_counted": True}
+    (folder / "profile" / f"rank{rank}.json").write_text(json.dumps(doc))
+
+
+def test_measure_takes_the_slowest_process_per_step_after_warmup(tmp_path):
+    _profile(tmp_path, 0, [9.0, 1.0, 4.0, 2.0], [0, 100, 100, 130], 7)
+    _profile(tmp_path, 1, [9.0, 3.0, 1.0, 2.5], [0, 200, 210, 220], 8)
+    m = measure(tmp_path, 2, warmup=1)
+    # slowest per timed step: 3.0, 4.0, 2.5 -> median 3.0
+    assert m["step_time_s"] == 3.0
+    assert m["step_time_std_s"] == pytest.approx(torch.tensor([3.0, 4.0, 2.5]).std(unbiased=False).item())
+    assert m["samples_per_s"] == pytest.approx(10 / 3.0)
+    assert m["comm_bytes_per_step"] == 210 and m["peak_rss_bytes_per_process"] == [7, 8]
+    assert m["processes"] == 2 and measure(tmp_path, None, warmup=1) == m  # None: as many as were written
+    with pytest.raises(ValueError, match="expected 3 profile file"):
+        measure(tmp_path, 3, warmup=1)
+    with pytest.raises(ValueError, match="expected some profile file"):
+        measure(tmp_path / "nothing", None, warmup=1)
+    with pytest.raises(ValueError, match="need > 4"):
+        measure(tmp_path, 2, warmup=4)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--recipes", "--only", "ddp,nccl"], "recipes: unknown 'ddp', 'nccl'; choose from ddp-torchrun"),
+        (["--recipes", "--precisions", "fp64"], "precisions must be a comma-separated subset of fp32,amp"),
+        (["--recipes", "--nproc", "0"], "nproc must be a positive integer, got 0"),
+        (["--recipes", "--backbone", "vgg"], "unknown backbone 'vgg'"),
+        (["--recipes", "--backbone", "iresnet18", "--image-size", "32", "32"], "image_size=[32, 32] but backbone='iresnet18'"),
+        (["--recipes", "--timeout", "0"], "timeout must be > 0 seconds, got 0.0"),
+        (["--split-sweep", "--split-sizes", "2,x"], "--split-sizes must be comma-separated integers"),
+        (["--split-sweep", "--threads", "0"], "threads must be a positive integer, got 0"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name_before_anything_runs(tmp_path, argv, message):
+    code, _, err = _bench(argv + ["--work-dir", str(tmp_path), "--quiet"])
+    assert code == 2 and message in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_split_sweep_json_table_and_plot(tmp_path):
+    argv = ["--split-sweep", *TINY, "--split-sizes", "2,4", "--steps", "2", "--warmup", "0",
+            "--json", str(tmp_path / "s.json"), "--split-plot", str(tmp_path / "s.png"), "--quiet"]
+    code, out, err = _bench(argv)
+    assert code == 0, err
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["recipes"] is None
+    rows = doc["split_sweep"]
+    assert [(r["config"], r["split_size"]) for r in rows] == [("single", None), ("split", None), ("pipelined", 2), ("pipelined", 4)]
+    assert all(list(r) == list(SPLIT_FIELDS) and r["batch"] == 16 and len(r["times_s"]) == 2 for r in rows)
+    assert "| pipelined | 4 |" in out and "CPU device twice in one process" in out
+    assert (tmp_path / "s.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_every_recipe_builds_a_command_for_its_launcher(tmp_path):
+    work = Workload(nproc=3)
+    cmds = {name: recipes.command(r, work, tmp_path) for name, r in RECIPES.items()}
+    assert cmds["ddp-torchrun"][1:4] == ["-m", "torch.distributed.run", "--standalone"] and "--nproc-per-node=3" in cmds["ddp-torchrun"]
+    assert cmds["horovod"][1:4] == ["-np", "3", "--gloo"]
+    assert cmds["ddp-spawn"][cmds["ddp-spawn"].index("--nproc") + 1] == "3"
+    assert all("--profile" in c and c[c.index("--output-dir") + 1] == str(tmp_path) for c in cmds.values())

@@ -1,0 +1,109 @@
+"""``shardfc train --profile``: per-process step times, samples, counted traffic and peak memory."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardfc.models import build_backbone
+from shardfc.parallel.collectives import count_comm
+from shardfc.train import cli as train_cli
+from shardfc.train.profile import count_horovod_gradients, profile_path
+
+from .tiny import STEPS, tiny_config
+
+FIELDS = {
+    "rank", "world_size", "strategy", "launcher", "device", "amp", "backbone", "step_s", "samples", "comm_bytes",
+    "comm_bytes_by_kind", "backbone_traffic_counted", "peak_rss_bytes", "cuda_peak_bytes", "pid",
+}
+
+
+def _backbone_bytes(cfg):
+    model = build_backbone(cfg.backbone, cfg.embedding_dim, input_size=tuple(cfg.image_size))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return params, buffers
+
+
+def _losses(out):
+    with open(out / "metrics.csv") as f:
+        return {int(r["step"]): float(r["value"]) for r in csv.DictReader(f) if r["name"] == "train/loss"}
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profiled")
+    cfg = tiny_config(out, profile=True)
+    train_cli.run(cfg)
+    return cfg, [json.loads(profile_path(out, r).read_text()) for r in range(2)]
+
+
+def test_profile_counts_ddp_traffic_and_the_samples_of_each_step(profiled):
+    cfg, ranks = profiled
+    params, buffers = _backbone_bytes(cfg)
+    for rank, p in enumerate(ranks):
+        assert set(p) == FIELDS
+        assert (p["rank"], p["world_size"], p["strategy"], p["launcher"], p["amp"]) == (rank, 2, "ddp", "spawn", "fp32")
+        assert len(p["step_s"]) == len(p["comm_bytes"]) == STEPS and min(p["step_s"]) > 0
+        # 120 images, 8 per rank per micro-batch, 2 micro-batches per step: step 4 holds the epoch's 4-row batch.
+        assert p["samples"] == [32, 32, 32, 24, 32, 32]
+        kinds = p["comm_bytes_by_kind"]
+        assert kinds["ddp_gradients"] == STEPS * params  # one all-reduce of every gradient per step (no_sync first)
+        # rank 0's BN statistics, before a forward that follows a synchronised backward: once per step
+        # with 2 micro-batches (DDP skips it after a no_sync() backward)
+        assert cfg.grad_accum == 2 and kinds["ddp_buffers"] == STEPS * buffers
+        assert kinds["all_gather"] > 0 and kinds["reduce_scatter"] > 0  # the head's
+        assert sum(p["comm_bytes"]) == sum(kinds.values())
+        assert p["backbone_traffic_counted"] is True
+        assert p["peak_rss_bytes"] > 50 * 2**20 and p["cuda_peak_bytes"] is None
+
+
+def test_profile_changes_nothing_the_run_computes(profiled, run2):
+    """The counting comm hook runs torch's default all-reduce: the same losses as an unprofiled run."""
+    cfg, _ = profiled
+    base_cfg, _ = run2
+    assert dataclasses.replace(base_cfg, output_dir=cfg.output_dir, profile=True) == cfg
+    a, b = _losses(Path(cfg.output_dir)), _losses(Path(base_cfg.output_dir))
+    assert sorted(a) == sorted(b) == [2, 4, 6]
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=1e-5)
+
+
+def test_no_profile_without_the_flag(run2):
+    cfg, _ = run2
+    assert not cfg.profile
+    assert not profile_path(Path(cfg.output_dir), 0).parent.exists()
+
+
+def test_count_horovod_gradients_counts_the_gradients_present():
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(5))
+    c = torch.nn.Parameter(torch.zeros(7, dtype=torch.float64))
+    a.grad, c.grad = torch.ones(3), torch.ones(7, dtype=torch.float64)
+    opt = torch.optim.SGD([{"params": [a, b]}, {"params": [c]}], lr=0.1)
+    with count_comm() as counter:
+        count_horovod_gradients(opt)
+    assert counter.bytes == {"horovod_gradients": 3 * 4 + 7 * 8}
+
+
+def test_horovod_profile_counts_the_optimizer_all_reduce(horovodrun, tmp_path):
+    out = tmp_path / "hvd"
+    args = [
+        "-m", "shardfc", "train", "--strategy", "horovod", "--synthetic-identities", "24",
+        "--synthetic-images-per-identity", "5", "--image-size", "16", "16", "--embedding-dim", "16",
+        "--batch-size", "8", "--max-steps", "3", "--warmup-steps", "1", "--synthetic-val-pairs", "0",
+        "--eval-every", "0", "--ckpt-every", "0", "--no-progress", "--profile", "--output-dir", str(out),
+    ]
+    code, log = horovodrun(2, args, tmp_path / "hvd.log", timeout_s=300)
+    assert code == 0, log[-3000:]
+    cfg = dataclasses.replace(tiny_config(out), embedding_dim=16)
+    params, _ = _backbone_bytes(cfg)
+    for rank in range(2):
+        p = json.loads(profile_path(out, rank).read_text())
+        assert (p["launcher"], p["strategy"], p["world_size"]) == ("horovodrun", "horovod", 2)
+        assert p["comm_bytes_by_kind"]["horovod_gradients"] == 3 * params
+        assert "ddp_buffers" not in p["comm_bytes_by_kind"]  # Horovod does not broadcast buffers per step
