@@ -25,9 +25,10 @@ from shardfc.train.data import micro_batches
 from shardfc.train.evaluate import build_targets
 from shardfc.train.reporting import ReportWindow, evaluate_targets, log_setup, report
 from shardfc.train.resume import restore, resume_path, save, step_of
+from shardfc.train.pipeline_train import pipeline_step, whole_backbone
 from shardfc.train.runlog import RunLog
 from shardfc.train.state import Parts, RunState
-from shardfc.train.step import train_step
+from shardfc.train.step import apply_gradients, train_step
 from shardfc.train.strategy import sync_after_restore
 
 __all__ = ["load_parts", "train"]
@@ -50,7 +51,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         # ---- build: data, model and optimizers (the same initialisation on every rank), evaluation
         run = build_run(cfg, ctx)
         parts = run.parts
-        seed_all(rank_seed(cfg.seed, ctx.rank, 0))  # then per-rank augmentation / dropout streams
+        seed_all(rank_seed(cfg.seed, run.data_ctx.rank, 0))  # then per-replica augmentation / dropout streams
         autocast = autocast_factory(ctx.device, run.amp_dtype)
         targets = build_targets(cfg, run.image_size, ctx.device, autocast) if ctx.is_main else []
         if ctx.is_main:
@@ -63,7 +64,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
             state = _restore(run, resume_from, cfg)
         if ctx.is_main:  # only now: a refused resume leaves the earlier run's config.toml alone
             (out / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
-        stream = micro_batches(run.dataset, run.batches, state, cfg, ctx)
+        stream = micro_batches(run.dataset, run.batches, state, cfg, run.data_ctx)
 
         # ---- loop
         metrics: Dict[str, Dict[str, float]] = {}
@@ -71,9 +72,14 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         window = ReportWindow(state)
         runlog.open_bar(state.step, run.total_steps)
         parts.backbone.train()
-        parts.head.train()
+        if parts.head is not None:  # a pipeline rank before the last stage holds none
+            parts.head.train()
         while state.step < run.total_steps:
-            loss, corrupt = train_step(parts, stream, state, cfg, ctx, autocast)
+            if run.pipeline is None:
+                loss, corrupt = train_step(parts, stream, state, cfg, ctx, autocast)
+            else:
+                loss, corrupt = pipeline_step(parts, run.pipeline, stream, state, cfg, ctx, autocast)
+                apply_gradients(parts, cfg.grad_clip, ctx, run.pipeline)
             state.step += 1
             window.add(loss, corrupt)
             runlog.advance()
@@ -83,7 +89,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
             if cfg.ckpt_every and state.step % cfg.ckpt_every == 0 and not last:
                 last_saved = save(run, state, cfg)
             if cfg.eval_every and state.step % cfg.eval_every == 0 and not last:
-                metrics = evaluate_targets(targets, parts, state.step, runlog)
+                metrics = _evaluate(run, targets, state.step, runlog)
         runlog.close_bar()
 
         # ---- save: a final checkpoint (unless resumed at the end) and a final evaluation
@@ -91,7 +97,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
             last_saved = save(run, state, cfg)
         elif ctx.is_main:
             logger.info("%s is at step %d; max %d steps: nothing to train", resume_from, state.step, run.total_steps)
-        metrics = evaluate_targets(targets, parts, state.step, runlog)
+        metrics = _evaluate(run, targets, state.step, runlog)
         ctx.barrier()  # leave together: no rank tears the group down under another
         wall = time.time() - started
         if ctx.is_main:
@@ -115,6 +121,16 @@ def load_parts(cfg: TrainConfig, path: Path, group: Optional[dist.ProcessGroup] 
     cfg.validate()
     run = build_run(cfg, run_context(cfg, group))
     return run.parts, _restore(run, Path(path), cfg)
+
+
+def _evaluate(run, targets, step: int, runlog: RunLog) -> Dict[str, Dict[str, float]]:
+    """Rank 0 evaluates the whole backbone (a pipeline's stages gathered to it first: collective)."""
+    if run.pipeline is None:
+        return evaluate_targets(targets, run.parts, step, runlog)
+    backbone = whole_backbone(run)
+    if backbone is None or not targets:
+        return {}
+    return evaluate_targets(targets, Parts(backbone, None, None, None, [], run.parts.scaler), step, runlog)
 
 
 def _restore(run, path: Path, cfg: TrainConfig) -> RunState:
