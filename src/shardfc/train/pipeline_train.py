@@ -22,7 +22,7 @@ from shardfc.head import ShardedMarginHead, head_optimizer
 from shardfc.head.margins import build_margin
 from shardfc.models import build_backbone
 from shardfc.parallel.context import DistContext
-from shardfc.parallel.model_split import available_split_points, stages as cut_stages
+from shardfc.parallel.model_split import _batch_stats_module, available_split_points, stages as cut_stages
 from shardfc.parallel.pipeline import (
     PipelineLayout,
     PipelineRunner,
@@ -31,6 +31,7 @@ from shardfc.parallel.pipeline import (
     balanced_split_points,
     create_layout,
     gather_object_to,
+    replicas_for,
 )
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.state import Parts
@@ -40,6 +41,7 @@ logger = logging.getLogger("shardfc.train")
 __all__ = [
     "PipelinePlan",
     "build_pipeline_parts",
+    "check_pipeline_config",
     "clip_stage_grads_",
     "load_whole_backbone_state",
     "pipeline_layout",
@@ -49,13 +51,32 @@ __all__ = [
 ]
 
 
+def check_pipeline_config(cfg: TrainConfig, world_size: int) -> int:
+    """The number of split points of ``cfg.backbone``, after refusing a layout it cannot have
+    (ConfigError naming the values); cheap: the backbone is built on the meta device."""
+    with torch.device("meta"):
+        probe = build_backbone(cfg.backbone, cfg.embedding_dim, **_backbone_kwargs(cfg, (32, 32)))
+    n_points = len(available_split_points(probe))
+    try:
+        replicas_for(world_size, cfg.pipeline_stages, n_points)
+        if cfg.split_points:
+            cut_stages(probe, list(cfg.split_points))
+    except ValueError as e:
+        raise ConfigError(f"strategy='pipeline' on {world_size} rank(s) with backbone={cfg.backbone!r}: {e}") from None
+    found = _batch_stats_module(probe) if cfg.micro_batches > 1 and not cfg.micro_batch_stats else None
+    if found is not None:
+        raise ConfigError(
+            f"backbone={cfg.backbone!r} has BatchNorm ({found[0]!r}), which in training normalises each of the "
+            f"micro_batches={cfg.micro_batches} micro-batches with its own statistics, unlike an unpipelined step of "
+            "batch_size rows: pass --micro-batch-stats to accept that (the semantics of --grad-accum over "
+            "micro-batches), or --micro-batches 1 --pipeline-schedule gpipe"
+        )
+    return n_points
+
+
 def pipeline_layout(cfg: TrainConfig, ctx: DistContext) -> PipelineLayout:
     """The run's ``stages x replicas`` layout and groups (collective over the world, once)."""
-    probe = build_backbone(cfg.backbone, cfg.embedding_dim, **_backbone_kwargs(cfg, (32, 32)))
-    try:
-        return create_layout(ctx, cfg.pipeline_stages, len(available_split_points(probe)))
-    except ValueError as e:
-        raise ConfigError(f"strategy='pipeline' on {ctx.world_size} rank(s) with backbone={cfg.backbone!r}: {e}") from None
+    return create_layout(ctx, cfg.pipeline_stages, check_pipeline_config(cfg, ctx.world_size))
 
 
 def _backbone_kwargs(cfg: TrainConfig, image_size: Tuple[int, int]) -> Dict[str, Any]:

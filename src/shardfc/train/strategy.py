@@ -51,11 +51,10 @@ def check_launch(cfg: TrainConfig) -> None:
     elif cfg.strategy == "pipeline":
         if launched_by_horovodrun():
             raise ConfigError("strategy='pipeline' runs over torch.distributed: launch it with --nproc or torchrun")
-        if not launched_by_torchrun() and cfg.nproc % cfg.pipeline_stages:
-            raise ConfigError(
-                f"nproc={cfg.nproc} is not divisible by pipeline_stages={cfg.pipeline_stages}: the ranks form "
-                f"pipeline_stages x replicas (e.g. --nproc {2 * cfg.pipeline_stages} for 2 replicas)"
-            )
+        if not launched_by_torchrun():  # else the world size is checked when the ranks form the layout
+            from shardfc.train.pipeline_train import check_pipeline_config
+
+            check_pipeline_config(cfg, cfg.nproc)
     elif cfg.strategy == "horovod":
         if launched_by_torchrun():
             raise ConfigError(
