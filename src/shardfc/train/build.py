@@ -149,9 +149,11 @@ def build_run(cfg: TrainConfig, ctx: DistContext) -> Run:
     layout = pipeline_layout(cfg, ctx) if cfg.strategy == "pipeline" else None
     data_ctx = layout.replica_ctx if layout is not None else ctx  # also the head's ranks
     if dataset.num_classes < data_ctx.world_size:
+        head_ranks = " (the last pipeline stage's)" if layout is not None else ""
+        nproc = dataset.num_classes * (cfg.pipeline_stages if layout is not None else 1)
         raise ConfigError(
-            f"the dataset has {dataset.num_classes} class(es) for {data_ctx.world_size} head ranks: every rank must "
-            f"hold at least one class of the head; use --nproc {dataset.num_classes} or fewer"
+            f"the dataset has {dataset.num_classes} class(es) for {data_ctx.world_size} ranks{head_ranks}: every rank "
+            f"must hold at least one class of the head; use --nproc {nproc} or fewer"
         )
     # Pipeline micro-batches have a fixed shape: an epoch's partial last batch is dropped.
     drop_last = cfg.drop_last or layout is not None
