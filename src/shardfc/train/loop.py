@@ -4,7 +4,9 @@ One process per rank (ddp, horovod) or one process for all GPUs (dp): see
 :mod:`~shardfc.train.strategy`. Every rank holds a replica of the backbone (in DDP, or with
 Horovod's averaging optimizer, when there are several ranks) and one class shard of the
 :class:`~shardfc.ShardedMarginHead` (never in DDP: its embedding gradient is already scaled so that
-the backbone's averaging gives it exact gradients). What a step does is in
+the backbone's averaging gives it exact gradients). Under the pipeline strategy a rank holds one
+stage of one replica instead, and the head only on the last stage
+(:mod:`~shardfc.train.pipeline_train`). What a step does is in
 :mod:`~shardfc.train.step`; building in :mod:`~shardfc.train.build`; checkpoints in
 :mod:`~shardfc.train.resume`.
 """
