@@ -108,6 +108,8 @@ def create_layout(world: DistContext, stages: int, n_split_points: Optional[int]
     replicas = replicas_for(world.world_size, stages, n_split_points)
     if not world.distributed or world.is_horovod:
         raise ValueError("the pipeline strategy needs torch.distributed to be initialised (spawn or torchrun)")
+    if world.group is not None:  # the grid below is laid out in global ranks
+        raise ValueError("the pipeline strategy runs over torch's default group; a sub-group was given")
     stage, replica = divmod(world.rank, replicas)
     pipe_group = replica_group = None
     for j in range(replicas):
