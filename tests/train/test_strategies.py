@@ -57,7 +57,7 @@ def _horovod_train(horovodrun, cfg: TrainConfig, log: Path, *flags: str):
 def test_strategy_flag_and_choices():
     cfg, _ = parse_config(["--strategy", "horovod"])
     assert cfg.strategy == "horovod" and TrainConfig().strategy == "ddp"
-    with pytest.raises(ConfigError, match=r"strategy must be one of ddp, dp, horovod; got 'horovd'; did you mean 'horovod'\?"):
+    with pytest.raises(ConfigError, match=r"strategy must be one of ddp, dp, horovod, pipeline; got 'horovd'; did you mean 'horovod'\?"):
         parse_config(["--strategy", "horovd"])
 
 

@@ -21,6 +21,7 @@ from shardfc.seeding import mix_seed, seed_all
 from shardfc.train import cpu
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.data import rank_batches, train_dataset
+from shardfc.train.pipeline_train import PipelinePlan, build_pipeline_parts, pipeline_layout
 from shardfc.train.schedule import WarmupDecay
 from shardfc.train.state import Parts
 from shardfc.train.strategy import (
@@ -155,10 +156,17 @@ class Run:
     total_steps: int
     amp_dtype: Optional[torch.dtype]
     parts: Parts
+    pipeline: Optional[PipelinePlan] = None
+    """Strategy 'pipeline': this rank's stage, schedule and the whole backbone's layout."""
 
     @property
     def num_classes(self) -> int:
         return self.dataset.num_classes
+
+    @property
+    def data_ctx(self) -> DistContext:
+        """The ranks the data is partitioned over: the world, or a pipeline stage's replicas."""
+        return self.pipeline.layout.replica_ctx if self.pipeline is not None else self.ctx
 
 
 def build_run(cfg: TrainConfig, ctx: DistContext) -> Run:
@@ -166,19 +174,33 @@ def build_run(cfg: TrainConfig, ctx: DistContext) -> Run:
     amp_dtype = resolve_amp_dtype(cfg, ctx.device)
     image_size = resolve_image_size(cfg)
     dataset = train_dataset(cfg, image_size)
-    if dataset.num_classes < ctx.world_size:
+    layout = pipeline_layout(cfg, ctx) if cfg.strategy == "pipeline" else None
+    data_ctx = layout.replica_ctx if layout is not None else ctx  # also the head's ranks
+    if dataset.num_classes < data_ctx.world_size:
+        head_ranks = " (the last pipeline stage's)" if layout is not None else ""
+        nproc = dataset.num_classes * (cfg.pipeline_stages if layout is not None else 1)
         raise ConfigError(
-            f"the dataset has {dataset.num_classes} class(es) for {ctx.world_size} ranks: every rank must hold at "
-            f"least one class of the head; use --nproc {dataset.num_classes} or fewer"
+            f"the dataset has {dataset.num_classes} class(es) for {data_ctx.world_size} ranks{head_ranks}: every rank "
+            f"must hold at least one class of the head; use --nproc {nproc} or fewer"
         )
-    batches = rank_batches(cfg, dataset, loader_batch_size(cfg), ctx)
+    # Pipeline micro-batches have a fixed shape: an epoch's partial last batch is dropped.
+    batches = rank_batches(cfg, dataset, loader_batch_size(cfg), data_ctx, drop_last=cfg.drop_last or layout is not None)
     if cfg.triplet_weight > 0 and cfg.sampler != "pk" and ctx.is_main:
         logger.warning("triplet_weight > 0 with sampler=%r: few batches hold two images of one identity; "
                        "use --sampler pk", cfg.sampler)
     total_steps = cfg.max_steps or math.ceil(cfg.epochs * len(batches) / cfg.grad_accum)
     seed_all(cfg.seed)
-    parts = build_parts(cfg, ctx, dataset.num_classes, image_size, total_steps, amp_dtype)
-    return Run(ctx, image_size, dataset, batches, total_steps, amp_dtype, parts)
+    if layout is None:
+        parts = build_parts(cfg, ctx, dataset.num_classes, image_size, total_steps, amp_dtype)
+        return Run(ctx, image_size, dataset, batches, total_steps, amp_dtype, parts)
+    parts, plan = build_pipeline_parts(
+        cfg, ctx, layout, dataset.num_classes, image_size, amp_dtype, autocast_factory(ctx.device, amp_dtype)
+    )
+    parts.schedulers = [
+        torch.optim.lr_scheduler.LambdaLR(o, WarmupDecay(cfg, total_steps))
+        for o in (parts.opt_backbone, parts.opt_head) if o is not None
+    ]
+    return Run(ctx, image_size, dataset, batches, total_steps, amp_dtype, parts, plan)
 
 
 def run_context(cfg: TrainConfig, group: Optional[dist.ProcessGroup]) -> DistContext:

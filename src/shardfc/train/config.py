@@ -49,7 +49,10 @@ class ConfigError(ValueError):
 
 
 #: Values of ``TrainConfig.strategy`` (what each does: :mod:`shardfc.train.strategy`).
-STRATEGIES = ("ddp", "dp", "horovod")
+STRATEGIES = ("ddp", "dp", "horovod", "pipeline")
+
+#: Values of ``TrainConfig.pipeline_schedule`` (torch.distributed.pipelining's schedules).
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 #: Other names of a margin, accepted as the Python API accepts them (shardfc.margins.build_margin).
 MARGIN_ALIASES = {"amsoftmax": "cosface"}
@@ -184,11 +187,21 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ run
     strategy: str = "ddp"
-    """How the run spreads over processes and devices: 'ddp' (one process per rank, spawned with --nproc or by torchrun; backbone in DistributedDataParallel, one head shard per rank), 'dp' (one process; backbone in nn.DataParallel over every visible CUDA device, one head shard per device; needs >= 2 GPUs; batch_size is per GPU) or 'horovod' (launched by `horovodrun -np N`; backbone optimizer in hvd.DistributedOptimizer, one head shard per rank over Horovod's collectives)."""
+    """How the run spreads over processes and devices: 'ddp' (one process per rank, spawned with --nproc or by torchrun; backbone in DistributedDataParallel, one head shard per rank), 'dp' (one process; backbone in nn.DataParallel over every visible CUDA device, one head shard per device; needs >= 2 GPUs; batch_size is per GPU), 'horovod' (launched by `horovodrun -np N`; backbone optimizer in hvd.DistributedOptimizer, one head shard per rank over Horovod's collectives) or 'pipeline' (nproc = pipeline_stages x replicas processes: the backbone cut into pipeline stages, each stage data-parallel over the replicas; the head sharded over the last stage's ranks)."""
     amp: str = "none"
     """Mixed precision: 'none', 'bf16' (autocast) or 'fp16' (autocast + loss scaling; on CPU it falls back to bf16 where the CPU has native bf16, else to fp32)."""
     seed: int = 0
     """Seed of the model initialisation, data order, augmentation and the synthetic dataset."""
+    pipeline_stages: int = 2
+    """Strategy 'pipeline': stages the backbone is cut into; nproc must be a multiple of it (nproc / pipeline_stages data-parallel replicas)."""
+    pipeline_schedule: str = "1f1b"
+    """Strategy 'pipeline': 'gpipe' (all forwards, then all backwards) or '1f1b' (one forward, one backward in the steady state: fewer live activations; needs micro_batches >= pipeline_stages)."""
+    micro_batches: int = 2
+    """Strategy 'pipeline': micro-batches each rank's batch is cut into (batch_size must be a multiple of it)."""
+    split_points: List[str] = field(default_factory=list)
+    """Strategy 'pipeline': backbone segments to cut after (pipeline_stages - 1 names, e.g. 'layer2'); empty: those that balance the stages' parameter counts."""
+    micro_batch_stats: bool = False
+    """Strategy 'pipeline': let BatchNorm normalise each micro-batch with its own statistics (as under grad_accum); without it, micro_batches > 1 with a training-mode BatchNorm is refused."""
     nproc: int = 2
     """Processes to spawn on this machine (strategy 'ddp'; ignored under torchrun and horovodrun, whose environment decides, and by 'dp', which is one process)."""
     device: str = "auto"
@@ -259,10 +272,12 @@ class TrainConfig:
         _choice(self, "optimizer", ("sgd", "adamw"))
         _choice(self, "scheduler", ("poly", "cosine"))
         _choice(self, "strategy", STRATEGIES)
+        _choice(self, "pipeline_schedule", PIPELINE_SCHEDULES)
         _choice(self, "amp", ("none", "bf16", "fp16"))
         _choice(self, "device", ("auto", "cpu", "cuda"))
         for name in ("synthetic_identities", "synthetic_images_per_identity", "embedding_dim", "batch_size",
-                     "grad_accum", "nproc", "log_every", "eval_batch_size", "subcenters"):
+                     "grad_accum", "nproc", "log_every", "eval_batch_size", "subcenters", "pipeline_stages",
+                     "micro_batches"):
             _at_least(self, name, 1)
         if self.chunk_size < -1:
             raise ConfigError(f"chunk_size must be >= 1, 0 (no chunking) or -1 (auto), got {self.chunk_size!r}")
@@ -323,7 +338,28 @@ class TrainConfig:
             raise ConfigError("dataset='list' needs list_file (lines of 'path label')")
         if not self.output_dir:
             raise ConfigError("output_dir must not be empty")
+        if self.strategy == "pipeline":
+            self._validate_pipeline()
         return self
+
+    def _validate_pipeline(self) -> None:
+        if self.pipeline_stages < 2:
+            raise ConfigError(f"pipeline_stages must be >= 2 for strategy='pipeline' (one stage: use ddp), got {self.pipeline_stages}")
+        if self.batch_size % self.micro_batches:
+            raise ConfigError(
+                f"batch_size={self.batch_size} is not divisible by micro_batches={self.micro_batches}: pipeline "
+                "micro-batches have a fixed shape"
+            )
+        if self.pipeline_schedule == "1f1b" and self.micro_batches < self.pipeline_stages:
+            raise ConfigError(
+                f"pipeline_schedule='1f1b' needs micro_batches >= pipeline_stages, got micro_batches={self.micro_batches} "
+                f"for pipeline_stages={self.pipeline_stages} (raise --micro-batches, or --pipeline-schedule gpipe)"
+            )
+        if self.split_points and len(self.split_points) != self.pipeline_stages - 1:
+            raise ConfigError(
+                f"split_points={list(self.split_points)} names {len(self.split_points)} cut(s), but pipeline_stages="
+                f"{self.pipeline_stages} needs {self.pipeline_stages - 1}"
+            )
 
 
 DEFAULT_OUTPUT_DIR = "shardfc_runs/synthetic"
@@ -411,7 +447,8 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
              "triplet_weight", "triplet_margin", "triplet_soft"),
     "optim": ("optimizer", "lr", "momentum", "weight_decay", "nesterov", "betas", "eps", "grad_clip", "grad_accum"),
     "schedule": ("batch_size", "max_steps", "epochs", "scheduler", "poly_power", "warmup_steps"),
-    "run": ("strategy", "amp", "seed", "nproc", "device", "threads", "output_dir", "resume", "log_every", "progress",
+    "run": ("strategy", "pipeline_stages", "pipeline_schedule", "micro_batches", "split_points", "micro_batch_stats",
+            "amp", "seed", "nproc", "device", "threads", "output_dir", "resume", "log_every", "progress",
             "profile", "eval_every", "ckpt_every", "keep_last", "trust_checkpoint"),
     "eval": ("val_bins", "reid_root", "synthetic_val_pairs", "eval_batch_size", "eval_flip"),
 }
@@ -424,6 +461,7 @@ _TYPES: Dict[str, Tuple[type, bool]] = {
     "image_size": (int, True),
     "betas": (float, True),
     "val_bins": (str, True),
+    "split_points": (str, True),
 }
 for _f in dataclasses.fields(TrainConfig):
     if _f.name not in _TYPES:

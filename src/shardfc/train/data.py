@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
@@ -139,13 +139,16 @@ class ShardBatches(Sampler):
         return full - self.start
 
 
-def rank_batches(cfg: TrainConfig, dataset: Dataset, batch_size: int, ctx: DistContext) -> Sampler:
-    """This rank's resumable batches: a shuffled pass (sampler 'random') or P x K identities ('pk')."""
+def rank_batches(cfg: TrainConfig, dataset: Dataset, batch_size: int, ctx: DistContext,
+                 drop_last: Optional[bool] = None) -> Sampler:
+    """This rank's resumable batches: a shuffled pass (sampler 'random') or P x K identities ('pk',
+    always full batches). ``drop_last`` overrides ``cfg.drop_last``."""
     if cfg.sampler == "pk":
         from shardfc.train.identity_sampler import IdentityBatches, dataset_labels
 
         return IdentityBatches(dataset_labels(dataset), batch_size, cfg.pk_instances, ctx.rank, ctx.world_size, cfg.seed)
-    return ShardBatches(len(dataset), batch_size, ctx.rank, ctx.world_size, cfg.seed, cfg.drop_last)
+    drop_last = cfg.drop_last if drop_last is None else drop_last
+    return ShardBatches(len(dataset), batch_size, ctx.rank, ctx.world_size, cfg.seed, drop_last)
 
 
 def erasing_generator(seed: int, rank: int, epoch: int, batch_in_epoch: int) -> torch.Generator:

@@ -4,7 +4,9 @@ One process per rank (ddp, horovod) or one process for all GPUs (dp): see
 :mod:`~shardfc.train.strategy`. Every rank holds a replica of the backbone (in DDP, or with
 Horovod's averaging optimizer, when there are several ranks) and one class shard of the
 :class:`~shardfc.ShardedMarginHead` (never in DDP: its embedding gradient is already scaled so that
-the backbone's averaging gives it exact gradients). What a step does is in
+the backbone's averaging gives it exact gradients). Under the pipeline strategy a rank holds one
+stage of one replica instead, and the head only on the last stage
+(:mod:`~shardfc.train.pipeline_train`). What a step does is in
 :mod:`~shardfc.train.step`; building in :mod:`~shardfc.train.build`; checkpoints in
 :mod:`~shardfc.train.resume`.
 """
@@ -29,9 +31,10 @@ from shardfc.train.evaluate import build_targets
 from shardfc.train.profile import StepProfiler, count_ddp_traffic, profile_path
 from shardfc.train.reporting import ReportWindow, evaluate_targets, log_setup, report
 from shardfc.train.resume import restore, resume_path, save, step_of
+from shardfc.train.pipeline_train import pipeline_step, whole_backbone
 from shardfc.train.runlog import RunLog
 from shardfc.train.state import Parts, RunState
-from shardfc.train.step import train_step
+from shardfc.train.step import apply_gradients, train_step
 from shardfc.train.strategy import sync_after_restore
 
 __all__ = ["load_parts", "train"]
@@ -55,7 +58,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         # ---- build: data, model and optimizers (the same initialisation on every rank), evaluation
         run = build_run(cfg, ctx)
         parts = run.parts
-        seed_all(rank_seed(cfg.seed, ctx.rank, 0))  # then per-rank streams (dropout); augmentation: data.py
+        seed_all(rank_seed(cfg.seed, run.data_ctx.rank, 0))  # then per-replica augmentation / dropout streams
         autocast = autocast_factory(ctx.device, run.amp_dtype)
         targets = build_targets(cfg, run.image_size, ctx.device, autocast) if ctx.is_main else []
         if ctx.is_main:
@@ -70,7 +73,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         if ctx.is_main:  # only now: a refused resume leaves the earlier run's config.toml alone
             (out / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
         runlog.start_at(state.step)
-        stream = micro_batches(run.dataset, run.batches, state, cfg, ctx)
+        stream = micro_batches(run.dataset, run.batches, state, cfg, run.data_ctx)
         profiler = _profiler(cfg, ctx, parts)
 
         # ---- loop
@@ -79,10 +82,15 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         window = ReportWindow(state)
         runlog.open_bar(state.step, run.total_steps)
         parts.backbone.train()
-        parts.head.train()
+        if parts.head is not None:  # a pipeline rank before the last stage holds none
+            parts.head.train()
         while state.step < run.total_steps:
             with profiler.step(state) if profiler else contextlib.nullcontext():
-                loss, corrupt = train_step(parts, stream, state, cfg, ctx, autocast)
+                if run.pipeline is None:
+                    loss, corrupt = train_step(parts, stream, state, cfg, ctx, autocast)
+                else:
+                    loss, corrupt = pipeline_step(parts, run.pipeline, stream, state, cfg, ctx, autocast)
+                    apply_gradients(parts, cfg.grad_clip, ctx, run.pipeline)
             state.step += 1
             window.add(loss, corrupt)
             runlog.advance()
@@ -92,7 +100,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
             if cfg.ckpt_every and state.step % cfg.ckpt_every == 0 and not last:
                 last_saved = save(run, state, cfg)
             if cfg.eval_every and state.step % cfg.eval_every == 0 and not last:
-                metrics = evaluate_targets(targets, parts, state.step, runlog)
+                metrics = _evaluate(run, targets, state.step, runlog)
         runlog.close_bar()
 
         # ---- save: a final checkpoint (unless resumed at the end) and a final evaluation
@@ -102,7 +110,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         elif ctx.is_main:
             logger.info("%s is at step %d; max %d steps: nothing to train", resume_from, state.step, run.total_steps)
         # Re-evaluated when nothing was trained (the summary reports it), but not logged twice in metrics.csv.
-        metrics = evaluate_targets(targets, parts, state.step, runlog, record=trained)
+        metrics = _evaluate(run, targets, state.step, runlog, record=trained)
         ctx.barrier()  # leave together: no rank tears the group down under another
         wall = time.time() - started
         if profiler:
@@ -140,6 +148,16 @@ def load_parts(cfg: TrainConfig, path: Path, group: Optional[dist.ProcessGroup] 
     cfg.validate()
     run = build_run(cfg, run_context(cfg, group))
     return run.parts, _restore(run, Path(path), cfg)
+
+
+def _evaluate(run, targets, step: int, runlog: RunLog, record: bool = True) -> Dict[str, Dict[str, float]]:
+    """Rank 0 evaluates the whole backbone (a pipeline's stages gathered to it first: collective)."""
+    if run.pipeline is None:
+        return evaluate_targets(targets, run.parts, step, runlog, record=record)
+    backbone = whole_backbone(run)
+    if backbone is None or not targets:
+        return {}
+    return evaluate_targets(targets, Parts(backbone, None, None, None, [], run.parts.scaler), step, runlog, record=record)
 
 
 def _restore(run, path: Path, cfg: TrainConfig) -> RunState:

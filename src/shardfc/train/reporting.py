@@ -23,28 +23,42 @@ def log_setup(cfg, ctx: DistContext, run) -> None:
     """Rank 0: where the run is, its data, model, head and optimisation, in a few lines."""
     dataset, parts, image_size, amp_dtype = run.dataset, run.parts, run.image_size, run.amp_dtype
     batches_per_epoch, total_steps = len(run.batches), run.total_steps
+    plan = run.pipeline
     n_backbone = sum(p.numel() for p in parts.module.parameters())
-    devices = f"{len(parts.head.devices)} {ctx.device.type} devices" if parts.head.mode == "devices" else ctx.device.type
+    head = parts.head
+    devices = f"{len(head.devices)} {ctx.device.type} devices" if head is not None and head.mode == "devices" else ctx.device.type
     logger.info(
         "shardfc train: %d rank(s) on %s (%s), strategy %s, output %s",
         ctx.world_size, devices, ctx.backend or "no process group", cfg.strategy,
         os.path.abspath(cfg.output_dir),
     )
     logger.info("data: %s, %d images, %d classes, %dx%d input", dataset, len(dataset), dataset.num_classes, *image_size)
-    logger.info(
-        "model: %s (%.2fM parameters) -> %d-d embeddings; head %s over %d classes, %d per rank (rank 0: %s)%s%s",
-        cfg.backbone, n_backbone / 1e6, cfg.embedding_dim, parts.head.margin, parts.head.num_classes,
-        len(parts.head.class_range), f"{parts.head.class_range.start}..{parts.head.class_range.stop - 1}",
-        f", {cfg.subcenters} sub-centres per class" if cfg.subcenters > 1 else "",
-        f", inter-class filter at cos > {cfg.interclass_filter_threshold}" if cfg.interclass_filter_threshold else "",
-    )
+    if plan is not None:  # rank 0 holds stage 0 and no head shard
+        layout = plan.layout
+        logger.info(
+            "pipeline: %d stages x %d replicas, cut after %s; %s schedule over %d micro-batches; head sharded over "
+            "the last stage's %d rank(s) (ranks %d..%d); rank 0's stage: %.2fM parameters",
+            layout.stages, layout.replicas, ", ".join(plan.split_points), cfg.pipeline_schedule, cfg.micro_batches,
+            layout.replicas, layout.rank_of(layout.stages - 1, 0), ctx.world_size - 1, n_backbone / 1e6,
+        )
+        logger.info("model: %s -> %d-d embeddings; head %s over %d classes", cfg.backbone, cfg.embedding_dim,
+                    cfg.margin, dataset.num_classes)
+    else:
+        logger.info(
+            "model: %s (%.2fM parameters) -> %d-d embeddings; head %s over %d classes, %d per rank (rank 0: %s)%s%s",
+            cfg.backbone, n_backbone / 1e6, cfg.embedding_dim, head.margin, head.num_classes,
+            len(head.class_range), f"{head.class_range.start}..{head.class_range.stop - 1}",
+            f", {cfg.subcenters} sub-centres per class" if cfg.subcenters > 1 else "",
+            f", inter-class filter at cos > {cfg.interclass_filter_threshold}" if cfg.interclass_filter_threshold else "",
+        )
     per_rank = run.batches.batch_size
-    global_batch = per_rank * ctx.world_size * cfg.grad_accum
+    replicas = run.data_ctx.world_size
+    global_batch = per_rank * replicas * cfg.grad_accum
     logger.info(
         "optimisation: %s lr %g, %s schedule, %d warm-up steps; %d steps of %d images (%d per rank x %d rank(s) x "
         "%d accumulated), %d micro-batches per epoch per rank; precision %s%s",
         cfg.optimizer, cfg.lr, cfg.scheduler, cfg.warmup_steps, total_steps, global_batch, per_rank,
-        ctx.world_size, cfg.grad_accum, batches_per_epoch, "fp32" if amp_dtype is None else str(amp_dtype)[6:],
+        replicas, cfg.grad_accum, batches_per_epoch, "fp32" if amp_dtype is None else str(amp_dtype)[6:],
         f"; Partial FC sample_rate {cfg.sample_rate}" if cfg.sample_rate < 1 else "",
     )
     if parts.triplet is not None or cfg.sampler == "pk" or cfg.random_erasing > 0:

@@ -20,6 +20,7 @@ from shardfc.parallel.context import DistContext
 from shardfc.seeding import seed_all
 from shardfc.train.build import Run, rank_seed
 from shardfc.train.config import ConfigError, TrainConfig
+from shardfc.train.pipeline_train import load_whole_backbone_state, whole_backbone_state
 from shardfc.train.schedule import apply_schedule
 from shardfc.train.state import RunState
 
@@ -43,20 +44,12 @@ def checkpoint_root(cfg: TrainConfig) -> Path:
 
 def save(run: Run, state: RunState, cfg: TrainConfig) -> Path:
     """Save a checkpoint of the run at ``state.step`` (collective over the group)."""
+    if run.pipeline is not None:
+        return _save_pipeline(run, state, cfg)
     parts, ctx, num_classes = run.parts, run.ctx, run.num_classes
     common = None
     if ctx.is_main:
-        common = {
-            "backbone": parts.module.state_dict(),
-            "backbone_optimizer": parts.opt_backbone.state_dict(),
-            "schedulers": [s.state_dict() for s in parts.schedulers],
-            "scaler": parts.scaler.state_dict(),
-            "state": dataclasses.asdict(state),
-            "world_size": ctx.world_size,
-            "batch_size": cfg.batch_size,
-            # Text, read back by shardfc.train.artifacts.saved_config: the file stays plain data.
-            "config_json": json.dumps(dataclasses.asdict(cfg)),
-        }
+        common = _common(run, state, cfg, parts.module.state_dict(), parts.opt_backbone.state_dict())
     per_rank = {"rng": rng_state(), "world_size": ctx.world_size}
     return ckpt.save_checkpoint(
         checkpoint_root(cfg),
@@ -68,6 +61,50 @@ def save(run: Run, state: RunState, cfg: TrainConfig) -> Path:
         group=ctx.group if ctx.distributed else None,
         keep_last=cfg.keep_last or None,
     )
+
+
+def _common(run: Run, state: RunState, cfg: TrainConfig, backbone: Dict[str, Any], optimizer: Dict[str, Any]):
+    """What rank 0 writes once: the whole backbone and its optimizer, schedules, scaler, run state."""
+    parts = run.parts
+    return {
+        "backbone": backbone,
+        "backbone_optimizer": optimizer,
+        "schedulers": [s.state_dict() for s in parts.schedulers],
+        "scaler": parts.scaler.state_dict(),
+        "state": dataclasses.asdict(state),
+        "world_size": run.data_ctx.world_size,  # the ranks the data was partitioned over
+        "batch_size": cfg.batch_size,
+        # Text, read back by shardfc.train.artifacts.saved_config: the file stays plain data.
+        "config_json": json.dumps(dataclasses.asdict(cfg)),
+    }
+
+
+def _save_pipeline(run: Run, state: RunState, cfg: TrainConfig) -> Path:
+    """A pipeline run's checkpoint: the stages gather the whole backbone to the last stage's replica 0,
+    which writes it with the head shards of the last stage's ranks; every rank learns the outcome.
+
+    No rank files: on restore every rank reseeds its streams from (seed, replica, step).
+    """
+    parts, plan, ctx = run.parts, run.pipeline, run.ctx
+    layout = plan.layout
+    whole = whole_backbone_state(parts, plan, dst_stage=layout.stages - 1)
+    outcome: Any = None
+    if layout.is_last:
+        try:
+            common = _common(run, state, cfg, whole["model"], whole["optimizer"]) if whole is not None else None
+            path = ckpt.save_checkpoint(
+                checkpoint_root(cfg), state.step, common=common, per_rank=None,
+                head_state=parts.head.sharded_state(parts.opt_head),
+                fingerprint=fingerprint(cfg, run.num_classes, run.image_size),
+                group=layout.replica_ctx.group, keep_last=cfg.keep_last or None,
+            )
+            outcome = ("ok", str(path))
+        except Exception as e:  # every rank must learn about it, or the others would wait forever
+            outcome = ("error", e)
+    kind, value = ctx.all_gather_object(outcome)[layout.rank_of(layout.stages - 1, 0)]
+    if kind == "error":
+        raise value
+    return Path(value)
 
 
 def resume_path(cfg: TrainConfig, ctx: DistContext) -> Optional[Path]:
@@ -121,10 +158,12 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
     """
     parts, ctx, num_classes, image_size = run.parts, run.ctx, run.num_classes, run.image_size
     batches_per_epoch, total_steps = len(run.batches), run.total_steps
+    # A pipeline rank before the last stage holds no head rows: it reads the common state only.
+    layout = parts.head.state_layout() if parts.head is not None else {"num_classes": num_classes, "class_range": range(0)}
     try:
         loaded = ckpt.load_checkpoint(
             path,
-            **parts.head.state_layout(),
+            **layout,
             fingerprint=fingerprint(cfg, num_classes, image_size),
             map_location="cpu",
             rank=ctx.rank,
@@ -133,14 +172,18 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
     except ValueError as e:  # another model or class count: say how to get going
         raise ConfigError(f"cannot resume: {e}. Train it in a new --output-dir (or pass --resume none there)") from e
     common = loaded.common
-    parts.module.load_state_dict(common["backbone"])
-    if "backbone_optimizer" in common:
-        parts.opt_backbone.load_state_dict(common["backbone_optimizer"])
-    elif ctx.is_main:  # an imported run (shardfc import-arcface): weights only
+    if run.pipeline is None:
+        parts.module.load_state_dict(common["backbone"])
+        if "backbone_optimizer" in common:
+            parts.opt_backbone.load_state_dict(common["backbone_optimizer"])
+    else:  # this stage's share of the whole backbone, whichever strategy saved it
+        load_whole_backbone_state(parts, run.pipeline, common["backbone"], common.get("backbone_optimizer"))
+    if "backbone_optimizer" not in common and ctx.is_main:  # an imported run (shardfc import-arcface): weights only
         logger.info("%s holds no backbone optimizer state (imported from %s): it starts fresh",
                     path, common.get("imported_from", "elsewhere"))
-    # The head's rows, Partial FC step and optimizer rows: this rank's classes, whatever the saved sharding.
-    parts.head.load_sharded_state(loaded.head_state, parts.opt_head)
+    if parts.head is not None:
+        # The head's rows, Partial FC step and optimizer rows: this rank's classes, whatever the saved sharding.
+        parts.head.load_sharded_state(loaded.head_state, parts.opt_head)
     for s, saved in zip(parts.schedulers, common.get("schedulers", [])):
         s.load_state_dict(saved)
     if parts.scaler.is_enabled() and common.get("scaler"):
@@ -148,19 +191,19 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
 
     state = RunState(**common["state"])
     apply_schedule(parts, cfg, total_steps, state.step)
-    saved_world = common["world_size"]
-    if saved_world == ctx.world_size and loaded.per_rank is not None:
+    saved_world, data_ctx = common["world_size"], run.data_ctx
+    if saved_world == data_ctx.world_size and loaded.per_rank is not None and run.pipeline is None:
         set_rng_state(loaded.per_rank["rng"])
     else:
-        seed_all(rank_seed(cfg.seed, ctx.rank, state.step))
-    if saved_world != ctx.world_size or common["batch_size"] != cfg.batch_size:
+        seed_all(rank_seed(cfg.seed, data_ctx.rank, state.step))
+    if saved_world != data_ctx.world_size or common["batch_size"] != cfg.batch_size:
         # Another partition of the data: continue at the same fraction of the epoch.
         fraction = state.batch_in_epoch / max(state.batches_per_epoch, 1)
         state.batch_in_epoch = min(round(fraction * batches_per_epoch), batches_per_epoch)
         if ctx.is_main:
             logger.info(
                 "resuming with %d rank(s) x batch %d (saved with %d x %d): continuing epoch %d at %.0f%%",
-                ctx.world_size, cfg.batch_size, saved_world, common["batch_size"], state.epoch, 100 * fraction,
+                data_ctx.world_size, cfg.batch_size, saved_world, common["batch_size"], state.epoch, 100 * fraction,
             )
     state.batches_per_epoch = batches_per_epoch
     if ctx.is_main:

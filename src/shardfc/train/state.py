@@ -34,15 +34,16 @@ class Parts:
     """The trainable parts of a run and their optimizers."""
 
     backbone: nn.Module
-    """The backbone as the strategy trains it: in DDP (ddp, several ranks), in DataParallel (dp), or plain."""
-    head: ShardedMarginHead
-    """This rank's class shard of the margin head."""
+    """The backbone as the strategy trains it: in DDP (ddp, several ranks), in DataParallel (dp), plain, or
+    (pipeline) this rank's stage of it."""
+    head: Optional[ShardedMarginHead]
+    """This rank's class shard of the margin head (None on a pipeline rank before the last stage)."""
     opt_backbone: torch.optim.Optimizer
     """torch SGD/AdamW over the backbone's trainable parameters (in hvd.DistributedOptimizer under horovod)."""
-    opt_head: torch.optim.Optimizer
-    """:func:`shardfc.head.partial_fc.head_optimizer` over the head shard."""
+    opt_head: Optional[torch.optim.Optimizer]
+    """:func:`shardfc.head.partial_fc.head_optimizer` over the head shard (None where ``head`` is)."""
     schedulers: List[torch.optim.lr_scheduler.LambdaLR]
-    """Warm-up + decay schedule of each optimizer (backbone first)."""
+    """Warm-up + decay schedule of each optimizer (backbone first; the head's where it has one)."""
     scaler: torch.amp.GradScaler
     """fp16 loss scaler (disabled for other precisions)."""
     triplet: Optional[BatchHardTripletLoss] = None
@@ -50,5 +51,6 @@ class Parts:
 
     @property
     def module(self) -> nn.Module:
-        """The plain backbone (unwrapped from DDP / DataParallel): what is evaluated, saved and exported."""
+        """The plain backbone (unwrapped from DDP / DataParallel; a pipeline rank's stage): what is evaluated,
+        saved and exported."""
         return self.backbone.module if isinstance(self.backbone, (DDP, nn.DataParallel)) else self.backbone

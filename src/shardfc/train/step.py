@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardfc.parallel.context import DistContext
 from shardfc.train.config import TrainConfig
+from shardfc.train.pipeline_train import PipelinePlan, clip_stage_grads_
 from shardfc.train.profile import count_horovod_gradients
 from shardfc.train.state import Parts, RunState
 from shardfc.train.strategy import is_horovod_optimizer
@@ -57,8 +58,12 @@ def micro_batch_loss(parts: Parts, images: torch.Tensor, labels: torch.Tensor, t
     return parts.head(embeddings, labels) + triplet_weight * parts.triplet(features, labels)
 
 
-def apply_gradients(parts: Parts, grad_clip: float, ctx: DistContext) -> None:
-    """Average (Horovod), unscale (fp16), clip, and step both optimizers and their schedules: the end of a step."""
+def apply_gradients(parts: Parts, grad_clip: float, ctx: DistContext, pipeline: Optional[PipelinePlan] = None) -> None:
+    """Average (Horovod), unscale (fp16), clip, and step both optimizers and their schedules: the end of a step.
+
+    ``pipeline``: this rank holds one stage (and the head only on the last stage), so the backbone's
+    gradient norm is summed over the stages and the head's over the last stage's ranks.
+    """
     horovod = is_horovod_optimizer(parts.opt_backbone)
     if horovod:
         # The averaged backbone gradients now, before the overflow check and the clipping read them;
@@ -69,14 +74,21 @@ def apply_gradients(parts: Parts, grad_clip: float, ctx: DistContext) -> None:
         _agree_on_overflow(parts, ctx)
     # One scaler for both optimizers: unscale both before clipping, step both, update once.
     parts.scaler.unscale_(parts.opt_backbone)
-    parts.scaler.unscale_(parts.opt_head)
+    if parts.opt_head is not None:
+        parts.scaler.unscale_(parts.opt_head)
     if grad_clip > 0:
         params = [p for p in parts.backbone.parameters() if p.grad is not None]
-        torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        clip_head_grad_(parts.head, grad_clip, ctx)
+        if pipeline is None:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            clip_head_grad_(parts.head, grad_clip, ctx)
+        else:
+            clip_stage_grads_(params, grad_clip, pipeline)
+            if parts.head is not None:
+                clip_head_grad_(parts.head, grad_clip, pipeline.layout.replica_ctx)
     with parts.opt_backbone.skip_synchronize() if horovod else contextlib.nullcontext():
         parts.scaler.step(parts.opt_backbone)
-    parts.scaler.step(parts.opt_head)
+    if parts.opt_head is not None:
+        parts.scaler.step(parts.opt_head)
     parts.scaler.update()
     for s in parts.schedulers:
         s.step()
@@ -109,7 +121,7 @@ def _agree_on_overflow(parts: Parts, ctx: DistContext) -> None:
     """
     groups = [
         [p.grad for p in parts.backbone.parameters() if p.grad is not None and p.grad.numel()],
-        [p.grad for p in parts.head.parameters() if p.grad is not None and p.grad.numel()],
+        [p.grad for p in (parts.head.parameters() if parts.head is not None else ()) if p.grad is not None and p.grad.numel()],
     ]
     # [backbone overflowed, head overflowed, any rank overflowed]; one host sync for all of it.
     flags = torch.zeros(3, device=ctx.device)

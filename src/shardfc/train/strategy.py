@@ -6,9 +6,13 @@
              devices mode, one class shard per device (needs >= 2 CUDA devices)
     horovod  one process per rank under ``horovodrun -np N``: the backbone's optimizer in
              hvd.DistributedOptimizer, one class shard of the head per rank over Horovod's collectives
+    pipeline one process per rank (as ddp), ``nproc = pipeline_stages x R``: the backbone cut into
+             stages (torch.distributed.pipelining, GPipe or 1F1B), each stage's gradients averaged
+             over its R replicas, the head sharded over the last stage's R ranks
+             (:mod:`~shardfc.train.pipeline_train`, :mod:`~shardfc.parallel.pipeline`)
 
 Every strategy trains the same model on the same global batch with the same loss: the head is
-exact in all three layouts, and its embedding gradient is scaled by the world size for the
+exact in all four layouts, and its embedding gradient is scaled by the world size for the
 averaging data-parallel backbone (DDP and Horovod's DistributedOptimizer both average; under dp
 there is one process and nothing to scale). :mod:`~shardfc.train.build`, :mod:`~shardfc.train.loop`
 and :mod:`~shardfc.train.step` ask this module the few questions whose answers differ: the run's
@@ -44,6 +48,13 @@ def check_launch(cfg: TrainConfig) -> None:
                 "(use --strategy ddp under torchrun, --strategy horovod under horovodrun)"
             )
         _dp_device_list(cfg)  # raises when there are not >= 2 CUDA devices
+    elif cfg.strategy == "pipeline":
+        if launched_by_horovodrun():
+            raise ConfigError("strategy='pipeline' runs over torch.distributed: launch it with --nproc or torchrun")
+        if not launched_by_torchrun():  # else the world size is checked when the ranks form the layout
+            from shardfc.train.pipeline_train import check_pipeline_config
+
+            check_pipeline_config(cfg, cfg.nproc)
     elif cfg.strategy == "horovod":
         if launched_by_torchrun():
             raise ConfigError(

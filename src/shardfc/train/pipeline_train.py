@@ -1,0 +1,282 @@
+"""``--strategy pipeline`` in the trainer: build a stage, step it, and save/restore the whole model.
+
+Each rank builds the whole backbone (the same seeded initialisation as every other strategy),
+keeps the modules of its stage (:func:`shardfc.parallel.model_split.stages`) and lets the rest
+go. The optimizer covers the stage's parameters only; the head (and its optimizer) exists on the
+last stage's ranks, sharded over them. A checkpoint holds the backbone and its optimizer
+*whole*, in the layout of an unsplit model (the same state-dict keys and parameter indices a ddp
+run saves), so it resumes under any strategy and any number of stages: the stages gather their
+states to the last stage's replica-0 rank, which writes it with the head's ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from shardfc.head import ShardedMarginHead, head_optimizer
+from shardfc.head.margins import build_margin
+from shardfc.models import build_backbone
+from shardfc.parallel.context import DistContext
+from shardfc.parallel.model_split import _batch_stats_module, available_split_points, stages as cut_stages
+from shardfc.parallel.pipeline import (
+    PipelineLayout,
+    PipelineRunner,
+    activation_specs,
+    average_gradients_,
+    balanced_split_points,
+    create_layout,
+    gather_object_to,
+    replicas_for,
+)
+from shardfc.train.config import ConfigError, TrainConfig
+from shardfc.train.state import Parts
+
+logger = logging.getLogger("shardfc.train")
+
+__all__ = [
+    "PipelinePlan",
+    "build_pipeline_parts",
+    "check_pipeline_config",
+    "clip_stage_grads_",
+    "load_whole_backbone_state",
+    "pipeline_layout",
+    "pipeline_step",
+    "whole_backbone",
+    "whole_backbone_state",
+]
+
+
+def check_pipeline_config(cfg: TrainConfig, world_size: int) -> int:
+    """The number of split points of ``cfg.backbone``, after refusing a layout it cannot have
+    (ConfigError naming the values); cheap: the backbone is built on the meta device."""
+    with torch.device("meta"):
+        probe = build_backbone(cfg.backbone, cfg.embedding_dim, **_backbone_kwargs(cfg, (32, 32)))
+    n_points = len(available_split_points(probe))
+    try:
+        replicas_for(world_size, cfg.pipeline_stages, n_points)
+        if cfg.split_points:
+            cut_stages(probe, list(cfg.split_points))
+    except ValueError as e:
+        raise ConfigError(f"strategy='pipeline' on {world_size} rank(s) with backbone={cfg.backbone!r}: {e}") from None
+    found = _batch_stats_module(probe) if cfg.micro_batches > 1 and not cfg.micro_batch_stats else None
+    if found is not None:
+        raise ConfigError(
+            f"backbone={cfg.backbone!r} has BatchNorm ({found[0]!r}), which in training normalises each of the "
+            f"micro_batches={cfg.micro_batches} micro-batches with its own statistics, unlike an unpipelined step of "
+            "batch_size rows: pass --micro-batch-stats to accept that (the semantics of --grad-accum over "
+            "micro-batches), or --micro-batches 1 --pipeline-schedule gpipe"
+        )
+    return n_points
+
+
+def pipeline_layout(cfg: TrainConfig, ctx: DistContext) -> PipelineLayout:
+    """The run's ``stages x replicas`` layout and groups (collective over the world, once)."""
+    return create_layout(ctx, cfg.pipeline_stages, check_pipeline_config(cfg, ctx.world_size))
+
+
+def _backbone_kwargs(cfg: TrainConfig, image_size: Tuple[int, int]) -> Dict[str, Any]:
+    return {"input_size": image_size} if cfg.backbone == "tiny" else {}
+
+
+@dataclass
+class PipelinePlan:
+    """What a pipeline rank knows beyond its :class:`Parts`: its place, schedule and the whole model's layout."""
+
+    layout: PipelineLayout
+    runner: PipelineRunner
+    split_points: Tuple[str, ...]
+    state_keys: Tuple[str, ...]
+    """The whole backbone's state-dict keys, in order."""
+    param_names: Tuple[str, ...]
+    """The whole backbone's trainable parameters, in order: the optimizer's parameter indices."""
+    stage_param_names: Tuple[str, ...]
+    """This stage's trainable parameters, in its optimizer's order."""
+    losses: List[torch.Tensor]
+    """Loss values recorded by the last stage's loss function during a step (unscaled)."""
+    new_backbone: Callable[[], nn.Module]
+    """Builds an unsplit backbone of the run's architecture (to evaluate the gathered weights)."""
+
+
+def build_pipeline_parts(
+    cfg: TrainConfig, ctx: DistContext, layout: PipelineLayout, num_classes: int, image_size: Tuple[int, int],
+    amp_dtype: Optional[torch.dtype], autocast,
+) -> Tuple[Parts, PipelinePlan]:
+    """This rank's stage (and, on the last stage, head shard), their optimizers and the schedule."""
+    def new_backbone() -> nn.Module:
+        return build_backbone(cfg.backbone, cfg.embedding_dim, **_backbone_kwargs(cfg, image_size)).to(ctx.device)
+
+    whole = new_backbone()
+    try:
+        points = list(cfg.split_points) or balanced_split_points(whole, layout.stages)
+        stage_list = cut_stages(whole, points)
+    except ValueError as e:
+        raise ConfigError(f"split_points: {e}") from None
+    sample = torch.zeros(2, 3, *image_size, device=ctx.device)
+    specs = activation_specs(stage_list, sample, autocast)
+    state_keys = tuple(whole.state_dict().keys())
+    param_names = tuple(n for n, p in whole.named_parameters() if p.requires_grad)
+    module = stage_list[layout.stage]
+    del whole, stage_list  # the other stages' modules are freed
+    stage_names = tuple(n for n, p in module.named_parameters() if p.requires_grad)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    opt_backbone = _optimizer(cfg, trainable)
+
+    head = opt_head = None
+    if layout.is_last:
+        head = ShardedMarginHead(
+            cfg.embedding_dim, num_classes, margin=build_margin(cfg.margin, **cfg.margin_params()),
+            label_smoothing=cfg.label_smoothing, chunk_size={0: None, -1: "auto"}.get(cfg.chunk_size, cfg.chunk_size),
+            sample_rate=cfg.sample_rate, sample_seed=cfg.seed, init_seed=cfg.seed, context=layout.replica_ctx,
+        )
+        opt_head = head_optimizer(
+            head, cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+            nesterov=cfg.nesterov, betas=tuple(cfg.betas), eps=cfg.eps,
+        )
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp_dtype == torch.float16)
+    losses: List[torch.Tensor] = []
+    weight = 1.0 / (cfg.micro_batches * cfg.grad_accum)
+
+    def loss_fn(embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # The head's loss is the mean over the replicas' micro-batch: weighted, the step's mean.
+        loss = head(embeddings, labels) * weight
+        losses.append(loss.detach().float())
+        return scaler.scale(loss)
+
+    runner = PipelineRunner(
+        module, layout, ctx.device, schedule=cfg.pipeline_schedule, micro_batches=cfg.micro_batches,
+        local_batch=cfg.batch_size, specs=(specs[layout.stage], specs[layout.stage + 1]), loss_fn=loss_fn,
+        allow_micro_batch_stats=cfg.micro_batch_stats,
+    )
+    parts = Parts(module, head, opt_backbone, opt_head, [], scaler)
+    plan = PipelinePlan(layout, runner, tuple(points), state_keys, param_names, stage_names, losses, new_backbone)
+    return parts, plan
+
+
+def _optimizer(cfg: TrainConfig, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+# ---------------------------------------------------------------------- step
+
+
+def pipeline_step(parts: Parts, plan: PipelinePlan, stream, state, cfg: TrainConfig, ctx: DistContext, autocast):
+    """Forward and backward of ``grad_accum`` local batches through the pipeline, then the data-parallel
+    average of the stage's gradients; returns (the step's mean loss on every rank, corrupt images skipped)."""
+    layout = plan.layout
+    parts.opt_backbone.zero_grad()
+    if parts.opt_head is not None:
+        parts.opt_head.zero_grad(set_to_none=False)
+    plan.losses.clear()
+    corrupt = 0
+    for _ in range(cfg.grad_accum):
+        images, labels, skipped = next(stream)  # every stage of a replica reads the same batch
+        with autocast():
+            plan.runner.step(images.to(ctx.device, non_blocking=True), labels.to(ctx.device, non_blocking=True))
+        if layout.is_first:  # count each image once, where it is used
+            corrupt += int(skipped.sum())
+        state.samples_seen += images.shape[0] * layout.replicas
+    average_gradients_([p for p in parts.backbone.parameters() if p.requires_grad], layout.replica_ctx)
+    return share_loss(plan, ctx), corrupt
+
+
+def share_loss(plan: PipelinePlan, ctx: DistContext) -> torch.Tensor:
+    """The step's loss, known on the last stage, on every rank (one rank contributes: exact)."""
+    loss = torch.zeros((), device=ctx.comm_device)
+    if plan.layout.is_last and plan.layout.replica == 0:
+        loss += torch.stack(plan.losses).sum().to(loss.device)
+    ctx.all_reduce_(loss)
+    return loss.to(ctx.device)
+
+
+def clip_stage_grads_(params: Sequence[nn.Parameter], max_norm: float, plan: PipelinePlan) -> torch.Tensor:
+    """Clip the backbone's gradient by its norm over *all* stages (each rank holds one stage's part)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    sq = torch.zeros((), device=plan.layout.pipe_ctx.comm_device, dtype=torch.float32)
+    for g in grads:
+        sq += g.detach().float().pow(2).sum().to(sq.device)
+    plan.layout.pipe_ctx.all_reduce_(sq)
+    total = sq.sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device, g.dtype))
+    return total
+
+
+# ---------------------------------------------------------------------- checkpoints: the whole backbone
+
+
+def whole_backbone_state(parts: Parts, plan: PipelinePlan, dst_stage: int) -> Optional[Dict[str, Any]]:
+    """The unsplit backbone's ``{"model": state_dict, "optimizer": state_dict}`` on stage ``dst_stage``
+    of replica 0 (None elsewhere); collective over replica 0's pipeline group.
+
+    The optimizer state is re-indexed from each stage's parameters to the whole model's, so it is
+    exactly what an unsplit optimizer over the same parameters would hold.
+    """
+    mine = {
+        "model": {k: v.detach().cpu() for k, v in parts.backbone.state_dict().items()},
+        "optimizer": _to_whole(parts.opt_backbone.state_dict(), plan),
+    }
+    pieces = gather_object_to(plan.layout, mine, dst_stage)
+    if pieces is None:
+        return None
+    model = {}
+    for piece in pieces:
+        model.update(piece["model"])
+    state: Dict[int, Any] = {}
+    for piece in pieces:
+        state.update(piece["optimizer"]["state"])
+    optimizer = {"state": dict(sorted(state.items())), "param_groups": pieces[0]["optimizer"]["param_groups"]}
+    return {"model": {k: model[k] for k in plan.state_keys}, "optimizer": optimizer}
+
+
+def whole_backbone(run) -> Optional[nn.Module]:
+    """The unsplit backbone with the stages' current weights on world rank 0 (stage 0 of replica 0),
+    None elsewhere; collective over replica 0's pipeline group."""
+    gathered = whole_backbone_state(run.parts, run.pipeline, dst_stage=0)
+    if gathered is None:
+        return None
+    model = run.pipeline.new_backbone()
+    model.load_state_dict(gathered["model"])
+    return model
+
+
+def _to_whole(opt_state: Dict[str, Any], plan: PipelinePlan) -> Dict[str, Any]:
+    index = {name: i for i, name in enumerate(plan.param_names)}
+    state = {index[plan.stage_param_names[i]]: _cpu(s) for i, s in opt_state["state"].items()}
+    groups = [dict(g, params=list(range(len(plan.param_names)))) for g in opt_state["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _cpu(v) for k, v in value.items()}
+    return value
+
+
+def load_whole_backbone_state(
+    parts: Parts, plan: PipelinePlan, model: Dict[str, Any], optimizer: Optional[Dict[str, Any]]
+) -> None:
+    """Load this stage's share of an unsplit backbone's model and optimizer state (saved by any strategy;
+    ``optimizer`` None: an imported run's weights alone, the optimizer starts fresh)."""
+    own = parts.backbone.state_dict().keys()
+    parts.backbone.load_state_dict({k: model[k] for k in own})
+    if optimizer is None:
+        return
+    saved = len(optimizer["param_groups"][0]["params"]) if optimizer["param_groups"] else 0
+    if saved != len(plan.param_names):
+        raise ConfigError(
+            f"the checkpoint's backbone optimizer covers {saved} parameters, the backbone has {len(plan.param_names)}"
+        )
+    index = {name: i for i, name in enumerate(plan.param_names)}
+    state = {i: optimizer["state"][index[n]] for i, n in enumerate(plan.stage_param_names) if index[n] in optimizer["state"]}
+    groups = [dict(g, params=list(range(len(plan.stage_param_names)))) for g in optimizer["param_groups"]]
+    parts.opt_backbone.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,120 @@
+"""``shardfc train --strategy pipeline``: the ddp loss curve, whole-backbone checkpoints that resume
+under pipeline and ddp, clear errors.
+
+Processes: a 2-rank ddp run, a 2 stages x 2 replicas pipeline run of the same training, a ddp run
+resumed from the pipeline's step-3 checkpoint and a pipeline run resumed from it.
+
+The equivalence: the pipeline cuts each replica's batch of 8 into 2 micro-batches of 4, which the
+tiny backbone's BatchNorm normalises one at a time (--micro-batch-stats); that is exactly ddp with
+batches of 4 and --grad-accum 2 (the same rows, in the same order, with drop_last on both).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shardfc.train import cli as train_cli
+from shardfc.train.config import ConfigError, parse_config
+from shardfc.train.strategy import check_launch
+
+from .tiny import STEPS, tiny_config
+
+RTOL = 1e-4
+
+
+def _losses(out) -> dict:
+    rows = csv.DictReader(open(Path(out) / "metrics.csv"))
+    return {int(r["step"]): float(r["value"]) for r in rows if r["name"] == "train/loss"}
+
+
+def _common(ckpt: Path) -> dict:
+    return torch.load(ckpt / "common.pt", weights_only=True)
+
+
+def _head(ckpt: Path) -> torch.Tensor:
+    files = sorted(ckpt.glob("head_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+    return torch.cat([torch.load(p, weights_only=True)["tensors"]["weight"] for p in files])
+
+
+@pytest.fixture(scope="module")
+def ddp_and_pipeline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    # grad_clip that bites: the backbone's norm is summed over the stages, the head's over its ranks
+    common = dict(log_every=1, drop_last=True, grad_clip=0.5)
+    ddp = tiny_config(root / "ddp", batch_size=4, grad_accum=2, **common)
+    pipe = tiny_config(root / "pipe", strategy="pipeline", nproc=4, pipeline_stages=2, micro_batches=2,
+                       micro_batch_stats=True, batch_size=8, grad_accum=1, **common)
+    return ddp, train_cli.run(ddp), pipe, train_cli.run(pipe)
+
+
+def test_pipeline_trains_the_ddp_curve(ddp_and_pipeline):
+    ddp, ddp_summary, pipe, pipe_summary = ddp_and_pipeline
+    a, b = _losses(ddp.output_dir), _losses(pipe.output_dir)
+    assert sorted(b) == list(range(1, STEPS + 1)) and a[STEPS] < a[1]
+    np.testing.assert_allclose([b[s] for s in sorted(a)], [a[s] for s in sorted(a)], rtol=RTOL)
+    # evaluated on the stages' weights gathered to rank 0: the same metrics
+    assert pipe_summary["metrics"]["synthetic"]["accuracy"] == pytest.approx(ddp_summary["metrics"]["synthetic"]["accuracy"])
+    log = (Path(pipe.output_dir) / "train.log").read_text()
+    assert "pipeline: 2 stages x 2 replicas, cut after body; 1f1b schedule over 2 micro-batches" in log
+
+
+def test_pipeline_checkpoint_holds_the_whole_backbone(ddp_and_pipeline):
+    ddp, _, pipe, _ = ddp_and_pipeline
+    for step in ("step_00000003", "step_00000006"):
+        mine, theirs = (Path(c.output_dir) / "checkpoints" / step for c in (pipe, ddp))
+        a, b = _common(mine), _common(theirs)
+        assert list(a["backbone"]) == list(b["backbone"])  # every key, in the unsplit model's order
+        for key, value in b["backbone"].items():
+            torch.testing.assert_close(a["backbone"][key], value, rtol=RTOL, atol=1e-6, msg=key)
+        opt_a, opt_b = a["backbone_optimizer"], b["backbone_optimizer"]
+        assert opt_a["param_groups"][0]["params"] == opt_b["param_groups"][0]["params"]
+        assert sorted(opt_a["state"]) == sorted(opt_b["state"])
+        for i, s in opt_b["state"].items():
+            torch.testing.assert_close(opt_a["state"][i]["momentum_buffer"], s["momentum_buffer"], rtol=RTOL, atol=1e-5)
+        torch.testing.assert_close(_head(mine), _head(theirs), rtol=RTOL, atol=1e-6)
+        assert a["world_size"] == 2  # the data-parallel width, as ddp's 2 ranks
+
+
+@pytest.mark.parametrize("saved_by, resumed_by", [("pipeline", "ddp"), ("pipeline", "pipeline"), ("ddp", "pipeline")])
+def test_checkpoints_resume_across_strategies(ddp_and_pipeline, saved_by, resumed_by, tmp_path):
+    ddp, _, pipe, _ = ddp_and_pipeline
+    source, base = (ddp if saved_by == "ddp" else pipe), (ddp if resumed_by == "ddp" else pipe)
+    out = tmp_path / "resumed"
+    shutil.copytree(Path(source.output_dir) / "checkpoints" / "step_00000003", out / "checkpoints" / "step_00000003")
+    resumed = dataclasses.replace(base, output_dir=str(out), resume=str(out / "checkpoints" / "step_00000003"))
+    train_cli.run(resumed)
+    again, uninterrupted = _losses(out), _losses(ddp.output_dir)
+    assert sorted(again) == [4, 5, 6]
+    np.testing.assert_allclose([again[s] for s in (4, 5, 6)], [uninterrupted[s] for s in (4, 5, 6)], rtol=RTOL)
+
+
+def test_pipeline_flags_and_errors(tmp_path):
+    cfg, _ = parse_config(["--strategy", "pipeline", "--pipeline-stages", "2", "--pipeline-schedule", "gpipe",
+                           "--micro-batches", "4", "--split-points", "body", "--micro-batch-stats"])
+    assert (cfg.strategy, cfg.pipeline_stages, cfg.pipeline_schedule, cfg.micro_batches) == ("pipeline", 2, "gpipe", 4)
+    assert cfg.split_points == ["body"] and cfg.micro_batch_stats
+
+    def launch(**kw):
+        check_launch(tiny_config(tmp_path, strategy="pipeline", micro_batch_stats=True, **kw).validate())
+
+    with pytest.raises(ConfigError, match="world size 3 is not divisible by pipeline_stages=2"):
+        launch(nproc=3)
+    with pytest.raises(ConfigError, match="pipeline_stages=3 but the backbone has 1 split point"):
+        launch(nproc=6, pipeline_stages=3, micro_batches=4)
+    with pytest.raises(ConfigError, match="unknown split point 'bdy'.*did you mean 'body'"):
+        launch(nproc=4, split_points=["bdy"])
+    with pytest.raises(ConfigError, match=r"BatchNorm \('body.1'\).*--micro-batch-stats"):
+        check_launch(tiny_config(tmp_path, strategy="pipeline", nproc=4).validate())
+    with pytest.raises(ConfigError, match="batch_size=8 is not divisible by micro_batches=3"):
+        tiny_config(tmp_path, strategy="pipeline", micro_batches=3).validate()
+    with pytest.raises(ConfigError, match="'1f1b' needs micro_batches >= pipeline_stages, got micro_batches=1"):
+        tiny_config(tmp_path, strategy="pipeline", micro_batches=1).validate()
+    with pytest.raises(ConfigError, match=r"split_points=\['body', 'pool'\] names 2 cut\(s\), but pipeline_stages=2"):
+        tiny_config(tmp_path, strategy="pipeline", split_points=["body", "pool"]).validate()
