@@ -1,0 +1,145 @@
+"""Processes that live and die together and stop cleanly on SIGINT / SIGTERM.
+
+Three pieces, used by the launcher (:func:`~shardfc.parallel.launch.spawn`), its workers and the
+trainer:
+
+* :func:`record_stop_signals` -- while inside, SIGINT and SIGTERM are *recorded*
+  (:func:`received_signal`) instead of raising ``KeyboardInterrupt`` or killing the process, so
+  the trainer can stop at a step boundary that every rank agrees on (a rank interrupted inside a
+  collective would leave its peers waiting in it).
+* :func:`die_with_parent` -- a worker gets SIGTERM when its parent dies, even by SIGKILL:
+  ``prctl(PR_SET_PDEATHSIG)`` on Linux, and a watchdog thread on ``os.getppid()`` everywhere (it
+  also ends the process outright if the graceful stop does not finish in time).
+* :func:`forward_stop_signals` -- the launcher passes SIGINT / SIGTERM on to its workers; a second
+  one kills them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, Sequence
+
+#: The signals that ask a run to stop (Ctrl-C, and what schedulers and torchrun send).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+_received: Optional[int] = None
+
+
+def received_signal() -> Optional[int]:
+    """The first stop signal this process recorded (a number), or None."""
+    return _received
+
+
+def exit_code(signum: int) -> int:
+    """The shell's exit status of a process ended by ``signum``: 130 for SIGINT, 143 for SIGTERM."""
+    return 128 + int(signum)
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+def _record(signum: int, frame=None) -> None:
+    global _received
+    if _received is None:
+        _received = signum
+
+
+def _reset_for_tests() -> None:
+    global _received
+    _received = None
+
+
+@contextmanager
+def _handlers(handler: Callable) -> Iterator[None]:
+    """``handler`` for the stop signals while inside; the previous handlers after. Off the main
+    thread (where Python cannot install handlers) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+@contextmanager
+def record_stop_signals() -> Iterator[None]:
+    """Record SIGINT / SIGTERM for :func:`received_signal` instead of acting on them, while inside."""
+    with _handlers(_record):
+        yield
+
+
+#: After the parent died, how long a worker has to stop gracefully (save its checkpoint) before it
+#: ends itself.
+ORPHAN_GRACE_S = 120.0
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int, grace_s: float = ORPHAN_GRACE_S, poll_s: float = 1.0) -> None:
+    """Send this process SIGTERM when ``parent_pid`` (its parent now) dies; end it ``grace_s`` later.
+
+    SIGTERM, not SIGKILL: a trainer that records it stops at the next step boundary and saves a
+    checkpoint, as on a SIGTERM from the launcher. Call once, early in the child.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl: the watchdog alone
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(exit_code(signal.SIGTERM))  # the graceful stop hung (a dead peer in a collective)
+
+    threading.Thread(target=watch, name="shardfc-parent-watchdog", daemon=True).start()
+    # The parent may have died before prctl was set: the watchdog sees it within poll_s.
+
+
+@contextmanager
+def forward_stop_signals(children: Callable[[], Sequence]) -> Iterator[Callable[[], Optional[int]]]:
+    """While inside, a SIGINT / SIGTERM to this process is recorded and sent on to ``children()``
+    (``multiprocessing.Process`` objects); a second one kills them (SIGKILL).
+
+    Yields a function returning the signal received (None while none).
+    """
+    got: list = []
+
+    def forward(signum: int, frame=None) -> None:
+        _record(signum)
+        got.append(signum)
+        for p in children():
+            if p.pid is None or p.exitcode is not None:
+                continue
+            try:
+                os.kill(p.pid, signal.SIGKILL if len(got) > 1 else signum)
+            except ProcessLookupError:
+                pass
+
+    with _handlers(forward):
+        yield lambda: got[0] if got else None
+
+
+__all__ = [
+    "ORPHAN_GRACE_S",
+    "STOP_SIGNALS",
+    "die_with_parent",
+    "exit_code",
+    "forward_stop_signals",
+    "received_signal",
+    "record_stop_signals",
+    "signal_name",
+]
