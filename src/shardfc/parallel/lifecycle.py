@@ -85,13 +85,14 @@ ORPHAN_GRACE_S = 120.0
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent_pid: int, grace_s: float = ORPHAN_GRACE_S, poll_s: float = 1.0) -> None:
+def die_with_parent(parent_pid: int, grace_s: float = ORPHAN_GRACE_S, poll_s: float = 1.0, use_prctl: bool = True) -> None:
     """Send this process SIGTERM when ``parent_pid`` (its parent now) dies; end it ``grace_s`` later.
 
     SIGTERM, not SIGKILL: a trainer that records it stops at the next step boundary and saves a
-    checkpoint, as on a SIGTERM from the launcher. Call once, early in the child.
+    checkpoint, as on a SIGTERM from the launcher. Call once, early in the child. ``use_prctl``
+    False leaves the watchdog alone (as off Linux).
     """
-    if sys.platform.startswith("linux"):
+    if use_prctl and sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
