@@ -11,10 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from shardfc.parallel import lifecycle
 from shardfc.parallel.context import DistContext
 from shardfc.parallel.launch import spawn
+from shardfc.train.config import TrainConfig
+from shardfc.train.data import ShardBatches, micro_batches
+from shardfc.train.state import RunState
 from shardfc.train.stopping import agreed_stop_signal
 
 import shardfc
@@ -93,3 +97,26 @@ def test_a_child_stops_when_its_parent_is_killed(tmp_path, use_prctl, ignore):
         assert not (tmp_path / "stopped").exists()
     else:  # a SIGTERM it recorded, as from a launcher
         assert (tmp_path / "stopped").read_text() == str(int(signal.SIGTERM))
+
+
+class _WorkerPids(torch.utils.data.Dataset):
+    """Each sample: the pid of the process that loaded it."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.tensor(os.getpid()), torch.tensor(0)
+
+
+def test_the_training_loaders_workers_outlive_a_signal_to_the_process_group(tmp_path):
+    cfg = TrainConfig(num_workers=1, seed=0, output_dir=str(tmp_path))
+    batches = ShardBatches(64, 4, 0, 1, seed=0, drop_last=False)
+    stream = micro_batches(_WorkerPids(), batches, RunState(batches_per_epoch=len(batches)), cfg, DistContext())
+    worker = int(next(stream)[0][0])
+    assert worker != os.getpid()
+    os.kill(worker, signal.SIGTERM)  # as Ctrl-C or Slurm reach every process of the group
+    os.kill(worker, signal.SIGINT)
+    time.sleep(1.0)
+    for _ in range(20):  # the loader goes on; the trainer stops when its ranks agree, not here
+        assert int(next(stream)[0][0]) == worker

@@ -75,7 +75,8 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_saves_and_resumes(
 
 def test_ctrl_c_to_the_process_group_stops_every_rank_without_saving_when_told(tmp_path):
     # Ctrl-C in a terminal signals the whole foreground process group: launcher and workers at once.
-    proc, out = _launch(tmp_path, "--ckpt-every", "0", "--no-save-on-signal")
+    # A DataLoader worker per rank gets the SIGINT too, and must not die of it mid-epoch.
+    proc, out = _launch(tmp_path, "--ckpt-every", "0", "--no-save-on-signal", "--num-workers", "1")
     tree = _running_tree(proc, out)
     os.killpg(proc.pid, signal.SIGINT)
     code = finish(proc)

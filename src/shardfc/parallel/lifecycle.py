@@ -78,6 +78,14 @@ def record_stop_signals() -> Iterator[None]:
         yield
 
 
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """``worker_init_fn`` of DataLoader workers: Ctrl-C (and Slurm's SIGTERM) reach the whole process
+    group, and a loader worker dying of it would fail its trainer's step before the agreed stop. The
+    loader still ends its workers itself (shutdown message, or they see their parent gone)."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+
 #: After the parent died, how long a worker has to stop gracefully (save its checkpoint) before it
 #: ends itself.
 ORPHAN_GRACE_S = 120.0
@@ -140,6 +148,7 @@ __all__ = [
     "die_with_parent",
     "exit_code",
     "forward_stop_signals",
+    "ignore_stop_signals",
     "received_signal",
     "record_stop_signals",
     "signal_name",

@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from shardfc.parallel.context import DistContext
+from shardfc.parallel.lifecycle import ignore_stop_signals
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.evaluate import synthetic_dataset
 from shardfc.train.state import RunState
@@ -111,6 +112,7 @@ def micro_batches(dataset: Dataset, batches: ShardBatches, state: RunState, cfg:
         num_workers=cfg.num_workers,
         pin_memory=ctx.device.type == "cuda",
         persistent_workers=use_workers,
+        worker_init_fn=ignore_stop_signals,  # the trainer decides when to stop; its loader workers must not
         generator=torch.Generator().manual_seed(cfg.seed + ctx.rank),
     )
     counted = isinstance(dataset, CountCorrupt)
