@@ -144,7 +144,9 @@ def spawn(
     ``fn`` must be importable (module level). Returns the ranks' return values in rank order
     (sent by value through ``torch.save``), or raises :class:`WorkerError` with the failing rank's
     traceback. A rank that dies without reporting, or fails while its peers wait in a collective,
-    does not hang the caller: the others are stopped. If the process group fails to form
+    does not hang the caller: the others are stopped. SIGINT / SIGTERM to the caller are sent on to
+    the ranks (a second one kills them); if a rank then ends without returning,
+    :class:`StoppedBySignal` is raised. If the process group fails to form
     (gloo's connect can fail on a loaded machine), the whole launch is retried up to
     ``INIT_ATTEMPTS`` times.
     """
@@ -173,9 +175,11 @@ def _run(ctx, queue, fn, world_size, init_method, backend, args, timeout_s) -> L
     results: dict = {}
     failures: dict = {}
     # SIGINT / SIGTERM reach every worker (a trainer stops at an agreed step and returns); a second kills them.
-    with forward_stop_signals(lambda: procs) as signalled:
+    with forward_stop_signals(lambda: procs) as signals:
         for p in procs:
             p.start()
+        if signals.received is not None:  # it came while some ranks were not started yet
+            signals.send(signals.received)
         try:
             _collect(queue, procs, results, failures)
         finally:
@@ -184,8 +188,8 @@ def _run(ctx, queue, fn, world_size, init_method, backend, args, timeout_s) -> L
                     p.kill()  # not SIGTERM: a trainer records that one and would wait for its peers
         for p in procs:
             p.join()
-    if failures and signalled() is not None:
-        raise StoppedBySignal(signalled(), "; ".join(f"rank {r}: {m.splitlines()[0]}" for r, m in failures.items()))
+    if failures and signals.received is not None:
+        raise StoppedBySignal(signals.received, "; ".join(f"rank {r}: {m.splitlines()[0]}" for r, m in failures.items()))
     if failures:
         # The cause: a rank that died without a word, else the first to report; the others'
         # errors are usually its echo (a peer's connection reset).

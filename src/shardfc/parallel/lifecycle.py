@@ -118,28 +118,43 @@ def die_with_parent(parent_pid: int, grace_s: float = ORPHAN_GRACE_S, poll_s: fl
     # The parent may have died before prctl was set: the watchdog sees it within poll_s.
 
 
-@contextmanager
-def forward_stop_signals(children: Callable[[], Sequence]) -> Iterator[Callable[[], Optional[int]]]:
-    """While inside, a SIGINT / SIGTERM to this process is recorded and sent on to ``children()``
-    (``multiprocessing.Process`` objects); a second one kills them (SIGKILL).
+class _Forwarder:
+    """Sends the stop signals this process gets on to ``children()``; a second one kills them."""
 
-    Yields a function returning the signal received (None while none).
-    """
-    got: list = []
+    def __init__(self, children: Callable[[], Sequence]):
+        self.children = children
+        self.got: list = []
 
-    def forward(signum: int, frame=None) -> None:
+    @property
+    def received(self) -> Optional[int]:
+        return self.got[0] if self.got else None
+
+    def __call__(self, signum: int, frame=None) -> None:
         _record(signum)
-        got.append(signum)
-        for p in children():
+        self.got.append(signum)
+        self.send(signal.SIGKILL if len(self.got) > 1 else signum)
+
+    def send(self, signum: int) -> None:
+        for p in self.children():
             if p.pid is None or p.exitcode is not None:
                 continue
             try:
-                os.kill(p.pid, signal.SIGKILL if len(got) > 1 else signum)
+                os.kill(p.pid, signum)
             except ProcessLookupError:
                 pass
 
-    with _handlers(forward):
-        yield lambda: got[0] if got else None
+
+@contextmanager
+def forward_stop_signals(children: Callable[[], Sequence]) -> Iterator[_Forwarder]:
+    """While inside, a SIGINT / SIGTERM to this process is recorded and sent on to ``children()``
+    (``multiprocessing.Process`` objects); a second one kills them (SIGKILL).
+
+    Yields the forwarder: ``.received`` is the first signal (None while none); ``.send(signum)``
+    signals the children again (for those started after the signal came).
+    """
+    forwarder = _Forwarder(children)
+    with _handlers(forwarder):
+        yield forwarder
 
 
 __all__ = [
