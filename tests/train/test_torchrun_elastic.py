@@ -32,7 +32,7 @@ pytestmark = needs_proc
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_to_torchrun_stops_every_rank_at_one_step_and_leaves_no_process(tmp_path, signum):
     out = tmp_path / "run"
     # After `--`, torchrun passes '--m' and '--nproc' on instead of failing on them as ambiguous.

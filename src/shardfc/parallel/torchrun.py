@@ -26,7 +26,7 @@ USAGE = """usage: shardfc torchrun [TORCHRUN OPTIONS] [-- SHARDFC TRAIN FLAGS]
 Run `shardfc train` under torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so that
 --max-restarts restarts resume reliably. Example:
 
-  shardfc torchrun --standalone --nproc-per-node 2 --max-restarts 3 -- --preset ms1mv3_r50 --m 0.4
+  shardfc torchrun --standalone --nproc-per-node 2 --max-restarts 3 -- --preset ms1mv3_r50_arcface --m 0.4
 
 TORCHRUN OPTIONS are torchrun's own (torchrun --help); the flags after `--` are shardfc train's."""
 
