@@ -53,7 +53,7 @@ def _clean_exit(tmp_path, code: int, expected: int) -> None:
 
 
 def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_saves_and_resumes(tmp_path):
-    proc, out = _launch(tmp_path, "--ckpt-every", "2")
+    proc, out = _launch(tmp_path, "--ckpt-every", "1")  # so the step it stops at was just saved
     tree = _running_tree(proc, out)
     os.kill(proc.pid, signal.SIGTERM)
     code = finish(proc)
@@ -62,6 +62,8 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_saves_and_resumes(
 
     step = stopped_step(out, signal.SIGTERM)
     assert step >= 3 and checkpoint_steps(out)[-1] == step
+    saved = f"saved checkpoint {out / 'checkpoints' / f'step_{step:08d}'}"
+    assert (out / "train.log").read_text().count(saved) == 1  # not saved again on the signal
     console = read(tmp_path / "launcher", ".out") + read(tmp_path / "launcher", ".err")
     assert f"stopped at step {step} by signal SIGTERM" in console
 

@@ -100,7 +100,8 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
 
         # ---- save: a final checkpoint (unless nothing was trained) and a final evaluation
         trained = state.step > (step_of(resume_from) if resume_from is not None else 0)
-        if trained and (not stop or cfg.save_on_signal):
+        saved_here = last_saved is not None and step_of(last_saved) == state.step  # a signal right after a periodic save
+        if trained and (not stop or cfg.save_on_signal) and not saved_here:
             last_saved = save(run, state, cfg)
         elif ctx.is_main and not stop:
             logger.info("%s is at step %d; max %d steps: nothing to train", resume_from, state.step, run.total_steps)
