@@ -182,7 +182,7 @@ class TrainConfig:
     save_on_signal: bool = True
     """On SIGINT / SIGTERM, stop after the current step on every rank and save a checkpoint there (--no-save-on-signal: stop without saving)."""
     pg_timeout: float = 300.0
-    """Seconds a collective (and joining the process group) may wait for its peers before the run fails, so that a dead or stuck peer does not hang the others; must exceed rank 0's longest evaluation, during which the other ranks wait."""
+    """Seconds a torch.distributed collective (and joining the process group) may wait for its peers before the run fails, so that a dead or stuck peer does not hang the others; must exceed rank 0's longest evaluation, during which the other ranks wait."""
     trust_checkpoint: bool = False
     """Resume from a checkpoint even if its files need full unpickling (written by shardfc before checkpoint format 2, or not by shardfc): unpickling can run arbitrary code, so only for checkpoints you trust."""
 
