@@ -75,14 +75,16 @@ def test_torchrun_restarts_after_a_worker_dies_and_ends_with_the_weights_of_an_u
 
     out, marker = tmp_path / "restarted", tmp_path / "crashed"
     # Rank 1 dies (os._exit) before step 4, once; torchrun restarts both ranks, which resume from step 2.
-    args = ["-m", "shardfc", "torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--",
+    # One restart is needed; the spare ones absorb a gloo connect that times out on a loaded machine.
+    args = ["-m", "shardfc", "torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "--",
             *flags, "--output-dir", str(out)]
     proc = start(args, tmp_path / "torchrun", **{CRASH_ENV: f"1:3:{marker}"})
     code = finish(proc)
     err = read(tmp_path / "torchrun", ".err")
-    assert code == 0, err[-4000:]
+    log = (out / "train.log").read_text() if (out / "train.log").exists() else ""
+    assert code == 0, f"{err[-4000:]}\n--- train.log:\n{log[-3000:]}"
     assert marker.exists(), "the worker never crashed: the test proves nothing"
-    assert f"resuming from {out / 'checkpoints' / 'step_00000002'}" in (out / "train.log").read_text()
+    assert f"resuming from {out / 'checkpoints' / 'step_00000002'}" in log
     assert SHARE_STORE_ENV not in err  # the wrapper set it: no warning
 
     expected, got = _final_tensors(reference, 6), _final_tensors(out, 6)
