@@ -9,6 +9,7 @@ from typing import List, Optional
 # name -> (module with a ``main(argv) -> int``, one-line help)
 COMMANDS = {
     "train": ("shardfc.train.cli", "train an embedding model with a sharded margin head (default: synthetic demo)"),
+    "torchrun": ("shardfc.parallel.torchrun", "run `shardfc train` under torchrun, set up for elastic restarts"),
     "eval": ("shardfc.train.cli_eval", "evaluate a checkpoint: face verification (.bin) or re-ID (query/gallery)"),
     "export": ("shardfc.train.cli_export", "write the backbone for inference (TorchScript / ONNX)"),
     "embed": ("shardfc.train.cli_embed", "write embeddings for a folder of images"),
@@ -30,6 +31,8 @@ def _usage() -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # `torchrun ... -m shardfc -- train ...` on a Python whose argparse keeps the separator
+        argv = argv[1:]
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardfc.parallel.lifecycle import die_with_parent, forward_stop_signals, signal_name
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
@@ -50,7 +52,8 @@ def launched_by_torchrun() -> bool:
 _INIT_FAILED = "process group init failed: "
 
 
-def _worker(rank: int, world_size: int, init_method: str, backend: str, fn: Callable, args: tuple, queue, timeout_s: float):
+def _worker(rank, world_size, init_method, backend, fn: Callable, args: tuple, queue, timeout_s: float, parent_pid: int):
+    die_with_parent(parent_pid)  # no orphans: a launcher killed outright takes its workers along
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         if backend == "nccl":
@@ -79,6 +82,14 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, fn: Call
 
 class WorkerError(RuntimeError):
     """A spawned rank raised or died; the message holds its traceback or exit code."""
+
+
+class StoppedBySignal(WorkerError):
+    """The launcher got SIGINT / SIGTERM and some rank ended without returning (killed, or a second signal)."""
+
+    def __init__(self, signum: int, detail: str):
+        super().__init__(f"stopped by signal {signal_name(signum)}: {detail}")
+        self.signum = signum
 
 
 class _GroupNeverFormed(WorkerError):
@@ -133,7 +144,9 @@ def spawn(
     ``fn`` must be importable (module level). Returns the ranks' return values in rank order
     (sent by value through ``torch.save``), or raises :class:`WorkerError` with the failing rank's
     traceback. A rank that dies without reporting, or fails while its peers wait in a collective,
-    does not hang the caller: the others are stopped. If the process group fails to form
+    does not hang the caller: the others are stopped. SIGINT / SIGTERM to the caller are sent on to
+    the ranks (a second one kills them); if a rank then ends without returning,
+    :class:`StoppedBySignal` is raised. If the process group fails to form
     (gloo's connect can fail on a loaded machine), the whole launch is retried up to
     ``INIT_ATTEMPTS`` times.
     """
@@ -157,22 +170,26 @@ def spawn(
 
 
 def _run(ctx, queue, fn, world_size, init_method, backend, args, timeout_s) -> List[Any]:
-    procs = [
-        ctx.Process(target=_worker, args=(r, world_size, init_method, backend, fn, args, queue, timeout_s), daemon=False)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
+    args = (world_size, init_method, backend, fn, args, queue, timeout_s, os.getpid())
+    procs = [ctx.Process(target=_worker, args=(r, *args), daemon=False) for r in range(world_size)]
     results: dict = {}
     failures: dict = {}
-    try:
-        _collect(queue, procs, results, failures)
-    finally:
-        for p in procs:  # a rank stuck in a collective with a dead peer never returns by itself
-            if p.is_alive() and (failures or len(results) < world_size):
-                p.terminate()
-    for p in procs:
-        p.join()
+    # SIGINT / SIGTERM reach every worker (a trainer stops at an agreed step and returns); a second kills them.
+    with forward_stop_signals(lambda: procs) as signals:
+        for p in procs:
+            p.start()
+        if signals.received is not None:  # it came while some ranks were not started yet
+            signals.send(signals.received)
+        try:
+            _collect(queue, procs, results, failures)
+        finally:
+            for p in procs:  # a rank stuck in a collective with a dead peer never returns by itself
+                if p.is_alive() and (failures or len(results) < world_size):
+                    p.kill()  # not SIGTERM: a trainer records that one and would wait for its peers
+        for p in procs:
+            p.join()
+    if failures and signals.received is not None:
+        raise StoppedBySignal(signals.received, "; ".join(f"rank {r}: {m.splitlines()[0]}" for r, m in failures.items()))
     if failures:
         # The cause: a rank that died without a word, else the first to report; the others'
         # errors are usually its echo (a peer's connection reset).

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -26,7 +27,9 @@ import torch
 import torch.distributed as dist
 
 from shardfc import checkpoint as ckpt
-from shardfc.parallel.launch import WorkerError, init_from_env, launched_by_torchrun, spawn
+from shardfc.parallel.launch import StoppedBySignal, WorkerError, init_from_env, launched_by_torchrun, spawn
+from shardfc.parallel.lifecycle import die_with_parent, exit_code
+from shardfc.parallel.torchrun import warn_if_restarts_unsafe
 from shardfc.train.config import ConfigError, TrainConfig, absolute_paths, parse_config, to_toml
 from shardfc.train.loop import train
 from shardfc.train.strategy import check_launch, horovod_module
@@ -53,15 +56,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     except USER_ERRORS as e:
         print(f"shardfc train: error: {e}", file=sys.stderr)
         return 2
+    except StoppedBySignal as e:  # a signal before the ranks could stop at a step (e.g. while starting)
+        print(f"shardfc train: {e}", file=sys.stderr)
+        return exit_code(e.signum)
+    except KeyboardInterrupt:  # Ctrl-C outside the run's own handling (e.g. while importing)
+        print("shardfc train: interrupted", file=sys.stderr)
+        return exit_code(signal.SIGINT)
     if summary is not None:
-        print_summary(summary)
+        if "step" in summary:
+            print_summary(summary)
+        if summary.get("stopped_by"):
+            return exit_code(signal.Signals[summary["stopped_by"]])
     return 0
 
 
 def run(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
     """Train with the launch mode ``cfg.strategy``, the environment and ``cfg.nproc`` select.
 
-    Returns rank 0's summary (None on the other ranks under torchrun or horovodrun). Errors of the
+    Returns rank 0's summary (on the other ranks under torchrun or horovodrun: only ``stopped_by``,
+    when a signal stopped the run). Errors of the
     input are raised as themselves in-process, as :class:`ConfigError` with the same message from
     spawned ranks; a spawned rank's unexpected error as :class:`WorkerError` with its traceback.
     """
@@ -75,13 +88,15 @@ def run(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
             logging.getLogger("shardfc.train").info("strategy='dp' is one process: --nproc %d is not used", cfg.nproc)
         return train(cfg)
     if launched_by_torchrun():
+        die_with_parent(os.getppid())  # torchrun's agent: if it is killed outright, stop too
         backend = "nccl" if _wants_cuda(cfg) else "gloo"
-        rank, _ = init_from_env(backend)
+        rank, _ = init_from_env(backend, timeout_s=cfg.pg_timeout)
+        warn_if_restarts_unsafe(rank)
         try:
             summary = train(cfg)
         finally:
             dist.destroy_process_group()
-        return summary if rank == 0 else None
+        return summary if rank == 0 else _stopped_only(summary)
     preflight(cfg)
     if cfg.nproc == 1:
         return train(cfg)
@@ -94,7 +109,7 @@ def run(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
         logging.getLogger("shardfc.train").warning(
             "nproc=%d exceeds the %d CPU core(s) here: processes will share cores", cfg.nproc, os.cpu_count()
         )
-    results = spawn(_spawned, cfg.nproc, cfg, backend="nccl" if _wants_cuda(cfg) else "gloo", timeout_s=1800.0)
+    results = spawn(_spawned, cfg.nproc, cfg, backend="nccl" if _wants_cuda(cfg) else "gloo", timeout_s=cfg.pg_timeout)
     failed = [r for r in results if "error" in r]
     if failed:
         # The rank with an input error explains the others' broken collectives.
@@ -115,7 +130,12 @@ def _run_horovod(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
     finally:
         # Also on an error: the other ranks then fail in their next collective instead of waiting.
         hvd.shutdown()
-    return summary if rank == 0 else None
+    return summary if rank == 0 else _stopped_only(summary)
+
+
+def _stopped_only(summary: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """What a rank other than 0 returns: nothing to print, but the signal that stopped it (its exit code)."""
+    return {"stopped_by": summary["stopped_by"]} if summary.get("stopped_by") else None
 
 
 def _spawned(rank: int, world_size: int, cfg: TrainConfig) -> Dict[str, Any]:
@@ -152,6 +172,8 @@ def preflight(cfg: TrainConfig) -> None:
 def print_summary(summary: Dict[str, Any]) -> None:
     """What a person wants after a run: where it went and how good it is."""
     print(f"trained {summary['step']} steps in {summary['wall_time_s']:.1f} s; run folder {summary['output_dir']}")
+    if summary.get("stopped_by"):
+        print(f"stopped at step {summary['step']} by signal {summary['stopped_by']}")
     if summary.get("checkpoint"):
         print(f"checkpoint: {summary['checkpoint']}")
     for name, metrics in summary.get("metrics", {}).items():

@@ -63,8 +63,13 @@ FLAG_SYNONYMS = {
     "--learning-rate": "--lr", "--learning_rate": "--lr", "--base-lr": "--lr",
     "--wd": "--weight-decay", "--bs": "--batch-size", "--batch": "--batch-size",
     "--steps": "--max-steps", "--num-epochs": "--epochs", "--workers": "--num-workers",
-    "--margin-m": "--m", "--s": "--scale", "--out": "--output-dir", "--output": "--output-dir",
+    "--s": "--scale", "--out": "--output-dir", "--output": "--output-dir",
 }
+
+#: More names of a field's flag, unambiguous under torchrun, whose parser takes any abbreviation of
+#: its own options out of the script's arguments ('--m' could be '--max-restarts', '--nproc'
+#: '--nproc-per-node'). Under torchrun, ``--`` before the flags of ``shardfc train`` also protects them.
+FLAG_ALIASES: Dict[str, Tuple[str, ...]] = {"m": ("--margin-m",), "nproc": ("--num-procs",)}
 
 
 @dataclass
@@ -224,6 +229,10 @@ class TrainConfig:
     """Save a checkpoint every this many steps; 0: only at the end."""
     keep_last: int = 3
     """Keep this many newest checkpoints, deleting older complete ones; 0: keep all."""
+    save_on_signal: bool = True
+    """On SIGINT / SIGTERM, stop after the current step on every rank and save a checkpoint there (--no-save-on-signal: stop without saving)."""
+    pg_timeout: float = 300.0
+    """Seconds a torch.distributed collective (and joining the process group) may wait for its peers before the run fails, so that a dead or stuck peer does not hang the others; must exceed rank 0's longest evaluation, during which the other ranks wait."""
     trust_checkpoint: bool = False
     """Resume from a checkpoint even if its files need full unpickling (written by shardfc before checkpoint format 2, or not by shardfc): unpickling can run arbitrary code, so only for checkpoints you trust."""
 
@@ -284,7 +293,7 @@ class TrainConfig:
         for name in ("num_workers", "threads", "max_steps", "epochs", "warmup_steps", "eval_every",
                      "ckpt_every", "keep_last", "synthetic_val_pairs", "seed"):
             _at_least(self, name, 0)
-        for name in ("lr", "scale", "eps"):
+        for name in ("lr", "scale", "eps", "pg_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("weight_decay", "grad_clip", "poly_power", "sphereface_lambda"):
@@ -449,7 +458,7 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
     "schedule": ("batch_size", "max_steps", "epochs", "scheduler", "poly_power", "warmup_steps"),
     "run": ("strategy", "pipeline_stages", "pipeline_schedule", "micro_batches", "split_points", "micro_batch_stats",
             "amp", "seed", "nproc", "device", "threads", "output_dir", "resume", "log_every", "progress",
-            "profile", "eval_every", "ckpt_every", "keep_last", "trust_checkpoint"),
+            "profile", "eval_every", "ckpt_every", "keep_last", "save_on_signal", "pg_timeout", "trust_checkpoint"),
     "eval": ("val_bins", "reid_root", "synthetic_val_pairs", "eval_batch_size", "eval_flip"),
 }
 _SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
@@ -672,7 +681,7 @@ def build_parser(prog: str = "shardfc train") -> argparse.ArgumentParser:
                 kwargs["metavar"] = {int: "N", float: "X", str: "PATH" if is_list else "TEXT"}[scalar]
                 if is_list:
                     kwargs["nargs"] = "*"
-            group.add_argument(_flag(name), **kwargs)
+            group.add_argument(_flag(name), *FLAG_ALIASES.get(name, ()), **kwargs)
     return parser
 
 
@@ -681,8 +690,11 @@ def parse_config(argv: Sequence[str]) -> Tuple[TrainConfig, argparse.Namespace]:
 
     Returns the config and the parsed namespace (for ``--print-config``).
     """
+    argv = list(argv)
+    if argv[:1] == ["--"]:  # `torchrun ... -m shardfc train -- FLAGS`: the separator that shields FLAGS from torchrun
+        argv = argv[1:]
     parser = build_parser()
-    args, unknown = parser.parse_known_args(list(argv))
+    args, unknown = parser.parse_known_args(argv)
     if unknown:
         first = unknown[0]
         flags = [o for a in parser._actions for o in a.option_strings]

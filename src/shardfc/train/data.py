@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from shardfc.data.transforms import random_erase_
 from shardfc.parallel.context import DistContext
+from shardfc.parallel.lifecycle import ignore_stop_signals
 from shardfc.seeding import mix_seed
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.evaluate import synthetic_dataset
@@ -172,6 +173,7 @@ def micro_batches(dataset: Dataset, batches: Sampler, state: RunState, cfg: Trai
         collate_fn=collate_keyed,
         pin_memory=ctx.device.type == "cuda",
         persistent_workers=use_workers,
+        worker_init_fn=ignore_stop_signals,  # the trainer decides when to stop; its loader workers must not
         generator=torch.Generator().manual_seed(cfg.seed + ctx.rank),
     )
     while True:

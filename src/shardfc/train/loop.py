@@ -22,6 +22,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from shardfc.parallel.lifecycle import record_stop_signals, signal_name
 from shardfc.seeding import seed_all
 from shardfc.train.build import autocast_factory, build_run, rank_seed, run_context
 from shardfc.train.config import TrainConfig, absolute_paths, to_toml
@@ -35,6 +36,7 @@ from shardfc.train.pipeline_train import pipeline_step, whole_backbone
 from shardfc.train.runlog import RunLog
 from shardfc.train.state import Parts, RunState
 from shardfc.train.step import apply_gradients, train_step
+from shardfc.train.stopping import agreed_stop_signal, crash_if_asked
 from shardfc.train.strategy import sync_after_restore
 
 __all__ = ["load_parts", "train"]
@@ -46,14 +48,19 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
     """Train as ``cfg`` says; collective over ``group`` when torch.distributed is initialised
     (``cfg.strategy`` 'ddp'), over Horovod's world ('horovod'), or in one process ('dp').
 
-    Returns a summary: ``step``, ``wall_time_s``, ``checkpoint`` and (rank 0) the last
-    evaluation's ``metrics`` (``{target: {metric: value}}``) with their ``descriptions``.
+    Returns a summary: ``step``, ``wall_time_s``, ``checkpoint``, ``stopped_by`` (the name of the
+    signal that stopped the run early, else None) and (rank 0) the last evaluation's ``metrics``
+    (``{target: {metric: value}}``) with their ``descriptions``.
+
+    SIGINT / SIGTERM stop every rank after the same step (see :mod:`~shardfc.train.stopping`);
+    the run then saves a checkpoint (unless ``cfg.save_on_signal`` is off) and skips the final
+    evaluation.
     """
     started = time.time()
     cfg = absolute_paths(cfg.validate())  # stored in checkpoints: readable from any folder
     ctx = run_context(cfg, group)
     out = Path(cfg.output_dir)
-    with RunLog(out, ctx.is_main, cfg.progress) as runlog:
+    with record_stop_signals(), RunLog(out, ctx.is_main, cfg.progress) as runlog:
         threads = apply_threads(cfg.threads, cfg.strategy, ctx.world_size)  # before any work, in every process
         # ---- build: data, model and optimizers (the same initialisation on every rank), evaluation
         run = build_run(cfg, ctx)
@@ -84,7 +91,12 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         parts.backbone.train()
         if parts.head is not None:  # a pipeline rank before the last stage holds none
             parts.head.train()
+        stop = 0
         while state.step < run.total_steps:
+            stop = agreed_stop_signal(ctx)  # every rank leaves after the same step, or none does
+            if stop:
+                break
+            crash_if_asked(ctx.rank, state.step)
             with profiler.step(state) if profiler else contextlib.nullcontext():
                 if run.pipeline is None:
                     loss, corrupt = train_step(parts, stream, state, cfg, ctx, autocast)
@@ -103,14 +115,22 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
                 metrics = _evaluate(run, targets, state.step, runlog)
         runlog.close_bar()
 
-        # ---- save: a final checkpoint (unless resumed at the end) and a final evaluation
-        trained = resume_from is None or state.step > step_of(resume_from)
-        if trained:
+        # ---- save: a final checkpoint (unless nothing was trained) and a final evaluation
+        trained = state.step > (step_of(resume_from) if resume_from is not None else 0)
+        saved_here = last_saved is not None and step_of(last_saved) == state.step  # a signal right after a periodic save
+        if trained and (not stop or cfg.save_on_signal) and not saved_here:
             last_saved = save(run, state, cfg)
-        elif ctx.is_main:
+        elif ctx.is_main and not stop:
             logger.info("%s is at step %d; max %d steps: nothing to train", resume_from, state.step, run.total_steps)
-        # Re-evaluated when nothing was trained (the summary reports it), but not logged twice in metrics.csv.
-        metrics = _evaluate(run, targets, state.step, runlog, record=trained)
+        if stop:
+            if ctx.is_main:
+                saved = last_saved if trained and cfg.save_on_signal else "not saved (save_on_signal is off)"
+                if not trained:
+                    saved = f"{last_saved} (nothing trained since)" if last_saved else "none (nothing trained)"
+                logger.info("stopped at step %d by signal %s; checkpoint %s", state.step, signal_name(stop), saved)
+        else:
+            # Re-evaluated when nothing was trained (the summary reports it), but not logged twice in metrics.csv.
+            metrics = _evaluate(run, targets, state.step, runlog, record=trained)
         ctx.barrier()  # leave together: no rank tears the group down under another
         wall = time.time() - started
         if profiler:
@@ -124,6 +144,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         "step": state.step,
         "wall_time_s": wall,
         "checkpoint": str(last_saved) if last_saved else None,
+        "stopped_by": signal_name(stop) if stop else None,
         "metrics": metrics,
         "descriptions": {t.name: t.description for t in targets},
         "output_dir": str(out),

@@ -1,0 +1,122 @@
+"""Signals recorded instead of raised, agreed over ranks, and children that die with their parent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardfc.parallel import lifecycle
+from shardfc.parallel.context import DistContext
+from shardfc.parallel.launch import spawn
+from shardfc.train.config import TrainConfig
+from shardfc.train.data import ShardBatches, micro_batches
+from shardfc.train.state import RunState
+from shardfc.train.stopping import agreed_stop_signal
+
+import shardfc
+
+SRC = str(Path(shardfc.__file__).resolve().parents[1])
+
+
+def test_stop_signals_are_recorded_inside_and_the_old_handlers_come_back():
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with lifecycle.record_stop_signals():
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)  # the first one is kept
+            for _ in range(100):  # delivered at the next bytecode boundary of the main thread
+                if lifecycle.received_signal():
+                    break
+                time.sleep(0.01)
+            assert lifecycle.received_signal() == signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        lifecycle._reset_for_tests()
+    assert lifecycle.exit_code(signal.SIGINT) == 130 and lifecycle.exit_code(signal.SIGTERM) == 143
+
+
+def _agree(rank: int, world: int, signalled_rank: int) -> int:
+    if rank == signalled_rank:
+        lifecycle._record(signal.SIGTERM)
+    return agreed_stop_signal(DistContext.resolve())
+
+
+def test_a_signal_on_one_rank_stops_every_rank():
+    assert spawn(_agree, 2, 1) == [signal.SIGTERM, signal.SIGTERM]
+    assert spawn(_agree, 2, -1) == [0, 0]  # nobody signalled: nobody stops
+
+
+# A parent that starts a child calling die_with_parent, then waits to be killed.
+_PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]])
+open(sys.argv[2] + ".pid", "w").write(str(child.pid))
+time.sleep(3600)
+"""
+_CHILD = """
+import os, signal, sys, time
+from pathlib import Path
+from shardfc.parallel import lifecycle
+folder, use_prctl, ignore = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
+handler = signal.SIG_IGN if ignore else lifecycle._record
+signal.signal(signal.SIGTERM, handler)
+lifecycle.die_with_parent(os.getppid(), grace_s=2.0, poll_s=0.2, use_prctl=use_prctl)
+Path(folder, "ready").write_text("")
+while not lifecycle.received_signal():
+    time.sleep(0.1)
+Path(folder, "stopped").write_text(str(lifecycle.received_signal()))
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+@pytest.mark.parametrize("use_prctl, ignore", [(True, False), (False, False), (False, True)],
+                         ids=["prctl", "watchdog", "watchdog-ends-a-child-that-ignores-SIGTERM"])
+def test_a_child_stops_when_its_parent_is_killed(tmp_path, use_prctl, ignore):
+    env = {**os.environ, "PYTHONPATH": SRC}
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, textwrap.dedent(_CHILD), str(tmp_path),
+                               "1" if use_prctl else "0", "1" if ignore else "0"], env=env)
+    pid_file, deadline = Path(str(tmp_path) + ".pid"), time.monotonic() + 120
+    while not ((tmp_path / "ready").exists() and pid_file.exists()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait(60)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{child}").exists(), "the orphan is still running"
+    if ignore:  # the watchdog ended it after the grace period
+        assert not (tmp_path / "stopped").exists()
+    else:  # a SIGTERM it recorded, as from a launcher
+        assert (tmp_path / "stopped").read_text() == str(int(signal.SIGTERM))
+
+
+class _WorkerPids(torch.utils.data.Dataset):
+    """Each sample: the pid of the process that loaded it."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.tensor(os.getpid()), torch.tensor(0)
+
+
+def test_the_training_loaders_workers_outlive_a_signal_to_the_process_group(tmp_path):
+    cfg = TrainConfig(num_workers=1, seed=0, output_dir=str(tmp_path))
+    batches = ShardBatches(64, 4, 0, 1, seed=0, drop_last=False)
+    stream = micro_batches(_WorkerPids(), batches, RunState(batches_per_epoch=len(batches)), cfg, DistContext())
+    worker = int(next(stream)[0][0])
+    assert worker != os.getpid()
+    os.kill(worker, signal.SIGTERM)  # as Ctrl-C or Slurm reach every process of the group
+    os.kill(worker, signal.SIGINT)
+    time.sleep(1.0)
+    for _ in range(20):  # the loader goes on; the trainer stops when its ranks agree, not here
+        assert int(next(stream)[0][0]) == worker

@@ -1,0 +1,87 @@
+"""Every ``shardfc train`` flag survives torchrun's parser, and ``shardfc torchrun`` builds its command."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import sys
+
+import pytest
+from torch.distributed.run import get_args_parser
+
+from shardfc.parallel.torchrun import SHARE_STORE_ENV, torchrun_command, warn_if_restarts_unsafe
+from shardfc.train.config import ConfigError, build_parser, parse_config
+
+LAUNCH = ["--standalone", "--nproc-per-node", "2", "-m", "shardfc", "train"]
+
+
+def _script_args(argv):
+    """What torchrun hands to ``shardfc`` for ``torchrun ARGV``, or None if its parser refuses ARGV."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return get_args_parser().parse_args(argv).training_script_args
+    except SystemExit:
+        return None
+
+
+def _flags_by_field():
+    by_field = {}
+    for action in build_parser()._actions:
+        if action.dest not in ("help", "preset", "config", "print_config"):
+            by_field.setdefault(action.dest, []).extend(action.option_strings)
+    return by_field
+
+
+def test_every_field_has_a_flag_that_torchrun_passes_on_as_it_is():
+    unreachable = []
+    for field, flags in _flags_by_field().items():
+        if not any(_script_args([*LAUNCH, flag, "1"]) == ["train", flag, "1"] for flag in flags):
+            unreachable.append(field)
+    assert unreachable == []
+
+
+def test_after_a_separator_every_flag_reaches_shardfc_train():
+    for flags in _flags_by_field().values():
+        for flag in flags:
+            passed = _script_args([*LAUNCH, "--", flag, "1"])
+            assert passed is not None and passed[-2:] == [flag, "1"], flag
+    # and shardfc train drops the separator that torchrun leaves in
+    cfg, _ = parse_config(["--", "--m", "0.3", "--nproc", "3", "--max-steps", "5"])
+    assert (cfg.m, cfg.nproc, cfg.max_steps) == (0.3, 3, 5)
+
+
+def test_the_unambiguous_aliases_set_the_same_fields():
+    cfg, _ = parse_config(["--margin-m", "0.3", "--num-procs", "3"])
+    assert (cfg.m, cfg.nproc) == (0.3, 3)
+    with pytest.raises(ConfigError, match=r"argument --m/--margin-m: m must be float, got 'x'"):
+        parse_config(["--margin-m", "x"])
+
+
+def test_new_run_fields_are_validated():
+    cfg, _ = parse_config(["--pg-timeout", "45", "--no-save-on-signal"])
+    assert (cfg.pg_timeout, cfg.save_on_signal) == (45.0, False)
+    with pytest.raises(ConfigError, match=r"pg_timeout must be > 0, got 0.0"):
+        parse_config(["--pg-timeout", "0"])
+
+
+def test_shardfc_torchrun_puts_the_training_flags_after_a_separator():
+    cmd = torchrun_command(["--nproc-per-node", "2", "--max-restarts", "3", "--", "--m", "0.4"])
+    assert cmd == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "3",
+                   "-m", "shardfc", "train", "--", "--m", "0.4"]
+    assert _script_args(cmd[3:]) in (["train", "--", "--m", "0.4"], ["train", "--m", "0.4"])
+    assert torchrun_command(["--standalone"])[-4:] == ["-m", "shardfc", "train", "--"]
+
+
+@pytest.mark.parametrize("restarts, share_env, warns", [("2", None, True), ("2", "1", False), ("0", None, False)])
+def test_rank_0_warns_when_torchrun_restarts_with_a_shared_store(monkeypatch, caplog, restarts, share_env, warns):
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", restarts)
+    if share_env is None:
+        monkeypatch.delenv(SHARE_STORE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(SHARE_STORE_ENV, share_env)
+    with caplog.at_level(logging.WARNING, logger="shardfc.launch"):
+        warn_if_restarts_unsafe(rank=1)
+        assert caplog.records == []  # only rank 0 speaks
+        warn_if_restarts_unsafe(rank=0)
+    assert (f"{SHARE_STORE_ENV}=1" in caplog.text) == warns
