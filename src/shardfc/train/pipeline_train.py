@@ -168,19 +168,20 @@ def _optimizer(cfg: TrainConfig, params: Sequence[nn.Parameter]) -> torch.optim.
 
 def pipeline_step(parts: Parts, plan: PipelinePlan, stream, state, cfg: TrainConfig, ctx: DistContext, autocast):
     """Forward and backward of ``grad_accum`` local batches through the pipeline, then the data-parallel
-    average of the stage's gradients; returns (the step's mean loss on every rank, corrupt images skipped)."""
+    average of the stage's gradients; returns (the step's mean loss on every rank, the corrupt images
+    skipped, as ``(name, reason)`` pairs: reported by the first stage only, where the images are used)."""
     layout = plan.layout
     parts.opt_backbone.zero_grad()
     if parts.opt_head is not None:
         parts.opt_head.zero_grad(set_to_none=False)
     plan.losses.clear()
-    corrupt = 0
+    corrupt: List[Tuple[str, str]] = []
     for _ in range(cfg.grad_accum):
         images, labels, skipped = next(stream)  # every stage of a replica reads the same batch
         with autocast():
             plan.runner.step(images.to(ctx.device, non_blocking=True), labels.to(ctx.device, non_blocking=True))
         if layout.is_first:  # count each image once, where it is used
-            corrupt += int(skipped.sum())
+            corrupt += skipped
         state.samples_seen += images.shape[0] * layout.replicas
     average_gradients_([p for p in parts.backbone.parameters() if p.requires_grad], layout.replica_ctx)
     return share_loss(plan, ctx), corrupt

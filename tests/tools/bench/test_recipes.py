@@ -75,8 +75,9 @@ def test_recipes_that_cannot_run_here_keep_a_row_with_the_reason(smoke):
     _, out, doc = smoke
     dp, pipeline = doc["recipes"][1], doc["recipes"][2]
     assert dp["status"] == "unavailable" and dp["reason"].startswith("cannot run here:") and "CUDA" in dp["reason"]
-    # The pipeline strategy is built on another branch: until it is merged, this build refuses its flags.
-    assert pipeline["status"] == "ok" or pipeline["reason"].startswith("not available in this build: shardfc train:")
+    # the pipeline runs here: 2 stages of one replica, read back from both stages' profiles
+    assert (pipeline["status"], pipeline["reason"], pipeline["processes"]) == ("ok", None, 2)
+    assert pipeline["step_time_s"] > 0 and len(pipeline["peak_rss_bytes_per_process"]) == 2
     assert dp["reason"] in out and "devices: none but the CPU" in out
 
 

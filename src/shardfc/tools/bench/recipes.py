@@ -110,9 +110,13 @@ RECIPES: Dict[str, Recipe] = {
                "nn.DataParallel: one process drives every visible CUDA device"),
         Recipe("horovod", "horovodrun", "horovod", lambda n: ["--strategy", "horovod"], _many,
                "Horovod DistributedOptimizer, one process per rank started by `horovodrun --gloo`"),
+        # 2 micro-batches per batch; BatchNorm normalises each on its own (--micro-batch-stats), so the
+        # step equals ddp's with half the batch and 2 accumulation steps.
         Recipe("pipeline", "spawn", "pipeline",
-               lambda n: ["--strategy", "pipeline", "--pipeline-stages", "2", "--nproc", str(n)], None,
-               "the backbone cut into 2 pipelined stages (built on another branch: its process layout is its own)"),
+               lambda n: ["--strategy", "pipeline", "--pipeline-stages", "2", "--micro-batches", "2",
+                          "--micro-batch-stats", "--nproc", str(n)], None,
+               "the backbone cut into 2 stages (torch.distributed.pipelining, 1F1B over 2 micro-batches), "
+               "nproc/2 data-parallel replicas"),
     )
 }
 
