@@ -1,0 +1,280 @@
+"""The actions of ``shardfc data`` as functions: pack an image folder or list into RecordIO,
+inspect, shuffle and verify a RecordIO dataset (the command line is :mod:`shardfc.data.cli`)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import sys
+from collections import Counter
+from typing import Iterable, Iterator, List, Optional, Tuple
+
+import numpy as np
+from PIL import Image
+
+from shardfc.data.recordio import (
+    IRHeader,
+    RecordIODataset,
+    RecordIOReader,
+    RecordIOWriter,
+    _class_id,
+    _first_label,
+    detect_layout,
+    pack_header,
+    read_property,
+    resolve_recordio_paths,
+    unpack_header,
+    write_property,
+)
+from shardfc.data.transforms import CorruptImageError, decode_image
+
+__all__ = ["CommandError", "pack", "inspect", "shuffle", "verify"]
+
+
+class CommandError(Exception):
+    """A failure to report as ``shardfc data <action>: error: ...`` with exit status 1."""
+
+
+def _progress(iterable: Iterable, total: int, desc: str) -> Iterable:
+    if not sys.stderr.isatty():
+        return iterable
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, total=total, desc=desc, unit="img", file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+# -------------------------------------------------------------------- pack
+def _encode(img: Image.Image, fmt: str, quality: int) -> bytes:
+    buf = io.BytesIO()
+    if fmt == "jpeg":
+        img.convert("RGB").save(buf, format="JPEG", quality=quality)
+    else:
+        img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _check_out(paths: List[str], force: bool) -> None:
+    existing = [p for p in paths if os.path.exists(p)]
+    if existing and not force:
+        raise CommandError(f"{existing[0]!r} exists (use --force to replace it)")
+
+
+@contextlib.contextmanager
+def _staged(finals: List[str]) -> Iterator[List[str]]:
+    """Yields ``<final>.part`` names to write; on success renames them over ``finals``, on error deletes them.
+
+    So an interrupted or failed run never leaves a half-written train.rec that looks complete.
+    """
+    tmps = [f + ".part" for f in finals]
+    try:
+        yield tmps
+    except BaseException:
+        for t in tmps:
+            try:
+                os.remove(t)
+            except FileNotFoundError:
+                pass
+        raise
+    for t, f in zip(tmps, finals):
+        os.replace(t, f)
+
+
+def pack(
+    src: str,
+    out: str,
+    list_file: bool = False,
+    root: Optional[str] = None,
+    resize: Optional[Tuple[int, int]] = None,
+    encode: str = "auto",
+    quality: int = 95,
+    force: bool = False,
+    log=None,
+) -> dict:
+    """Write ``out/train.rec``, ``train.idx``, ``property`` (and ``classes.txt``); returns a summary dict."""
+    from shardfc.data.folder import ImageFolderDataset, ListFileDataset
+
+    log = log or sys.stdout
+
+    classes: Optional[List[str]] = None
+    if list_file:
+        listed = ListFileDataset(src, root)
+        samples, num_classes = listed.samples, listed.num_classes
+    else:
+        folder = ImageFolderDataset(src)
+        samples, num_classes, classes = folder.samples, folder.num_classes, folder.classes
+    os.makedirs(out, exist_ok=True)
+    names = ["train.rec", "train.idx", "property"] + (["classes.txt"] if classes is not None else [])
+    finals = [os.path.join(out, n) for n in names]
+    _check_out(finals[:2], force)
+    with _staged(finals) as tmps:
+        fmt = encode if encode != "auto" else ("jpeg" if resize else None)
+        order = sorted(range(len(samples)), key=lambda i: samples[i][1])  # stable: keeps path order per class
+        first = [0] * num_classes
+        end = [0] * num_classes
+        sizes: Counter = Counter()
+        first_size: Optional[Tuple[int, int]] = None
+        skipped: List[Tuple[str, str]] = []
+        key = 1
+        with RecordIOWriter(tmps[0], tmps[1]) as writer:
+            for i in _progress(order, len(order), "pack"):
+                path, label = samples[i]
+                if not os.path.isfile(path):
+                    raise CommandError(f"image file not found: {path!r}")
+                with open(path, "rb") as f:
+                    data = f.read()
+                try:
+                    img = decode_image(data, name=path)
+                except CorruptImageError as e:
+                    skipped.append((path, e.reason))
+                    continue
+                if resize is not None and img.size != (resize[1], resize[0]):
+                    img = img.resize((resize[1], resize[0]), Image.BILINEAR)
+                if fmt is not None:
+                    data = _encode(img, fmt, quality)
+                h_w = (img.size[1], img.size[0])
+                sizes[h_w] += 1
+                first_size = first_size or h_w
+                writer.write(key, pack_header(IRHeader(0, float(label), key, 0), data))
+                if end[label] == 0:
+                    first[label] = key
+                end[label] = key + 1
+                key += 1
+            if key == 1:
+                raise CommandError(f"no decodable images in {src!r} ({len(skipped)} undecodable)")
+            a = key  # identity records: keys a .. a + num_classes - 1
+            writer.write(0, pack_header(IRHeader(0, [a, a + num_classes], 0, 0)))
+            next_start = 1
+            for c in range(num_classes):
+                start, stop = (first[c], end[c]) if end[c] else (next_start, next_start)
+                next_start = stop
+                writer.write(a + c, pack_header(IRHeader(0, [start, stop], 0, 0)))
+        assert first_size is not None
+        write_property(tmps[2], num_classes, *first_size)
+        if classes is not None:
+            with open(tmps[3], "w", encoding="utf-8") as f:
+                f.writelines(name + "\n" for name in classes)
+        stale = os.path.join(out, "classes.txt")
+        if classes is None and force and os.path.exists(stale):
+            os.remove(stale)  # from an earlier folder pack; would name the wrong labels
+
+    summary = {
+        "out": out,
+        "images": key - 1,
+        "classes": num_classes,
+        "skipped": [{"path": p, "reason": r} for p, r in skipped],
+        "image_sizes": {f"{h}x{w}": n for (h, w), n in sizes.most_common()},
+        "rec_bytes": os.path.getsize(finals[0]),
+    }
+    print(f"packed {key - 1} images of {num_classes} classes into {finals[0]} "
+          f"({summary['rec_bytes'] / 2**20:.1f} MiB); property {num_classes},{first_size[0]},{first_size[1]}", file=log)
+    if len(sizes) > 1:
+        print(f"note: images have {len(sizes)} different sizes ({', '.join(summary['image_sizes'])}); "
+              f"property states the first one, use --resize for a uniform size", file=sys.stderr)
+    for p, r in skipped:
+        print(f"skipped undecodable image {p}: {r}", file=sys.stderr)
+    return summary
+
+
+# ----------------------------------------------------------------- inspect
+def inspect(path: str, sample: int = 8) -> dict:
+    """Facts about a RecordIO dataset (see the module docstring)."""
+    ds = RecordIODataset(path, train=False)
+    counts = np.bincount(ds.labels, minlength=ds.num_classes)
+    sizes: List[str] = []
+    undecodable: List[str] = []
+    for i in range(min(max(sample, 0), len(ds))):
+        try:
+            w, h = decode_image(ds.read_image_bytes(i), name=ds.sample_name(i)).size
+            sizes.append(f"{h}x{w}")
+        except CorruptImageError as e:
+            undecodable.append(f"{ds.sample_name(i)}: {e.reason}")
+    return {
+        "rec": ds.rec_path,
+        "idx": ds.idx_path,
+        "layout": ds.layout,
+        "records": len(ds.reader),
+        "images": len(ds),
+        "classes": int(ds.num_classes),
+        "classes_from": "property" if ds.property is not None else "labels",
+        "empty_classes": int((counts == 0).sum()),
+        "images_per_class": {
+            "min": int(counts.min()),
+            "median": float(np.median(counts)),
+            "max": int(counts.max()),
+        },
+        "identity_records": None if ds.identity_range is None else ds.identity_range[1] - ds.identity_range[0],
+        "property": None if ds.property is None else list(ds.property),
+        "image_sizes_sampled": dict(Counter(sizes)),
+        "undecodable_in_sample": undecodable,
+        "rec_bytes": ds.reader.file_size,
+    }
+
+
+# ----------------------------------------------------------------- shuffle
+def shuffle(path: str, out: str, seed: int = 0, force: bool = False, log=None) -> dict:
+    """Copy the images of ``path`` in a random order, keys ``0..N-1``, without header or identity records."""
+    log = log or sys.stdout
+    ds = RecordIODataset(path, train=False)
+    if out.endswith(".rec"):
+        rec = out
+        os.makedirs(os.path.dirname(os.path.abspath(rec)), exist_ok=True)
+    else:
+        os.makedirs(out, exist_ok=True)
+        rec = os.path.join(out, "train.rec")
+    idx = os.path.splitext(rec)[0] + ".idx"
+    prop = os.path.join(os.path.dirname(os.path.abspath(rec)), "property")
+    if os.path.abspath(rec) == os.path.abspath(ds.rec_path):
+        raise CommandError(f"OUT {out!r} would overwrite the input {ds.rec_path!r}")
+    copy_property = ds.property is not None and os.path.abspath(prop) != os.path.abspath(ds.property_path)
+    _check_out([rec, idx] + ([prop] if copy_property else []), force)
+    perm = np.random.default_rng(seed).permutation(len(ds))
+    with _staged([rec, idx] + ([prop] if copy_property else [])) as tmps:
+        with RecordIOWriter(tmps[0], tmps[1]) as writer:
+            for new_key, i in enumerate(_progress(perm.tolist(), len(perm), "shuffle")):
+                writer.write(new_key, ds.reader.read(int(ds.keys[i])))
+        if copy_property:
+            shutil.copyfile(ds.property_path, tmps[2])
+    print(f"wrote {len(perm)} images in shuffled order (seed {seed}) to {rec}", file=log)
+    return {"rec": rec, "images": len(perm)}
+
+
+# ------------------------------------------------------------------ verify
+def verify(path: str) -> dict:
+    """Decode every image and check every identity record; ``{"images", "bad": [{"key", "reason"}]}``."""
+    rec, idx, prop_path = resolve_recordio_paths(path)
+    bad: List[dict] = []
+    try:
+        reader = RecordIOReader(rec, idx)
+        layout = detect_layout(reader)
+        prop = read_property(prop_path)
+    except ValueError as e:  # structural: nothing else can be trusted
+        return {"rec": rec, "images": 0, "checked": 0, "bad": [{"key": None, "reason": str(e)}]}
+    max_label = -1
+    for key in _progress(layout.image_keys.tolist(), len(layout.image_keys), "verify"):
+        try:
+            header, image = unpack_header(reader.read(key), reader.name(key))
+            max_label = max(max_label, _class_id(reader, key, _first_label(header)))
+            decode_image(image, name=reader.name(key))
+        except CorruptImageError as e:
+            bad.append({"key": key, "reason": f"undecodable image: {e.reason}"})
+        except (ValueError, KeyError) as e:
+            bad.append({"key": key, "reason": str(e).strip("'\"")})
+    if layout.identity_range is not None:
+        a, b = layout.identity_range
+        for key in range(a, b):
+            try:
+                header, image = unpack_header(reader.read(key), reader.name(key))
+                ok = header.flag >= 2 and len(image) == 0
+                start, stop = (int(header.label[0]), int(header.label[1])) if ok else (0, -1)
+                if not (ok and 1 <= start <= stop <= a):
+                    bad.append({"key": key, "reason": f"identity record does not hold an image-key range within [1, {a}): "
+                                f"flag={header.flag}, label={header.label}, {len(image)} image bytes"})
+            except (ValueError, KeyError) as e:
+                bad.append({"key": key, "reason": str(e).strip("'\"")})
+    if prop is not None and prop[0] <= max_label:
+        bad.append({"key": None, "reason": f"{prop_path}: num_classes={prop[0]} but label {max_label} occurs"})
+    return {"rec": rec, "layout": layout.kind, "images": len(layout.image_keys), "bad": bad}
