@@ -39,6 +39,10 @@ offset past the end of the file, an unknown continuation flag) raises
 :class:`FileNotFoundError` or :class:`ValueError` naming the file and the key.
 An image that is framed correctly but does not decode is *skipped and counted*
 by :class:`RecordIODataset`, as in :mod:`shardfc.data.folder`.
+
+(One file for one format, longer than ~400 lines on purpose: the reader, the writer, the layout
+rules and the dataset share the private framing helpers above them, and the format is read
+top to bottom once.)
 """
 
 from __future__ import annotations

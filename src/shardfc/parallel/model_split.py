@@ -42,6 +42,9 @@ Caveats
   conversions such as ``.double()`` are fine).
 * Stages do not repeat a backbone's input-shape check (an iresnet fed the wrong size fails at its
   FC instead of with the backbone's message).
+
+(Longer than ~400 lines on purpose: cutting, placing and pipelining a model share the segment
+declarations, the device checks and the stage type, and are read together.)
 """
 
 from __future__ import annotations
