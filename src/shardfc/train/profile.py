@@ -11,8 +11,13 @@ all-reduce or broadcast). Besides the head's counted collectives that includes
   all-reduce hook) and the module buffers it broadcasts from rank 0 before a forward (DDP does
   so after a synchronised backward: once per step with gradient accumulation);
 * Horovod: the backbone gradients its DistributedOptimizer all-reduces (counted at ``synchronize()``);
+* pipeline: each stage's gradient average over its replicas, but not the activations and their
+  gradients that torch.distributed.pipelining sends between stages (point to point, outside the
+  counted collectives);
 * dp: nothing of DataParallel's own traffic (its replicate / scatter / gather copies are not
-  collectives): ``backbone_traffic_counted`` says so.
+  collectives).
+
+``backbone_traffic_counted`` is False for the last two.
 
 Per process: the peak resident set size (``ru_maxrss``, the whole life of the process, imports
 included) and, on CUDA, ``max_memory_allocated``.
@@ -132,7 +137,7 @@ class StepProfiler:
             "samples": self.samples,
             "comm_bytes": self.comm_bytes,
             "comm_bytes_by_kind": self.comm_by_kind,
-            "backbone_traffic_counted": cfg.strategy != "dp",
+            "backbone_traffic_counted": cfg.strategy not in ("dp", "pipeline"),
             "peak_rss_bytes": peak_rss_bytes(),
             "cuda_peak_bytes": cuda_peak,
             "pid": os.getpid(),

@@ -78,6 +78,8 @@ def test_recipes_that_cannot_run_here_keep_a_row_with_the_reason(smoke):
     # the pipeline runs here: 2 stages of one replica, read back from both stages' profiles
     assert (pipeline["status"], pipeline["reason"], pipeline["processes"]) == ("ok", None, 2)
     assert pipeline["step_time_s"] > 0 and len(pipeline["peak_rss_bytes_per_process"]) == 2
+    # the activations between stages go point to point, outside the counted collectives: said, not hidden
+    assert pipeline["comm_counted"] is False and "stage-to-stage activations not counted" in out
     assert dp["reason"] in out and "devices: none but the CPU" in out
 
 

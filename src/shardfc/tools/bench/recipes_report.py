@@ -11,6 +11,13 @@ from shardfc.parallel.split_bench import FIELDS as SPLIT_FIELDS
 from shardfc.tools.bench.recipes import ROW_FIELDS
 
 
+#: What ``comm_bytes_per_step`` leaves out, by strategy, when ``comm_counted`` is False.
+UNCOUNTED = {
+    "dp": "DataParallel copies not counted",
+    "pipeline": "stage-to-stage activations not counted",
+}
+
+
 def _mib(n: Optional[float]) -> str:
     return "—" if n is None else f"{n / 2**20:,.0f}"
 
@@ -49,7 +56,7 @@ def recipes_table(rows: Sequence[Dict[str, Any]], meta: Optional[Dict[str, Any]]
         rss = " / ".join(_mib(b) for b in r["peak_rss_bytes_per_process"])
         if r["cuda_peak_bytes_per_process"]:
             rss += " (CUDA " + " / ".join(_mib(b) for b in r["cuda_peak_bytes_per_process"]) + ")"
-        comm = f"{r['comm_bytes_per_step']:,}" + ("" if r["comm_counted"] else " (DataParallel copies not counted)")
+        comm = f"{r['comm_bytes_per_step']:,}" + ("" if r["comm_counted"] else f" ({UNCOUNTED.get(r['strategy'], 'partly counted')})")
         lines.append(
             f"| {r['recipe']} | {r['launcher']} | {r['precision']} | {r['processes']} | "
             f"{r['step_time_s']:.3f} ± {r['step_time_std_s']:.3f} | {r['samples_per_s']:.1f} | {rss} | {comm} | |"
