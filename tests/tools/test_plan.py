@@ -82,7 +82,7 @@ def test_plan_follows_a_change_in_the_head(monkeypatch):
     before = plan(C, D, B, W)
     real_forward = head_function.shard_forward
 
-    def forward_with_an_extra_buffer(a, w, local_labels, norms, cfg):
+    def forward_with_an_extra_buffer(a, w, local_labels, norms, cfg, rows=None):
         stats = real_forward(a, w, local_labels, norms, cfg)
         stats.extra = torch.empty(a.shape[0], w.shape[0], dtype=torch.float32, device=a.device)
         return stats
@@ -98,7 +98,7 @@ def test_plan_follows_a_change_in_the_head(monkeypatch):
 def test_a_value_the_replay_cannot_know_is_an_error(monkeypatch):
     real_forward = head_function.shard_forward
 
-    def forward_reading_a_value(a, w, local_labels, norms, cfg):
+    def forward_reading_a_value(a, w, local_labels, norms, cfg, rows=None):
         int(local_labels.sum())
         return real_forward(a, w, local_labels, norms, cfg)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -41,6 +41,15 @@ class ShardedLossPlan:
     #: Add weight gradients straight into an existing ``.grad`` of a leaf weight (no ``[n, D]``
     #: transient); autograd then sees no gradient for that weight.
     weight_grad_in_place: bool = True
+    #: Partial FC: per shard, the sampled rows of its weight the loss scores (None: every row).
+    #: The weights stay whole; the kernels gather the sampled rows one chunk at a time.
+    rows: Optional[List[Optional[Tensor]]] = None
+    #: Row-sparse weight gradients: called as ``sink(shard index, compact gradient)`` with the
+    #: ``[len(rows), D]`` gradient of a sampled shard, which autograd then never sees.
+    row_grad_sink: Optional[Callable[[int, Tensor], None]] = None
+
+    def rows_of(self, shard: int) -> Optional[Tensor]:
+        return None if self.rows is None else self.rows[shard]
 
 
 def local_labels_for_range(labels: Tensor, r: range) -> Tensor:
@@ -73,11 +82,11 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
         sd = cfg.stats_dtype
         with _autocast_off(home.type):
             norms, stats = [], []
-            for a, w, lab in zip(embeds, weights, local_labels):
+            for i, (a, w, lab) in enumerate(zip(embeds, weights, local_labels)):
                 norm = torch.linalg.vector_norm(a.to(sd), dim=1) if cfg.margin.needs_norm else None
                 norms.append(norm)
                 with _autocast_off(a.device.type):
-                    stats.append(shard_forward(a, w, lab, norm, cfg))
+                    stats.append(shard_forward(a, w, lab, norm, cfg, rows=plan.rows_of(i)))
 
             row_max = torch.stack([s.row_max.to(home) for s in stats]).amax(dim=0)
             if plan.distributed:
@@ -124,13 +133,21 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
         coef = torch.where(valid, coef, torch.zeros_like(coef))
         grads_a: List[Tensor] = []
         grads_w: List[Tensor] = []
-        for a, w, lab, norm, stats in zip(embeds, weights, ctx.local_labels, ctx.norms, ctx.stats):
+        for i, (a, w, lab, norm, stats) in enumerate(zip(embeds, weights, ctx.local_labels, ctx.norms, ctx.stats)):
             dev = a.device
-            out = _existing_grad(w) if plan.weight_grad_in_place else None
+            rows = plan.rows_of(i)
+            sparse = rows is not None and plan.row_grad_sink is not None
+            out = _existing_grad(w) if plan.weight_grad_in_place and not sparse else None
             with _autocast_off(dev.type):
                 ga, gw = shard_backward(
-                    a, w, lab, norm, stats, row_max.to(dev), sum_exp.to(dev), coef.to(dev), cfg, out
+                    a, w, lab, norm, stats, row_max.to(dev), sum_exp.to(dev), coef.to(dev), cfg, out, rows=rows
                 )
+            if gw is not None and rows is not None:
+                if sparse:
+                    plan.row_grad_sink(i, gw)
+                    gw = None
+                else:  # no .grad to add into: autograd gets the dense gradient it expects
+                    gw = torch.zeros_like(w).index_add_(0, rows, gw)
             grads_a.append(ga)
             grads_w.append(gw)
         ctx.stats = ctx.local_labels = ctx.norms = None

@@ -29,6 +29,26 @@ from shardfc.head.normalize import NORM_EPS
 
 #: Rows per block when the weight gradient is formed: bounds its transient to WGRAD_BLOCK × D.
 WGRAD_BLOCK = 8192
+#: Partial FC without a chunk size walks the sampled rows this many at a time, so that only one
+#: block of them is ever gathered (copied) out of the weight.
+SAMPLED_BLOCK = WGRAD_BLOCK
+
+
+def _columns(w: Tensor, rows: Optional[Tensor]) -> int:
+    """How many classes the shard scores: every row of ``w``, or the sampled ``rows``."""
+    return w.shape[0] if rows is None else rows.numel()
+
+
+def _step(n: int, rows: Optional[Tensor], cfg: "ShardConfig") -> int:
+    if cfg.chunk_size:
+        return cfg.chunk_size
+    return max(min(n, SAMPLED_BLOCK), 1) if rows is not None else max(n, 1)
+
+
+def _centres(w: Tensor, rows: Optional[Tensor], start: int, stop: int) -> Tensor:
+    """Classes ``[start, stop)`` of the shard's scored columns: a view of ``w``, or the gathered
+    sampled rows (the only copy of them the step makes, one chunk at a time)."""
+    return w[start:stop] if rows is None else w.index_select(0, rows[start:stop])
 
 @dataclass(frozen=True)
 class ShardConfig:
@@ -92,10 +112,13 @@ def _targets_in(rows_t: Tensor, cols_t: Tensor, start: int, stop: int) -> Tuple[
 
 
 def shard_forward(
-    a: Tensor, w: Tensor, local_labels: Tensor, norms: Optional[Tensor], cfg: ShardConfig
+    a: Tensor, w: Tensor, local_labels: Tensor, norms: Optional[Tensor], cfg: ShardConfig,
+    rows: Optional[Tensor] = None,
 ) -> ShardStats:
-    """Partial statistics of one shard. ``local_labels[i]`` is the label's row in ``w`` or −1."""
-    B, n = a.shape[0], w.shape[0]
+    """Partial statistics of one shard. ``local_labels[i]`` is the label's column or −1: its row in
+    ``w``, or with ``rows`` (Partial FC: the sampled rows of ``w``, scored in that order) its index
+    in ``rows``. Without a chunk size the sampled rows are still gathered SAMPLED_BLOCK at a time."""
+    B, n = a.shape[0], _columns(w, rows)
     sd, dev = cfg.stats_dtype, a.device
     margin = cfg.margin
     row_max = torch.full((B,), float("-inf"), dtype=sd, device=dev)
@@ -109,10 +132,10 @@ def shard_forward(
     rows_t = torch.nonzero(local_labels >= 0).squeeze(1)
     cols_t = local_labels[rows_t]
     a_s = _scaled_embeddings(a, cfg)
-    step = cfg.chunk_size or max(n, 1)
+    step = _step(n, rows, cfg)
     for start in range(0, n, step):
         stop = min(start + step, n)
-        w_c = w[start:stop]
+        w_c = _centres(w, rows, start, stop)
         inv = _inverse_norms(w_c, cfg)
         z = _raw_products(a_s, w_c, cfg)
         if inv is not None:
@@ -148,22 +171,29 @@ def shard_backward(
     coef: Tensor,
     cfg: ShardConfig,
     grad_w_out: Optional[Tensor] = None,
+    rows: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Gradients of ``Σ_i coef_i · loss_i`` with respect to ``a`` and this shard's ``w``.
 
     ``global_max``/``global_sum`` are the combined statistics over all shards; no communication.
-    With ``grad_w_out`` (an existing ``.grad``) the weight gradient is added into it block by block
-    and None is returned for it: the step then allocates nothing of size ``[n, D]``.
+    With ``grad_w_out`` (an existing ``[n, D]`` ``.grad``) the weight gradient is added into it
+    block by block (at ``rows`` under Partial FC) and None is returned for it: the step then
+    allocates nothing of size ``[n, D]``. Otherwise it is returned: ``[n, D]``, or with ``rows``
+    the compact ``[len(rows), D]`` gradient of the sampled rows only, in ``rows`` order.
     """
-    n = w.shape[0]
+    n = _columns(w, rows)
     margin, eps, C = cfg.margin, cfg.label_smoothing, cfg.num_classes
     rows_t = torch.nonzero(local_labels >= 0).squeeze(1)
     cols_t = local_labels[rows_t]
     a_s = _scaled_embeddings(a, cfg)
     grad_a = torch.zeros(a.shape, dtype=cfg.stats_dtype, device=a.device)
-    step = cfg.chunk_size or max(n, 1)
+    step = _step(n, rows, cfg)
     accumulate = grad_w_out is not None
-    grad_w = grad_w_out if accumulate else torch.empty_like(w)
+    scatter = accumulate and rows is not None  # add sampled rows' blocks into the dense .grad
+    if accumulate:
+        grad_w = grad_w_out
+    else:
+        grad_w = torch.empty((n,) + tuple(w.shape[1:]), dtype=w.dtype, device=w.device)
     coef_over_sum = coef / global_sum
     smooth = (coef * (eps / C)).unsqueeze(1) if eps > 0 else None
     # dL/dz_t for the targets on this shard, from the saved target logits alone.
@@ -172,7 +202,7 @@ def shard_backward(
 
     for k, start in enumerate(range(0, n, step)):
         stop = min(start + step, n)
-        w_c = w[start:stop]
+        w_c = _centres(w, rows, start, stop)
         inv = _inverse_norms(w_c, cfg)
         r, c = _targets_in(rows_t, cols_t, start, stop)
         sel = (cols_t >= start) & (cols_t < stop)
@@ -198,20 +228,22 @@ def shard_backward(
             b1 = min(b0 + WGRAD_BLOCK, stop - start)
             # h_j = inv_j·dL/dŵ_j (a_s = s·a carries the scale). Through the normalisation:
             # dL/dw_j = inv_j·(G_j − ŵ_j(ŵ_j·G_j)) = h_j − inv_j²·w_j·(w_j·h_j).
-            rows = grad_w[start + b0 : start + b1]
+            out = None if scatter else grad_w[start + b0 : start + b1]
             g_t = g[:, b0:b1].t()
-            if not accumulate and g_t.dtype == a_s.dtype == rows.dtype:
-                h = torch.mm(g_t, a_s, out=rows)  # straight into the gradient, no copy
+            if not accumulate and g_t.dtype == a_s.dtype == out.dtype:
+                h = torch.mm(g_t, a_s, out=out)  # straight into the gradient, no copy
             else:
                 h = (g_t @ a_s).to(w.dtype)
             if inv is not None:
                 wb = w_c[b0:b1]
                 dot = torch.bmm(h.unsqueeze(1), wb.unsqueeze(2)).view(-1).to(inv.dtype)
                 h.addcmul_(wb, (dot * inv[b0:b1].square()).to(h.dtype).unsqueeze(1), value=-1.0)
-            if accumulate:
-                rows.add_(h)
-            elif h is not rows:
-                rows.copy_(h)
+            if scatter:
+                grad_w.index_add_(0, rows[start + b0 : start + b1], h)
+            elif accumulate:
+                out.add_(h)
+            elif h is not out:
+                out.copy_(h)
         del z, g
     if stats.buffers is not None:
         stats.buffers.clear()

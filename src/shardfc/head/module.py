@@ -37,8 +37,9 @@ from shardfc.head.partial_fc import (
     load_optimizer_rows,
     num_sampled,
     optimizer_rows,
+    RowGrad,
+    merge_row_grads,
     sample_rows,
-    take_rows,
     union_rows,
 )
 from shardfc.head.function import (
@@ -107,6 +108,13 @@ class ShardedMarginHead(nn.Module):
             head. Evaluation mode and :meth:`predict` always use every class.
         sample_seed: seed of the sampling; step ``t`` of shard ``i`` draws from
             ``(sample_seed, i, t)``, so a run is reproducible (``sample_step`` counts steps).
+        sparse_grad: Partial FC only (``sample_rate < 1``): the weight gradient of a training step
+            holds the sampled rows only, a compact ``[⌈r·n_local⌉ (+ positives), D]`` buffer kept by
+            the head (never a ``.grad``: autograd sees none for the weights) and handed with its row
+            ids to the row-sparse optimizer of :func:`~shardfc.head.partial_fc.head_optimizer`
+            (:meth:`take_sampled_rows`). No ``[n_local, D]`` gradient is ever allocated, so a class
+            costs its weight and optimizer state at rest. Needs that optimizer (or a caller that
+            reads :meth:`take_sampled_rows`): ``torch.optim`` optimizers see no gradient.
         weight_grad_in_place: when a shard weight already has a ``.grad``, add the step's weight
             gradient straight into it, block by block, instead of returning a fresh ``[n, D]``
             tensor for autograd to add (keep it with ``optimizer.zero_grad(set_to_none=False)``).
@@ -114,7 +122,11 @@ class ShardedMarginHead(nn.Module):
             to head weights needs ``False``.
         init_seed: seed of the ``N(0, 0.01²)`` initialisation, identical for any sharding.
         device, dtype: of the weights in process-group / single mode (default: the current CUDA
-            device under NCCL, else the CPU; float32).
+            device under NCCL, else the CPU; float32). ``dtype`` is the storage dtype of the class
+            centres (and of their optimizer state: :func:`~shardfc.head.partial_fc.head_optimizer`
+            keeps it in the same dtype but computes each update in fp32 before rounding it back,
+            to nearest or stochastically). bf16/fp16 halve a class's bytes at rest; the loss still
+            runs its statistics in fp32.
 
     Example::
 
@@ -136,6 +148,7 @@ class ShardedMarginHead(nn.Module):
         chunk_budget_bytes: int = 64 * 2**20,
         sample_rate: float = 1.0,
         sample_seed: int = 0,
+        sparse_grad: bool = False,
         weight_grad_in_place: bool = True,
         init_seed: int = 0,
         device: Optional[DeviceLike] = None,
@@ -168,6 +181,13 @@ class ShardedMarginHead(nn.Module):
         self.sample_step = 0
         # Per shard, the rows the forwards since the optimizer's last step used (None: every row).
         self._pending_rows: Optional[List[Optional[Tensor]]] = None
+        if not isinstance(sparse_grad, bool):
+            raise TypeError(f"sparse_grad must be True or False, got {sparse_grad!r}")
+        if sparse_grad and self.sample_rate >= 1.0:
+            raise ValueError(f"sparse_grad=True needs Partial FC (sample_rate < 1), got sample_rate={sample_rate!r}")
+        self.sparse_grad = sparse_grad
+        # Per shard, the compact (rows, gradient) pairs the backwards since the last step left (sparse_grad).
+        self._row_grads: List[List[Tuple[Tensor, Tensor]]] = []
         self.weight_grad_in_place = bool(weight_grad_in_place)
         self.init_seed = int(init_seed)
         dtype = torch.float32 if dtype is None else dtype
@@ -218,16 +238,31 @@ class ShardedMarginHead(nn.Module):
         """
         return None if self._pending_rows is None else list(self._pending_rows)
 
-    def take_sampled_rows(self) -> Dict[Tensor, Tensor]:
+    def take_sampled_rows(self) -> Dict[Tensor, Union[Tensor, RowGrad]]:
         """``{shard weight: rows}`` of :attr:`sampled_rows`, which are then forgotten.
 
         What a row-sparse optimizer (:func:`~shardfc.head.partial_fc.head_optimizer`) asks at each
-        step. Shards whose forwards used every row are left out: their update is dense.
+        step. Shards whose forwards used every row are left out: their update is dense. With
+        ``sparse_grad``, a shard whose backward ran maps to a :class:`~shardfc.head.partial_fc.RowGrad`
+        instead: its sampled rows and their gradient (the micro-batches' summed), also forgotten.
         """
         pending, self._pending_rows = self._pending_rows, None
+        row_grads, self._row_grads = self._row_grads, []
         if pending is None:
             return {}
-        return {w: rows for w, rows in zip(self.shard_weights, pending) if rows is not None}
+        out: Dict[Tensor, Union[Tensor, RowGrad]] = {}
+        for i, (w, rows) in enumerate(zip(self.shard_weights, pending)):
+            if rows is None:
+                continue
+            parts = row_grads[i] if i < len(row_grads) else []
+            out[w] = merge_row_grads(parts) if parts else rows
+        return out
+
+    def _keep_row_grad(self, shard: int, rows: Tensor, grad: Tensor) -> None:
+        """The sink of a sparse_grad backward: keep shard ``shard``'s compact gradient of ``rows``."""
+        while len(self._row_grads) <= shard:
+            self._row_grads.append([])
+        self._row_grads[shard].append((rows, grad))
 
     def _record_rows(self, rows: List[Optional[Tensor]]) -> None:
         """Note the rows of each shard a forward used, for the optimizer (only when autograd records)."""
@@ -283,9 +318,11 @@ class ShardedMarginHead(nn.Module):
         embeds = self._global_embeddings(x, sizes, autograd=True)
         all_labels = self.ctx.all_gather_rows(labels, sizes) if self.distributed else labels
         local_labels = [local_labels_for_range(all_labels.to(d), r) for d, r in zip(self.devices, self.shard_ranges)]
-        num_classes = self.num_classes
+        num_classes, rows, sink = self.num_classes, None, None
         if sampling:
-            weights, local_labels, num_classes = self._sample_classes(all_labels, local_labels)
+            rows, local_labels, num_classes = self._sample_classes(all_labels, local_labels)
+            if self.sparse_grad:
+                sink = lambda shard, grad: self._keep_row_grad(shard, rows[shard], grad)  # noqa: E731
         else:
             self._record_rows([None] * len(weights))
         plan = ShardedLossPlan(
@@ -302,6 +339,8 @@ class ShardedMarginHead(nn.Module):
             comm=self.ctx.communicator,
             world_size=self.world_size,
             weight_grad_in_place=self.weight_grad_in_place,
+            rows=rows,
+            row_grad_sink=sink,
         )
         valid = all_labels != self.ignore_index
         losses = sharded_cross_entropy(plan, valid, local_labels, embeds, weights)
@@ -315,10 +354,10 @@ class ShardedMarginHead(nn.Module):
         return max(1, self.chunk_budget_bytes // (8 * max(batch, 1)))
 
     def _sample_classes(self, all_labels: Tensor, local_labels: List[Tensor]):
-        """Partial FC: the sampled sub-weights, labels re-indexed into them, and the sampled total."""
+        """Partial FC: each shard's sampled rows, labels re-indexed into them, and the sampled total."""
         step, self.sample_step = self.sample_step, self.sample_step + 1
         first_shard = self.rank if self.distributed else 0
-        sub_weights, sub_labels, sampled = [], [], []
+        sub_labels, sampled = [], []
         for i, (w, lab) in enumerate(zip(self.shard_weights, local_labels)):
             gen = torch.Generator().manual_seed(mix_seed(self.sample_seed, first_shard + i, step))
             positives = torch.unique(lab[lab >= 0])
@@ -327,7 +366,6 @@ class ShardedMarginHead(nn.Module):
             lut = torch.full((w.shape[0],), -1, dtype=torch.int64, device=w.device)
             lut[rows] = torch.arange(rows.numel(), device=w.device)
             sub_labels.append(torch.where(lab >= 0, lut[lab.clamp(min=0)], lab))
-            sub_weights.append(take_rows(w, rows, self.weight_grad_in_place))
         self._record_rows(sampled)
         # Every rank sees the global labels, so it can count every shard's sample without talking.
         valid = all_labels[all_labels != self.ignore_index]
@@ -335,7 +373,7 @@ class ShardedMarginHead(nn.Module):
         for r in class_ranges(self.num_classes, self.world_size * len(self.devices)):
             n_pos = int(torch.unique(valid[(valid >= r.start) & (valid < r.stop)]).numel())
             total += num_sampled(len(r), self.sample_rate, n_pos)
-        return sub_weights, sub_labels, total
+        return sampled, sub_labels, total
 
     # ------------------------------------------------------------------ sharded state
     def state_layout(self) -> Dict[str, Any]:
@@ -397,6 +435,7 @@ class ShardedMarginHead(nn.Module):
                 w.copy_(weight[lo:hi])
         self.sample_step = int(extras.get("sample_step", 0))
         self._pending_rows = None
+        self._row_grads = []
         if optimizer is not None:
             opt_tensors = {_optimizer_key(k): v for k, v in tensors.items() if k.startswith("optimizer.")}
             opt_extras = {_optimizer_key(k): v for k, v in extras.items() if k.startswith("optimizer.")}
@@ -444,7 +483,7 @@ class ShardedMarginHead(nn.Module):
         }[self.mode]
         chunk = f", chunk_size={self.chunk_size}" if self.chunk_size else ""
         if self.sample_rate < 1.0:
-            chunk += f", sample_rate={self.sample_rate}"
+            chunk += f", sample_rate={self.sample_rate}" + (", sparse_grad=True" if self.sparse_grad else "")
         return (
             f"embedding_dim={self.embedding_dim}, num_classes={self.num_classes}, margin={self.margin}, "
             f"{where}, classes={self.class_range.start}..{self.class_range.stop - 1}, "
