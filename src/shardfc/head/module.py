@@ -258,6 +258,17 @@ class ShardedMarginHead(nn.Module):
             out[w] = merge_row_grads(parts) if parts else rows
         return out
 
+    def row_grad_values(self) -> List[Tensor]:
+        """The compact gradients the backwards since the last step left (``sparse_grad``), one per
+        shard, merged over micro-batches: what clipping and overflow checks read, in place."""
+        out = []
+        for parts in self._row_grads:
+            if len(parts) > 1:
+                merged = merge_row_grads(parts)
+                parts[:] = [(merged.rows, merged.values)]
+            out += [g for _, g in parts]
+        return out
+
     def _keep_row_grad(self, shard: int, rows: Tensor, grad: Tensor) -> None:
         """The sink of a sparse_grad backward: keep shard ``shard``'s compact gradient of ``rows``."""
         while len(self._row_grads) <= shard:

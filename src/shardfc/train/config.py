@@ -114,6 +114,12 @@ class TrainConfig:
     """Walk each shard's classes this many at a time to bound activation memory (logits never stored); 0: all at once; -1: auto (the largest chunk whose logits fit 64 MiB)."""
     label_smoothing: float = 0.0
     """Label smoothing epsilon over all classes."""
+    head_dtype: str = "float32"
+    """Storage dtype of the class centres and their optimizer state: float32, bfloat16 or float16 (updates computed in fp32, rounded once)."""
+    head_rounding: str = "nearest"
+    """How a bf16/fp16 head's fp32 update is rounded back: nearest or stochastic (unbiased, seeded by --seed)."""
+    sparse_grad: bool = False
+    """Partial FC: keep only the sampled rows' weight gradient (no [n_local, D] gradient); needs sample_rate < 1 and amp != fp16."""
 
     # ------------------------------------------------------------------ optim
     optimizer: str = "sgd"
@@ -233,6 +239,13 @@ class TrainConfig:
             raise ConfigError(f"momentum must be in [0, 1), got {self.momentum!r}")
         if not 0.0 < self.sample_rate <= 1.0:
             raise ConfigError(f"sample_rate must be in (0, 1], got {self.sample_rate!r}")
+        _choice(self, "head_dtype", ("float32", "bfloat16", "float16"))
+        _choice(self, "head_rounding", ("nearest", "stochastic"))
+        if self.sparse_grad and self.sample_rate >= 1.0:
+            raise ConfigError(f"sparse_grad needs Partial FC: set sample_rate < 1 (got {self.sample_rate!r})")
+        if self.sparse_grad and self.amp == "fp16":
+            raise ConfigError("sparse_grad does not work with amp='fp16' (the loss scaler unscales .grad only): "
+                              "use --amp bf16 or none")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
@@ -297,7 +310,7 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
              "synthetic_images_per_identity", "num_workers", "drop_last"),
     "model": ("backbone", "embedding_dim"),
     "head": ("margin", "scale", "m", "m1", "m2", "m3", "easy_margin", "sphereface_lambda", "sample_rate",
-             "chunk_size", "label_smoothing"),
+             "chunk_size", "label_smoothing", "head_dtype", "head_rounding", "sparse_grad"),
     "optim": ("optimizer", "lr", "momentum", "weight_decay", "nesterov", "betas", "eps", "grad_clip", "grad_accum"),
     "schedule": ("batch_size", "max_steps", "epochs", "scheduler", "poly_power", "warmup_steps"),
     "run": ("strategy", "amp", "seed", "nproc", "device", "output_dir", "resume", "log_every", "progress",
