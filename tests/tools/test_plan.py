@@ -58,6 +58,10 @@ def _measured_step_peak(C, D, B, grads_kept=True, optimizer="sgd", dtype="float3
         dict(dtype="float64", margin="softmax", sample_rate=0.25),
         dict(chunk_size=256),
         dict(chunk_size=256, grads_kept=False),
+        dict(sample_rate=0.25, sparse_grad=True),
+        dict(sample_rate=0.25, sparse_grad=True, chunk_size=256, dtype="bfloat16", optimizer="adamw"),
+        dict(sample_rate=0.25, sparse_grad=True, grads_kept=False, dtype="float16"),
+        dict(dtype="bfloat16", optimizer="adamw"),
     ],
 )
 def test_plan_equals_the_step_measured_on_real_tensors(options):
@@ -150,13 +154,18 @@ def test_in_a_process_group_the_replay_runs_in_a_fresh_process(monkeypatch, tmp_
 
 # --------------------------------------------------------------------------- plan vs bench
 @pytest.mark.parametrize("variant", ["sharded", "chunked", "partial"])
-def test_plan_matches_bench_within_10_percent(bench_run, variant):
+@pytest.mark.parametrize("precision", ["float32", "bfloat16 + sparse gradient"])
+def test_plan_matches_bench_within_10_percent(request, variant, precision):
     """The bench's CPU measure counts live tensors on every machine: no skip."""
-    assert bench_run["code"] == 0, bench_run["stderr"]
-    s = bench_run["sizes"]
-    options = {"chunked": dict(chunk_size=s["CHUNK"]), "partial": dict(sample_rate=s["RATE"])}.get(variant, {})
-    predicted = plan(s["C"], s["D"], s["B"], s["W"], "float32", "sgd", grad_in_place=True, **options)["step_peak"]
-    measured = max(bench_run["results"][variant]["peak_bytes_per_rank"])
+    bf16 = precision != "float32"
+    run = request.getfixturevalue("bench_run_bf16_sparse" if bf16 else "bench_run")
+    assert run["code"] == 0, run["stderr"]
+    s = run["sizes"]
+    partial = dict(sample_rate=s["RATE"], sparse_grad=True) if bf16 else dict(sample_rate=s["RATE"])
+    options = {"chunked": dict(chunk_size=s["CHUNK"]), "partial": partial}.get(variant, {})
+    dtype = "bfloat16" if bf16 else "float32"
+    predicted = plan(s["C"], s["D"], s["B"], s["W"], dtype, "sgd", grad_in_place=True, **options)["step_peak"]
+    measured = max(run["results"][variant]["peak_bytes_per_rank"])
     assert abs(measured - predicted) <= 0.10 * predicted, (variant, measured, predicted)
 
 

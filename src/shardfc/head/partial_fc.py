@@ -119,21 +119,23 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
 
     @staticmethod
-    def _blocks(p: Tensor, entry) -> Iterator[Tuple[Union[Tensor, slice], Tensor]]:
-        """``(rows, their gradient)`` per block of the rows ``entry`` says to update."""
+    def _blocks(p: Tensor, entry) -> Iterator[Tuple[Union[Tensor, slice], Tensor, Union[Tensor, slice]]]:
+        """``(rows, gradient source, its index)`` per block of the rows ``entry`` says to update:
+        the block's gradient is ``source[index]``, gathered by the update itself so that no
+        reference outlives it."""
         if isinstance(entry, RowGrad):
             for b0 in range(0, entry.rows.numel(), UPDATE_BLOCK):
-                yield entry.rows[b0 : b0 + UPDATE_BLOCK], entry.values[b0 : b0 + UPDATE_BLOCK]
+                yield entry.rows[b0 : b0 + UPDATE_BLOCK], entry.values, slice(b0, b0 + UPDATE_BLOCK)
         elif p.grad is None:
             return
         elif entry is not None:
             for b0 in range(0, entry.numel(), UPDATE_BLOCK):
                 idx = entry[b0 : b0 + UPDATE_BLOCK]
-                yield idx, p.grad[idx]
+                yield idx, p.grad, idx
         else:
             for b0 in range(0, p.shape[0], UPDATE_BLOCK):
                 idx = slice(b0, b0 + UPDATE_BLOCK)
-                yield idx, p.grad[idx]
+                yield idx, p.grad, idx
 
     def _rounder(self, group: dict, index: int, device: torch.device):
         """``round(x, dtype)`` for this step and parameter."""
@@ -151,8 +153,8 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for index, p in enumerate(group["params"]):
                 rnd = self._rounder(group, index, p.device)
-                for idx, g in self._blocks(p, rows_of.get(p)):
-                    self._update(p, idx, g, group, rnd)
+                for idx, source, at in self._blocks(p, rows_of.get(p)):
+                    self._update(p, idx, source[at], group, rnd)
             group["rounding_step"] += 1
         return loss
 
