@@ -293,6 +293,8 @@ def test_budget_too_small_for_one_class():
         (dict(budget_bytes="lots"), "budget"),
         (dict(memory_model="resident"), "'resident' model was removed"),
         (dict(grad_in_place="yes"), "grad_in_place"),
+        (dict(sparse_grad=True), "sparse_grad needs Partial FC"),
+        (dict(sparse_grad=1, sample_rate=0.5), "sparse_grad must be True or False"),
         (dict(margin="nope"), "nope"),
     ],
 )

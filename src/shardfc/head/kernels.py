@@ -11,7 +11,9 @@ computes, per sample, the partial softmax statistics that the shards later combi
 It walks the classes ``chunk`` rows at a time with an online softmax (a running max rescales the
 running sum), so with a chunk size the activation memory is ``O(B · chunk)``; with no chunk size
 the one ``[B, n]`` buffer holding ``exp(z − m_s)`` is kept for the backward (the softmax formed in
-place, never a one-hot). The backward turns that buffer (or recomputed chunks) into
+place, never a one-hot). Under Partial FC the shard scores the sampled ``rows`` of ``w`` only, gathered
+a chunk (without a chunk size, ``SAMPLED_BLOCK`` rows) at a time, and the weight gradient is the
+sampled rows' (compact, or added at those rows into an existing ``.grad``). The backward turns that buffer (or recomputed chunks) into
 ``dL/dz = coef · (softmax − (1−ε)·onehot − ε/C)`` in place and multiplies it back through the
 margin and the weight normalisation.
 """

@@ -25,6 +25,13 @@ forward used every row (evaluation mode, or a forward without sampling) has no e
 densely, like torch's optimizer would: its gradient is dense. So is every parameter when no forward
 was recorded since the last step (e.g. a gradient set by hand). ``zero_grad()`` also forgets the
 recorded rows, since the gradient they belong to is gone (e.g. a step skipped by the fp16 scaler).
+
+With the head's ``sparse_grad=True`` the weight has no ``.grad`` at all: ``take_sampled_rows`` maps
+each sampled shard to a :class:`RowGrad` (its rows and their compact gradient, summed over the
+micro-batches), which the optimizers consume directly. Every update is computed in fp32 (fp64 for
+fp64 weights), ``UPDATE_BLOCK`` rows at a time, and rounded once into the weight's and the state's
+dtype (:mod:`shardfc.head.rounding`): bf16/fp16 class centres keep bf16/fp16 state without losing
+updates below their last bit to a low-precision subtraction.
 """
 
 from __future__ import annotations
