@@ -42,12 +42,14 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--max-steps", type=int, default=600)
     p.add_argument("--sample-rate", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0, help="seed of the run (model, data, sampling, rounding)")
     args = p.parse_args()
     results = {}
     for name, options in RUNS.items():
         out = args.out / name.replace(" ", "_")
         cfg = dataclasses.replace(TrainConfig(), output_dir=str(out), max_steps=args.max_steps, resume="none",
-                                  sample_rate=args.sample_rate, progress=False, ckpt_every=0, **options)
+                                  sample_rate=args.sample_rate, progress=False, ckpt_every=0, seed=args.seed,
+                                  **options)
         started = time.time()
         train_cli.run(cfg)
         losses, accuracy = _read(out / "metrics.csv")

@@ -155,3 +155,17 @@ def test_sampled_rows_are_gathered_one_block_at_a_time(monkeypatch, sparse):
         _loss_peak(head, opt, 0)
         peaks.append(_loss_peak(head, opt, 1))
     assert peaks[0] - peaks[1] >= (k - 64) * dim * 4 * 0.9, peaks
+
+
+def test_a_full_forward_in_the_same_step_makes_the_update_dense():
+    """A sampled micro-batch and a full (eval-mode) one in one step: the sparse head's gradient and
+    update equal the dense head's."""
+    heads = [make_head(s) for s in (False, True)]
+    opts = [head_optimizer(h, "sgd", lr=0.1, momentum=0.9, weight_decay=5e-4) for h in heads]
+    for head, opt in zip(heads, opts):
+        for micro, training in enumerate((True, False)):
+            head.train(training)
+            x, y = batch(micro)
+            head(x, y).backward()
+        opt.step()
+    assert torch.equal(heads[0].weight, heads[1].weight)

@@ -252,9 +252,15 @@ class ShardedMarginHead(nn.Module):
             return {}
         out: Dict[Tensor, Union[Tensor, RowGrad]] = {}
         for i, (w, rows) in enumerate(zip(self.shard_weights, pending)):
-            if rows is None:
-                continue
             parts = row_grads[i] if i < len(row_grads) else []
+            if rows is None:
+                if parts:  # a full forward in the same step: the update is dense, so is the gradient
+                    merged = merge_row_grads(parts)
+                    with torch.no_grad():
+                        if w.grad is None:
+                            w.grad = torch.zeros_like(w)
+                        w.grad.index_add_(0, merged.rows, merged.values.to(w.grad.dtype))
+                continue
             out[w] = merge_row_grads(parts) if parts else rows
         return out
 
