@@ -37,6 +37,16 @@ def test_sparse_gradient_run_equals_the_dense_gradient_run(tmp_path):
     assert not torch.equal(dense["weight"], _run(tmp_path / "unclipped", grad_clip=0.0)["weight"])
 
 
+def test_subcenter_sparse_gradient_run_equals_the_dense_gradient_run(tmp_path):
+    """--subcenters 2 with Partial FC: the compact gradient of the sampled classes' centre rows trains
+    the head as the dense gradient does; the checkpoint stores [n, K, D] either way."""
+    dense = _run(tmp_path / "dense", subcenters=2)
+    sparse = _run(tmp_path / "sparse", subcenters=2, sparse_grad=True)
+    assert dense["weight"].dim() == 3 and dense["weight"].shape[1] == 2
+    for key in dense:
+        torch.testing.assert_close(sparse[key], dense[key], rtol=1e-5, atol=1e-7)
+
+
 def test_bf16_head_keeps_its_dtype_in_the_checkpoint(tmp_path):
     saved = _run(tmp_path / "bf16", head_dtype="bfloat16", head_rounding="stochastic", sparse_grad=True)
     assert saved["weight"].dtype == torch.bfloat16
