@@ -62,6 +62,9 @@ def _measured_step_peak(C, D, B, grads_kept=True, optimizer="sgd", dtype="float3
         dict(sample_rate=0.25, sparse_grad=True, chunk_size=256, dtype="bfloat16", optimizer="adamw"),
         dict(sample_rate=0.25, sparse_grad=True, grads_kept=False, dtype="float16"),
         dict(dtype="bfloat16", optimizer="adamw"),
+        dict(subcenters=3),
+        dict(subcenters=2, sample_rate=0.25, sparse_grad=True, dtype="bfloat16"),
+        dict(subcenters=3, sample_rate=0.25, chunk_size=256, optimizer="adamw"),
     ],
 )
 def test_plan_equals_the_step_measured_on_real_tensors(options):
@@ -295,6 +298,7 @@ def test_budget_too_small_for_one_class():
         (dict(grad_in_place="yes"), "grad_in_place"),
         (dict(sparse_grad=True), "sparse_grad needs Partial FC"),
         (dict(sparse_grad=1, sample_rate=0.5), "sparse_grad must be True or False"),
+        (dict(subcenters=0), "subcenters must be a positive integer, got 0"),
         (dict(margin="nope"), "nope"),
     ],
 )
@@ -336,3 +340,25 @@ def test_cli_prints_a_table(tmp_path):
         assert main(["--classes", "10", "--dim", "4", "--batch", "4", "--sample-rate", "2"]) == 2
         assert main(["--classes", "10", "--dim", "4", "--batch", "4", "--budget", "10"]) == 2
     assert "chunk_size" in err.getvalue() and "sample_rate" in err.getvalue() and "one class" in err.getvalue()
+
+
+def test_subcenters_count_classes_and_cost_k_rows_each():
+    """K = 3: the same classes (n_local, n_sampled), three weight rows and their state each; the CLI
+    passes --subcenters through."""
+    base = dict(num_classes=9_000, dim=32, batch=64, world_size=3, sample_rate=0.1, sparse_grad=True)
+    one, three = plan(**base), plan(**base, subcenters=3)
+    assert three["n_local"] == one["n_local"] == 3_000 and three["n_sampled"] == one["n_sampled"]
+    assert three["parts"]["weights"] == 3 * one["parts"]["weights"] == 3 * 3_000 * 32 * 4
+    assert three["parts"]["optimizer_state"] == 3 * one["parts"]["optimizer_state"]
+    assert three["bytes_per_class"] == 3 * one["bytes_per_class"]
+    # the compact gradient: K rows per sampled class
+    assert three["parts"]["gradients"] == 3 * one["parts"]["gradients"] == 3 * one["n_sampled"] * 32 * 4
+    out = io.StringIO()
+    argv = ["--classes", "9000", "--dim", "32", "--batch", "64", "--world-size", "3", "--sample-rate", "0.1",
+            "--sparse-grad", "--subcenters", "3"]
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    assert "3 sub-centres per class" in out.getvalue()
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        assert main(argv[:-1] + ["0"]) == 2
+    assert "subcenters must be a positive integer, got 0" in err.getvalue()

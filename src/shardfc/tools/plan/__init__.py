@@ -83,6 +83,7 @@ def plan(
     chunk_budget_bytes: int = 64 * 2**20,
     grad_in_place: bool = True,
     sparse_grad: bool = False,
+    subcenters: int = 1,
 ) -> Dict[str, Any]:
     """Per-rank memory of one head training step, and (with a budget) the largest C and B that fit.
 
@@ -105,6 +106,8 @@ def plan(
             (``optimizer.zero_grad(set_to_none=False)``), the head adds into them in place.
             ``False``: ``zero_grad(set_to_none=True)``: the step allocates them.
         sparse_grad: Partial FC's row-sparse weight gradient (needs ``sample_rate < 1``).
+        subcenters: Sub-center ArcFace's ``K`` centres per class (``K`` weight rows each; Partial FC
+            samples whole classes). ``n_local``, ``n_sampled`` and ``bytes_per_class`` count classes.
 
     Returns a dict with ``parts`` (bytes per part, see the module docstring), ``step_peak``,
     ``resting``, ``total``, ``bytes_per_class`` (resting bytes over ``n_local``), ``n_local``, ``n_sampled``, ``local_batch``, the inputs, and with a
@@ -119,6 +122,7 @@ def plan(
     check_positive_int("dim", dim)
     check_positive_int("batch", batch)
     check_positive_int("world_size", world_size)
+    check_positive_int("subcenters", subcenters)
     dtype = _dtype_name(dtype)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
@@ -148,13 +152,15 @@ def plan(
         return _in_fresh_process(
             plan, num_classes, dim, batch, world_size, dtype, optimizer, sample_rate, chunk_size, budget,
             margin=margin, weight_decay=weight_decay, chunk_budget_bytes=chunk_budget_bytes, grad_in_place=grad_in_place,
-            sparse_grad=sparse_grad,
+            sparse_grad=sparse_grad, subcenters=subcenters,
         )
     from shardfc.tools.plan.replay import fake_world
 
     head_options = dict(margin=margin, chunk_size=chunk_size, chunk_budget_bytes=chunk_budget_bytes, sample_rate=float(sample_rate))
     if sparse_grad:
         head_options["sparse_grad"] = True
+    if subcenters > 1:
+        head_options["subcenters"] = subcenters
     with fake_world(world_size):
         evaluate = _Evaluator(dim, world_size, DTYPES[dtype], optimizer, weight_decay, grad_in_place, head_options)
         result = dict(evaluate(num_classes, batch))
@@ -162,6 +168,7 @@ def plan(
             num_classes=num_classes, dim=dim, batch=batch, world_size=world_size, dtype=dtype, optimizer=optimizer,
             sample_rate=float(sample_rate), chunk_size=chunk_size, margin=type(margin).__name__,
             weight_decay=weight_decay, memory_model=memory_model, grad_in_place=grad_in_place, sparse_grad=sparse_grad,
+            subcenters=subcenters,
         )
         if budget is not None:
             one = evaluate(1, batch)["total"]
@@ -313,7 +320,8 @@ def format_plan(result: Dict[str, Any]) -> str:
     chunk = r["chunk_size"] if r["chunk_size"] else "none"
     lines = [
         f"head: C={r['num_classes']:,} D={r['dim']} global B={r['batch']} on W={r['world_size']} "
-        f"({r['dtype']}, {r['margin']}, optimizer {r['optimizer']}, chunk {chunk}, sample rate {r['sample_rate']})",
+        f"({r['dtype']}, {r['margin']}, optimizer {r['optimizer']}, chunk {chunk}, sample rate {r['sample_rate']}"
+        + (f", {r['subcenters']} sub-centres per class" if r.get("subcenters", 1) > 1 else "") + ")",
         f"rank 0: {r['n_local']:,} classes"
         + (f" ({r['n_sampled']:,} sampled per step)" if r["n_sampled"] != r["n_local"] else "")
         + f", {r['local_batch']} local rows; memory model: {r['memory_model']}",
@@ -377,6 +385,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "zero_grad(set_to_none=True), the step allocates the [n, D] gradient")
     p.add_argument("--sparse-grad", action="store_true",
                    help="Partial FC's row-sparse weight gradient (the sampled rows only; needs --sample-rate < 1)")
+    p.add_argument("--subcenters", type=int, default=1,
+                   help="Sub-center ArcFace: K centres (weight rows) per class (default 1)")
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     try:
         args = p.parse_args(argv)
@@ -387,6 +397,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             args.classes, args.dim, args.batch, args.world_size, args.dtype, args.optimizer, args.sample_rate,
             args.chunk_size, args.budget, margin=args.margin, weight_decay=args.weight_decay,
             memory_model=args.memory_model, grad_in_place=args.grad_in_place, sparse_grad=args.sparse_grad,
+            subcenters=args.subcenters,
         )
     except ValueError as e:
         print(f"shardfc plan: error: {e}", file=sys.stderr)

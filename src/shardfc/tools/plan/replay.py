@@ -339,7 +339,7 @@ def replay_step(
         weights=sum(_nbytes(p) for p in params),
         gradients=sum(_nbytes(p.grad) for p in params) if grads_kept else 0,
         optimizer_state=state,
-        n_local=sum(p.shape[0] for p in params),
+        n_local=sum(p.shape[0] for p in params) // getattr(head, "subcenters", 1),  # classes, not centre rows
         local_batch=local_batch,
     )
 
