@@ -40,6 +40,13 @@ CASES = {
     "magface": dict(margin="magface"),
     "magface+chunk+sum+ignore": dict(margin="magface", chunk_size=3, reduction="sum", ignore=True),
     "magface+subcenters+filter": dict(margin="magface", subcenters=2, filter=0.3),
+    # Partial FC's row-sparse gradient over sub-centres: the compact gradient of the sampled classes'
+    # centre rows (K per class) against the dense reference's, and nothing else.
+    "subcenters+partial_fc+sparse_grad+ignore": dict(subcenters=3, sample_rate=0.5, sparse=True, ignore=True),
+    "subcenters+partial_fc+sparse_grad+labels_on_one_shard": dict(subcenters=2, sample_rate=0.4, sparse=True,
+                                                                  one_shard=True, reduction="sum"),
+    "magface+subcenters+filter+partial_fc+sparse_grad+chunk": dict(margin="magface", subcenters=2, filter=0.3,
+                                                                   sample_rate=0.6, sparse=True, chunk_size=2),
 }
 
 
@@ -79,6 +86,7 @@ def _run_case(rank, world, opts):
     head = shardfc.ShardedMarginHead(
         D, C, margin=margin, subcenters=K, interclass_filter_threshold=opts.get("filter"), reduction=reduction,
         chunk_size=opts.get("chunk_size"), sample_rate=opts.get("sample_rate", 1.0), dtype=torch.float64,
+        sparse_grad=opts.get("sparse", False),
     )
     xr = x[lo:hi].clone().requires_grad_()
     loss = head(xr, y[lo:hi])
@@ -103,8 +111,20 @@ def _run_case(rank, world, opts):
     out = {
         "loss": _rel(loss.detach(), (ref[lo:hi] if reduction == "none" else ref).detach()),
         "grad_embeddings": _rel(xr.grad, world * x_ref.grad[lo:hi]),
-        "grad_weight": _rel(head.weight.grad, W.grad[r.start * K : r.stop * K]),
     }
+    if opts.get("sparse"):
+        row_grad = head.take_sampled_rows()[head.weight]
+        centre_rows = row_grad.rows + r.start * K
+        out["grad_weight"] = _rel(row_grad.values, W.grad[centre_rows])
+        # K centre rows per sampled class, class-major; the dense gradient is zero on all others.
+        whole = (centre_rows.view(-1, K)[:, :1] + torch.arange(K)).view(-1)
+        out["sparse_rows_whole_classes"] = float(not torch.equal(centre_rows, whole) or centre_rows.numel() % K != 0)
+        others = torch.ones(C * K, dtype=torch.bool)
+        others[centre_rows] = False
+        out["sparse_no_grad_elsewhere"] = float(W.grad[r.start * K : r.stop * K][others[r.start * K : r.stop * K]].abs().sum())
+        out["sparse_no_dense_grad"] = float(head.weight.grad is not None)
+    else:
+        out["grad_weight"] = _rel(head.weight.grad, W.grad[r.start * K : r.stop * K])
     if isinstance(margin, M.AdaFace):
         out["adaface_stats"] = abs(margin.norm_mean - ref_margin.norm_mean) + abs(margin.norm_std - ref_margin.norm_std)
         state = head.sharded_state()["extras"]

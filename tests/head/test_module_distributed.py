@@ -241,7 +241,17 @@ def _partial_fc_case(rank, world):
     r = head.class_range
     untouched = torch.ones(C, dtype=torch.bool)
     untouched[kept] = False
+    # The same step with a row-sparse gradient: the sampled rows' gradient only, no .grad.
+    sparse = shardfc.ShardedMarginHead(D, C, margin=M.CosFace(64.0, 0.35), sample_rate=0.4, sample_seed=3,
+                                       dtype=torch.float64, label_smoothing=0.1, sparse_grad=True)
+    xs = x[lo:hi].clone().requires_grad_()
+    sparse(xs, y[lo:hi]).backward()
+    row_grad = sparse.take_sampled_rows()[sparse.weight]
     return {
+        "sparse_no_grad": sparse.weight.grad is None,
+        "sparse_rows": bool(torch.equal(row_grad.rows, rows - r.start)),
+        "sparse_grad_weight": _rel(row_grad.values, W_full.grad[rows]),
+        "sparse_grad_embeddings": _rel(xs.grad, world * x_ref.grad[lo:hi]),
         "positives_kept": bool(torch.isin(y, kept).all()),
         "loss": _rel(loss.detach(), ref.detach()),
         "grad_embeddings": _rel(xr.grad, world * x_ref.grad[lo:hi]),
@@ -358,8 +368,9 @@ def test_partial_fc_equals_dense_loss_over_sampled_classes(world_results):
     for res in results:
         p = res["partial"]
         assert p["positives_kept"] and p["unsampled_grad_zero"]
+        assert p["sparse_no_grad"] and p["sparse_rows"]
         assert p["count"] >= p["expected_min"]
-        for key in ("loss", "grad_embeddings", "grad_weight"):
+        for key in ("loss", "grad_embeddings", "grad_weight", "sparse_grad_weight", "sparse_grad_embeddings"):
             assert p[key] < TOL, f"{key}: {p[key]}"
 
 

@@ -58,6 +58,13 @@ def _measured_step_peak(C, D, B, grads_kept=True, optimizer="sgd", dtype="float3
         dict(dtype="float64", margin="softmax", sample_rate=0.25),
         dict(chunk_size=256),
         dict(chunk_size=256, grads_kept=False),
+        dict(sample_rate=0.25, sparse_grad=True),
+        dict(sample_rate=0.25, sparse_grad=True, chunk_size=256, dtype="bfloat16", optimizer="adamw"),
+        dict(sample_rate=0.25, sparse_grad=True, grads_kept=False, dtype="float16"),
+        dict(dtype="bfloat16", optimizer="adamw"),
+        dict(subcenters=3),
+        dict(subcenters=2, sample_rate=0.25, sparse_grad=True, dtype="bfloat16"),
+        dict(subcenters=3, sample_rate=0.25, chunk_size=256, optimizer="adamw"),
     ],
 )
 def test_plan_equals_the_step_measured_on_real_tensors(options):
@@ -82,7 +89,7 @@ def test_plan_follows_a_change_in_the_head(monkeypatch):
     before = plan(C, D, B, W)
     real_forward = head_function.shard_forward
 
-    def forward_with_an_extra_buffer(a, w, local_labels, norms, cfg):
+    def forward_with_an_extra_buffer(a, w, local_labels, norms, cfg, rows=None):
         stats = real_forward(a, w, local_labels, norms, cfg)
         stats.extra = torch.empty(a.shape[0], w.shape[0], dtype=torch.float32, device=a.device)
         return stats
@@ -98,7 +105,7 @@ def test_plan_follows_a_change_in_the_head(monkeypatch):
 def test_a_value_the_replay_cannot_know_is_an_error(monkeypatch):
     real_forward = head_function.shard_forward
 
-    def forward_reading_a_value(a, w, local_labels, norms, cfg):
+    def forward_reading_a_value(a, w, local_labels, norms, cfg, rows=None):
         int(local_labels.sum())
         return real_forward(a, w, local_labels, norms, cfg)
 
@@ -150,13 +157,18 @@ def test_in_a_process_group_the_replay_runs_in_a_fresh_process(monkeypatch, tmp_
 
 # --------------------------------------------------------------------------- plan vs bench
 @pytest.mark.parametrize("variant", ["sharded", "chunked", "partial"])
-def test_plan_matches_bench_within_10_percent(bench_run, variant):
+@pytest.mark.parametrize("precision", ["float32", "bfloat16 + sparse gradient"])
+def test_plan_matches_bench_within_10_percent(request, variant, precision):
     """The bench's CPU measure counts live tensors on every machine: no skip."""
-    assert bench_run["code"] == 0, bench_run["stderr"]
-    s = bench_run["sizes"]
-    options = {"chunked": dict(chunk_size=s["CHUNK"]), "partial": dict(sample_rate=s["RATE"])}.get(variant, {})
-    predicted = plan(s["C"], s["D"], s["B"], s["W"], "float32", "sgd", grad_in_place=True, **options)["step_peak"]
-    measured = max(bench_run["results"][variant]["peak_bytes_per_rank"])
+    bf16 = precision != "float32"
+    run = request.getfixturevalue("bench_run_bf16_sparse" if bf16 else "bench_run")
+    assert run["code"] == 0, run["stderr"]
+    s = run["sizes"]
+    partial = dict(sample_rate=s["RATE"], sparse_grad=True) if bf16 else dict(sample_rate=s["RATE"])
+    options = {"chunked": dict(chunk_size=s["CHUNK"]), "partial": partial}.get(variant, {})
+    dtype = "bfloat16" if bf16 else "float32"
+    predicted = plan(s["C"], s["D"], s["B"], s["W"], dtype, "sgd", grad_in_place=True, **options)["step_peak"]
+    measured = max(run["results"][variant]["peak_bytes_per_rank"])
     assert abs(measured - predicted) <= 0.10 * predicted, (variant, measured, predicted)
 
 
@@ -284,6 +296,9 @@ def test_budget_too_small_for_one_class():
         (dict(budget_bytes="lots"), "budget"),
         (dict(memory_model="resident"), "'resident' model was removed"),
         (dict(grad_in_place="yes"), "grad_in_place"),
+        (dict(sparse_grad=True), "sparse_grad needs Partial FC"),
+        (dict(sparse_grad=1, sample_rate=0.5), "sparse_grad must be True or False"),
+        (dict(subcenters=0), "subcenters must be a positive integer, got 0"),
         (dict(margin="nope"), "nope"),
     ],
 )
@@ -325,3 +340,25 @@ def test_cli_prints_a_table(tmp_path):
         assert main(["--classes", "10", "--dim", "4", "--batch", "4", "--sample-rate", "2"]) == 2
         assert main(["--classes", "10", "--dim", "4", "--batch", "4", "--budget", "10"]) == 2
     assert "chunk_size" in err.getvalue() and "sample_rate" in err.getvalue() and "one class" in err.getvalue()
+
+
+def test_subcenters_count_classes_and_cost_k_rows_each():
+    """K = 3: the same classes (n_local, n_sampled), three weight rows and their state each; the CLI
+    passes --subcenters through."""
+    base = dict(num_classes=9_000, dim=32, batch=64, world_size=3, sample_rate=0.1, sparse_grad=True)
+    one, three = plan(**base), plan(**base, subcenters=3)
+    assert three["n_local"] == one["n_local"] == 3_000 and three["n_sampled"] == one["n_sampled"]
+    assert three["parts"]["weights"] == 3 * one["parts"]["weights"] == 3 * 3_000 * 32 * 4
+    assert three["parts"]["optimizer_state"] == 3 * one["parts"]["optimizer_state"]
+    assert three["bytes_per_class"] == 3 * one["bytes_per_class"]
+    # the compact gradient: K rows per sampled class
+    assert three["parts"]["gradients"] == 3 * one["parts"]["gradients"] == 3 * one["n_sampled"] * 32 * 4
+    out = io.StringIO()
+    argv = ["--classes", "9000", "--dim", "32", "--batch", "64", "--world-size", "3", "--sample-rate", "0.1",
+            "--sparse-grad", "--subcenters", "3"]
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    assert "3 sub-centres per class" in out.getvalue()
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        assert main(argv[:-1] + ["0"]) == 2
+    assert "subcenters must be a positive integer, got 0" in err.getvalue()

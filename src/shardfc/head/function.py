@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -42,6 +42,16 @@ class ShardedLossPlan:
     #: Add weight gradients straight into an existing ``.grad`` of a leaf weight (no ``[n, D]``
     #: transient); autograd then sees no gradient for that weight.
     weight_grad_in_place: bool = True
+    #: Partial FC: per shard, the sampled rows of its weight the loss scores (None: every row); with
+    #: sub-centres the sampled classes' centre rows, K per class, class-major. The weights stay
+    #: whole; the kernels gather the sampled rows one chunk at a time.
+    rows: Optional[List[Optional[Tensor]]] = None
+    #: Row-sparse weight gradients: called as ``sink(shard index, compact gradient)`` with the
+    #: ``[len(rows), D]`` gradient of a sampled shard, which autograd then never sees.
+    row_grad_sink: Optional[Callable[[int, Tensor], None]] = None
+
+    def rows_of(self, shard: int) -> Optional[Tensor]:
+        return None if self.rows is None else self.rows[shard]
 
 
 def local_labels_for_range(labels: Tensor, r: range) -> Tensor:
@@ -79,18 +89,18 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
             target_rows = None
             if cfg.filter_threshold is not None:
                 target_rows = gather_target_centres(plan, embeds, weights, local_labels, home)
-            norms, stats, rows_on = [], [], []
-            for a, w, lab in zip(embeds, weights, local_labels):
+            norms, stats, targets_on = [], [], []
+            for i, (a, w, lab) in enumerate(zip(embeds, weights, local_labels)):
                 if feature_norms is not None:
                     norm = feature_norms.to(a.device, sd)
                 else:
                     norm = torch.linalg.vector_norm(a.to(sd), dim=1) if cfg.margin.needs_norm else None
                 norms.append(norm)
-                rows = None if target_rows is None else target_rows.to(a.device)
-                rows_on.append(rows)
-                extra = {} if rows is None else {"target_rows": rows}
+                targets = None if target_rows is None else target_rows.to(a.device)
+                targets_on.append(targets)
+                extra = {} if targets is None else {"target_rows": targets}
                 with _autocast_off(a.device.type):
-                    stats.append(shard_forward(a, w, lab, norm, cfg, **extra))
+                    stats.append(shard_forward(a, w, lab, norm, cfg, rows=plan.rows_of(i), **extra))
 
             row_max = torch.stack([s.row_max.to(home) for s in stats]).amax(dim=0)
             if plan.distributed:
@@ -117,7 +127,7 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
             loss = torch.where(valid, loss, torch.zeros_like(loss))
 
         ctx.plan = plan
-        ctx.stats, ctx.local_labels, ctx.norms, ctx.target_rows = stats, local_labels, norms, rows_on
+        ctx.stats, ctx.local_labels, ctx.norms, ctx.target_rows = stats, local_labels, norms, targets_on
         ctx.feature_norms = feature_norms is not None
         ctx.norm_dtype = None if feature_norms is None else feature_norms.dtype
         ctx.save_for_backward(valid, row_max, sum_exp, *tensors)
@@ -145,14 +155,22 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
         grads_w: List[Tensor] = []
         grad_norms = None
         zipped = zip(embeds, weights, ctx.local_labels, ctx.norms, ctx.stats, ctx.target_rows)
-        for a, w, lab, norm, stats, rows in zipped:
+        for i, (a, w, lab, norm, stats, targets) in enumerate(zipped):
             dev = a.device
-            out = _existing_grad(w) if plan.weight_grad_in_place else None
+            rows = plan.rows_of(i)
+            sparse = rows is not None and plan.row_grad_sink is not None
+            out = _existing_grad(w) if plan.weight_grad_in_place and not sparse else None
             with _autocast_off(dev.type):
                 ga, gw, gn = shard_backward(
                     a, w, lab, norm, stats, row_max.to(dev), sum_exp.to(dev), coef.to(dev), cfg, out,
-                    target_rows=rows, feature_norms=ctx.feature_norms,
+                    target_rows=targets, feature_norms=ctx.feature_norms, rows=rows,
                 )
+            if gw is not None and rows is not None:
+                if sparse:
+                    plan.row_grad_sink(i, gw)
+                    gw = None
+                else:  # no .grad to add into: autograd gets the dense gradient it expects
+                    gw = torch.zeros_like(w).index_add_(0, rows, gw)
             grads_a.append(ga)
             grads_w.append(gw)
             if gn is not None:
@@ -174,9 +192,12 @@ def gather_target_centres(
     sd, K = cfg.stats_dtype, cfg.subcenters
     B, D = embeds[0].shape[0], weights[0].shape[1]
     total = torch.zeros(B, D, dtype=sd, device=home)
-    for a, w, lab in zip(embeds, weights, local_labels):
+    for i, (a, w, lab) in enumerate(zip(embeds, weights, local_labels)):
         rows = torch.nonzero(lab >= 0).squeeze(1)
         ids = (lab[rows].unsqueeze(1) * K + torch.arange(K, device=lab.device)).view(-1)
+        sampled = plan.rows_of(i)
+        if sampled is not None:  # Partial FC: labels index the sampled classes, whose rows these are
+            ids = sampled[ids]
         centres = w[ids].to(sd).view(-1, K, D)
         unit = centres / torch.linalg.vector_norm(centres, dim=2, keepdim=True).clamp(min=NORM_EPS)
         if K > 1:

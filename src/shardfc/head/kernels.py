@@ -11,13 +11,17 @@ computes, per sample, the partial softmax statistics that the shards later combi
 It walks the classes ``chunk`` rows at a time with an online softmax (a running max rescales the
 running sum), so with a chunk size the activation memory is ``O(B · chunk)``; with no chunk size
 the one ``[B, n]`` buffer holding ``exp(z − m_s)`` is kept for the backward (the softmax formed in
-place, never a one-hot). The backward turns that buffer (or recomputed chunks) into
+place, never a one-hot). Under Partial FC the shard scores the sampled ``rows`` of ``w`` only, gathered
+a chunk (without a chunk size, ``SAMPLED_BLOCK`` rows) at a time, and the weight gradient is the
+sampled rows' (compact, or added at those rows into an existing ``.grad``). The backward turns
+that buffer (or recomputed chunks) into
 ``dL/dz = coef · (softmax − (1−ε)·onehot − ε/C)`` in place and multiplies it back through the
 margin and the weight normalisation.
 
 With sub-centres (``cfg.subcenters = K``) a class is ``K`` consecutive rows and its logit the max over
 them: the ``[B, K·classes]`` products of a chunk are reduced to ``[B, classes]`` at once, and the
-backward scatters each class's gradient to its arg-max row. With inter-class filtering the classes
+backward scatters each class's gradient to its arg-max row. Under Partial FC ``rows`` then holds the
+sampled classes' centre rows, ``K`` per class, and every walk moves in whole classes. With inter-class filtering the classes
 too close to a sample's target centre get a −inf logit, i.e. no softmax mass and no gradient.
 """
 
@@ -34,6 +38,31 @@ from shardfc.head.normalize import NORM_EPS
 
 #: Rows per block when the weight gradient is formed: bounds its transient to WGRAD_BLOCK × D.
 WGRAD_BLOCK = 8192
+#: Partial FC without a chunk size walks the sampled rows this many at a time, so that only one
+#: block of them is ever gathered (copied) out of the weight.
+SAMPLED_BLOCK = WGRAD_BLOCK
+
+
+def _columns(w: Tensor, rows: Optional[Tensor]) -> int:
+    """How many centre rows the shard scores: every row of ``w``, or the sampled ``rows``."""
+    return w.shape[0] if rows is None else rows.numel()
+
+
+def _step(n: int, rows: Optional[Tensor], cfg: "ShardConfig") -> int:
+    """Classes per chunk: the chunk size, or all ``n`` (sampled: SAMPLED_BLOCK rows' worth of whole
+    classes, so a gathered block never splits a class's sub-centres)."""
+    if cfg.chunk_size:
+        return cfg.chunk_size
+    if rows is None:
+        return max(n, 1)
+    return max(min(n, SAMPLED_BLOCK // cfg.subcenters), 1)
+
+
+def _centres(w: Tensor, rows: Optional[Tensor], start: int, stop: int) -> Tensor:
+    """Centre rows ``[start, stop)`` of the shard's scored columns: a view of ``w``, or the gathered
+    sampled rows (the only copy of them the step makes, one chunk at a time)."""
+    return w[start:stop] if rows is None else w.index_select(0, rows[start:stop])
+
 
 @dataclass(frozen=True)
 class ShardConfig:
@@ -141,11 +170,15 @@ def shard_forward(
     norms: Optional[Tensor],
     cfg: ShardConfig,
     target_rows: Optional[Tensor] = None,
+    rows: Optional[Tensor] = None,
 ) -> ShardStats:
-    """Partial statistics of one shard. ``local_labels[i]`` is the label's class row in ``w`` or −1;
-    ``target_rows`` the unit target centres ``[B, D]`` for inter-class filtering."""
+    """Partial statistics of one shard. ``local_labels[i]`` is the label's class column or −1: its
+    class in ``w``, or with ``rows`` (Partial FC: the centre rows of the sampled classes, ``K`` per
+    class, class-major, scored in that order) its class index in ``rows``. Without a chunk size the
+    sampled rows are still gathered SAMPLED_BLOCK rows at a time. ``target_rows``: the unit target
+    centres ``[B, D]`` for inter-class filtering."""
     K = cfg.subcenters
-    B, n = a.shape[0], w.shape[0] // K
+    B, n = a.shape[0], _columns(w, rows) // K
     sd, dev = cfg.stats_dtype, a.device
     margin = cfg.margin
     row_max = torch.full((B,), float("-inf"), dtype=sd, device=dev)
@@ -159,10 +192,10 @@ def shard_forward(
     rows_t = torch.nonzero(local_labels >= 0).squeeze(1)
     cols_t = local_labels[rows_t]
     a_s = _scaled_embeddings(a, cfg)
-    step = cfg.chunk_size or max(n, 1)
+    step = _step(n, rows, cfg)
     for start in range(0, n, step):
         stop = min(start + step, n)
-        w_c = w[start * K : stop * K]
+        w_c = _centres(w, rows, start * K, stop * K)
         z, arg = _class_logits(a_s, w_c, _inverse_norms(w_c, cfg), cfg)
         r, c = _targets_in(rows_t, cols_t, start, stop)
         raw_t = z[r, c] / margin.scale
@@ -202,25 +235,32 @@ def shard_backward(
     grad_w_out: Optional[Tensor] = None,
     target_rows: Optional[Tensor] = None,
     feature_norms: bool = False,
+    rows: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """Gradients of ``Σ_i coef_i · loss_i`` with respect to ``a``, this shard's ``w`` and, with
     ``feature_norms`` (``norms`` are then the embeddings' norms before normalisation, an input of
     their own), ``norms``.
 
     ``global_max``/``global_sum`` are the combined statistics over all shards; no communication.
-    With ``grad_w_out`` (an existing ``.grad``) the weight gradient is added into it block by block
-    and None is returned for it: the step then allocates nothing of size ``[n, D]``.
+    With ``grad_w_out`` (an existing ``[n, D]`` ``.grad``) the weight gradient is added into it
+    block by block (at ``rows`` under Partial FC) and None is returned for it: the step then
+    allocates nothing of size ``[n, D]``. Otherwise it is returned: ``[n, D]``, or with ``rows``
+    the compact ``[len(rows), D]`` gradient of the sampled rows only, in ``rows`` order.
     """
     K = cfg.subcenters
-    n = w.shape[0] // K
+    n = _columns(w, rows) // K
     margin, eps, C = cfg.margin, cfg.label_smoothing, cfg.num_classes
     rows_t = torch.nonzero(local_labels >= 0).squeeze(1)
     cols_t = local_labels[rows_t]
     a_s = _scaled_embeddings(a, cfg)
     grad_a = torch.zeros(a.shape, dtype=cfg.stats_dtype, device=a.device)
-    step = cfg.chunk_size or max(n, 1)
+    step = _step(n, rows, cfg)
     accumulate = grad_w_out is not None
-    grad_w = grad_w_out if accumulate else torch.empty_like(w)
+    scatter = accumulate and rows is not None  # add sampled rows' blocks into the dense .grad
+    if accumulate:
+        grad_w = grad_w_out
+    else:
+        grad_w = torch.empty((n * K,) + tuple(w.shape[1:]), dtype=w.dtype, device=w.device)
     coef_over_sum = coef / global_sum
     smooth = (coef * (eps / C)).unsqueeze(1) if eps > 0 else None
     # dL/dz_t for the targets on this shard, from the saved target logits alone.
@@ -229,7 +269,7 @@ def shard_backward(
 
     for k, start in enumerate(range(0, n, step)):
         stop = min(start + step, n)
-        w_c = w[start * K : stop * K]
+        w_c = _centres(w, rows, start * K, stop * K)
         inv = _inverse_norms(w_c, cfg)
         r, c = _targets_in(rows_t, cols_t, start, stop)
         sel = (cols_t >= start) & (cols_t < stop)
@@ -261,20 +301,22 @@ def shard_backward(
             b1 = min(b0 + WGRAD_BLOCK, r1 - r0)
             # h_j = inv_j·dL/dŵ_j (a_s = s·a carries the scale). Through the normalisation:
             # dL/dw_j = inv_j·(G_j − ŵ_j(ŵ_j·G_j)) = h_j − inv_j²·w_j·(w_j·h_j).
-            rows = grad_w[r0 + b0 : r0 + b1]
+            out = None if scatter else grad_w[r0 + b0 : r0 + b1]
             g_t = g[:, b0:b1].t()
-            if not accumulate and g_t.dtype == a_s.dtype == rows.dtype:
-                h = torch.mm(g_t, a_s, out=rows)  # straight into the gradient, no copy
+            if not accumulate and g_t.dtype == a_s.dtype == out.dtype:
+                h = torch.mm(g_t, a_s, out=out)  # straight into the gradient, no copy
             else:
                 h = (g_t @ a_s).to(w.dtype)
             if inv is not None:
                 wb = w_c[b0:b1]
                 dot = torch.bmm(h.unsqueeze(1), wb.unsqueeze(2)).view(-1).to(inv.dtype)
                 h.addcmul_(wb, (dot * inv[b0:b1].square()).to(h.dtype).unsqueeze(1), value=-1.0)
-            if accumulate:
-                rows.add_(h)
-            elif h is not rows:
-                rows.copy_(h)
+            if scatter:
+                grad_w.index_add_(0, rows[r0 + b0 : r0 + b1], h)
+            elif accumulate:
+                out.add_(h)
+            elif h is not out:
+                out.copy_(h)
         del z, g
     if stats.buffers is not None:
         stats.buffers.clear()

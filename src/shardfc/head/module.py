@@ -37,8 +37,9 @@ from shardfc.head.partial_fc import (
     load_optimizer_rows,
     num_sampled,
     optimizer_rows,
+    RowGrad,
+    merge_row_grads,
     sample_rows,
-    take_rows,
     union_rows,
 )
 from shardfc.head.function import (
@@ -107,6 +108,13 @@ class ShardedMarginHead(nn.Module):
             head. Evaluation mode and :meth:`predict` always use every class.
         sample_seed: seed of the sampling; step ``t`` of shard ``i`` draws from
             ``(sample_seed, i, t)``, so a run is reproducible (``sample_step`` counts steps).
+        sparse_grad: Partial FC only (``sample_rate < 1``): the weight gradient of a training step
+            holds the sampled rows only, a compact ``[K·(⌈r·n_local⌉ (+ positives)), D]`` buffer kept by
+            the head (never a ``.grad``: autograd sees none for the weights) and handed with its row
+            ids to the row-sparse optimizer of :func:`~shardfc.head.partial_fc.head_optimizer`
+            (:meth:`take_sampled_rows`). No ``[n_local, D]`` gradient is ever allocated, so a class
+            costs its weight and optimizer state at rest. Needs that optimizer (or a caller that
+            reads :meth:`take_sampled_rows`): ``torch.optim`` optimizers see no gradient.
         weight_grad_in_place: when a shard weight already has a ``.grad``, add the step's weight
             gradient straight into it, block by block, instead of returning a fresh ``[n, D]``
             tensor for autograd to add (keep it with ``optimizer.zero_grad(set_to_none=False)``).
@@ -114,12 +122,17 @@ class ShardedMarginHead(nn.Module):
             to head weights needs ``False``.
         init_seed: seed of the ``N(0, 0.01²)`` initialisation, identical for any sharding.
         device, dtype: of the weights in process-group / single mode (default: the current CUDA
-            device under NCCL, else the CPU; float32).
+            device under NCCL, else the CPU; float32). ``dtype`` is the storage dtype of the class
+            centres (and of their optimizer state: :func:`~shardfc.head.partial_fc.head_optimizer`
+            keeps it in the same dtype but computes each update in fp32 before rounding it back,
+            to nearest or stochastically). bf16/fp16 halve a class's bytes at rest; the loss still
+            runs its statistics in fp32.
         subcenters: Sub-center ArcFace (Deng et al., ECCV 2020): ``K`` centres per class, stored
             class-major as ``K`` consecutive weight rows (``weight`` is ``[n_local·K, D]``) on the
             class's shard; the class logit is the max over its centres, the margin applies to the
-            target's best centre and the gradient goes to the arg-max centres. See
-            :mod:`shardfc.head.subcenters` for dropping the non-dominant centres after training.
+            target's best centre and the gradient goes to the arg-max centres. Partial FC samples
+            classes and scores all ``K`` centres of each (``sparse_grad`` then covers those rows).
+            See :mod:`shardfc.head.subcenters` for dropping the non-dominant centres after training.
         interclass_filter_threshold: ``t`` in ``(0, 1]``: a negative class whose cosine to the
             sample's target centre exceeds ``t`` is left out of that sample's softmax (as if masked
             in a dense head; the mask carries no gradient). ``None``: off.
@@ -144,6 +157,7 @@ class ShardedMarginHead(nn.Module):
         chunk_budget_bytes: int = 64 * 2**20,
         sample_rate: float = 1.0,
         sample_seed: int = 0,
+        sparse_grad: bool = False,
         weight_grad_in_place: bool = True,
         init_seed: int = 0,
         device: Optional[DeviceLike] = None,
@@ -178,6 +192,13 @@ class ShardedMarginHead(nn.Module):
         self.sample_step = 0
         # Per shard, the rows the forwards since the optimizer's last step used (None: every row).
         self._pending_rows: Optional[List[Optional[Tensor]]] = None
+        if not isinstance(sparse_grad, bool):
+            raise TypeError(f"sparse_grad must be True or False, got {sparse_grad!r}")
+        if sparse_grad and self.sample_rate >= 1.0:
+            raise ValueError(f"sparse_grad=True needs Partial FC (sample_rate < 1), got sample_rate={sample_rate!r}")
+        self.sparse_grad = sparse_grad
+        # Per shard, the compact (rows, gradient) pairs the backwards since the last step left (sparse_grad).
+        self._row_grads: List[List[Tuple[Tensor, Tensor]]] = []
         self.weight_grad_in_place = bool(weight_grad_in_place)
         self.subcenters = check_positive_int("subcenters", subcenters)
         if self.subcenters > 255:  # the arg-max centre is kept as uint8
@@ -246,16 +267,48 @@ class ShardedMarginHead(nn.Module):
         """
         return None if self._pending_rows is None else list(self._pending_rows)
 
-    def take_sampled_rows(self) -> Dict[Tensor, Tensor]:
+    def take_sampled_rows(self) -> Dict[Tensor, Union[Tensor, RowGrad]]:
         """``{shard weight: rows}`` of :attr:`sampled_rows`, which are then forgotten.
 
         What a row-sparse optimizer (:func:`~shardfc.head.partial_fc.head_optimizer`) asks at each
-        step. Shards whose forwards used every row are left out: their update is dense.
+        step. Shards whose forwards used every row are left out: their update is dense. With
+        ``sparse_grad``, a shard whose backward ran maps to a :class:`~shardfc.head.partial_fc.RowGrad`
+        instead: its sampled rows and their gradient (the micro-batches' summed), also forgotten.
         """
         pending, self._pending_rows = self._pending_rows, None
+        row_grads, self._row_grads = self._row_grads, []
         if pending is None:
             return {}
-        return {w: rows for w, rows in zip(self.shard_weights, pending) if rows is not None}
+        out: Dict[Tensor, Union[Tensor, RowGrad]] = {}
+        for i, (w, rows) in enumerate(zip(self.shard_weights, pending)):
+            parts = row_grads[i] if i < len(row_grads) else []
+            if rows is None:
+                if parts:  # a full forward in the same step: the update is dense, so is the gradient
+                    merged = merge_row_grads(parts)
+                    with torch.no_grad():
+                        if w.grad is None:
+                            w.grad = torch.zeros_like(w)
+                        w.grad.index_add_(0, merged.rows, merged.values.to(w.grad.dtype))
+                continue
+            out[w] = merge_row_grads(parts) if parts else rows
+        return out
+
+    def row_grad_values(self) -> List[Tensor]:
+        """The compact gradients the backwards since the last step left (``sparse_grad``), one per
+        shard, merged over micro-batches: what clipping and overflow checks read, in place."""
+        out = []
+        for parts in self._row_grads:
+            if len(parts) > 1:
+                merged = merge_row_grads(parts)
+                parts[:] = [(merged.rows, merged.values)]
+            out += [g for _, g in parts]
+        return out
+
+    def _keep_row_grad(self, shard: int, rows: Tensor, grad: Tensor) -> None:
+        """The sink of a sparse_grad backward: keep shard ``shard``'s compact gradient of ``rows``."""
+        while len(self._row_grads) <= shard:
+            self._row_grads.append([])
+        self._row_grads[shard].append((rows, grad))
 
     def _record_rows(self, rows: List[Optional[Tensor]]) -> None:
         """Note the rows of each shard a forward used, for the optimizer (only when autograd records)."""
@@ -313,9 +366,11 @@ class ShardedMarginHead(nn.Module):
         valid = all_labels != self.ignore_index
         feature_norms = self._feature_norms(embeddings, sizes, valid) if self.margin.uses_feature_norm else None
         local_labels = [local_labels_for_range(all_labels.to(d), r) for d, r in zip(self.devices, self.shard_ranges)]
-        num_classes = self.num_classes
+        num_classes, rows, sink = self.num_classes, None, None
         if sampling:
-            weights, local_labels, num_classes = self._sample_classes(all_labels, local_labels)
+            rows, local_labels, num_classes = self._sample_classes(all_labels, local_labels)
+            if self.sparse_grad:
+                sink = lambda shard, grad: self._keep_row_grad(shard, rows[shard], grad)  # noqa: E731
         else:
             self._record_rows([None] * len(weights))
         plan = ShardedLossPlan(
@@ -334,6 +389,8 @@ class ShardedMarginHead(nn.Module):
             comm=self.ctx.communicator,
             world_size=self.world_size,
             weight_grad_in_place=self.weight_grad_in_place,
+            rows=rows,
+            row_grad_sink=sink,
         )
         losses = sharded_cross_entropy(plan, valid, local_labels, embeds, weights, feature_norms)
         return reduce_losses(losses, valid, sizes, self.rank, self.reduction)
@@ -360,10 +417,10 @@ class ShardedMarginHead(nn.Module):
         return max(1, self.chunk_budget_bytes // (8 * max(batch, 1)))
 
     def _sample_classes(self, all_labels: Tensor, local_labels: List[Tensor]):
-        """Partial FC: the sampled sub-weights, labels re-indexed into them, and the sampled total."""
+        """Partial FC: each shard's sampled rows, labels re-indexed into them, and the sampled total."""
         step, self.sample_step = self.sample_step, self.sample_step + 1
         first_shard = self.rank if self.distributed else 0
-        sub_weights, sub_labels, sampled = [], [], []
+        sub_labels, sampled = [], []
         for i, (w, lab) in enumerate(zip(self.shard_weights, local_labels)):
             gen = torch.Generator().manual_seed(mix_seed(self.sample_seed, first_shard + i, step))
             positives = torch.unique(lab[lab >= 0])
@@ -373,11 +430,9 @@ class ShardedMarginHead(nn.Module):
             lut = torch.full((n_classes,), -1, dtype=torch.int64, device=w.device)
             lut[rows] = torch.arange(rows.numel(), device=w.device)
             sub_labels.append(torch.where(lab >= 0, lut[lab.clamp(min=0)], lab))
-            if self.subcenters > 1:  # a sampled class brings all its centres
+            if self.subcenters > 1:  # a sampled class brings all its centres, class-major
                 K = self.subcenters
-                rows = (rows.unsqueeze(1) * K + torch.arange(K, device=rows.device)).view(-1)
-                sampled[-1] = rows
-            sub_weights.append(take_rows(w, rows, self.weight_grad_in_place))
+                sampled[-1] = (rows.unsqueeze(1) * K + torch.arange(K, device=rows.device)).view(-1)
         self._record_rows(sampled)
         # Every rank sees the global labels, so it can count every shard's sample without talking.
         valid = all_labels[all_labels != self.ignore_index]
@@ -385,7 +440,7 @@ class ShardedMarginHead(nn.Module):
         for r in class_ranges(self.num_classes, self.world_size * len(self.devices)):
             n_pos = int(torch.unique(valid[(valid >= r.start) & (valid < r.stop)]).numel())
             total += num_sampled(len(r), self.sample_rate, n_pos)
-        return sub_weights, sub_labels, total
+        return sampled, sub_labels, total
 
     # ------------------------------------------------------------------ sharded state
     def state_layout(self) -> Dict[str, Any]:
@@ -461,6 +516,7 @@ class ShardedMarginHead(nn.Module):
             if margin_state:
                 self.margin.load_state(margin_state)
         self._pending_rows = None
+        self._row_grads = []
         if optimizer is not None:
             opt_tensors = {_optimizer_key(k): v for k, v in tensors.items() if k.startswith("optimizer.")}
             opt_extras = {_optimizer_key(k): v for k, v in extras.items() if k.startswith("optimizer.")}
@@ -508,7 +564,7 @@ class ShardedMarginHead(nn.Module):
         }[self.mode]
         chunk = f", chunk_size={self.chunk_size}" if self.chunk_size else ""
         if self.sample_rate < 1.0:
-            chunk += f", sample_rate={self.sample_rate}"
+            chunk += f", sample_rate={self.sample_rate}" + (", sparse_grad=True" if self.sparse_grad else "")
         if self.subcenters > 1:
             chunk += f", subcenters={self.subcenters}"
         if self.interclass_filter_threshold is not None:

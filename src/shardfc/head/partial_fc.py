@@ -25,19 +25,31 @@ forward used every row (evaluation mode, or a forward without sampling) has no e
 densely, like torch's optimizer would: its gradient is dense. So is every parameter when no forward
 was recorded since the last step (e.g. a gradient set by hand). ``zero_grad()`` also forgets the
 recorded rows, since the gradient they belong to is gone (e.g. a step skipped by the fp16 scaler).
+
+With the head's ``sparse_grad=True`` the weight has no ``.grad`` at all: ``take_sampled_rows`` maps
+each sampled shard to a :class:`RowGrad` (its rows and their compact gradient, summed over the
+micro-batches), which the optimizers consume directly. Every update is computed in fp32 (fp64 for
+fp64 weights), ``UPDATE_BLOCK`` rows at a time, and rounded once into the weight's and the state's
+dtype (:mod:`shardfc.head.rounding`): bf16/fp16 class centres keep bf16/fp16 state without losing
+updates below their last bit to a low-precision subtraction.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-#: What a row-sparse optimizer asks once per step: ``{parameter: rows to update}`` (and forget them).
-SampledRows = Callable[[], Mapping[Tensor, Tensor]]
+from shardfc.head.rounding import check_rounding, round_to, update_dtype
+from shardfc.seeding import mix_seed
+
+#: What a row-sparse optimizer asks once per step: ``{parameter: rows to update, or a RowGrad}``
+#: (and forget them).
+SampledRows = Callable[[], Mapping[Tensor, Any]]
 
 
 def num_sampled(num_local: int, sample_rate: float, num_positive: int) -> int:
@@ -58,30 +70,25 @@ def sample_rows(positives: Tensor, num_local: int, sample_rate: float, generator
     return rows.sort().values.to(positives.device)
 
 
-class _TakeRows(torch.autograd.Function):
-    """``w[rows]`` forward; backward adds the rows' gradient into ``w.grad`` when it exists
-    (index_add, in place) instead of building a dense ``[n, D]`` zero gradient."""
+@dataclass
+class RowGrad:
+    """A row-sparse weight gradient: ``values[i]`` is the gradient of row ``rows[i]`` (sorted,
+    unique); every other row's is zero. What a ``sparse_grad`` head hands its optimizer."""
 
-    @staticmethod
-    def forward(ctx, w: Tensor, rows: Tensor, in_place: bool) -> Tensor:
-        ctx.save_for_backward(rows)
-        ctx.w, ctx.in_place = w, in_place
-        return w[rows]
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        (rows,) = ctx.saved_tensors
-        w = ctx.w
-        g = w.grad
-        if ctx.in_place and g is not None and g.shape == w.shape and g.dtype == grad.dtype and not g.is_sparse:
-            g.index_add_(0, rows, grad)
-            return None, None, None
-        return torch.zeros_like(w).index_add_(0, rows, grad), None, None
+    rows: Tensor
+    values: Tensor
 
 
-def take_rows(w: Tensor, rows: Tensor, grad_in_place: bool = True) -> Tensor:
-    """The sampled sub-weight ``w[rows]``; see :class:`_TakeRows` for where its gradient goes."""
-    return _TakeRows.apply(w, rows, grad_in_place)
+def merge_row_grads(parts: Sequence[Tuple[Tensor, Tensor]]) -> RowGrad:
+    """The sum of several ``(rows, values)`` gradients (one per micro-batch) as one :class:`RowGrad`."""
+    if len(parts) == 1:
+        return RowGrad(*parts[0])
+    rows = torch.unique(torch.cat([r for r, _ in parts]))
+    first = parts[0][1]
+    values = torch.zeros((rows.numel(),) + tuple(first.shape[1:]), dtype=first.dtype, device=first.device)
+    for r, g in parts:
+        values.index_add_(0, torch.searchsorted(rows, r), g)
+    return RowGrad(rows, values)
 
 
 def union_rows(previous: Optional[Tensor], rows: Optional[Tensor]) -> Optional[Tensor]:
@@ -91,31 +98,81 @@ def union_rows(previous: Optional[Tensor], rows: Optional[Tensor]) -> Optional[T
     return torch.unique(torch.cat([previous, rows.to(previous.device)]))
 
 
+#: Rows updated at a time: bounds the optimizer's fp32 transients to a few UPDATE_BLOCK × D.
+UPDATE_BLOCK = 65536
+
+
 class _RowSparseOptimizer(torch.optim.Optimizer):
     """An optimizer that asks ``sampled_rows()`` once per step which rows of each parameter to update.
 
     A parameter missing from the answer (or every parameter, without ``sampled_rows``) is updated
-    densely, exactly as torch's optimizer would.
+    densely, exactly as torch's optimizer would. Each update is computed in fp32 (fp64 for fp64
+    parameters), a block of rows at a time, and rounded once into the parameter's and the state's
+    dtype: to nearest, or with ``rounding="stochastic"`` unbiased at random (bf16/fp16 only), from
+    a generator seeded by ``(rounding_seed, step, parameter)``.
     """
 
-    def __init__(self, params: Iterable, defaults: dict, sampled_rows: Optional[SampledRows]):
-        super().__init__(params, defaults)
+    def __init__(self, params: Iterable, defaults: dict, sampled_rows: Optional[SampledRows],
+                 rounding: str, rounding_seed: int):
+        check_rounding(rounding)
+        super().__init__(params, dict(defaults, rounding=rounding, rounding_seed=int(rounding_seed), rounding_step=0))
         self.sampled_rows = sampled_rows
 
-    def _take_rows(self) -> Mapping[Tensor, Tensor]:
+    def _take_rows(self) -> Mapping[Tensor, Union[Tensor, RowGrad]]:
         return self.sampled_rows() if self.sampled_rows is not None else {}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._take_rows()  # the gradient the recorded rows belong to is discarded: forget them too
         super().zero_grad(set_to_none)
 
+    @staticmethod
+    def _blocks(p: Tensor, entry) -> Iterator[Tuple[Union[Tensor, slice], Tensor, Union[Tensor, slice]]]:
+        """``(rows, gradient source, its index)`` per block of the rows ``entry`` says to update:
+        the block's gradient is ``source[index]``, gathered by the update itself so that no
+        reference outlives it."""
+        if isinstance(entry, RowGrad):
+            for b0 in range(0, entry.rows.numel(), UPDATE_BLOCK):
+                yield entry.rows[b0 : b0 + UPDATE_BLOCK], entry.values, slice(b0, b0 + UPDATE_BLOCK)
+        elif p.grad is None:
+            return
+        elif entry is not None:
+            for b0 in range(0, entry.numel(), UPDATE_BLOCK):
+                idx = entry[b0 : b0 + UPDATE_BLOCK]
+                yield idx, p.grad, idx
+        else:
+            for b0 in range(0, p.shape[0], UPDATE_BLOCK):
+                idx = slice(b0, b0 + UPDATE_BLOCK)
+                yield idx, p.grad, idx
+
+    def _rounder(self, group: dict, index: int, device: torch.device):
+        """``round(x, dtype)`` for this step and parameter."""
+        mode = group["rounding"]
+        gen = None
+        if mode == "stochastic":
+            gen = torch.Generator(device=device).manual_seed(
+                mix_seed(group["rounding_seed"], group["rounding_step"], index))
+        return lambda x, dtype: round_to(x, dtype, mode, gen)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        rows_of = self._take_rows()
+        for group in self.param_groups:
+            for index, p in enumerate(group["params"]):
+                rnd = self._rounder(group, index, p.device)
+                for idx, source, at in self._blocks(p, rows_of.get(p)):
+                    self._update(p, idx, source[at], group, rnd)
+            group["rounding_step"] += 1
+        return loss
+
 
 class RowSparseSGD(_RowSparseOptimizer):
     """``torch.optim.SGD`` (momentum, nesterov, weight decay; no dampening) on the sampled rows only.
 
-    ``sampled_rows``: called once per :meth:`step`, returns ``{parameter: row ids}`` (normally a head's
-    :meth:`~shardfc.head.module.ShardedMarginHead.take_sampled_rows`). A parameter without rows is
-    updated densely, exactly as ``torch.optim.SGD`` would.
+    ``sampled_rows``: called once per :meth:`step`, returns ``{parameter: row ids or RowGrad}``
+    (normally a head's :meth:`~shardfc.head.module.ShardedMarginHead.take_sampled_rows`). A parameter
+    without rows is updated densely, exactly as ``torch.optim.SGD`` would. ``rounding``,
+    ``rounding_seed``: see :class:`_RowSparseOptimizer` (they matter for bf16/fp16 parameters only).
     """
 
     def __init__(
@@ -127,45 +184,40 @@ class RowSparseSGD(_RowSparseOptimizer):
         nesterov: bool = False,
         *,
         sampled_rows: Optional[SampledRows] = None,
+        rounding: str = "nearest",
+        rounding_seed: int = 0,
     ):
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"lr, momentum, weight_decay must be >= 0, got {lr}, {momentum}, {weight_decay}")
         if nesterov and momentum <= 0:
             raise ValueError("nesterov needs momentum > 0")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
-        super().__init__(params, defaults, sampled_rows)
+        super().__init__(params, defaults, sampled_rows, rounding, rounding_seed)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure() if closure is not None else None
-        rows_of = self._take_rows()
-        for group in self.param_groups:
-            lr, mom, wd, nesterov = group["lr"], group["momentum"], group["weight_decay"], group["nesterov"]
-            for p in group["params"]:
-                rows = rows_of.get(p)
-                if p.grad is None:
-                    continue
-                idx = rows if rows is not None else slice(None)
-                g = p.grad[idx]
-                w = p[idx]
-                if wd:
-                    g = g + wd * w
-                if mom:
-                    state = self.state[p]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = torch.zeros_like(p)
-                    buf = state["momentum_buffer"]
-                    b = buf[idx] * mom + g
-                    buf[idx] = b
-                    g = g + mom * b if nesterov else b
-                p[idx] = w - lr * g
-        return loss
+    def _update(self, p: Tensor, idx, g: Tensor, group: dict, rnd) -> None:
+        lr, mom, wd, nesterov = group["lr"], group["momentum"], group["weight_decay"], group["nesterov"]
+        cd = update_dtype(p.dtype)
+        g = g.to(cd)
+        w = p[idx].to(cd)
+        if wd:
+            g = g + wd * w
+        if mom:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            buf = state["momentum_buffer"]
+            b = buf[idx].to(cd) * mom + g
+            buf[idx] = rnd(b, buf.dtype)
+            g = g + mom * b if nesterov else b
+        p[idx] = rnd(w - lr * g, p.dtype)
 
 
 class RowSparseAdamW(_RowSparseOptimizer):
     """``torch.optim.AdamW`` on the sampled rows only, with a per-row step count for bias correction.
 
-    ``sampled_rows`` as for :class:`RowSparseSGD`.
+    ``sampled_rows``, ``rounding``, ``rounding_seed`` as for :class:`RowSparseSGD`. With fp16
+    parameters the second moment is kept in fp16 too and underflows for gradients below ~2e-4:
+    prefer bf16.
     """
 
     def __init__(
@@ -177,38 +229,34 @@ class RowSparseAdamW(_RowSparseOptimizer):
         weight_decay: float = 1e-2,
         *,
         sampled_rows: Optional[SampledRows] = None,
+        rounding: str = "nearest",
+        rounding_seed: int = 0,
     ):
         if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid AdamW hyper-parameters lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), sampled_rows)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, sampled_rows, rounding, rounding_seed)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure() if closure is not None else None
-        rows_of = self._take_rows()
-        for group in self.param_groups:
-            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                rows = rows_of.get(p)
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                    state["row_step"] = torch.zeros(p.shape[0], dtype=torch.float64, device=p.device)
-                idx = rows if rows is not None else slice(None)
-                g = p.grad[idx]
-                w = p[idx] * (1 - lr * wd)
-                m = state["exp_avg"][idx].lerp(g, 1 - b1)
-                v = state["exp_avg_sq"][idx].mul(b2).addcmul(g, g, value=1 - b2)
-                t = state["row_step"][idx] + 1
-                bias1 = (1 - b1**t).to(p.dtype).unsqueeze(1)
-                bias2_sqrt = (1 - b2**t).sqrt().to(p.dtype).unsqueeze(1)
-                w = w - (lr / bias1) * m / (v.sqrt() / bias2_sqrt + eps)
-                state["exp_avg"][idx], state["exp_avg_sq"][idx], state["row_step"][idx] = m, v, t
-                p[idx] = w
-        return loss
+    def _update(self, p: Tensor, idx, g: Tensor, group: dict, rnd) -> None:
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        state = self.state[p]
+        if not state:
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+            state["row_step"] = torch.zeros(p.shape[0], dtype=torch.float64, device=p.device)
+        cd = update_dtype(p.dtype)
+        g = g.to(cd)
+        w = p[idx].to(cd) * (1 - lr * wd)
+        m = state["exp_avg"][idx].to(cd).lerp(g, 1 - b1)
+        v = state["exp_avg_sq"][idx].to(cd).mul(b2).addcmul(g, g, value=1 - b2)
+        t = state["row_step"][idx] + 1
+        bias1 = (1 - b1**t).to(cd).unsqueeze(1)
+        bias2_sqrt = (1 - b2**t).sqrt().to(cd).unsqueeze(1)
+        w = w - (lr / bias1) * m / (v.sqrt() / bias2_sqrt + eps)
+        state["exp_avg"][idx] = rnd(m, state["exp_avg"].dtype)
+        state["exp_avg_sq"][idx] = rnd(v, state["exp_avg_sq"].dtype)
+        state["row_step"][idx] = t
+        p[idx] = rnd(w, p.dtype)
 
 
 def head_optimizer(
@@ -220,24 +268,30 @@ def head_optimizer(
     nesterov: bool = False,
     betas: Tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
+    rounding: str = "nearest",
+    rounding_seed: int = 0,
 ) -> torch.optim.Optimizer:
     """The optimizer for a head's shards: row-sparse under Partial FC, torch's own otherwise.
 
     The row-sparse optimizers take the rows to update from ``head.take_sampled_rows`` at each step.
+    They also serve a head whose weights are bf16/fp16 (with every row updated when there is no
+    sampling): its state stays in that dtype and each update is computed in fp32 and rounded back
+    once, to ``rounding`` (``"nearest"`` or ``"stochastic"``, seeded by ``rounding_seed``).
     """
     key = str(name).lower()
     if key not in ("sgd", "adamw"):
         raise ValueError(f"optimizer name must be 'sgd' or 'adamw', got {name!r}")
+    check_rounding(rounding)
     sparse = getattr(head, "sample_rate", 1.0) < 1.0
     params = list(head.parameters())
+    low = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
+    own = dict(sampled_rows=head.take_sampled_rows if sparse else None, rounding=rounding, rounding_seed=rounding_seed)
     if key == "sgd":
-        if sparse:
-            return RowSparseSGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
-                                sampled_rows=head.take_sampled_rows)
+        if sparse or low:
+            return RowSparseSGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, **own)
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
-    if sparse:
-        return RowSparseAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                              sampled_rows=head.take_sampled_rows)
+    if sparse or low:
+        return RowSparseAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **own)
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 

@@ -80,6 +80,8 @@ def build_parts(
         chunk_size={0: None, -1: "auto"}.get(cfg.chunk_size, cfg.chunk_size),
         sample_rate=cfg.sample_rate,
         sample_seed=cfg.seed,
+        sparse_grad=cfg.sparse_grad,
+        dtype=getattr(torch, cfg.head_dtype),
         init_seed=cfg.seed,
         subcenters=cfg.subcenters,
         interclass_filter_threshold=cfg.interclass_filter_threshold or None,
@@ -98,6 +100,7 @@ def build_parts(
     opt_head = head_optimizer(
         head, cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
         nesterov=cfg.nesterov, betas=tuple(cfg.betas), eps=cfg.eps,
+        rounding=cfg.head_rounding, rounding_seed=cfg.seed,
     )
     schedulers = [
         torch.optim.lr_scheduler.LambdaLR(o, WarmupDecay(cfg, total_steps)) for o in (opt_backbone, opt_head)

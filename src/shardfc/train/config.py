@@ -155,6 +155,12 @@ class TrainConfig:
     """Margin of the triplet loss's hinge max(0, d(a,p) - d(a,n) + margin)."""
     triplet_soft: bool = False
     """Soft-margin triplet loss log(1 + exp(d(a,p) - d(a,n))) instead of the hinge (triplet_margin is then unused)."""
+    head_dtype: str = "float32"
+    """Storage dtype of the class centres and their optimizer state: float32, bfloat16 or float16 (updates computed in fp32, rounded once)."""
+    head_rounding: str = "nearest"
+    """How a bf16/fp16 head's fp32 update is rounded back: nearest or stochastic (unbiased, seeded by --seed)."""
+    sparse_grad: bool = False
+    """Partial FC: keep only the sampled rows' weight gradient (no [n_local, D] gradient); needs sample_rate < 1 and amp != fp16."""
 
     # ------------------------------------------------------------------ optim
     optimizer: str = "sgd"
@@ -304,6 +310,13 @@ class TrainConfig:
         if not 0.0 < self.sample_rate <= 1.0:
             raise ConfigError(f"sample_rate must be in (0, 1], got {self.sample_rate!r}")
         _validate_reid(self)
+        _choice(self, "head_dtype", ("float32", "bfloat16", "float16"))
+        _choice(self, "head_rounding", ("nearest", "stochastic"))
+        if self.sparse_grad and self.sample_rate >= 1.0:
+            raise ConfigError(f"sparse_grad needs Partial FC: set sample_rate < 1 (got {self.sample_rate!r})")
+        if self.sparse_grad and self.amp == "fp16":
+            raise ConfigError("sparse_grad does not work with amp='fp16' (the loss scaler unscales .grad only): "
+                              "use --amp bf16 or none")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
         if self.subcenters > 255:
@@ -453,7 +466,7 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
     "head": ("margin", "scale", "m", "m1", "m2", "m3", "easy_margin", "sphereface_lambda", "adaface_h",
              "adaface_momentum", "magface_l_a", "magface_u_a", "magface_l_m", "magface_u_m", "magface_lambda_g",
              "subcenters", "interclass_filter_threshold", "sample_rate", "chunk_size", "label_smoothing",
-             "triplet_weight", "triplet_margin", "triplet_soft"),
+             "head_dtype", "head_rounding", "sparse_grad", "triplet_weight", "triplet_margin", "triplet_soft"),
     "optim": ("optimizer", "lr", "momentum", "weight_decay", "nesterov", "betas", "eps", "grad_clip", "grad_accum"),
     "schedule": ("batch_size", "max_steps", "epochs", "scheduler", "poly_power", "warmup_steps"),
     "run": ("strategy", "pipeline_stages", "pipeline_schedule", "micro_batches", "split_points", "micro_batch_stats",

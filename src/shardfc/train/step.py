@@ -94,13 +94,20 @@ def apply_gradients(parts: Parts, grad_clip: float, ctx: DistContext, pipeline: 
         s.step()
 
 
+def head_grads(head: nn.Module) -> list:
+    """The tensors holding the head's gradient: its ``.grad``s and, with ``sparse_grad``, the
+    sampled rows' compact gradients (merged over the micro-batches, changed in place by clipping)."""
+    grads = [p.grad for p in head.parameters() if p.grad is not None]
+    return grads + list(getattr(head, "row_grad_values", lambda: [])())
+
+
 def clip_head_grad_(head: nn.Module, max_norm: float, ctx: DistContext) -> torch.Tensor:
     """Clip the head's gradient by its norm over *all* shards; returns that global norm.
 
     Each rank holds different rows, so the local norm is only a part: the squared norms are
     summed over the group first, and every rank scales its rows by the same factor.
     """
-    grads = [p.grad for p in head.parameters() if p.grad is not None]
+    grads = head_grads(head)
     sq = torch.zeros((), device=ctx.device, dtype=torch.float32)
     for g in grads:  # the shards may sit on several devices (dp)
         sq += g.detach().float().pow(2).sum().to(sq.device)
@@ -121,7 +128,7 @@ def _agree_on_overflow(parts: Parts, ctx: DistContext) -> None:
     """
     groups = [
         [p.grad for p in parts.backbone.parameters() if p.grad is not None and p.grad.numel()],
-        [p.grad for p in (parts.head.parameters() if parts.head is not None else ()) if p.grad is not None and p.grad.numel()],
+        [g for g in (head_grads(parts.head) if parts.head is not None else ()) if g.numel()],
     ]
     # [backbone overflowed, head overflowed, any rank overflowed]; one host sync for all of it.
     flags = torch.zeros(3, device=ctx.device)

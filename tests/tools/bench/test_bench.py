@@ -158,3 +158,11 @@ def test_run_bench_rejects_bad_arguments_before_spawning(kwargs, name):
     args.update(kwargs)
     with pytest.raises(ValueError, match=name):
         run_bench(**args)
+
+
+@pytest.mark.parametrize("variants, rate", [("sharded,chunked", 0.1), ("partial", 1.0)])
+def test_sparse_grad_needs_the_partial_variant_below_rate_1(variants, rate):
+    from shardfc.tools.bench.runner import run_bench
+
+    with pytest.raises(ValueError, match="sparse_grad applies to the partial variant"):
+        run_bench(2, 4, 4, 10, variants=variants, sample_rate=rate, sparse_grad=True, progress=False)

@@ -58,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"classes per chunk of the chunked variant, or 'auto' (the head's own choice) (default {DEFAULT_CHUNK_SIZE})",
     )
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and embeddings dtype")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="weights (and their optimizer state) and embeddings dtype")
+    p.add_argument("--sparse-grad", action="store_true",
+                   help="partial variant: row-sparse weight gradient (the sampled rows only, no [n_local, D] .grad)")
     p.add_argument("--margin", choices=sorted(MARGINS), default="arcface", help="margin (default arcface, s=64 m=0.5)")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with CUDA, else gloo")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -95,6 +98,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             backend=args.backend,
             progress=not args.quiet,
             details=details,
+            sparse_grad=args.sparse_grad,
         )
     except WorkerError:
         raise  # a rank's crash: its traceback matters more than one line

@@ -38,7 +38,8 @@ def markdown_table(results: Sequence[Dict[str, Any]], details: Optional[Dict[str
             lines.append(
                 f"W={cfg['world_size']} B={cfg['batch']} (local {details.get('sizes')}) D={cfg['dim']} "
                 f"C={cfg['classes']:,} dtype={cfg['dtype']} margin={cfg['margin']} "
-                f"chunk_size={cfg['chunk_size']} sample_rate={cfg['sample_rate']} "
+                f"chunk_size={cfg['chunk_size']} sample_rate={cfg['sample_rate']}"
+                f"{' (sparse gradient)' if cfg.get('sparse_grad') else ''} "
                 f"steps={cfg['steps']} (+{cfg['warmup']} warm-up), backend={details.get('backend')}"
             )
         if measure:

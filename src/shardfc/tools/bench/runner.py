@@ -7,7 +7,12 @@ Variants (all with the same margin, dtype and global batch):
   only; its weight gradient is all-reduced after the backward, as DDP would.
 * ``sharded``    :class:`shardfc.ShardedMarginHead`, one ``[B, n_local]`` buffer.
 * ``chunked``    the same with ``chunk_size`` (online softmax, logits recomputed in the backward).
-* ``partial``    the same with ``sample_rate`` (Partial FC) and the row-sparse head optimizer.
+* ``partial``    the same with ``sample_rate`` (Partial FC) and the row-sparse head optimizer; with
+  ``sparse_grad`` its weight gradient is the sampled rows' only (no ``[n_local, D]`` ``.grad``).
+
+The sharded variants build their optimizer with :func:`shardfc.head.partial_fc.head_optimizer`
+(torch's SGD for an fp32 head without sampling; the row-sparse SGD, fp32 updates rounded once, for
+bf16/fp16 weights), as training does.
 
 A step is forward + backward + optimizer step (SGD, momentum 0.9, no weight decay) +
 ``zero_grad(set_to_none=False)``, on random embeddings ``[B_r, D]`` (leaf tensors that require grad)
@@ -69,7 +74,7 @@ from shardfc.tools.bench.memory import PeakMemory
 VARIANTS = ("naive", "replicated", "sharded", "chunked", "partial")
 #: the fields of one result, in order (the JSON holds exactly these)
 FIELDS = ("variant", "step_time_s", "peak_bytes_per_rank", "balance", "comm_bytes_per_rank", "floor_ratio")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: chunk size of the ``chunked`` variant when none is given
 DEFAULT_CHUNK_SIZE = 1024
 LR = 0.01
@@ -112,9 +117,11 @@ class BenchConfig:
     dtype: str
     margin: str
     progress: bool
+    sparse_grad: bool = False
 
 
-def _check_config(world_size, batch, dim, classes, variants, steps, warmup, sample_rate, chunk_size, dtype, margin, progress) -> BenchConfig:
+def _check_config(world_size, batch, dim, classes, variants, steps, warmup, sample_rate, chunk_size, dtype, margin, progress,
+                  sparse_grad=False) -> BenchConfig:
     from shardfc.head.margins import build_margin
 
     check_int("world_size", world_size, 1)
@@ -140,7 +147,13 @@ def _check_config(world_size, batch, dim, classes, variants, steps, warmup, samp
     if not isinstance(margin, str):
         raise ValueError(f"margin must be a margin name such as 'arcface', got {margin!r}")
     build_margin(margin)  # raises a clear ValueError for an unknown name
-    return BenchConfig(world_size, batch, dim, classes, tuple(names), steps, warmup, float(sample_rate), chunk_size, dtype, margin, bool(progress))
+    if not isinstance(sparse_grad, bool):
+        raise ValueError(f"sparse_grad must be True or False, got {sparse_grad!r}")
+    if sparse_grad and (sample_rate >= 1 or "partial" not in names):
+        raise ValueError(f"sparse_grad applies to the partial variant with sample_rate < 1; got variants {names}, "
+                         f"sample_rate={sample_rate!r}")
+    return BenchConfig(world_size, batch, dim, classes, tuple(names), steps, warmup, float(sample_rate), chunk_size, dtype,
+                       margin, bool(progress), sparse_grad)
 
 
 # --------------------------------------------------------------------------- public API
@@ -159,6 +172,7 @@ def run_bench(
     backend: Optional[str] = None,
     progress: bool = True,
     details: Optional[Dict[str, Any]] = None,
+    sparse_grad: bool = False,
 ) -> List[Dict[str, Any]]:
     """Run the bench on ``world_size`` spawned processes; one result dict per variant.
 
@@ -169,7 +183,8 @@ def run_bench(
     """
     from shardfc.parallel.launch import default_backend, spawn
 
-    cfg = _check_config(world_size, batch, dim, classes, variants, steps, warmup, sample_rate, chunk_size, dtype, margin, progress)
+    cfg = _check_config(world_size, batch, dim, classes, variants, steps, warmup, sample_rate, chunk_size, dtype, margin,
+                        progress, sparse_grad)
     backend = backend or default_backend()
     if progress:
         print(
@@ -224,6 +239,7 @@ def _build(variant: str, cfg: Dict[str, Any], device: torch.device):
     from shardfc.head.module import ShardedMarginHead
     from shardfc.head.layout import class_ranges
     from shardfc.head.margins import build_margin
+    from shardfc.head.partial_fc import head_optimizer
 
     dtype = DTYPES[cfg["dtype"]]
     common = dict(margin=build_margin(cfg["margin"]), device=device, dtype=dtype)
@@ -241,17 +257,14 @@ def _build(variant: str, cfg: Dict[str, Any], device: torch.device):
 
         head, shape = ReplicatedHead(D, C, **common), (b, C)
         after_backward = head.average_gradients
-    elif variant == "sharded":
-        head, shape = ShardedMarginHead(D, C, **common), (B, n_local)
-    elif variant == "chunked":
-        head, shape = ShardedMarginHead(D, C, chunk_size=cfg["chunk_size"], **common), (B, n_local)
-    elif variant == "partial":
-        from shardfc.head.partial_fc import head_optimizer
-
-        r = cfg["sample_rate"]
-        head = ShardedMarginHead(D, C, sample_rate=r, **common)
+    elif variant in ("sharded", "chunked", "partial"):
+        options = {"chunked": dict(chunk_size=cfg["chunk_size"]),
+                   "partial": dict(sample_rate=cfg["sample_rate"], sparse_grad=cfg["sparse_grad"])}.get(variant, {})
+        head = ShardedMarginHead(D, C, **options, **common)
         opt = head_optimizer(head, "sgd", lr=LR, momentum=MOMENTUM, weight_decay=0.0)
-        return head, opt, None, (B, min(n_local, math.ceil(r * n_local)))
+        if variant == "partial":
+            n_local = min(n_local, math.ceil(cfg["sample_rate"] * n_local))
+        return head, opt, None, (B, n_local)
     else:  # pragma: no cover - checked in the parent
         raise ValueError(variant)
     opt = torch.optim.SGD(head.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=0.0)
@@ -279,11 +292,17 @@ def train_step(head, optimizer, x, y, after_backward=None, set_to_none: bool = F
     optimizer.zero_grad(set_to_none=set_to_none)
 
 
+#: Columns of the floor's matmuls at a time: its ``[rows, n]`` products never exist whole (at
+#: C = 10M on two ranks they would be 5 GB each), only ``[rows, FLOOR_BLOCK]`` blocks.
+FLOOR_BLOCK = 65536
+
+
 class _Floor:
     """The three matmuls of a step on ``[rows, D] × [D, classes]`` (this rank's part), timed
     like a step: all ranks start together after a barrier. ``W`` is the first ``classes`` rows of
-    the head's own weight (no copy); ``dZ`` is made for each timing and freed after it, so nothing
-    of the floor's but the small ``a`` outlives :meth:`time`."""
+    the head's own weight (no copy), walked FLOOR_BLOCK columns at a time (the same flops); ``dZ``
+    is one block made for each timing and freed after it, so nothing of the floor's but the small
+    ``a`` outlives :meth:`time`."""
 
     def __init__(self, shape, cfg: Dict[str, Any], device: torch.device):
         self.rows, self.classes = shape
@@ -293,16 +312,21 @@ class _Floor:
 
     def time(self, head) -> float:
         w = head.weight.detach()[: self.classes]
-        dz = torch.zeros(self.rows, self.classes, dtype=w.dtype, device=w.device)
+        dz = torch.zeros(self.rows, min(self.classes, FLOOR_BLOCK), dtype=w.dtype, device=w.device)
+        ga = torch.zeros(self.rows, w.shape[1], dtype=w.dtype, device=w.device)
         dist.barrier()
         _sync(self.device)
         t0 = time.perf_counter()
-        z = self.a @ w.t()
-        ga = dz @ w
-        gw = dz.t() @ self.a
+        for b0 in range(0, self.classes, FLOOR_BLOCK):
+            w_b = w[b0 : b0 + FLOOR_BLOCK]
+            dz_b = dz[:, : w_b.shape[0]]
+            z = self.a @ w_b.t()
+            ga += dz_b @ w_b
+            gw = dz_b.t() @ self.a
+            del z, gw
         _sync(self.device)
         dt = time.perf_counter() - t0
-        del z, ga, gw, dz
+        del ga, dz
         return dt
 
 

@@ -14,9 +14,10 @@ Parts (per rank, bytes): ``weights``, ``optimizer_state`` and, when kept, ``grad
 state the step rests on (``resting``); at the step's peak, ``gradients`` (when not kept: the
 storages that become a ``.grad``), ``communication`` (storages a collective reads or writes) and
 ``activations`` (all the others, including tensors Partial FC keeps on the host). ``total =
-resting + step_peak``. Gradients kept (``grad_in_place=True``, the default, CLI ``--grads-kept``)
+resting + step_peak``; ``bytes_per_class = resting / n_local``. Gradients kept (``grad_in_place=True``, the default, CLI ``--grads-kept``)
 means ``zero_grad(set_to_none=False)``, as ``shardfc bench`` does; ``False`` means
-``set_to_none=True``: the step then allocates the ``[n, D]`` gradient.
+``set_to_none=True``: the step then allocates the ``[n, D]`` gradient. With ``sparse_grad`` (Partial
+FC) no ``.grad`` exists at all: the step's compact gradient of the sampled rows is its ``gradients``.
 
 Counted: what the step's operators return. Not counted: an operator's internal scratch, the CUDA
 caching allocator's rounding and reserve. One memory model, ``"allocated"`` (the former
@@ -81,6 +82,8 @@ def plan(
     memory_model: str = "allocated",
     chunk_budget_bytes: int = 64 * 2**20,
     grad_in_place: bool = True,
+    sparse_grad: bool = False,
+    subcenters: int = 1,
 ) -> Dict[str, Any]:
     """Per-rank memory of one head training step, and (with a budget) the largest C and B that fit.
 
@@ -88,7 +91,8 @@ def plan(
         num_classes, dim: ``C`` and ``D`` of the head.
         batch: the GLOBAL batch ``B`` (every rank scores all of it against its classes).
         world_size: ranks ``W`` (1: a single process, no collectives).
-        dtype: of the weights and embeddings (``float32``, ``bfloat16``, ``float16``, ``float64``).
+        dtype: of the weights, their optimizer state and the embeddings (``float32``, ``bfloat16``,
+            ``float16``, ``float64``).
         optimizer: ``"sgd"`` (momentum 0.9), ``"sgd_nomomentum"`` or ``"adamw"``, as
             :func:`~shardfc.head.partial_fc.head_optimizer` builds them (row-sparse under Partial FC).
         sample_rate: Partial FC rate in ``(0, 1]`` (1: every class every step).
@@ -101,9 +105,12 @@ def plan(
         grad_in_place: ``True`` (default): gradients kept between steps
             (``optimizer.zero_grad(set_to_none=False)``), the head adds into them in place.
             ``False``: ``zero_grad(set_to_none=True)``: the step allocates them.
+        sparse_grad: Partial FC's row-sparse weight gradient (needs ``sample_rate < 1``).
+        subcenters: Sub-center ArcFace's ``K`` centres per class (``K`` weight rows each; Partial FC
+            samples whole classes). ``n_local``, ``n_sampled`` and ``bytes_per_class`` count classes.
 
     Returns a dict with ``parts`` (bytes per part, see the module docstring), ``step_peak``,
-    ``resting``, ``total``, ``n_local``, ``n_sampled``, ``local_batch``, the inputs, and with a
+    ``resting``, ``total``, ``bytes_per_class`` (resting bytes over ``n_local``), ``n_local``, ``n_sampled``, ``local_batch``, the inputs, and with a
     budget ``budget_bytes``, ``fits``, ``max_classes``, ``max_batch`` (0 when not even ``B = 1``
     fits).
 
@@ -115,6 +122,7 @@ def plan(
     check_positive_int("dim", dim)
     check_positive_int("batch", batch)
     check_positive_int("world_size", world_size)
+    check_positive_int("subcenters", subcenters)
     dtype = _dtype_name(dtype)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
@@ -131,6 +139,10 @@ def plan(
         raise ValueError(f"weight_decay must be a number >= 0, got {weight_decay!r}")
     if not isinstance(grad_in_place, bool):
         raise ValueError(f"grad_in_place must be True or False, got {grad_in_place!r}")
+    if not isinstance(sparse_grad, bool):
+        raise ValueError(f"sparse_grad must be True or False, got {sparse_grad!r}")
+    if sparse_grad and sample_rate >= 1:
+        raise ValueError(f"sparse_grad needs Partial FC (sample_rate < 1), got sample_rate={sample_rate!r}")
     budget = None if budget_bytes is None else parse_bytes(budget_bytes)
     margin = _margin(margin)
 
@@ -140,17 +152,23 @@ def plan(
         return _in_fresh_process(
             plan, num_classes, dim, batch, world_size, dtype, optimizer, sample_rate, chunk_size, budget,
             margin=margin, weight_decay=weight_decay, chunk_budget_bytes=chunk_budget_bytes, grad_in_place=grad_in_place,
+            sparse_grad=sparse_grad, subcenters=subcenters,
         )
     from shardfc.tools.plan.replay import fake_world
 
     head_options = dict(margin=margin, chunk_size=chunk_size, chunk_budget_bytes=chunk_budget_bytes, sample_rate=float(sample_rate))
+    if sparse_grad:
+        head_options["sparse_grad"] = True
+    if subcenters > 1:
+        head_options["subcenters"] = subcenters
     with fake_world(world_size):
         evaluate = _Evaluator(dim, world_size, DTYPES[dtype], optimizer, weight_decay, grad_in_place, head_options)
         result = dict(evaluate(num_classes, batch))
         result.update(
             num_classes=num_classes, dim=dim, batch=batch, world_size=world_size, dtype=dtype, optimizer=optimizer,
             sample_rate=float(sample_rate), chunk_size=chunk_size, margin=type(margin).__name__,
-            weight_decay=weight_decay, memory_model=memory_model, grad_in_place=grad_in_place,
+            weight_decay=weight_decay, memory_model=memory_model, grad_in_place=grad_in_place, sparse_grad=sparse_grad,
+            subcenters=subcenters,
         )
         if budget is not None:
             one = evaluate(1, batch)["total"]
@@ -186,7 +204,8 @@ class _Evaluator:
 
         dim, world_size, dtype, optimizer, weight_decay, kept = self.args
         r = replay_step(num_classes, dim, batch, world_size, dtype, optimizer, weight_decay, kept, **self.head_options)
-        gradients = r.gradients if kept else r.step_parts["gradients"]
+        sparse = self.head_options.get("sparse_grad", False)
+        gradients = r.gradients if kept and not sparse else r.step_parts["gradients"]
         parts = dict(weights=r.weights, gradients=gradients, optimizer_state=r.optimizer_state,
                      activations=r.step_parts["activations"], communication=r.step_parts["communication"])
         resting = r.weights + r.optimizer_state + r.gradients
@@ -195,7 +214,7 @@ class _Evaluator:
         if rate < 1.0:  # the replay's policy: every label of the global batch a distinct class of this shard
             n_sampled = num_sampled(r.n_local, rate, min(r.local_batch * world_size, r.n_local))
         return dict(parts=parts, step_peak=r.step_peak, resting=resting, total=resting + r.step_peak,
-                    n_local=r.n_local, n_sampled=n_sampled, local_batch=r.local_batch)
+                    bytes_per_class=resting / max(r.n_local, 1), n_local=r.n_local, n_sampled=n_sampled, local_batch=r.local_batch)
 
 
 def _in_fresh_process(fn, *args, **kwargs):
@@ -301,11 +320,14 @@ def format_plan(result: Dict[str, Any]) -> str:
     chunk = r["chunk_size"] if r["chunk_size"] else "none"
     lines = [
         f"head: C={r['num_classes']:,} D={r['dim']} global B={r['batch']} on W={r['world_size']} "
-        f"({r['dtype']}, {r['margin']}, optimizer {r['optimizer']}, chunk {chunk}, sample rate {r['sample_rate']})",
+        f"({r['dtype']}, {r['margin']}, optimizer {r['optimizer']}, chunk {chunk}, sample rate {r['sample_rate']}"
+        + (f", {r['subcenters']} sub-centres per class" if r.get("subcenters", 1) > 1 else "") + ")",
         f"rank 0: {r['n_local']:,} classes"
         + (f" ({r['n_sampled']:,} sampled per step)" if r["n_sampled"] != r["n_local"] else "")
         + f", {r['local_batch']} local rows; memory model: {r['memory_model']}",
-        "gradients kept between steps (zero_grad(set_to_none=False)), added into in place"
+        "row-sparse gradient: the sampled rows' only, made by the step, no .grad kept"
+        if r.get("sparse_grad")
+        else "gradients kept between steps (zero_grad(set_to_none=False)), added into in place"
         if r["grad_in_place"]
         else "gradients freed between steps (zero_grad(set_to_none=True)): the step allocates them",
         "",
@@ -323,9 +345,11 @@ def format_plan(result: Dict[str, Any]) -> str:
         lines.append(f"| {labels[part]} | {r['parts'][part]:,} | {format_bytes(r['parts'][part])} |")
     lines.append(f"| **total** | **{r['total']:,}** | **{format_bytes(r['total'])}** |")
     lines.append("")
-    resting = "weights + gradients + optimizer state" if r["grad_in_place"] else "weights + optimizer state"
+    kept = r["grad_in_place"] and not r.get("sparse_grad")
+    resting = "weights + gradients + optimizer state" if kept else "weights + optimizer state"
     lines.append(f"resting ({resting}): {format_bytes(r['resting'])}; "
                  f"step peak above it: {format_bytes(r['step_peak'])}")
+    lines.append(f"bytes per class at rest: {r['bytes_per_class']:,.1f} ({r['bytes_per_class'] / r['dim']:.2f} x D)")
     if "budget_bytes" in r:
         lines.append(f"budget {format_bytes(r['budget_bytes'])} per rank: {'fits' if r['fits'] else 'DOES NOT FIT'}")
         lines.append(f"largest C at B={r['batch']}: {r['max_classes']:,}")
@@ -359,6 +383,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="--grads-kept (default): the head's gradient stays allocated between steps "
                         "(zero_grad(set_to_none=False)) and the step adds into it in place; --no-grads-kept: "
                         "zero_grad(set_to_none=True), the step allocates the [n, D] gradient")
+    p.add_argument("--sparse-grad", action="store_true",
+                   help="Partial FC's row-sparse weight gradient (the sampled rows only; needs --sample-rate < 1)")
+    p.add_argument("--subcenters", type=int, default=1,
+                   help="Sub-center ArcFace: K centres (weight rows) per class (default 1)")
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     try:
         args = p.parse_args(argv)
@@ -368,7 +396,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         result = plan(
             args.classes, args.dim, args.batch, args.world_size, args.dtype, args.optimizer, args.sample_rate,
             args.chunk_size, args.budget, margin=args.margin, weight_decay=args.weight_decay,
-            memory_model=args.memory_model, grad_in_place=args.grad_in_place,
+            memory_model=args.memory_model, grad_in_place=args.grad_in_place, sparse_grad=args.sparse_grad,
+            subcenters=args.subcenters,
         )
     except ValueError as e:
         print(f"shardfc plan: error: {e}", file=sys.stderr)

@@ -296,15 +296,29 @@ def replay_step(
     grad_serials: List[Optional[int]] = []
     mode = _MetaStep()
     mode.tracking = False
+    sparse = getattr(head, "sparse_grad", False)
+    if sparse:  # the compact gradients a sparse_grad backward hands the head are the step's gradients
+        keep = head._keep_row_grad
+
+        def keep_and_note(shard, rows, grad):
+            grad_serials.append(mode.serial_of(grad))
+            keep(shard, rows, grad)
+
+        head._keep_row_grad = keep_and_note
     with mode:
-        # warm-up: the state a step rests on (a kept .grad, the optimizer's buffers)
+        # warm-up: the state a step rests on (a kept .grad, the optimizer's buffers); a sparse_grad
+        # head keeps no .grad between steps
         for p in params:
             p.grad = torch.zeros_like(p)
         opt.step()
-        opt.zero_grad(set_to_none=not grads_kept)
+        opt.zero_grad(set_to_none=not grads_kept or sparse)
         x = torch.empty(local_batch, dim, device=META, dtype=dtype, requires_grad=True)
         labels = torch.zeros(local_batch, dtype=torch.int64)  # checked on the CPU, then moved
-        hooks = [p.register_post_accumulate_grad_hook(lambda p: grad_serials.append(mode.serial_of(p.grad))) for p in params]
+        def note_grad(p) -> None:
+            if p.grad is not None:  # a sparse_grad head's weights get none
+                grad_serials.append(mode.serial_of(p.grad))
+
+        hooks = [p.register_post_accumulate_grad_hook(note_grad) for p in params]
         mode.tracking = True
         train_step(head, opt, x, labels, set_to_none=not grads_kept)
         mode.tracking = False
@@ -325,7 +339,7 @@ def replay_step(
         weights=sum(_nbytes(p) for p in params),
         gradients=sum(_nbytes(p.grad) for p in params) if grads_kept else 0,
         optimizer_state=state,
-        n_local=sum(p.shape[0] for p in params),
+        n_local=sum(p.shape[0] for p in params) // getattr(head, "subcenters", 1),  # classes, not centre rows
         local_batch=local_batch,
     )
 
