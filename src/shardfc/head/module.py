@@ -15,6 +15,11 @@ average over ranks of the scalars the ranks back-propagate. Every rank's weight 
 exact gradient of that objective; every rank's embedding gradient is ``W`` times the exact one, so
 that DDP's averaging over the backbone replicas gives the backbone its exact gradient. Do not wrap
 the head in DDP: its parameters are different on every rank.
+
+(Longer than ~400 lines on purpose: the module is the public face of every head option — layouts,
+margins, chunking, Partial FC, sub-centres, filtering, precision — and its constructor's argument
+checks and docstring are most of it. The math lives in ``kernels``/``function``, the sharded state
+in ``sharded_state``.)
 """
 
 from __future__ import annotations
@@ -34,9 +39,7 @@ from shardfc.head.layout import class_ranges
 from shardfc.head.normalize import l2_normalize
 from shardfc.head.kernels import ShardConfig
 from shardfc.head.partial_fc import (
-    load_optimizer_rows,
     num_sampled,
-    optimizer_rows,
     RowGrad,
     merge_row_grads,
     sample_rows,
@@ -49,6 +52,7 @@ from shardfc.head.function import (
     sharded_cross_entropy,
     stats_dtype_for,
 )
+from shardfc.head import sharded_state as _state
 from shardfc.head.validation import (
     check_batch_and_exchange_sizes,
     check_embeddings,
@@ -450,77 +454,14 @@ class ShardedMarginHead(nn.Module):
         return {"num_classes": self.num_classes, "class_range": self.class_range}
 
     def sharded_state(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
-        """This process's part of the head's state, as one block of classes whatever its sharding.
-
-        Returns ``{"num_classes": C, "class_range": range(start, stop), "tensors": {...}, "extras": {...}}``
-        (the form :func:`shardfc.checkpoint.save_checkpoint` takes as ``head_state``):
-
-        * ``tensors``: ``"weight"`` ``[n, D]`` (``n = stop - start``) and, with ``optimizer``,
-          ``"optimizer.<key>"`` for each per-row state tensor (``momentum_buffer``; ``exp_avg``,
-          ``exp_avg_sq``, the row-sparse AdamW's ``row_step``), each ``[n, ...]``. Detached CPU
-          tensors, the local shards' rows concatenated in class order (a single CPU shard's are
-          returned without a copy: they share memory with the live ones).
-        * ``extras``: ``"sample_step"`` (the Partial FC step counter) and, with ``optimizer``,
-          ``"optimizer.<key>"`` for state that is not per row (torch AdamW's scalar ``step``) and
-          ``"optimizer.param_groups"`` (its hyper-parameters).
-
-        Saved per process and loaded with :meth:`load_sharded_state` into a head of any number of
-        shards, in any mode, the logical weights and optimizer rows are the same.
-        """
-        weights = self.shard_weights
-        parts = [w.detach().cpu() for w in weights]
-        tensors = {"weight": parts[0] if len(parts) == 1 else torch.cat(parts)}
-        extras: Dict[str, Any] = {"sample_step": int(self.sample_step)}
-        if optimizer is not None:
-            opt_tensors, opt_extras = optimizer_rows(optimizer, weights)
-            tensors.update({f"optimizer.{k}": v for k, v in opt_tensors.items()})
-            extras.update({f"optimizer.{k}": v for k, v in opt_extras.items()})
-        if hasattr(self.margin, "state"):  # AdaFace's running norm statistics
-            extras.update({f"margin.{k}": v for k, v in self.margin.state().items()})
-        if self.subcenters > 1:  # class-indexed: [n, K, ...], so a checkpoint reshards by class
-            tensors = {k: _by_class(v, self.subcenters) for k, v in tensors.items()}
-        return {**self.state_layout(), "tensors": tensors, "extras": extras}
+        """This process's part of the head's state, as one block of classes whatever its sharding
+        (see :func:`shardfc.head.sharded_state.sharded_state`)."""
+        return _state.sharded_state(self, optimizer)
 
     def load_sharded_state(self, state: Mapping[str, Any], optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-        """Load a :meth:`sharded_state` dict holding this process's classes (e.g. read from a
-        checkpoint saved with any sharding: ``LoadedCheckpoint.head_state``) into the local shards,
-        and with ``optimizer`` (built over this head) its state and hyper-parameters too.
-
-        Raises:
-            ValueError: ``state`` is for other classes, or its tensors have the wrong shape.
-        """
-        layout = self.state_layout()
-        for key, mine in layout.items():
-            if key in state and state[key] != mine:
-                raise ValueError(f"sharded state has {key}={state[key]!r}, this head has {key}={mine!r}")
-        tensors, extras = state["tensors"], state.get("extras", {})
-        weight = tensors["weight"]
-        n, K = len(self.class_range), self.subcenters
-        expected = (n, self.embedding_dim) if K == 1 else (n, K, self.embedding_dim)
-        if tuple(weight.shape) != expected:
-            raise ValueError(
-                f"sharded state weight has shape {tuple(weight.shape)}, this head's (subcenters={K}) "
-                f"is {expected}"
-            )
-        if K > 1:  # back to centre rows; slices below count rows
-            tensors = {k: v.reshape(v.shape[0] * K, *v.shape[2:]) for k, v in tensors.items()}
-        weight = tensors["weight"]
-        base = self.class_range.start
-        slices = [((r.start - base) * K, (r.stop - base) * K) for r in self.shard_ranges]
-        with torch.no_grad():
-            for w, (lo, hi) in zip(self.shard_weights, slices):
-                w.copy_(weight[lo:hi])
-        self.sample_step = int(extras.get("sample_step", 0))
-        if hasattr(self.margin, "load_state"):
-            margin_state = {k[len("margin."):]: v for k, v in extras.items() if k.startswith("margin.")}
-            if margin_state:
-                self.margin.load_state(margin_state)
-        self._pending_rows = None
-        self._row_grads = []
-        if optimizer is not None:
-            opt_tensors = {_optimizer_key(k): v for k, v in tensors.items() if k.startswith("optimizer.")}
-            opt_extras = {_optimizer_key(k): v for k, v in extras.items() if k.startswith("optimizer.")}
-            load_optimizer_rows(optimizer, self.shard_weights, slices, opt_tensors, opt_extras)
+        """Load a :meth:`sharded_state` dict saved with any sharding into the local shards (see
+        :func:`shardfc.head.sharded_state.load_sharded_state`)."""
+        _state.load_sharded_state(self, state, optimizer)
 
     # ------------------------------------------------------------------ predict
     @torch.no_grad()
@@ -576,17 +517,6 @@ class ShardedMarginHead(nn.Module):
         )
 
 
-def _optimizer_key(name: str) -> str:
-    """``optimizer.<key>`` -> ``key``; checkpoints of format 1 named it ``optimizer.0.<key>`` (one shard)."""
-    key = name[len("optimizer."):]
-    index, dot, rest = key.partition(".")
-    if dot and index.isdigit():
-        if index != "0":
-            raise ValueError(f"head state {name!r} is for a parameter other than the head weight")
-        return rest
-    return key
-
-
 def reduce_losses(losses: Tensor, valid: Tensor, sizes: Sequence[int], rank: int, reduction: str) -> Tensor:
     """Reduce the global batch's per-sample losses as ``reduction`` says (see the head);
     ``valid`` marks the samples whose label is not ``ignore_index``."""
@@ -596,11 +526,6 @@ def reduce_losses(losses: Tensor, valid: Tensor, sizes: Sequence[int], rank: int
         return losses.sum()
     offset = sum(sizes[:rank])
     return losses[offset : offset + sizes[rank]]
-
-
-def _by_class(t: Tensor, K: int) -> Tensor:
-    """Per-centre-row state ``[n·K, ...]`` as ``[n, K, ...]``."""
-    return t.reshape(t.shape[0] // K, K, *t.shape[1:])
 
 
 def _shard_topk(a: Tensor, w: Tensor, r: range, k: int, margin, chunk_size: Optional[int], subcenters: int = 1):

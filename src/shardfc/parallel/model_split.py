@@ -64,6 +64,7 @@ __all__ = [
     "SplitModel",
     "Stage",
     "available_split_points",
+    "batch_stats_module",
     "model_segments",
     "split_model",
     "stages",
@@ -357,7 +358,7 @@ def _check_split_size(value: object) -> int:
     return int(value)
 
 
-def _batch_stats_module(module: nn.Module) -> tuple[str, nn.Module] | None:
+def batch_stats_module(module: nn.Module) -> tuple[str, nn.Module] | None:
     """The first BatchNorm that would normalise with the statistics of the batch it is given."""
     for name, m in module.named_modules():
         # torch's own rule: batch statistics in training mode, or always without running stats.
@@ -468,7 +469,7 @@ class PipelinedModel(nn.Module):
         chunks = list(x.split(self._split_size)) if x.dim() > 0 else [x]
         n_micro, n_stages = len(chunks), len(stage_list)
         if n_micro > 1 and not self.allow_micro_batch_stats:
-            found = _batch_stats_module(self.split)
+            found = batch_stats_module(self.split)
             if found is not None:
                 name, m = found
                 raise RuntimeError(

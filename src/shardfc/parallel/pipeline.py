@@ -31,7 +31,7 @@ from torch import nn
 
 from shardfc.checks import check_int, check_positive_int
 from shardfc.parallel.context import DistContext
-from shardfc.parallel.model_split import _batch_stats_module, model_segments
+from shardfc.parallel.model_split import batch_stats_module, model_segments
 
 __all__ = [
     "SCHEDULES",
@@ -239,7 +239,7 @@ class PipelineRunner:
                 f"{self.local_batch} (micro-batches have a fixed shape: every step needs the same batch)"
             )
         if self.micro_batches > 1 and not self.allow_micro_batch_stats:
-            found = _batch_stats_module(self.module)
+            found = batch_stats_module(self.module)
             if found is not None:
                 name, m = found
                 raise RuntimeError(

@@ -22,7 +22,7 @@ from shardfc.head import ShardedMarginHead, head_optimizer
 from shardfc.head.margins import build_margin
 from shardfc.models import build_backbone
 from shardfc.parallel.context import DistContext
-from shardfc.parallel.model_split import _batch_stats_module, available_split_points, stages as cut_stages
+from shardfc.parallel.model_split import batch_stats_module, available_split_points, stages as cut_stages
 from shardfc.parallel.pipeline import (
     PipelineLayout,
     PipelineRunner,
@@ -63,7 +63,7 @@ def check_pipeline_config(cfg: TrainConfig, world_size: int) -> int:
             cut_stages(probe, list(cfg.split_points))
     except ValueError as e:
         raise ConfigError(f"strategy='pipeline' on {world_size} rank(s) with backbone={cfg.backbone!r}: {e}") from None
-    found = _batch_stats_module(probe) if cfg.micro_batches > 1 and not cfg.micro_batch_stats else None
+    found = batch_stats_module(probe) if cfg.micro_batches > 1 and not cfg.micro_batch_stats else None
     if found is not None:
         raise ConfigError(
             f"backbone={cfg.backbone!r} has BatchNorm ({found[0]!r}), which in training normalises each of the "

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardfc.parallel.comm import HOROVOD_INSTALL_HINT, import_horovod, launched_by_horovodrun
+from shardfc.parallel.comm import import_horovod, launched_by_horovodrun
 from shardfc.parallel.context import DistContext
 from shardfc.parallel.launch import launched_by_torchrun
 from shardfc.train.config import STRATEGIES, ConfigError, TrainConfig
