@@ -8,7 +8,7 @@ from torch import nn
 
 from shardfc.models import BACKBONES, build_backbone, input_size
 
-NAMES = ["iresnet18", "iresnet34", "iresnet50", "iresnet100", "mobilefacenet", "resnet50", "tiny"]
+NAMES = ["iresnet18", "iresnet34", "iresnet50", "iresnet100", "mbf", "mbf_large", "mobilefacenet", "resnet50", "tiny"]
 
 
 def _params(model: nn.Module) -> int:

@@ -179,6 +179,7 @@ def test_backbone_split_points() -> None:
     assert ReIDResNet.split_points == ("stem", "layer1", "layer2", "layer3", "layer4")
     assert available_split_points(build_backbone("tiny")) == ("body",)
     assert available_split_points(build_backbone("mobilefacenet")) == ("stem", "blocks")
+    assert available_split_points(build_backbone("mbf")) == ("trunk", "conv_sep")
     assert available_split_points(_plain()) == ("conv1", "act1", "conv2", "act2", "pool", "flat")
 
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 from shardfc import checkpoint as ckpt
 from shardfc.models import build_backbone
 from shardfc.train import cli as train_cli
-from shardfc.train import cli_export, cli_import
+from shardfc.train import cli_eval, cli_export, cli_import
 from shardfc.train.arcface_import import arcface_class_range, import_arcface, load_arcface_backbone
 from shardfc.train.artifacts import load_backbone
 
@@ -188,3 +188,51 @@ def test_fresh_head_for_fine_tuning_and_resume_on_another_world_size(tmp_path):
     summary = train_cli.run(cfg)
     assert summary["step"] == 6  # continued from the imported step 4 on 2 processes
     assert ckpt.step_of(ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints")) == 6
+
+
+def arcface_mbf_state(dim, seed=0, prefix="module."):
+    """An arcface_torch ``mbf`` state dict as its DDP run saves it: its keys with ``prefix``, random values.
+
+    The keys and shapes are those tests/models/test_arcface_mbf.py checks against arcface_torch's structure."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for k, v in build_backbone("mbf", dim).state_dict().items():
+        if k.endswith("num_batches_tracked"):
+            sd[prefix + k] = torch.tensor(5000)
+        elif k.endswith("running_var"):
+            sd[prefix + k] = torch.rand(v.shape, generator=g) + 0.5
+        else:
+            sd[prefix + k] = torch.randn(v.shape, generator=g) * 0.05
+    return sd
+
+
+def test_arcface_mbf_imports_trains_evaluates_and_exports(tmp_path, capsys):
+    sd = arcface_mbf_state(16)
+    assert "module.layers.1.layers.0.weight" in sd and "module.features.layers.2.weight" in sd
+    torch.save(sd, tmp_path / "model.pt")
+    run = tmp_path / "run"
+    argv = ["--backbone", str(tmp_path / "model.pt"), "--network", "mbf", "--num-classes", "6",
+            "--embedding-dim", "16", "--out", str(run)]
+    assert cli_import.main(argv) == 0, capsys.readouterr().err
+    assert "mbf, 6 classes x 16" in capsys.readouterr().out
+    imported = load_backbone(run)
+    assert imported.config.backbone == "mbf" and imported.image_size == (112, 112)
+    for k, v in imported.model.state_dict().items():
+        assert torch.equal(v, sd["module." + k]), k
+    # The wrong arcface network is named, not loaded.
+    with pytest.raises(ValueError, match=r"does not fit shardfc's mbf_large .*missing \(\d+\): layers.1.layers.0.layers"):
+        load_arcface_backbone(tmp_path / "model.pt", "mbf_large", 16)
+
+    cfg = tiny_config(run, backbone="mbf", image_size=[112, 112], synthetic_identities=6,
+                      synthetic_images_per_identity=2, batch_size=4, grad_accum=1, max_steps=1, warmup_steps=0,
+                      eval_every=0, ckpt_every=1, synthetic_val_pairs=20, eval_batch_size=8, nproc=1)
+    assert train_cli.run(cfg)["step"] == 1  # resumed at the imported step 0, one step on
+    trained = load_backbone(run)
+    assert trained.config.backbone == "mbf"
+    moved = [k for k, v in trained.model.state_dict().items() if not torch.equal(v, sd["module." + k])]
+    assert "features.layers.2.weight" in moved  # the imported weights were trained, not replaced
+    assert cli_eval.main(["--checkpoint", str(run)]) == 0, capsys.readouterr().err
+    assert "synthetic: accuracy" in capsys.readouterr().out
+    out = tmp_path / "mbf.pt"
+    assert cli_export.main(["--checkpoint", str(run), "--out", str(out)]) == 0, capsys.readouterr().err
+    assert out.is_file()

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from torch import nn
 
+from shardfc.models.arcface_mbf import ArcfaceMobileFaceNet, mbf, mbf_large
 from shardfc.models.iresnet import IResNet, iresnet18, iresnet34, iresnet50, iresnet100
 from shardfc.models.mobilefacenet import MobileFaceNet, mobilefacenet
 from shardfc.models.resnet import ReIDResNet, resnet50
@@ -20,6 +21,7 @@ from shardfc.models.tiny import TinyNet, tiny
 __all__ = [
     "BACKBONES",
     "WITH_FEATURES",
+    "ArcfaceMobileFaceNet",
     "IResNet",
     "MobileFaceNet",
     "ReIDResNet",
@@ -33,6 +35,8 @@ BACKBONES: dict[str, Callable[..., nn.Module]] = {
     "iresnet34": iresnet34,
     "iresnet50": iresnet50,
     "iresnet100": iresnet100,
+    "mbf": mbf,
+    "mbf_large": mbf_large,
     "mobilefacenet": mobilefacenet,
     "resnet50": resnet50,
     "tiny": tiny,
@@ -49,6 +53,8 @@ _INPUT_SIZES: dict[str, tuple[int, int]] = {
     "iresnet34": (112, 112),
     "iresnet50": (112, 112),
     "iresnet100": (112, 112),
+    "mbf": (112, 112),
+    "mbf_large": (112, 112),
     "mobilefacenet": (112, 112),
     "resnet50": (256, 128),
     "tiny": (32, 32),

@@ -29,6 +29,8 @@ backbone            segments (split points are all but the last)
 ``resnet50``        ``stem``, ``layer1`` .. ``layer4``, ``head`` (pool, flatten, reduce, neck)
 ``tiny``            ``body``, ``head`` (pool, flatten, fc, features)
 ``mobilefacenet``   ``stem``, ``blocks``, ``head`` (conv_expand, gdc, flatten, fc, features)
+``mbf*``            ``trunk`` (layers: arcface_torch's keys hold every stage in one child),
+                    ``conv_sep``, ``head`` (features)
 ``nn.Sequential``   one segment per child, named as the child
 ==================  ==========================================================================
 

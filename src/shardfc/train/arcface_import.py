@@ -3,8 +3,8 @@
 arcface_torch writes:
 
 * the backbone as a plain state dict (``model.pt``, the released ``backbone.pth``), with the
-  parameter names of its ``iresnet*`` (shardfc's iresnets use the same names and shapes; a
-  ``module.`` prefix left by DataParallel/DDP is dropped);
+  parameter names of its ``iresnet*``, ``mbf`` or ``mbf_large`` (shardfc's backbones of those
+  names use the same names and shapes; a ``module.`` prefix left by DataParallel/DDP is dropped);
 * per GPU ``checkpoint_gpu_<rank>.pt`` (PartialFC_V2, ``save_all_states``): a dict with
   ``state_dict_backbone``, ``state_dict_softmax_fc`` (``{"weight": [n_rank, D]}``),
   ``state_optimizer`` (its FC weight is the last parameter), ``epoch`` and ``global_step``;

@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backbone", required=True, metavar="FILE",
                    help="arcface_torch backbone state dict (model.pt, backbone.pth) or a checkpoint_gpu_<r>.pt")
     p.add_argument("--network", required=True, choices=sorted(BACKBONES),
-                   help="the shardfc backbone with the same architecture (e.g. iresnet50 for arcface_torch's r50)")
+                   help="the shardfc backbone with the same architecture (iresnet50 for arcface_torch's r50, mbf for its mbf)")
     p.add_argument("--head", nargs="+", default=None, metavar="FILE",
                    help="the per-rank FC shards: checkpoint_gpu_*.pt (PartialFC_V2) or rank_*_softmax_weight.pt "
                         "(PartialFC); quoted glob patterns are expanded")

@@ -102,7 +102,7 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ model
     backbone: str = "tiny"
-    """Backbone name: iresnet18/34/50/100, mobilefacenet, resnet50 (re-ID) or tiny (CPU demos)."""
+    """Backbone name: iresnet18/34/50/100, mobilefacenet, mbf/mbf_large (arcface_torch's), resnet50 (re-ID) or tiny (CPU demos)."""
     embedding_dim: int = 128
     """Width of the embeddings the backbone produces and the head classifies."""
     neck: str = "auto"

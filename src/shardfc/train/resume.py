@@ -202,8 +202,10 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
         state.batch_in_epoch = min(round(fraction * batches_per_epoch), batches_per_epoch)
         if ctx.is_main:
             logger.info(
-                "resuming with %d rank(s) x batch %d (saved with %d x %d): continuing epoch %d at %.0f%%",
-                data_ctx.world_size, cfg.batch_size, saved_world, common["batch_size"], state.epoch, 100 * fraction,
+                "resuming with %d rank(s) x batch %d (saved with %d x %s): continuing epoch %d at %.0f%%",
+                data_ctx.world_size, cfg.batch_size, saved_world,
+                # an imported arcface_torch run records no batch size
+                "?" if common["batch_size"] is None else common["batch_size"], state.epoch, 100 * fraction,
             )
     state.batches_per_epoch = batches_per_epoch
     if ctx.is_main:
