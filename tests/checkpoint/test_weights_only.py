@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections import OrderedDict
@@ -14,6 +13,8 @@ import pytest
 import torch
 
 from shardfc.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint, load_common, save_checkpoint
+
+from train.legacy import rewrite_file  # tests/ is on sys.path (its conftest.py): one helper for both suites
 
 C = 5
 
@@ -30,18 +31,6 @@ def _save(root: Path, step: int = 1, **overrides: Any) -> Path:
     )
     kwargs.update(overrides)
     return save_checkpoint(root, step, **kwargs)
-
-
-def _replace_file(path: Path, name: str, obj: Any, *, format_version: int | None = None) -> None:
-    """Put ``obj`` (pickled as torch.save does) in place of ``path/name``, with meta.json updated to
-    match, as someone who crafts or converts a checkpoint would: sizes and hashes all check out."""
-    torch.save(obj, path / name)
-    data = (path / name).read_bytes()
-    meta = json.loads((path / "meta.json").read_text())
-    meta["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    if format_version is not None:
-        meta["format_version"] = format_version
-    (path / "meta.json").write_text(json.dumps(meta))
 
 
 class RunsCode:
@@ -88,7 +77,7 @@ def test_crafted_file_is_refused_without_running_its_code(tmp_path: Path, victim
     path = _save(tmp_path / "ckpt")
     sentinel = tmp_path / "SENTINEL"
     original = torch.load(path / victim, weights_only=True)
-    _replace_file(path, victim, {**original, "payload": RunsCode(sentinel)})
+    rewrite_file(path, victim, {**original, "payload": RunsCode(sentinel)})
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(path, class_range=range(C), num_classes=C, rank=0)
     message = str(info.value)
@@ -105,7 +94,7 @@ def test_format_1_checkpoint_needs_the_opt_in(tmp_path: Path) -> None:
     """Format 1 stored numpy's RNG state as a pickled array: readable only when trusted."""
     path = _save(tmp_path)
     numpy_state = np.random.get_state()
-    _replace_file(path, "rank_0.pt", {"rng": {"numpy": numpy_state}}, format_version=1)
+    rewrite_file(path, "rank_0.pt", {"rng": {"numpy": numpy_state}}, format_version=1)
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(path, class_range=range(C), num_classes=C, rank=0)
     message = str(info.value)
@@ -120,7 +109,7 @@ def test_format_1_checkpoint_needs_the_opt_in(tmp_path: Path) -> None:
 
 def test_opt_in_reads_a_trusted_pickled_object(tmp_path: Path) -> None:
     path = _save(tmp_path)
-    _replace_file(path, "common.pt", {"thing": Benign(5)})
+    rewrite_file(path, "common.pt", {"thing": Benign(5)})
     with pytest.raises(CheckpointError, match=r"needs the global .*Benign"):
         load_common(path)
     common, _ = load_common(path, trust_pickle=True)
