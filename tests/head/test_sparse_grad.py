@@ -12,6 +12,7 @@ from shardfc import margins as M
 from shardfc.head import kernels
 from shardfc.head.partial_fc import RowGrad, head_optimizer
 from shardfc.tools.bench.memory import LiveTensorBytes
+from sparse_steps import step_both
 
 C, D = 37, 5
 
@@ -66,19 +67,7 @@ def test_optimizer_consumes_the_sparse_gradient_like_the_dense_one(name, devices
     heads = [make_head(s, devices) for s in (False, True)]
     opts = [head_optimizer(h, name, lr=0.1, momentum=0.9, weight_decay=5e-4) for h in heads]
     start = torch.cat([w.detach().clone() for w in heads[1].shard_weights])
-    touched = torch.zeros(C, dtype=torch.bool)
-    for step in range(3):
-        for head, opt in zip(heads, opts):
-            opt.zero_grad(set_to_none=False)
-            for micro in range(2):
-                x, y = batch(10 * step + micro)
-                head(x, y).backward()
-            if head.sparse_grad:
-                offset = 0
-                for w, rows in zip(head.shard_weights, head.sampled_rows):
-                    touched[rows + offset] = True
-                    offset += w.shape[0]
-            opt.step()
+    touched = step_both(heads, opts, lambda step, micro: batch(10 * step + micro), rows=C)
     dense_w = torch.cat([w.detach() for w in heads[0].shard_weights])
     sparse_w = torch.cat([w.detach() for w in heads[1].shard_weights])
     assert torch.equal(dense_w, sparse_w)

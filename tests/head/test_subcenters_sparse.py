@@ -12,6 +12,7 @@ from shardfc.head.module import init_rows
 from shardfc.head.partial_fc import RowGrad, head_optimizer
 
 from dense_losses import dense_loss
+from sparse_steps import step_both
 
 C, D, K, B = 23, 5, 3, 11
 TOL = 1e-10
@@ -117,19 +118,8 @@ def test_optimizer_update_equals_the_dense_gradient_run(name, devices):
     heads = [_head(s, devices, rate=0.15) for s in (False, True)]
     opts = [head_optimizer(h, name, lr=0.1, momentum=0.9, weight_decay=5e-4) for h in heads]
     start = torch.cat([w.detach().clone() for w in heads[1].shard_weights])
-    touched = torch.zeros(C * K, dtype=torch.bool)
-    for step in range(3):
-        for head, opt in zip(heads, opts):
-            opt.zero_grad(set_to_none=False)
-            for micro in range(2):
-                x, y = _data(10 * step + micro, ignore=micro == 1, batch=4)
-                head(x, y).backward()
-            if head.sparse_grad:
-                offset = 0
-                for w, rows in zip(head.shard_weights, head.sampled_rows):
-                    touched[rows + offset] = True
-                    offset += w.shape[0]
-            opt.step()
+    touched = step_both(heads, opts, lambda step, micro: _data(10 * step + micro, ignore=micro == 1, batch=4),
+                        rows=C * K)
     dense_w = torch.cat([w.detach() for w in heads[0].shard_weights])
     sparse_w = torch.cat([w.detach() for w in heads[1].shard_weights])
     torch.testing.assert_close(sparse_w, dense_w, rtol=1e-12, atol=1e-14)
