@@ -80,6 +80,9 @@ class ShardConfig:
     #: Inter-class filtering: a negative class whose cosine to the sample's target centre exceeds
     #: this is left out of the softmax (its logit is −inf). None: off.
     filter_threshold: Optional[float] = None
+    #: Which implementation computes the shard's statistics and gradients: ``"torch"`` (this
+    #: module) or ``"triton"`` (:mod:`shardfc.head.fused`); resolved by the head from its ``impl``.
+    impl: str = "torch"
 
 
 @dataclass
@@ -320,18 +323,41 @@ def shard_backward(
         del z, g
     if stats.buffers is not None:
         stats.buffers.clear()
-    grad_norm = None
-    if feature_norms:
-        # AdaFace / MagFace: the target logit (and MagFace's regulariser, counted once: by the
-        # label's owner) depends on the norm before normalisation, an input of its own.
-        grad_norm = torch.zeros(a.shape[0], dtype=cfg.stats_dtype, device=a.device)
-        if rows_t.numel():
-            grad_norm[rows_t] = dz_t * stats.target_dnorm[rows_t]
-            reg = margin.regularizer(norms[rows_t])
-            if reg is not None:
-                grad_norm[rows_t] += coef[rows_t] * reg[1]
-    elif stats.target_dnorm is not None and rows_t.numel():
-        # SphereFace: the target logit also depends on ‖a‖; ∂‖a‖/∂a = a/‖a‖.
-        coeff = dz_t * stats.target_dnorm[rows_t] / norms[rows_t].clamp(min=NORM_EPS)
-        grad_a[rows_t] += coeff.unsqueeze(1) * a[rows_t].to(cfg.stats_dtype)
+    on_shard = local_labels >= 0
+    dz_full = torch.zeros(a.shape[0], dtype=cfg.stats_dtype, device=a.device)
+    dz_full[rows_t] = dz_t
+    grad_norm = target_norm_gradients(a, norms, on_shard, dz_full, stats.target_dnorm, coef, cfg, feature_norms, grad_a)
     return grad_a.to(a.dtype), (None if accumulate else grad_w), grad_norm
+
+
+def target_norm_gradients(
+    a: Tensor,
+    norms: Optional[Tensor],
+    on_shard: Tensor,
+    dz_t: Tensor,
+    target_dnorm: Optional[Tensor],
+    coef: Tensor,
+    cfg: ShardConfig,
+    feature_norms: bool,
+    grad_a: Tensor,
+) -> Optional[Tensor]:
+    """The part of a shard's gradient that flows through the embedding norm of its targets.
+
+    ``dz_t`` ``[B]`` is ``dL/dz_t`` where the label is on this shard (``on_shard``), 0 elsewhere.
+    With ``feature_norms`` (AdaFace, MagFace: ``norms`` are the norms before normalisation, an input
+    of their own) returns their gradient: the target logit's, plus MagFace's regulariser, counted
+    once, by the label's owner. Otherwise, for a margin whose target reads ``‖a‖`` (SphereFace),
+    adds ``dz_t·∂z_t/∂‖a‖·a/‖a‖`` into ``grad_a`` and returns None. Masks, not indices: no host sync.
+    """
+    margin = cfg.margin
+    zero = torch.zeros_like(dz_t)
+    if feature_norms:
+        grad_norm = torch.where(on_shard, dz_t * target_dnorm, zero)
+        reg = margin.regularizer(norms)
+        if reg is not None:
+            grad_norm = grad_norm + torch.where(on_shard, coef * reg[1], zero)
+        return grad_norm
+    if target_dnorm is not None:
+        coeff = torch.where(on_shard, dz_t * target_dnorm / norms.clamp(min=NORM_EPS), zero)
+        grad_a.add_(coeff.unsqueeze(1) * a.to(cfg.stats_dtype))
+    return None
