@@ -54,6 +54,17 @@ class ShardedLossPlan:
         return None if self.rows is None else self.rows[shard]
 
 
+def _shard_kernels(cfg: ShardConfig):
+    """``(shard_forward, shard_backward)`` of the implementation the plan resolved: the torch
+    reference (:mod:`shardfc.head.kernels`) or the fused Triton kernels (:mod:`shardfc.head.fused`),
+    which take and return the same things."""
+    if cfg.impl == "triton":
+        from shardfc.head.fused import shard as fused  # imports Triton: only when chosen
+
+        return fused.shard_forward, fused.shard_backward
+    return shard_forward, shard_backward
+
+
 def local_labels_for_range(labels: Tensor, r: range) -> Tensor:
     """Row of each label within the shard holding classes ``r``, or −1 (not there / ignored)."""
     inside = (labels >= r.start) & (labels < r.stop)
@@ -89,6 +100,7 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
             target_rows = None
             if cfg.filter_threshold is not None:
                 target_rows = gather_target_centres(plan, embeds, weights, local_labels, home)
+            forward_shard = _shard_kernels(cfg)[0]
             norms, stats, targets_on = [], [], []
             for i, (a, w, lab) in enumerate(zip(embeds, weights, local_labels)):
                 if feature_norms is not None:
@@ -100,7 +112,7 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
                 targets_on.append(targets)
                 extra = {} if targets is None else {"target_rows": targets}
                 with _autocast_off(a.device.type):
-                    stats.append(shard_forward(a, w, lab, norm, cfg, rows=plan.rows_of(i), **extra))
+                    stats.append(forward_shard(a, w, lab, norm, cfg, rows=plan.rows_of(i), **extra))
 
             row_max = torch.stack([s.row_max.to(home) for s in stats]).amax(dim=0)
             if plan.distributed:
@@ -151,6 +163,7 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
             plan.comm.all_reduce_(coef, "sum")
             coef = coef / plan.world_size
         coef = torch.where(valid, coef, torch.zeros_like(coef))
+        backward_shard = _shard_kernels(cfg)[1]
         grads_a: List[Tensor] = []
         grads_w: List[Tensor] = []
         grad_norms = None
@@ -161,7 +174,7 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
             sparse = rows is not None and plan.row_grad_sink is not None
             out = _existing_grad(w) if plan.weight_grad_in_place and not sparse else None
             with _autocast_off(dev.type):
-                ga, gw, gn = shard_backward(
+                ga, gw, gn = backward_shard(
                     a, w, lab, norm, stats, row_max.to(dev), sum_exp.to(dev), coef.to(dev), cfg, out,
                     target_rows=targets, feature_norms=ctx.feature_norms, rows=rows,
                 )

@@ -38,6 +38,7 @@ from shardfc.seeding import mix_seed
 from shardfc.head.layout import class_ranges
 from shardfc.head.normalize import l2_normalize
 from shardfc.head.kernels import ShardConfig
+from shardfc.head.fused import check_impl, resolve_impl
 from shardfc.head.partial_fc import (
     num_sampled,
     RowGrad,
@@ -141,6 +142,14 @@ class ShardedMarginHead(nn.Module):
             sample's target centre exceeds ``t`` is left out of that sample's softmax (as if masked
             in a dense head; the mask carries no gradient). ``None``: off.
 
+        impl: which code computes each shard's loss: ``"torch"`` (the reference, and the CPU
+            implementation), ``"triton"`` (:mod:`shardfc.head.fused`: fused kernels that never hold
+            ``[B, n]`` logits — ``chunk_size`` is then moot — read the weight in place, fold the
+            margin in at the target column and write the weight gradient once; CUDA, fp32/bf16/fp16
+            compute, ``embedding_dim ≤ 1024``; a clear error says which condition fails) or
+            ``"auto"`` (the default: Triton on CUDA when it can run there, else torch).
+            ``last_impl`` says which ran.
+
     Example::
 
         head = ShardedMarginHead(512, 1_000_000, margin=margins.ArcFace(64.0, 0.5))
@@ -169,6 +178,7 @@ class ShardedMarginHead(nn.Module):
         context: Optional[DistContext] = None,
         subcenters: int = 1,
         interclass_filter_threshold: Optional[float] = None,
+        impl: str = "auto",
     ):
         super().__init__()
         self.embedding_dim = check_positive_int("embedding_dim", embedding_dim)
@@ -217,6 +227,9 @@ class ShardedMarginHead(nn.Module):
                     f"so label_smoothing={label_smoothing} (spread over all classes) is undefined with it; use one"
                 )
         self.interclass_filter_threshold = interclass_filter_threshold
+        self.impl = check_impl(impl)
+        #: The implementation the last forward ran ("torch" or "triton"; None before the first).
+        self.last_impl: Optional[str] = None
         self.init_seed = int(init_seed)
         dtype = torch.float32 if dtype is None else dtype
 
@@ -377,16 +390,20 @@ class ShardedMarginHead(nn.Module):
                 sink = lambda shard, grad: self._keep_row_grad(shard, rows[shard], grad)  # noqa: E731
         else:
             self._record_rows([None] * len(weights))
+        compute_dtype = compute_dtype_for(embeds[0].device, embeds[0], weights[0])
+        stats_dtype = stats_dtype_for(embeddings, weights[0])
+        self.last_impl = resolve_impl(self.impl, embeds[0].device, compute_dtype, stats_dtype, self.embedding_dim)
         plan = ShardedLossPlan(
             config=ShardConfig(
                 margin=self.margin,
                 num_classes=num_classes,
                 label_smoothing=self.label_smoothing,
                 chunk_size=self._chunk_for(sum(sizes)),
-                compute_dtype=compute_dtype_for(embeds[0].device, embeds[0], weights[0]),
-                stats_dtype=stats_dtype_for(embeddings, weights[0]),
+                compute_dtype=compute_dtype,
+                stats_dtype=stats_dtype,
                 subcenters=self.subcenters,
                 filter_threshold=self.interclass_filter_threshold,
+                impl=self.last_impl,
             ),
             num_shards=len(weights),
             distributed=self.distributed,

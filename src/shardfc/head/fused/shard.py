@@ -1,0 +1,212 @@
+"""One shard's statistics and gradients through the fused Triton kernels.
+
+:func:`shard_forward` and :func:`shard_backward` take and return exactly what their torch
+counterparts in :mod:`shardfc.head.kernels` do, so :mod:`shardfc.head.function` combines shards,
+ranks and devices the same way whichever ran. What differs is inside: no ``[B, n]`` logits at any
+``n`` (``chunk_size`` has nothing left to bound and is ignored), ``W`` read in place (no
+normalised or gathered copy: Partial FC's sampled rows are an index vector the kernels load
+through), the weight gradient written once per row (or added into ``.grad``), and no host
+synchronisation: targets are handled with masks over the whole batch, never ``nonzero``.
+
+The margin enters through :func:`target_logits`: the target products ``a·ŵ_y`` (``[B, K]``, a
+gather of the label rows, ``O(B·K·D)``) go through :meth:`Margin.target` — the same code the torch
+path calls — and the kernels substitute its value and derivative at the target column.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from shardfc.head.fused import autotune, interpreting
+from shardfc.head.kernels import ShardConfig, ShardStats, target_norm_gradients
+from shardfc.head.normalize import NORM_EPS
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@dataclass
+class FusedShardStats(ShardStats):
+    #: ``1/‖w_r‖`` of the scored centre rows, written by the forward kernel (None: raw centres).
+    inv: Optional[Tensor]
+    #: Per sample: the label's class column in the shard (−1: elsewhere or ignored), the sub-centre
+    #: the margin was applied to, and whether the label is here.
+    tcol: Tensor
+    tsub: Tensor
+    on_shard: Tensor
+
+
+def _precision(cfg: ShardConfig) -> str:
+    """fp32 matmuls as torch would do them: full fp32 unless torch allows TF32."""
+    if cfg.compute_dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _dtypes(cfg: ShardConfig) -> dict:
+    """The kernels' COMPUTE (operand rounding), DOT (what ``tl.dot`` multiplies) and PRECISION."""
+    compute = _TL_DTYPES[cfg.compute_dtype]
+    dot = tl.float32 if compute == tl.bfloat16 and interpreting() else compute  # see tiles.operand
+    return dict(COMPUTE=compute, DOT=dot, PRECISION=_precision(cfg))
+
+
+def _scored(w: Tensor, rows: Optional[Tensor]) -> int:
+    return w.shape[0] if rows is None else rows.numel()
+
+
+def target_logits(
+    a: Tensor, w: Tensor, local_labels: Tensor, norms: Optional[Tensor], cfg: ShardConfig, rows: Optional[Tensor]
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """Per sample, for labels on this shard (zeros elsewhere): ``(on_shard, sub-centre, z_t,
+    ∂z_t/∂raw, ∂z_t/∂norm or None)``, from the target rows alone, in the stats dtype."""
+    K, sd, margin = cfg.subcenters, cfg.stats_dtype, cfg.margin
+    on = local_labels >= 0
+    scored = local_labels.clamp(min=0).unsqueeze(1) * K + torch.arange(K, device=a.device)
+    wrows = scored if rows is None else rows[scored]
+    centres = w[wrows].to(sd)  # [B, K, D]: the label rows only
+    raw = torch.bmm(centres, a.to(sd).unsqueeze(2)).squeeze(2)
+    if margin.normalize_weights:
+        norm = torch.linalg.vector_norm(centres, dim=2)
+        raw = raw * torch.where(norm >= NORM_EPS, norm.clamp(min=NORM_EPS).reciprocal(), torch.zeros_like(norm))
+    best, sub = raw.max(dim=1)
+    value, d_raw, d_norm = margin.target(best, norms)
+    zero = torch.zeros_like(best)
+    d_norm = None if d_norm is None or not margin.needs_norm else torch.where(on, d_norm, zero)
+    return on, sub.to(torch.int32), torch.where(on, value, zero), torch.where(on, d_raw, zero), d_norm
+
+
+def _common(a: Tensor, w: Tensor, cfg: ShardConfig, rows: Optional[Tensor]):
+    K = cfg.subcenters
+    n_cls = _scored(w, rows) // K
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    return a.contiguous(), w, n_cls, K
+
+
+def shard_forward(
+    a: Tensor,
+    w: Tensor,
+    local_labels: Tensor,
+    norms: Optional[Tensor],
+    cfg: ShardConfig,
+    target_rows: Optional[Tensor] = None,
+    rows: Optional[Tensor] = None,
+) -> FusedShardStats:
+    """The fused counterpart of :func:`shardfc.head.kernels.shard_forward` (same arguments)."""
+    a, w, n_cls, K = _common(a, w, cfg, rows)
+    B, D, dev, sd = a.shape[0], a.shape[1], a.device, cfg.stats_dtype
+    smooth = cfg.label_smoothing > 0
+    normalize = cfg.margin.normalize_weights
+    if n_cls == 0:  # a shard without classes: the statistics of an empty set
+        empty = torch.zeros(B, dtype=sd, device=dev)
+        none_here = torch.zeros(B, dtype=torch.bool, device=dev)
+        return FusedShardStats(
+            torch.full((B,), float("-inf"), dtype=sd, device=dev), empty, empty, empty if smooth else None,
+            empty, empty if cfg.margin.needs_norm else None, None,
+            None, torch.full((B,), -1, dtype=torch.int32, device=dev), empty.int(), none_here,
+        )
+    on, tsub, tval, tdraw, tdnorm = target_logits(a, w, local_labels, norms, cfg, rows)
+    tcol = local_labels.to(torch.int32).contiguous()
+    per_split = autotune.class_splits(n_cls, B, dev)
+    n_splits = triton.cdiv(n_cls, per_split)
+    pmax = torch.empty(B, n_splits, dtype=torch.float32, device=dev)
+    psum = torch.empty_like(pmax)
+    plsum = torch.empty_like(pmax) if smooth else pmax
+    inv = torch.empty(n_cls * K, dtype=torch.float32, device=dev) if normalize else pmax
+    tr = target_rows.to(torch.float32).contiguous() if target_rows is not None else a
+    with _on(dev):
+        autotune.launch(
+            autotune.lse_forward, lambda meta: (triton.cdiv(B, meta["BM"]), n_splits),
+            a, w, rows.contiguous() if rows is not None else tcol, inv, tr, tcol, tval.float().contiguous(),
+            pmax, psum, plsum,
+            B, D, n_cls, K, per_split, a.stride(0), w.stride(0), tr.stride(0), n_splits,
+            float(cfg.margin.scale), float(cfg.filter_threshold or 0.0),
+            HAS_ROWS=rows is not None, NORM_W=normalize, FILTER=target_rows is not None, SMOOTH=smooth,
+            **_dtypes(cfg),
+        )
+    row_max = pmax.amax(dim=1)
+    shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    sum_exp = (psum * torch.exp(pmax - shift.unsqueeze(1))).sum(dim=1)
+    logit_sum = plsum.sum(dim=1).to(sd) if smooth else None
+    return FusedShardStats(
+        row_max.to(sd), sum_exp.to(sd), tval, logit_sum, tdraw, tdnorm, None,
+        inv if normalize else None, tcol, tsub, on,
+    )
+
+
+def shard_backward(
+    a: Tensor,
+    w: Tensor,
+    local_labels: Tensor,
+    norms: Optional[Tensor],
+    stats: FusedShardStats,
+    global_max: Tensor,
+    global_sum: Tensor,
+    coef: Tensor,
+    cfg: ShardConfig,
+    grad_w_out: Optional[Tensor] = None,
+    target_rows: Optional[Tensor] = None,
+    feature_norms: bool = False,
+    rows: Optional[Tensor] = None,
+) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """The fused counterpart of :func:`shardfc.head.kernels.shard_backward` (same arguments and
+    results: ``grad_a``, the weight gradient unless added into ``grad_w_out``, ``grad_norm``)."""
+    a_in = a
+    a, w, n_cls, K = _common(a, w, cfg, rows)
+    B, D, dev, sd = a.shape[0], a.shape[1], a.device, cfg.stats_dtype
+    eps, C = cfg.label_smoothing, cfg.num_classes
+    accumulate = grad_w_out is not None
+    grad_w = grad_w_out if accumulate else torch.empty((n_cls * K, D), dtype=w.dtype, device=dev)
+    grad_a = torch.zeros(B, D, dtype=torch.float32, device=dev)
+    coef = coef.to(torch.float32)
+    if n_cls > 0:
+        coef_over_sum = (coef / global_sum.to(torch.float32)).contiguous()
+        row_max = global_max.to(torch.float32).contiguous()
+        tr = target_rows.to(torch.float32).contiguous() if target_rows is not None else a
+        inv = stats.inv if stats.inv is not None else row_max
+        inputs = (
+            a, w, rows.contiguous() if rows is not None else stats.tcol, inv, tr, stats.tcol,
+            stats.target.float().contiguous(), stats.target_draw.float().contiguous(), stats.tsub,
+            row_max, coef_over_sum, coef.contiguous(),
+        )
+        scalars = (float(cfg.margin.scale), float(cfg.filter_threshold or 0.0), eps / C, 1.0 - eps)
+        flags = dict(
+            HAS_ROWS=rows is not None, NORM_W=cfg.margin.normalize_weights, FILTER=target_rows is not None,
+            SMOOTH=eps > 0, **_dtypes(cfg),
+            DP=max(16, triton.next_power_of_2(D)),
+        )
+        per_split = autotune.class_splits(n_cls, B, dev)
+        n_splits = triton.cdiv(n_cls, per_split)
+        partial = torch.empty(n_splits, B, D, dtype=torch.float32, device=dev)
+        with _on(dev):
+            autotune.launch(
+                autotune.grad_a, lambda meta: (triton.cdiv(B, meta["BM"]), n_splits),
+                *inputs, partial, B, D, n_cls, K, per_split, a.stride(0), w.stride(0), tr.stride(0),
+                *scalars, **flags,
+            )
+            autotune.launch(
+                autotune.grad_w, lambda meta: (triton.cdiv(n_cls, meta["BN"]), K),
+                *inputs, grad_w, B, D, n_cls, K, a.stride(0), w.stride(0), tr.stride(0), grad_w.stride(0),
+                *scalars, ACCUMULATE=accumulate, SCATTER=accumulate and rows is not None, **flags,
+            )
+        grad_a = partial.sum(dim=0)
+    elif not accumulate:
+        grad_w.zero_()
+    # The target's dL/dz, for the norm's gradient (SphereFace, AdaFace, MagFace).
+    on = stats.on_shard
+    p_t = torch.exp(stats.target - global_max) * coef / global_sum
+    dz_t = torch.where(on, p_t - coef * (eps / C + 1.0 - eps), torch.zeros_like(p_t))
+    grad_a = grad_a.to(sd)
+    grad_norm = target_norm_gradients(a_in, norms, on, dz_t, stats.target_dnorm, coef.to(sd), cfg, feature_norms, grad_a)
+    return grad_a.to(a_in.dtype), (None if accumulate else grad_w), grad_norm
+
+
+def _on(dev: torch.device):
+    """Triton launches on the current CUDA device: make it the tensors' (devices mode)."""
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()

@@ -1,0 +1,148 @@
+"""The pieces every fused kernel shares: one tile of class logits and its ``dL/d(cos)``.
+
+A *tile* is ``BM`` samples × ``BN`` classes of one shard. Its logits are recomputed wherever they
+are needed (forward, both backward kernels) by the same code, so the three kernels see the same
+numbers:
+
+* the products ``p = a · w_r`` of every centre row ``r`` of the tile's classes (``K`` sub-centres
+  per class, ``BD`` columns of ``D`` at a time, operands cast to the compute dtype in registers,
+  fp32 accumulation; rows gathered through ``rows`` under Partial FC — never a copy of ``W``);
+* ``c = p · inv_r`` (the cosine when the margin normalises centres), the class value the max over
+  its sub-centres, and which sub-centre gave it;
+* the logit ``z = s · c``, except at the target column, where the margin's value ``z_t`` (an input:
+  :mod:`shardfc.head.margins` computed it from the target products alone) replaces it, and the
+  inter-class filter's ``−inf`` for negatives too close to the target centre.
+
+The margin is never written here: the kernels get its per-sample value and derivative, so there is
+one description of each margin, read by the torch and the Triton path alike.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+#: Rows with a smaller L2 norm are zero vectors (``shardfc.head.normalize.NORM_EPS``).
+NORM_EPS: tl.constexpr = tl.constexpr(1e-12)
+
+
+@triton.jit
+def operand(x, COMPUTE: tl.constexpr, DOT: tl.constexpr):
+    """A ``tl.dot`` operand: rounded to the compute dtype, multiplied in ``DOT``. ``DOT`` is the
+    compute dtype, except under Triton's interpreter for bf16, whose ``tl.dot`` on bf16 operands
+    is wrong (Triton 3.9, measured: errors of 1e10 on a 16×16 product); there the bf16-rounded
+    operands are multiplied in fp32, which gives the same products."""
+    return x.to(COMPUTE).to(DOT)
+
+
+@triton.jit
+def weight_rows(rows_ptr, cls, sub, K, n_mask, HAS_ROWS: tl.constexpr):
+    """int64 row of ``W`` holding sub-centre ``sub`` of each scored class ``cls``."""
+    scored = cls.to(tl.int64) * K + sub
+    if HAS_ROWS:
+        scored = tl.load(rows_ptr + scored, mask=n_mask, other=0).to(tl.int64)
+    return scored
+
+
+@triton.jit
+def products(
+    a_ptr, stride_a, offs_m, m_mask, w_ptr, stride_w, wrow, n_mask, D,
+    COMPUTE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """``[BM, BN]`` products ``a · w_r`` (fp32) and the rows' squared norms ``[BN]`` (fp32)."""
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    sq = tl.zeros([BN], dtype=tl.float32)
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_a
+    w_rows = w_ptr + wrow[:, None] * stride_w
+    for d0 in range(0, D, BD):
+        offs_d = d0 + tl.arange(0, BD)
+        d_mask = offs_d < D
+        a_t = tl.load(a_rows + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        w_t = tl.load(w_rows + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = tl.dot(operand(a_t, COMPUTE, DOT), tl.trans(operand(w_t, COMPUTE, DOT)), acc, input_precision=PRECISION)
+        wf = w_t.to(tl.float32)
+        sq += tl.sum(wf * wf, axis=1)
+    return acc, sq
+
+
+@triton.jit
+def inverse_norms(sq):
+    """``1/‖w‖`` from squared norms; 0 for rows below NORM_EPS (as the torch path)."""
+    norm = tl.sqrt(sq)
+    return tl.where(norm >= NORM_EPS, 1.0 / tl.maximum(norm, NORM_EPS), 0.0)
+
+
+@triton.jit
+def class_values(
+    a_ptr, stride_a, offs_m, m_mask, w_ptr, stride_w, rows_ptr, inv_ptr, tr_ptr, stride_tr,
+    offs_n, n_mask, K, D, keep_sub, store_inv,
+    HAS_ROWS: tl.constexpr, NORM_W: tl.constexpr, INV_KNOWN: tl.constexpr, FILTER: tl.constexpr,
+    COMPUTE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+):
+    """The tile's class values before scale and margin.
+
+    Returns ``best`` (max over sub-centres of ``c = p·inv``), ``arg`` (its sub-centre), ``fmax``
+    (max over sub-centres of the cosine to the sample's target centre, for the filter) and the raw
+    products ``p`` of sub-centre ``keep_sub`` (the weight-gradient kernel's normalisation term).
+    ``INV_KNOWN``: read ``inv`` from ``inv_ptr`` (saved by the forward); else compute it from the
+    rows and save it there where ``store_inv`` (``[BN]``; the forward's first row tile only).
+    """
+    best = tl.full([BM, BN], float("-inf"), dtype=tl.float32)
+    arg = tl.zeros([BM, BN], dtype=tl.int32)
+    fmax = tl.full([BM, BN], float("-inf"), dtype=tl.float32)
+    kept = tl.zeros([BM, BN], dtype=tl.float32)
+    for sub in range(0, K):
+        wrow = weight_rows(rows_ptr, offs_n, sub, K, n_mask, HAS_ROWS)
+        p, sq = products(a_ptr, stride_a, offs_m, m_mask, w_ptr, stride_w, wrow, n_mask, D,
+                         COMPUTE, DOT, PRECISION, BM, BN, BD)
+        c = p
+        if NORM_W:
+            inv_at = inv_ptr + offs_n.to(tl.int64) * K + sub
+            if INV_KNOWN:
+                inv = tl.load(inv_at, mask=n_mask, other=0.0)
+            else:
+                inv = inverse_norms(sq)
+                tl.store(inv_at, inv, mask=n_mask & store_inv)
+            c = p * inv[None, :]
+        if FILTER:
+            # The cosine to the target centre: fp32 operands (the mask must not depend on the
+            # compute dtype); ``inv`` exists since the filter needs normalised centres.
+            f, _ = products(tr_ptr, stride_tr, offs_m, m_mask, w_ptr, stride_w, wrow, n_mask, D,
+                            tl.float32, tl.float32, "tf32", BM, BN, BD)
+            if NORM_W:
+                f = f * inv[None, :]
+            else:
+                f = f * inverse_norms(sq)[None, :]
+            fmax = tl.maximum(fmax, f)
+        take = c > best
+        arg = tl.where(take, sub, arg)
+        best = tl.where(take, c, best)
+        kept = tl.where(sub == keep_sub, p, kept)
+    return best, arg, fmax, kept
+
+
+@triton.jit
+def logits(best, fmax, offs_n, n_mask, tcol, tval, scale, threshold, FILTER: tl.constexpr):
+    """``z`` of the tile (−inf outside the shard's classes and for filtered negatives) and the
+    target mask."""
+    is_t = offs_n[None, :] == tcol[:, None]
+    z = tl.where(is_t, tval[:, None], best * scale)
+    if FILTER:
+        z = tl.where((fmax > threshold) & (~is_t), float("-inf"), z)
+    z = tl.where(n_mask[None, :], z, float("-inf"))
+    return z, is_t
+
+
+@triton.jit
+def dcos(z, is_t, row_max, coef_over_sum, coef, tdraw, live, scale, eps_over_c, one_minus_eps,
+         SMOOTH: tl.constexpr):
+    """``dJ/dc`` of the tile for ``J = Σ_i coef_i·loss_i``: ``s·dz`` off target, ``z_t'·dz_t`` at
+    it, with ``dz = coef·(softmax − (1−ε)·[target] − ε/C)`` (0 where ``live`` is False)."""
+    dz = tl.exp(z - row_max[:, None]) * coef_over_sum[:, None]
+    if SMOOTH:
+        dz = dz - (coef * eps_over_c)[:, None]
+    dz = tl.where(is_t, dz - (coef * one_minus_eps)[:, None], dz)
+    dc = tl.where(is_t, dz * tdraw[:, None], dz * scale)
+    return tl.where(live, dc, 0.0)

@@ -1,0 +1,142 @@
+"""The fused kernels against the torch path (the reference implementation) and the dense float64
+reference, one process, under Triton's interpreter at small shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardfc
+from shardfc.head.module import init_rows
+
+from fused_pairs import C, D, DEVICE, MARGINS, data, rel, step
+
+FP32 = 1e-5
+
+
+def _compare(tol=FP32, data_kw=None, **kw):
+    x, y, up = data(**(data_kw or {}))
+    ref = step("torch", x, y, up, **kw)
+    got = step("triton", x, y, up, **kw)
+    assert got["impl"] == "triton" and ref["impl"] == "torch"
+    if "rows" in ref:
+        assert torch.equal(got["rows"], ref["rows"])
+    for key in ("loss", "grad_x", "grad_w"):
+        assert rel(got[key], ref[key]) < tol, (key, rel(got[key], ref[key]))
+    return ref, got
+
+
+@pytest.mark.parametrize("margin", sorted(MARGINS))
+def test_every_margin_matches_torch_path(margin):
+    _compare(margin=margin, reduction="none")
+
+
+OPTIONS = {
+    "subcenters": dict(subcenters=3),
+    "partial_fc": dict(sample_rate=0.4),
+    "partial_fc+sparse_grad+subcenters": dict(sample_rate=0.3, sparse_grad=True, subcenters=2),
+    "filter": dict(interclass_filter_threshold=0.05),
+    "filter+subcenters+partial": dict(interclass_filter_threshold=0.05, subcenters=2, sample_rate=0.5),
+    "label_smoothing": dict(label_smoothing=0.1, margin="cosface"),
+    "smoothing+sphereface+sum": dict(label_smoothing=0.2, margin="sphereface", reduction="sum"),
+    "grad_added_in_place": dict(grad_first=True, steps=2),
+    "partial_fc_added_in_place": dict(grad_first=True, sample_rate=0.4),
+    "no_in_place": dict(weight_grad_in_place=False, margin="magface"),
+    "chunk_size_is_moot": dict(chunk_size=4),
+    "bf16_centres": dict(dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case", list(OPTIONS.values()), ids=list(OPTIONS))
+def test_options_match_torch_path(case):
+    tol = 2e-2 if case.get("dtype") == torch.bfloat16 else FP32
+    _compare(tol=tol, **case)
+
+
+def test_filter_removes_classes():
+    """The filter case above is not vacuous: at this threshold it changes the loss."""
+    x, y, up = data()
+    plain = step("triton", x, y, up)
+    filtered = step("triton", x, y, up, interclass_filter_threshold=0.05)
+    assert rel(filtered["loss"], plain["loss"]) > 1e-3
+
+
+@pytest.mark.parametrize("where", ["all_ignored", "one_shard_region", "one_sample"])
+def test_odd_batches(where):
+    kw = {
+        "all_ignored": dict(data_kw=dict(B=5, ignore=False)),
+        "one_shard_region": dict(data_kw=dict(low=C - 3, high=C)),
+        "one_sample": dict(data_kw=dict(B=1, ignore=False)),
+    }[where]
+    if where == "all_ignored":
+        x, y, up = data(B=5, ignore=False)
+        y[:] = -1
+        ref, got = step("torch", x, y, up), step("triton", x, y, up)
+        assert float(got["loss"]) == float(ref["loss"]) == 0.0
+        assert rel(got["grad_w"], ref["grad_w"]) == 0.0 and float(got["grad_w"].abs().max()) == 0.0
+        return
+    _compare(**kw)
+
+
+def test_fp32_against_dense_float64_reference():
+    x, y, up = data()
+    margin = MARGINS["arcface"]
+    got = step("triton", x, y, up, reduction="none", label_smoothing=0.1)
+    W = init_rows(0, C, D, 0).double().requires_grad_()
+    xr = x.double().requires_grad_()
+    ref = shardfc.reference_loss(xr, W, y, margin, label_smoothing=0.1, reduction="none")
+    ref.backward(up.double())
+    assert rel(got["loss"], ref.detach()) < FP32
+    assert rel(got["grad_x"], xr.grad) < FP32
+    assert rel(got["grad_w"], W.grad) < FP32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_compute_within_torch_paths_error(dtype):
+    """Under autocast both paths multiply in ``dtype``; the fused one may not be less exact."""
+    x, y, up = data()
+    W = init_rows(0, C, D, 0).double().requires_grad_()
+    xr = x.double().requires_grad_()
+    ref = shardfc.reference_loss(xr, W, y, MARGINS["arcface"], reduction="none")
+    ref.backward(up.double())
+    errs = {}
+    for impl in ("torch", "triton"):
+        out = step(impl, x, y, up, autocast=dtype, reduction="none")
+        errs[impl] = {k: rel(out[k], r) for k, r in (("loss", ref.detach()), ("grad_x", xr.grad), ("grad_w", W.grad))}
+    for key, err in errs["triton"].items():
+        assert err <= 2 * errs["torch"][key] + 2e-3, (key, errs)
+
+
+def test_devices_mode_two_shards():
+    x, y, up = data()
+    out = {}
+    for impl in ("torch", "triton"):
+        head = shardfc.ShardedMarginHead(D, C, devices=[DEVICE, DEVICE], impl=impl, subcenters=2)
+        xr = x.to(DEVICE, copy=True).requires_grad_()
+        head(xr, y.to(DEVICE)).backward()
+        out[impl] = (xr.grad.cpu(), [w.grad.cpu() for w in head.shard_weights])
+    assert rel(out["triton"][0], out["torch"][0]) < FP32
+    for a, b in zip(out["triton"][1], out["torch"][1]):
+        assert rel(a, b) < FP32
+
+
+def test_target_gradient_goes_to_the_sub_centre_the_margin_used():
+    """Two centres of the target class equal in bf16 but not in fp32: the margin (fp32 target
+    products) picks the second; the kernels' bf16 products tie. The gradient must follow the
+    margin's choice (as a dense head's autograd would), not the kernels' tie-break."""
+    K = 2
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, D, generator=g).to(DEVICE)
+    y = torch.tensor([5], device=DEVICE)
+    head = shardfc.ShardedMarginHead(D, C, subcenters=K, impl="triton", device=DEVICE)
+    with torch.no_grad():
+        v = x[0] / x[0].norm() + 0.05 * torch.randn(D, generator=g).to(DEVICE)
+        v = v.bfloat16().float()
+        head.weight[5 * K] = v
+        head.weight[5 * K + 1] = v + 1e-4 * x[0] / x[0].norm()  # below bf16's resolution, above fp32's
+    xr = x.clone().requires_grad_()
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        head(xr, y).backward()
+    grad = head.weight.grad
+    assert float(grad[5 * K].abs().max()) == 0.0
+    assert float(grad[5 * K + 1].abs().max()) > 0.0
