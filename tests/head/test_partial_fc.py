@@ -195,3 +195,22 @@ def test_no_grad_forward_records_nothing_and_zero_grad_forgets():
     head(x, y).backward()
     opt.zero_grad()  # the gradient is gone, and so are its rows (e.g. a step the fp16 scaler skips)
     assert head.sampled_rows is None
+
+
+def test_fused_optimizer_only_for_cuda_fp32():
+    from shardfc.head.partial_fc import fused_optimizer_ok
+
+    assert fused_optimizer_ok([torch.zeros(3)]) is None
+    assert fused_optimizer_ok([]) is None
+    head = shardfc.ShardedMarginHead(4, 10)
+    opt = shardfc.head_optimizer(head, "sgd", lr=0.1)
+    assert not opt.param_groups[0].get("fused")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_head_optimizer_is_fused_on_cuda():
+    head = shardfc.ShardedMarginHead(4, 10, device="cuda")
+    for name in ("sgd", "adamw"):
+        assert shardfc.head_optimizer(head, name, lr=0.1).param_groups[0]["fused"] is True
+    bf16 = shardfc.ShardedMarginHead(4, 10, device="cuda", dtype=torch.bfloat16)
+    assert not shardfc.head_optimizer(bf16, "sgd", lr=0.1).param_groups[0].get("fused")
