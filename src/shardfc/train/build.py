@@ -85,6 +85,7 @@ def build_parts(
         init_seed=cfg.seed,
         subcenters=cfg.subcenters,
         interclass_filter_threshold=cfg.interclass_filter_threshold or None,
+        impl=cfg.head_impl,
         **head_placement(cfg, ctx),
     )
     trainable = [p for p in backbone.parameters() if p.requires_grad]

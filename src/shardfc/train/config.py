@@ -147,6 +147,8 @@ class TrainConfig:
     """Partial FC: fraction of each shard's negative classes sampled per step (1.0: all classes, exact softmax)."""
     chunk_size: int = 0
     """Walk each shard's classes this many at a time to bound activation memory (logits never stored); 0: all at once; -1: auto (the largest chunk whose logits fit 64 MiB)."""
+    head_impl: str = "auto"
+    """Which code computes the head's loss: auto (the fused Triton kernels on CUDA when they can run there, else torch), triton (fused kernels: no [B, C] logits; needs CUDA and pip install 'shardfc[gpu]'), torch (the reference)."""
     label_smoothing: float = 0.0
     """Label smoothing epsilon over all classes."""
     triplet_weight: float = 0.0
@@ -290,6 +292,7 @@ class TrainConfig:
         _choice(self, "pipeline_schedule", PIPELINE_SCHEDULES)
         _choice(self, "amp", ("none", "bf16", "fp16"))
         _choice(self, "device", ("auto", "cpu", "cuda"))
+        _choice(self, "head_impl", ("auto", "triton", "torch"))
         for name in ("synthetic_identities", "synthetic_images_per_identity", "embedding_dim", "batch_size",
                      "grad_accum", "nproc", "log_every", "eval_batch_size", "subcenters", "pipeline_stages",
                      "micro_batches"):
@@ -465,8 +468,8 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
     "model": ("backbone", "embedding_dim", "neck"),
     "head": ("margin", "scale", "m", "m1", "m2", "m3", "easy_margin", "sphereface_lambda", "adaface_h",
              "adaface_momentum", "magface_l_a", "magface_u_a", "magface_l_m", "magface_u_m", "magface_lambda_g",
-             "subcenters", "interclass_filter_threshold", "sample_rate", "chunk_size", "label_smoothing",
-             "head_dtype", "head_rounding", "sparse_grad", "triplet_weight", "triplet_margin", "triplet_soft"),
+             "subcenters", "interclass_filter_threshold", "sample_rate", "chunk_size", "head_impl",
+             "label_smoothing", "head_dtype", "head_rounding", "sparse_grad", "triplet_weight", "triplet_margin", "triplet_soft"),
     "optim": ("optimizer", "lr", "momentum", "weight_decay", "nesterov", "betas", "eps", "grad_clip", "grad_accum"),
     "schedule": ("batch_size", "max_steps", "epochs", "scheduler", "poly_power", "warmup_steps"),
     "run": ("strategy", "pipeline_stages", "pipeline_schedule", "micro_batches", "split_points", "micro_batch_stats",

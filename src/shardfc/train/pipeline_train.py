@@ -132,6 +132,7 @@ def build_pipeline_parts(
             cfg.embedding_dim, num_classes, margin=build_margin(cfg.margin, **cfg.margin_params()),
             label_smoothing=cfg.label_smoothing, chunk_size={0: None, -1: "auto"}.get(cfg.chunk_size, cfg.chunk_size),
             sample_rate=cfg.sample_rate, sample_seed=cfg.seed, init_seed=cfg.seed, context=layout.replica_ctx,
+            impl=cfg.head_impl,
         )
         opt_head = head_optimizer(
             head, cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
