@@ -231,6 +231,11 @@ def _shardfc(margin_name: Optional[str], impl: Optional[str], options: Optional[
     return build
 
 
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """Low-precision logits (autocast's) in fp32 for the softmax; fp32/fp64 as they are."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def dense_margin_loss(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, margin) -> torch.Tensor:
     """The plain dense margin loss: normalise, full ``[B, C]`` logits, the margin at the target, cross-entropy.
 
@@ -238,7 +243,7 @@ def dense_margin_loss(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, margin)
     ``s·(cos θ − m·sin m)`` past ``θ > π − m``); the other normalised margins through their ``target``."""
     from shardfc.head import margins as M
 
-    cos = (F.normalize(x, dim=1) @ F.normalize(w, dim=1).t()).float()
+    cos = _at_least_fp32(F.normalize(x, dim=1) @ F.normalize(w, dim=1).t())
     c = cos.gather(1, y[:, None]).squeeze(1).clamp(-1.0, 1.0)
     if isinstance(margin, M.ArcFace):
         s, m = margin.s, margin.m
@@ -257,7 +262,7 @@ def dense_margin_loss(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, margin)
 
 def dense_softmax_loss(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Plain softmax cross-entropy over the full ``[B, C]`` logits ``x·Wᵀ``."""
-    return F.cross_entropy((x @ w.t()).float(), y)
+    return F.cross_entropy(_at_least_fp32(x @ w.t()), y)
 
 
 def _dense(softmax: bool, compiled: bool) -> Callable[[Workload, Setup], Built]:
@@ -535,9 +540,10 @@ def _run_system(name: str, wl: Workload, setup: Setup, progress: bool) -> Dict[s
         row["loss_agrees"] = None
     row["_comparable"] = built is not None and built.comparable
     del built
-    if name == "dense-compile":
+    if name == "dense-compile" and row["status"] != "unavailable":
         torch._dynamo.reset()
-    _release(device)
+    if row["status"] != "unavailable" or device.type == "cuda":  # what a row built goes before the next
+        _release(device)
     return row
 
 
