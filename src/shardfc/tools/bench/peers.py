@@ -448,6 +448,8 @@ def _setup(wl: Workload) -> Setup:
     from shardfc.head.module import init_rows
 
     device = torch.device(wl.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
     weight0 = init_rows(0, wl.classes, wl.dim, 0).to(device)  # what a head with init_seed=0 starts from
     g = torch.Generator(device=device).manual_seed(SEED)
     count = 1 + wl.warmup + wl.steps + 1  # check step, warm-up, timed, a memory step (CPU)
