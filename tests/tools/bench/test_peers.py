@@ -140,6 +140,19 @@ def test_a_wrong_loss_is_caught_and_fails_the_run(monkeypatch):
     assert "**disagrees**" in out and "dense: loss" in err and "relative error" in err
 
 
+def test_heads_start_from_the_shared_centres_without_drawing_their_own(monkeypatch):
+    """At a million classes a head's own CPU draw costs seconds: the bench hands it the shared centres."""
+    from shardfc.head import module
+
+    def no_draw(*args):
+        raise AssertionError("init_rows drew centres on the CPU")
+
+    monkeypatch.setattr(module, "init_rows", no_draw)
+    doc = run_peers(**TINY, device="cpu", progress=False, systems="shardfc-torch,shardfc-partial")
+    assert [r["status"] for r in doc["rows"]] == ["ok", "ok"], doc["rows"]
+    assert module.init_rows is no_draw  # put back
+
+
 # --------------------------------------------------------------------------- rows that cannot run
 def test_missing_peers_keep_their_rows_with_the_reason(monkeypatch):
     monkeypatch.setitem(sys.modules, "cut_cross_entropy", None)  # import fails as if not installed
