@@ -7,6 +7,7 @@ import os
 import textwrap
 from typing import Any, Dict, List, Optional
 
+from shardfc.head.margins import build_margin
 from shardfc.tools.bench.peers import ROW_FIELDS
 from shardfc.tools.bench.recipes_report import _pyplot, _save
 from shardfc.tools.bench.report import MEASURES
@@ -32,8 +33,8 @@ def header(result: Dict[str, Any]) -> List[str]:
     interpret = ", TRITON_INTERPRET=1" if env.get("triton_interpret") else ""
     return [
         f"device: {env['device']}; torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}{interpret}",
-        f"workload (one rank's): B={wl['batch']} D={wl['dim']} C={wl['classes']:,}, margin {wl['margin']} "
-        f"(defaults), {compute} compute, fp32 centres, SGD momentum 0.9 wd 5e-4; Partial FC r={wl['sample_rate']}, "
+        f"workload (one rank's): B={wl['batch']} D={wl['dim']} C={wl['classes']:,}, {build_margin(wl['margin'])}, "
+        f"{compute} compute, fp32 centres, SGD momentum 0.9 wd 5e-4; Partial FC r={wl['sample_rate']}, "
         f"chunk_size={wl['chunk_size']}",
         f"step ms: median of {wl['steps']} steps after a check step and {wl['warmup']} warm-up, synchronised; "
         f"extra memory: {MEASURES.get(result['memory_measure'], result['memory_measure'])}",
