@@ -12,9 +12,10 @@
 #
 # Parts, each time-boxed with `timeout` (the whole fits well inside 10 minutes on an H100):
 #   1. the GPU (nvidia-smi, torch, CUDA, triton)                              -> env.txt
-#   2. the CUDA tests: pytest -q tests/head -k "cuda or triton"                -> tests.log
-#      (the test ids that mention cuda or triton: the tests that need CUDA or Triton, which skip on a
-#      CPU machine; exit 5, "no test matched", is reported but is no failure)
+#   2. the CUDA tests: pytest -q tests/head -k "cuda or triton or fused"       -> tests.log
+#      (the tests whose ids mention cuda, triton or fused — the fused Triton kernels' tests live in
+#      tests/head/fused/ — i.e. those that need CUDA or Triton, skipped or interpreted on a CPU
+#      machine; exit 5, "no test matched", is reported but is no failure)
 #   3. bench --peers at each C in CLASSES, --steps 10 --warmup 3               -> peers_c<C>.{log,json,png}
 # At most 8 files, flat, under ${OUT:-gpu_check_out}. The tables are printed; a part that fails does not
 # stop the next, and the script exits 1 at the end if any part failed (a failed row or a loss that
@@ -91,15 +92,15 @@ has_plot=0
 grep -q "^matplotlib: importable" "$OUT/env.txt" && has_plot=1
 
 # ---------------------------------------------------------------- 2. the CUDA tests
-echo "== 2. pytest -q tests/head -k \"cuda or triton\" (timeout ${TESTS_TIMEOUT}s)"
+echo "== 2. pytest -q tests/head -k \"cuda or triton or fused\" (timeout ${TESTS_TIMEOUT}s)"
 start=$SECONDS
-timeout --kill-after=10 "$TESTS_TIMEOUT" "$PY" -m pytest -q -rs -p no:cacheprovider tests/head -k "cuda or triton" \
+timeout --kill-after=10 "$TESTS_TIMEOUT" "$PY" -m pytest -q -rs -p no:cacheprovider tests/head -k "cuda or triton or fused" \
     >"$OUT/tests.log" 2>&1
 rc=$?
 tail -n 25 "$OUT/tests.log"
 case $rc in
     0) note "tests: passed ($((SECONDS - start)) s)" ;;
-    5) note "tests: no test matched -k \"cuda or triton\" in tests/head (nothing CUDA-specific to run yet)" ;;
+    5) note "tests: no test matched -k \"cuda or triton or fused\" in tests/head (nothing CUDA-specific to run yet)" ;;
     124 | 137) fail "tests: timed out after ${TESTS_TIMEOUT}s (see $OUT/tests.log)" ;;
     *) fail "tests: exit $rc (see $OUT/tests.log)" ;;
 esac

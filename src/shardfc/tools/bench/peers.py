@@ -94,6 +94,7 @@ class Built:
     step: Callable[[torch.Tensor, torch.Tensor], Optional[torch.Tensor]]  # one step; the loss (detached) or None
     note: str = ""
     comparable: bool = True  # whether its loss is the dense reference's
+    ran: Optional[Callable[[], str]] = None  # after the check step: a note on what actually ran
 
 
 @dataclass(frozen=True)
@@ -240,14 +241,26 @@ def _shardfc(margin_name: Optional[str], impl: Optional[str], options: Optional[
             raise
         with torch.no_grad():
             head.weight.copy_(setup.weight0)
-        resolved = getattr(head, "impl", None)
-        if impl is None and isinstance(resolved, str):
-            note = f"impl resolved to {resolved}"
         opt = head_optimizer(head, "sgd", lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
         comparable = opts.get("sample_rate", 1.0) >= 1.0
         if not comparable:
             note = "; ".join(filter(None, [note, "loss not compared: Partial FC samples the negatives"]))
-        return Built(_training_step(wl, setup.device, head, opt), note=note, comparable=comparable)
+
+        def loss_fn(x, y):
+            try:
+                return head(x, y)
+            except ValueError as e:  # the head's "impl='triton' cannot run: <why>" (issue 16)
+                if "impl=" in str(e) and "cannot run" in str(e):
+                    raise Unavailable(str(e)) from None
+                raise
+
+        def ran() -> str:  # which path the head took (issue 16's head says it in last_impl)
+            last = getattr(head, "last_impl", None)
+            if not isinstance(last, str):
+                return ""
+            return f"ran impl={last}" if impl in (None, last) else f"**asked impl={impl}, ran impl={last}**"
+
+        return Built(_training_step(wl, setup.device, loss_fn, opt), note=note, comparable=comparable, ran=ran)
 
     return build
 
@@ -525,6 +538,8 @@ def _run_system(name: str, wl: Workload, setup: Setup, progress: bool) -> Dict[s
         _sync(device)
         if loss is not None:
             row["loss"] = float(loss)
+        if built.ran is not None:
+            row["note"] = "; ".join(filter(None, [built.ran(), row["note"]]))
         _say(progress, f"{name}: check step {time.perf_counter() - t0:.3f} s" +
              ("" if loss is None else f", loss {row['loss']:.6g}"))
         for i in range(wl.warmup):
