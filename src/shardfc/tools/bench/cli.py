@@ -6,7 +6,8 @@ Example (CPU, 2 ranks)::
         --variants naive,replicated,sharded,chunked,partial --steps 3 --json out.json --plot out.png
 
 ``shardfc bench --recipes`` / ``--split-sweep`` compare whole training recipes instead (DDP, DataParallel,
-Horovod, pipeline; see :mod:`shardfc.tools.bench.recipes_cli`).
+Horovod, pipeline; see :mod:`shardfc.tools.bench.recipes_cli`). ``shardfc bench --peers`` puts the head beside
+the matmul floor, plain torch, Cut Cross-Entropy and Liger in one process (:mod:`shardfc.tools.bench.peers_cli`).
 
 Prints a Markdown table on stdout and progress on stderr. ``--json`` writes a list with one object
 per variant holding exactly ``variant, step_time_s, peak_bytes_per_rank, balance,
@@ -36,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shardfc bench",
         description="Measure step time, per-rank peak memory, traffic and matmul-floor ratio of the head variants "
-        "(shardfc bench --recipes --help: compare whole training recipes). "
+        "(shardfc bench --recipes --help: compare whole training recipes; shardfc bench --peers --help: the head "
+        "beside plain torch, Cut Cross-Entropy and Liger on one GPU). "
         "Gradients stay allocated between steps (zero_grad(set_to_none=False)); peak memory is the step's peak "
         "above the resting state = weights + gradients + optimizer state, measured after warm-up.",
     )
@@ -72,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--peers" in argv:  # the head beside its peers in one process: options of its own
+        from shardfc.tools.bench import peers_cli
+
+        return peers_cli.main(argv)
     if "--recipes" in argv or "--split-sweep" in argv:  # the training-recipe comparison has its own options
         from shardfc.tools.bench import recipes_cli
 

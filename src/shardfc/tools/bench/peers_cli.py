@@ -1,0 +1,91 @@
+"""``shardfc bench --peers``: the head beside the matmul floor, plain torch (eager and compiled),
+Cut Cross-Entropy and Liger, in one process on one rank's work (:mod:`shardfc.tools.bench.peers`)::
+
+    shardfc bench --peers --batch 1024 --dim 512 --classes 1000000 --json peers.json --plot peers.png
+
+Prints a Markdown table on stdout (the device, torch and triton versions above it) and progress on
+stderr. Exit status: 0 when every row ran or was unavailable (not installed, needs CUDA), 1 when a
+row failed (its own error, out of memory) or its loss disagrees with the reference (the table,
+``--json`` and ``--plot`` are written all the same), 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from shardfc.tools.bench.peers import DTYPES, MARGINS, SYSTEMS, failures, run_peers
+
+
+def _chunk_arg(text: str):
+    return "auto" if text == "auto" else int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="shardfc bench --peers",
+        description="Time one training step (forward + backward + SGD momentum 0.9 wd 5e-4 on fp32 centres) of the "
+        "shardfc head (impl torch / triton, chunked, Partial FC), plain torch dense (eager, torch.compile), Cut "
+        "Cross-Entropy and Liger (plain softmax, when installed) and the bf16 matmul floor, side by side in one "
+        "process on one rank's work; peak memory above the resting state; each loss against the dense reference.",
+    )
+    p.add_argument("--peers", action="store_true", help="run this comparison (what selects it)")
+    p.add_argument("--batch", type=int, required=True, help="gathered batch B (one rank's work)")
+    p.add_argument("--dim", type=int, required=True, help="embedding width D")
+    p.add_argument("--classes", type=int, required=True, help="local classes C")
+    p.add_argument("--systems", default=None, metavar="NAMES",
+                   help=f"comma-separated rows, from {','.join(SYSTEMS)} (default: all)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
+                   help="compute dtype: autocast for bfloat16/float16, none for float32 (default bfloat16)")
+    p.add_argument("--margin", choices=MARGINS, default="arcface",
+                   help="margin of the margin rows, with its defaults (default arcface: s=64 m=0.5)")
+    p.add_argument("--sample-rate", type=float, default=0.1, help="Partial FC rate of shardfc-partial (default 0.1)")
+    p.add_argument("--chunk-size", type=_chunk_arg, default="auto",
+                   help="classes per chunk of shardfc-chunked, or 'auto' (default auto)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps, median reported (default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps after the check step (default 3)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="default: cuda when available (the CPU is for small checks)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG: step ms and extra memory per system")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2, message already printed)
+        return int(e.code or 0)
+    try:
+        result = run_peers(
+            batch=args.batch, dim=args.dim, classes=args.classes, systems=args.systems, dtype=args.dtype,
+            margin=args.margin, sample_rate=args.sample_rate, chunk_size=args.chunk_size, steps=args.steps,
+            warmup=args.warmup, device=args.device, progress=not args.quiet,
+        )
+    except ValueError as e:
+        print(f"shardfc bench --peers: error: {e}", file=sys.stderr)
+        return 2
+    from shardfc.tools.bench import peers_report
+
+    print(peers_report.markdown_table(result), flush=True)
+    if args.json:
+        peers_report.write_json(result, args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        try:
+            peers_report.plot(result, args.plot)
+            print(f"wrote {args.plot}", file=sys.stderr)
+        except ImportError as e:  # matplotlib is optional: the table and JSON stand without it
+            print(f"shardfc bench --peers: no plot: {e} (pip install matplotlib)", file=sys.stderr)
+            return 1
+    bad = failures(result)
+    for line in bad:
+        print(f"shardfc bench --peers: {line}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""``shardfc bench --peers`` on the CPU at tiny shapes: the table, JSON and plot, rows that cannot run
+and their reasons, argument checks, and every row's loss against the dense reference."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardfc import cli as shardfc_cli
+from shardfc.head import margins as M
+from shardfc.head.reference import reference_loss
+from shardfc.tools.bench import peers, peers_cli
+from shardfc.tools.bench.peers import NEEDS_CUDA, ROW_FIELDS, SYSTEMS, run_peers
+
+#: the tiny workload every test here runs
+TINY = dict(batch=32, dim=16, classes=300, steps=2, warmup=1)
+TINY_ARGV = ["--batch", "32", "--dim", "16", "--classes", "300", "--steps", "2", "--warmup", "1", "--device", "cpu"]
+
+
+def _run(argv, entry=peers_cli.main):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = entry(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """One run of every system through ``shardfc bench --peers`` (bf16 autocast, the default)."""
+    folder = tmp_path_factory.mktemp("peers")
+    json_path, png_path = folder / "peers.json", folder / "peers.png"
+    code, out, err = _run(["bench", "--peers", *TINY_ARGV, "--json", str(json_path), "--plot", str(png_path)],
+                          entry=shardfc_cli.main)
+    return dict(code=code, stdout=out, stderr=err, json=json_path, png=png_path)
+
+
+def _rows(doc):
+    return {r["system"]: r for r in doc["rows"]}
+
+
+# --------------------------------------------------------------------------- outputs
+def test_table_has_every_system_the_device_and_versions(cli_run):
+    assert cli_run["code"] == 0, cli_run["stderr"]
+    table = cli_run["stdout"]
+    assert f"device: cpu; torch {torch.__version__}" in table and "triton " in table
+    assert "| system | step ms | × floor | extra memory | loss (rel. err.) | note |" in table
+    for system in SYSTEMS.values():
+        assert f"| {system.label} |" in table
+    assert f"unavailable: {NEEDS_CUDA}" in table  # the triton rows on the CPU
+    assert "[peers]" in cli_run["stderr"]  # progress on stderr
+
+
+def test_json_holds_one_row_per_system_with_the_documented_fields(cli_run):
+    doc = json.loads(cli_run["json"].read_text())
+    assert set(doc) == {"workload", "environment", "memory_measure", "loss_rtol", "references", "rows"}
+    assert doc["environment"]["device"] == "cpu" and doc["environment"]["torch"] == torch.__version__
+    assert "triton" in doc["environment"]
+    assert doc["workload"]["batch"] == 32 and doc["workload"]["dtype"] == "bfloat16"
+    assert doc["memory_measure"] == "cpu_live_tensors"
+    assert [r["system"] for r in doc["rows"]] == list(SYSTEMS)
+    rows = _rows(doc)
+    floor = rows["floor"]["step_time_ms"]
+    for r in doc["rows"]:
+        assert tuple(r) == ROW_FIELDS
+        if r["status"] == "ok":
+            assert len(r["step_times_ms"]) == 2 and r["step_time_ms"] > 0
+            assert isinstance(r["extra_memory_bytes"], int) and r["extra_memory_bytes"] >= 0
+            assert r["ratio_to_floor"] == pytest.approx(r["step_time_ms"] / floor)
+            assert r["reason"] is None
+        else:
+            assert r["status"] == "unavailable" and r["reason"] and r["step_time_ms"] is None
+    for name in ("shardfc-torch", "shardfc-chunked", "shardfc-partial", "dense", "softmax-shardfc-torch", "softmax-dense"):
+        assert rows[name]["status"] == "ok", rows[name]
+    assert rows["dense-compile"]["reason"].startswith("skipped on the CPU")
+    # the step's [B, C] logits are what the dense head adds; the chunked head adds less than the dense one
+    assert rows["dense"]["extra_memory_bytes"] >= 32 * 300 * 4
+
+
+def test_plot_is_a_png(cli_run):
+    data = cli_run["png"].read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+# --------------------------------------------------------------------------- losses
+def test_bf16_losses_agree_with_the_reference(cli_run):
+    doc = json.loads(cli_run["json"].read_text())
+    rows = _rows(doc)
+    assert doc["references"]["margin"]["how"] == doc["references"]["softmax"]["how"] == "reference in float64"
+    for name in ("shardfc-torch", "shardfc-chunked", "dense", "softmax-shardfc-torch", "softmax-dense"):
+        r = rows[name]
+        assert r["loss_agrees"] is True and r["loss_rel_err"] <= doc["loss_rtol"], r
+        assert r["reference_loss"] == doc["references"][r["group"]]["loss"]
+    assert rows["dense"]["loss_rel_err"] > 1e-6  # the compute really ran in bf16 (fp32 is within 1e-7 here)
+    assert rows["shardfc-partial"]["loss"] is not None and rows["shardfc-partial"]["loss_agrees"] is None
+    assert "Partial FC samples the negatives" in rows["shardfc-partial"]["note"]
+
+
+def test_fp32_losses_match_the_float64_reference_closely():
+    doc = run_peers(**TINY, dtype="float32", device="cpu", progress=False,
+                    systems="shardfc-torch,shardfc-chunked,dense,softmax-shardfc-torch,softmax-dense")
+    for r in doc["rows"]:
+        assert r["status"] == "ok" and r["loss_agrees"] is True and r["loss_rel_err"] < 1e-5, r
+
+
+@pytest.mark.parametrize("name", ["arcface", "cosface", "combined", "normsoftmax"])
+def test_plain_dense_loss_is_the_reference_with_its_gradients(name):
+    """The dense peer, written plainly, is shardfc.reference_loss — ArcFace's θ > π − m branch included."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(50, 8, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 50, (12,), generator=g)
+    x = torch.randn(12, 8, generator=g, dtype=torch.float64)
+    x[:4] = -w[y[:4]]  # θ = π at the target: past π − m
+    margin = M.build_margin(name)
+    xa, wa = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    xb, wb = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    ours = peers.dense_margin_loss(xa, wa, y, margin)
+    ref = reference_loss(xb, wb, y, margin)
+    ours.backward()
+    ref.backward()
+    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(wa.grad, wb.grad, rtol=1e-8, atol=1e-10)
+
+
+def test_a_wrong_loss_is_caught_and_fails_the_run(monkeypatch):
+    """The cross-check has teeth: a dense peer with another margin disagrees, and the CLI exits 1."""
+    monkeypatch.setattr(peers, "dense_margin_loss",
+                        lambda x, w, y, margin: peers.dense_softmax_loss(x, w, y))  # margin forgotten
+    code, out, err = _run([*TINY_ARGV, "--systems", "dense", "--quiet"])
+    assert code == 1
+    assert "**disagrees**" in out and "dense: loss" in err and "relative error" in err
+
+
+def test_heads_start_from_the_shared_centres_without_drawing_their_own(monkeypatch):
+    """At a million classes a head's own CPU draw costs seconds: the bench hands it the shared centres."""
+    from shardfc.head import module
+
+    def no_draw(*args):
+        raise AssertionError("init_rows drew centres on the CPU")
+
+    monkeypatch.setattr(module, "init_rows", no_draw)
+    doc = run_peers(**TINY, device="cpu", progress=False, systems="shardfc-torch,shardfc-partial")
+    assert [r["status"] for r in doc["rows"]] == ["ok", "ok"], doc["rows"]
+    assert module.init_rows is no_draw  # put back
+
+
+# --------------------------------------------------------------------------- rows that cannot run
+def test_missing_peers_keep_their_rows_with_the_reason(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", None)  # import fails as if not installed
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", None)
+    doc = run_peers(**TINY, device="cpu", progress=False, systems="softmax-cce,softmax-liger")
+    rows = _rows(doc)
+    assert rows["softmax-cce"]["status"] == rows["softmax-liger"]["status"] == "unavailable"
+    assert rows["softmax-cce"]["reason"].startswith("not installed: cut-cross-entropy")
+    assert rows["softmax-liger"]["reason"].startswith("not installed: liger-kernel")
+    assert peers.failures(doc) == []  # a peer that is not installed is no failure
+
+
+def test_an_installed_peer_on_the_cpu_needs_cuda(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", types.SimpleNamespace(linear_cross_entropy=None))
+    doc = run_peers(**TINY, device="cpu", progress=False, systems="softmax-cce")
+    assert doc["rows"][0]["status"] == "unavailable" and doc["rows"][0]["reason"] == "needs CUDA"
+
+
+def test_triton_rows_on_the_cpu_need_cuda(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    doc = run_peers(**TINY, device="cpu", progress=False, systems="shardfc-triton,softmax-shardfc-triton")
+    assert [r["reason"] for r in doc["rows"]] == [NEEDS_CUDA, NEEDS_CUDA]
+
+
+def test_triton_rows_under_the_interpreter(tmp_path):
+    """TRITON_INTERPRET=1 runs the triton head on CPU tensors once it takes impl=; until then the row says why."""
+    pytest.importorskip("triton")
+    out = tmp_path / "t.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(peers.__file__).parents[3])}
+    proc = subprocess.run(  # the interpreter is slow: the smallest workload, one timed step
+        [sys.executable, "-m", "shardfc", "bench", "--peers", "--batch", "8", "--dim", "8", "--classes", "64",
+         "--steps", "1", "--warmup", "0", "--device", "cpu", "--dtype", "float32", "--quiet",
+         "--systems", "shardfc-triton", "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    rows = json.loads(out.read_text())["rows"]
+    if peers.head_accepts_impl():
+        assert proc.returncode == 0, proc.stderr
+        assert all(r["status"] == "ok" and r["loss_agrees"] and "ran impl=triton" in r["note"] for r in rows), rows
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert all(r["status"] == "unavailable" and "no impl= argument yet" in r["reason"] for r in rows), rows
+
+
+def test_a_system_that_fails_keeps_its_row_with_its_error(monkeypatch):
+    def boom(wl, setup):
+        raise RuntimeError("kernel exploded")
+
+    def oom(wl, setup):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+
+    monkeypatch.setitem(SYSTEMS, "dense", peers.System("plain torch dense, eager", "margin", boom))
+    monkeypatch.setitem(SYSTEMS, "softmax-dense", peers.System("softmax: plain torch dense, eager", "softmax", oom))
+    code, out, err = _run([*TINY_ARGV, "--systems", "floor,dense,softmax-dense", "--quiet"])
+    assert code == 1
+    assert "| plain torch dense, eager | — | — | — | — | failed: RuntimeError: kernel exploded |" in out
+    assert "failed: out of memory: CUDA out of memory. Tried to allocate 4.00 GiB" in out
+    assert "| matmul floor: x·Wᵀ, dZ·W, dZᵀ·x |" in out and "dense: RuntimeError: kernel exploded" in err
+
+
+# --------------------------------------------------------------------------- arguments and wiring
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--batch", "0"], "batch must be a positive integer, got 0"),
+        (["--steps", "0"], "steps must be an int >= 1, got 0"),
+        (["--warmup", "-1"], "warmup must be an int >= 0, got -1"),
+        (["--sample-rate", "0"], "sample_rate must be in (0, 1], got 0.0"),
+        (["--chunk-size", "0"], "chunk_size must be a positive integer, got 0"),
+        (["--systems", "floor,nope"], "systems: unknown 'nope'; choose from floor,"),
+        (["--systems", "floor,floor"], "systems: each at most once"),
+        (["--margin", "sphereface"], "argument --margin: invalid choice: 'sphereface'"),
+        (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+        (["--chunk-size", "big"], "argument --chunk-size: invalid"),
+    ],
+)
+def test_bad_arguments_are_rejected_before_anything_runs(extra, message):
+    code, out, err = _run([*TINY_ARGV, *extra])  # argparse keeps an option's last value
+    assert code == 2 and message in err and "[peers]" not in err and out == ""
+
+
+def test_missing_workload_and_cuda_without_cuda():
+    code, _, err = _run(["--batch", "32", "--dim", "16"])
+    assert code == 2 and "--classes" in err and "required" in err
+    if not torch.cuda.is_available():
+        code, _, err = _run([*TINY_ARGV[:-2], "--device", "cuda"])
+        assert code == 2 and "device 'cuda': CUDA is not available here" in err
+
+
+def test_check_workload_names_the_argument():
+    with pytest.raises(ValueError, match="margin must be one of arcface"):
+        peers.check_workload(32, 16, 300, margin="sphereface", device="cpu")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        peers.check_workload(32, 16, 300, dtype="int8", device="cpu")
+    with pytest.raises(ValueError, match="classes must be a positive integer, got True"):
+        peers.check_workload(32, 16, True, device="cpu")
+
+
+def test_help_through_shardfc_bench():
+    code, out, _ = _run(["bench", "--peers", "--help"], entry=shardfc_cli.main)
+    assert code == 0 and "shardfc bench --peers" in out and "--systems" in out and "--json" in out
+    code, out, _ = _run(["bench", "--help"], entry=shardfc_cli.main)
+    assert code == 0 and "--peers" in out
