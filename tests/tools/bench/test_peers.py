@@ -190,12 +190,8 @@ def test_triton_rows_under_the_interpreter(tmp_path):
         env=env, capture_output=True, text=True, timeout=300,
     )
     rows = json.loads(out.read_text())["rows"]
-    if peers.head_accepts_impl():
-        assert proc.returncode == 0, proc.stderr
-        assert all(r["status"] == "ok" and r["loss_agrees"] and "ran impl=triton" in r["note"] for r in rows), rows
-    else:
-        assert proc.returncode == 0, proc.stderr
-        assert all(r["status"] == "unavailable" and "no impl= argument yet" in r["reason"] for r in rows), rows
+    assert proc.returncode == 0, proc.stderr
+    assert all(r["status"] == "ok" and r["loss_agrees"] and "ran impl=triton" in r["note"] for r in rows), rows
 
 
 def test_a_system_that_fails_keeps_its_row_with_its_error(monkeypatch):

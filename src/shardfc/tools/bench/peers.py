@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import inspect
 import math
 import os
 import statistics
@@ -189,29 +188,13 @@ def centres_from(weight0: torch.Tensor):
         module.init_rows = original
 
 
-def head_accepts_impl() -> bool:
-    """Whether :class:`shardfc.ShardedMarginHead` takes ``impl=`` (issue 16)."""
-    from shardfc.head.module import ShardedMarginHead
-
-    return "impl" in inspect.signature(ShardedMarginHead.__init__).parameters
-
-
-def _triton_missing(device: torch.device) -> Optional[str]:
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return NEEDS_CUDA
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "not installed: triton (pip install 'shardfc[gpu]')"
-    return None
-
-
 def _shardfc(margin_name: Optional[str], impl: Optional[str], options: Optional[Callable[[Workload], Dict[str, Any]]] = None
              ) -> Callable[[Workload, Setup], Built]:
     """A shardfc row: ``margin_name`` (None: the workload's margin), ``impl`` (None: the head's
     default) and the head's ``options`` for the workload."""
 
     def build(wl: Workload, setup: Setup) -> Built:
+        from shardfc.head.fused import triton_unavailable
         from shardfc.head.margins import build_margin
         from shardfc.head.module import ShardedMarginHead
         from shardfc.head.partial_fc import head_optimizer
@@ -222,23 +205,14 @@ def _shardfc(margin_name: Optional[str], impl: Optional[str], options: Optional[
         kwargs = dict(margin=build_margin(name), context=DistContext(device=setup.device), dtype=torch.float32, **opts)
         note = ""
         if impl == "triton":
-            missing = _triton_missing(setup.device)
+            # The head's own answer (the reason its impl='triton' would raise), before building it.
+            missing = triton_unavailable(setup.device, getattr(torch, wl.dtype), torch.float32, wl.dim)
             if missing:
-                raise Unavailable(missing)
+                raise Unavailable(NEEDS_CUDA if setup.device.type != "cuda" and "CUDA" in missing else missing)
         if impl is not None:
-            if head_accepts_impl():
-                kwargs["impl"] = impl
-            elif impl == "torch":
-                note = "this shardfc has no impl= yet: its only path is the torch one"
-            else:
-                raise Unavailable(f"this shardfc has no impl= argument yet (the {impl} head of issue 16 is not merged)")
-        try:
-            with centres_from(setup.weight0):
-                head = ShardedMarginHead(wl.dim, wl.classes, **kwargs)
-        except TypeError as e:
-            if "impl" in str(e):
-                raise Unavailable(f"this shardfc does not take impl={impl!r}: {e}") from None
-            raise
+            kwargs["impl"] = impl
+        with centres_from(setup.weight0):
+            head = ShardedMarginHead(wl.dim, wl.classes, **kwargs)
         with torch.no_grad():
             head.weight.copy_(setup.weight0)
         opt = head_optimizer(head, "sgd", lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
@@ -249,15 +223,13 @@ def _shardfc(margin_name: Optional[str], impl: Optional[str], options: Optional[
         def loss_fn(x, y):
             try:
                 return head(x, y)
-            except ValueError as e:  # the head's "impl='triton' cannot run: <why>" (issue 16)
+            except ValueError as e:  # the head's "impl='triton' cannot run: <why>"
                 if "impl=" in str(e) and "cannot run" in str(e):
                     raise Unavailable(str(e)) from None
                 raise
 
-        def ran() -> str:  # which path the head took (issue 16's head says it in last_impl)
-            last = getattr(head, "last_impl", None)
-            if not isinstance(last, str):
-                return ""
+        def ran() -> str:  # which path the head took
+            last = head.last_impl
             return f"ran impl={last}" if impl in (None, last) else f"**asked impl={impl}, ran impl={last}**"
 
         return Built(_training_step(wl, setup.device, loss_fn, opt), note=note, comparable=comparable, ran=ran)
@@ -661,6 +633,6 @@ def failures(result: Dict[str, Any]) -> List[str]:
 
 __all__ = [
     "DTYPES", "LOSS_RTOL", "MARGINS", "ROW_FIELDS", "SYSTEMS", "Workload", "check_workload", "dense_margin_loss",
-    "dense_softmax_loss", "environment", "failures", "head_accepts_impl", "parse_systems", "resolve_device",
+    "dense_softmax_loss", "environment", "failures", "parse_systems", "resolve_device",
     "run_peers",
 ]
