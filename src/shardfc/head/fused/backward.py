@@ -38,7 +38,7 @@ def _row_inputs(tcol_ptr, tval_ptr, tdraw_ptr, tsub_ptr, max_ptr, cos_ptr, coef_
 def grad_w_kernel(
     a_ptr, w_ptr, rows_ptr, inv_ptr, tr_ptr, tcol_ptr, tval_ptr, tdraw_ptr, tsub_ptr,
     max_ptr, cos_ptr, coef_ptr, gw_ptr,
-    B, D, n_cls, K, stride_a, stride_w, stride_tr, stride_g,
+    B, D, n_cls, K: tl.constexpr, stride_a, stride_w, stride_tr, stride_g,
     scale, threshold, eps_over_c, one_minus_eps,
     HAS_ROWS: tl.constexpr, NORM_W: tl.constexpr, FILTER: tl.constexpr, SMOOTH: tl.constexpr,
     ACCUMULATE: tl.constexpr, SCATTER: tl.constexpr,
@@ -64,8 +64,8 @@ def grad_w_kernel(
             tcol_ptr, tval_ptr, tdraw_ptr, tsub_ptr, max_ptr, cos_ptr, coef_ptr, offs_m, m_mask)
         best, arg, fmax, p = tiles.class_values(
             a_ptr, stride_a, offs_m, m_mask, w_ptr, stride_w, rows_ptr, inv_ptr, tr_ptr, stride_tr,
-            offs_n, n_mask, K, D, sub, n_mask,
-            HAS_ROWS, NORM_W, True, FILTER, COMPUTE, DOT, PRECISION, BM, BN, BD,
+            offs_n, n_mask, K, D, sub,
+            HAS_ROWS, NORM_W, FILTER, NORM_W, COMPUTE, DOT, PRECISION, BM, BN, BD,
         )
         z, is_t = tiles.logits(best, fmax, offs_n, n_mask, tcol, tval, scale, threshold, FILTER)
         live = m_mask[:, None] & n_mask[None, :]
@@ -99,7 +99,7 @@ def grad_w_kernel(
 def grad_a_kernel(
     a_ptr, w_ptr, rows_ptr, inv_ptr, tr_ptr, tcol_ptr, tval_ptr, tdraw_ptr, tsub_ptr,
     max_ptr, cos_ptr, coef_ptr, ga_ptr,
-    B, D, n_cls, K, cls_per_split, stride_a, stride_w, stride_tr,
+    B, D, n_cls, K: tl.constexpr, cls_per_split, stride_a, stride_w, stride_tr,
     scale, threshold, eps_over_c, one_minus_eps,
     HAS_ROWS: tl.constexpr, NORM_W: tl.constexpr, FILTER: tl.constexpr, SMOOTH: tl.constexpr,
     COMPUTE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
@@ -121,13 +121,13 @@ def grad_a_kernel(
         n_mask = offs_n < c_end
         best, arg, fmax, _ = tiles.class_values(
             a_ptr, stride_a, offs_m, m_mask, w_ptr, stride_w, rows_ptr, inv_ptr, tr_ptr, stride_tr,
-            offs_n, n_mask, K, D, -1, n_mask,
-            HAS_ROWS, NORM_W, True, FILTER, COMPUTE, DOT, PRECISION, BM, BN, BD,
+            offs_n, n_mask, K, D, -1,
+            HAS_ROWS, NORM_W, FILTER, False, COMPUTE, DOT, PRECISION, BM, BN, BD,
         )
         z, is_t = tiles.logits(best, fmax, offs_n, n_mask, tcol, tval, scale, threshold, FILTER)
         live = m_mask[:, None] & n_mask[None, :]
         dc = tiles.dcos(z, is_t, row_max, coef_over_sum, coef, tdraw, live, scale, eps_over_c, one_minus_eps, SMOOTH)
-        for sub in range(0, K):
+        for sub in tl.static_range(K):
             wrow = tiles.weight_rows(rows_ptr, offs_n, sub, K, n_mask, HAS_ROWS)
             own = tl.where(is_t, tsub[:, None] == sub, arg == sub)
             dp = tl.where(own, dc, 0.0)

@@ -4,9 +4,9 @@ Grid ``(row tiles, class splits)``. A program walks its split of the shard's cla
 time, forms each tile's logits in registers (:mod:`.tiles`) and folds them into a running max and
 a rescaled running sum of exponentials (FlashAttention's online softmax), plus the logit sum for
 label smoothing. It writes one ``(max, sum-exp, logit sum)`` per sample and split; the launcher
-folds the splits exactly as the shards are folded (``Σ_k σ_k·e^{m_k − M}``). The first row tile's
-programs also write each centre row's ``1/‖w‖``, which the backward kernels read instead of
-normalising ``W`` again.
+folds the splits exactly as the shards are folded (``Σ_k σ_k·e^{m_k − M}``). Each centre row's
+``1/‖w‖`` comes from :func:`.tiles.row_inverse_norms_kernel`, run once before (and kept for the
+backward), so ``W`` is never normalised into a copy.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from shardfc.head.fused import tiles
 def lse_forward_kernel(
     a_ptr, w_ptr, rows_ptr, inv_ptr, tr_ptr, tcol_ptr, tval_ptr,
     pmax_ptr, psum_ptr, plsum_ptr,
-    B, D, n_cls, K, cls_per_split, stride_a, stride_w, stride_tr, n_splits,
+    B, D, n_cls, K: tl.constexpr, cls_per_split, stride_a, stride_w, stride_tr, n_splits,
     scale, threshold,
     HAS_ROWS: tl.constexpr, NORM_W: tl.constexpr, FILTER: tl.constexpr, SMOOTH: tl.constexpr,
     COMPUTE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
@@ -43,8 +43,8 @@ def lse_forward_kernel(
         n_mask = offs_n < c_end
         best, arg, fmax, _ = tiles.class_values(
             a_ptr, stride_a, offs_m, m_mask, w_ptr, stride_w, rows_ptr, inv_ptr, tr_ptr, stride_tr,
-            offs_n, n_mask, K, D, -1, (tl.zeros([BN], dtype=tl.int32) + pid_m) == 0,
-            HAS_ROWS, NORM_W, False, FILTER, COMPUTE, DOT, PRECISION, BM, BN, BD,
+            offs_n, n_mask, K, D, -1,
+            HAS_ROWS, NORM_W, FILTER, False, COMPUTE, DOT, PRECISION, BM, BN, BD,
         )
         z, is_t = tiles.logits(best, fmax, offs_n, n_mask, tcol, tval, scale, threshold, FILTER)
         if SMOOTH:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from shardfc.head.fused import autotune, interpreting
+from shardfc.head.fused import autotune, interpreting, tiles
 from shardfc.head.kernels import ShardConfig, ShardStats, target_norm_gradients
 from shardfc.head.normalize import NORM_EPS
 
@@ -33,7 +33,8 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 @dataclass
 class FusedShardStats(ShardStats):
-    #: ``1/‖w_r‖`` of the scored centre rows, written by the forward kernel (None: raw centres).
+    #: ``1/‖w_r‖`` of the scored centre rows, computed before the forward kernel and read by the
+    #: backward ones (None: raw centres and no filter).
     inv: Optional[Tensor]
     #: Per sample: the label's class column in the shard (−1: elsewhere or ignored), the sub-centre
     #: the margin was applied to, and whether the label is here.
@@ -82,11 +83,14 @@ def target_logits(
 
 
 def _common(a: Tensor, w: Tensor, cfg: ShardConfig, rows: Optional[Tensor]):
+    """The kernels' operands: ``a`` in the compute dtype (``[B, D]``, one cast per step, so no
+    kernel converts an fp32 tile of it in registers), ``w`` as stored (never copied), and the
+    counts."""
     K = cfg.subcenters
     n_cls = _scored(w, rows) // K
     if w.stride(1) != 1:
         w = w.contiguous()
-    return a.contiguous(), w, n_cls, K
+    return a.to(cfg.compute_dtype).contiguous(), w, n_cls, K
 
 
 def shard_forward(
@@ -99,7 +103,7 @@ def shard_forward(
     rows: Optional[Tensor] = None,
 ) -> FusedShardStats:
     """The fused counterpart of :func:`shardfc.head.kernels.shard_forward` (same arguments)."""
-    a, w, n_cls, K = _common(a, w, cfg, rows)
+    a_k, w, n_cls, K = _common(a, w, cfg, rows)
     B, D, dev, sd = a.shape[0], a.shape[1], a.device, cfg.stats_dtype
     smooth = cfg.label_smoothing > 0
     normalize = cfg.margin.normalize_weights
@@ -118,14 +122,15 @@ def shard_forward(
     pmax = torch.empty(B, n_splits, dtype=torch.float32, device=dev)
     psum = torch.empty_like(pmax)
     plsum = torch.empty_like(pmax) if smooth else pmax
-    inv = torch.empty(n_cls * K, dtype=torch.float32, device=dev) if normalize else pmax
-    tr = target_rows.to(torch.float32).contiguous() if target_rows is not None else a
+    tr = target_rows.to(torch.float32).contiguous() if target_rows is not None else a_k
+    rows = rows.contiguous() if rows is not None else None
     with _on(dev):
+        inv = row_inverse_norms(w, rows, n_cls * K) if normalize or target_rows is not None else pmax
         autotune.launch(
             autotune.lse_forward, lambda meta: (triton.cdiv(B, meta["BM"]), n_splits),
-            a, w, rows.contiguous() if rows is not None else tcol, inv, tr, tcol, tval.float().contiguous(),
+            a_k, w, rows if rows is not None else tcol, inv, tr, tcol, tval.float().contiguous(),
             pmax, psum, plsum,
-            B, D, n_cls, K, per_split, a.stride(0), w.stride(0), tr.stride(0), n_splits,
+            B, D, n_cls, K, per_split, a_k.stride(0), w.stride(0), tr.stride(0), n_splits,
             float(cfg.margin.scale), float(cfg.filter_threshold or 0.0),
             HAS_ROWS=rows is not None, NORM_W=normalize, FILTER=target_rows is not None, SMOOTH=smooth,
             **_dtypes(cfg),
@@ -136,7 +141,7 @@ def shard_forward(
     logit_sum = plsum.sum(dim=1).to(sd) if smooth else None
     return FusedShardStats(
         row_max.to(sd), sum_exp.to(sd), tval, logit_sum, tdraw, tdnorm, None,
-        inv if normalize else None, tcol, tsub, on,
+        inv if inv is not pmax else None, tcol, tsub, on,
     )
 
 
@@ -205,6 +210,17 @@ def shard_backward(
     grad_a = grad_a.to(sd)
     grad_norm = target_norm_gradients(a_in, norms, on, dz_t, stats.target_dnorm, coef.to(sd), cfg, feature_norms, grad_a)
     return grad_a.to(a_in.dtype), (None if accumulate else grad_w), grad_norm
+
+
+def row_inverse_norms(w: Tensor, rows: Optional[Tensor], n_rows: int) -> Tensor:
+    """``[n_rows]`` fp32 ``1/‖w_r‖`` of the scored rows (``rows[r]`` of ``w``, or row ``r``)."""
+    inv = torch.empty(n_rows, dtype=torch.float32, device=w.device)
+    BR, BD = (16, 16) if interpreting() else (64, 128)
+    tiles.row_inverse_norms_kernel[(triton.cdiv(n_rows, BR),)](
+        w, rows if rows is not None else inv, inv, n_rows, w.shape[1], w.stride(0),
+        HAS_ROWS=rows is not None, BR=BR, BD=BD,
+    )
+    return inv
 
 
 def _on(dev: torch.device):

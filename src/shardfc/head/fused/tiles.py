@@ -50,9 +50,8 @@ def products(
     COMPUTE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BD: tl.constexpr,
 ):
-    """``[BM, BN]`` products ``a · w_r`` (fp32) and the rows' squared norms ``[BN]`` (fp32)."""
+    """``[BM, BN]`` products ``a · w_r`` (fp32 accumulation): a plain pipelined matmul loop."""
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    sq = tl.zeros([BN], dtype=tl.float32)
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_a
     w_rows = w_ptr + wrow[:, None] * stride_w
     for d0 in range(0, D, BD):
@@ -61,65 +60,73 @@ def products(
         a_t = tl.load(a_rows + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
         w_t = tl.load(w_rows + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         acc = tl.dot(operand(a_t, COMPUTE, DOT), tl.trans(operand(w_t, COMPUTE, DOT)), acc, input_precision=PRECISION)
-        wf = w_t.to(tl.float32)
-        sq += tl.sum(wf * wf, axis=1)
-    return acc, sq
+    return acc
 
 
 @triton.jit
-def inverse_norms(sq):
-    """``1/‖w‖`` from squared norms; 0 for rows below NORM_EPS (as the torch path)."""
+def row_inverse_norms_kernel(w_ptr, rows_ptr, inv_ptr, n_rows, D, stride_w,
+                             HAS_ROWS: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    """``1/‖w_r‖`` of each scored row (0 below NORM_EPS, as the torch path), once per step: one
+    read of the scored rows, so the matmul kernels stream ``W`` through shared memory untouched."""
+    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    r_mask = offs_r < n_rows
+    wrow = offs_r.to(tl.int64)
+    if HAS_ROWS:
+        wrow = tl.load(rows_ptr + offs_r, mask=r_mask, other=0).to(tl.int64)
+    sq = tl.zeros([BR], dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        offs_d = d0 + tl.arange(0, BD)
+        w_t = tl.load(w_ptr + wrow[:, None] * stride_w + offs_d[None, :],
+                      mask=r_mask[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
+        sq += tl.sum(w_t * w_t, axis=1)
     norm = tl.sqrt(sq)
-    return tl.where(norm >= NORM_EPS, 1.0 / tl.maximum(norm, NORM_EPS), 0.0)
+    tl.store(inv_ptr + offs_r, tl.where(norm >= NORM_EPS, 1.0 / tl.maximum(norm, NORM_EPS), 0.0), mask=r_mask)
 
 
 @triton.jit
 def class_values(
     a_ptr, stride_a, offs_m, m_mask, w_ptr, stride_w, rows_ptr, inv_ptr, tr_ptr, stride_tr,
-    offs_n, n_mask, K, D, keep_sub, store_inv,
-    HAS_ROWS: tl.constexpr, NORM_W: tl.constexpr, INV_KNOWN: tl.constexpr, FILTER: tl.constexpr,
+    offs_n, n_mask, K: tl.constexpr, D, keep_sub,
+    HAS_ROWS: tl.constexpr, NORM_W: tl.constexpr, FILTER: tl.constexpr, KEEP: tl.constexpr,
     COMPUTE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
 ):
     """The tile's class values before scale and margin.
 
     Returns ``best`` (max over sub-centres of ``c = p·inv``), ``arg`` (its sub-centre), ``fmax``
-    (max over sub-centres of the cosine to the sample's target centre, for the filter) and the raw
-    products ``p`` of sub-centre ``keep_sub`` (the weight-gradient kernel's normalisation term).
-    ``INV_KNOWN``: read ``inv`` from ``inv_ptr`` (saved by the forward); else compute it from the
-    rows and save it there where ``store_inv`` (``[BN]``; the forward's first row tile only).
+    (max over sub-centres of the cosine to the sample's target centre, for the filter) and, with
+    ``KEEP``, the raw products ``p`` of sub-centre ``keep_sub`` (the weight-gradient kernel's
+    normalisation term); ``inv`` (the rows' ``1/‖w‖``) comes from :func:`row_inverse_norms_kernel`.
+    ``K`` is a compile-time constant: the sub-centre loop unrolls, so with one
+    centre per class no tile beyond the products stays live (registers, not spills, at 128×128).
     """
     best = tl.full([BM, BN], float("-inf"), dtype=tl.float32)
     arg = tl.zeros([BM, BN], dtype=tl.int32)
     fmax = tl.full([BM, BN], float("-inf"), dtype=tl.float32)
     kept = tl.zeros([BM, BN], dtype=tl.float32)
-    for sub in range(0, K):
+    for sub in tl.static_range(K):
         wrow = weight_rows(rows_ptr, offs_n, sub, K, n_mask, HAS_ROWS)
-        p, sq = products(a_ptr, stride_a, offs_m, m_mask, w_ptr, stride_w, wrow, n_mask, D,
-                         COMPUTE, DOT, PRECISION, BM, BN, BD)
+        p = products(a_ptr, stride_a, offs_m, m_mask, w_ptr, stride_w, wrow, n_mask, D,
+                     COMPUTE, DOT, PRECISION, BM, BN, BD)
         c = p
+        if NORM_W or FILTER:
+            inv = tl.load(inv_ptr + offs_n.to(tl.int64) * K + sub, mask=n_mask, other=0.0)
         if NORM_W:
-            inv_at = inv_ptr + offs_n.to(tl.int64) * K + sub
-            if INV_KNOWN:
-                inv = tl.load(inv_at, mask=n_mask, other=0.0)
-            else:
-                inv = inverse_norms(sq)
-                tl.store(inv_at, inv, mask=n_mask & store_inv)
             c = p * inv[None, :]
         if FILTER:
-            # The cosine to the target centre: fp32 operands (the mask must not depend on the
-            # compute dtype); ``inv`` exists since the filter needs normalised centres.
-            f, _ = products(tr_ptr, stride_tr, offs_m, m_mask, w_ptr, stride_w, wrow, n_mask, D,
-                            tl.float32, tl.float32, "tf32", BM, BN, BD)
-            if NORM_W:
-                f = f * inv[None, :]
-            else:
-                f = f * inverse_norms(sq)[None, :]
-            fmax = tl.maximum(fmax, f)
-        take = c > best
-        arg = tl.where(take, sub, arg)
-        best = tl.where(take, c, best)
-        kept = tl.where(sub == keep_sub, p, kept)
+            # The cosine to the target centre: fp32 operands (TF32 on a GPU), so the mask hardly
+            # depends on the compute dtype.
+            f = products(tr_ptr, stride_tr, offs_m, m_mask, w_ptr, stride_w, wrow, n_mask, D,
+                         tl.float32, tl.float32, "tf32", BM, BN, BD)
+            fmax = tl.maximum(fmax, f * inv[None, :])
+        if K == 1:  # no max to take: no second tile alive
+            best = c
+        else:
+            take = c > best
+            arg = tl.where(take, sub, arg)
+            best = tl.where(take, c, best)
+        if KEEP:
+            kept = tl.where(sub == keep_sub, p, kept)
     return best, arg, fmax, kept
 
 
