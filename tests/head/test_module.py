@@ -8,6 +8,7 @@ import torch
 import shardfc
 from shardfc import margins as M
 from shardfc.head.module import init_rows
+from shardfc.parallel.context import DistContext
 
 C, D, B = 13, 5, 9
 ALL_MARGINS = [
@@ -308,3 +309,24 @@ def test_chunked_equals_unchunked_in_float32_and_autocast(margin, amp):
         (l0, gx0, gw0), (l1, gx1, gw1) = out[None], out[7]
         assert _rel(l1, l0) < 1e-5 and _rel(gw1, gw0) < 1e-5, (devices, eps, reduction)
         assert _rel(gx1, gx0) < (2e-2 if amp else 1e-5), (devices, eps, reduction)
+
+
+def test_input_checks_read_the_device_once(monkeypatch):
+    """Finite embeddings and labels in range are checked on the device and read back together:
+    one host read per forward's checks (it was one per check; on a GPU each read stalls the step)."""
+    from shardfc.head import validation
+
+    reads = []
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _n=name: reads.append(_n) or _real(self, *a))
+    x, y = torch.randn(6, 8), torch.tensor([0, 3, 9, -1, 2, 2])
+    validation.check_batch_and_exchange_sizes(x, y, embedding_dim=8, num_classes=10, ignore_index=-1, ctx=DistContext())
+    assert reads == ["tolist"]
+    reads.clear()
+    with pytest.raises(ValueError, match=r"labels\[2\] = 12 is outside \[0, num_classes=10\)"):
+        validation.check_batch_and_exchange_sizes(x, torch.tensor([0, 3, 12, -1, 2, 2]), embedding_dim=8,
+                                                  num_classes=10, ignore_index=-1, ctx=DistContext())
+    x[4, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"embeddings contain non-finite values \(row 4"):
+        validation.check_batch_and_exchange_sizes(x, y, embedding_dim=8, num_classes=10, ignore_index=-1, ctx=DistContext())
