@@ -214,3 +214,32 @@ def test_head_optimizer_is_fused_on_cuda():
         assert shardfc.head_optimizer(head, name, lr=0.1).param_groups[0]["fused"] is True
     bf16 = shardfc.ShardedMarginHead(4, 10, device="cuda", dtype=torch.bfloat16)
     assert not shardfc.head_optimizer(bf16, "sgd", lr=0.1).param_groups[0].get("fused")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_positives_per_range_against_a_plain_count(seed):
+    from shardfc.head.layout import class_ranges
+    from shardfc.head.partial_fc import positives_per_range
+
+    g = torch.Generator().manual_seed(seed)
+    C = 37
+    labels = torch.randint(0, C, (int(torch.randint(0, 60, (1,), generator=g)),), generator=g)
+    valid = torch.rand(labels.shape[0], generator=g) > 0.3
+    ranges = class_ranges(C, 5) + [range(C, C)]  # an empty range too
+    plain = [len({int(v) for v, ok in zip(labels, valid) if ok and v in r}) for r in ranges]
+    assert positives_per_range(labels, valid, ranges) == plain
+
+
+def test_sampling_reads_the_device_once_for_every_shard(monkeypatch):
+    """Partial FC's per-step sample: every shard's positive count in one read (it was a torch.unique
+    and an int() per shard of every rank, plus a copy of the positives to the host)."""
+    head = shardfc.ShardedMarginHead(8, 100, sample_rate=0.2, devices=["cpu", "cpu", "cpu"])
+    x, y = torch.randn(12, 8), torch.randint(0, 100, (12,))
+    reads = []
+    for name in ("tolist", "item", "__bool__", "__int__", "cpu"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name: reads.append(_n) or _r(self, *a))
+    all_labels = y
+    local = [torch.where((y >= r.start) & (y < r.stop), y - r.start, -1) for r in head.shard_ranges]
+    head._sample_classes(all_labels, local)
+    assert reads == ["tolist"]

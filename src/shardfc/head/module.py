@@ -43,7 +43,10 @@ from shardfc.head.partial_fc import (
     num_sampled,
     RowGrad,
     merge_row_grads,
-    sample_rows,
+    positive_mask,
+    positives_per_range,
+    sample_present,
+    sampling_generator,
     union_rows,
 )
 from shardfc.head.function import (
@@ -441,12 +444,16 @@ class ShardedMarginHead(nn.Module):
         """Partial FC: each shard's sampled rows, labels re-indexed into them, and the sampled total."""
         step, self.sample_step = self.sample_step, self.sample_step + 1
         first_shard = self.rank if self.distributed else 0
+        # Every rank sees the global labels, so it can count every shard's positives without talking;
+        # one read to the host for all of them (the sample sizes), nothing per shard.
+        ranges = class_ranges(self.num_classes, self.world_size * len(self.devices))
+        n_pos = positives_per_range(all_labels, all_labels != self.ignore_index, ranges)
         sub_labels, sampled = [], []
         for i, (w, lab) in enumerate(zip(self.shard_weights, local_labels)):
-            gen = torch.Generator().manual_seed(mix_seed(self.sample_seed, first_shard + i, step))
-            positives = torch.unique(lab[lab >= 0])
+            gen = sampling_generator(w.device, mix_seed(self.sample_seed, first_shard + i, step))
             n_classes = w.shape[0] // self.subcenters
-            rows = sample_rows(positives, n_classes, self.sample_rate, gen)
+            keep = num_sampled(n_classes, self.sample_rate, n_pos[first_shard + i])
+            rows = sample_present(positive_mask(lab, n_classes), keep, gen)
             sampled.append(rows)
             lut = torch.full((n_classes,), -1, dtype=torch.int64, device=w.device)
             lut[rows] = torch.arange(rows.numel(), device=w.device)
@@ -455,12 +462,7 @@ class ShardedMarginHead(nn.Module):
                 K = self.subcenters
                 sampled[-1] = (rows.unsqueeze(1) * K + torch.arange(K, device=rows.device)).view(-1)
         self._record_rows(sampled)
-        # Every rank sees the global labels, so it can count every shard's sample without talking.
-        valid = all_labels[all_labels != self.ignore_index]
-        total = 0
-        for r in class_ranges(self.num_classes, self.world_size * len(self.devices)):
-            n_pos = int(torch.unique(valid[(valid >= r.start) & (valid < r.stop)]).numel())
-            total += num_sampled(len(r), self.sample_rate, n_pos)
+        total = sum(num_sampled(len(r), self.sample_rate, n) for r, n in zip(ranges, n_pos))
         return sampled, sub_labels, total
 
     # ------------------------------------------------------------------ sharded state

@@ -39,7 +39,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -61,13 +61,50 @@ def sample_rows(positives: Tensor, num_local: int, sample_rate: float, generator
     """Sorted row ids to keep: every positive plus uniformly drawn negatives.
 
     ``positives``: the (unique) rows of this shard that some sample of the global batch is labelled
-    with. Draws come from ``generator`` (on the CPU) so a seed reproduces the sequence.
+    with. Draws come from ``generator`` (on its device) so a seed reproduces the sequence.
     """
+    present = torch.zeros(num_local, dtype=torch.bool, device=positives.device)
+    present[positives] = True
     keep = num_sampled(num_local, sample_rate, positives.numel())
-    score = torch.rand(num_local, generator=generator)
-    score[positives.cpu()] = 2.0  # above any uniform draw: positives are always kept
-    rows = score.topk(keep, sorted=False).indices
-    return rows.sort().values.to(positives.device)
+    return sample_present(present, keep, generator)
+
+
+def sample_present(present: Tensor, keep: int, generator: torch.Generator) -> Tensor:
+    """Sorted ids of ``keep`` rows: every row where ``present`` (bool ``[n]``) is set, the rest drawn
+    uniformly from ``generator`` — on its device, so on a GPU nothing crosses to the host."""
+    score = torch.rand(present.shape[0], generator=generator, device=generator.device)
+    score = score.to(present.device).masked_fill_(present, 2.0)  # above any draw: positives stay
+    return score.topk(keep, sorted=False).indices.sort().values
+
+
+def sampling_generator(device: torch.device, seed: int) -> torch.Generator:
+    """The generator of one shard's draw at one step: on the CUDA device the shard lives on (no
+    host round trip), else on the CPU. A seed reproduces a run on the same kind of device."""
+    gen = torch.Generator(device=device) if device.type == "cuda" else torch.Generator()
+    return gen.manual_seed(seed)
+
+
+def positive_mask(local_labels: Tensor, num_local: int) -> Tensor:
+    """bool ``[num_local]``: the rows some label of the global batch falls on (``local_labels``: the
+    row of each sample's label in this shard, or −1). Device ops only."""
+    hit = torch.where(local_labels >= 0, local_labels, torch.full_like(local_labels, num_local))
+    present = torch.zeros(num_local + 1, dtype=torch.bool, device=local_labels.device)
+    return present.index_fill_(0, hit, True)[:num_local]
+
+
+def positives_per_range(labels: Tensor, valid: Tensor, ranges: Sequence[range]) -> List[int]:
+    """How many distinct valid labels fall in each class range: one sort of the global batch's
+    labels and one read back to the host, for every shard of every rank at once."""
+    if not ranges:
+        return []
+    sentinel = ranges[-1].stop
+    lab = torch.where(valid, labels, torch.full_like(labels, sentinel)).sort().values
+    first = torch.ones_like(lab, dtype=torch.bool)
+    first[1:] = lab[1:] != lab[:-1]
+    distinct = torch.cat([lab.new_zeros(1), torch.cumsum((first & (lab < sentinel)).long(), 0)])
+    edges = torch.tensor([r.start for r in ranges] + [ranges[-1].stop], dtype=lab.dtype, device=lab.device)
+    below = distinct[torch.searchsorted(lab, edges)]  # distinct labels < each edge
+    return (below[1:] - below[:-1]).tolist()
 
 
 @dataclass
