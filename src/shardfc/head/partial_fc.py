@@ -181,6 +181,10 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
                 idx = slice(b0, b0 + UPDATE_BLOCK)
                 yield idx, p.grad, idx
 
+    def _fused_update(self, p: Tensor, entry, group: dict) -> bool:
+        """Update ``p`` with a fused kernel and return True, or return False (the blocks do it)."""
+        return False
+
     def _rounder(self, group: dict, index: int, device: torch.device):
         """``round(x, dtype)`` for this step and parameter."""
         mode = group["rounding"]
@@ -196,6 +200,8 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
         rows_of = self._take_rows()
         for group in self.param_groups:
             for index, p in enumerate(group["params"]):
+                if self._fused_update(p, rows_of.get(p), group):
+                    continue
                 rnd = self._rounder(group, index, p.device)
                 for idx, source, at in self._blocks(p, rows_of.get(p)):
                     self._update(p, idx, source[at], group, rnd)
@@ -210,6 +216,10 @@ class RowSparseSGD(_RowSparseOptimizer):
     (normally a head's :meth:`~shardfc.head.module.ShardedMarginHead.take_sampled_rows`). A parameter
     without rows is updated densely, exactly as ``torch.optim.SGD`` would. ``rounding``,
     ``rounding_seed``: see :class:`_RowSparseOptimizer` (they matter for bf16/fp16 parameters only).
+    ``fused``: update each parameter with one Triton kernel (:mod:`shardfc.head.fused.optimizer`:
+    rows gathered, fp32 update, one rounding to nearest) instead of a dozen torch kernels per block
+    of rows. None (default): on CUDA when Triton is installed and the parameter qualifies; True:
+    always, or a ValueError saying why not; False: never.
     """
 
     def __init__(
@@ -223,13 +233,52 @@ class RowSparseSGD(_RowSparseOptimizer):
         sampled_rows: Optional[SampledRows] = None,
         rounding: str = "nearest",
         rounding_seed: int = 0,
+        fused: Optional[bool] = None,
     ):
+        if fused not in (None, True, False):
+            raise TypeError(f"fused must be None (automatic), True or False, got {fused!r}")
+        self.fused = fused
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"lr, momentum, weight_decay must be >= 0, got {lr}, {momentum}, {weight_decay}")
         if nesterov and momentum <= 0:
             raise ValueError("nesterov needs momentum > 0")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
         super().__init__(params, defaults, sampled_rows, rounding, rounding_seed)
+
+    def _fused_update(self, p: Tensor, entry, group: dict) -> bool:
+        if self.fused is False:
+            return False
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            reason = "Triton is not installed (pip install 'shardfc[gpu]')"
+        else:
+            from shardfc.head.fused.optimizer import fusable
+
+            reason = fusable(p, group["rounding"])
+        if reason is not None:
+            if self.fused:
+                raise ValueError(f"RowSparseSGD(fused=True) cannot update this parameter: {reason}")
+            return False
+        if self.fused is None and not p.is_cuda:
+            return False  # automatic: CUDA only (the interpreter is for tests)
+        from shardfc.head.fused.optimizer import row_sgd_
+
+        if isinstance(entry, RowGrad):
+            idx, grad, at_idx = entry.rows, entry.values, False
+        elif p.grad is None:
+            return True
+        else:
+            idx, grad, at_idx = entry, p.grad, True  # rows of the dense .grad (None: every row)
+        buf = None
+        if group["momentum"]:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            buf = state["momentum_buffer"]
+        row_sgd_(p, buf, grad.contiguous(), None if idx is None else idx.contiguous(), at_idx,
+                 group["lr"], group["momentum"], group["weight_decay"], group["nesterov"])
+        return True
 
     def _update(self, p: Tensor, idx, g: Tensor, group: dict, rnd) -> None:
         lr, mom, wd, nesterov = group["lr"], group["momentum"], group["weight_decay"], group["nesterov"]

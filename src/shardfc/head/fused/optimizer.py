@@ -1,0 +1,80 @@
+"""Fused row-sparse SGD: one kernel gathers the rows to update, applies weight decay, momentum
+(Nesterov) in fp32 and writes the weights and the momentum rounded once (to nearest) into their
+storage dtype — the update of :class:`shardfc.head.partial_fc.RowSparseSGD`, where its torch
+version issues a dozen indexing and elementwise kernels per block of rows.
+
+The gradient comes in one of the forms the optimizer sees: compact rows (``RowGrad``: row ``i`` of
+the values belongs to weight row ``idx[i]``), rows of a dense ``.grad`` (at ``idx``), or every row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from shardfc.head.fused import interpreting
+
+
+@triton.jit
+def row_sgd_kernel(
+    p_ptr, buf_ptr, g_ptr, idx_ptr, n, D, stride_p, stride_b, stride_g,
+    lr, momentum, weight_decay,
+    HAS_IDX: tl.constexpr, G_AT_IDX: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+    BR: tl.constexpr, BD: tl.constexpr,
+):
+    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    r_mask = offs_r < n
+    row = offs_r.to(tl.int64)
+    if HAS_IDX:
+        row = tl.load(idx_ptr + offs_r, mask=r_mask, other=0).to(tl.int64)
+    g_row = row if G_AT_IDX else offs_r.to(tl.int64)
+    for d0 in range(0, D, BD):
+        offs_d = d0 + tl.arange(0, BD)
+        mask = r_mask[:, None] & (offs_d < D)[None, :]
+        at_p = p_ptr + row[:, None] * stride_p + offs_d[None, :]
+        w = tl.load(at_p, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + g_row[:, None] * stride_g + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = g + weight_decay * w
+        if MOMENTUM:
+            at_b = buf_ptr + row[:, None] * stride_b + offs_d[None, :]
+            b = tl.load(at_b, mask=mask, other=0.0).to(tl.float32) * momentum + g
+            tl.store(at_b, b.to(buf_ptr.dtype.element_ty), mask=mask)
+            if NESTEROV:
+                g = g + momentum * b
+            else:
+                g = b
+        tl.store(at_p, (w - lr * g).to(p_ptr.dtype.element_ty), mask=mask)
+
+
+def fusable(p: Tensor, rounding: str) -> Optional[str]:
+    """Why the fused update cannot serve ``p`` (None when it can)."""
+    if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"parameters of {p.dtype} (fp32/bf16/fp16 only)"
+    if rounding != "nearest" and p.dtype != torch.float32:
+        return f"rounding={rounding!r} (the kernel rounds to nearest)"
+    if p.device.type != "cuda" and not (p.device.type == "cpu" and interpreting()):
+        return f"parameters on {p.device}, not CUDA"
+    return None
+
+
+def row_sgd_(p: Tensor, buf: Optional[Tensor], grad: Tensor, idx: Optional[Tensor], grad_at_idx: bool,
+             lr: float, momentum: float, weight_decay: float, nesterov: bool) -> None:
+    """Update rows ``idx`` of ``p`` (every row: ``idx`` None) in place; ``grad`` holds row ``i``'s
+    gradient at ``idx[i]`` (``grad_at_idx``) or at ``i``; ``buf``: the momentum buffer (None: none)."""
+    n = p.shape[0] if idx is None else idx.numel()
+    if n == 0:
+        return
+    BR, BD = (16, 16) if interpreting() else (32, 128)
+    with torch.cuda.device(p.device) if p.is_cuda else contextlib.nullcontext():
+        row_sgd_kernel[(triton.cdiv(n, BR),)](
+            p, buf if buf is not None else p, grad, idx if idx is not None else p, n, p.shape[1],
+            p.stride(0), buf.stride(0) if buf is not None else 0, grad.stride(0),
+            float(lr), float(momentum), float(weight_decay),
+            HAS_IDX=idx is not None, G_AT_IDX=grad_at_idx, MOMENTUM=buf is not None, NESTEROV=bool(nesterov),
+            BR=BR, BD=BD,
+        )
