@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, List, Sequence, Union
 
-__all__ = ["check_int", "check_positive_int", "check_probability"]
+__all__ = ["check_int", "check_names", "check_positive_int", "check_probability", "chunk_size_arg"]
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:
@@ -32,3 +32,22 @@ def check_probability(name: str, value: Any, *, low_open: bool, high_open: bool)
         interval = ("(" if low_open else "[") + "0, 1" + (")" if high_open else "]")
         raise ValueError(f"{name} must be in {interval}, got {value!r}")
     return float(value)
+
+
+def check_names(what: str, value: Union[str, Sequence[str]], choices: Sequence[str]) -> List[str]:
+    """``"a,b"`` or ``["a", "b"]`` as a list of names from ``choices``, in the order given: at least
+    one, each known, none twice (the errors say ``what`` and list the choices)."""
+    names = [v.strip() for v in value.split(",")] if isinstance(value, str) else [str(v).strip() for v in value]
+    names = [v for v in names if v]
+    unknown = [v for v in names if v not in choices]
+    if not names or unknown:
+        shown = ", ".join(map(repr, unknown)) or f"empty list {value!r}"
+        raise ValueError(f"{what}: unknown {shown}; choose from {', '.join(choices)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{what}: each at most once, got {names}")
+    return names
+
+
+def chunk_size_arg(text: str) -> Union[int, str]:
+    """A command line's chunk size: ``auto`` or an int (argparse ``type=``)."""
+    return "auto" if text == "auto" else int(text)

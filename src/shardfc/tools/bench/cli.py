@@ -22,13 +22,10 @@ import argparse
 import sys
 from typing import List, Optional
 
+from shardfc.checks import chunk_size_arg
 from shardfc.parallel.launch import WorkerError
 from shardfc.tools.bench import report
 from shardfc.tools.bench.runner import DEFAULT_CHUNK_SIZE, VARIANTS, run_bench
-
-
-def _chunk_arg(text: str):
-    return "auto" if text == "auto" else int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-rate", type=float, default=0.1, help="Partial FC rate r of the partial variant (default 0.1)")
     p.add_argument(
         "--chunk-size",
-        type=_chunk_arg,
+        type=chunk_size_arg,
         default=None,
         help=f"classes per chunk of the chunked variant, or 'auto' (the head's own choice) (default {DEFAULT_CHUNK_SIZE})",
     )

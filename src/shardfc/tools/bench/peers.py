@@ -57,7 +57,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from shardfc.checks import check_int, check_positive_int, check_probability
+from shardfc.checks import check_int, check_names, check_positive_int, check_probability
 from shardfc.tools.bench.memory import PeakMemory
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -363,15 +363,7 @@ def parse_systems(systems: Union[None, str, Sequence[str]]) -> List[str]:
     """``None`` (all), ``"a,b"`` or ``["a", "b"]`` -> checked list, in the order of :data:`SYSTEMS`."""
     if systems is None:
         return list(SYSTEMS)
-    names = [s.strip() for s in systems.split(",")] if isinstance(systems, str) else [str(s).strip() for s in systems]
-    names = [s for s in names if s]
-    if not names:
-        raise ValueError(f"systems must name at least one of {', '.join(SYSTEMS)}, got {systems!r}")
-    unknown = [s for s in names if s not in SYSTEMS]
-    if unknown:
-        raise ValueError(f"systems: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(SYSTEMS)}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"systems: each at most once, got {names}")
+    names = check_names("systems", systems, list(SYSTEMS))
     return [s for s in SYSTEMS if s in names]
 
 

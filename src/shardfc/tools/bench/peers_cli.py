@@ -15,11 +15,8 @@ import argparse
 import sys
 from typing import List, Optional
 
+from shardfc.checks import chunk_size_arg
 from shardfc.tools.bench.peers import DTYPES, MARGINS, SYSTEMS, failures, run_peers
-
-
-def _chunk_arg(text: str):
-    return "auto" if text == "auto" else int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--margin", choices=MARGINS, default="arcface",
                    help="margin of the margin rows, with its defaults (default arcface: s=64 m=0.5)")
     p.add_argument("--sample-rate", type=float, default=0.1, help="Partial FC rate of shardfc-partial (default 0.1)")
-    p.add_argument("--chunk-size", type=_chunk_arg, default="auto",
+    p.add_argument("--chunk-size", type=chunk_size_arg, default="auto",
                    help="classes per chunk of shardfc-chunked, or 'auto' (default auto)")
     p.add_argument("--steps", type=int, default=10, help="timed steps, median reported (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after the check step (default 3)")

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from shardfc.checks import check_int, check_positive_int
+from shardfc.checks import check_int, check_names, check_positive_int
 
 #: the fields of one recipe row, in order (the JSON holds exactly these)
 ROW_FIELDS = (
@@ -125,13 +125,7 @@ def parse_recipes(names: Optional[str]) -> List[str]:
     """``"a,b"`` (or None: all) -> checked list of :data:`RECIPES` names."""
     if names is None:
         return list(RECIPES)
-    chosen = [n.strip() for n in names.split(",") if n.strip()]
-    unknown = [n for n in chosen if n not in RECIPES]
-    if not chosen or unknown:
-        raise ValueError(f"recipes: unknown {', '.join(map(repr, unknown)) or 'empty list'}; choose from {', '.join(RECIPES)}")
-    if len(set(chosen)) != len(chosen):
-        raise ValueError(f"recipes: each recipe at most once, got {chosen}")
-    return chosen
+    return check_names("recipes", names, list(RECIPES))
 
 
 def parse_precisions(text: str) -> List[str]:

@@ -67,7 +67,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from shardfc.checks import check_int
+from shardfc.checks import check_int, check_names
 from shardfc.parallel.partition import split_evenly
 from shardfc.tools.bench.memory import PeakMemory
 
@@ -85,16 +85,7 @@ SEED = 1234
 # --------------------------------------------------------------------------- variants
 def parse_variants(variants: Union[str, Sequence[str]]) -> List[str]:
     """``"a,b"`` or ``["a", "b"]`` -> checked list (unknown names or duplicates: ValueError)."""
-    names = [v.strip() for v in variants.split(",")] if isinstance(variants, str) else [str(v).strip() for v in variants]
-    names = [v for v in names if v]
-    if not names:
-        raise ValueError(f"variants must name at least one of {', '.join(VARIANTS)}, got {variants!r}")
-    unknown = [v for v in names if v not in VARIANTS]
-    if unknown:
-        raise ValueError(f"variants: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(VARIANTS)}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"variants: each variant at most once, got {names}")
-    return names
+    return check_names("variants", variants, list(VARIANTS))
 
 
 def local_batch_sizes(batch: int, world_size: int) -> List[int]:

@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 
-from shardfc.checks import check_positive_int
+from shardfc.checks import check_positive_int, chunk_size_arg
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 OPTIMIZERS = ("sgd", "sgd_nomomentum", "adamw")
@@ -360,10 +360,6 @@ def format_plan(result: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _chunk_arg(text: str):
-    return "auto" if text == "auto" else int(text)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="shardfc plan", description="Per-rank memory of the sharded head, and the largest C and B that fit a budget.")
     p.add_argument("--classes", type=int, required=True, help="number of classes C")
@@ -373,7 +369,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
     p.add_argument("--sample-rate", type=float, default=1.0, help="Partial FC rate in (0, 1] (default 1)")
-    p.add_argument("--chunk-size", type=_chunk_arg, default=None, help="classes per chunk, or 'auto' (default: none)")
+    p.add_argument("--chunk-size", type=chunk_size_arg, default=None, help="classes per chunk, or 'auto' (default: none)")
     p.add_argument("--budget", default=None, help="bytes per rank, e.g. 16GiB, 500MB, 1e9")
     p.add_argument("--margin", default="arcface", help="margin name (default arcface)")
     p.add_argument("--weight-decay", type=float, default=0.0)
