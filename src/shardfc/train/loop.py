@@ -114,6 +114,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
             if cfg.eval_every and state.step % cfg.eval_every == 0 and not last:
                 metrics = _evaluate(run, targets, state.step, runlog)
         runlog.close_bar()
+        stream.close()  # the loader's workers end now, not whenever the generator is collected
 
         # ---- save: a final checkpoint (unless nothing was trained) and a final evaluation
         trained = state.step > (step_of(resume_from) if resume_from is not None else 0)
