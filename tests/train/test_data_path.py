@@ -154,3 +154,25 @@ def test_to_device_normalises_uint8_and_sets_the_memory_format():
     assert torch.equal(y, (x.float() / 255 - 0.5) / 0.5)
     f = torch.randn(2, 3, 5, 4)
     assert to_device(f, torch.device("cpu")) is f  # float images (the synthetic set) pass as they are
+
+
+@pytest.mark.parametrize("size,batch,world,drop_last", [(10, 3, 1, False), (23, 4, 3, False), (5, 4, 4, False),
+                                                         (21, 5, 2, False), (22, 4, 2, True), (9, 4, 1, False)])
+def test_shard_batches_are_the_distributed_samplers_order_in_batches(size, batch, world, drop_last):
+    """The per-rank indices, computed as one tensor, are torch's DistributedSampler's, batched as before
+    (a last batch of one image folded into the one before, a partial one dropped with drop_last)."""
+    for rank in range(world):
+        for epoch in (0, 3):
+            batches = ShardBatches(size, batch, rank, world, seed=7, drop_last=drop_last)
+            batches.set_epoch(epoch)
+            sampler = torch.utils.data.DistributedSampler(range(size), world, rank, shuffle=True, seed=7)
+            sampler.set_epoch(epoch)
+            idx = list(sampler)
+            expected = [idx[i : i + batch] for i in range(0, len(idx), batch)]
+            if drop_last and len(expected[-1]) < batch:
+                expected.pop()
+            elif len(expected) > 1 and len(expected[-1]) == 1:
+                expected[-2].extend(expected.pop())
+            assert list(batches) == expected and len(batches) == len(expected)
+            batches.set_epoch(epoch, 1)
+            assert list(batches) == expected[1:] and len(batches) == len(expected) - 1

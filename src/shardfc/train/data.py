@@ -89,7 +89,7 @@ class EpochKeys(Sampler):
         epoch, start = self.epoch, self.start
         while True:
             self.batches.set_epoch(epoch, start)
-            for b, batch in enumerate(list(self.batches), start):
+            for b, batch in enumerate(self.batches, start):
                 yield [(epoch, int(i), b) for i in batch]
             epoch, start = epoch + 1, 0
 
@@ -137,17 +137,33 @@ class ShardBatches(Sampler):
         self.sampler.set_epoch(epoch)
         self.start = start
 
+    def _indices(self) -> torch.Tensor:
+        """This rank's indices of the epoch, exactly the DistributedSampler's (its seed, permutation,
+        padding and stride), as one tensor: no Python list of the whole epoch (2M images: 0.4 s)."""
+        s = self.sampler
+        g = torch.Generator().manual_seed(s.seed + s.epoch)
+        perm = torch.randperm(len(s.dataset), generator=g)
+        if s.total_size > len(perm):  # padded by repeating the permutation, as the sampler does
+            perm = perm.repeat(-(-s.total_size // len(perm)))[: s.total_size]
+        return perm[s.rank : s.total_size : s.num_replicas]
+
+    def _bounds(self):
+        """``(lo, hi)`` of each batch of the epoch in :meth:`_indices`: full batches, the last one
+        partial (or, holding one image, folded into the one before), or dropped with ``drop_last``."""
+        n, b = self.sampler.num_samples, self.batch_size
+        count = len(self) + self.start
+        for i in range(count):
+            yield i * b, (n if i == count - 1 and not self.drop_last else (i + 1) * b)
+
     def _all(self) -> List[List[int]]:
-        idx = list(self.sampler)
-        out = [idx[i : i + self.batch_size] for i in range(0, len(idx), self.batch_size)]
-        if self.drop_last and len(out[-1]) < self.batch_size:
-            out.pop()
-        elif len(out) > 1 and len(out[-1]) == 1:
-            out[-2].extend(out.pop())
-        return out
+        idx = self._indices()
+        return [idx[lo:hi].tolist() for lo, hi in self._bounds()]
 
     def __iter__(self):
-        return iter(self._all()[self.start :])
+        idx, start = self._indices(), self.start
+        for i, (lo, hi) in enumerate(self._bounds()):
+            if i >= start:
+                yield idx[lo:hi].tolist()
 
     def __len__(self) -> int:
         n, b = self.sampler.num_samples, self.batch_size
