@@ -6,7 +6,8 @@ Example (CPU, 2 ranks)::
         --variants naive,replicated,sharded,chunked,partial --steps 3 --json out.json --plot out.png
 
 ``shardfc bench --recipes`` / ``--split-sweep`` compare whole training recipes instead (DDP, DataParallel,
-Horovod, pipeline; see :mod:`shardfc.tools.bench.recipes_cli`).
+Horovod, pipeline; see :mod:`shardfc.tools.bench.recipes_cli`); ``shardfc bench --trainer`` measures
+``shardfc train``'s step against its ceiling (:mod:`shardfc.tools.bench.trainer`).
 
 Prints a Markdown table on stdout and progress on stderr. ``--json`` writes a list with one object
 per variant holding exactly ``variant, step_time_s, peak_bytes_per_rank, balance,
@@ -72,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--trainer" in argv:  # the trainer against its ceiling; the other arguments are `shardfc train` flags
+        from shardfc.tools.bench import trainer
+
+        return trainer.main(argv)
     if "--recipes" in argv or "--split-sweep" in argv:  # the training-recipe comparison has its own options
         from shardfc.tools.bench import recipes_cli
 
