@@ -16,10 +16,11 @@ What it runs, after building the run as ``shardfc train`` does (:func:`~shardfc.
    real stream (:func:`~shardfc.train.data.micro_batches`: loader workers, prefetcher, device-side
    normalisation), with the GPU's utilisation sampled meanwhile (NVML through ``pynvml``; "n/a" on
    the CPU or without it);
-3. **loader only**: the same stream drained without training, the batches already queued by the
-   workers left out first, so the rate is what the loader sustains;
-4. **ceiling**: the same step on one batch of random tensors resident on the device (no loader,
-   no copy), in the run's memory format and precision.
+3. **ceiling**: the same step on one batch of random tensors resident on the device (no loader,
+   no copy), in the run's memory format and precision; its steps alternate with the train steps in
+   up to 5 blocks, so that a drifting load (a shared machine) weighs on both alike;
+4. **loader only**: the same stream drained without training, the batches already queued by the
+   workers left out first, so the rate is what the loader sustains.
 
 Images/s count the images each step trains on (``batch_size x grad_accum``). The train rate over
 the ceiling is what the data path costs; the loader-only rate over the train rate is its headroom.
@@ -55,7 +56,7 @@ class _Utilisation:
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.samples, self.why = device, [], ""
-        self._stop = threading.Event()
+        self._stop, self._paused = threading.Event(), threading.Event()
         self._read = None
         if device.type != "cuda":
             self.why = "the CPU"
@@ -74,7 +75,15 @@ class _Utilisation:
 
     def _run(self) -> None:
         while not self._stop.wait(0.1):
-            self.samples.append(float(self._read()))
+            if not self._paused.is_set():
+                self.samples.append(float(self._read()))
+
+    def pause(self) -> None:
+        """Stop sampling until :meth:`resume` (the ceiling's steps are not the train steps)."""
+        self._paused.set()
+
+    def resume(self) -> None:
+        self._paused.clear()
 
     def __exit__(self, *exc) -> None:
         if self._read is not None:
@@ -143,14 +152,37 @@ def bench_trainer(cfg, steps: int = 20, warmup: int = 3, progress: bool = True) 
     say(f"start-up {clock.line()}")
     images_per_step = run.batches.batch_size * cfg.grad_accum
 
-    say(f"train: {warmup} warm-up + {steps} timed steps of {images_per_step} images")
+    # The ceiling's input: one batch of random tensors resident on the device.
+    h, w = run.image_size
+    g = torch.Generator().manual_seed(cfg.seed)
+    images = torch.randn(run.batches.batch_size, 3, h, w, generator=g).clamp_(-1, 1).to(device)
+    if run.channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+    labels = torch.randint(run.num_classes, (run.batches.batch_size,), generator=g).to(device)
+    resident = itertools.repeat((images, labels, []))
+
+    # Train and ceiling steps in alternating blocks, so that a load that drifts (a shared machine)
+    # weighs on both alike. Each train block first takes, untimed, as many micro-batches as the
+    # loader may have queued during the ceiling's block: a head start a steady run does not have.
+    queued = cfg.num_workers * 2 + 2  # DataLoader's prefetch_factor 2 per worker, the prefetcher's, one in hand
+    catch_up = -(-queued // cfg.grad_accum)
+    say(f"train and ceiling: {warmup} warm-up + {steps} timed steps of {images_per_step} images each, "
+        f"in alternating blocks ({catch_up} untimed train step(s) before each train block)")
     _timed_steps(parts, stream, state, cfg, ctx, autocast, warmup)
+    _timed_steps(parts, resident, state, cfg, ctx, autocast, warmup)
+    blocks = [len(b) for b in torch.arange(steps).chunk(min(5, steps))]
+    train_s = ceiling_s = 0.0
     with _Utilisation(device) as util:
-        train_s = _timed_steps(parts, stream, state, cfg, ctx, autocast, steps)
+        for n in blocks:
+            _timed_steps(parts, stream, state, cfg, ctx, autocast, catch_up)
+            train_s += _timed_steps(parts, stream, state, cfg, ctx, autocast, n)
+            util.pause()
+            ceiling_s += _timed_steps(parts, resident, state, cfg, ctx, autocast, n)
+            util.resume()
     train_rate = steps * images_per_step / train_s
+    ceiling_rate = steps * images_per_step / ceiling_s
 
     # The loader alone, past what its workers queued while the steps ran.
-    queued = cfg.num_workers * 2 + 2  # DataLoader's prefetch_factor 2 per worker, the prefetcher's, one in hand
     loader_batches = max(steps * cfg.grad_accum, 2 * queued, 20)
     say(f"loader only: {queued} queued batches skipped, {loader_batches} timed")
     for _ in range(queued):
@@ -165,19 +197,6 @@ def bench_trainer(cfg, steps: int = 20, warmup: int = 3, progress: bool = True) 
     loader_rate = n_images / (time.perf_counter() - start)
     stream.close()
     shutil.rmtree(out, ignore_errors=True)  # nothing is saved: the bench builds and steps only
-
-    # The ceiling: the same step on one resident batch of random tensors.
-    h, w = run.image_size
-    g = torch.Generator().manual_seed(cfg.seed)
-    images = torch.randn(run.batches.batch_size, 3, h, w, generator=g).clamp_(-1, 1).to(device)
-    if run.channels_last:
-        images = images.contiguous(memory_format=torch.channels_last)
-    labels = torch.randint(run.num_classes, (run.batches.batch_size,), generator=g).to(device)
-    resident = itertools.repeat((images, labels, []))
-    say(f"ceiling: {warmup} warm-up + {steps} timed steps on device-resident random tensors")
-    _timed_steps(parts, resident, state, cfg, ctx, autocast, warmup)
-    ceiling_s = _timed_steps(parts, resident, state, cfg, ctx, autocast, steps)
-    ceiling_rate = steps * images_per_step / ceiling_s
 
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {threads}",
