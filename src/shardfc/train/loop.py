@@ -116,7 +116,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
                 else:
                     loss, corrupt = pipeline_step(parts, run.pipeline, batches, state, cfg, ctx, autocast)
                     apply_gradients(parts, cfg.grad_clip, ctx, run.pipeline)
-            if clock is not None and not clock.phases[-1][0] == "first step":
+            if clock is not None and clock.phases[-1][0] != "first step":  # once, after the first step
                 mark("first step")
                 if ctx.is_main:
                     logger.info("start-up (to the end of the first step) %s", clock.line())
