@@ -90,7 +90,7 @@ class TrainConfig:
     synthetic_images_per_identity: int = 20
     """Training images per identity of the synthetic dataset."""
     num_workers: int = 0
-    """DataLoader worker processes per rank (0: load in the training process; synthetic images render faster than workers could ship them on a small CPU)."""
+    """DataLoader worker processes per rank, started once and kept for the whole run (they load the next epoch's first batches while this epoch's last ones train); 0: load in the training process (synthetic images render faster than workers could ship them on a small CPU)."""
     drop_last: bool = False
     """Drop each epoch's last partial batch; by default it is trained on (the head accepts unequal per-rank batches)."""
     sampler: str = "random"
