@@ -176,3 +176,61 @@ def test_shard_batches_are_the_distributed_samplers_order_in_batches(size, batch
             assert list(batches) == expected and len(batches) == len(expected)
             batches.set_epoch(epoch, 1)
             assert list(batches) == expected[1:] and len(batches) == len(expected) - 1
+
+
+def test_on_cuda_each_batch_is_prepared_on_the_side_stream_and_waited_for_by_its_own_event(monkeypatch):
+    """The CUDA branch's ordering, with the stream and event API stubbed (no GPU here): batch k+1 is
+    launched on the side stream before batch k is handed out, and the training stream waits for
+    batch k's event only, not for the side stream (which already holds batch k+1)."""
+    import contextlib
+
+    log = []
+
+    class Event:
+        count = 0
+
+        def __init__(self):
+            self.n = Event.count
+            Event.count += 1
+
+        def record(self, stream=None):
+            log.append(("record", self.n, stream.name))
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, event):
+            log.append(("wait", event.n, self.name))
+
+    side, main = Stream("side"), Stream("main")
+    inside = []
+
+    @contextlib.contextmanager
+    def on(stream):
+        inside.append(stream.name)
+        yield
+        inside.pop()
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: side)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+
+    def prepare(item):
+        log.append(("prepare", item, inside[-1] if inside else "main"))
+        return item
+
+    prefetcher = DevicePrefetcher(range(3), torch.device("cuda"), prepare)
+    assert prefetcher.ahead == 1
+    out = []
+    for item in prefetcher:
+        log.append(("out", item))
+        out.append(item)
+    assert out == [0, 1, 2]
+    assert log == [
+        ("prepare", 0, "side"), ("record", 0, "side"), ("prepare", 1, "side"), ("record", 1, "side"),
+        ("wait", 0, "main"), ("out", 0),
+        ("prepare", 2, "side"), ("record", 2, "side"), ("wait", 1, "main"), ("out", 1),
+        ("wait", 2, "main"), ("out", 2),
+    ]
