@@ -19,7 +19,7 @@ from .tiny import STEPS, tiny_config
 
 FIELDS = {
     "rank", "world_size", "strategy", "launcher", "device", "amp", "backbone", "step_s", "samples", "comm_bytes",
-    "comm_bytes_by_kind", "backbone_traffic_counted", "peak_rss_bytes", "cuda_peak_bytes", "pid",
+    "comm_bytes_by_kind", "backbone_traffic_counted", "peak_rss_bytes", "cuda_peak_bytes", "pid", "startup",
 }
 
 
@@ -58,9 +58,18 @@ def test_profile_counts_ddp_traffic_and_the_samples_of_each_step(profiled):
         # with 2 micro-batches (DDP skips it after a no_sync() backward)
         assert cfg.grad_accum == 2 and kinds["ddp_buffers"] == STEPS * buffers
         assert kinds["all_gather"] > 0 and kinds["reduce_scatter"] > 0  # the head's
+        # Where the start-up went, phase by phase, up to the end of the first step.
+        phases = [name for name, _ in p["startup"]["phases"]]
+        assert phases == ["process group and threads", "dataset", "sampler", "model, head and optimizers",
+                          "evaluation targets", "resume", "first batch", "first step"]
+        spent = [s for _, s in p["startup"]["phases"]]
+        assert min(spent) >= 0 and p["startup"]["total_s"] == pytest.approx(sum(spent))
+        assert p["startup"]["phases"][-1][1] >= p["step_s"][0] * 0.5  # the first step is in it
         assert sum(p["comm_bytes"]) == sum(kinds.values())
         assert p["backbone_traffic_counted"] is True
         assert p["peak_rss_bytes"] > 50 * 2**20 and p["cuda_peak_bytes"] is None
+    log = (Path(cfg.output_dir) / "train.log").read_text()
+    assert "start-up (to the end of the first step)" in log and "first batch" in log
 
 
 def test_profile_changes_nothing_the_run_computes(profiled, run2):

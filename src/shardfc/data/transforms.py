@@ -113,6 +113,7 @@ def image_to_tensor(
     img: Image.Image,
     image_size: Optional[Tuple[int, int]] = None,
     flip: bool = False,
+    normalized: bool = True,
 ) -> torch.Tensor:
     """Pillow image -> normalised float tensor ``[3, H, W]``.
 
@@ -121,13 +122,18 @@ def image_to_tensor(
         image_size: target ``(height, width)``; the image is resized with
             bilinear filtering only if its size differs. ``None`` keeps the size.
         flip: mirror horizontally.
+        normalized: ``False`` returns the uint8 pixels instead (resized and flipped alike):
+            :func:`normalize` of them is, bit for bit, the normalised tensor. The trainer's loader
+            workers ship these (a quarter of the bytes) and normalise on the training device.
     """
     img = img.convert("RGB")
     if image_size is not None:
         h, w = _check_size(image_size)
         if img.size != (w, h):  # Pillow sizes are (width, height)
             img = img.resize((w, h), Image.BILINEAR)
-    x = normalize(pil_to_tensor(img))
+    x = pil_to_tensor(img)
+    if normalized:
+        x = normalize(x)
     return x.flip(-1) if flip else x
 
 
@@ -138,6 +144,8 @@ class ImageTransform:
         image_size: target ``(height, width)`` or ``None`` to keep the size.
         random_flip: flip horizontally with probability ``flip_prob``.
         flip_prob: probability of the flip when ``random_flip`` is set.
+        normalized: ``False``: uint8 ``[3, H, W]`` out, for :func:`normalize` later (see
+            :func:`image_to_tensor`); the flip draws are the same either way.
 
     The flip decision draws from ``generator`` when one is passed to
     :meth:`__call__`, else from torch's global RNG (which DataLoader seeds
@@ -149,9 +157,11 @@ class ImageTransform:
         image_size: Optional[Tuple[int, int]] = (112, 112),
         random_flip: bool = False,
         flip_prob: float = 0.5,
+        normalized: bool = True,
     ) -> None:
         if not 0.0 <= flip_prob <= 1.0:
             raise ValueError(f"flip_prob must be in [0, 1], got {flip_prob!r}")
+        self.normalized = bool(normalized)
         self.image_size = None if image_size is None else _check_size(image_size)
         self.random_flip = random_flip
         self.flip_prob = flip_prob
@@ -160,12 +170,12 @@ class ImageTransform:
         flip = False
         if self.random_flip:
             flip = bool(torch.rand((), generator=generator).item() < self.flip_prob)
-        return image_to_tensor(img, self.image_size, flip=flip)
+        return image_to_tensor(img, self.image_size, flip=flip, normalized=self.normalized)
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(image_size={self.image_size}, "
-            f"random_flip={self.random_flip}, flip_prob={self.flip_prob})"
+            f"random_flip={self.random_flip}, flip_prob={self.flip_prob}, normalized={self.normalized})"
         )
 
 

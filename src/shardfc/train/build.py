@@ -71,6 +71,10 @@ def build_parts(
 ) -> Parts:
     """Backbone (in DDP / DataParallel as the strategy says), head shard(s), optimizers, schedules and scaler."""
     backbone = build_backbone(cfg.backbone, cfg.embedding_dim, **backbone_kwargs(cfg, image_size)).to(ctx.device)
+    if use_channels_last(cfg, ctx.device, backbone):
+        backbone = backbone.to(memory_format=torch.channels_last)
+    if cfg.compile:
+        backbone.compile()  # in place: state_dict() keys stay the module's own (no '_orig_mod.')
     backbone = wrap_backbone(cfg, ctx, backbone)
     head = ShardedMarginHead(
         cfg.embedding_dim,
@@ -112,8 +116,31 @@ def build_parts(
     return Parts(backbone, head, opt_backbone, opt_head, schedulers, scaler, triplet)
 
 
+def use_channels_last(cfg: TrainConfig, device: torch.device, backbone: torch.nn.Module) -> bool:
+    """Whether the run holds ``backbone`` and its inputs in channels_last: ``cfg.channels_last`` on a CUDA
+    device, for a backbone with 2-D convolutions (the layout changes nothing for the others)."""
+    return (
+        bool(cfg.channels_last)
+        and torch.device(device).type == "cuda"
+        and any(isinstance(m, torch.nn.Conv2d) for m in backbone.modules())
+    )
+
+
 def resolve_amp_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dtype]:
-    """The autocast dtype, after falling back where the hardware cannot do what was asked."""
+    """The autocast dtype, after falling back where the hardware cannot do what was asked.
+
+    'auto': bf16 on a CUDA GPU with bf16 (no loss scaling, no host sync for an overflow check), fp16
+    with loss scaling on one without (fp32 with ``sparse_grad``, which fp16's scaler cannot unscale),
+    fp32 on the CPU (the exactness of the CPU runs is the default's)."""
+    if cfg.amp == "auto":
+        if device.type != "cuda":
+            return None
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        if cfg.sparse_grad:
+            logger.info("amp='auto' on a GPU without bf16, with sparse_grad (fp16's loss scaler cannot unscale it): fp32")
+            return None
+        return torch.float16
     if cfg.amp == "none":
         return None
     if device.type == "cpu" and cfg.amp in ("fp16", "bf16"):
@@ -162,6 +189,8 @@ class Run:
     parts: Parts
     pipeline: Optional[PipelinePlan] = None
     """Strategy 'pipeline': this rank's stage, schedule and the whole backbone's layout."""
+    channels_last: bool = False
+    """The backbone is in channels_last, so its input batches are made so too (:func:`use_channels_last`)."""
 
     @property
     def num_classes(self) -> int:
@@ -173,11 +202,16 @@ class Run:
         return self.pipeline.layout.replica_ctx if self.pipeline is not None else self.ctx
 
 
-def build_run(cfg: TrainConfig, ctx: DistContext) -> Run:
-    """Data, batches, schedule length and parts; the backbone initialisation is the same on every rank."""
+def build_run(cfg: TrainConfig, ctx: DistContext, clock=None) -> Run:
+    """Data, batches, schedule length and parts; the backbone initialisation is the same on every rank.
+
+    ``clock``: a :class:`~shardfc.train.profile.StartupClock` that gets a mark per phase (``--profile``).
+    """
+    mark = clock.mark if clock is not None else (lambda name: None)
     amp_dtype = resolve_amp_dtype(cfg, ctx.device)
     image_size = resolve_image_size(cfg)
     dataset = train_dataset(cfg, image_size)
+    mark("dataset")
     layout = pipeline_layout(cfg, ctx) if cfg.strategy == "pipeline" else None
     data_ctx = layout.replica_ctx if layout is not None else ctx  # also the head's ranks
     if dataset.num_classes < data_ctx.world_size:
@@ -193,10 +227,13 @@ def build_run(cfg: TrainConfig, ctx: DistContext) -> Run:
         logger.warning("triplet_weight > 0 with sampler=%r: few batches hold two images of one identity; "
                        "use --sampler pk", cfg.sampler)
     total_steps = cfg.max_steps or math.ceil(cfg.epochs * len(batches) / cfg.grad_accum)
+    mark("sampler")
     seed_all(cfg.seed)
     if layout is None:
         parts = build_parts(cfg, ctx, dataset.num_classes, image_size, total_steps, amp_dtype)
-        return Run(ctx, image_size, dataset, batches, total_steps, amp_dtype, parts)
+        mark("model, head and optimizers")
+        return Run(ctx, image_size, dataset, batches, total_steps, amp_dtype, parts,
+                   channels_last=use_channels_last(cfg, ctx.device, parts.module))
     parts, plan = build_pipeline_parts(
         cfg, ctx, layout, dataset.num_classes, image_size, amp_dtype, autocast_factory(ctx.device, amp_dtype)
     )
@@ -204,6 +241,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext) -> Run:
         torch.optim.lr_scheduler.LambdaLR(o, WarmupDecay(cfg, total_steps))
         for o in (parts.opt_backbone, parts.opt_head) if o is not None
     ]
+    mark("pipeline stage, head and optimizers")
     return Run(ctx, image_size, dataset, batches, total_steps, amp_dtype, parts, plan)
 
 

@@ -90,7 +90,7 @@ class TrainConfig:
     synthetic_images_per_identity: int = 20
     """Training images per identity of the synthetic dataset."""
     num_workers: int = 0
-    """DataLoader worker processes per rank (0: load in the training process; synthetic images render faster than workers could ship them on a small CPU)."""
+    """DataLoader worker processes per rank, started once and kept for the whole run (they load the next epoch's first batches while this epoch's last ones train); 0: load in the training process (synthetic images render faster than workers could ship them on a small CPU)."""
     drop_last: bool = False
     """Drop each epoch's last partial batch; by default it is trained on (the head accepts unequal per-rank batches)."""
     sampler: str = "random"
@@ -201,8 +201,12 @@ class TrainConfig:
     # ------------------------------------------------------------------ run
     strategy: str = "ddp"
     """How the run spreads over processes and devices: 'ddp' (one process per rank, spawned with --nproc or by torchrun; backbone in DistributedDataParallel, one head shard per rank), 'dp' (one process; backbone in nn.DataParallel over every visible CUDA device, one head shard per device; needs >= 2 GPUs; batch_size is per GPU), 'horovod' (launched by `horovodrun -np N`; backbone optimizer in hvd.DistributedOptimizer, one head shard per rank over Horovod's collectives) or 'pipeline' (nproc = pipeline_stages x replicas processes: the backbone cut into pipeline stages, each stage data-parallel over the replicas; the head sharded over the last stage's ranks)."""
-    amp: str = "none"
-    """Mixed precision: 'none', 'bf16' (autocast) or 'fp16' (autocast + loss scaling; on CPU it falls back to bf16 where the CPU has native bf16, else to fp32)."""
+    amp: str = "auto"
+    """Mixed precision: 'auto' (bf16 autocast on a CUDA GPU that has bf16, fp16 autocast + loss scaling on one that has not, none on the CPU), 'none', 'bf16' (autocast) or 'fp16' (autocast + loss scaling; on CPU it falls back to bf16 where the CPU has native bf16, else to fp32)."""
+    channels_last: bool = True
+    """On CUDA, hold a convolutional backbone and its input batches in channels_last (NHWC) memory format, the layout cuDNN's tensor-core convolutions run in (ignored on the CPU, by backbones without 2-D convolutions and by strategy 'pipeline'); --no-channels-last: contiguous NCHW."""
+    compile: bool = False
+    """torch.compile the backbone (in place, nn.Module.compile: checkpoints keep the plain parameter names); the first steps are slower while it compiles."""
     seed: int = 0
     """Seed of the model initialisation, data order, augmentation and the synthetic dataset."""
     pipeline_stages: int = 2
@@ -290,7 +294,7 @@ class TrainConfig:
         _choice(self, "scheduler", ("poly", "cosine"))
         _choice(self, "strategy", STRATEGIES)
         _choice(self, "pipeline_schedule", PIPELINE_SCHEDULES)
-        _choice(self, "amp", ("none", "bf16", "fp16"))
+        _choice(self, "amp", ("auto", "none", "bf16", "fp16"))
         _choice(self, "device", ("auto", "cpu", "cuda"))
         _choice(self, "head_impl", ("auto", "triton", "torch"))
         for name in ("synthetic_identities", "synthetic_images_per_identity", "embedding_dim", "batch_size",
@@ -473,7 +477,7 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
     "optim": ("optimizer", "lr", "momentum", "weight_decay", "nesterov", "betas", "eps", "grad_clip", "grad_accum"),
     "schedule": ("batch_size", "max_steps", "epochs", "scheduler", "poly_power", "warmup_steps"),
     "run": ("strategy", "pipeline_stages", "pipeline_schedule", "micro_batches", "split_points", "micro_batch_stats",
-            "amp", "seed", "nproc", "device", "threads", "output_dir", "resume", "log_every", "progress",
+            "amp", "channels_last", "compile", "seed", "nproc", "device", "threads", "output_dir", "resume", "log_every", "progress",
             "profile", "eval_every", "ckpt_every", "keep_last", "save_on_signal", "pg_timeout", "trust_checkpoint"),
     "eval": ("val_bins", "reid_root", "synthetic_val_pairs", "eval_batch_size", "eval_flip"),
 }

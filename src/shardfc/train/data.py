@@ -13,6 +13,7 @@ from shardfc.parallel.lifecycle import ignore_stop_signals
 from shardfc.seeding import mix_seed
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.evaluate import synthetic_dataset
+from shardfc.train.prefetch import DevicePrefetcher, to_device
 from shardfc.train.state import RunState
 
 
@@ -33,17 +34,22 @@ def train_dataset(cfg: TrainConfig, image_size: Tuple[int, int]) -> Dataset:
     else:
         dataset = ListFileDataset(cfg.list_file, cfg.data_root or None, image_size, train=True, seed=cfg.seed)
     dataset.log_corrupt = False  # named by rank 0, once over all workers and ranks (reporting.py)
+    # Decode and augment in uint8: the workers ship a quarter of the bytes, and the float conversion
+    # and normalisation run on the training device (prefetch.to_device), with the same result.
+    dataset.transform.normalized = False
     return dataset
 
 
 class KeyedSamples(Dataset):
-    """The training dataset read by ``(epoch, index)`` keys: ``(image, label, skipped)``.
+    """The training dataset read by ``(epoch, index, batch_in_epoch)`` keys: ``(image, label, skipped, where)``.
 
     The epoch travels with each index from the sampler (which runs in the training process), so
     a DataLoader worker, holding its own copy of the dataset, draws sample ``index``'s
     augmentation for the right epoch (:meth:`~shardfc.data.folder.ImageFolderDataset.load_sample`).
     ``skipped`` lists ``(name, reason)`` of the corrupt images passed over: the dataset's own
-    counters live in whichever worker decoded the image, so they travel with the batch too.
+    counters live in whichever worker decoded the image, so they travel with the batch too, as does
+    ``where = (epoch, batch_in_epoch)``, the batch's place in the run (the loader runs ahead of the
+    step, across epoch boundaries, so the trainer learns where a batch belongs from the batch).
     Datasets without ``load_sample`` (the synthetic one: every sample a function of the seed and
     its index alone) are read by index.
     """
@@ -55,34 +61,43 @@ class KeyedSamples(Dataset):
     def __len__(self) -> int:
         return len(self.inner)
 
-    def __getitem__(self, key: Tuple[int, int]):
-        epoch, index = key
+    def __getitem__(self, key: Tuple[int, int, int]):
+        epoch, index, batch_in_epoch = key
         if self.keyed:
-            return self.inner.load_sample(index, epoch)
-        image, label = self.inner[index]
-        return image, label, []
+            image, label, skipped = self.inner.load_sample(index, epoch)
+        else:
+            (image, label), skipped = self.inner[index], []
+        return image, label, skipped, (epoch, batch_in_epoch)
 
 
 class EpochKeys(Sampler):
-    """A batch sampler's batches (:class:`ShardBatches` or the P x K one) with each index as
-    ``(epoch, index)`` (for :class:`KeyedSamples`)."""
+    """Every epoch's batches of a batch sampler (:class:`ShardBatches` or the P x K one), one epoch
+    after the other without end, each index as ``(epoch, index, batch_in_epoch)`` (for
+    :class:`KeyedSamples`).
 
-    def __init__(self, batches: Sampler) -> None:
-        self.batches = batches
+    Starts at batch ``start`` of ``epoch`` (a resume). One endless pass means one DataLoader
+    iterator for the whole run: its workers are started once and keep loading across the epoch
+    boundary (the next epoch's first batches load while the last ones of this epoch train), where a
+    new iterator per epoch would drain the workers' queue and refill it. The order is the one
+    ``batches`` gives for each epoch: a function of the seed and the epoch only.
+    """
+
+    def __init__(self, batches: Sampler, epoch: int = 0, start: int = 0) -> None:
+        self.batches, self.epoch, self.start = batches, int(epoch), int(start)
 
     def __iter__(self):
-        epoch = self.batches.epoch
-        for batch in self.batches:
-            yield [(epoch, i) for i in batch]
-
-    def __len__(self) -> int:
-        return len(self.batches)
+        epoch, start = self.epoch, self.start
+        while True:
+            self.batches.set_epoch(epoch, start)
+            for b, batch in enumerate(self.batches, start):
+                yield [(epoch, int(i), b) for i in batch]
+            epoch, start = epoch + 1, 0
 
 
 def collate_keyed(samples):
-    """Stack images and labels; the skipped corrupt images of the batch in one list."""
-    images, labels, skipped = zip(*samples)
-    return torch.stack(images), torch.tensor(labels, dtype=torch.int64), [s for per in skipped for s in per]
+    """Stack images and labels; the skipped corrupt images of the batch in one list; the batch's place."""
+    images, labels, skipped, where = zip(*samples)
+    return torch.stack(images), torch.tensor(labels, dtype=torch.int64), [s for per in skipped for s in per], where[0]
 
 
 class ShardBatches(Sampler):
@@ -122,17 +137,33 @@ class ShardBatches(Sampler):
         self.sampler.set_epoch(epoch)
         self.start = start
 
+    def _indices(self) -> torch.Tensor:
+        """This rank's indices of the epoch, exactly the DistributedSampler's (its seed, permutation,
+        padding and stride), as one tensor: no Python list of the whole epoch (2M images: 0.4 s)."""
+        s = self.sampler
+        g = torch.Generator().manual_seed(s.seed + s.epoch)
+        perm = torch.randperm(len(s.dataset), generator=g)
+        if s.total_size > len(perm):  # padded by repeating the permutation, as the sampler does
+            perm = perm.repeat(-(-s.total_size // len(perm)))[: s.total_size]
+        return perm[s.rank : s.total_size : s.num_replicas]
+
+    def _bounds(self):
+        """``(lo, hi)`` of each batch of the epoch in :meth:`_indices`: full batches, the last one
+        partial (or, holding one image, folded into the one before), or dropped with ``drop_last``."""
+        n, b = self.sampler.num_samples, self.batch_size
+        count = len(self) + self.start
+        for i in range(count):
+            yield i * b, (n if i == count - 1 and not self.drop_last else (i + 1) * b)
+
     def _all(self) -> List[List[int]]:
-        idx = list(self.sampler)
-        out = [idx[i : i + self.batch_size] for i in range(0, len(idx), self.batch_size)]
-        if self.drop_last and len(out[-1]) < self.batch_size:
-            out.pop()
-        elif len(out) > 1 and len(out[-1]) == 1:
-            out[-2].extend(out.pop())
-        return out
+        idx = self._indices()
+        return [idx[lo:hi].tolist() for lo, hi in self._bounds()]
 
     def __iter__(self):
-        return iter(self._all()[self.start :])
+        idx, start = self._indices(), self.start
+        for i, (lo, hi) in enumerate(self._bounds()):
+            if i >= start:
+                yield idx[lo:hi].tolist()
 
     def __len__(self) -> int:
         n, b = self.sampler.num_samples, self.batch_size
@@ -157,18 +188,26 @@ def erasing_generator(seed: int, rank: int, epoch: int, batch_in_epoch: int) -> 
     return torch.Generator().manual_seed(mix_seed(seed, rank, epoch, batch_in_epoch, 0x4552))  # 'ER'
 
 
-def micro_batches(dataset: Dataset, batches: Sampler, state: RunState, cfg: TrainConfig, ctx: DistContext):
-    """Endless ``(images, labels, skipped corrupt images)`` over epochs; advances ``state.epoch``/``batch_in_epoch``.
+def micro_batches(dataset: Dataset, batches: Sampler, state: RunState, cfg: TrainConfig, ctx: DistContext,
+                  channels_last: bool = False, ahead: Optional[int] = None):
+    """Endless ``(images, labels, skipped corrupt images)`` over epochs, on ``ctx.device``; advances
+    ``state.epoch``/``batch_in_epoch``.
 
     Every random choice of the data is a function of (seed, epoch, index): the order (the
     sampler's seed and epoch), the augmentation (:class:`KeyedSamples`) and random erasing
     (:func:`erasing_generator`), so a resumed run sees exactly the batches the uninterrupted one
     would have, with any number of workers.
+
+    One DataLoader iterator serves the whole run (:class:`EpochKeys`), with persistent workers.
+    Its batches go through a :class:`~shardfc.train.prefetch.DevicePrefetcher`: pinned, copied to
+    the device on a side stream with ``ahead`` batches in flight (CUDA), uint8 images converted and
+    normalised there, then erased (the rectangles are drawn on the host from the batch's place).
+    ``channels_last``: images in that memory format (a channels_last backbone's input).
     """
     use_workers = cfg.num_workers > 0
     loader = DataLoader(
         KeyedSamples(dataset),
-        batch_sampler=EpochKeys(batches),
+        batch_sampler=EpochKeys(batches, state.epoch, state.batch_in_epoch),
         num_workers=cfg.num_workers,
         collate_fn=collate_keyed,
         pin_memory=ctx.device.type == "cuda",
@@ -176,12 +215,17 @@ def micro_batches(dataset: Dataset, batches: Sampler, state: RunState, cfg: Trai
         worker_init_fn=ignore_stop_signals,  # the trainer decides when to stop; its loader workers must not
         generator=torch.Generator().manual_seed(cfg.seed + ctx.rank),
     )
-    while True:
-        batches.set_epoch(state.epoch, state.batch_in_epoch)
-        for batch in loader:
-            if cfg.random_erasing > 0:
-                random_erase_(batch[0], cfg.random_erasing, erasing_generator(cfg.seed, ctx.rank, state.epoch, state.batch_in_epoch))
-            state.batch_in_epoch += 1
-            yield batch
-        state.epoch += 1
-        state.batch_in_epoch = 0
+    seed, rank, erasing = cfg.seed, ctx.rank, cfg.random_erasing
+
+    def prepare(batch):
+        images, labels, skipped, (epoch, b) = batch
+        images = to_device(images, ctx.device, channels_last)
+        if erasing > 0:
+            random_erase_(images, erasing, erasing_generator(seed, rank, epoch, b))
+        return images, labels.to(ctx.device, non_blocking=True), skipped, (epoch, b)
+
+    for images, labels, skipped, (epoch, b) in DevicePrefetcher(loader, ctx.device, prepare, ahead):
+        # As a step consumes it: the last batch of an epoch leaves (epoch, its count); the next
+        # batch moves the state into the next epoch (a checkpoint at either place resumes alike).
+        state.epoch, state.batch_in_epoch = epoch, b + 1
+        yield images, labels, skipped

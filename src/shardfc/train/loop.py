@@ -14,6 +14,7 @@ stage of one replica instead, and the head only on the last stage
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -29,14 +30,14 @@ from shardfc.train.config import TrainConfig, absolute_paths, to_toml
 from shardfc.train.cpu import apply_threads
 from shardfc.train.data import micro_batches
 from shardfc.train.evaluate import build_targets
-from shardfc.train.profile import StepProfiler, count_ddp_traffic, profile_path
+from shardfc.train.profile import StartupClock, StepProfiler, count_ddp_traffic, profile_path
 from shardfc.train.reporting import ReportWindow, evaluate_targets, log_setup, report
 from shardfc.train.resume import restore, resume_path, save, step_of
 from shardfc.train.pipeline_train import pipeline_step, whole_backbone
 from shardfc.train.runlog import RunLog
 from shardfc.train.state import Parts, RunState
 from shardfc.train.step import apply_gradients, train_step
-from shardfc.train.stopping import agreed_stop_signal, crash_if_asked
+from shardfc.train.stopping import StopAgreement, crash_if_asked
 from shardfc.train.strategy import sync_after_restore
 
 __all__ = ["load_parts", "train"]
@@ -57,17 +58,21 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
     evaluation.
     """
     started = time.time()
+    clock = StartupClock() if cfg.profile else None  # --profile: where the start-up went
     cfg = absolute_paths(cfg.validate())  # stored in checkpoints: readable from any folder
     ctx = run_context(cfg, group)
     out = Path(cfg.output_dir)
     with record_stop_signals(), RunLog(out, ctx.is_main, cfg.progress) as runlog:
         threads = apply_threads(cfg.threads, cfg.strategy, ctx.world_size)  # before any work, in every process
+        mark = clock.mark if clock is not None else (lambda name: None)
+        mark("process group and threads")
         # ---- build: data, model and optimizers (the same initialisation on every rank), evaluation
-        run = build_run(cfg, ctx)
+        run = build_run(cfg, ctx, clock)
         parts = run.parts
         seed_all(rank_seed(cfg.seed, run.data_ctx.rank, 0))  # then per-replica augmentation / dropout streams
         autocast = autocast_factory(ctx.device, run.amp_dtype)
         targets = build_targets(cfg, run.image_size, ctx.device, autocast) if ctx.is_main else []
+        mark("evaluation targets")
         if ctx.is_main:
             log_setup(cfg, ctx, run)
             logger.info("%s", threads)
@@ -80,8 +85,15 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         if ctx.is_main:  # only now: a refused resume leaves the earlier run's config.toml alone
             (out / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
         runlog.start_at(state.step)
-        stream = micro_batches(run.dataset, run.batches, state, cfg, run.data_ctx)
+        mark("resume")
+        stream = micro_batches(run.dataset, run.batches, state, cfg, run.data_ctx, channels_last=run.channels_last)
+        batches = stream
+        if clock is not None and state.step < run.total_steps:
+            batches = itertools.chain([next(stream)], stream)  # the loader's start and first batch, timed apart
+            mark("first batch")
         profiler = _profiler(cfg, ctx, parts)
+        if profiler:
+            profiler.startup = clock
 
         # ---- loop
         metrics: Dict[str, Dict[str, float]] = {}
@@ -92,17 +104,22 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         if parts.head is not None:  # a pipeline rank before the last stage holds none
             parts.head.train()
         stop = 0
+        agreed_stop = StopAgreement(ctx)  # on CUDA without a host sync per step
         while state.step < run.total_steps:
-            stop = agreed_stop_signal(ctx)  # every rank leaves after the same step, or none does
+            stop = agreed_stop()  # every rank leaves after the same step, or none does
             if stop:
                 break
             crash_if_asked(ctx.rank, state.step)
             with profiler.step(state) if profiler else contextlib.nullcontext():
                 if run.pipeline is None:
-                    loss, corrupt = train_step(parts, stream, state, cfg, ctx, autocast)
+                    loss, corrupt = train_step(parts, batches, state, cfg, ctx, autocast)
                 else:
-                    loss, corrupt = pipeline_step(parts, run.pipeline, stream, state, cfg, ctx, autocast)
+                    loss, corrupt = pipeline_step(parts, run.pipeline, batches, state, cfg, ctx, autocast)
                     apply_gradients(parts, cfg.grad_clip, ctx, run.pipeline)
+            if clock is not None and clock.phases[-1][0] != "first step":  # once, after the first step
+                mark("first step")
+                if ctx.is_main:
+                    logger.info("start-up (to the end of the first step) %s", clock.line())
             state.step += 1
             window.add(loss, corrupt)
             runlog.advance()
@@ -114,6 +131,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
             if cfg.eval_every and state.step % cfg.eval_every == 0 and not last:
                 metrics = _evaluate(run, targets, state.step, runlog)
         runlog.close_bar()
+        stream.close()  # the loader's workers end now, not whenever the generator is collected
 
         # ---- save: a final checkpoint (unless nothing was trained) and a final evaluation
         trained = state.step > (step_of(resume_from) if resume_from is not None else 0)

@@ -42,7 +42,8 @@ from shardfc.parallel.collectives import count_comm, record_comm_bytes
 from shardfc.parallel.comm import launched_by_horovodrun
 from shardfc.parallel.launch import launched_by_torchrun
 
-__all__ = ["StepProfiler", "count_ddp_traffic", "count_horovod_gradients", "peak_rss_bytes", "profile_path"]
+__all__ = ["StartupClock", "StepProfiler", "count_ddp_traffic", "count_horovod_gradients", "peak_rss_bytes",
+           "profile_path"]
 
 
 def profile_path(output_dir: Path, rank: int) -> Path:
@@ -94,6 +95,37 @@ def _launcher(world_size: int, strategy: str) -> str:
     return "spawn" if world_size > 1 and strategy == "ddp" else "one process"
 
 
+class StartupClock:
+    """Where a process's start-up went: :meth:`mark` ends a phase (named) that began at the last mark.
+
+    ``started``: a ``time.perf_counter()`` value (default: now). :meth:`line` is what ``--profile``
+    logs; :meth:`as_dict` what it writes.
+    """
+
+    def __init__(self, started: "float | None" = None) -> None:
+        self.started = time.perf_counter() if started is None else started
+        self._last = self.started
+        self.phases: List[tuple] = []
+
+    def mark(self, name: str) -> float:
+        """End phase ``name`` now; returns its seconds."""
+        now = time.perf_counter()
+        spent, self._last = now - self._last, now
+        self.phases.append((name, spent))
+        return spent
+
+    @property
+    def total_s(self) -> float:
+        return self._last - self.started
+
+    def line(self) -> str:
+        parts = ", ".join(f"{name} {spent:.2f} s" for name, spent in self.phases)
+        return f"{self.total_s:.2f} s: {parts}"
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"total_s": self.total_s, "phases": [[name, spent] for name, spent in self.phases]}
+
+
 class StepProfiler:
     """Times and counts each optimizer step of one process; :meth:`write` dumps it as JSON."""
 
@@ -103,6 +135,7 @@ class StepProfiler:
         self.samples: List[int] = []
         self.comm_bytes: List[int] = []
         self.comm_by_kind: Dict[str, int] = {}
+        self.startup: "StartupClock | None" = None
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -141,6 +174,7 @@ class StepProfiler:
             "peak_rss_bytes": peak_rss_bytes(),
             "cuda_peak_bytes": cuda_peak,
             "pid": os.getpid(),
+            "startup": self.startup.as_dict() if self.startup is not None else None,
         }
 
     def write(self, path: Path, summary: Dict[str, Any]) -> None:

@@ -61,6 +61,13 @@ def log_setup(cfg, ctx: DistContext, run) -> None:
         replicas, cfg.grad_accum, batches_per_epoch, "fp32" if amp_dtype is None else str(amp_dtype)[6:],
         f"; Partial FC sample_rate {cfg.sample_rate}" if cfg.sample_rate < 1 else "",
     )
+    if ctx.device.type == "cuda" or cfg.compile:
+        logger.info(
+            "speed: backbone in %s memory format%s; %d loader worker(s) per rank%s",
+            "channels_last" if getattr(run, "channels_last", False) else "contiguous (NCHW)",
+            ", torch.compile'd" if cfg.compile else "", cfg.num_workers,
+            ", the next batch copied to the GPU on a side stream" if ctx.device.type == "cuda" else "",
+        )
     if parts.triplet is not None or cfg.sampler == "pk" or cfg.random_erasing > 0:
         logger.info(
             "re-ID recipe: %s; sampler %s; random erasing p=%g",

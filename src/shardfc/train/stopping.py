@@ -28,6 +28,45 @@ def agreed_stop_signal(ctx: DistContext) -> int:
     return int(flag.item())
 
 
+class StopAgreement:
+    """:func:`agreed_stop_signal` at every step boundary, without a host sync per step under NCCL.
+
+    With a CPU communicator (gloo, or none) each call is :func:`agreed_stop_signal`. With a CUDA
+    one the flag's ``.item()`` would wait for everything queued on the device, the step just
+    launched included, and leave the GPU idle while the next step is queued. There (or with
+    ``lagged=True``) a call reads the agreement the *previous* call launched, waiting only for that
+    one's event (queued before the previous step's kernels, so long done), then launches this
+    step's: a fill kernel (no host-to-device copy), the max all-reduce, a non-blocking copy into
+    pinned host memory and an event. Every rank reads the same agreed value at the same step, so
+    all still leave after the same step: one step after a signal that an unlagged check would see.
+    """
+
+    def __init__(self, ctx: DistContext, lagged: "bool | None" = None) -> None:
+        self.ctx = ctx
+        self.device = ctx.comm_device
+        self.lagged = self.device.type == "cuda" if lagged is None else bool(lagged)
+        self._host = torch.zeros(1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self._pending = False
+        self._event = None
+
+    def __call__(self) -> int:
+        if not self.lagged:
+            return agreed_stop_signal(self.ctx)
+        previous = 0
+        if self._pending:
+            if self._event is not None:
+                self._event.synchronize()
+            previous = int(self._host[0])
+        flag = torch.full((1,), received_signal() or 0, dtype=torch.int32, device=self.device)
+        self.ctx.all_reduce_(flag, "max")
+        self._host.copy_(flag, non_blocking=True)
+        if self.device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._pending = True
+        return previous
+
+
 def crash_if_asked(rank: int, step: int) -> None:
     """Simulate a worker dying mid-run (:data:`CRASH_ENV`), for the elastic-restart tests."""
     spec = os.environ.get(CRASH_ENV)
@@ -39,4 +78,4 @@ def crash_if_asked(rank: int, step: int) -> None:
         os._exit(1)
 
 
-__all__ = ["CRASH_ENV", "agreed_stop_signal", "crash_if_asked"]
+__all__ = ["CRASH_ENV", "StopAgreement", "agreed_stop_signal", "crash_if_asked"]

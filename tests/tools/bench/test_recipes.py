@@ -89,6 +89,7 @@ def test_a_recipe_this_build_refuses_is_named_with_the_cli_error(tmp_path):
     assert row["status"] == "unavailable"
     assert row["reason"].startswith("not available in this build: shardfc train: strategy must be one of")
     assert not (tmp_path / "warp-fp32.log").exists()  # nothing was started
+    assert row["command"].endswith("--amp none")  # fp32 said outright: the trainer's default is 'auto'
 
 
 def test_a_run_past_its_timeout_is_killed_and_reported(tmp_path):

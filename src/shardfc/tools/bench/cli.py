@@ -6,8 +6,10 @@ Example (CPU, 2 ranks)::
         --variants naive,replicated,sharded,chunked,partial --steps 3 --json out.json --plot out.png
 
 ``shardfc bench --recipes`` / ``--split-sweep`` compare whole training recipes instead (DDP, DataParallel,
-Horovod, pipeline; see :mod:`shardfc.tools.bench.recipes_cli`). ``shardfc bench --peers`` puts the head beside
-the matmul floor, plain torch, Cut Cross-Entropy and Liger in one process (:mod:`shardfc.tools.bench.peers_cli`).
+Horovod, pipeline; see :mod:`shardfc.tools.bench.recipes_cli`); ``shardfc bench --trainer`` measures
+``shardfc train``'s step against its ceiling (:mod:`shardfc.tools.bench.trainer`). ``shardfc bench --peers`` puts
+the head beside the matmul floor, plain torch, Cut Cross-Entropy and Liger in one process
+(:mod:`shardfc.tools.bench.peers_cli`).
 
 Prints a Markdown table on stdout and progress on stderr. ``--json`` writes a list with one object
 per variant holding exactly ``variant, step_time_s, peak_bytes_per_rank, balance,
@@ -75,6 +77,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from shardfc.tools.bench import peers_cli
 
         return peers_cli.main(argv)
+    if "--trainer" in argv:  # the trainer against its ceiling; the other arguments are `shardfc train` flags
+        from shardfc.tools.bench import trainer
+
+        return trainer.main(argv)
     if "--recipes" in argv or "--split-sweep" in argv:  # the training-recipe comparison has its own options
         from shardfc.tools.bench import recipes_cli
 

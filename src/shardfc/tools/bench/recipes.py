@@ -246,8 +246,8 @@ def run_recipe(recipe: Recipe, precision: str, work: Workload, work_dir: Path, t
     name = f"{recipe.name}-{precision}"
     out, log = work_dir / name, work_dir / f"{name}.log"
     cmd = command(recipe, work, out)
-    if precision == "amp":
-        cmd += ["--amp", amp_flag(work.device)]
+    # fp32 says so: the trainer's default ('auto') is bf16 on a GPU that has it.
+    cmd += ["--amp", amp_flag(work.device) if precision == "amp" else "none"]
     row: Dict[str, Any] = dict.fromkeys(ROW_FIELDS)
     row.update(recipe=recipe.name, launcher=recipe.launcher, strategy=recipe.strategy,
                precision="fp32" if precision == "fp32" else f"{amp_flag(work.device)} autocast",

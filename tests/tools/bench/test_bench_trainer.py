@@ -1,0 +1,36 @@
+"""``shardfc bench --trainer``: the real step, the loader alone, the bare-step ceiling and the start-up, in one go."""
+
+from __future__ import annotations
+
+import json
+
+from shardfc.tools.bench import cli as bench_cli
+
+TINY = ["--synthetic-identities", "8", "--synthetic-images-per-identity", "4", "--image-size", "16", "16",
+        "--embedding-dim", "8", "--batch-size", "4", "--synthetic-val-pairs", "0", "--threads", "1"]
+
+
+def test_bench_trainer_prints_both_rates_their_ratio_the_loader_and_the_startup(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert bench_cli.main(["--trainer", "--steps", "2", "--warmup", "1", "--quiet", "--json", str(out), *TINY]) == 0
+    text = capsys.readouterr().out
+    r = json.loads(out.read_text())
+    for key in ("ceiling_images_per_s", "train_images_per_s", "loader_images_per_s", "startup_s"):
+        assert r[key] > 0, key
+    assert r["train_over_ceiling"] == r["train_images_per_s"] / r["ceiling_images_per_s"]
+    assert r["loader_over_train"] == r["loader_images_per_s"] / r["train_images_per_s"]
+    assert r["gpu_utilisation_percent"] is None and r["gpu_utilisation_why_none"] == "the CPU"
+    assert [name for name, _ in r["startup_phases"]][-2:] == ["first batch", "first step"]
+    assert r["config"]["batch_size"] == 4 and r["config"]["channels_last"] is False and r["config"]["amp"] == "fp32"
+    assert "| GPU utilisation during the train steps | n/a |" in text
+    assert f"| train / ceiling | {r['train_over_ceiling']:.2f} |" in text
+    assert "ceiling: the bare step on device-resident random tensors" in text and "load average" in text
+
+
+def test_bench_trainer_names_a_bad_argument(capsys):
+    assert bench_cli.main(["--trainer", "--steps", "0", *TINY]) == 2
+    assert "--steps must be an int >= 1, got 0" in capsys.readouterr().err
+    assert bench_cli.main(["--trainer", "--strategy", "pipeline", *TINY]) == 2
+    assert "measures one process of strategy 'ddp'; got strategy='pipeline'" in capsys.readouterr().err
+    assert bench_cli.main(["--trainer", "--batch-sise", "4"]) == 2
+    assert "unknown argument '--batch-sise'" in capsys.readouterr().err
