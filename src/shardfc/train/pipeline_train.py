@@ -1,8 +1,9 @@
 """``--strategy pipeline`` in the trainer: build a stage, step it, and save/restore the whole model.
 
-Each rank builds the whole backbone (the same seeded initialisation as every other strategy),
-keeps the modules of its stage (:func:`shardfc.parallel.model_split.stages`) and lets the rest
-go. The optimizer covers the stage's parameters only; the head (and its optimizer) exists on the
+Each rank builds only its stage (:func:`shardfc.parallel.stage_build.build_stage`): the backbone
+is built on the meta device, and the stage's modules get real storage with exactly the values the
+whole backbone's seeded initialisation gives them (the same as every other strategy), so a rank
+never holds more than its stage. The shapes crossing the stages are passed along the pipeline. The optimizer covers the stage's parameters only; the head (and its optimizer) exists on the
 last stage's ranks, sharded over them. A checkpoint holds the backbone and its optimizer
 *whole*, in the layout of an unsplit model (the same state-dict keys and parameter indices a ddp
 run saves), so it resumes under any strategy and any number of stages: the stages gather their
@@ -22,13 +23,14 @@ from shardfc.head import ShardedMarginHead, head_optimizer
 from shardfc.head.margins import build_margin
 from shardfc.models import build_backbone
 from shardfc.parallel.context import DistContext
+from shardfc.parallel.stage_build import build_stage
 from shardfc.parallel.model_split import batch_stats_module, available_split_points, stages as cut_stages
 from shardfc.parallel.pipeline import (
     PipelineLayout,
     PipelineRunner,
-    activation_specs,
     average_gradients_,
     balanced_split_points,
+    chained_activation_specs,
     create_layout,
     gather_object_to,
     replicas_for,
@@ -110,18 +112,22 @@ def build_pipeline_parts(
     def new_backbone() -> nn.Module:
         return build_backbone(cfg.backbone, cfg.embedding_dim, **_backbone_kwargs(cfg, image_size)).to(ctx.device)
 
-    whole = new_backbone()
+    def points_of(model: nn.Module) -> List[str]:
+        return list(cfg.split_points) or balanced_split_points(model, layout.stages)
+
     try:
-        points = list(cfg.split_points) or balanced_split_points(whole, layout.stages)
-        stage_list = cut_stages(whole, points)
+        built = build_stage(
+            lambda: build_backbone(cfg.backbone, cfg.embedding_dim, **_backbone_kwargs(cfg, image_size)),
+            layout.stage, points_of,
+        )
     except ValueError as e:
         raise ConfigError(f"split_points: {e}") from None
-    sample = torch.zeros(2, 3, *image_size, device=ctx.device)
-    specs = activation_specs(stage_list, sample, autocast)
-    state_keys = tuple(whole.state_dict().keys())
-    param_names = tuple(n for n, p in whole.named_parameters() if p.requires_grad)
-    module = stage_list[layout.stage]
-    del whole, stage_list  # the other stages' modules are freed
+    points = built.split_points
+    state_keys = tuple(built.model.state_dict().keys())
+    param_names = tuple(n for n, p in built.model.named_parameters() if p.requires_grad)
+    module = built.stages[layout.stage].to(ctx.device)
+    del built  # the other stages were never allocated (or, where the build could not be replayed, are freed)
+    specs = chained_activation_specs(module, layout, ((3, *image_size), torch.float32), ctx.device, autocast)
     stage_names = tuple(n for n, p in module.named_parameters() if p.requires_grad)
     trainable = [p for p in module.parameters() if p.requires_grad]
     opt_backbone = _optimizer(cfg, trainable)
