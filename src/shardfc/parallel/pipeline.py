@@ -291,6 +291,7 @@ class PipelineRunner:
         example_out = torch.empty((rows, *out_shape), dtype=out_dtype, device="meta", requires_grad=True)
         stage = PipelineStage(module, layout.stage, layout.stages, device, input_args=example_in,
                               output_args=example_out, group=layout.pipe_group)
+        _count_sends(stage)
         kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
         # Every stage's schedule needs a loss_fn, else it runs no backward; only the last calls it.
         self.schedule = kind(stage, micro_batches, loss_fn=loss_fn or _no_loss_here, scale_grads=False)
@@ -330,6 +331,31 @@ class PipelineRunner:
             return torch.stack([x.detach() for x in losses]).sum()
         self.schedule.step()
         return None
+
+
+#: ``count_comm`` kinds of the pipeline's point-to-point traffic, counted where it is sent
+STAGE_ACTIVATIONS = "pipeline_activations"
+STAGE_GRADIENTS = "pipeline_activation_grads"
+
+
+def _count_sends(stage: Any) -> None:
+    """Count (:func:`~shardfc.parallel.collectives.record_comm_bytes`) the bytes this stage sends:
+    each micro-batch's output activation to the next stage, and the gradient of its input to the
+    previous one, as the schedule issues the sends (what a rank receives, its neighbour counts)."""
+    from shardfc.parallel.collectives import record_comm_bytes
+
+    def counted(get_ops: Callable[[int], list], kind: str) -> Callable[[int], list]:
+        def get(chunk: int) -> list:
+            ops = get_ops(chunk)
+            nbytes = sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+            if nbytes:
+                record_comm_bytes(kind, nbytes)
+            return ops
+
+        return get
+
+    stage.get_fwd_send_ops = counted(stage.get_fwd_send_ops, STAGE_ACTIVATIONS)
+    stage.get_bwd_send_ops = counted(stage.get_bwd_send_ops, STAGE_GRADIENTS)
 
 
 def _no_loss_here(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

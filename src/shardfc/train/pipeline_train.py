@@ -58,7 +58,7 @@ def check_pipeline_config(cfg: TrainConfig, world_size: int) -> int:
     (ConfigError naming the values); cheap: the backbone is built on the meta device."""
     with torch.device("meta"):
         probe = build_backbone(cfg.backbone, cfg.embedding_dim, **_backbone_kwargs(cfg, (32, 32)))
-    n_points = len(available_split_points(probe))
+    n_points = len(available_split_points(probe, blocks=True))  # cuts between blocks count too
     try:
         replicas_for(world_size, cfg.pipeline_stages, n_points)
         if cfg.split_points:
