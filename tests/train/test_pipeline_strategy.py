@@ -81,6 +81,8 @@ def test_pipeline_profile_counts_the_stage_to_stage_traffic(ddp_and_pipeline):
         assert len(p["comm_bytes_by_kind_per_step"]) == STEPS
         for step, kinds in enumerate(p["comm_bytes_by_kind_per_step"]):
             assert kinds[sent] == boundary and other not in kinds, (rank, step, kinds)
+            # decode once: the first stage sends its batch's 8 int64 labels to the last, nothing else does
+            assert kinds.get("pipeline_labels") == (8 * 8 if sent == "pipeline_activations" else None), (rank, kinds)
             assert p["comm_bytes"][step] == sum(kinds.values())
 
 

@@ -32,7 +32,7 @@ from shardfc.train.evaluate import build_targets
 from shardfc.train.profile import StepProfiler, count_ddp_traffic, profile_path
 from shardfc.train.reporting import ReportWindow, evaluate_targets, log_setup, report
 from shardfc.train.resume import restore, resume_path, save, step_of
-from shardfc.train.pipeline_train import pipeline_step, whole_backbone
+from shardfc.train.pipeline_train import pipeline_step, stage_stream, whole_backbone
 from shardfc.train.runlog import RunLog
 from shardfc.train.state import Parts, RunState
 from shardfc.train.step import apply_gradients, train_step
@@ -80,7 +80,10 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         if ctx.is_main:  # only now: a refused resume leaves the earlier run's config.toml alone
             (out / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
         runlog.start_at(state.step)
-        stream = micro_batches(run.dataset, run.batches, state, cfg, run.data_ctx)
+        if run.pipeline is None:
+            stream = micro_batches(run.dataset, run.batches, state, cfg, run.data_ctx)
+        else:  # pipeline: only the first stage reads and decodes images
+            stream = stage_stream(run.dataset, run.batches, state, cfg, run.data_ctx, run.pipeline.layout)
         profiler = _profiler(cfg, ctx, parts)
 
         # ---- loop

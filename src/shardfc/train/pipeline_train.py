@@ -41,6 +41,7 @@ from shardfc.train.state import Parts
 logger = logging.getLogger("shardfc.train")
 
 __all__ = [
+    "STAGE_LABELS",
     "PipelinePlan",
     "build_pipeline_parts",
     "check_pipeline_config",
@@ -48,6 +49,7 @@ __all__ = [
     "load_whole_backbone_state",
     "pipeline_layout",
     "pipeline_step",
+    "stage_stream",
     "whole_backbone",
     "whole_backbone_state",
 ]
@@ -172,10 +174,58 @@ def _optimizer(cfg: TrainConfig, params: Sequence[nn.Parameter]) -> torch.optim.
 # ---------------------------------------------------------------------- step
 
 
+def stage_stream(dataset, batches, state, cfg: TrainConfig, data_ctx: DistContext, layout: PipelineLayout):
+    """This stage's data: the first stage reads and decodes its replica's batches
+    (:func:`shardfc.train.data.micro_batches`); every other stage walks the same batch order
+    without loading anything (it gets activations from the pipeline, and the last stage the labels
+    from the first), yielding each batch's row count and advancing ``state`` exactly alike."""
+    from shardfc.train.data import micro_batches
+
+    if layout.is_first:
+        return micro_batches(dataset, batches, state, cfg, data_ctx)
+    return _batch_sizes(batches, state)
+
+
+def _batch_sizes(batches, state):
+    while True:  # micro_batches' epoch bookkeeping, on the sampler's indices alone
+        batches.set_epoch(state.epoch, state.batch_in_epoch)
+        for batch in batches:
+            state.batch_in_epoch += 1
+            yield len(batch)
+        state.epoch += 1
+        state.batch_in_epoch = 0
+
+
+#: ``count_comm`` kind of the labels the first stage sends to the last
+STAGE_LABELS = "pipeline_labels"
+
+
+def _labels_to_last_stage(layout: PipelineLayout, labels: Optional[torch.Tensor], rows: int, device: torch.device):
+    """The first stage's labels of this batch on the last stage (None elsewhere): one point-to-point
+    int64 message over the replica's pipeline group, before the schedule's own traffic."""
+    import torch.distributed as dist
+
+    from shardfc.parallel.collectives import record_comm_bytes
+
+    last = layout.rank_of(layout.stages - 1, layout.replica)
+    if layout.is_first:
+        labels = labels.to(device=device, dtype=torch.int64).contiguous()
+        record_comm_bytes(STAGE_LABELS, labels.numel() * labels.element_size())
+        dist.send(labels, dst=last, group=layout.pipe_group)
+        return None
+    if layout.is_last:
+        out = torch.empty(rows, dtype=torch.int64, device=device)
+        dist.recv(out, src=layout.rank_of(0, layout.replica), group=layout.pipe_group)
+        return out
+    return None
+
+
 def pipeline_step(parts: Parts, plan: PipelinePlan, stream, state, cfg: TrainConfig, ctx: DistContext, autocast):
     """Forward and backward of ``grad_accum`` local batches through the pipeline, then the data-parallel
     average of the stage's gradients; returns (the step's mean loss on every rank, the corrupt images
-    skipped, as ``(name, reason)`` pairs: reported by the first stage only, where the images are used)."""
+    skipped, as ``(name, reason)`` pairs: reported by the first stage only, where the images are used).
+
+    ``stream``: :func:`stage_stream`'s (images, labels, skipped) on the first stage, row counts on the others."""
     layout = plan.layout
     parts.opt_backbone.zero_grad()
     if parts.opt_head is not None:
@@ -183,12 +233,23 @@ def pipeline_step(parts: Parts, plan: PipelinePlan, stream, state, cfg: TrainCon
     plan.losses.clear()
     corrupt: List[Tuple[str, str]] = []
     for _ in range(cfg.grad_accum):
-        images, labels, skipped = next(stream)  # every stage of a replica reads the same batch
-        with autocast():
-            plan.runner.step(images.to(ctx.device, non_blocking=True), labels.to(ctx.device, non_blocking=True))
-        if layout.is_first:  # count each image once, where it is used
+        images = labels = None
+        if layout.is_first:  # the only stage that reads images: each is decoded once
+            images, labels, skipped = next(stream)
+            rows = images.shape[0]
             corrupt += skipped
-        state.samples_seen += images.shape[0] * layout.replicas
+            images = images.to(ctx.device, non_blocking=True)
+        else:
+            rows = next(stream)
+        if rows != plan.runner.local_batch:  # every stage walks the same batches: all raise, none waits
+            raise ValueError(
+                f"pipeline: a local batch of {rows} rows, but the schedule was built for local_batch="
+                f"{plan.runner.local_batch} (micro-batches have a fixed shape: every step needs the same batch)"
+            )
+        labels = _labels_to_last_stage(layout, labels, rows, ctx.device)
+        with autocast():
+            plan.runner.step(images, labels)
+        state.samples_seen += rows * layout.replicas
     average_gradients_([p for p in parts.backbone.parameters() if p.requires_grad], layout.replica_ctx)
     return share_loss(plan, ctx), corrupt
 
