@@ -23,6 +23,7 @@ from shardfc.parallel.pipeline import (
     activation_specs,
     average_gradients_,
     balanced_split_points,
+    chained_activation_specs,
     create_layout,
     replicas_for,
 )
@@ -167,3 +168,21 @@ def test_balanced_split_points_minimise_the_largest_stage():
     assert balanced_split_points(model, 2) == ["2"]  # 30 | 30
     assert balanced_split_points(model, 3) == ["0", "2"]  # 10 | 20 | 30 (ties: earliest cuts)
     assert balanced_split_points(_backbone(), 2) == ["body"]
+
+
+def _probe_worker(rank: int, world: int):
+    layout = create_layout(DistContext.resolve(), 2, 1)
+    module = nn.Identity() if layout.stage == 0 else nn.Linear(3, 2)  # stage 1 cannot take stage 0's 5 features
+    try:
+        chained_activation_specs(module, layout, ((5,), torch.float32), torch.device("cpu"))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_a_stage_that_fails_on_its_input_is_an_error_on_every_rank():
+    # each rank holds only its stage, so the shapes are probed along the pipeline: a failure must
+    # reach every rank (no rank left waiting for the next stage's shape)
+    errors = spawn(_probe_worker, 2, backend="gloo", timeout_s=120)
+    assert all(e is not None and e.startswith("pipeline stage 1 fails on an input of shape [2, 5] (torch.float32): "
+                                              "RuntimeError: mat1 and mat2 shapes cannot be multiplied") for e in errors), errors

@@ -229,12 +229,20 @@ def chained_activation_specs(
     passes its own on (``stages`` tiny gathers over this replica's pipeline group, in order)."""
     specs: List[ActivationSpec] = [input_spec]
     for k in range(layout.stages):
-        mine = None
+        mine: Any = None
         if k == layout.stage:
             shape, dtype = specs[-1]
             sample = torch.zeros((2, *shape), dtype=dtype, device=device)
-            mine = activation_specs([module], sample, autocast)[-1]
-        specs.append(layout.pipe_ctx.all_gather_object(mine)[k])
+            try:
+                mine = activation_specs([module], sample, autocast)[-1]
+            except Exception as e:  # noqa: BLE001 - raised on every rank below, so none waits for it
+                mine = f"{type(e).__name__}: {e}"
+        found = layout.pipe_ctx.all_gather_object(mine)[k]
+        if isinstance(found, str):
+            raise RuntimeError(
+                f"pipeline stage {k} fails on an input of shape {[2, *specs[-1][0]]} ({specs[-1][1]}): {found}"
+            )
+        specs.append(found)
     return specs
 
 
