@@ -37,7 +37,7 @@ from shardfc.train.runlog import RunLog
 from shardfc.train.state import Parts, RunState
 from shardfc.train.step import apply_gradients, train_step
 from shardfc.train.stopping import agreed_stop_signal, crash_if_asked
-from shardfc.train.strategy import sync_after_restore
+from shardfc.train.strategy import signal_deadline_note, sync_after_restore
 
 __all__ = ["load_parts", "train"]
 
@@ -126,6 +126,8 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         elif ctx.is_main and not stop:
             logger.info("%s is at step %d; max %d steps: nothing to train", resume_from, state.step, run.total_steps)
         if stop:
+            if signal_deadline_note() is not None:  # horovodrun: a few seconds before SIGKILL
+                runlog.skip_curves(signal_deadline_note())
             if ctx.is_main:
                 saved = last_saved if trained and cfg.save_on_signal else "not saved (save_on_signal is off)"
                 if not trained:

@@ -63,6 +63,7 @@ class RunLog:
         self._use_bar = False
         self._logfile: Optional[logging.Handler] = None
         self._start = time.time()
+        self._no_curves: Optional[str] = None
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "RunLog":
@@ -110,6 +111,10 @@ class RunLog:
 
             self._tb = SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=step or None)
 
+    def skip_curves(self, reason: str) -> None:
+        """Do not draw curves.png on the way out (logged with ``reason``); metrics.csv is complete."""
+        self._no_curves = reason
+
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close_bar()
         if exc is not None and self._logfile is not None:
@@ -118,11 +123,14 @@ class RunLog:
             self._logfile.handle(record)
         if self._csv_file is not None:
             self._csv_file.close()
-            try:  # a picture of the run is a convenience: it must never fail the run
-                if plot_metrics(self.output_dir / "metrics.csv", self.output_dir / "curves.png"):
-                    logger.info("curves: %s", self.output_dir / "curves.png")
-            except Exception as e:  # noqa: BLE001
-                logger.warning("could not draw curves.png: %s", e)
+            if self._no_curves is not None:
+                logger.info("curves.png not redrawn: %s", self._no_curves)
+            else:
+                try:  # a picture of the run is a convenience: it must never fail the run
+                    if plot_metrics(self.output_dir / "metrics.csv", self.output_dir / "curves.png"):
+                        logger.info("curves: %s", self.output_dir / "curves.png")
+                except Exception as e:  # noqa: BLE001
+                    logger.warning("could not draw curves.png: %s", e)
         if self._tb is not None:
             self._tb.close()
         lib = logging.getLogger(_LIBRARY_LOGGER)
