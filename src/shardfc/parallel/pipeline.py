@@ -21,7 +21,6 @@ The stage modules are cut by :func:`shardfc.parallel.model_split.stages` at name
 from __future__ import annotations
 
 import contextlib
-import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
