@@ -229,3 +229,16 @@ def test_bad_releases_are_named(tmp_path):
     (root / "loose_crop" / "3.png").unlink()
     with pytest.raises(FileNotFoundError, match="3.png"):
         evaluate_ijb(_model(), root)
+
+
+def test_ijb_tar_at_far_needs_one_over_far_impostor_pairs():
+    # The nearest ROC point to FAR 1e-2 on 50 impostors is FPR 0: a figure that measures nothing.
+    rng = np.random.default_rng(0)
+    labels = np.r_[np.ones(30, int), np.zeros(50, int)]
+    scores = np.where(labels == 1, rng.normal(0.6, 0.2, 80), rng.normal(0.1, 0.2, 80))
+    m = ijb_metrics(scores, labels, fars=(1e-2, 1e-1))
+    assert m["num_negative_pairs"] == 50
+    assert math.isnan(m["tar@far=1e-2"]) and math.isnan(m["exact_tar@far=1e-2"])
+    assert math.isfinite(m["tar@far=1e-1"]) and math.isfinite(m["exact_tar@far=1e-1"])
+    fpr, tpr, _ = roc_curve(labels, scores)
+    assert m["tar@far=1e-1"] == tar_at_nearest_far(fpr, tpr, 0.1)

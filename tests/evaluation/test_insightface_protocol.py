@@ -164,3 +164,30 @@ def test_bad_far_target_is_named():
     with pytest.raises(ValueError, match="far target"):
         verification_metrics(a, b, [True, False] * 10, far_targets=(0.0,))
     assert math.isfinite(verification_metrics(a, b, [True, False] * 10, far_targets=(0.1,))["tar@far=1e-1"])
+
+
+@pytest.mark.parametrize("negatives, measurable", [(999, False), (1000, True)])
+def test_tar_at_far_needs_one_over_far_negatives_in_both_protocols(negatives, measurable):
+    # insightface's arithmetic gives a number whatever the count (on few negatives its 1e-4 figure
+    # is its 1e-3 one); a FAR of 1e-3 takes at least 1000 negatives, so below that both protocols
+    # say "not a measurement" (NaN) and the reason names the counts.
+    from shardfc.evaluation.far import why_undefined
+
+    rng = np.random.default_rng(7)
+    positives = 200
+    issame = np.r_[np.ones(positives, bool), np.zeros(negatives, bool)]
+    rng.shuffle(issame)
+    dists = np.where(issame, rng.normal(0.9, 0.3, issame.size), rng.normal(1.7, 0.3, issame.size)).clip(0.01, 3.9)
+    assert math.isfinite(insightface_val_far(dists, issame, 1e-3)[0])  # the raw protocol: a number
+    m = verification_metrics(*_pairs_with_distances(dists.tolist()), issame, far_targets=(1e-3, 1e-4))
+    assert m["num_negative_pairs"] == negatives
+    for key in ("tar@far=1e-3", "tar_std@far=1e-3", "far@far=1e-3", "exact_tar@far=1e-3",
+                "exact_achieved_far@far=1e-3", "exact_threshold@far=1e-3"):
+        assert math.isfinite(m[key]) == measurable, key
+    if measurable:
+        assert m["tar@far=1e-3"] == insightface_val_far(dists, issame, 1e-3)[0]
+    else:
+        assert why_undefined("tar@far=1e-3", m) == f"FAR 1e-3 needs at least 1000 negative pairs, this set has {negatives}"
+    # 1e-4 takes 10000: never measurable here, in either protocol.
+    assert all(math.isnan(m[k]) for k in ("tar@far=1e-4", "tar_std@far=1e-4", "far@far=1e-4", "exact_tar@far=1e-4"))
+    assert "10000 negative pairs" in why_undefined("exact_tar@far=1e-4", m)

@@ -499,3 +499,26 @@ def test_split_over_cpu_and_cuda_moves_stages_and_activations(pipelined: bool) -
     assert got[0].device == torch.device(devices[-1])
     got = (got[0].cpu(), got[1], {n: g.cpu() for n, g in got[2].items()})
     _assert_same(got, _step(ref, ref, x, w), exact=False)
+
+
+def test_cuts_between_blocks() -> None:
+    torch.manual_seed(0)
+    model = _shrink_iresnet(IResNet((2, 2, 2, 2), embedding_dim=8)).double().eval()
+    assert available_split_points(model, blocks=True) == (
+        "stem", "layer1.0", "layer1", "layer2.0", "layer2", "layer3.0", "layer3", "layer4.0", "layer4")
+    cut = stages(model, ["layer2.0", "layer3"])
+    assert [s.segment_names for s in cut] == [("stem", "layer1", "layer2[0:1]"), ("layer2[1:2]", "layer3"), ("layer4", "head")]
+    assert list(cut[1].layer2._modules) == ["1"] and cut[1].layer2[0] is model.layer2[1]  # keeps its key, shared
+    keys = [k for s in cut for k in s.state_dict()]
+    assert keys == list(model.state_dict())  # every tensor once, under the model's key, in order
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    with torch.no_grad():
+        y = x
+        for s in cut:
+            y = s(y)
+        assert torch.equal(y, model(x))
+    with pytest.raises(ValueError, match=r"unknown split point 'layer2.1' for IResNet; .*IResNet may also be cut between "
+                                         r"the blocks of layer1, layer2, layer3, layer4 \('layer1.0': after block 0 of layer1\)"):
+        stages(model, ["layer2.1"])
+    with pytest.raises(ValueError, match=r"split_points must be in forward order"):
+        stages(model, ["layer3.0", "layer2.0"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +13,7 @@ from shardfc.head.margins import ArcFace
 from shardfc.head.module import init_rows
 from shardfc.head.reference import reference_loss
 from shardfc.models import build_backbone
+from shardfc.parallel.collectives import count_comm
 from shardfc.parallel.context import DistContext
 from shardfc.parallel.launch import spawn
 from shardfc.parallel.model_split import stages as cut_stages
@@ -20,6 +23,7 @@ from shardfc.parallel.pipeline import (
     activation_specs,
     average_gradients_,
     balanced_split_points,
+    chained_activation_specs,
     create_layout,
     replicas_for,
 )
@@ -62,9 +66,12 @@ def _one_step(layout, schedule: str, micro: int, local: int):
 
     runner = PipelineRunner(mine, layout, torch.device("cpu"), schedule=schedule, micro_batches=micro,
                             local_batch=local, specs=(specs[layout.stage], specs[layout.stage + 1]), loss_fn=loss_fn)
-    loss = runner.step(images[rows], labels[rows])
+    with count_comm() as counter:
+        loss = runner.step(images[rows], labels[rows])
     average_gradients_(list(mine.parameters()), layout.replica_ctx)
-    out = {"stage": layout.stage, "grads": {n: p.grad.clone() for n, p in mine.named_parameters()}}
+    out = {"stage": layout.stage, "grads": {n: p.grad.clone() for n, p in mine.named_parameters()},
+           "sent": {k: v for k, v in counter.bytes.items() if k.startswith("pipeline_")},
+           "boundary_bytes": local * math.prod(specs[1][0]) * 8}
     if head is not None:
         out.update(loss=loss, head_grad=head.weight.grad.clone(), rows=head.class_range)
     return out
@@ -87,6 +94,12 @@ def test_pipeline_step_equals_dense_reference(replicas):
     loss, grads, head_grad = _reference(replicas, local)
     for schedule in ("gpipe", "1f1b"):
         _check(schedule, [r[schedule] for r in results], loss, grads, head_grad)
+        # The stage-to-stage traffic is counted where it is sent: the first stage sends its output
+        # activation (local rows x the boundary's shape, float64), the last its gradient, per step.
+        for r in results:
+            out = r[schedule]
+            kind = "pipeline_activations" if out["stage"] == 0 else "pipeline_activation_grads"
+            assert out["sent"] == {kind: out["boundary_bytes"]}, (schedule, out["stage"], out["sent"])
 
 
 def _check(schedule, results, loss, grads, head_grad):
@@ -155,3 +168,21 @@ def test_balanced_split_points_minimise_the_largest_stage():
     assert balanced_split_points(model, 2) == ["2"]  # 30 | 30
     assert balanced_split_points(model, 3) == ["0", "2"]  # 10 | 20 | 30 (ties: earliest cuts)
     assert balanced_split_points(_backbone(), 2) == ["body"]
+
+
+def _probe_worker(rank: int, world: int):
+    layout = create_layout(DistContext.resolve(), 2, 1)
+    module = nn.Identity() if layout.stage == 0 else nn.Linear(3, 2)  # stage 1 cannot take stage 0's 5 features
+    try:
+        chained_activation_specs(module, layout, ((5,), torch.float32), torch.device("cpu"))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_a_stage_that_fails_on_its_input_is_an_error_on_every_rank():
+    # each rank holds only its stage, so the shapes are probed along the pipeline: a failure must
+    # reach every rank (no rank left waiting for the next stage's shape)
+    errors = spawn(_probe_worker, 2, backend="gloo", timeout_s=120)
+    assert all(e is not None and e.startswith("pipeline stage 1 fails on an input of shape [2, 5] (torch.float32): "
+                                              "RuntimeError: mat1 and mat2 shapes cannot be multiplied") for e in errors), errors

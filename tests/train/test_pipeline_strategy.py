@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def ddp_and_pipeline(tmp_path_factory):
     common = dict(log_every=1, drop_last=True, grad_clip=0.5)
     ddp = tiny_config(root / "ddp", batch_size=4, grad_accum=2, **common)
     pipe = tiny_config(root / "pipe", strategy="pipeline", nproc=4, pipeline_stages=2, micro_batches=2,
-                       micro_batch_stats=True, batch_size=8, grad_accum=1, **common)
+                       micro_batch_stats=True, batch_size=8, grad_accum=1, profile=True, **common)
     return ddp, train_cli.run(ddp), pipe, train_cli.run(pipe)
 
 
@@ -63,6 +64,26 @@ def test_pipeline_trains_the_ddp_curve(ddp_and_pipeline):
     assert pipe_summary["metrics"]["synthetic"]["accuracy"] == pytest.approx(ddp_summary["metrics"]["synthetic"]["accuracy"])
     log = (Path(pipe.output_dir) / "train.log").read_text()
     assert "pipeline: 2 stages x 2 replicas, cut after body; 1f1b schedule over 2 micro-batches" in log
+
+
+def test_pipeline_profile_counts_the_stage_to_stage_traffic(ddp_and_pipeline):
+    _, _, pipe, _ = ddp_and_pipeline
+    from shardfc.models import build_backbone
+    from shardfc.train.profile import profile_path
+
+    body = build_backbone("tiny", 16, input_size=(16, 16)).body
+    boundary = 8 * body(torch.zeros(1, 3, 16, 16)).numel() * 4  # a replica's 8 rows at the cut, fp32
+    for rank in range(4):
+        p = json.loads(profile_path(pipe.output_dir, rank).read_text())
+        assert p["backbone_traffic_counted"] is True
+        sent = "pipeline_activations" if rank // 2 == 0 else "pipeline_activation_grads"  # stage-major ranks
+        other = "pipeline_activation_grads" if sent == "pipeline_activations" else "pipeline_activations"
+        assert len(p["comm_bytes_by_kind_per_step"]) == STEPS
+        for step, kinds in enumerate(p["comm_bytes_by_kind_per_step"]):
+            assert kinds[sent] == boundary and other not in kinds, (rank, step, kinds)
+            # decode once: the first stage sends its batch's 8 int64 labels to the last, nothing else does
+            assert kinds.get("pipeline_labels") == (8 * 8 if sent == "pipeline_activations" else None), (rank, kinds)
+            assert p["comm_bytes"][step] == sum(kinds.values())
 
 
 def test_pipeline_checkpoint_holds_the_whole_backbone(ddp_and_pipeline):

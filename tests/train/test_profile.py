@@ -19,7 +19,8 @@ from .tiny import STEPS, tiny_config
 
 FIELDS = {
     "rank", "world_size", "strategy", "launcher", "device", "amp", "backbone", "step_s", "samples", "comm_bytes",
-    "comm_bytes_by_kind", "backbone_traffic_counted", "peak_rss_bytes", "cuda_peak_bytes", "pid", "startup",
+    "comm_bytes_by_kind", "comm_bytes_by_kind_per_step", "backbone_traffic_counted", "peak_rss_bytes", "cuda_peak_bytes",
+    "pid", "startup",
 }
 
 

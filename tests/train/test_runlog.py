@@ -1,6 +1,12 @@
 """The run's picture: metrics.csv drawn into curves.png, with the metric names the trainer writes."""
 
-from shardfc.train.runlog import plot_metrics
+import csv
+import math
+
+import numpy as np
+
+from shardfc.evaluation.verification import verification_metrics
+from shardfc.train.runlog import RunLog, format_metrics, plot_metrics, read_series
 
 
 def test_plot_metrics_draws_the_scalars_the_trainer_writes(tmp_path):
@@ -37,3 +43,37 @@ def test_plot_metrics_with_nothing_to_draw(tmp_path):
     csv_path.write_text("step,name,value,elapsed_s\n")
     assert plot_metrics(csv_path, tmp_path / "curves.png") == []
     assert not (tmp_path / "curves.png").exists()
+
+
+def test_a_far_too_small_for_the_pairs_is_na_in_csv_log_and_curves(tmp_path):
+    # 1200 pairs, 600 negatives: FAR 1e-3 needs 1000 of them, FAR 1e-2 only 100.
+    rng = np.random.default_rng(0)
+    same = np.arange(1200) % 2 == 0
+    a = rng.normal(size=(1200, 8))
+    b = np.where(same[:, None], a + 0.5 * rng.normal(size=(1200, 8)), rng.normal(size=(1200, 8)))
+    m = verification_metrics(a, b, same, far_targets=(1e-2, 1e-3))
+    assert math.isfinite(m["tar@far=1e-2"]) and math.isnan(m["tar@far=1e-3"])
+
+    line = format_metrics(m)
+    assert f"tar@far=1e-2 {100 * m['tar@far=1e-2']:.2f}%" in line
+    assert "tar@far=1e-3 n/a (FAR 1e-3 needs at least 1000 negative pairs, this set has 600)" in line
+    assert "nan" not in line.lower()
+
+    with RunLog(tmp_path, is_main=True, progress=False) as log:
+        log.start_at(0)
+        log.scalars(5, {"train/loss": 3.0})
+        log.scalars(10, {f"val/lfw/{k}": v for k, v in m.items()})
+        log.scalars(20, {"train/loss": 2.0, "val/lfw/tar@far=1e-2": 0.5, "val/lfw/tar@far=1e-3": float("nan")})
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        rows = {(int(r["step"]), r["name"]): r["value"] for r in csv.DictReader(f)}
+    assert rows[(10, "val/lfw/tar@far=1e-3")] == "n/a" and rows[(10, "val/lfw/exact_tar@far=1e-3")] == "n/a"
+    assert rows[(20, "val/lfw/tar@far=1e-3")] == "n/a"
+    assert float(rows[(10, "val/lfw/tar@far=1e-2")]) == float(f"{m['tar@far=1e-2']:.6g}")
+    assert not any(v.lower() == "nan" for v in rows.values())
+    # curves.png: no point for n/a, and no panel for a metric that never had a number
+    series = read_series(tmp_path / "metrics.csv")
+    assert series["val/lfw/tar@far=1e-2"] == [(10, float(f"{m['tar@far=1e-2']:.6g}")), (20, 0.5)]
+    assert "val/lfw/tar@far=1e-3" not in series and "val/lfw/exact_tar@far=1e-3" not in series
+    drawn = plot_metrics(tmp_path / "metrics.csv", tmp_path / "again.png")
+    assert "val/lfw/tar@far=1e-2" in drawn and not any(n.endswith("@far=1e-3") for n in drawn)
+    assert (tmp_path / "curves.png").is_file()

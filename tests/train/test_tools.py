@@ -171,8 +171,12 @@ def test_eval_ijb(run2, tmp_path, capsys):
     assert all(metrics["ijbc"][k] is None for k in undefined)
     assert np.allclose(np.load(tmp_path / "ijb_out" / "ijbc_scores.npy"), scores)
     assert (tmp_path / "ijb_out" / "ijbc_roc.csv").is_file()
+    negatives = int(metrics["ijbc"]["num_negative_pairs"])
+    assert report["undefined"]["ijbc"]["tar@far=1e-6"] == (
+        f"FAR 1e-6 needs at least 1000000 negative pairs, this set has {negatives}")
     assert cli_eval.main(argv) == 0
-    assert "ijbc: TAR@FAR 1e-6" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ijbc: TAR@FAR 1e-6 n/a |" in out and "nan" not in out.lower()
     assert cli_eval.main(["--checkpoint", cfg.output_dir, "--ijb", str(tmp_path / "nowhere")]) == 2
     assert "--ijb" in capsys.readouterr().err
 

@@ -14,6 +14,9 @@ mean of its faces within each media (a video's frames count as one), summed over
 L2-normalised; a pair's score is the cosine of its two template features. The ROC is sklearn's
 ``roc_curve`` (collinear points dropped), and TAR at FAR = x is the TPR of the ROC point whose FPR
 is nearest to x (the largest TPR among equally near ones), as insightface's table reports it.
+Either protocol's TAR at FAR = x is NaN when there are fewer than ``1/x`` impostor pairs
+(:func:`shardfc.evaluation.far.far_measurable`): the nearest ROC point would be FPR 0 and the
+figure would measure nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from PIL import Image
 
 from shardfc.data.transforms import decode_image, image_to_tensor, pil_to_tensor
 from shardfc.evaluation.alignment import align_face
+from shardfc.evaluation.far import far_measurable
 from shardfc.evaluation.verification import _far_key, embed_batches, tar_at_far
 
 __all__ = [
@@ -205,15 +209,17 @@ def tar_at_nearest_far(fpr: np.ndarray, tpr: np.ndarray, far: float) -> float:
 
 def ijb_metrics(scores: np.ndarray, labels: np.ndarray, fars: Sequence[float] = IJB_FARS) -> Dict[str, float]:
     """``tar@far=<far>`` (insightface's nearest ROC point), ``exact_tar@far=<far>`` (largest TAR
-    with FAR <= far over all pairs; NaN with fewer than ``1/far`` impostor pairs), ``auc``,
-    ``num_pairs``."""
+    with FAR <= far over all pairs), both NaN with fewer than ``1/far`` impostor pairs; ``auc``,
+    ``num_pairs``, ``num_negative_pairs``."""
     fpr, tpr, _ = roc_curve(labels, scores)
     trapezoid = getattr(np, "trapezoid", None) or np.trapz  # numpy < 2 names it trapz
     out: Dict[str, float] = {"auc": float(trapezoid(tpr, fpr)), "num_pairs": float(len(scores))}
     same = np.asarray(labels).astype(bool)
+    negatives = int(np.count_nonzero(~same))
+    out["num_negative_pairs"] = float(negatives)
     for far in fars:
         key = _far_key(far)
-        out[f"tar@far={key}"] = tar_at_nearest_far(fpr, tpr, far)
+        out[f"tar@far={key}"] = tar_at_nearest_far(fpr, tpr, far) if far_measurable(negatives, far) else float("nan")
         out[f"exact_tar@far={key}"] = tar_at_far(np.asarray(scores, dtype=np.float64), same, far)[0]
     return out
 

@@ -18,6 +18,12 @@ numbers its logs give on the same embeddings:
   duplicate knots (newer scipy refuses duplicates), which :func:`slinear_with_duplicates`
   reproduces: between the *last* point at or below the target and the point after it.
 
+:func:`insightface_metrics` reports a TAR@FAR only where the set has at least ``1/FAR`` negative
+pairs (the rule of both protocols, :func:`shardfc.evaluation.verification.far_measurable`); below
+that insightface prints a number (on 500 negatives its FAR=1e-4 figure is its FAR=1e-3 one) that
+measures nothing, and the metric is NaN here. :func:`insightface_val_far` itself stays insightface's
+arithmetic, number for number.
+
 Counting ``distance < threshold`` on sorted distances with ``searchsorted`` gives the same
 integer counts as insightface's loop over thresholds, hence bit-identical accuracies and ties.
 """
@@ -29,6 +35,7 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
+from shardfc.evaluation.far import far_measurable
 from shardfc.evaluation.folds import kfold_indices
 
 __all__ = [
@@ -132,15 +139,20 @@ def insightface_val_far(
 def insightface_metrics(
     dist: np.ndarray, issame: np.ndarray, nfolds: int, far_key_targets: List[Tuple[str, float]]
 ) -> Dict[str, float]:
-    """The metrics dict entries of insightface's protocol (see :func:`verification_metrics`)."""
+    """The metrics dict entries of insightface's protocol (see :func:`verification_metrics`); a
+    TAR@FAR the set has fewer than ``1/far`` negative pairs for is NaN, with its std and FAR."""
     accs, chosen = insightface_accuracy(dist, issame, nfolds)
     out = {
         "accuracy": float(np.mean(accs)),
         "accuracy_std": float(np.std(accs)),
         "best_distance_threshold": float(np.mean(chosen)),
     }
+    negatives = int(np.count_nonzero(~np.asarray(issame, dtype=bool)))
     for key, far in far_key_targets:
-        val, val_std, far_mean = insightface_val_far(dist, issame, far, nfolds)
+        if far_measurable(negatives, far):
+            val, val_std, far_mean = insightface_val_far(dist, issame, far, nfolds)
+        else:
+            val = val_std = far_mean = math.nan
         out[f"tar@far={key}"] = val
         out[f"tar_std@far={key}"] = val_std
         out[f"far@far={key}"] = far_mean

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from shardfc.data.transforms import decode_image, image_to_tensor
+from shardfc.evaluation.far import far_measurable, why_undefined
 from shardfc.evaluation.folds import kfold_indices
 from shardfc.evaluation.insightface_protocol import insightface_metrics, normalized_squared_distances
 
@@ -32,6 +33,8 @@ __all__ = [
     "load_bin",
     "kfold_indices",
     "best_threshold",
+    "far_measurable",
+    "why_undefined",
     "tar_at_far",
     "verification_metrics",
     "embed_batches",
@@ -190,7 +193,7 @@ def tar_at_far(scores: np.ndarray, issame: np.ndarray, far: float) -> Tuple[floa
         raise ValueError(f"far target must be in (0, 1), got {far!r}")
     neg = np.sort(scores[~issame])[::-1]
     pos = scores[issame]
-    if far * len(neg) < 1 or len(pos) == 0:
+    if not far_measurable(len(neg), far) or len(pos) == 0:
         return math.nan, math.nan, math.nan
     thr = float(neg[int(math.floor(far * len(neg)))])
     return float(np.mean(pos > thr)), float(np.mean(neg > thr)), thr
@@ -219,8 +222,11 @@ def verification_metrics(
         and ``far@far=<far>`` (the mean held-out FAR reached).
         The exact protocol: ``exact_accuracy``, ``exact_accuracy_std``, ``exact_best_threshold``
         (mean over folds, a cosine similarity), ``exact_tar@far=<far>``,
-        ``exact_achieved_far@far=<far>`` and ``exact_threshold@far=<far>`` over all pairs (NaN
-        when there are fewer than ``1/far`` negative pairs). And ``num_pairs``.
+        ``exact_achieved_far@far=<far>`` and ``exact_threshold@far=<far>`` over all pairs.
+        And ``num_pairs``, ``num_negative_pairs``.
+        Every ``...@far=<far>`` value of either protocol is NaN when the set has fewer than
+        ``1/far`` negative pairs (:func:`far_measurable`; :func:`why_undefined` says so in words):
+        500 negatives cannot measure a FAR of 1e-4.
     """
     a = _to_numpy(embeddings_a).astype(np.float64)
     b = _to_numpy(embeddings_b).astype(np.float64)
@@ -252,6 +258,7 @@ def verification_metrics(
         "exact_accuracy_std": float(np.std(accs)),
         "exact_best_threshold": float(np.mean(thrs)),
         "num_pairs": float(len(scores)),
+        "num_negative_pairs": float(np.count_nonzero(~same)),
     })
     for key, far in keyed:
         tar, achieved, thr = tar_at_far(scores, same, far)

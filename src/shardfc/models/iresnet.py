@@ -73,6 +73,9 @@ class IResNet(nn.Module):
     )
     #: where the model may be cut (after these segments), in forward order
     split_points: ClassVar[tuple[str, ...]] = ("stem", "layer1", "layer2", "layer3", "layer4")
+    #: segments that are one nn.Sequential of blocks, which a pipeline may also cut between blocks
+    #: (``"layer3.14"``: after block 14), so that its stages can be of about equal size
+    block_segments: ClassVar[tuple[str, ...]] = ("layer1", "layer2", "layer3", "layer4")
 
     def __init__(
         self,

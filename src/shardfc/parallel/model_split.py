@@ -36,6 +36,18 @@ backbone            segments (split points are all but the last)
 
 A subclass that changes ``forward`` must change ``segments`` too.
 
+Cuts between blocks
+-------------------
+A segment that is one ``nn.Sequential`` of blocks (iresnet's ``layer1`` .. ``layer4``, resnet50's)
+may also be cut *between* its blocks, where the model says so in a ``block_segments`` class
+attribute: the split point ``"layer3.14"`` cuts after block ``14`` of ``layer3``, so one stage
+runs ``layer3[:15]`` and the next ``layer3[15:]`` (slices of the same ``nn.Sequential`` that keep
+the block keys, so ``state_dict`` keys stay the model's). Whole segments are what a person names
+(:func:`available_split_points`); the block boundaries (``available_split_points(model,
+blocks=True)``) are what makes stages of equal size possible: iresnet100's ``layer3`` alone holds
+more than half of its parameters, so no cut between segments gives four stages of about a
+quarter each, and :func:`shardfc.parallel.pipeline.balanced_split_points` cuts between blocks.
+
 Caveats
 -------
 * The model's modules are moved in place and shared with the stages: keep using ``model`` for
@@ -137,22 +149,86 @@ def _check_segments(model: nn.Module, decl: Segments) -> None:
         )
 
 
-def available_split_points(model: nn.Module) -> tuple[str, ...]:
-    """The names ``model`` may be cut after, in forward order (every segment but the last)."""
-    return tuple(name for name, _ in model_segments(model)[:-1])
+class _Unit:
+    """The smallest piece a model is cut into: a whole segment, or one block of a block segment."""
+
+    __slots__ = ("point", "segment", "block", "blocks")
+
+    def __init__(self, point: str, segment: int, block: int | None, blocks: int) -> None:
+        self.point = point
+        """The split point that cuts right after this unit."""
+        self.segment = segment
+        """Index of its segment in the declaration."""
+        self.block = block
+        """Block index inside its segment's ``nn.Sequential`` (None: the whole segment)."""
+        self.blocks = blocks
+        """How many blocks its segment has (1 for a segment that is not cut between blocks)."""
 
 
-def _check_split_points(model: nn.Module, decl: Segments, split_points: Sequence[str]) -> list[int]:
-    """Indices (into ``decl``) of the segments to cut after; ValueError/TypeError naming the problem."""
+def _block_segments(model: nn.Module, decl: Segments) -> dict[str, nn.Sequential]:
+    """The segments of ``model.block_segments``, checked: each must be one plain ``nn.Sequential``."""
+    names = tuple(getattr(model, "block_segments", ()) or ())
+    cls = type(model).__name__
+    by_name = dict(decl)
+    children = dict(model.named_children())
+    out: dict[str, nn.Sequential] = {}
+    for name in names:
+        items = by_name.get(name)
+        if items is None:
+            raise ValueError(f"{cls}.block_segments names {name!r}, which is not one of its segments")
+        child = children.get(items[0]) if len(items) == 1 else None
+        if not isinstance(child, nn.Sequential) or type(child).forward is not nn.Sequential.forward:
+            raise ValueError(
+                f"{cls}.block_segments names {name!r}, which is not a single nn.Sequential child: "
+                "only a plain sequence of blocks can be cut between its blocks"
+            )
+        out[name] = child
+    return out
+
+
+def _units(model: nn.Module, decl: Segments) -> list[_Unit]:
+    blocky = _block_segments(model, decl)
+    units: list[_Unit] = []
+    for i, (name, items) in enumerate(decl):
+        seq = blocky.get(name)
+        if seq is None or len(seq) < 2:
+            units.append(_Unit(name, i, None, 1))
+            continue
+        keys = list(seq._modules)
+        for b, key in enumerate(keys):
+            last = b == len(keys) - 1
+            units.append(_Unit(name if last else f"{items[0]}.{key}", i, b, len(keys)))
+    return units
+
+
+def available_split_points(model: nn.Module, blocks: bool = False) -> tuple[str, ...]:
+    """The names ``model`` may be cut after, in forward order: every segment but the last; with
+    ``blocks``, also the boundaries between the blocks of its ``block_segments`` (``"layer3.14"``)."""
+    decl = model_segments(model)
+    if not blocks:
+        return tuple(name for name, _ in decl[:-1])
+    return tuple(u.point for u in _units(model, decl)[:-1])
+
+
+def _check_split_points(model: nn.Module, decl: Segments, split_points: Sequence[str]) -> tuple[list[int], list[_Unit]]:
+    """Indices (into the model's units) of the units to cut after, and the units; ValueError/TypeError
+    naming the problem."""
     cls = type(model).__name__
     if isinstance(split_points, (str, bytes)) or not isinstance(split_points, Iterable):
         raise TypeError(
             f"split_points must be a sequence of segment names (e.g. ['layer2']), got {split_points!r}"
         )
     points = list(split_points)
+    units = _units(model, decl)
+    fine = [u.point for u in units[:-1]]
     valid = [name for name, _ in decl[:-1]]
     last = decl[-1][0]
     listing = ", ".join(valid) if valid else "(none: the model is a single segment)"
+    inner = [u.point for u in units[:-1] if u.block is not None and u.point != decl[u.segment][0]]
+    between = (
+        f". {cls} may also be cut between the blocks of {', '.join(dict.fromkeys(p.rsplit('.', 1)[0] for p in inner))} "
+        f"({inner[0]!r}: after block {inner[0].rsplit('.', 1)[1]} of {inner[0].rsplit('.', 1)[0]})" if inner else ""
+    )
     for i, p in enumerate(points):
         if not isinstance(p, str):
             raise TypeError(f"split_points[{i}] must be a segment name (str), got {p!r}")
@@ -161,22 +237,22 @@ def _check_split_points(model: nn.Module, decl: Segments, split_points: Sequence
                 f"split_points: {p!r} is the last segment of {cls}, so nothing follows it to put on "
                 f"another device; valid split points, in forward order: {listing}"
             )
-        if p not in valid:
+        if p not in fine:
             close = difflib.get_close_matches(p, valid, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(
                 f"split_points: unknown split point {p!r} for {cls}; valid split points, in "
-                f"forward order: {listing}{hint}"
+                f"forward order: {listing}{hint}{between}"
             )
     for p in points:
         if points.count(p) > 1:
             raise ValueError(f"split_points lists {p!r} more than once: {points}")
-    index = [valid.index(p) for p in points]
+    index = [fine.index(p) for p in points]
     if index != sorted(index):
         raise ValueError(
             f"split_points must be in forward order ({listing}), got {points}"
         )
-    return index
+    return index, units
 
 
 # --------------------------------------------------------------------------- stages
@@ -200,17 +276,28 @@ def stages(model: nn.Module, split_points: Sequence[str]) -> list[Stage]:
 
     Running the stages in order is ``model(x)`` exactly (the same modules and ops in the same
     order; bit-identical on one device). Nothing is copied or moved: the stages hold the model's
-    own submodules. ``split_points`` must be names from :func:`available_split_points`, in forward
-    order, each once; ``[]`` gives one stage.
+    own submodules (a segment cut between its blocks is held as slices of its ``nn.Sequential``
+    that keep the block keys). ``split_points`` must be names from :func:`available_split_points`
+    (``blocks=True`` for the boundaries between blocks), in forward order, each once; ``[]`` gives
+    one stage.
     """
     decl = model_segments(model)
-    cuts = _check_split_points(model, decl, split_points)
-    bounds = [0] + [i + 1 for i in cuts] + [len(decl)]
+    cuts, units = _check_split_points(model, decl, split_points)
+    bounds = [0] + [i + 1 for i in cuts] + [len(units)]
     children = dict(model.named_children())
     out: list[Stage] = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         modules: OrderedDict[str, nn.Module] = OrderedDict()
-        for _, items in decl[lo:hi]:
+        names: list[str] = []
+        for seg in sorted({u.segment for u in units[lo:hi]}):
+            mine = [u for u in units[lo:hi] if u.segment == seg]
+            name, items = decl[seg]
+            if mine[0].block is not None and len(mine) < mine[0].blocks:  # part of a block segment
+                b0, b1 = mine[0].block, mine[-1].block + 1
+                modules[items[0]] = children[items[0]][b0:b1]  # a slice keeps the blocks' keys
+                names.append(f"{name}[{b0}:{b1}]")
+                continue
+            names.append(name)
             for item in items:
                 if item == FLATTEN:
                     key, n = FLATTEN, 1
@@ -219,7 +306,7 @@ def stages(model: nn.Module, split_points: Sequence[str]) -> list[Stage]:
                     modules[key] = nn.Flatten(1)
                 else:
                     modules[item] = children[item]
-        out.append(Stage(modules, [name for name, _ in decl[lo:hi]]))
+        out.append(Stage(modules, names))
     return out
 
 

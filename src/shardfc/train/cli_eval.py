@@ -20,7 +20,8 @@ from shardfc import checkpoint as ckpt
 from shardfc.train.artifacts import add_checkpoint_args, load_backbone, pick_device
 from shardfc.train.config import ConfigError
 from shardfc.train.evaluate import IJBOptions, build_targets, run_targets
-from shardfc.train.runlog import format_metrics
+from shardfc.evaluation.far import why_undefined
+from shardfc.train.runlog import NOT_AVAILABLE, format_metrics
 
 __all__ = ["main", "json_report"]
 
@@ -61,27 +62,23 @@ def json_report(checkpoint: str, metrics: Dict[str, Dict[str, float]]) -> str:
         for name, value in values.items():
             if isinstance(value, float) and not math.isfinite(value):
                 clean[target][name] = None
-                undefined.setdefault(target, {})[name] = _why_undefined(name, value, values)
+                undefined.setdefault(target, {})[name] = why_undefined(name, values)
             else:
                 clean[target][name] = value
     return json.dumps({"checkpoint": checkpoint, "metrics": clean, "undefined": undefined}, indent=2, allow_nan=False)
 
 
-def _why_undefined(name: str, value: float, values: Dict[str, float]) -> str:
-    if "@far=" in name:
-        far = float(name.split("@far=", 1)[1])
-        pairs = values.get("num_pairs")
-        return (
-            f"FAR {name.split('@far=', 1)[1]} cannot be measured with fewer than {math.ceil(1 / far)} negative pairs"
-            + (f" (this set has {int(pairs)} pairs in all)" if pairs is not None else "")
-        )
-    return f"{value} (not defined for this data)"
-
-
 def _ijb_table(values) -> str:
-    """``TAR@FAR 1e-6 80.12% | 1e-5 ... | 1e-1 99.01%`` (insightface's nearest-ROC-point figures)."""
-    cells = [f"{k.split('=')[1]} {100 * v:.2f}%" for k, v in values.items() if k.startswith("tar@far=")]
-    return "TAR@FAR " + " | ".join(cells) + f", AUC {100 * values['auc']:.2f}%"
+    """``TAR@FAR 1e-6 n/a | 1e-5 ... | 1e-1 99.01%`` (insightface's nearest-ROC-point figures; ``n/a``
+    where there are fewer than ``1/FAR`` impostor pairs)."""
+    cells = [
+        f"{k.split('=')[1]} {100 * v:.2f}%" if math.isfinite(v) else f"{k.split('=')[1]} {NOT_AVAILABLE}"
+        for k, v in values.items() if k.startswith("tar@far=")
+    ]
+    table = "TAR@FAR " + " | ".join(cells) + f", AUC {100 * values['auc']:.2f}%"
+    if any(not math.isfinite(v) for k, v in values.items() if k.startswith("tar@far=")):
+        table += f" (n/a: fewer impostor pairs than 1/FAR; {int(values.get('num_negative_pairs', 0))} here)"
+    return table
 
 
 def main(argv: Optional[List[str]] = None) -> int:

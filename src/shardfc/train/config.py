@@ -216,7 +216,7 @@ class TrainConfig:
     micro_batches: int = 2
     """Strategy 'pipeline': micro-batches each rank's batch is cut into (batch_size must be a multiple of it)."""
     split_points: List[str] = field(default_factory=list)
-    """Strategy 'pipeline': backbone segments to cut after (pipeline_stages - 1 names, e.g. 'layer2'); empty: those that balance the stages' parameter counts."""
+    """Strategy 'pipeline': backbone segments to cut after (pipeline_stages - 1 names, e.g. 'layer2', or 'layer3.14' after block 14 of layer3); empty: those that balance the stages' parameter counts (between blocks too)."""
     micro_batch_stats: bool = False
     """Strategy 'pipeline': let BatchNorm normalise each micro-batch with its own statistics (as under grad_accum); without it, micro_batches > 1 with a training-mode BatchNorm is refused."""
     nproc: int = 2

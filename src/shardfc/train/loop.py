@@ -33,12 +33,12 @@ from shardfc.train.evaluate import build_targets
 from shardfc.train.profile import StartupClock, StepProfiler, count_ddp_traffic, profile_path
 from shardfc.train.reporting import ReportWindow, evaluate_targets, log_setup, report
 from shardfc.train.resume import restore, resume_path, save, step_of
-from shardfc.train.pipeline_train import pipeline_step, whole_backbone
+from shardfc.train.pipeline_train import pipeline_step, stage_stream, whole_backbone
 from shardfc.train.runlog import RunLog
 from shardfc.train.state import Parts, RunState
 from shardfc.train.step import apply_gradients, train_step
 from shardfc.train.stopping import StopAgreement, crash_if_asked
-from shardfc.train.strategy import sync_after_restore
+from shardfc.train.strategy import signal_deadline_note, sync_after_restore
 
 __all__ = ["load_parts", "train"]
 
@@ -86,7 +86,10 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
             (out / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
         runlog.start_at(state.step)
         mark("resume")
-        stream = micro_batches(run.dataset, run.batches, state, cfg, run.data_ctx, channels_last=run.channels_last)
+        if run.pipeline is None:
+            stream = micro_batches(run.dataset, run.batches, state, cfg, run.data_ctx, channels_last=run.channels_last)
+        else:  # pipeline: only the first stage reads and decodes images
+            stream = stage_stream(run.dataset, run.batches, state, cfg, run.data_ctx, run.pipeline.layout)
         batches = stream
         if clock is not None and state.step < run.total_steps:
             batches = itertools.chain([next(stream)], stream)  # the loader's start and first batch, timed apart
@@ -141,6 +144,8 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         elif ctx.is_main and not stop:
             logger.info("%s is at step %d; max %d steps: nothing to train", resume_from, state.step, run.total_steps)
         if stop:
+            if signal_deadline_note() is not None:  # horovodrun: a few seconds before SIGKILL
+                runlog.skip_curves(signal_deadline_note())
             if ctx.is_main:
                 saved = last_saved if trained and cfg.save_on_signal else "not saved (save_on_signal is off)"
                 if not trained:

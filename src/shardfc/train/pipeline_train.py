@@ -1,8 +1,9 @@
 """``--strategy pipeline`` in the trainer: build a stage, step it, and save/restore the whole model.
 
-Each rank builds the whole backbone (the same seeded initialisation as every other strategy),
-keeps the modules of its stage (:func:`shardfc.parallel.model_split.stages`) and lets the rest
-go. The optimizer covers the stage's parameters only; the head (and its optimizer) exists on the
+Each rank builds only its stage (:func:`shardfc.parallel.stage_build.build_stage`): the backbone
+is built on the meta device, and the stage's modules get real storage with exactly the values the
+whole backbone's seeded initialisation gives them (the same as every other strategy), so a rank
+never holds more than its stage. The shapes crossing the stages are passed along the pipeline. The optimizer covers the stage's parameters only; the head (and its optimizer) exists on the
 last stage's ranks, sharded over them. A checkpoint holds the backbone and its optimizer
 *whole*, in the layout of an unsplit model (the same state-dict keys and parameter indices a ddp
 run saves), so it resumes under any strategy and any number of stages: the stages gather their
@@ -22,13 +23,14 @@ from shardfc.head import ShardedMarginHead, head_optimizer
 from shardfc.head.margins import build_margin
 from shardfc.models import build_backbone
 from shardfc.parallel.context import DistContext
+from shardfc.parallel.stage_build import build_stage
 from shardfc.parallel.model_split import batch_stats_module, available_split_points, stages as cut_stages
 from shardfc.parallel.pipeline import (
     PipelineLayout,
     PipelineRunner,
-    activation_specs,
     average_gradients_,
     balanced_split_points,
+    chained_activation_specs,
     create_layout,
     gather_object_to,
     replicas_for,
@@ -39,6 +41,7 @@ from shardfc.train.state import Parts
 logger = logging.getLogger("shardfc.train")
 
 __all__ = [
+    "STAGE_LABELS",
     "PipelinePlan",
     "build_pipeline_parts",
     "check_pipeline_config",
@@ -46,6 +49,7 @@ __all__ = [
     "load_whole_backbone_state",
     "pipeline_layout",
     "pipeline_step",
+    "stage_stream",
     "whole_backbone",
     "whole_backbone_state",
 ]
@@ -56,7 +60,7 @@ def check_pipeline_config(cfg: TrainConfig, world_size: int) -> int:
     (ConfigError naming the values); cheap: the backbone is built on the meta device."""
     with torch.device("meta"):
         probe = build_backbone(cfg.backbone, cfg.embedding_dim, **_backbone_kwargs(cfg, (32, 32)))
-    n_points = len(available_split_points(probe))
+    n_points = len(available_split_points(probe, blocks=True))  # cuts between blocks count too
     try:
         replicas_for(world_size, cfg.pipeline_stages, n_points)
         if cfg.split_points:
@@ -110,18 +114,22 @@ def build_pipeline_parts(
     def new_backbone() -> nn.Module:
         return build_backbone(cfg.backbone, cfg.embedding_dim, **_backbone_kwargs(cfg, image_size)).to(ctx.device)
 
-    whole = new_backbone()
+    def points_of(model: nn.Module) -> List[str]:
+        return list(cfg.split_points) or balanced_split_points(model, layout.stages)
+
     try:
-        points = list(cfg.split_points) or balanced_split_points(whole, layout.stages)
-        stage_list = cut_stages(whole, points)
+        built = build_stage(
+            lambda: build_backbone(cfg.backbone, cfg.embedding_dim, **_backbone_kwargs(cfg, image_size)),
+            layout.stage, points_of,
+        )
     except ValueError as e:
         raise ConfigError(f"split_points: {e}") from None
-    sample = torch.zeros(2, 3, *image_size, device=ctx.device)
-    specs = activation_specs(stage_list, sample, autocast)
-    state_keys = tuple(whole.state_dict().keys())
-    param_names = tuple(n for n, p in whole.named_parameters() if p.requires_grad)
-    module = stage_list[layout.stage]
-    del whole, stage_list  # the other stages' modules are freed
+    points = built.split_points
+    state_keys = tuple(built.model.state_dict().keys())
+    param_names = tuple(n for n, p in built.model.named_parameters() if p.requires_grad)
+    module = built.stages[layout.stage].to(ctx.device)
+    del built  # the other stages were never allocated (or, where the build could not be replayed, are freed)
+    specs = chained_activation_specs(module, layout, ((3, *image_size), torch.float32), ctx.device, autocast)
     stage_names = tuple(n for n, p in module.named_parameters() if p.requires_grad)
     trainable = [p for p in module.parameters() if p.requires_grad]
     opt_backbone = _optimizer(cfg, trainable)
@@ -167,10 +175,58 @@ def _optimizer(cfg: TrainConfig, params: Sequence[nn.Parameter]) -> torch.optim.
 # ---------------------------------------------------------------------- step
 
 
+def stage_stream(dataset, batches, state, cfg: TrainConfig, data_ctx: DistContext, layout: PipelineLayout):
+    """This stage's data: the first stage reads and decodes its replica's batches
+    (:func:`shardfc.train.data.micro_batches`); every other stage walks the same batch order
+    without loading anything (it gets activations from the pipeline, and the last stage the labels
+    from the first), yielding each batch's row count and advancing ``state`` exactly alike."""
+    from shardfc.train.data import micro_batches
+
+    if layout.is_first:
+        return micro_batches(dataset, batches, state, cfg, data_ctx)
+    return _batch_sizes(batches, state)
+
+
+def _batch_sizes(batches, state):
+    while True:  # micro_batches' epoch bookkeeping, on the sampler's indices alone
+        batches.set_epoch(state.epoch, state.batch_in_epoch)
+        for batch in batches:
+            state.batch_in_epoch += 1
+            yield len(batch)
+        state.epoch += 1
+        state.batch_in_epoch = 0
+
+
+#: ``count_comm`` kind of the labels the first stage sends to the last
+STAGE_LABELS = "pipeline_labels"
+
+
+def _labels_to_last_stage(layout: PipelineLayout, labels: Optional[torch.Tensor], rows: int, device: torch.device):
+    """The first stage's labels of this batch on the last stage (None elsewhere): one point-to-point
+    int64 message over the replica's pipeline group, before the schedule's own traffic."""
+    import torch.distributed as dist
+
+    from shardfc.parallel.collectives import record_comm_bytes
+
+    last = layout.rank_of(layout.stages - 1, layout.replica)
+    if layout.is_first:
+        labels = labels.to(device=device, dtype=torch.int64).contiguous()
+        record_comm_bytes(STAGE_LABELS, labels.numel() * labels.element_size())
+        dist.send(labels, dst=last, group=layout.pipe_group)
+        return None
+    if layout.is_last:
+        out = torch.empty(rows, dtype=torch.int64, device=device)
+        dist.recv(out, src=layout.rank_of(0, layout.replica), group=layout.pipe_group)
+        return out
+    return None
+
+
 def pipeline_step(parts: Parts, plan: PipelinePlan, stream, state, cfg: TrainConfig, ctx: DistContext, autocast):
     """Forward and backward of ``grad_accum`` local batches through the pipeline, then the data-parallel
     average of the stage's gradients; returns (the step's mean loss on every rank, the corrupt images
-    skipped, as ``(name, reason)`` pairs: reported by the first stage only, where the images are used)."""
+    skipped, as ``(name, reason)`` pairs: reported by the first stage only, where the images are used).
+
+    ``stream``: :func:`stage_stream`'s (images, labels, skipped) on the first stage, row counts on the others."""
     layout = plan.layout
     parts.opt_backbone.zero_grad()
     if parts.opt_head is not None:
@@ -178,12 +234,23 @@ def pipeline_step(parts: Parts, plan: PipelinePlan, stream, state, cfg: TrainCon
     plan.losses.clear()
     corrupt: List[Tuple[str, str]] = []
     for _ in range(cfg.grad_accum):
-        images, labels, skipped = next(stream)  # every stage of a replica reads the same batch
-        with autocast():
-            plan.runner.step(images.to(ctx.device, non_blocking=True), labels.to(ctx.device, non_blocking=True))
-        if layout.is_first:  # count each image once, where it is used
+        images = labels = None
+        if layout.is_first:  # the only stage that reads images: each is decoded once
+            images, labels, skipped = next(stream)
+            rows = images.shape[0]
             corrupt += skipped
-        state.samples_seen += images.shape[0] * layout.replicas
+            images = images.to(ctx.device, non_blocking=True)
+        else:
+            rows = next(stream)
+        if rows != plan.runner.local_batch:  # every stage walks the same batches: all raise, none waits
+            raise ValueError(
+                f"pipeline: a local batch of {rows} rows, but the schedule was built for local_batch="
+                f"{plan.runner.local_batch} (micro-batches have a fixed shape: every step needs the same batch)"
+            )
+        labels = _labels_to_last_stage(layout, labels, rows, ctx.device)
+        with autocast():
+            plan.runner.step(images, labels)
+        state.samples_seen += rows * layout.replicas
     average_gradients_([p for p in parts.backbone.parameters() if p.requires_grad], layout.replica_ctx)
     return share_loss(plan, ctx), corrupt
 

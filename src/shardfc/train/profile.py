@@ -11,13 +11,15 @@ all-reduce or broadcast). Besides the head's counted collectives that includes
   all-reduce hook) and the module buffers it broadcasts from rank 0 before a forward (DDP does
   so after a synchronised backward: once per step with gradient accumulation);
 * Horovod: the backbone gradients its DistributedOptimizer all-reduces (counted at ``synchronize()``);
-* pipeline: each stage's gradient average over its replicas, but not the activations and their
-  gradients that torch.distributed.pipelining sends between stages (point to point, outside the
-  counted collectives);
+* pipeline: each stage's gradient average over its replicas, and the stage-to-stage traffic that
+  torch.distributed.pipelining sends point to point, counted where it is sent
+  (:class:`~shardfc.parallel.pipeline.PipelineRunner`): ``pipeline_activations`` (a stage's output,
+  to the next stage) and ``pipeline_activation_grads`` (the gradient of its input, to the previous);
 * dp: nothing of DataParallel's own traffic (its replicate / scatter / gather copies are not
   collectives).
 
-``backbone_traffic_counted`` is False for the last two.
+``backbone_traffic_counted`` is False for dp. ``comm_bytes_by_kind_per_step`` has each step's
+bytes by kind (``comm_bytes_by_kind`` their sums over the run).
 
 Per process: the peak resident set size (``ru_maxrss``, the whole life of the process, imports
 included) and, on CUDA, ``max_memory_allocated``.
@@ -136,6 +138,7 @@ class StepProfiler:
         self.comm_bytes: List[int] = []
         self.comm_by_kind: Dict[str, int] = {}
         self.startup: "StartupClock | None" = None
+        self.comm_by_kind_per_step: List[Dict[str, int]] = []
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -153,6 +156,7 @@ class StepProfiler:
             self.step_s.append(time.perf_counter() - start)
         self.samples.append(state.samples_seen - samples0)
         self.comm_bytes.append(counter.total_bytes)
+        self.comm_by_kind_per_step.append(dict(counter.bytes))
         for kind, n in counter.bytes.items():
             self.comm_by_kind[kind] = self.comm_by_kind.get(kind, 0) + n
 
@@ -170,7 +174,8 @@ class StepProfiler:
             "samples": self.samples,
             "comm_bytes": self.comm_bytes,
             "comm_bytes_by_kind": self.comm_by_kind,
-            "backbone_traffic_counted": cfg.strategy not in ("dp", "pipeline"),
+            "comm_bytes_by_kind_per_step": self.comm_by_kind_per_step,
+            "backbone_traffic_counted": cfg.strategy != "dp",
             "peak_rss_bytes": peak_rss_bytes(),
             "cuda_peak_bytes": cuda_peak,
             "pid": os.getpid(),

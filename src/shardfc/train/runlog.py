@@ -13,9 +13,11 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["RunLog", "format_metrics", "plot_metrics", "truncate_metrics"]
+from shardfc.evaluation.far import why_undefined
+
+__all__ = ["NOT_AVAILABLE", "RunLog", "format_metrics", "plot_metrics", "read_series", "truncate_metrics"]
 
 logger = logging.getLogger("shardfc.train")
 
@@ -61,6 +63,7 @@ class RunLog:
         self._use_bar = False
         self._logfile: Optional[logging.Handler] = None
         self._start = time.time()
+        self._no_curves: Optional[str] = None
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "RunLog":
@@ -108,6 +111,10 @@ class RunLog:
 
             self._tb = SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=step or None)
 
+    def skip_curves(self, reason: str) -> None:
+        """Do not draw curves.png on the way out (logged with ``reason``); metrics.csv is complete."""
+        self._no_curves = reason
+
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close_bar()
         if exc is not None and self._logfile is not None:
@@ -116,11 +123,14 @@ class RunLog:
             self._logfile.handle(record)
         if self._csv_file is not None:
             self._csv_file.close()
-            try:  # a picture of the run is a convenience: it must never fail the run
-                if plot_metrics(self.output_dir / "metrics.csv", self.output_dir / "curves.png"):
-                    logger.info("curves: %s", self.output_dir / "curves.png")
-            except Exception as e:  # noqa: BLE001
-                logger.warning("could not draw curves.png: %s", e)
+            if self._no_curves is not None:
+                logger.info("curves.png not redrawn: %s", self._no_curves)
+            else:
+                try:  # a picture of the run is a convenience: it must never fail the run
+                    if plot_metrics(self.output_dir / "metrics.csv", self.output_dir / "curves.png"):
+                        logger.info("curves: %s", self.output_dir / "curves.png")
+                except Exception as e:  # noqa: BLE001
+                    logger.warning("could not draw curves.png: %s", e)
         if self._tb is not None:
             self._tb.close()
         lib = logging.getLogger(_LIBRARY_LOGGER)
@@ -161,9 +171,11 @@ class RunLog:
             raise RuntimeError("RunLog.scalars() before start_at()")
         now = round(time.time() - self._start, 3)
         for name, value in values.items():
-            self._csv.writerow([step, name, f"{float(value):.6g}", now])
-            if self._tb is not None and math.isfinite(float(value)):
-                self._tb.add_scalar(name, float(value), step)
+            value = float(value)
+            # NaN is a metric its data cannot support (a TAR at a FAR too small for the pairs): "n/a"
+            self._csv.writerow([step, name, f"{value:.6g}" if math.isfinite(value) else NOT_AVAILABLE, now])
+            if self._tb is not None and math.isfinite(value):
+                self._tb.add_scalar(name, value, step)
         self._csv_file.flush()
 
 
@@ -189,14 +201,29 @@ def truncate_metrics(csv_path: Path, step: int) -> int:
     return len(body) - len(kept)
 
 
-def format_metrics(values: Dict[str, float], keys=("accuracy", "tar@far=1e-3")) -> str:
-    """``accuracy 93.10% ± 1.20, tar@far=1e-3 41.2%`` from a verification metrics dict."""
+#: How metrics.csv (and the logs) write a value that its data cannot support: no number at all.
+NOT_AVAILABLE = "n/a"
+
+
+def format_metrics(values: Dict[str, float], keys: Optional[Sequence[str]] = None) -> str:
+    """``accuracy 93.10% ± 1.20, tar@far=1e-3 41.20%, tar@far=1e-4 n/a (FAR 1e-4 needs at least
+    10000 negative pairs, this set has 3000)`` from a verification metrics dict.
+
+    ``keys``: the rate metrics after the accuracy; by default every ``tar@far=`` of insightface's
+    protocol present. One its data cannot support (NaN) is ``n/a`` with the reason, never a number.
+    """
     parts = []
     if "accuracy" in values:
         parts.append(f"accuracy {100 * values['accuracy']:.2f}% ± {100 * values.get('accuracy_std', 0.0):.2f}")
-    for k in keys[1:]:
-        if k in values and math.isfinite(values[k]):
+    if keys is None:
+        keys = [k for k in values if k.startswith("tar@far=")]
+    for k in keys:
+        if k not in values:
+            continue
+        if math.isfinite(values[k]):
             parts.append(f"{k} {100 * values[k]:.2f}%")
+        else:
+            parts.append(f"{k} {NOT_AVAILABLE} ({why_undefined(k, values)})")
     for k in ("mAP", "rank1", "rank5"):
         if k in values:
             parts.append(f"{k} {100 * values[k]:.2f}%")
@@ -211,23 +238,33 @@ def _worth_a_panel(name: str) -> bool:
     return name.startswith(_PANELS[:3]) or any(name.endswith(p) or p + "=" in name for p in _PANELS[3:])
 
 
+def read_series(csv_path: Path) -> Dict[str, List[Tuple[int, float]]]:
+    """The points ``curves.png`` draws: ``{name: [(step, value), ...]}`` of the scalars worth a
+    panel, numbers only (``n/a``, NaN and a torn last line are no point)."""
+    series: Dict[str, List[Tuple[int, float]]] = {}
+    with open(csv_path, newline="", encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            try:
+                name, step, value = row["name"], int(row["step"]), float(row["value"])
+            except (KeyError, TypeError, ValueError):
+                continue  # "n/a", or the torn last line of an interrupted run
+            if _worth_a_panel(name) and math.isfinite(value):
+                series.setdefault(name, []).append((step, value))
+    return series
+
+
 def plot_metrics(csv_path: Path, png_path: Path) -> List[str]:
     """Draw every scalar of ``metrics.csv`` against the step, one panel each, into ``png_path``.
+
+    A value that is not a number (``n/a``: the data cannot support it; or NaN in an older file) is
+    no point, and a metric with no point at all gets no panel.
 
     Returns the names drawn, in panel order: empty (and nothing drawn) when matplotlib is not
     installed or there is nothing to draw.
     """
     if importlib.util.find_spec("matplotlib") is None:
         return []
-    series: Dict[str, list] = {}
-    with open(csv_path, newline="", encoding="utf-8") as f:
-        for row in csv.DictReader(f):
-            try:
-                name, step, value = row["name"], int(row["step"]), float(row["value"])
-            except (KeyError, TypeError, ValueError):
-                continue  # a torn last line of an interrupted run
-            if _worth_a_panel(name) and math.isfinite(value):
-                series.setdefault(name, []).append((step, value))
+    series = read_series(csv_path)
     if not series:
         return []
     import matplotlib

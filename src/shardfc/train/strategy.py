@@ -210,6 +210,21 @@ def wrap_backbone_optimizer(
     )
 
 
+#: Seconds horovodrun gives a worker between passing on a stop signal (SIGTERM) and SIGKILL
+#: (``horovod.runner.common.util.safe_shell_exec.GRACEFUL_TERMINATION_TIME_S``, not configurable).
+HOROVODRUN_GRACE_S = 5
+
+
+def signal_deadline_note() -> Optional[str]:
+    """Under horovodrun: why a run stopped by a signal should do no more than finish its step and
+    save (horovodrun kills its workers :data:`HOROVODRUN_GRACE_S` seconds after passing the signal
+    on); None elsewhere (spawn and torchrun wait for their workers)."""
+    if not launched_by_horovodrun():
+        return None
+    return (f"horovodrun kills its workers {HOROVODRUN_GRACE_S} s after passing a stop signal on, and the "
+            "checkpoint comes first (metrics.csv holds every value: shardfc.train.runlog.plot_metrics draws it)")
+
+
 def is_horovod_optimizer(opt: torch.optim.Optimizer) -> bool:
     """``opt`` is a Horovod DistributedOptimizer (its gradients are averaged by ``synchronize()``)."""
     return callable(getattr(opt, "synchronize", None)) and callable(getattr(opt, "skip_synchronize", None))
@@ -237,7 +252,9 @@ __all__ = [
     "check_launch",
     "dp_devices",
     "head_placement",
+    "HOROVODRUN_GRACE_S",
     "is_horovod_optimizer",
+    "signal_deadline_note",
     "loader_batch_size",
     "run_context",
     "sync_after_restore",

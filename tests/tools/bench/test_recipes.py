@@ -78,8 +78,14 @@ def test_recipes_that_cannot_run_here_keep_a_row_with_the_reason(smoke):
     # the pipeline runs here: 2 stages of one replica, read back from both stages' profiles
     assert (pipeline["status"], pipeline["reason"], pipeline["processes"]) == ("ok", None, 2)
     assert pipeline["step_time_s"] > 0 and len(pipeline["peak_rss_bytes_per_process"]) == 2
-    # the activations between stages go point to point, outside the counted collectives: said, not hidden
-    assert pipeline["comm_counted"] is False and "stage-to-stage activations not counted" in out
+    # the stage-to-stage traffic (point to point) is counted where it is sent, per process: stage 0
+    # sends its 8 rows' activations at the cut, stage 1 their gradients (the same bytes)
+    boundary = 8 * _tiny().body(torch.zeros(1, 3, 16, 16)).numel() * 4
+    assert pipeline["comm_counted"] is True
+    assert pipeline["stage_bytes_per_step_per_process"] == [boundary, boundary]
+    assert all(c >= boundary for c in pipeline["comm_bytes_per_step_per_process"])
+    assert f"(stage to stage: {boundary:,} / {boundary:,})" in out
+    assert doc["recipes"][0]["stage_bytes_per_step_per_process"] is None  # ddp has no stages
     assert dp["reason"] in out and "devices: none but the CPU" in out
 
 

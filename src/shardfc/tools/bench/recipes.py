@@ -19,8 +19,12 @@ Per row (:data:`ROW_FIELDS`), over the timed steps (after ``warmup`` untimed one
 * ``peak_rss_bytes_per_process``: each process's peak resident set size (its whole life);
   ``cuda_peak_bytes_per_process``: ``max_memory_allocated`` on CUDA, else None;
 * ``comm_bytes_per_step``: the largest over processes of the median bytes a process
-  communicated per step; ``comm_counted`` is False where the strategy's own traffic is not
-  counted (dp's DataParallel copies).
+  communicated per step; ``comm_bytes_per_step_per_process`` each process's median;
+  ``stage_bytes_per_step_per_process``: of those, what each process sent to its neighbouring
+  pipeline stages (activations forward, their gradients backward; None for the recipes without
+  stages), so the table shows what pipelining moves against what DDP all-reduces;
+  ``comm_counted`` is False where the strategy's own traffic is not counted (dp's DataParallel
+  copies).
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from shardfc.checks import check_int, check_names, check_positive_int
 ROW_FIELDS = (
     "recipe", "launcher", "strategy", "precision", "processes", "status", "reason",
     "step_time_s", "step_time_std_s", "samples_per_s", "peak_rss_bytes_per_process",
-    "cuda_peak_bytes_per_process", "comm_bytes_per_step", "comm_counted", "wall_s", "command", "log",
+    "cuda_peak_bytes_per_process", "comm_bytes_per_step", "comm_bytes_per_step_per_process",
+    "stage_bytes_per_step_per_process", "comm_counted", "wall_s", "command", "log",
 )
 PRECISIONS = ("fp32", "amp")
 
@@ -291,8 +296,27 @@ def measure(output_dir: Path, processes: Optional[int], warmup: int) -> Dict[str
         "peak_rss_bytes_per_process": [r["peak_rss_bytes"] for r in ranks],
         "cuda_peak_bytes_per_process": None if any(c is None for c in cuda) else cuda,
         "comm_bytes_per_step": max(int(statistics.median(r["comm_bytes"][warmup:])) for r in ranks),
+        "comm_bytes_per_step_per_process": [int(statistics.median(r["comm_bytes"][warmup:])) for r in ranks],
+        "stage_bytes_per_step_per_process": _stage_bytes(ranks, warmup),
         "comm_counted": all(r["backbone_traffic_counted"] for r in ranks),
     }
+
+
+#: the ``--profile`` kinds of the pipeline's stage-to-stage traffic (:mod:`shardfc.parallel.pipeline`)
+STAGE_KINDS = ("pipeline_activations", "pipeline_activation_grads")
+
+
+def _stage_bytes(ranks: Sequence[Dict[str, Any]], warmup: int) -> Optional[List[int]]:
+    """Each process's median bytes per step sent to its neighbouring stages; None without stages."""
+    if not all(r.get("strategy") == "pipeline" for r in ranks):
+        return None
+    out = []
+    for r in ranks:
+        per_step = r.get("comm_bytes_by_kind_per_step")
+        if per_step is None:
+            raise ValueError(f"rank {r.get('rank')}'s profile has no per-step traffic by kind (an older shardfc?)")
+        out.append(int(statistics.median(sum(step.get(k, 0) for k in STAGE_KINDS) for step in per_step[warmup:])))
+    return out
 
 
 def run_recipes(

@@ -14,7 +14,6 @@ from shardfc.tools.bench.recipes import ROW_FIELDS
 #: What ``comm_bytes_per_step`` leaves out, by strategy, when ``comm_counted`` is False.
 UNCOUNTED = {
     "dp": "DataParallel copies not counted",
-    "pipeline": "stage-to-stage activations not counted",
 }
 
 
@@ -45,7 +44,7 @@ def recipes_table(rows: Sequence[Dict[str, Any]], meta: Optional[Dict[str, Any]]
     if lines:
         lines.append("")
     lines.append("| recipe | launcher | precision | processes | time per step (s) | samples/s | "
-                 "peak RSS MiB per process | comm bytes per step | note |")
+                 "peak RSS MiB per process | comm bytes per step per process | note |")
     lines.append("|---|---|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
         if r["status"] != "ok":
@@ -56,7 +55,10 @@ def recipes_table(rows: Sequence[Dict[str, Any]], meta: Optional[Dict[str, Any]]
         rss = " / ".join(_mib(b) for b in r["peak_rss_bytes_per_process"])
         if r["cuda_peak_bytes_per_process"]:
             rss += " (CUDA " + " / ".join(_mib(b) for b in r["cuda_peak_bytes_per_process"]) + ")"
-        comm = f"{r['comm_bytes_per_step']:,}" + ("" if r["comm_counted"] else f" ({UNCOUNTED.get(r['strategy'], 'partly counted')})")
+        comm = " / ".join(f"{b:,}" for b in r["comm_bytes_per_step_per_process"])
+        comm += "" if r["comm_counted"] else f" ({UNCOUNTED.get(r['strategy'], 'partly counted')})"
+        if r["stage_bytes_per_step_per_process"] is not None:
+            comm += " (stage to stage: " + " / ".join(f"{b:,}" for b in r["stage_bytes_per_step_per_process"]) + ")"
         lines.append(
             f"| {r['recipe']} | {r['launcher']} | {r['precision']} | {r['processes']} | "
             f"{r['step_time_s']:.3f} ± {r['step_time_std_s']:.3f} | {r['samples_per_s']:.1f} | {rss} | {comm} | |"
