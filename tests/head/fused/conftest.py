@@ -1,26 +1,47 @@
 """The fused Triton kernels run here on CPU tensors under Triton's interpreter — or, on a machine
 with CUDA (``scripts/gpu_check.sh``), compiled, on the GPU.
 
-Without CUDA, ``TRITON_INTERPRET=1`` must be set before the kernel modules are first imported (``triton.jit``
-reads it when it wraps a kernel). Nothing imports them before a head resolves ``impl="triton"``,
-which these tests are the first to do; spawned ranks inherit the variable. Where Triton is not
-installed the tests skip, saying how to get it.
+Without CUDA, ``TRITON_INTERPRET=1`` must be set when the kernel modules are imported (``triton.jit``
+reads it when it wraps a kernel) and while a head runs them (the head reads it to accept CPU
+tensors). Both are confined to these tests: the modules are imported here with the variable set
+for the import only, and an autouse fixture sets it for each test of this folder, so no other test
+of the session sees it. Spawned ranks set it themselves. Where Triton is not installed the tests
+skip, saying how to get it.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRET = HAS_TRITON and not torch.cuda.is_available()
+
+if INTERPRET:
+    _before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        for _module in ("shardfc.head.fused.shard", "shardfc.head.fused.optimizer"):
+            importlib.import_module(_module)
+    finally:
+        if _before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = _before
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    if INTERPRET:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
-    if importlib.util.find_spec("triton") is not None:
+    if HAS_TRITON:
         return
     skip = pytest.mark.skip(reason="triton is not installed (pip install 'shardfc[test]' brings it)")
     for item in items:
