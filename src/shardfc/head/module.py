@@ -382,6 +382,11 @@ class ShardedMarginHead(nn.Module):
 
         x = self._prepare_embeddings(embeddings)
         embeds = self._global_embeddings(x, sizes, autograd=True)
+        # Which code runs, decided before anything changes state (the Partial FC sample step): an
+        # impl="triton" that cannot run raises here, the same on every rank.
+        compute_dtype = compute_dtype_for(embeds[0].device, embeds[0], weights[0])
+        stats_dtype = stats_dtype_for(embeddings, weights[0])
+        self.last_impl = resolve_impl(self.impl, embeds[0].device, compute_dtype, stats_dtype, self.embedding_dim)
         all_labels = self.ctx.all_gather_rows(labels, sizes) if self.distributed else labels
         valid = all_labels != self.ignore_index
         feature_norms = self._feature_norms(embeddings, sizes, valid) if self.margin.uses_feature_norm else None
@@ -393,9 +398,6 @@ class ShardedMarginHead(nn.Module):
                 sink = lambda shard, grad: self._keep_row_grad(shard, rows[shard], grad)  # noqa: E731
         else:
             self._record_rows([None] * len(weights))
-        compute_dtype = compute_dtype_for(embeds[0].device, embeds[0], weights[0])
-        stats_dtype = stats_dtype_for(embeddings, weights[0])
-        self.last_impl = resolve_impl(self.impl, embeds[0].device, compute_dtype, stats_dtype, self.embedding_dim)
         plan = ShardedLossPlan(
             config=ShardConfig(
                 margin=self.margin,

@@ -63,3 +63,11 @@ def test_auto_is_triton_on_cuda():
     head = shardfc.ShardedMarginHead(8, 10, device="cuda")
     head(torch.randn(4, 8, device="cuda"), torch.tensor([0, 1, 2, 3], device="cuda"))
     assert head.last_impl == "triton"
+
+
+def test_an_impl_error_changes_no_state(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    head = shardfc.ShardedMarginHead(8, 10, impl="triton", sample_rate=0.5)
+    with pytest.raises(ValueError, match="impl='triton' cannot run"):
+        _step(head)
+    assert head.sample_step == 0 and head.sampled_rows is None
