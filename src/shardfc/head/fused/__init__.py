@@ -7,7 +7,9 @@ sizes), :mod:`.shard` (the launchers, drop-in for :mod:`shardfc.head.kernels`'s 
 Importing this package does not import Triton; :func:`resolve_impl` decides, per forward, which
 implementation runs, and the kernel modules are loaded the first time the Triton one does. Under
 ``TRITON_INTERPRET=1`` (set before the first use) the kernels run on CPU tensors with Triton's
-interpreter — slowly, for tests.
+interpreter — slowly, for tests. On the ``meta`` device (tensors with shapes and no data) the
+launchers allocate what they would and launch nothing: that is how ``shardfc plan`` replays a
+fused step.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def triton_unavailable(device: torch.device, compute_dtype: torch.dtype, stats_d
     """Why the fused kernels cannot run this step (None when they can)."""
     if importlib.util.find_spec("triton") is None:
         return "Triton is not installed (pip install 'shardfc[gpu]')"
-    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+    if device.type not in ("cuda", "meta") and not (device.type == "cpu" and interpreting()):
         return (
             f"the head's tensors are on {device}, not a CUDA device (TRITON_INTERPRET=1 runs the kernels "
             "on CPU tensors with Triton's interpreter, for tests)"
@@ -52,6 +54,11 @@ def triton_unavailable(device: torch.device, compute_dtype: torch.dtype, stats_d
     if dim > MAX_DIM:
         return f"embedding_dim={dim} is above the kernels' limit of {MAX_DIM}"
     return None
+
+
+def shapes_only(t: torch.Tensor) -> bool:
+    """``t`` is a meta tensor: a launcher allocates its outputs and launches nothing."""
+    return t.device.type == "meta"
 
 
 def resolve_impl(impl: str, device: torch.device, compute_dtype: torch.dtype, stats_dtype: torch.dtype, dim: int) -> str:
@@ -67,4 +74,4 @@ def resolve_impl(impl: str, device: torch.device, compute_dtype: torch.dtype, st
     return "triton" if reason is None and device.type == "cuda" else "torch"
 
 
-__all__ = ["IMPLS", "MAX_DIM", "check_impl", "interpreting", "resolve_impl", "triton_unavailable"]
+__all__ = ["IMPLS", "MAX_DIM", "check_impl", "interpreting", "resolve_impl", "shapes_only", "triton_unavailable"]

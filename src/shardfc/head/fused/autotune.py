@@ -23,12 +23,16 @@ import functools
 import torch
 import triton
 
-from shardfc.head.fused import backward, forward, interpreting
+from shardfc.head.fused import backward, forward, interpreting, shapes_only
 
 #: Class splits are multiples of this (the largest ``BN``), so every config tiles them exactly.
 SPLIT_QUANTUM = 128
 #: Programs per SM the split count aims at (enough to hide a tile's latency, few partial rows).
 PROGRAMS_PER_SM = 4
+#: The SM count assumed on the ``meta`` device, where a step is replayed for its shapes (``shardfc
+#: plan --sms``): an H100 SXM's. The split count, so the embedding gradient's ``[splits, B, D]``
+#: partial sums, depends on it.
+META_SMS = 132
 
 
 INTERPRETER_TILES = {"BM": 16, "BN": 16, "BD": 16}
@@ -53,7 +57,10 @@ grad_w = triton.autotune(GRAD_W_CONFIGS, key=["D", "ACCUMULATE", "SCATTER"] + _F
 
 
 def launch(tuned, grid, *args, **kwargs):
-    """Run an autotuned kernel; under the interpreter, its kernel at the fixed small tiles."""
+    """Run an autotuned kernel; under the interpreter, its kernel at the fixed small tiles; on the
+    meta device, nothing (the caller has allocated the outputs)."""
+    if any(isinstance(a, torch.Tensor) and shapes_only(a) for a in args):
+        return
     if interpreting():
         meta = dict(INTERPRETER_TILES)
         tuned.fn[grid(meta)](*args, **kwargs, **meta)
@@ -69,14 +76,16 @@ def _sm_count(index: int) -> int:
 def class_splits(n_cls: int, batch: int, device: torch.device) -> int:
     """Classes per split for the kernels whose grid is ``(row tiles, class splits)``.
 
-    On a GPU, enough splits for ``PROGRAMS_PER_SM`` programs per SM over the batch's row tiles;
-    under the interpreter, three splits (so the tests fold partial statistics across splits).
+    On a GPU, enough splits for ``PROGRAMS_PER_SM`` programs per SM over the batch's row tiles (on
+    the meta device, for :data:`META_SMS` SMs); under the interpreter, three splits (so the tests
+    fold partial statistics across splits).
     """
     quantum = INTERPRETER_TILES["BN"] if interpreting() else SPLIT_QUANTUM
-    if interpreting() or device.type != "cuda":
+    if interpreting() or device.type not in ("cuda", "meta"):
         wanted = 3
     else:
         row_tiles = triton.cdiv(max(batch, 1), 64)
-        wanted = triton.cdiv(PROGRAMS_PER_SM * _sm_count(device.index or 0), row_tiles)
+        sms = META_SMS if device.type == "meta" else _sm_count(device.index or 0)
+        wanted = triton.cdiv(PROGRAMS_PER_SM * sms, row_tiles)
     per_split = triton.cdiv(max(n_cls, 1), max(wanted, 1))
     return triton.cdiv(per_split, quantum) * quantum

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from shardfc.head.fused import interpreting
+from shardfc.head.fused import interpreting, shapes_only
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def fusable(p: Tensor, rounding: str) -> Optional[str]:
         return f"parameters of {p.dtype} (fp32/bf16/fp16 only)"
     if rounding != "nearest" and p.dtype != torch.float32:
         return f"rounding={rounding!r} (the kernel rounds to nearest)"
-    if p.device.type != "cuda" and not (p.device.type == "cpu" and interpreting()):
+    if p.device.type not in ("cuda", "meta") and not (p.device.type == "cpu" and interpreting()):
         return f"parameters on {p.device}, not CUDA"
     return None
 
@@ -67,7 +67,7 @@ def row_sgd_(p: Tensor, buf: Optional[Tensor], grad: Tensor, idx: Optional[Tenso
     """Update rows ``idx`` of ``p`` (every row: ``idx`` None) in place; ``grad`` holds row ``i``'s
     gradient at ``idx[i]`` (``grad_at_idx``) or at ``i``; ``buf``: the momentum buffer (None: none)."""
     n = p.shape[0] if idx is None else idx.numel()
-    if n == 0:
+    if n == 0 or shapes_only(p):  # meta: shapes only, nothing to launch (shardfc plan)
         return
     BR, BD = (16, 16) if interpreting() else (32, 128)
     with torch.cuda.device(p.device) if p.is_cuda else contextlib.nullcontext():

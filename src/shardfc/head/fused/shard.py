@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from shardfc.head.fused import autotune, interpreting, tiles
+from shardfc.head.fused import autotune, interpreting, shapes_only, tiles
 from shardfc.head.kernels import ShardConfig, ShardStats, target_norm_gradients
 from shardfc.head.normalize import NORM_EPS
 
@@ -215,6 +215,8 @@ def shard_backward(
 def row_inverse_norms(w: Tensor, rows: Optional[Tensor], n_rows: int) -> Tensor:
     """``[n_rows]`` fp32 ``1/‖w_r‖`` of the scored rows (``rows[r]`` of ``w``, or row ``r``)."""
     inv = torch.empty(n_rows, dtype=torch.float32, device=w.device)
+    if shapes_only(inv):
+        return inv
     BR, BD = (16, 16) if interpreting() else (64, 128)
     tiles.row_inverse_norms_kernel[(triton.cdiv(n_rows, BR),)](
         w, rows if rows is not None else inv, inv, n_rows, w.shape[1], w.stride(0),

@@ -25,15 +25,29 @@ caching allocator's rounding and reserve. One memory model, ``"allocated"`` (the
 about 15 µs per operator, some 1.5 ms per chunk of a chunked head: a budget search that reaches
 millions of chunks' worth of classes takes tens of seconds.
 
+The head's implementation: ``impl="torch"`` (default) replays the torch path, the one that runs on
+the CPU; ``impl="triton"`` replays the fused kernels' step (:mod:`shardfc.head.fused`, what
+``impl="auto"`` runs on a CUDA GPU with Triton installed): their launchers allocate on the meta
+device what they would on the GPU and launch nothing, and the row-sparse SGD (Partial FC, bf16/fp16
+centres) takes its fused kernel, as on a GPU. The kernels' one GPU-dependent buffer, the embedding
+gradient's partial sums (``[splits, B, D]`` fp32), follows the SM count ``sms`` (default 132, an
+H100 SXM). torch's own SGD/AdamW (fp32 centres, no sampling) and the row-sparse AdamW are replayed
+unfused, as torch runs them off CUDA: with weight decay (SGD) or AdamW that step allocates
+temporaries that torch's ``fused=True`` CUDA step does not, so there the plan overstates a GPU's
+peak by up to a gradient's size.
+
 Usage::
 
     shardfc plan --classes 1000000 --dim 512 --batch 1024 --world-size 8 --budget 16GiB
     shardfc plan ... --no-grads-kept      # the training loop calls zero_grad(set_to_none=True)
+    shardfc plan ... --head-impl triton   # the fused kernels, as on a CUDA GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import math
 import re
@@ -47,6 +61,8 @@ from shardfc.checks import check_positive_int, chunk_size_arg
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 OPTIMIZERS = ("sgd", "sgd_nomomentum", "adamw")
 MEMORY_MODELS = ("allocated",)
+#: the implementations a plan replays (``"auto"`` is one of these, depending on the device)
+PLAN_IMPLS = ("torch", "triton")
 PARTS = ("weights", "gradients", "optimizer_state", "activations", "communication")
 
 
@@ -84,6 +100,8 @@ def plan(
     grad_in_place: bool = True,
     sparse_grad: bool = False,
     subcenters: int = 1,
+    impl: str = "torch",
+    sms: int = 132,
 ) -> Dict[str, Any]:
     """Per-rank memory of one head training step, and (with a budget) the largest C and B that fit.
 
@@ -108,6 +126,10 @@ def plan(
         sparse_grad: Partial FC's row-sparse weight gradient (needs ``sample_rate < 1``).
         subcenters: Sub-center ArcFace's ``K`` centres per class (``K`` weight rows each; Partial FC
             samples whole classes). ``n_local``, ``n_sampled`` and ``bytes_per_class`` count classes.
+        impl: the head's implementation, ``"torch"`` or ``"triton"`` (the fused kernels, as
+            ``impl="auto"`` runs them on a CUDA GPU; needs Triton installed; ``chunk_size`` is then
+            ignored, as the head ignores it).
+        sms: the GPU's streaming multiprocessors, for ``impl="triton"`` (see the module docstring).
 
     Returns a dict with ``parts`` (bytes per part, see the module docstring), ``step_peak``,
     ``resting``, ``total``, ``bytes_per_class`` (resting bytes over ``n_local``), ``n_local``, ``n_sampled``, ``local_batch``, the inputs, and with a
@@ -123,6 +145,12 @@ def plan(
     check_positive_int("batch", batch)
     check_positive_int("world_size", world_size)
     check_positive_int("subcenters", subcenters)
+    check_positive_int("sms", sms)
+    if impl not in PLAN_IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(PLAN_IMPLS)}, got {impl!r}")
+    if impl == "triton" and importlib.util.find_spec("triton") is None:
+        raise ValueError("impl='triton' replays the fused kernels' step, which needs Triton installed "
+                         "(pip install 'shardfc[gpu]')")
     dtype = _dtype_name(dtype)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
@@ -152,23 +180,24 @@ def plan(
         return _in_fresh_process(
             plan, num_classes, dim, batch, world_size, dtype, optimizer, sample_rate, chunk_size, budget,
             margin=margin, weight_decay=weight_decay, chunk_budget_bytes=chunk_budget_bytes, grad_in_place=grad_in_place,
-            sparse_grad=sparse_grad, subcenters=subcenters,
+            sparse_grad=sparse_grad, subcenters=subcenters, impl=impl, sms=sms,
         )
     from shardfc.tools.plan.replay import fake_world
 
-    head_options = dict(margin=margin, chunk_size=chunk_size, chunk_budget_bytes=chunk_budget_bytes, sample_rate=float(sample_rate))
+    head_options = dict(margin=margin, chunk_size=chunk_size, chunk_budget_bytes=chunk_budget_bytes,
+                        sample_rate=float(sample_rate), impl=impl)
     if sparse_grad:
         head_options["sparse_grad"] = True
     if subcenters > 1:
         head_options["subcenters"] = subcenters
-    with fake_world(world_size):
+    with fake_world(world_size), _planned_sms(impl, sms):
         evaluate = _Evaluator(dim, world_size, DTYPES[dtype], optimizer, weight_decay, grad_in_place, head_options)
         result = dict(evaluate(num_classes, batch))
         result.update(
             num_classes=num_classes, dim=dim, batch=batch, world_size=world_size, dtype=dtype, optimizer=optimizer,
             sample_rate=float(sample_rate), chunk_size=chunk_size, margin=type(margin).__name__,
             weight_decay=weight_decay, memory_model=memory_model, grad_in_place=grad_in_place, sparse_grad=sparse_grad,
-            subcenters=subcenters,
+            subcenters=subcenters, impl=impl, sms=sms if impl == "triton" else None,
         )
         if budget is not None:
             one = evaluate(1, batch)["total"]
@@ -182,6 +211,20 @@ def plan(
             max_b = _largest(lambda b: evaluate(num_classes, b)["total"], budget, 1) if fits_b1 else 0
             result.update(budget_bytes=budget, fits=result["total"] <= budget, max_classes=max_c, max_batch=max_b)
     return result
+
+
+@contextlib.contextmanager
+def _planned_sms(impl: str, sms: int):
+    """The fused launchers' SM count on the meta device, for the plan's duration."""
+    if impl != "triton":
+        yield
+        return
+    from unittest import mock
+
+    from shardfc.head.fused import autotune
+
+    with mock.patch.object(autotune, "META_SMS", sms):
+        yield
 
 
 class _Evaluator:
@@ -317,10 +360,12 @@ def format_bytes(n: float) -> str:
 def format_plan(result: Dict[str, Any]) -> str:
     """A readable table of :func:`plan`'s result."""
     r = result
-    chunk = r["chunk_size"] if r["chunk_size"] else "none"
+    fused = r.get("impl") == "triton"
+    chunk = "none (fused)" if fused else r["chunk_size"] if r["chunk_size"] else "none"
+    impl = f"triton, {r['sms']} SMs" if fused else "torch"
     lines = [
         f"head: C={r['num_classes']:,} D={r['dim']} global B={r['batch']} on W={r['world_size']} "
-        f"({r['dtype']}, {r['margin']}, optimizer {r['optimizer']}, chunk {chunk}, sample rate {r['sample_rate']}"
+        f"({r['dtype']}, {r['margin']}, impl {impl}, optimizer {r['optimizer']}, chunk {chunk}, sample rate {r['sample_rate']}"
         + (f", {r['subcenters']} sub-centres per class" if r.get("subcenters", 1) > 1 else "") + ")",
         f"rank 0: {r['n_local']:,} classes"
         + (f" ({r['n_sampled']:,} sampled per step)" if r["n_sampled"] != r["n_local"] else "")
@@ -350,6 +395,8 @@ def format_plan(result: Dict[str, Any]) -> str:
     lines.append(f"resting ({resting}): {format_bytes(r['resting'])}; "
                  f"step peak above it: {format_bytes(r['step_peak'])}")
     lines.append(f"bytes per class at rest: {r['bytes_per_class']:,.1f} ({r['bytes_per_class'] / r['dim']:.2f} x D)")
+    if not fused:
+        lines.append("(the torch path; on a CUDA GPU with Triton the head runs its fused kernels: --head-impl triton plans those)")
     if "budget_bytes" in r:
         lines.append(f"budget {format_bytes(r['budget_bytes'])} per rank: {'fits' if r['fits'] else 'DOES NOT FIT'}")
         lines.append(f"largest C at B={r['batch']}: {r['max_classes']:,}")
@@ -383,6 +430,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="Partial FC's row-sparse weight gradient (the sampled rows only; needs --sample-rate < 1)")
     p.add_argument("--subcenters", type=int, default=1,
                    help="Sub-center ArcFace: K centres (weight rows) per class (default 1)")
+    p.add_argument("--head-impl", dest="impl", choices=PLAN_IMPLS, default="torch",
+                   help="the head's implementation to replay: torch (default; the CPU's) or triton (the fused "
+                        "kernels impl=auto runs on a CUDA GPU; needs Triton installed)")
+    p.add_argument("--sms", type=int, default=132,
+                   help="with --head-impl triton: the GPU's SM count (default 132, an H100 SXM), which sizes the "
+                        "embedding gradient's partial sums")
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     try:
         args = p.parse_args(argv)
@@ -393,7 +446,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             args.classes, args.dim, args.batch, args.world_size, args.dtype, args.optimizer, args.sample_rate,
             args.chunk_size, args.budget, margin=args.margin, weight_decay=args.weight_decay,
             memory_model=args.memory_model, grad_in_place=args.grad_in_place, sparse_grad=args.sparse_grad,
-            subcenters=args.subcenters,
+            subcenters=args.subcenters, impl=args.impl, sms=args.sms,
         )
     except ValueError as e:
         print(f"shardfc plan: error: {e}", file=sys.stderr)
@@ -406,4 +459,4 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-__all__ = ["plan", "parse_bytes", "format_bytes", "format_plan", "main", "PARTS", "OPTIMIZERS"]
+__all__ = ["plan", "parse_bytes", "format_bytes", "format_plan", "main", "PARTS", "OPTIMIZERS", "PLAN_IMPLS"]

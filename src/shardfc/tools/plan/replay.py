@@ -18,6 +18,10 @@ no data, so any ``C`` costs nothing — and runs the step ``shardfc bench`` runs
 * **speed**: many meta kernels are Python; :class:`_MetaStep` remembers the output shapes of each
   operator for given input shapes and scalars, so the chunk loop's repeated operators cost a lookup.
 
+With the head's ``impl="triton"`` the fused launchers allocate their outputs on the meta device and
+launch nothing (:mod:`shardfc.head.fused`), and the row-sparse SGD takes its fused kernel, as both
+do on a CUDA GPU.
+
 Nothing here describes the head's buffers: a change in the head changes the replay.
 """
 
@@ -284,7 +288,7 @@ def replay_step(
 ) -> Replay:
     """Replay one step (after a warm-up that creates the gradients and the optimizer state) inside
     :func:`fake_world`. ``head_options`` go to the head (margin, chunk_size, sample_rate, ...)."""
-    from shardfc.head.partial_fc import head_optimizer
+    from shardfc.head.partial_fc import RowSparseSGD, head_optimizer
     from shardfc.tools.bench.runner import train_step
 
     local_batch = math.ceil(batch / world_size)  # rank 0's
@@ -292,6 +296,8 @@ def replay_step(
     head.train()
     name = "adamw" if optimizer == "adamw" else "sgd"
     opt = head_optimizer(head, name, lr=LR, momentum=MOMENTUM if optimizer == "sgd" else 0.0, weight_decay=weight_decay)
+    if head_options.get("impl") == "triton" and isinstance(opt, RowSparseSGD):
+        opt.fused = True  # as on a CUDA GPU, where the automatic choice is its fused kernel
     params = list(head.parameters())
     grad_serials: List[Optional[int]] = []
     mode = _MetaStep()

@@ -1,0 +1,100 @@
+"""``shardfc plan --head-impl triton``: the fused step replayed on the meta device allocates what
+the fused step allocates on real tensors (here CPU tensors under Triton's interpreter).
+
+The interpreter copies a kernel's arguments into tensors of its own while it runs, and its closures
+keep them (and the arguments) in reference cycles until Python's garbage collector runs; a GPU
+launch allocates nothing and holds nothing. So the measured step runs each launch with the dispatch
+modes suspended and collects the interpreter's cycles after it: what is counted is what the
+launchers allocate, which is what ``plan`` claims to know.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from shardfc.head.margins import build_margin
+from shardfc.head.module import ShardedMarginHead
+from shardfc.head.partial_fc import RowSparseSGD, head_optimizer
+from shardfc.tools.bench.memory import LiveTensorBytes
+from shardfc.tools.bench.runner import train_step
+from shardfc.tools.plan import plan
+
+C, D, B = 400, 32, 32
+
+
+@pytest.fixture
+def launches_unseen(monkeypatch):
+    """Every kernel launch runs outside the dispatch modes and leaves nothing behind (the
+    interpreter's own copies and cycles)."""
+    from shardfc.head.fused import autotune, optimizer, tiles
+
+    real_launch = autotune.launch
+
+    def launch(*args, **kwargs):
+        with _disable_current_modes():
+            real_launch(*args, **kwargs)
+            gc.collect()
+
+    class Unseen:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                with _disable_current_modes():
+                    self.kernel[grid](*args, **kwargs)
+                    gc.collect()
+
+            return run
+
+    monkeypatch.setattr(autotune, "launch", launch)
+    monkeypatch.setattr(tiles, "row_inverse_norms_kernel", Unseen(tiles.row_inverse_norms_kernel))
+    monkeypatch.setattr(optimizer, "row_sgd_kernel", Unseen(optimizer.row_sgd_kernel))
+
+
+def _measured_step_peak(kept=True, optimizer="sgd", dtype="float32", margin="arcface", **head_options):
+    """The bench's step through the fused kernels (and the fused row-sparse SGD, where the head's
+    optimizer is one) on real tensors, W = 1, after a warm-up step."""
+    torch.manual_seed(0)
+    dtype = getattr(torch, dtype)
+    head = ShardedMarginHead(D, C, margin=build_margin(margin), dtype=dtype, impl="triton", **head_options)
+    name = "adamw" if optimizer == "adamw" else "sgd"
+    opt = head_optimizer(head, name, lr=0.1, momentum=0.9 if optimizer == "sgd" else 0.0, weight_decay=0.0)
+    if isinstance(opt, RowSparseSGD):
+        opt.fused = True  # its automatic choice on CUDA; here, under the interpreter
+
+    def inputs():
+        return torch.randn(B, D, dtype=dtype, requires_grad=True), torch.arange(B) * (C // B)
+
+    train_step(head, opt, *inputs(), set_to_none=not kept)
+    x, y = inputs()
+    with LiveTensorBytes() as mode:
+        train_step(head, opt, x, y, set_to_none=not kept)
+    assert head.last_impl == "triton"
+    return mode.peak
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(grads_kept=False),
+        dict(sample_rate=0.25),
+        dict(sample_rate=0.25, sparse_grad=True),
+        dict(dtype="bfloat16", margin="sphereface"),
+        dict(dtype="bfloat16", sample_rate=0.25, sparse_grad=True, optimizer="adamw"),
+        dict(optimizer="adamw"),
+        dict(subcenters=2, sample_rate=0.25, sparse_grad=True),
+        dict(chunk_size=64),  # ignored by the fused path, in the plan as in the head
+    ],
+)
+def test_fused_plan_equals_the_fused_step_measured(launches_unseen, options):
+    options = dict(options)
+    kept = options.pop("grads_kept", True)
+    optimizer = options.pop("optimizer", "sgd")
+    predicted = plan(C, D, B, 1, optimizer=optimizer, grad_in_place=kept, impl="triton", **options)
+    assert predicted["step_peak"] == _measured_step_peak(kept, optimizer, **options)
