@@ -1,4 +1,5 @@
-"""Fixtures shared by every test folder: running a command under ``horovodrun``."""
+"""Fixtures shared by every test folder: running a command under ``horovodrun``; the head's step
+measured on real tensors (what ``shardfc plan`` predicts)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,41 @@ def horovodrun() -> HorovodRun:
             pytest.fail(f"{REQUIRE_HOROVOD}=1 but {reason}", pytrace=False)
         pytest.skip(reason)
     return HorovodRun(_horovodrun_path())
+
+
+def _measured_step_peak(C, D, B, grads_kept=True, optimizer="sgd", dtype="float32", margin="arcface", impl="torch",
+                        **head_options) -> int:
+    """Bytes the bench's training step allocates above its resting state (``LiveTensorBytes``), on
+    real CPU tensors, W = 1, after a real warm-up step; labels distinct. ``impl="triton"`` runs the
+    fused kernels and the fused row-sparse SGD (their choice on CUDA; here under the interpreter)."""
+    import torch
+
+    from shardfc.head.margins import build_margin
+    from shardfc.head.module import ShardedMarginHead
+    from shardfc.head.partial_fc import RowSparseSGD, head_optimizer
+    from shardfc.tools.bench.memory import LiveTensorBytes
+    from shardfc.tools.bench.runner import train_step
+
+    torch.manual_seed(0)
+    dtype = getattr(torch, dtype)
+    head = ShardedMarginHead(D, C, margin=build_margin(margin), dtype=dtype, impl=impl, **head_options)
+    name = "adamw" if optimizer == "adamw" else "sgd"
+    opt = head_optimizer(head, name, lr=0.1, momentum=0.9 if optimizer == "sgd" else 0.0, weight_decay=0.0)
+    if impl == "triton" and isinstance(opt, RowSparseSGD):
+        opt.fused = True
+
+    def inputs():
+        return torch.randn(B, D, dtype=dtype, requires_grad=True), torch.arange(B) * (C // B)
+
+    train_step(head, opt, *inputs(), set_to_none=not grads_kept)
+    x, y = inputs()
+    with LiveTensorBytes() as mode:
+        train_step(head, opt, x, y, set_to_none=not grads_kept)
+    assert head.last_impl == impl
+    return mode.peak
+
+
+@pytest.fixture
+def measured_step_peak():
+    """:func:`_measured_step_peak`: ``(C, D, B, grads_kept, optimizer, **head_options) -> bytes``."""
+    return _measured_step_peak

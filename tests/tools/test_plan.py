@@ -18,35 +18,12 @@ import torch
 import torch.distributed as dist
 
 import shardfc.head.function as head_function
-from shardfc.head.margins import build_margin
-from shardfc.head.module import ShardedMarginHead
-from shardfc.head.partial_fc import head_optimizer
 from shardfc.tools import plan as plan_module
-from shardfc.tools.bench.memory import LiveTensorBytes
-from shardfc.tools.bench.runner import train_step
 from shardfc.tools.plan import PARTS, main, parse_bytes, plan
 from shardfc.tools.plan import replay as replay_module
 
 
 # --------------------------------------------------------------------------- the plan is the step
-def _measured_step_peak(C, D, B, grads_kept=True, optimizer="sgd", dtype="float32", margin="arcface", **head_options):
-    """The bench's step on real CPU tensors, W = 1, after a real warm-up step; labels distinct."""
-    torch.manual_seed(0)
-    dtype = getattr(torch, dtype)
-    head = ShardedMarginHead(D, C, margin=build_margin(margin), dtype=dtype, **head_options)
-    name = "adamw" if optimizer == "adamw" else "sgd"
-    opt = head_optimizer(head, name, lr=0.1, momentum=0.9 if optimizer == "sgd" else 0.0, weight_decay=0.0)
-
-    def inputs():
-        return torch.randn(B, D, dtype=dtype, requires_grad=True), torch.arange(B) * (C // B)
-
-    train_step(head, opt, *inputs(), set_to_none=not grads_kept)
-    x, y = inputs()
-    with LiveTensorBytes() as mode:
-        train_step(head, opt, x, y, set_to_none=not grads_kept)
-    return mode.peak
-
-
 @pytest.mark.parametrize(
     "options",
     [
@@ -68,7 +45,7 @@ def _measured_step_peak(C, D, B, grads_kept=True, optimizer="sgd", dtype="float3
         dict(subcenters=3, sample_rate=0.25, chunk_size=256, optimizer="adamw"),
     ],
 )
-def test_plan_equals_the_step_measured_on_real_tensors(options):
+def test_plan_equals_the_step_measured_on_real_tensors(options, measured_step_peak):
     """W = 1: the replay on meta tensors allocates what the real CPU step does, byte for byte, but
     for the chunked loop, where the replay puts every target in every chunk (a few [B] index
     tensors more)."""
@@ -76,7 +53,7 @@ def test_plan_equals_the_step_measured_on_real_tensors(options):
     kept = options.pop("grads_kept", True)
     optimizer = options.pop("optimizer", "sgd")
     predicted = plan(4000, 32, 64, 1, optimizer=optimizer, grad_in_place=kept, **options)["step_peak"]
-    measured = _measured_step_peak(4000, 32, 64, kept, optimizer, **options)
+    measured = measured_step_peak(4000, 32, 64, kept, optimizer, **options)
     if "chunk_size" in options:
         assert measured <= predicted <= measured + 16 * 64 * 8
     else:

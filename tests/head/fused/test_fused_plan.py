@@ -13,14 +13,8 @@ from __future__ import annotations
 import gc
 
 import pytest
-import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from shardfc.head.margins import build_margin
-from shardfc.head.module import ShardedMarginHead
-from shardfc.head.partial_fc import RowSparseSGD, head_optimizer
-from shardfc.tools.bench.memory import LiveTensorBytes
-from shardfc.tools.bench.runner import train_step
 from shardfc.tools.plan import plan
 
 C, D, B = 400, 32, 32
@@ -56,28 +50,6 @@ def launches_unseen(monkeypatch):
     monkeypatch.setattr(optimizer, "row_sgd_kernel", Unseen(optimizer.row_sgd_kernel))
 
 
-def _measured_step_peak(kept=True, optimizer="sgd", dtype="float32", margin="arcface", **head_options):
-    """The bench's step through the fused kernels (and the fused row-sparse SGD, where the head's
-    optimizer is one) on real tensors, W = 1, after a warm-up step."""
-    torch.manual_seed(0)
-    dtype = getattr(torch, dtype)
-    head = ShardedMarginHead(D, C, margin=build_margin(margin), dtype=dtype, impl="triton", **head_options)
-    name = "adamw" if optimizer == "adamw" else "sgd"
-    opt = head_optimizer(head, name, lr=0.1, momentum=0.9 if optimizer == "sgd" else 0.0, weight_decay=0.0)
-    if isinstance(opt, RowSparseSGD):
-        opt.fused = True  # its automatic choice on CUDA; here, under the interpreter
-
-    def inputs():
-        return torch.randn(B, D, dtype=dtype, requires_grad=True), torch.arange(B) * (C // B)
-
-    train_step(head, opt, *inputs(), set_to_none=not kept)
-    x, y = inputs()
-    with LiveTensorBytes() as mode:
-        train_step(head, opt, x, y, set_to_none=not kept)
-    assert head.last_impl == "triton"
-    return mode.peak
-
-
 @pytest.mark.parametrize(
     "options",
     [
@@ -92,9 +64,9 @@ def _measured_step_peak(kept=True, optimizer="sgd", dtype="float32", margin="arc
         dict(chunk_size=64),  # ignored by the fused path, in the plan as in the head
     ],
 )
-def test_fused_plan_equals_the_fused_step_measured(launches_unseen, options):
+def test_fused_plan_equals_the_fused_step_measured(launches_unseen, measured_step_peak, options):
     options = dict(options)
     kept = options.pop("grads_kept", True)
     optimizer = options.pop("optimizer", "sgd")
     predicted = plan(C, D, B, 1, optimizer=optimizer, grad_in_place=kept, impl="triton", **options)
-    assert predicted["step_peak"] == _measured_step_peak(kept, optimizer, **options)
+    assert predicted["step_peak"] == measured_step_peak(C, D, B, kept, optimizer, impl="triton", **options)
