@@ -148,7 +148,8 @@ class ShardedMarginHead(nn.Module):
         impl: which code computes each shard's loss: ``"torch"`` (the reference, and the CPU
             implementation), ``"triton"`` (:mod:`shardfc.head.fused`: fused kernels that never hold
             ``[B, n]`` logits — ``chunk_size`` is then moot — read the weight in place, fold the
-            margin in at the target column and write the weight gradient once; CUDA, fp32/bf16/fp16
+            margin in at the target column and write the weight gradient once; CUDA (or the meta
+            device: shapes only, nothing launched, as ``shardfc plan`` replays it), fp32/bf16/fp16
             compute, ``embedding_dim ≤ 1024``; a clear error says which condition fails) or
             ``"auto"`` (the default: Triton on CUDA when it can run there, else torch).
             ``last_impl`` says which ran.
