@@ -31,6 +31,7 @@ from torch import nn
 from shardfc.checks import check_int, check_positive_int
 from shardfc.parallel.context import DistContext
 from shardfc.parallel.model_split import _units, batch_stats_module, model_segments
+from shardfc.parallel.partition import linear_partition
 
 __all__ = [
     "SCHEDULES",
@@ -146,46 +147,7 @@ def balanced_split_points(model: nn.Module, stages: int) -> List[str]:
             return sum(p.numel() for p in children[items[0]][u.block].parameters())
         return sum(p.numel() for item in items if item in children for p in children[item].parameters())
 
-    sizes = [unit_size(u) for u in units]
-    n = len(sizes)
-    prefix = [0]
-    for v in sizes:
-        prefix.append(prefix[-1] + v)
-    # best[k][i]: the smallest largest part when units[:i] are cut into k parts (non-empty)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for k in range(1, stages + 1):
-        for i in range(k, n + 1):
-            best[k][i] = min(max(best[k - 1][j], prefix[i] - prefix[j]) for j in range(k - 1, i))
-    target = best[stages][n]
-
-    def fits(start: int, parts: int) -> bool:
-        """units[start:] cut into ``parts`` non-empty parts, none above ``target``."""
-        return best_from(start, parts) <= target
-
-    memo: dict = {}
-
-    def best_from(start: int, parts: int) -> float:
-        key = (start, parts)
-        if key not in memo:
-            if parts == 1:
-                memo[key] = prefix[n] - prefix[start]
-            elif n - start < parts:
-                memo[key] = inf
-            else:
-                memo[key] = min(
-                    max(prefix[c + 1] - prefix[start], best_from(c + 1, parts - 1)) for c in range(start, n - parts + 1)
-                )
-        return memo[key]
-
-    cuts: List[int] = []
-    start = 0
-    for left in range(stages - 1, 0, -1):  # the earliest cut that still reaches the best
-        c = next(c for c in range(start, n - left)
-                 if prefix[c + 1] - prefix[start] <= target and fits(c + 1, left))
-        cuts.append(c)
-        start = c + 1
+    cuts = linear_partition([unit_size(u) for u in units], stages)
     return [units[c].point for c in cuts]
 
 

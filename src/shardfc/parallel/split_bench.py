@@ -47,6 +47,7 @@ from .model_split import (
     split_model,
     stages,
 )
+from .partition import linear_partition
 
 __all__ = ["FIELDS", "balanced_split_points", "time_split_sweep"]
 
@@ -108,7 +109,7 @@ def balanced_split_points(model: nn.Module, n_stages: int, sample: torch.Tensor)
 
     Cost of a segment: its convolutions' and linear layers' multiply-accumulates on ``sample``
     (one input row on the model's device). Minimises the largest stage's cost over all
-    contiguous partitions of the segments.
+    contiguous partitions of the segments (:func:`shardfc.parallel.partition.linear_partition`).
     """
     _check_int("n_stages", n_stages, 1)
     decl = model_segments(model)
@@ -118,27 +119,7 @@ def balanced_split_points(model: nn.Module, n_stages: int, sample: torch.Tensor)
             f"({', '.join(n for n, _ in decl)}) to spread over them"
         )
     cost = _segment_macs(model, sample)
-    n = len(cost)
-    prefix = [0]
-    for c in cost:
-        prefix.append(prefix[-1] + c)
-    # best[k][j]: the smallest possible largest-stage cost of segments [0, j) in k stages.
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
-    best[0][0] = 0
-    for k in range(1, n_stages + 1):
-        for j in range(k, n + 1):
-            for i in range(k - 1, j):
-                value = max(best[k - 1][i], prefix[j] - prefix[i])
-                if value < best[k][j]:
-                    best[k][j], cut[k][j] = value, i
-    bounds, j = [], n
-    for k in range(n_stages, 0, -1):
-        j = cut[k][j]
-        bounds.append(j)
-    ends = sorted(bounds)[1:]  # stage starts after the first; a stage starting at i cuts after i - 1
-    return [decl[i - 1][0] for i in ends]
+    return [decl[c][0] for c in linear_partition(cost, n_stages)]
 
 
 def _sync(devices: Sequence[torch.device]) -> None:
