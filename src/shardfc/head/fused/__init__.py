@@ -20,7 +20,12 @@ from typing import Optional
 
 import torch
 
-IMPLS = ("auto", "triton", "torch")
+#: ``"triton"``: the fused online-LSE forward kernel; ``"gemm"``: the forward as cuBLAS GEMMs over class
+#: chunks with a Triton epilogue; both share the backward (cuBLAS GEMMs over class chunks, Triton
+#: epilogues). ``"torch"``: the reference. ``"auto"``: timed once per workload on the user's GPU.
+IMPLS = ("auto", "triton", "gemm", "torch")
+#: The implementations ``"auto"`` chooses between, in the order they are tried.
+CANDIDATES = ("triton", "gemm", "torch")
 #: Largest embedding width of the fused kernels (their backward holds a ``[tile, D]`` accumulator).
 MAX_DIM = 1024
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
