@@ -1,0 +1,333 @@
+"""Pick the fastest implementation of the head's loss once per workload, on the user's own GPU.
+
+Like ``torch.backends.cudnn.benchmark``: the first forward of a workload (shapes, dtypes, margin,
+sampling, GPU, library versions: whatever the caller puts in :func:`workload_key`) runs each
+candidate implementation a few times, keeps the fastest, and remembers it — in memory for the
+process, and in a small JSON file (:func:`cache_file`) for the next run. Nothing here knows about
+the head: a candidate is a callable that runs one forward + backward of one implementation on the
+real inputs and changes no state.
+
+Across ranks the choice must be the same everywhere (a rank that runs another implementation still
+computes the same loss, but its collectives could differ). :meth:`ImplSelector.choose` takes an
+``agree(i)`` collective that returns rank 0's ``i`` on every rank, and calls it once or twice per
+workload, the same number of times on every rank whatever each rank's JSON file says:
+
+1. ``i0 = agree(index of this rank's cached choice, or -1)``;
+2. ``i0 >= 0``: every rank takes rank 0's cached choice and times nothing;
+3. else every rank times every candidate and ``agree(index of its fastest)`` gives rank 0's pick.
+
+``SHARDFC_HEAD_IMPL`` (:func:`env_override`) lets a user skip all of this and name the implementation.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import pathlib
+import statistics
+import tempfile
+import time
+from typing import Any, Callable, Dict, Mapping, Optional, Union
+
+import torch
+
+from shardfc.checks import check_int, check_names, check_positive_int
+from shardfc.head.fused import CANDIDATES, IMPLS
+
+__all__ = [
+    "ENV_VAR",
+    "ImplSelector",
+    "bucket",
+    "cache_file",
+    "default_selector",
+    "env_override",
+    "environment_fields",
+    "short_key",
+    "workload_key",
+]
+
+#: Names the implementation for every head of the process (one of :data:`~shardfc.head.fused.IMPLS`),
+#: instead of the head's ``impl`` argument; unset or empty: no override.
+ENV_VAR = "SHARDFC_HEAD_IMPL"
+#: The folder of the cache file, instead of ``$XDG_CACHE_HOME/shardfc`` or ``~/.cache/shardfc``.
+CACHE_DIR_VAR = "SHARDFC_CACHE_DIR"
+CACHE_NAME = "head_impl.json"
+
+_OOM = getattr(torch.cuda, "OutOfMemoryError", RuntimeError)
+
+
+def env_override() -> Optional[str]:
+    """The implementation ``$SHARDFC_HEAD_IMPL`` names (None when unset or empty); a ValueError
+    naming the variable, its value and the allowed names when it names none."""
+    raw = os.environ.get(ENV_VAR, "")
+    value = raw.strip().lower()
+    if not value:
+        return None
+    if value not in IMPLS:
+        raise ValueError(f"{ENV_VAR}={raw!r} is not an implementation of the head; choose from {', '.join(IMPLS)}")
+    return value
+
+
+def cache_file() -> pathlib.Path:
+    """Where the chosen implementations persist: ``$SHARDFC_CACHE_DIR/head_impl.json``, else
+    ``$XDG_CACHE_HOME/shardfc/head_impl.json`` (an absolute path, as the XDG spec asks), else
+    ``~/.cache/shardfc/head_impl.json``."""
+    own = os.environ.get(CACHE_DIR_VAR, "")
+    if own:
+        return pathlib.Path(own).expanduser() / CACHE_NAME
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if xdg and os.path.isabs(xdg):
+        return pathlib.Path(xdg) / "shardfc" / CACHE_NAME
+    return pathlib.Path.home() / ".cache" / "shardfc" / CACHE_NAME
+
+
+def bucket(n: int) -> int:
+    """``n`` rounded up to a power of two (0 stays 0): class and batch counts in a workload key, so
+    1,000,000 and 1,000,003 classes share a choice (their best implementation is the same)."""
+    n = check_int("n", n, 0)
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
+
+
+def workload_key(**fields: Any) -> str:
+    """A stable string for one workload: the fields as JSON with sorted names (``torch.dtype``,
+    ``torch.device`` and other non-JSON values as their ``str``). Bucket counts first (:func:`bucket`)."""
+    if not fields:
+        raise ValueError("workload_key needs at least one field")
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def short_key(key: str) -> str:
+    """A 10-hex-digit digest of ``key``, for log lines."""
+    return hashlib.sha256(key.encode()).hexdigest()[:10]
+
+
+def environment_fields(device: Union[torch.device, str, None] = None) -> Dict[str, Optional[str]]:
+    """The machine's part of a workload key: GPU name (``"cpu"`` off CUDA), torch, CUDA and Triton
+    versions (``None`` when absent)."""
+    device = torch.device("cuda" if device is None and torch.cuda.is_available() else (device or "cpu"))
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = None
+    return {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton}
+
+
+def _default_sync() -> Callable[[], None]:
+    if torch.cuda.is_available():
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def _reason(e: BaseException) -> str:
+    """One line, at most 200 characters, for the log table (OOM messages run to paragraphs)."""
+    text = str(e).strip().splitlines()
+    line = f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+class ImplSelector:
+    """Chooses and remembers the fastest candidate per workload key (see the module docstring).
+
+    Args:
+        path: the JSON cache (default :func:`cache_file`, resolved now).
+        steps: timed calls per candidate; the median counts.
+        warmup: untimed calls per candidate before them (compilation, autotuning, allocator).
+        clock: seconds, monotonic (default ``time.perf_counter``).
+        sync: waits for the device (default ``torch.cuda.synchronize`` when CUDA is available,
+            else nothing). It synchronises the *current* device: pass your own when the candidates
+            run on several.
+        log: where the table of timings goes (info) and cache trouble (warning, once each).
+        write_cache: write choices to ``path`` (pass ``rank == 0`` in a group; ``choose(write=)``
+            overrides it per call).
+
+    Attributes:
+        choices: ``key -> name`` chosen in this process.
+        timings: ``key -> {name: median ms}`` for the keys timed here (``inf``: the candidate failed).
+        failures: ``key -> {name: reason}`` for the candidates that raised.
+    """
+
+    def __init__(
+        self,
+        path: Union[str, os.PathLike, None] = None,
+        steps: int = 5,
+        warmup: int = 1,
+        clock: Optional[Callable[[], float]] = None,
+        sync: Optional[Callable[[], None]] = None,
+        log: Optional[logging.Logger] = None,
+        write_cache: bool = True,
+    ):
+        self.path = cache_file() if path is None else pathlib.Path(path)
+        self.steps = check_positive_int("steps", steps)
+        self.warmup = check_int("warmup", warmup, 0)
+        self.clock = time.perf_counter if clock is None else clock
+        self.sync = _default_sync() if sync is None else sync
+        self.log = logging.getLogger("shardfc.head") if log is None else log
+        self.write_cache = bool(write_cache)
+        self.choices: Dict[str, str] = {}
+        self.timings: Dict[str, Dict[str, float]] = {}
+        self.failures: Dict[str, Dict[str, str]] = {}
+        self._warned: set = set()
+
+    # ------------------------------------------------------------------ choose
+    def choose(
+        self,
+        key: str,
+        candidates: Mapping[str, Callable[[], None]],
+        agree: Optional[Callable[[int], int]] = None,
+        write: Optional[bool] = None,
+    ) -> str:
+        """The implementation to run for workload ``key``.
+
+        ``candidates``: name -> one forward + backward on the real inputs, changing no state; names
+        from :data:`~shardfc.head.fused.CANDIDATES`, tried in the order given, the same on every rank.
+        ``agree(i)``: returns rank 0's ``i`` on every rank (None: one process). ``write``: persist the
+        choice (default: the constructor's ``write_cache``). Raises a RuntimeError listing the
+        failures when no candidate runs (on rank 0, or here).
+        """
+        if key in self.choices:
+            return self.choices[key]
+        names = check_names("candidates", list(candidates), CANDIDATES)
+        write = self.write_cache if write is None else bool(write)
+        short = short_key(key)
+
+        entry = self._read().get(key)
+        cached = entry.get("impl") if isinstance(entry, dict) else None
+        local = names.index(cached) if cached in names else -1
+        i0 = self._agree(agree, local, len(names))
+        if i0 >= 0:
+            name = names[i0]
+            if name == cached:
+                self.log.info("head impl for workload %s: %s (cached in %s)", short, name, self.path)
+            else:
+                self.log.info("head impl for workload %s: %s (rank 0's cached choice)", short, name)
+            self.choices[key] = name
+            return name
+
+        times, errors = self._time_all(names, candidates)
+        self.timings[key], self.failures[key] = times, errors
+        ok = [n for n in names if n not in errors]
+        fastest = min(ok, key=lambda n: times[n]) if ok else None  # min keeps the first of equals
+        i1 = self._agree(agree, names.index(fastest) if fastest else -1, len(names))
+        if i1 < 0 or fastest is None:
+            where = "on rank 0" if i1 < 0 and agree is not None else "here"
+            listed = "; ".join(f"{n}: {r}" for n, r in errors.items()) or "none failed here"
+            raise RuntimeError(f"no implementation of the head could run {where} (workload {short}): {listed}")
+        name = names[i1]
+        where = self._write(key, name, times) if write else "not cached here (write disabled)"
+        self._log_table(short, names, times, errors, name, fastest, where)
+        self.choices[key] = name
+        return name
+
+    def _agree(self, agree: Optional[Callable[[int], int]], i: int, n: int) -> int:
+        if agree is None:
+            return i
+        got = int(agree(i))
+        if not -1 <= got < n:
+            raise RuntimeError(f"agree({i}) returned {got}, not an index of the {n} candidates or -1")
+        return got
+
+    def _time_all(self, names, candidates):
+        times: Dict[str, float] = {}
+        errors: Dict[str, str] = {}
+        for name in names:
+            fn = candidates[name]
+            try:
+                for _ in range(self.warmup):
+                    fn()
+                samples = []
+                for _ in range(self.steps):
+                    self.sync()
+                    t0 = self.clock()
+                    fn()
+                    self.sync()
+                    samples.append(self.clock() - t0)
+            except Exception as e:  # any failure rules the candidate out; interrupts go through
+                times[name], errors[name] = math.inf, _reason(e)
+                if isinstance(e, _OOM) and torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                continue
+            times[name] = 1000.0 * statistics.median(samples)
+        return times, errors
+
+    def _log_table(self, short, names, times, errors, name, fastest, where) -> None:
+        lines = [f"head impl for workload {short} (median of {self.steps} calls after {self.warmup} warm-up; {where}):"]
+        for n in names:
+            if n in errors:
+                lines.append(f"  {n:<7} failed: {errors[n]}")
+                continue
+            mark = ""
+            if n == name:
+                mark = "  chosen" if n == fastest else "  chosen (rank 0's pick)"
+            elif n == fastest:
+                mark = "  fastest here"
+            lines.append(f"  {n:<7} {times[n]:10.3f} ms{mark}")
+        self.log.info("\n".join(lines))
+        if name in errors:
+            self.log.warning("head impl for workload %s: rank 0 chose %s, which failed here (%s)", short, name, errors[name])
+
+    # ------------------------------------------------------------------ the file
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            self.log.warning(message)
+
+    def _read(self) -> Dict[str, Any]:
+        """The file's entries; {} when it is missing, unreadable or corrupt (warned once)."""
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            self._warn_once("read", f"ignoring the head-impl cache {self.path}: {_reason(e)}")
+            return {}
+        if not isinstance(data, dict):
+            self._warn_once("read", f"ignoring the head-impl cache {self.path}: not a JSON object")
+            return {}
+        return data
+
+    def _write(self, key: str, name: str, times: Dict[str, float]) -> str:
+        """Merge ``key``'s entry into the file, atomically; says where it went (or why not)."""
+        data = self._read()
+        data[key] = {
+            "impl": name,
+            "times_ms": {n: (None if math.isinf(t) else round(t, 4)) for n, t in times.items()},
+            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+        tmp = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=1, sort_keys=True, allow_nan=False)
+                f.write("\n")
+            os.replace(tmp, self.path)
+        except OSError as e:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            self._warn_once(
+                "write", f"cannot write the head-impl cache {self.path}: {_reason(e)}; choices last this process only"
+            )
+            return "not cached: the file cannot be written"
+        return f"cached in {self.path}"
+
+
+_default: Optional[ImplSelector] = None
+
+
+def default_selector() -> ImplSelector:
+    """The process's shared selector (created on first use with the defaults), so every head of a
+    process times a workload once."""
+    global _default
+    if _default is None:
+        _default = ImplSelector()
+    return _default

@@ -1,0 +1,409 @@
+"""ImplSelector without a GPU: stub clock, sync and candidates; the JSON cache in tmp_path; two
+ranks simulated in one process through a fake ``agree``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+import torch
+
+from shardfc.head import impl_select as S
+
+KEY = S.workload_key(classes=S.bucket(1_000_000), batch=S.bucket(500), dtype=torch.bfloat16, gpu="stub")
+
+
+@pytest.fixture(autouse=True)
+def _no_real_home(tmp_path, monkeypatch):
+    """Whatever a test forgets, nothing reaches the real home or the real cache folder."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv(S.CACHE_DIR_VAR, str(tmp_path / "default-cache"))
+    monkeypatch.delenv(S.ENV_VAR, raising=False)
+    monkeypatch.setattr(S, "_default", None)
+
+
+class Bench:
+    """A fake clock that candidates advance by their cost; records every call."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.clock_calls = 0
+        self.sync_calls = 0
+        self.calls = []  # candidate names, in call order
+
+    def clock(self):
+        self.clock_calls += 1
+        return self.now
+
+    def sync(self):
+        self.sync_calls += 1
+
+    def candidates(self, **costs):
+        """name -> callable costing ``costs[name]`` seconds (an exception instance: raises it)."""
+
+        def make(name, cost):
+            def run():
+                self.calls.append(name)
+                if isinstance(cost, BaseException):
+                    raise cost
+                self.now += cost
+
+            return run
+
+        return {name: make(name, cost) for name, cost in costs.items()}
+
+    def selector(self, path, **kw):
+        return S.ImplSelector(path, clock=self.clock, sync=self.sync, **kw)
+
+
+def _rank0_agree(record):
+    def agree(i):
+        record.append(i)
+        return i
+
+    return agree
+
+
+def _follower_agree(rank0_values, record):
+    values = iter(rank0_values)
+
+    def agree(i):
+        record.append(i)
+        return next(values)
+
+    return agree
+
+
+# ---------------------------------------------------------------------- timing
+def test_picks_the_fastest_and_reports_median_ms(tmp_path):
+    b = Bench()
+    sel = b.selector(tmp_path / "c.json")
+    name = sel.choose(KEY, b.candidates(triton=0.003, gemm=0.001, torch=0.002))
+    assert name == "gemm" and sel.choices[KEY] == "gemm"
+    assert sel.timings[KEY] == pytest.approx({"triton": 3.0, "gemm": 1.0, "torch": 2.0})
+    assert sel.failures[KEY] == {}
+
+
+def test_ties_go_to_the_first_in_order(tmp_path):
+    b = Bench()
+    assert b.selector(tmp_path / "c.json").choose(KEY, b.candidates(triton=0.002, gemm=0.001, torch=0.001)) == "gemm"
+    b = Bench()
+    assert b.selector(tmp_path / "d.json").choose(KEY, b.candidates(triton=0.001, gemm=0.001, torch=0.001)) == "triton"
+
+
+def test_warmup_calls_are_run_but_not_timed(tmp_path):
+    b = Bench()
+    b.selector(tmp_path / "c.json", steps=4, warmup=3).choose(KEY, b.candidates(triton=0.001, gemm=0.002))
+    assert b.calls == ["triton"] * 7 + ["gemm"] * 7  # in the order given, one candidate at a time
+    assert b.clock_calls == 2 * 4 * 2  # before and after each timed call only
+    assert b.sync_calls == 2 * 4 * 2
+
+
+def test_median_not_mean(tmp_path):
+    b = Bench()
+    costs = iter([0.001, 0.001, 0.100, 0.001, 0.001])  # one slow outlier
+
+    def jumpy():
+        b.now += next(costs)
+
+    sel = b.selector(tmp_path / "c.json", steps=5, warmup=0)
+    sel.choose(KEY, {"triton": jumpy, "torch": b.candidates(torch=0.002)["torch"]})
+    assert sel.timings[KEY]["triton"] == pytest.approx(1.0)
+    assert sel.choices[KEY] == "triton"
+
+
+def test_a_failing_candidate_is_skipped_and_reported(tmp_path, caplog):
+    b = Bench()
+    sel = b.selector(tmp_path / "c.json", steps=3)
+    with caplog.at_level(logging.INFO, logger="shardfc.head"):
+        name = sel.choose(KEY, b.candidates(triton=RuntimeError("boom\nsecond line"), gemm=0.002, torch=0.001))
+    assert name == "torch"
+    assert b.calls.count("triton") == 1  # the warm-up raised: no timed call
+    assert sel.timings[KEY]["triton"] == math.inf
+    assert sel.failures[KEY] == {"triton": "RuntimeError: boom"}
+    table = [r.getMessage() for r in caplog.records if "median of 3" in r.getMessage()]
+    assert len(table) == 1
+    assert "triton  failed: RuntimeError: boom" in table[0]
+    assert "torch" in table[0] and "chosen" in table[0]
+    assert S.short_key(KEY) in table[0] and str(tmp_path / "c.json") in table[0]
+    saved = json.loads((tmp_path / "c.json").read_text())[KEY]
+    assert saved["times_ms"]["triton"] is None  # strict JSON: no Infinity
+
+
+def test_out_of_memory_frees_the_cache(tmp_path, monkeypatch):
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    b = Bench()
+    sel = b.selector(tmp_path / "c.json")
+    name = sel.choose(KEY, b.candidates(triton=torch.cuda.OutOfMemoryError("CUDA out of memory"), torch=0.001))
+    assert name == "torch" and emptied == [1]
+    assert sel.failures[KEY]["triton"].startswith("OutOfMemoryError: CUDA out of memory")
+
+
+def test_every_candidate_failing_raises_naming_each(tmp_path):
+    b = Bench()
+    sel = b.selector(tmp_path / "c.json")
+    cands = b.candidates(triton=ValueError("no triton"), gemm=RuntimeError("gemm broke"), torch=RuntimeError("torch broke"))
+    with pytest.raises(RuntimeError) as info:
+        sel.choose(KEY, cands)
+    for text in ("triton: ValueError: no triton", "gemm: RuntimeError: gemm broke", "torch: RuntimeError: torch broke"):
+        assert text in str(info.value)
+    assert KEY not in sel.choices and not (tmp_path / "c.json").exists()
+
+
+def test_interrupts_are_not_swallowed(tmp_path):
+    b = Bench()
+    with pytest.raises(KeyboardInterrupt):
+        b.selector(tmp_path / "c.json").choose(KEY, b.candidates(triton=KeyboardInterrupt(), torch=0.001))
+
+
+def test_bad_arguments(tmp_path):
+    b = Bench()
+    with pytest.raises(ValueError, match="steps"):
+        b.selector(tmp_path / "c.json", steps=0)
+    with pytest.raises(ValueError, match="warmup"):
+        b.selector(tmp_path / "c.json", warmup=-1)
+    with pytest.raises(ValueError, match="candidates: unknown 'auto'"):
+        b.selector(tmp_path / "c.json").choose(KEY, b.candidates(auto=0.001))
+    with pytest.raises(ValueError, match="candidates"):
+        b.selector(tmp_path / "c.json").choose(KEY, {})
+
+
+# ---------------------------------------------------------------------- caches
+def test_in_memory_cache_times_nothing_the_second_time(tmp_path):
+    b = Bench()
+    sel = b.selector(tmp_path / "c.json")
+    cands = b.candidates(triton=0.001, torch=0.002)
+    assert sel.choose(KEY, cands) == "triton"
+    calls, clocks = len(b.calls), b.clock_calls
+    (tmp_path / "c.json").unlink()  # not even the file is read again
+    assert sel.choose(KEY, cands, agree=lambda i: pytest.fail("no collective on a memory hit")) == "triton"
+    assert (len(b.calls), b.clock_calls) == (calls, clocks)
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_file_cache_serves_a_new_selector_without_running_anything(tmp_path, caplog):
+    path = tmp_path / "sub" / "dir" / "c.json"  # the folders are created
+    b = Bench()
+    assert b.selector(path).choose(KEY, b.candidates(triton=0.002, gemm=0.001)) == "gemm"
+    entry = json.loads(path.read_text())[KEY]
+    assert entry["impl"] == "gemm" and entry["times_ms"] == pytest.approx({"triton": 2.0, "gemm": 1.0})
+    assert entry["when"].endswith("+00:00")
+    assert [p.name for p in path.parent.iterdir()] == ["c.json"]  # no temp file left
+
+    b2 = Bench()
+    sel2 = b2.selector(path)
+    with caplog.at_level(logging.INFO, logger="shardfc.head"):
+        assert sel2.choose(KEY, b2.candidates(triton=0.0001, gemm=0.001)) == "gemm"
+    assert b2.calls == [] and b2.clock_calls == 0 and KEY not in sel2.timings
+    assert any("gemm (cached in" in r.getMessage() for r in caplog.records)
+
+
+def test_a_cached_name_no_longer_offered_is_no_entry(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({KEY: {"impl": "triton", "times_ms": {}, "when": "x"}}))
+    b = Bench()
+    assert b.selector(path).choose(KEY, b.candidates(gemm=0.002, torch=0.001)) == "torch"
+    assert b.calls and json.loads(path.read_text())[KEY]["impl"] == "torch"
+
+
+def test_writing_merges_with_other_keys(tmp_path):
+    path = tmp_path / "c.json"
+    other = {"impl": "torch", "times_ms": {"torch": 1.0}, "when": "2026-01-01T00:00:00+00:00"}
+    path.write_text(json.dumps({"other-key": other}))
+    b = Bench()
+    b.selector(path).choose(KEY, b.candidates(triton=0.001, torch=0.002))
+    data = json.loads(path.read_text())
+    assert data["other-key"] == other and data[KEY]["impl"] == "triton"
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", "\xff\xfe"])
+def test_a_corrupt_file_is_warned_about_once_and_ignored(tmp_path, caplog, content):
+    path = tmp_path / "c.json"
+    path.write_bytes(content.encode("latin-1"))
+    b = Bench()
+    sel = b.selector(path, write_cache=False)
+    with caplog.at_level(logging.INFO, logger="shardfc.head"):
+        assert sel.choose(KEY, b.candidates(triton=0.002, torch=0.001)) == "torch"
+        assert sel.choose(KEY + "2", b.candidates(triton=0.001, torch=0.002)) == "triton"
+    assert b.calls  # timed despite the file
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and str(path) in warnings[0].getMessage()
+    assert path.read_bytes() == content.encode("latin-1")  # write disabled: left as it was
+
+
+def test_a_corrupt_file_is_replaced_when_writing(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text("{truncated")
+    b = Bench()
+    b.selector(path).choose(KEY, b.candidates(triton=0.002, torch=0.001))
+    assert json.loads(path.read_text())[KEY]["impl"] == "torch"
+
+
+def test_write_disabled_writes_nothing(tmp_path, caplog):
+    b = Bench()
+    with caplog.at_level(logging.INFO, logger="shardfc.head"):
+        assert b.selector(tmp_path / "c.json", write_cache=False).choose(KEY, b.candidates(triton=0.001)) == "triton"
+        assert b.selector(tmp_path / "d.json").choose(KEY, b.candidates(torch=0.001), write=False) == "torch"
+    assert list(tmp_path.iterdir()) == []
+    assert sum("write disabled" in r.getMessage() for r in caplog.records) == 2
+    b.selector(tmp_path / "e.json", write_cache=False).choose(KEY, b.candidates(torch=0.001), write=True)
+    assert (tmp_path / "e.json").exists()  # the per-call flag wins
+
+
+def test_an_unwritable_cache_is_warned_about_once_not_raised(tmp_path, caplog, monkeypatch):
+    def read_only(src, dst):
+        raise PermissionError(13, "Read-only file system", str(dst))
+
+    monkeypatch.setattr(S.os, "replace", read_only)
+    b = Bench()
+    sel = b.selector(tmp_path / "c.json")
+    with caplog.at_level(logging.INFO, logger="shardfc.head"):
+        assert sel.choose(KEY, b.candidates(triton=0.001, torch=0.002)) == "triton"
+        assert sel.choose(KEY + "2", b.candidates(triton=0.002, torch=0.001)) == "torch"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "cannot write" in warnings[0] and "Read-only" in warnings[0]
+    assert sum("not cached: the file cannot be written" in r.getMessage() for r in caplog.records) == 2
+    assert list(tmp_path.iterdir()) == []  # the temp files are removed
+
+
+def test_a_file_where_the_folder_should_be(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the folder should be")
+    b = Bench()
+    sel = b.selector(blocker / "c.json")
+    with caplog.at_level(logging.INFO, logger="shardfc.head"):
+        assert sel.choose(KEY, b.candidates(triton=0.001, torch=0.002)) == "triton"
+        assert sel.choose(KEY + "2", b.candidates(triton=0.002, torch=0.001)) == "torch"
+    warnings = sorted(r.getMessage()[:12] for r in caplog.records if r.levelno == logging.WARNING)
+    assert warnings == ["cannot write", "ignoring the"]  # reading and writing: each warned once
+
+
+# ---------------------------------------------------------------------- two ranks
+def test_ranks_follow_rank_0s_timing_when_their_fastest_differs(tmp_path):
+    b0, b1 = Bench(), Bench()
+    rec0, rec1 = [], []
+    cands0 = b0.candidates(triton=0.001, gemm=0.002, torch=0.003)
+    name0 = b0.selector(tmp_path / "r0.json").choose(KEY, cands0, agree=_rank0_agree(rec0))
+    sel1 = b1.selector(tmp_path / "r1.json", write_cache=False)
+    cands1 = b1.candidates(triton=0.003, gemm=0.001, torch=0.002)
+    name1 = sel1.choose(KEY, cands1, agree=_follower_agree(rec0, rec1))
+    assert name0 == name1 == "triton"
+    assert sel1.timings[KEY]["gemm"] < sel1.timings[KEY]["triton"]  # its own fastest was gemm
+    assert rec0 == [-1, 0] and rec1 == [-1, 1] and len(rec0) == len(rec1)
+    assert not (tmp_path / "r1.json").exists()
+    assert json.loads((tmp_path / "r0.json").read_text())[KEY]["impl"] == "triton"
+
+
+def test_a_cache_on_rank_1_only_still_times_on_both(tmp_path):
+    (tmp_path / "r1.json").write_text(json.dumps({KEY: {"impl": "torch", "times_ms": {}, "when": "x"}}))
+    b0, b1 = Bench(), Bench()
+    rec0, rec1 = [], []
+    cands0 = b0.candidates(triton=0.001, gemm=0.002, torch=0.003)
+    name0 = b0.selector(tmp_path / "r0.json").choose(KEY, cands0, agree=_rank0_agree(rec0))
+    name1 = b1.selector(tmp_path / "r1.json", write_cache=False).choose(
+        KEY, b1.candidates(triton=0.002, gemm=0.003, torch=0.001), agree=_follower_agree(rec0, rec1)
+    )
+    assert name0 == name1 == "triton"
+    assert b0.calls and b1.calls  # both timed
+    assert rec1 == [2, 2] and len(rec0) == len(rec1) == 2
+
+
+def test_rank_0s_cache_is_used_everywhere_without_timing(tmp_path, caplog):
+    (tmp_path / "r0.json").write_text(json.dumps({KEY: {"impl": "gemm", "times_ms": {}, "when": "x"}}))
+    (tmp_path / "r1.json").write_text(json.dumps({KEY: {"impl": "torch", "times_ms": {}, "when": "x"}}))
+    b0, b1 = Bench(), Bench()
+    rec0, rec1 = [], []
+    cands0 = b0.candidates(triton=0.001, gemm=0.002, torch=0.003)
+    name0 = b0.selector(tmp_path / "r0.json").choose(KEY, cands0, agree=_rank0_agree(rec0))
+    with caplog.at_level(logging.INFO, logger="shardfc.head"):
+        name1 = b1.selector(tmp_path / "r2-missing.json").choose(
+            KEY, b1.candidates(triton=0.001, gemm=0.002, torch=0.003), agree=_follower_agree(rec0, rec1)
+        )
+    assert name0 == name1 == "gemm"
+    assert b0.calls == b1.calls == [] and rec0 == [1] and rec1 == [-1]
+    assert any("rank 0's cached choice" in r.getMessage() for r in caplog.records)
+
+
+def test_a_failure_on_rank_0_alone_makes_every_rank_raise(tmp_path):
+    b0, b1 = Bench(), Bench()
+    rec0, rec1 = [], []
+    with pytest.raises(RuntimeError, match="on rank 0.*triton: RuntimeError: oom"):
+        b0.selector(tmp_path / "r0.json").choose(KEY, b0.candidates(triton=RuntimeError("oom")), agree=_rank0_agree(rec0))
+    with pytest.raises(RuntimeError, match="on rank 0"):
+        b1.selector(tmp_path / "r1.json").choose(KEY, b1.candidates(triton=0.001), agree=_follower_agree(rec0, rec1))
+    assert len(rec0) == len(rec1) == 2
+
+
+def test_rank_0s_pick_that_failed_here_is_followed_with_a_warning(tmp_path, caplog):
+    b0, b1 = Bench(), Bench()
+    rec0, rec1 = [], []
+    b0.selector(tmp_path / "r0.json").choose(KEY, b0.candidates(triton=0.001, torch=0.002), agree=_rank0_agree(rec0))
+    with caplog.at_level(logging.INFO, logger="shardfc.head"):
+        name = b1.selector(tmp_path / "r1.json").choose(
+            KEY, b1.candidates(triton=RuntimeError("oom"), torch=0.002), agree=_follower_agree(rec0, rec1)
+        )
+    assert name == "triton"
+    assert any(r.levelno == logging.WARNING and "rank 0 chose triton" in r.getMessage() for r in caplog.records)
+
+
+def test_agree_returning_nonsense_is_an_error(tmp_path):
+    b = Bench()
+    with pytest.raises(RuntimeError, match="agree"):
+        b.selector(tmp_path / "c.json").choose(KEY, b.candidates(triton=0.001), agree=lambda i: 5)
+
+
+# ---------------------------------------------------------------------- helpers
+def test_env_override(monkeypatch):
+    assert S.env_override() is None
+    monkeypatch.setenv(S.ENV_VAR, "")
+    assert S.env_override() is None
+    for name in ("triton", "gemm", "torch", "auto"):
+        monkeypatch.setenv(S.ENV_VAR, name)
+        assert S.env_override() == name
+    monkeypatch.setenv(S.ENV_VAR, " Gemm ")
+    assert S.env_override() == "gemm"
+    monkeypatch.setenv(S.ENV_VAR, "cudnn")
+    with pytest.raises(ValueError) as info:
+        S.env_override()
+    assert "SHARDFC_HEAD_IMPL" in str(info.value) and "'cudnn'" in str(info.value)
+    assert all(name in str(info.value) for name in ("triton", "gemm", "torch"))
+
+
+def test_cache_file_locations(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDFC_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert S.cache_file() == tmp_path / "mine" / "head_impl.json"
+    monkeypatch.setenv("SHARDFC_CACHE_DIR", "")
+    assert S.cache_file() == tmp_path / "xdg" / "shardfc" / "head_impl.json"
+    monkeypatch.delenv("SHARDFC_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")
+    assert S.cache_file() == tmp_path / "home" / ".cache" / "shardfc" / "head_impl.json"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert S.cache_file() == tmp_path / "home" / ".cache" / "shardfc" / "head_impl.json"
+    assert S.ImplSelector().path == S.cache_file()
+
+
+def test_bucket_and_workload_key():
+    assert [S.bucket(n) for n in (0, 1, 2, 3, 4, 5, 1000)] == [0, 1, 2, 4, 4, 8, 1024]
+    assert S.bucket(1_000_000) == S.bucket(1_000_003) == 2**20
+    with pytest.raises(ValueError, match="n must be an int >= 0"):
+        S.bucket(-1)
+    a = S.workload_key(classes=S.bucket(1_000_000), dtype=torch.float16, arcface=True, gpu="H100")
+    b = S.workload_key(gpu="H100", arcface=True, dtype=torch.float16, classes=S.bucket(1_000_003))
+    assert a == b and "torch.float16" in a
+    assert a != S.workload_key(classes=S.bucket(1_000_000), dtype=torch.bfloat16, arcface=True, gpu="H100")
+    assert len(S.short_key(a)) == 10 and S.short_key(a) == S.short_key(b)
+    fields = S.environment_fields("cpu")
+    assert fields["gpu"] == "cpu" and fields["torch"] == torch.__version__
+    assert S.workload_key(**fields)  # JSON-able
+
+
+def test_default_selector_is_created_once(tmp_path):
+    sel = S.default_selector()
+    assert sel is S.default_selector()
+    assert sel.path == tmp_path / "default-cache" / "head_impl.json"
+    assert sel.write_cache and sel.steps == 5 and sel.warmup == 1
