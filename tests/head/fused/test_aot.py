@@ -1,8 +1,11 @@
-"""The kernels compile for an H100 (sm_90) on this CPU machine (``shardfc.head.fused.aot``): every
-option path builds and fits the SM's shared memory, and the default path keeps its loops in
-registers — what the interpreter, which runs the same code as numpy, cannot check. It runs in a
+"""The registered kernels compile for an H100 (sm_90) on this CPU machine (``shardfc.head.fused.aot``),
+built with the divisibility hints the JIT gives them at run time and read back from the SASS with
+the bundled ``cuobjdump``: every config of every kernel on the default path, and the other option
+paths, fit the SM's shared memory and 255 registers; the default path spills nothing; every
+tensor-core dot lowers to Hopper's wgmma (``HGMMA``), never to the Ampere-style ``HMMA``. This is
+what the interpreter, which runs the same code as numpy, cannot check. The build runs in a
 subprocess: this test session runs the kernels under the interpreter, which cannot compile them.
-(Register figures as measured with Triton 3.9; a new compiler that spills more is worth knowing.)"""
+(Figures as measured with Triton 3.9; a new compiler that spills more is worth knowing.)"""
 
 from __future__ import annotations
 
@@ -11,24 +14,110 @@ import os
 import subprocess
 import sys
 
+import pytest
+import triton
+import triton.language as tl
+
 from shardfc.head.fused import aot
 
-#: Stack bytes (spilled registers) of each kernel's first config on the default path (bf16,
-#: D = 512): none in the matmul loops; the weight gradient's once-per-program epilogue spills a little.
-STACK = {"lse_forward_kernel": 0, "grad_a_kernel": 0, "grad_w_kernel": 512}
 
-
-def test_every_path_compiles_for_h100():
+@pytest.fixture(scope="module")
+def built():
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "shardfc.head.fused.aot", "--variants", "all", "--first-config", "--json"],
+        [sys.executable, "-m", "shardfc.head.fused.aot", "--variants", "all", "--json"],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    built = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert {(b["variant"], b["kernel"]) for b in built} == {(v, k) for v in aot.VARIANTS for k in STACK}
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def _name(b: dict) -> str:
+    return f"{b['kernel']} [{b['config']}] variant {b['variant']!r}"
+
+
+def test_every_registered_config_and_variant_is_built(built):
+    expected = {
+        (variant, name, aot._label(config))
+        for name, entry in aot.KERNELS.items()
+        for variant in aot.VARIANTS
+        if aot.variant_flags(name, variant) is not None
+        for config in entry.configs
+    }
+    got = [(b["variant"], b["kernel"], b["config"]) for b in built]
+    assert sorted(got) == sorted(expected)
+    assert {"lse_forward_kernel", "row_inverse_norms_kernel", "row_sgd_kernel"} <= set(aot.KERNELS)
+
+
+def test_every_build_fits_an_h100_and_the_default_path_does_not_spill(built):
+    problems = []
     for b in built:
-        assert 0 < b["shared"] <= aot.H100_SHARED_BYTES, b
-        assert b["registers"] is not None and b["registers"] <= 255, b
-        if b["variant"] == "default":
-            assert b["stack_bytes"] is not None and b["stack_bytes"] <= STACK[b["kernel"]], b
+        if not 0 <= b["shared"] <= aot.H100_SHARED_BYTES:
+            problems.append(f"{_name(b)}: {b['shared']} bytes of shared memory (H100: {aot.H100_SHARED_BYTES})")
+        if b["registers"] is None or b["registers"] > 255:
+            problems.append(f"{_name(b)}: {b['registers']} registers per thread")
+        if b["variant"] == "default" and (b["stack_bytes"] != 0 or b["local_ops"] != 0):
+            problems.append(f"{_name(b)}: spills ({b['stack_bytes']} stack bytes, {b['local_ops']} LDL/STL)")
+    assert not problems, "\n".join(problems)
+
+
+def test_tensor_core_dots_use_wgmma_never_mma_sync(built):
+    problems = []
+    for b in built:
+        if b["hmma"]:
+            problems.append(f"{_name(b)}: {b['hmma']} HMMA (mma.sync, Ampere-style) in its SASS; "
+                            f"sm_90 wants HGMMA (wgmma: >= 64 rows per warpgroup)")
+        if b["tc_dots"] and not b["hgmma"]:
+            problems.append(f"{_name(b)}: {b['tc_dots']} tensor-core tl.dot but no HGMMA in its SASS")
+        if not b["tc_dots"] and b["hgmma"]:
+            problems.append(f"{_name(b)}: {b['hgmma']} HGMMA without a tensor-core tl.dot")
+    assert not problems, "\n".join(problems)
+    # The checks above are not vacuous: the forward multiplies on tensor cores except at fp32 IEEE.
+    forward = [b for b in built if b["kernel"] == "lse_forward_kernel"]
+    assert forward and all(b["dots"] > 0 for b in forward)
+    assert all((b["tc_dots"] == 0) == (b["variant"] == "fp32-ieee") for b in forward)
+    assert all(b["dots"] == 0 for b in built if b["kernel"] in ("row_inverse_norms_kernel", "row_sgd_kernel"))
+
+
+def test_the_builds_get_the_jit_hints(built):
+    for b in built:
+        if b["kernel"] == "lse_forward_kernel":
+            assert {"D", "stride_a", "stride_w", "cls_per_split", "a_ptr", "w_ptr"} <= set(b["hinted"]), _name(b)
+            assert not {"B", "n_cls", "n_splits"} & set(b["hinted"]), _name(b)
+        if b["kernel"] == "row_sgd_kernel":
+            assert {"D", "stride_p", "stride_b", "stride_g", "p_ptr", "idx_ptr"} <= set(b["hinted"]), _name(b)
+            assert "n" not in b["hinted"], _name(b)
+
+
+def test_sass_and_ir_are_read_as_expected():
+    sass = """
+        /*0c30*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4].tnspB, RZ, !UPT ;
+        /*0c40*/              @!P0 HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0c50*/                   STL.64 [R1+0x8], R2 ;
+        /*0c60*/               @P1 LDL R3, [R1+0x8] ;
+    """
+    assert aot._OPCODE.findall(sass) == ["HGMMA", "HMMA", "STL", "LDL"]
+    ttir = """
+    %acc = tt.dot %a, %b, %c, inputPrecision = tf32 : tensor<128x32xbf16> * tensor<32x128xbf16> -> tensor<128x128xf32>
+    %f = tt.dot %a, %b, %c, inputPrecision = tf32 : tensor<128x32xf32> * tensor<32x128xf32> -> tensor<128x128xf32>
+    %g = tt.dot %a, %b, %c : tensor<64x64xf32> * tensor<64x64xf32> -> tensor<64x64xf32>
+    %h = tt.dot %a, %b, %c, inputPrecision = ieee : tensor<64x64xf32> * tensor<64x64xf32> -> tensor<64x64xf32>
+    """
+    assert aot._dots(ttir) == (4, 2)
+
+
+@triton.jit
+def _undeclared_int_kernel(x_ptr, mystery_count, BLOCK: tl.constexpr):
+    tl.store(x_ptr + tl.arange(0, BLOCK), mystery_count)
+
+
+def test_register_rejects_undecided_arguments_and_duplicates():
+    with pytest.raises(ValueError, match="mystery_count.*neither aot.HINTED nor aot.UNHINTED"):
+        aot.register(_undeclared_int_kernel, [triton.Config({"BLOCK": 128})], {})
+    with pytest.raises(ValueError, match="BLOCK"):
+        aot.register(_undeclared_int_kernel, [triton.Config({})], {}, types={"mystery_count": "fp32"})
+    assert "_undeclared_int_kernel" not in aot.KERNELS
+    with pytest.raises(ValueError, match="already registered"):
+        sgd = aot.KERNELS["row_sgd_kernel"]
+        aot.register(sgd.fn, sgd.configs, sgd.flags, sgd.types)
+    assert aot.KERNELS["row_sgd_kernel"] is sgd
