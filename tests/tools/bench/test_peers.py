@@ -17,6 +17,7 @@ import torch
 
 from shardfc import cli as shardfc_cli
 from shardfc.head import margins as M
+from shardfc.head.module import ShardedMarginHead
 from shardfc.head.reference import reference_loss
 from shardfc.tools.bench import peers, peers_cli
 from shardfc.tools.bench.peers import NEEDS_CUDA, ROW_FIELDS, SYSTEMS, run_peers
@@ -78,9 +79,11 @@ def test_json_holds_one_row_per_system_with_the_documented_fields(cli_run):
             assert r["reason"] is None
         else:
             assert r["status"] == "unavailable" and r["reason"] and r["step_time_ms"] is None
-    for name in ("shardfc-torch", "shardfc-chunked", "shardfc-partial", "dense", "softmax-shardfc-torch", "softmax-dense"):
+    for name in ("shardfc-torch", "shardfc-auto", "shardfc-chunked", "shardfc-partial", "dense", "softmax-shardfc-torch",
+                 "softmax-dense", "softmax-torch-lce", "softmax-torch-lce-chunked"):
         assert rows[name]["status"] == "ok", rows[name]
     assert rows["dense-compile"]["reason"].startswith("skipped on the CPU")
+    assert rows["shardfc-auto"]["note"].startswith("auto chose impl=torch")  # what auto picks on the CPU
     # the step's [B, C] logits are what the dense head adds; the chunked head adds less than the dense one
     assert rows["dense"]["extra_memory_bytes"] >= 32 * 300 * 4
 
@@ -95,7 +98,8 @@ def test_bf16_losses_agree_with_the_reference(cli_run):
     doc = json.loads(cli_run["json"].read_text())
     rows = _rows(doc)
     assert doc["references"]["margin"]["how"] == doc["references"]["softmax"]["how"] == "reference in float64"
-    for name in ("shardfc-torch", "shardfc-chunked", "dense", "softmax-shardfc-torch", "softmax-dense"):
+    for name in ("shardfc-torch", "shardfc-auto", "shardfc-chunked", "dense", "softmax-shardfc-torch", "softmax-dense",
+                 "softmax-torch-lce", "softmax-torch-lce-chunked"):
         r = rows[name]
         assert r["loss_agrees"] is True and r["loss_rel_err"] <= doc["loss_rtol"], r
         assert r["reference_loss"] == doc["references"][r["group"]]["loss"]
@@ -106,7 +110,8 @@ def test_bf16_losses_agree_with_the_reference(cli_run):
 
 def test_fp32_losses_match_the_float64_reference_closely():
     doc = run_peers(**TINY, dtype="float32", device="cpu", progress=False,
-                    systems="shardfc-torch,shardfc-chunked,dense,softmax-shardfc-torch,softmax-dense")
+                    systems="shardfc-torch,shardfc-auto,shardfc-chunked,dense,softmax-shardfc-torch,softmax-dense,"
+                            "softmax-torch-lce,softmax-torch-lce-chunked")
     for r in doc["rows"]:
         assert r["status"] == "ok" and r["loss_agrees"] is True and r["loss_rel_err"] < 1e-5, r
 
@@ -172,26 +177,53 @@ def test_an_installed_peer_on_the_cpu_needs_cuda(monkeypatch):
     assert doc["rows"][0]["status"] == "unavailable" and doc["rows"][0]["reason"] == "needs CUDA"
 
 
-def test_triton_rows_on_the_cpu_need_cuda(monkeypatch):
+@pytest.mark.parametrize("impl", ["triton", "gemm"])
+def test_gpu_impl_rows_on_the_cpu_need_cuda(monkeypatch, impl):
+    """The head's own answer: its impl='<name>' raises 'cannot run' on CPU tensors without the interpreter."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    doc = run_peers(**TINY, device="cpu", progress=False, systems="shardfc-triton,softmax-shardfc-triton")
-    assert [r["reason"] for r in doc["rows"]] == [NEEDS_CUDA, NEEDS_CUDA]
+    head = ShardedMarginHead(16, 300, impl=impl)
+    with pytest.raises(ValueError, match=f"impl='{impl}' cannot run: .*not a CUDA device"):
+        head(torch.randn(4, 16), torch.randint(0, 300, (4,)))
+    doc = run_peers(**TINY, device="cpu", progress=False, systems=f"shardfc-{impl},softmax-shardfc-{impl}")
+    assert [(r["status"], r["reason"]) for r in doc["rows"]] == [("unavailable", NEEDS_CUDA)] * 2, doc["rows"]
+    assert peers.failures(doc) == []
 
 
-def test_triton_rows_under_the_interpreter(tmp_path):
-    """TRITON_INTERPRET=1 runs the triton head on CPU tensors once it takes impl=; until then the row says why."""
+def test_an_impl_that_cannot_run_for_another_reason_keeps_the_heads_words(monkeypatch):
+    """Any impl, any reason: the head's "impl='<name>' cannot run: <why>" is the row's reason; other errors fail."""
+    from shardfc.head import module
+
+    def refuse(impl, *args, **kwargs):
+        if impl == "torch":
+            raise ValueError("something else broke")
+        raise ValueError(f"impl={impl!r} cannot run: compute dtype torch.float64 is not one of fp32, bf16, fp16")
+
+    monkeypatch.setattr(module, "resolve_impl", refuse)
+    doc = run_peers(**TINY, device="cpu", progress=False, systems="shardfc-gemm,softmax-shardfc-triton,shardfc-torch")
+    rows = _rows(doc)
+    assert rows["shardfc-gemm"]["status"] == rows["softmax-shardfc-triton"]["status"] == "unavailable"
+    assert rows["shardfc-gemm"]["reason"] == "impl='gemm' cannot run: compute dtype torch.float64 is not one of fp32, bf16, fp16"
+    assert rows["softmax-shardfc-triton"]["reason"].startswith("impl='triton' cannot run: compute dtype")
+    # any other ValueError of the head is the row's failure, not a reason to skip it
+    assert (rows["shardfc-torch"]["status"], rows["shardfc-torch"]["reason"]) == ("failed", "ValueError: something else broke")
+    assert [line.split(":")[0] for line in peers.failures(doc)] == ["shardfc-torch"]
+
+
+@pytest.mark.parametrize("impl", ["triton", "gemm"])
+def test_gpu_impl_rows_under_the_interpreter(tmp_path, impl):
+    """TRITON_INTERPRET=1 runs the GPU impls of the head on CPU tensors."""
     pytest.importorskip("triton")
     out = tmp_path / "t.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(peers.__file__).parents[3])}
     proc = subprocess.run(  # the interpreter is slow: the smallest workload, one timed step
         [sys.executable, "-m", "shardfc", "bench", "--peers", "--batch", "8", "--dim", "8", "--classes", "64",
          "--steps", "1", "--warmup", "0", "--device", "cpu", "--dtype", "float32", "--quiet",
-         "--systems", "shardfc-triton", "--json", str(out)],
+         "--systems", f"shardfc-{impl}", "--json", str(out)],
         env=env, capture_output=True, text=True, timeout=300,
     )
-    rows = json.loads(out.read_text())["rows"]
     assert proc.returncode == 0, proc.stderr
-    assert all(r["status"] == "ok" and r["loss_agrees"] and "ran impl=triton" in r["note"] for r in rows), rows
+    rows = json.loads(out.read_text())["rows"]
+    assert all(r["status"] == "ok" and r["loss_agrees"] and f"ran impl={impl}" in r["note"] for r in rows), rows
 
 
 def test_a_system_that_fails_keeps_its_row_with_its_error(monkeypatch):
@@ -208,6 +240,61 @@ def test_a_system_that_fails_keeps_its_row_with_its_error(monkeypatch):
     assert "| plain torch dense, eager | — | — | — | — | failed: RuntimeError: kernel exploded |" in out
     assert "failed: out of memory: CUDA out of memory. Tried to allocate 4.00 GiB" in out
     assert "| matmul floor: x·Wᵀ, dZ·W, dZᵀ·x |" in out and "dense: RuntimeError: kernel exploded" in err
+
+
+# --------------------------------------------------------------------------- torch's linear_cross_entropy
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "linear_cross_entropy"), reason="torch without linear_cross_entropy")
+def test_torch_lce_rows_run_on_the_cpu_and_agree_with_the_reference():
+    doc = run_peers(**TINY, dtype="float32", device="cpu", progress=False,
+                    systems="softmax-dense,softmax-torch-lce,softmax-torch-lce-chunked")
+    rows = _rows(doc)
+    for r in doc["rows"]:
+        assert r["status"] == "ok" and r["loss_agrees"] is True and r["loss_rel_err"] < 1e-5, r
+    assert rows["softmax-torch-lce"]["loss"] == pytest.approx(rows["softmax-dense"]["loss"], rel=1e-6)
+    assert rows["softmax-torch-lce"]["note"].startswith("options=None")
+    chunked = rows["softmax-torch-lce-chunked"]["note"]
+    assert chunked.startswith("options=LinearCrossEntropyOptions(batch_chunk_size=32): 1 batch chunk(s) of [32, C] logits")
+    assert "CPU memory leaves out the [32, C] buffers of each chunk" in chunked
+
+
+def test_torch_lce_rows_really_call_torch_with_their_options(monkeypatch):
+    """The rows call F.linear_cross_entropy: plain (options=None) and with the budget's batch chunk."""
+    calls = []
+
+    def spy(x, w, y, **kwargs):
+        calls.append(kwargs["options"])
+        return torch.nn.functional.cross_entropy(x @ w.t(), y)
+
+    monkeypatch.setattr(peers.F, "linear_cross_entropy", spy, raising=False)
+    monkeypatch.setattr(torch.nn, "LinearCrossEntropyOptions", lambda **kw: ("options", kw), raising=False)
+    monkeypatch.setattr(peers, "LCE_CHUNK_BUDGET_BYTES", 8 * 300 * 5)  # 5 rows of 300 logits
+    doc = run_peers(**TINY, device="cpu", progress=False, systems="softmax-torch-lce,softmax-torch-lce-chunked")
+    assert [r["status"] for r in doc["rows"]] == ["ok", "ok"], doc["rows"]
+    steps = 1 + TINY["warmup"] + TINY["steps"] + 1  # check, warm-up, timed, memory
+    assert calls == [None] * steps + [("options", {"batch_chunk_size": 5})] * steps
+    assert "7 batch chunk(s) of [5, C] logits" in doc["rows"][1]["note"]  # ceil(32 / 5)
+
+
+def test_lce_batch_chunk_spends_the_heads_budget():
+    assert peers.LCE_CHUNK_BUDGET_BYTES == 64 * 2**20
+    assert peers.lce_batch_chunk(256, 400_000) == 20  # 64 MiB / (8 bytes × 400k)
+    assert peers.lce_batch_chunk(1024, 1_000_000) == 8
+    assert peers.lce_batch_chunk(32, 300) == 32  # never more than the batch
+    assert peers.lce_batch_chunk(4, 10**9) == 1  # never less than one row
+
+
+def test_torch_without_linear_cross_entropy_leaves_the_rows_unavailable(monkeypatch):
+    monkeypatch.delattr(peers.F, "linear_cross_entropy", raising=False)
+    doc = run_peers(**TINY, device="cpu", progress=False, systems="softmax-torch-lce,softmax-torch-lce-chunked")
+    reason = f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy"
+    assert [(r["status"], r["reason"]) for r in doc["rows"]] == [("unavailable", reason)] * 2
+    assert peers.failures(doc) == []
+    monkeypatch.undo()
+    if hasattr(peers.F, "linear_cross_entropy"):  # the function without its options class: the chunked row says so
+        monkeypatch.delattr(torch.nn, "LinearCrossEntropyOptions", raising=False)
+        doc = run_peers(**TINY, device="cpu", progress=False, systems="softmax-torch-lce,softmax-torch-lce-chunked")
+        assert [r["status"] for r in doc["rows"]] == ["ok", "unavailable"]
+        assert doc["rows"][1]["reason"] == f"torch {torch.__version__} has no torch.nn.LinearCrossEntropyOptions"
 
 
 # --------------------------------------------------------------------------- arguments and wiring

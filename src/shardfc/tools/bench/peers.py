@@ -11,21 +11,31 @@ Rows (:data:`SYSTEMS`, in this order):
 
 * ``floor``: the three matmuls of a step alone, ``x·Wᵀ``, ``dZ·W``, ``dZᵀ·x`` on the same shapes
   in the compute dtype (operands prepared outside the timing) — the floor the ratios divide by.
-* ``shardfc-torch`` / ``shardfc-triton``: :class:`shardfc.ShardedMarginHead` with ``impl="torch"``
-  / ``impl="triton"`` and the margin (ArcFace s=64 m=0.5 by default);
-  ``shardfc-chunked``: ``chunk_size="auto"``; ``shardfc-partial``: Partial FC at ``sample_rate``
-  (0.1). These two leave ``impl`` to the head (``auto``). Every shardfc row steps with
-  :func:`shardfc.head_optimizer`, as training does.
+* ``shardfc-torch`` / ``shardfc-triton`` / ``shardfc-gemm``: :class:`shardfc.ShardedMarginHead`
+  with ``impl="torch"`` / ``"triton"`` / ``"gemm"`` (:data:`shardfc.head.fused.IMPLS`) and the
+  margin (ArcFace s=64 m=0.5 by default); an impl the head says cannot run here (its forward's
+  ``ValueError("impl='<name>' cannot run: <why>")``) leaves its row unavailable with that reason.
+  ``shardfc-auto``: ``impl="auto"``, the head's own choice (it times the candidates on the first
+  forward, the check step's, and logs the table on logger ``shardfc.head``); the note says which
+  impl it chose (``head.last_impl``). ``shardfc-chunked``: ``chunk_size="auto"``;
+  ``shardfc-partial``: Partial FC at ``sample_rate`` (0.1). These two leave ``impl`` to the head
+  (``auto``). Every shardfc row steps with :func:`shardfc.head_optimizer`, as training does.
 * ``dense`` / ``dense-compile``: the plain dense head a user would write — normalise, full
   ``[B, C]`` logits, the margin at the target by the formula of :class:`shardfc.margins.ArcFace`,
   ``F.cross_entropy`` — eager and under ``torch.compile``.
 * plain softmax (no margin, nothing normalised): ``softmax-shardfc-torch`` /
-  ``softmax-shardfc-triton`` (``margin=Softmax()``), ``softmax-dense`` (``F.cross_entropy(x·Wᵀ)``),
-  ``softmax-cce`` (Cut Cross-Entropy's ``linear_cross_entropy``) and ``softmax-liger`` (Liger's
-  ``LigerFusedLinearCrossEntropyLoss``), these two when installed (``pip install 'shardfc[peers]'``).
+  ``softmax-shardfc-triton`` / ``softmax-shardfc-gemm`` (``margin=Softmax()``), ``softmax-dense``
+  (``F.cross_entropy(x·Wᵀ)``), ``softmax-torch-lce`` (torch's own
+  ``F.linear_cross_entropy``, ``options=None``: its default, ``linear`` then ``cross_entropy``),
+  ``softmax-torch-lce-chunked`` (the same with ``LinearCrossEntropyOptions(batch_chunk_size=r)``:
+  torch's chunked path, which chunks the *batch*, ``r`` rows at a time, never the classes; ``r`` from
+  :func:`lce_batch_chunk`, the head's 64 MiB chunk budget; both on the CPU and CUDA, unavailable
+  on a torch without them), ``softmax-cce`` (Cut Cross-Entropy's ``linear_cross_entropy``) and
+  ``softmax-liger`` (Liger's ``LigerFusedLinearCrossEntropyLoss``), these two when installed
+  (``pip install 'shardfc[peers]'``). The peers get their inputs cast to the compute dtype.
 
-A system that cannot run keeps its row with the reason: ``unavailable`` (not installed, needs
-CUDA, skipped on the CPU) or ``failed`` (its own error, out of memory).
+A system that cannot run keeps its row with the reason: ``unavailable`` (not installed, not in
+this torch, needs CUDA, skipped on the CPU) or ``failed`` (its own error, out of memory).
 
 Measures (per row):
 
@@ -188,13 +198,25 @@ def centres_from(weight0: torch.Tensor):
         module.init_rows = original
 
 
+def _impl_unavailable(e: ValueError, impl: Optional[str], device: torch.device) -> Optional[str]:
+    """The row's reason when ``e`` is the head's "impl='<name>' cannot run: <why>" (None when it is
+    another error): :data:`NEEDS_CUDA` for a CUDA-only impl on another device, else the head's own words."""
+    text = str(e)
+    if impl is None or f"impl={impl!r} cannot run" not in text:
+        return None
+    return NEEDS_CUDA if device.type != "cuda" and "CUDA" in text else text
+
+
 def _shardfc(margin_name: Optional[str], impl: Optional[str], options: Optional[Callable[[Workload], Dict[str, Any]]] = None
              ) -> Callable[[Workload, Setup], Built]:
     """A shardfc row: ``margin_name`` (None: the workload's margin), ``impl`` (None: the head's
-    default) and the head's ``options`` for the workload."""
+    default) and the head's ``options`` for the workload.
+
+    An explicit ``impl`` that cannot run here is the head's to say: its forward raises
+    ``ValueError("impl='<name>' cannot run: <why>")`` before anything changes state, and the row
+    becomes unavailable with that reason (:func:`_impl_unavailable`), whatever the impl."""
 
     def build(wl: Workload, setup: Setup) -> Built:
-        from shardfc.head.fused import triton_unavailable
         from shardfc.head.margins import build_margin
         from shardfc.head.module import ShardedMarginHead
         from shardfc.head.partial_fc import head_optimizer
@@ -204,11 +226,6 @@ def _shardfc(margin_name: Optional[str], impl: Optional[str], options: Optional[
         opts = options(wl) if options else {}
         kwargs = dict(margin=build_margin(name), context=DistContext(device=setup.device), dtype=torch.float32, **opts)
         note = ""
-        if impl == "triton":
-            # The head's own answer (the reason its impl='triton' would raise), before building it.
-            missing = triton_unavailable(setup.device, getattr(torch, wl.dtype), torch.float32, wl.dim)
-            if missing:
-                raise Unavailable(NEEDS_CUDA if setup.device.type != "cuda" and "CUDA" in missing else missing)
         if impl is not None:
             kwargs["impl"] = impl
         with centres_from(setup.weight0):
@@ -223,13 +240,16 @@ def _shardfc(margin_name: Optional[str], impl: Optional[str], options: Optional[
         def loss_fn(x, y):
             try:
                 return head(x, y)
-            except ValueError as e:  # the head's "impl='triton' cannot run: <why>"
-                if "impl=" in str(e) and "cannot run" in str(e):
-                    raise Unavailable(str(e)) from None
+            except ValueError as e:  # the head's "impl='<name>' cannot run: <why>"
+                reason = _impl_unavailable(e, impl, setup.device)
+                if reason is not None:
+                    raise Unavailable(reason) from None
                 raise
 
         def ran() -> str:  # which path the head took
             last = head.last_impl
+            if impl == "auto":
+                return f"auto chose impl={last}"
             return f"ran impl={last}" if impl in (None, last) else f"**asked impl={impl}, ran impl={last}**"
 
         return Built(_training_step(wl, setup.device, loss_fn, opt), note=note, comparable=comparable, ran=ran)
@@ -341,18 +361,68 @@ def _build_liger(wl: Workload, setup: Setup) -> Built:
     return Built(_training_step(wl, setup.device, loss_fn, _sgd([w])), note="inputs cast to the compute dtype")
 
 
+#: the activation budget of ``softmax-torch-lce-chunked``'s batch chunks: the head's default
+#: ``chunk_budget_bytes`` (what ``shardfc-chunked`` spends on its class chunks), at the head's 8 bytes
+#: per logit (fp32 plus a low-precision copy)
+LCE_CHUNK_BUDGET_BYTES = 64 * 2**20
+
+
+def lce_batch_chunk(batch: int, classes: int) -> int:
+    """Rows per batch chunk of ``softmax-torch-lce-chunked``: the most whose ``[rows, C]`` logits fit
+    :data:`LCE_CHUNK_BUDGET_BYTES` at 8 bytes each (at least 1, at most ``batch``)."""
+    return max(1, min(batch, LCE_CHUNK_BUDGET_BYTES // (8 * classes)))
+
+
+def _torch_lce(chunked: bool) -> Callable[[Workload, Setup], Built]:
+    """torch's own ``F.linear_cross_entropy``: ``options=None`` (its default: ``linear`` then
+    ``cross_entropy``, the full ``[B, C]`` logits) or, ``chunked``, its chunked path with
+    ``LinearCrossEntropyOptions(batch_chunk_size=`` :func:`lce_batch_chunk` ``)`` — torch chunks the
+    batch, not the classes."""
+
+    def build(wl: Workload, setup: Setup) -> Built:
+        lce = getattr(F, "linear_cross_entropy", None)
+        if lce is None:
+            raise Unavailable(f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy")
+        options, note = None, "options=None"
+        if chunked:
+            opts_cls = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+            if opts_cls is None:
+                raise Unavailable(f"torch {torch.__version__} has no torch.nn.LinearCrossEntropyOptions")
+            rows = lce_batch_chunk(wl.batch, wl.classes)
+            options = opts_cls(batch_chunk_size=rows)
+            note = (f"options=LinearCrossEntropyOptions(batch_chunk_size={rows}): {math.ceil(wl.batch / rows)} "
+                    f"batch chunk(s) of [{rows}, C] logits")
+            if setup.device.type != "cuda":  # the dispatch-mode count sees the op's outputs, not its loop
+                note += f"; CPU memory leaves out the [{rows}, C] buffers of each chunk (inside one custom op)"
+        w = _centres(setup)
+
+        def loss_fn(x, y):
+            return lce(_cast(wl, x), _cast(wl, w), y, options=options)
+
+        cast = "" if wl.dtype == "float32" else "inputs cast to the compute dtype"
+        return Built(_training_step(wl, setup.device, loss_fn, _sgd([w])), note="; ".join(filter(None, [note, cast])))
+
+    return build
+
+
 #: every row of the bench, in order (name -> System)
 SYSTEMS: Dict[str, System] = {
     "floor": System("matmul floor: x·Wᵀ, dZ·W, dZᵀ·x", "floor", _build_floor),
     "shardfc-torch": System("shardfc, impl=torch", "margin", _shardfc(None, "torch")),
     "shardfc-triton": System("shardfc, impl=triton", "margin", _shardfc(None, "triton")),
+    "shardfc-gemm": System("shardfc, impl=gemm", "margin", _shardfc(None, "gemm")),
+    "shardfc-auto": System("shardfc, impl=auto", "margin", _shardfc(None, "auto")),
     "shardfc-chunked": System("shardfc, chunk_size=auto", "margin", _shardfc(None, None, lambda wl: {"chunk_size": wl.chunk_size})),
     "shardfc-partial": System("shardfc, Partial FC", "margin", _shardfc(None, None, lambda wl: {"sample_rate": wl.sample_rate})),
     "dense": System("plain torch dense, eager", "margin", _dense(softmax=False, compiled=False)),
     "dense-compile": System("plain torch dense, torch.compile", "margin", _dense(softmax=False, compiled=True)),
     "softmax-shardfc-torch": System("softmax: shardfc, impl=torch", "softmax", _shardfc("softmax", "torch")),
     "softmax-shardfc-triton": System("softmax: shardfc, impl=triton", "softmax", _shardfc("softmax", "triton")),
+    "softmax-shardfc-gemm": System("softmax: shardfc, impl=gemm", "softmax", _shardfc("softmax", "gemm")),
     "softmax-dense": System("softmax: plain torch dense, eager", "softmax", _dense(softmax=True, compiled=False)),
+    "softmax-torch-lce": System("softmax: torch linear_cross_entropy", "softmax", _torch_lce(chunked=False)),
+    "softmax-torch-lce-chunked": System("softmax: torch linear_cross_entropy, batch-chunked", "softmax",
+                                        _torch_lce(chunked=True)),
     "softmax-cce": System("softmax: Cut Cross-Entropy", "softmax", _build_cce),
     "softmax-liger": System("softmax: Liger fused linear cross-entropy", "softmax", _build_liger),
 }
@@ -624,7 +694,7 @@ def failures(result: Dict[str, Any]) -> List[str]:
 
 
 __all__ = [
-    "DTYPES", "LOSS_RTOL", "MARGINS", "ROW_FIELDS", "SYSTEMS", "Workload", "check_workload", "dense_margin_loss",
-    "dense_softmax_loss", "environment", "failures", "parse_systems", "resolve_device",
-    "run_peers",
+    "DTYPES", "LCE_CHUNK_BUDGET_BYTES", "LOSS_RTOL", "MARGINS", "ROW_FIELDS", "SYSTEMS", "Workload", "check_workload",
+    "dense_margin_loss", "dense_softmax_loss", "environment", "failures", "lce_batch_chunk", "parse_systems",
+    "resolve_device", "run_peers",
 ]
