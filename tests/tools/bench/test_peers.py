@@ -335,6 +335,32 @@ def test_check_workload_names_the_argument():
         peers.check_workload(32, 16, True, device="cpu")
 
 
+def test_the_heads_log_goes_to_stderr_prefixed_and_is_put_back(monkeypatch):
+    """impl='auto' logs its timing table on logger shardfc.head at INFO: the CLI shows it on stderr,
+    each line prefixed [shardfc.head] (what scripts/gpu_check.sh greps), and leaves the logger as it was."""
+    import logging
+
+    log = logging.getLogger("shardfc.head")
+    floor = SYSTEMS["floor"]
+
+    def logging_floor(wl, setup):
+        log.info("head impl for workload k (median of 5 calls):\n  triton       1.000 ms  chosen\n  torch        9.000 ms")
+        log.debug("not shown")
+        return floor.build(wl, setup)
+
+    monkeypatch.setitem(SYSTEMS, "floor", peers.System(floor.label, floor.group, logging_floor))
+    before = (log.level, list(log.handlers))
+    code, out, err = _run([*TINY_ARGV, "--systems", "floor"])
+    assert code == 0, err
+    assert ("[shardfc.head] head impl for workload k (median of 5 calls):\n"
+            "[shardfc.head]   triton       1.000 ms  chosen\n[shardfc.head]   torch        9.000 ms\n") in err
+    assert "not shown" not in err and "[shardfc.head]" not in out
+    assert (log.level, list(log.handlers)) == before
+    code, out, err = _run([*TINY_ARGV, "--systems", "floor", "--quiet"])  # --quiet: only the head's warnings
+    assert code == 0 and "[shardfc.head]" not in err
+    assert (log.level, list(log.handlers)) == before
+
+
 def test_help_through_shardfc_bench():
     code, out, _ = _run(["bench", "--peers", "--help"], entry=shardfc_cli.main)
     assert code == 0 and "shardfc bench --peers" in out and "--systems" in out and "--json" in out

@@ -1,31 +1,69 @@
 """``shardfc bench --peers``: the head beside the matmul floor, plain torch (eager and compiled),
-Cut Cross-Entropy and Liger, in one process on one rank's work (:mod:`shardfc.tools.bench.peers`)::
+torch's ``linear_cross_entropy``, Cut Cross-Entropy and Liger, in one process on one rank's work
+(:mod:`shardfc.tools.bench.peers`)::
 
     shardfc bench --peers --batch 1024 --dim 512 --classes 1000000 --json peers.json --plot peers.png
 
 Prints a Markdown table on stdout (the device, torch and triton versions above it) and progress on
-stderr. Exit status: 0 when every row ran or was unavailable (not installed, needs CUDA), 1 when a
-row failed (its own error, out of memory) or its loss disagrees with the reference (the table,
-``--json`` and ``--plot`` are written all the same), 2 for bad arguments.
+stderr, with the head's own log (logger ``shardfc.head``, INFO: the timing table of ``impl="auto"``'s
+choice) on stderr too, each of its lines prefixed ``[shardfc.head]``; ``--quiet`` drops the progress
+and keeps only the head's warnings. Exit status: 0 when every row ran or was unavailable (not
+installed, not in this torch, needs CUDA), 1 when a row failed (its own error, out of memory) or
+its loss disagrees with the reference (the table, ``--json`` and ``--plot`` are written all the
+same), 2 for bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
-from typing import List, Optional
+from typing import Iterator, List, Optional, TextIO
 
 from shardfc.checks import chunk_size_arg
 from shardfc.tools.bench.peers import DTYPES, MARGINS, SYSTEMS, failures, run_peers
+
+
+#: the logger the head reports on (``impl="auto"``'s timing table, at INFO)
+HEAD_LOGGER = "shardfc.head"
+
+
+class _PrefixedLines(logging.Formatter):
+    """Every line of a record (the head's table is one record of several lines) as ``[logger] line``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return "\n".join(f"[{record.name}] {line}" for line in super().format(record).splitlines())
+
+
+@contextlib.contextmanager
+def head_log(stream: TextIO, level: int = logging.INFO) -> Iterator[None]:
+    """Records of logger :data:`HEAD_LOGGER` at ``level`` and above on ``stream`` while inside; the
+    logger's level and handlers as they were afterwards."""
+    log = logging.getLogger(HEAD_LOGGER)
+    handler = logging.StreamHandler(stream)
+    handler.setLevel(level)
+    handler.setFormatter(_PrefixedLines("%(message)s"))
+    saved = log.level
+    if log.getEffectiveLevel() > level:
+        log.setLevel(level)
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(saved)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shardfc bench --peers",
         description="Time one training step (forward + backward + SGD momentum 0.9 wd 5e-4 on fp32 centres) of the "
-        "shardfc head (impl torch / triton, chunked, Partial FC), plain torch dense (eager, torch.compile), Cut "
-        "Cross-Entropy and Liger (plain softmax, when installed) and the bf16 matmul floor, side by side in one "
-        "process on one rank's work; peak memory above the resting state; each loss against the dense reference.",
+        "shardfc head (impl torch / triton / gemm / auto, chunked, Partial FC), plain torch dense (eager, "
+        "torch.compile), torch's linear_cross_entropy (plain and batch-chunked), Cut Cross-Entropy and Liger (plain "
+        "softmax, when installed) and the bf16 matmul floor, side by side in one process on one rank's work; peak "
+        "memory above the resting state; each loss against the dense reference. The head's log (impl=auto's "
+        "timing table) goes to stderr, its lines prefixed [shardfc.head].",
     )
     p.add_argument("--peers", action="store_true", help="run this comparison (what selects it)")
     p.add_argument("--batch", type=int, required=True, help="gathered batch B (one rank's work)")
@@ -46,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: cuda when available (the CPU is for small checks)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG: step ms and extra memory per system")
-    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress lines on stderr, and of the head's log only its warnings")
     return p
 
 
@@ -57,11 +96,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     except SystemExit as e:  # --help (0) or a usage error (2, message already printed)
         return int(e.code or 0)
     try:
-        result = run_peers(
-            batch=args.batch, dim=args.dim, classes=args.classes, systems=args.systems, dtype=args.dtype,
-            margin=args.margin, sample_rate=args.sample_rate, chunk_size=args.chunk_size, steps=args.steps,
-            warmup=args.warmup, device=args.device, progress=not args.quiet,
-        )
+        with head_log(sys.stderr, logging.WARNING if args.quiet else logging.INFO):
+            result = run_peers(
+                batch=args.batch, dim=args.dim, classes=args.classes, systems=args.systems, dtype=args.dtype,
+                margin=args.margin, sample_rate=args.sample_rate, chunk_size=args.chunk_size, steps=args.steps,
+                warmup=args.warmup, device=args.device, progress=not args.quiet,
+            )
     except ValueError as e:
         print(f"shardfc bench --peers: error: {e}", file=sys.stderr)
         return 2
