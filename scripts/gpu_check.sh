@@ -5,8 +5,11 @@
 #   bash scripts/gpu_check.sh                  # from the repository root
 #
 # Nothing is installed and nothing is downloaded (such machines often have no network): shardfc runs
-# from src/ (PYTHONPATH=src); torch, triton, pytest and matplotlib must already be there. The peers
-# Cut Cross-Entropy and Liger run only if importable; otherwise their rows say "not installed". To
+# from src/ (PYTHONPATH=src); torch, triton, pytest and matplotlib must already be there. The bench's
+# rows are all of `shardfc bench --peers` (the head with impl torch / triton / gemm / auto, chunked,
+# Partial FC, plain torch dense, torch's linear_cross_entropy, the peers): the peers Cut Cross-Entropy
+# and Liger run only if importable, otherwise their rows say "not installed"; torch's
+# linear_cross_entropy rows say "unavailable" on a torch without it. To
 # bring them without a network, put their wheels in a folder and set WHEELS=that/folder: they are
 # installed with --no-index --no-deps into a temporary folder (never into the machine's Python).
 #
@@ -17,6 +20,9 @@
 #      tests/head/fused/ — i.e. those that need CUDA or Triton, skipped or interpreted on a CPU
 #      machine; exit 5, "no test matched", is reported but is no failure)
 #   3. bench --peers at each C in CLASSES, --steps 10 --warmup 3               -> peers_c<C>.{log,json,png}
+#      then, from the log, what impl="auto" chose: the head's own log (logger shardfc.head, its
+#      lines prefixed [shardfc.head] in the log: the timing table of the candidates, or the cached
+#      choice) and the shardfc-auto row
 # At most 8 files, flat, under ${OUT:-gpu_check_out}. The tables are printed; a part that fails does not
 # stop the next, and the script exits 1 at the end if any part failed (a failed row or a loss that
 # disagrees with the reference makes its bench part fail), 0 otherwise.
@@ -118,7 +124,9 @@ for C in $CLASSES; do
     timeout --kill-after=10 "$limit" "$PY" -m shardfc bench --peers --batch "$BATCH" --dim "$DIM" --classes "$C" \
         --steps "$STEPS" --warmup "$WARMUP" --device "$DEVICE" --json "$base.json" ${plot[@]+"${plot[@]}"} >"$base.log" 2>&1
     rc=$?
-    grep -v '^\[peers\]' "$base.log"  # the table (progress lines stay in the log)
+    grep -v -e '^\[peers\]' -e '^\[shardfc\.head\]' "$base.log"  # the table (progress and the head's log stay in the log)
+    echo "-- impl=\"auto\" at C=$C (the head's log, then the row):"
+    grep -e '^\[shardfc\.head\]' -e '^| shardfc, impl=auto ' "$base.log" || echo "(no line of the log mentions auto's choice)"
     case $rc in
         0) note "bench C=$C: every row ran or was unavailable, losses agree ($((SECONDS - start)) s)" ;;
         124 | 137) fail "bench C=$C: timed out after ${limit}s; rows done so far: $(grep -c ' per step' "$base.log") (see $base.log)" ;;
