@@ -57,8 +57,8 @@ class ShardedLossPlan:
 def _shard_kernels(cfg: ShardConfig):
     """``(shard_forward, shard_backward)`` of the implementation the plan resolved: the torch
     reference (:mod:`shardfc.head.kernels`) or the fused Triton kernels (:mod:`shardfc.head.fused`),
-    which take and return the same things."""
-    if cfg.impl == "triton":
+    (``impl="triton"`` or ``"gemm"``), which take and return the same things."""
+    if cfg.impl in ("triton", "gemm"):
         from shardfc.head.fused import shard as fused  # imports Triton: only when chosen
 
         return fused.shard_forward, fused.shard_backward

@@ -387,7 +387,8 @@ class ShardedMarginHead(nn.Module):
         # impl="triton" that cannot run raises here, the same on every rank.
         compute_dtype = compute_dtype_for(embeds[0].device, embeds[0], weights[0])
         stats_dtype = stats_dtype_for(embeddings, weights[0])
-        self.last_impl = resolve_impl(self.impl, embeds[0].device, compute_dtype, stats_dtype, self.embedding_dim)
+        impl = resolve_impl(self.impl, embeds[0].device, compute_dtype, stats_dtype)
+        self.last_impl = "triton" if impl == "auto" else impl  # TODO selector
         all_labels = self.ctx.all_gather_rows(labels, sizes) if self.distributed else labels
         valid = all_labels != self.ignore_index
         feature_norms = self._feature_norms(embeddings, sizes, valid) if self.margin.uses_feature_norm else None

@@ -1,4 +1,4 @@
-"""``shardfc plan --head-impl triton``: the fused step replayed on the meta device allocates what
+"""``shardfc plan --head-impl triton|gemm``: the GPU path's step replayed on the meta device allocates what
 the fused step allocates on real tensors (here CPU tensors under Triton's interpreter).
 
 The interpreter copies a kernel's arguments into tensors of its own while it runs, and its closures
@@ -24,7 +24,7 @@ C, D, B = 400, 32, 32
 def launches_unseen(monkeypatch):
     """Every kernel launch runs outside the dispatch modes and leaves nothing behind (the
     interpreter's own copies and cycles)."""
-    from shardfc.head.fused import autotune, optimizer, tiles
+    from shardfc.head.fused import autotune, epilogue, optimizer, tiles
 
     real_launch = autotune.launch
 
@@ -48,6 +48,8 @@ def launches_unseen(monkeypatch):
     monkeypatch.setattr(autotune, "launch", launch)
     monkeypatch.setattr(tiles, "row_inverse_norms_kernel", Unseen(tiles.row_inverse_norms_kernel))
     monkeypatch.setattr(optimizer, "row_sgd_kernel", Unseen(optimizer.row_sgd_kernel))
+    for name in ("operand_rows_kernel", "forward_epilogue_kernel", "backward_epilogue_kernel", "weight_grad_kernel"):
+        monkeypatch.setattr(epilogue, name, Unseen(getattr(epilogue, name)))
 
 
 @pytest.mark.parametrize(
@@ -64,9 +66,10 @@ def launches_unseen(monkeypatch):
         dict(chunk_size=64),  # ignored by the fused path, in the plan as in the head
     ],
 )
-def test_fused_plan_equals_the_fused_step_measured(launches_unseen, measured_step_peak, options):
+@pytest.mark.parametrize("impl", ["triton", "gemm"])
+def test_fused_plan_equals_the_fused_step_measured(launches_unseen, measured_step_peak, options, impl):
     options = dict(options)
     kept = options.pop("grads_kept", True)
     optimizer = options.pop("optimizer", "sgd")
-    predicted = plan(C, D, B, 1, optimizer=optimizer, grad_in_place=kept, impl="triton", **options)
-    assert predicted["step_peak"] == measured_step_peak(C, D, B, kept, optimizer, impl="triton", **options)
+    predicted = plan(C, D, B, 1, optimizer=optimizer, grad_in_place=kept, impl=impl, **options)
+    assert predicted["step_peak"] == measured_step_peak(C, D, B, kept, optimizer, impl=impl, **options)

@@ -1,5 +1,7 @@
-"""The fused kernels against the torch path (the reference implementation) and the dense float64
-reference, one process, under Triton's interpreter at small shapes."""
+"""The GPU implementations (``impl="triton"``: the fused forward; ``impl="gemm"``: GEMMs + epilogues;
+both: the GEMM backward) against the torch path (the reference implementation) and the dense
+float64 reference, one process, under Triton's interpreter at small shapes (53 classes: four
+class chunks of the GEMM path, two splits each)."""
 
 from __future__ import annotations
 
@@ -12,13 +14,19 @@ from shardfc.head.module import init_rows
 from fused_pairs import C, D, DEVICE, MARGINS, data, rel, step
 
 FP32 = 1e-5
+FAST = ("triton", "gemm")
 
 
-def _compare(tol=FP32, data_kw=None, **kw):
+@pytest.fixture(params=FAST)
+def impl(request):
+    return request.param
+
+
+def _compare(impl, tol=FP32, data_kw=None, **kw):
     x, y, up = data(**(data_kw or {}))
     ref = step("torch", x, y, up, **kw)
-    got = step("triton", x, y, up, **kw)
-    assert got["impl"] == "triton" and ref["impl"] == "torch"
+    got = step(impl, x, y, up, **kw)
+    assert got["impl"] == impl and ref["impl"] == "torch"
     if "rows" in ref:
         assert torch.equal(got["rows"], ref["rows"])
     for key in ("loss", "grad_x", "grad_w"):
@@ -27,8 +35,8 @@ def _compare(tol=FP32, data_kw=None, **kw):
 
 
 @pytest.mark.parametrize("margin", sorted(MARGINS))
-def test_every_margin_matches_torch_path(margin):
-    _compare(margin=margin, reduction="none")
+def test_every_margin_matches_torch_path(impl, margin):
+    _compare(impl, margin=margin, reduction="none")
 
 
 OPTIONS = {
@@ -48,21 +56,21 @@ OPTIONS = {
 
 
 @pytest.mark.parametrize("case", list(OPTIONS.values()), ids=list(OPTIONS))
-def test_options_match_torch_path(case):
+def test_options_match_torch_path(impl, case):
     tol = 2e-2 if case.get("dtype") == torch.bfloat16 else FP32
-    _compare(tol=tol, **case)
+    _compare(impl, tol=tol, **case)
 
 
-def test_filter_removes_classes():
+def test_filter_removes_classes(impl):
     """The filter case above is not vacuous: at this threshold it changes the loss."""
     x, y, up = data()
-    plain = step("triton", x, y, up)
-    filtered = step("triton", x, y, up, interclass_filter_threshold=0.05)
+    plain = step(impl, x, y, up)
+    filtered = step(impl, x, y, up, interclass_filter_threshold=0.05)
     assert rel(filtered["loss"], plain["loss"]) > 1e-3
 
 
 @pytest.mark.parametrize("where", ["all_ignored", "one_shard_region", "one_sample"])
-def test_odd_batches(where):
+def test_odd_batches(impl, where):
     kw = {
         "all_ignored": dict(data_kw=dict(B=5, ignore=False)),
         "one_shard_region": dict(data_kw=dict(low=C - 3, high=C)),
@@ -71,17 +79,17 @@ def test_odd_batches(where):
     if where == "all_ignored":
         x, y, up = data(B=5, ignore=False)
         y[:] = -1
-        ref, got = step("torch", x, y, up), step("triton", x, y, up)
+        ref, got = step("torch", x, y, up), step(impl, x, y, up)
         assert float(got["loss"]) == float(ref["loss"]) == 0.0
         assert rel(got["grad_w"], ref["grad_w"]) == 0.0 and float(got["grad_w"].abs().max()) == 0.0
         return
-    _compare(**kw)
+    _compare(impl, **kw)
 
 
-def test_fp32_against_dense_float64_reference():
+def test_fp32_against_dense_float64_reference(impl):
     x, y, up = data()
     margin = MARGINS["arcface"]
-    got = step("triton", x, y, up, reduction="none", label_smoothing=0.1)
+    got = step(impl, x, y, up, reduction="none", label_smoothing=0.1)
     W = init_rows(0, C, D, 0).double().requires_grad_()
     xr = x.double().requires_grad_()
     ref = shardfc.reference_loss(xr, W, y, margin, label_smoothing=0.1, reduction="none")
@@ -92,35 +100,35 @@ def test_fp32_against_dense_float64_reference():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_compute_within_torch_paths_error(dtype):
-    """Under autocast both paths multiply in ``dtype``; the fused one may not be less exact."""
+def test_low_precision_compute_within_torch_paths_error(impl, dtype):
+    """Under autocast both paths multiply in ``dtype``; the fast one may not be less exact."""
     x, y, up = data()
     W = init_rows(0, C, D, 0).double().requires_grad_()
     xr = x.double().requires_grad_()
     ref = shardfc.reference_loss(xr, W, y, MARGINS["arcface"], reduction="none")
     ref.backward(up.double())
     errs = {}
-    for impl in ("torch", "triton"):
-        out = step(impl, x, y, up, autocast=dtype, reduction="none")
-        errs[impl] = {k: rel(out[k], r) for k, r in (("loss", ref.detach()), ("grad_x", xr.grad), ("grad_w", W.grad))}
-    for key, err in errs["triton"].items():
+    for name in ("torch", impl):
+        out = step(name, x, y, up, autocast=dtype, reduction="none")
+        errs[name] = {k: rel(out[k], r) for k, r in (("loss", ref.detach()), ("grad_x", xr.grad), ("grad_w", W.grad))}
+    for key, err in errs[impl].items():
         assert err <= 2 * errs["torch"][key] + 2e-3, (key, errs)
 
 
-def test_devices_mode_two_shards():
+def test_devices_mode_two_shards(impl):
     x, y, up = data()
     out = {}
-    for impl in ("torch", "triton"):
-        head = shardfc.ShardedMarginHead(D, C, devices=[DEVICE, DEVICE], impl=impl, subcenters=2)
+    for name in ("torch", impl):
+        head = shardfc.ShardedMarginHead(D, C, devices=[DEVICE, DEVICE], impl=name, subcenters=2)
         xr = x.to(DEVICE, copy=True).requires_grad_()
         head(xr, y.to(DEVICE)).backward()
-        out[impl] = (xr.grad.cpu(), [w.grad.cpu() for w in head.shard_weights])
-    assert rel(out["triton"][0], out["torch"][0]) < FP32
-    for a, b in zip(out["triton"][1], out["torch"][1]):
+        out[name] = (xr.grad.cpu(), [w.grad.cpu() for w in head.shard_weights])
+    assert rel(out[impl][0], out["torch"][0]) < FP32
+    for a, b in zip(out[impl][1], out["torch"][1]):
         assert rel(a, b) < FP32
 
 
-def test_target_gradient_goes_to_the_sub_centre_the_margin_used():
+def test_target_gradient_goes_to_the_sub_centre_the_margin_used(impl):
     """Two centres of the target class equal in bf16 but not in fp32: the margin (fp32 target
     products) picks the second; the kernels' bf16 products tie. The gradient must follow the
     margin's choice (as a dense head's autograd would), not the kernels' tie-break."""
@@ -128,7 +136,7 @@ def test_target_gradient_goes_to_the_sub_centre_the_margin_used():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, D, generator=g).to(DEVICE)
     y = torch.tensor([5], device=DEVICE)
-    head = shardfc.ShardedMarginHead(D, C, subcenters=K, impl="triton", device=DEVICE)
+    head = shardfc.ShardedMarginHead(D, C, subcenters=K, impl=impl, device=DEVICE)
     with torch.no_grad():
         v = x[0] / x[0].norm() + 0.05 * torch.randn(D, generator=g).to(DEVICE)
         v = v.bfloat16().float()

@@ -1,11 +1,22 @@
-"""Fused Triton kernels for one shard of the head: logits never materialised, at any class count.
+"""The head's GPU implementations of one shard: no ``[B, C]`` logits at any class count.
 
-Files by kernel role: :mod:`.tiles` (the tile of logits every kernel recomputes), :mod:`.forward`
-(online log-sum-exp), :mod:`.backward` (weight and embedding gradients), :mod:`.autotune` (block
-sizes), :mod:`.shard` (the launchers, drop-in for :mod:`shardfc.head.kernels`'s functions).
+Two forwards and one backward, each built so that its speed follows from its structure:
+
+* ``impl="triton"``: the forward is one fused online-LSE kernel (:mod:`.forward`) on 64–128-row
+  tiles, which Triton lowers to Hopper's wgmma;
+* ``impl="gemm"``: the forward is cuBLAS GEMMs over class chunks with a Triton epilogue
+  (:mod:`.chunks`, :mod:`.epilogue`);
+* both: the backward is cuBLAS GEMMs over class chunks with Triton epilogues (:mod:`.chunks`):
+  the logits recomputed once per chunk, then ``E·Ŵ`` and ``Eᵀ·x`` at the device's matmul rate.
+
+Files by kernel role: :mod:`.tiles` (the tile of logits the kernels share), :mod:`.forward`
+(the fused online log-sum-exp), :mod:`.epilogue` (the kernels around the GEMMs), :mod:`.chunks`
+(the GEMM loop over class chunks), :mod:`.autotune` (the fused forward's block sizes),
+:mod:`.optimizer` (the fused row-sparse SGD), :mod:`.shard` (the launchers, drop-in for
+:mod:`shardfc.head.kernels`'s functions), :mod:`.aot` (the sm_90 build and its SASS, from a CPU).
 
 Importing this package does not import Triton; :func:`resolve_impl` decides, per forward, which
-implementation runs, and the kernel modules are loaded the first time the Triton one does. Under
+implementation can run, and the kernel modules are loaded the first time the Triton one does. Under
 ``TRITON_INTERPRET=1`` (set before the first use) the kernels run on CPU tensors with Triton's
 interpreter — slowly, for tests. On the ``meta`` device (tensors with shapes and no data) the
 launchers allocate what they would and launch nothing: that is how ``shardfc plan`` replays a
@@ -26,8 +37,6 @@ import torch
 IMPLS = ("auto", "triton", "gemm", "torch")
 #: The implementations ``"auto"`` chooses between, in the order they are tried.
 CANDIDATES = ("triton", "gemm", "torch")
-#: Largest embedding width of the fused kernels (their backward holds a ``[tile, D]`` accumulator).
-MAX_DIM = 1024
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -43,7 +52,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def triton_unavailable(device: torch.device, compute_dtype: torch.dtype, stats_dtype: torch.dtype, dim: int) -> Optional[str]:
+def triton_unavailable(device: torch.device, compute_dtype: torch.dtype, stats_dtype: torch.dtype) -> Optional[str]:
     """Why the fused kernels cannot run this step (None when they can)."""
     if importlib.util.find_spec("triton") is None:
         return "Triton is not installed (pip install 'shardfc[gpu]')"
@@ -56,8 +65,6 @@ def triton_unavailable(device: torch.device, compute_dtype: torch.dtype, stats_d
         return f"the kernels keep fp32 statistics; inputs of {stats_dtype} need impl='torch'"
     if compute_dtype not in _COMPUTE_DTYPES:
         return f"compute dtype {compute_dtype} is not one of fp32, bf16, fp16"
-    if dim > MAX_DIM:
-        return f"embedding_dim={dim} is above the kernels' limit of {MAX_DIM}"
     return None
 
 
@@ -66,17 +73,21 @@ def shapes_only(t: torch.Tensor) -> bool:
     return t.device.type == "meta"
 
 
-def resolve_impl(impl: str, device: torch.device, compute_dtype: torch.dtype, stats_dtype: torch.dtype, dim: int) -> str:
-    """``"triton"`` or ``"torch"`` for one forward. ``"auto"``: Triton on CUDA when it can run there,
-    else torch. ``"triton"``: Triton, or a ValueError that says why it cannot run."""
+def resolve_impl(impl: str, device: torch.device, compute_dtype: torch.dtype, stats_dtype: torch.dtype) -> str:
+    """The implementation one forward runs, or a ValueError that says why the one asked for cannot.
+
+    ``"torch"`` always runs. ``"triton"`` and ``"gemm"`` need Triton and a CUDA device (or the
+    interpreter, or the meta device). ``"auto"`` resolves to ``"torch"`` where they cannot run and
+    is otherwise returned as is: the head then times the candidates (:mod:`shardfc.head.impl_select`).
+    """
     if impl == "torch":
         return "torch"
-    reason = triton_unavailable(device, compute_dtype, stats_dtype, dim)
-    if impl == "triton":
+    reason = triton_unavailable(device, compute_dtype, stats_dtype)
+    if impl in ("triton", "gemm"):
         if reason is not None:
-            raise ValueError(f"impl='triton' cannot run: {reason}")
-        return "triton"
-    return "triton" if reason is None and device.type == "cuda" else "torch"
+            raise ValueError(f"impl={impl!r} cannot run: {reason}")
+        return impl
+    return "auto" if reason is None and device.type == "cuda" else "torch"
 
 
-__all__ = ["IMPLS", "MAX_DIM", "check_impl", "interpreting", "resolve_impl", "shapes_only", "triton_unavailable"]
+__all__ = ["CANDIDATES", "IMPLS", "check_impl", "interpreting", "resolve_impl", "shapes_only", "triton_unavailable"]

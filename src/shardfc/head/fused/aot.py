@@ -43,14 +43,14 @@ import re
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from shardfc.head.fused import autotune, forward, optimizer, tiles
+from shardfc.head.fused import autotune, chunks, epilogue, forward, optimizer, tiles
 
 #: Shared memory an H100 SM grants one block (227 KB).
 H100_SHARED_BYTES = 232448
@@ -63,7 +63,7 @@ DIM = 512
 # FLOAT_ARGS an ``fp32`` scalar (Python floats), anything else an ``i32`` (Python ints below 2**31).
 # A pointer typed COMPUTE_PTR points at the compute dtype (the ``COMPUTE`` flag of the build).
 
-FLOAT_ARGS = {"scale", "threshold", "eps_over_c", "one_minus_eps", "lr", "momentum", "weight_decay"}
+FLOAT_ARGS = {"scale", "threshold", "eps_over_c", "one_minus_eps", "unit", "lr", "momentum", "weight_decay"}
 COMPUTE_PTR = "*COMPUTE"
 _DTYPES = {tl.bfloat16: "bf16", tl.float16: "fp16", tl.float32: "fp32"}
 
@@ -80,6 +80,9 @@ HINTED: Dict[str, str] = {
     "D": "D: the embedding width, 512",
     "stride_*": "D: row stride of a contiguous [rows, D] tensor (0 for an absent momentum buffer, also a multiple)",
     "cls_per_split": "classes per split: a multiple of autotune.SPLIT_QUANTUM (128) on a GPU",
+    "cls_per_prog": "classes per forward-epilogue program: a multiple of its BN (128)",
+    "c0": "the chunk's first class: a multiple of chunks.CHUNK_QUANTUM (128)",
+    "r0": "the chunk's first centre row: c0 * K, a multiple of 128",
 }
 #: Integer arguments left unhinted: any value at run time, so the conservative binary.
 UNHINTED: Dict[str, str] = {
@@ -88,6 +91,9 @@ UNHINTED: Dict[str, str] = {
     "n_splits": "class splits: n_cls / cls_per_split rounded up, any count",
     "n_rows": "scored centre rows: n_cls * K, any count",
     "n": "rows updated: the rows sampled this step, any count",
+    "n_c": "classes in a chunk: chunks.chunk_classes() (a multiple of 128) except the last chunk's",
+    "part0": "the chunk's first column of the forward's partial statistics: any",
+    "n_parts": "columns of the forward's partial statistics: any count",
     "cls_bucket": "autotune key only (not read by the kernel): n_cls rounded up to a power of two, maybe < 16",
     "batch_bucket": "autotune key only (not read by the kernel): B rounded up to a power of two, maybe < 16",
 }
@@ -115,6 +121,11 @@ class Entry:
     configs: Sequence[triton.Config]
     flags: Mapping[str, Any]
     types: Mapping[str, str] = field(default_factory=dict)
+    #: The configs the launcher uses for a build's flags (None: all of ``configs``).
+    pick: Optional[Callable[[Mapping[str, Any]], Sequence[triton.Config]]] = None
+
+    def configs_for(self, flags: Mapping[str, Any]) -> Sequence[triton.Config]:
+        return self.configs if self.pick is None else self.pick(flags)
 
 
 #: Every kernel the AOT build covers, by name.
@@ -122,7 +133,8 @@ KERNELS: Dict[str, Entry] = {}
 
 
 def register(fn, configs: Sequence[triton.Config], flags: Mapping[str, Any],
-             types: Optional[Mapping[str, str]] = None, name: Optional[str] = None) -> Entry:
+             types: Optional[Mapping[str, str]] = None, name: Optional[str] = None,
+             pick: Optional[Callable[[Mapping[str, Any]], Sequence[triton.Config]]] = None) -> Entry:
     """Add a kernel to :data:`KERNELS` (under ``name``, default ``fn.__name__``).
 
     ``configs``: every ``triton.Config`` its launcher may use (the autotune list, or a one-element
@@ -131,7 +143,9 @@ def register(fn, configs: Sequence[triton.Config], flags: Mapping[str, Any],
     argument on the default path; :data:`VARIANTS` overlay the keys the kernel takes. ``types``:
     arguments whose Triton type is not the one their name gives (``*fp32`` for ``*_ptr``, ``fp32``
     for :data:`FLOAT_ARGS`, else ``i32``), e.g. ``{"idx_ptr": "*i64", "a_ptr": COMPUTE_PTR}``.
-    Every integer argument must be listed in :data:`HINTED` or :data:`UNHINTED`.
+    Every integer argument must be listed in :data:`HINTED` or :data:`UNHINTED`. ``pick``: when the
+    launcher's configs depend on the flags, the function that gives them (a build then compiles
+    those only, as a run would).
 
     For example, a pure elementwise kernel ``scale_kernel(x_ptr, out_ptr, n, scale, BLOCK:
     tl.constexpr)`` launched with ``BLOCK=1024`` at the default 4 warps::
@@ -160,7 +174,7 @@ def register(fn, configs: Sequence[triton.Config], flags: Mapping[str, Any],
         problems.append("already registered")
     if problems:
         raise ValueError(f"aot.register({name}): " + "; ".join(problems))
-    KERNELS[name] = entry = Entry(fn, list(configs), dict(flags), types)
+    KERNELS[name] = entry = Entry(fn, list(configs), dict(flags), types, pick)
     return entry
 
 
@@ -168,8 +182,9 @@ def register(fn, configs: Sequence[triton.Config], flags: Mapping[str, Any],
 _FORWARD = dict(K=1, HAS_ROWS=False, NORM_W=True, FILTER=False, SMOOTH=False, COMPUTE=tl.bfloat16, DOT=tl.bfloat16,
                 PRECISION="tf32")
 
-register(forward.lse_forward_kernel, autotune.FORWARD_CONFIGS, _FORWARD,
-         types={"a_ptr": COMPUTE_PTR, "rows_ptr": "*i64", "tcol_ptr": "*i32"})
+register(forward.lse_forward_kernel, autotune.FORWARD_CONFIGS + autotune.HEAVY_FORWARD_CONFIGS, _FORWARD,
+         types={"a_ptr": COMPUTE_PTR, "rows_ptr": "*i64", "tcol_ptr": "*i32"},
+         pick=lambda f: autotune.forward_configs(f["K"], f["FILTER"], f["PRECISION"]))
 # shard.row_inverse_norms launches BR=64, BD=128 at Triton's default 4 warps, 3 stages.
 register(tiles.row_inverse_norms_kernel, [triton.Config({"BR": 64, "BD": 128}, num_warps=4, num_stages=3)],
          dict(HAS_ROWS=False), types={"rows_ptr": "*i64"})
@@ -177,6 +192,23 @@ register(tiles.row_inverse_norms_kernel, [triton.Config({"BR": 64, "BD": 128}, n
 # sampled rows (idx), their gradient rows in order, momentum.
 register(optimizer.row_sgd_kernel, [triton.Config({"BR": 32, "BD": 128}, num_warps=4, num_stages=3)],
          dict(HAS_IDX=True, G_AT_IDX=False, MOMENTUM=True, NESTEROV=False), types={"idx_ptr": "*i64"})
+
+# The GEMM path's epilogues (chunks.py launches them at EPILOGUE_TILES / ROW_TILES, 4 warps, 3
+# stages): elementwise kernels, so their builds must show no tensor-core instruction at all. The
+# products and the operand rows are bf16 on the default path; E is written back into the products.
+_ROWS = [triton.Config({"BR": 32, "BD": 128}, num_warps=4, num_stages=3)]
+_BLOCK = [triton.Config(dict(zip(("BM", "BN"), t)), num_warps=4, num_stages=3)
+          for t in (chunks.EPILOGUE_TILES, chunks.HEAVY_EPILOGUE_TILES)]
+register(epilogue.operand_rows_kernel, _ROWS, dict(HAS_ROWS=False, SCALE=True, EMULATE_RTNE=False),
+         types={"rows_ptr": "*i64", "out_ptr": "*bf16"})
+_pick_block = lambda f: [_BLOCK[chunks.heavy(f["K"], f["FILTER"])]]  # noqa: E731
+register(epilogue.forward_epilogue_kernel, _BLOCK, dict(K=1, FILTER=False, SMOOTH=False),
+         types={"p_ptr": "*bf16", "tcol_ptr": "*i32"}, pick=_pick_block)
+register(epilogue.backward_epilogue_kernel, _BLOCK, dict(K=1, FILTER=False, SMOOTH=False, EMULATE_RTNE=False),
+         types={"p_ptr": "*bf16", "tcol_ptr": "*i32"}, pick=_pick_block)
+register(epilogue.weight_grad_kernel, _ROWS,
+         dict(HAS_ROWS=False, NORM_W=True, ACCUMULATE=True, SCATTER=False, EMULATE_RTNE=False),
+         types={"rows_ptr": "*i64"})
 
 #: Option paths beyond each kernel's default: flags overlaid on it (a kernel gets the keys it takes;
 #: a variant that changes none of a kernel's flags is not built for it).
@@ -314,7 +346,7 @@ def build_all(dim: int = DIM, K: int = 1, capability: int = 90, variants=("defau
             flags = variant_flags(name, variant, K)
             if flags is None:
                 continue
-            configs = KERNELS[name].configs
+            configs = KERNELS[name].configs_for(flags)
             for config in configs if all_configs or variant == "default" else configs[:1]:
                 built = compile_one(name, config, flags, dim, capability)
                 yield {"variant": variant, **dataclasses.asdict(built)}

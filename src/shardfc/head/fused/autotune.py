@@ -1,19 +1,18 @@
-"""Block sizes of the fused kernels: a few autotuned configs on a GPU, one small fixed config under
-Triton's interpreter (which is slow and checks no resource limit, so tests use the smallest legal
-tiles: ``tl.dot`` needs every dimension ≥ 16).
+"""Block sizes of the fused forward kernel: a few autotuned configs on a GPU, one small fixed config
+under Triton's interpreter (which is slow and checks no resource limit, so tests use the smallest
+legal tiles: ``tl.dot`` needs every dimension ≥ 16).
 
-The configs are the ones that compile for an H100 (sm_90, D = 512, bf16) without spilling
-registers, as measured from this CPU by :mod:`.aot` (``python -m shardfc.head.fused.aot``:
-Triton's bundled ptxas, read back with cuobjdump):
-- forward: 128×128×32 and 64×128×64 at 8 warps use 210–216 registers, no stack. 128×128×64 spilled
-  104 bytes and 64×64 at 4 warps sat at 254 registers. Shared memory is 56–88 KB of the 227 KB.
-- embedding gradient: 32×32 at 8 warps uses 254 registers, no stack. Every 64-row tile spilled,
-  since its ``[BM, D]`` fp32 accumulator alone is 128 registers per thread.
-- weight gradient: 32×32 at 8 warps spills 256 bytes, and only in its once-per-program epilogue
-  (``w``, ``.grad`` and the accumulator live together). Without that epilogue it spills 24 bytes;
-  its loop does not spill.
-The backward kernels hold a ``[tile, D]`` fp32 accumulator, so ``D`` is bounded
-(:data:`shardfc.head.fused.MAX_DIM`); larger embeddings use the torch path.
+Every config has ≥ 64 rows per warpgroup, so its ``tl.dot`` lowers to Hopper's wgmma (``HGMMA``)
+on sm_90, never to the Ampere-style mma.sync (``HMMA``) Triton falls back to below that; and none
+spills: :mod:`.aot` builds each one for an H100 from this CPU with the JIT's specialisation and
+reads the SASS back, and ``tests/head/fused/test_aot.py`` holds both. The backward has no tuned
+kernel: its matmuls are cuBLAS GEMMs and its epilogues fixed-tile elementwise kernels
+(:mod:`.chunks`).
+
+The autotune key holds what changes the best config: the embedding width, the option flags and
+the class and batch counts rounded up to a power of two (:func:`bucket`), so a new shard size tunes
+again but 1,000,000 and 1,000,003 classes share a choice. The forward writes fresh outputs only, so
+a trial clones nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import functools
 import torch
 import triton
 
-from shardfc.head.fused import backward, forward, interpreting, shapes_only
+from shardfc.head.fused import forward, interpreting, shapes_only
 
 #: Class splits are multiples of this (the largest ``BN``), so every config tiles them exactly.
 SPLIT_QUANTUM = 128
@@ -43,17 +42,33 @@ def _configs(tiles):
 
 
 FORWARD_CONFIGS = _configs([(128, 128, 32, 8, 4), (64, 128, 64, 8, 3), (128, 64, 64, 8, 3)])
-GRAD_A_CONFIGS = _configs([(32, 32, 64, 8, 2), (16, 64, 64, 8, 2), (64, 16, 64, 8, 2)])
-GRAD_W_CONFIGS = _configs([(32, 32, 64, 8, 2), (64, 16, 64, 8, 2), (64, 32, 64, 8, 2)])
+#: With sub-centres or the filter a tile keeps more alive (the running max over sub-centres, the
+#: filter's second product): smaller tiles, which keep it in registers.
+HEAVY_FORWARD_CONFIGS = _configs([(64, 64, 64, 8, 3), (64, 128, 32, 8, 3)])
 _FLAGS = ["K", "HAS_ROWS", "NORM_W", "FILTER", "SMOOTH", "COMPUTE", "DOT", "PRECISION"]
+_KEY = ["D", "cls_bucket", "batch_bucket"] + _FLAGS
 
-lse_forward = triton.autotune(FORWARD_CONFIGS, key=["D"] + _FLAGS)(forward.lse_forward_kernel)
-grad_a = triton.autotune(GRAD_A_CONFIGS, key=["D"] + _FLAGS)(backward.grad_a_kernel)
-# The weight-gradient kernel may add into an existing .grad: tuning runs it several times, so the
-# autotuner restores that buffer after each trial.
-grad_w = triton.autotune(GRAD_W_CONFIGS, key=["D", "ACCUMULATE", "SCATTER"] + _FLAGS, restore_value=["gw_ptr"])(
-    backward.grad_w_kernel
-)
+def forward_configs(K: int, filter_: bool, precision: str = "tf32"):
+    """The forward's autotune configs for ``K`` sub-centres, the filter on or off and the dot's
+    precision (fp32 ``"ieee"`` runs on FMA units: its 128×128 tile spills 16 bytes)."""
+    if K > 1 or filter_:
+        return HEAVY_FORWARD_CONFIGS
+    return FORWARD_CONFIGS[1:] if precision == "ieee" else FORWARD_CONFIGS
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned(configs: tuple):
+    return triton.autotune(list(configs), key=_KEY)(forward.lse_forward_kernel)
+
+
+def lse_forward(K: int, filter_: bool, precision: str = "tf32"):
+    """The autotuned forward kernel over :func:`forward_configs` (one tuner per config list)."""
+    return _tuned(tuple(forward_configs(K, filter_, precision)))
+
+
+def bucket(n: int) -> int:
+    """``n`` rounded up to a power of two (at least 1): the autotune key's class and batch counts."""
+    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def launch(tuned, grid, *args, **kwargs):
@@ -69,7 +84,7 @@ def launch(tuned, grid, *args, **kwargs):
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
+def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -85,7 +100,7 @@ def class_splits(n_cls: int, batch: int, device: torch.device) -> int:
         wanted = 3
     else:
         row_tiles = triton.cdiv(max(batch, 1), 64)
-        sms = META_SMS if device.type == "meta" else _sm_count(device.index or 0)
+        sms = META_SMS if device.type == "meta" else sm_count(device.index or 0)
         wanted = triton.cdiv(PROGRAMS_PER_SM * sms, row_tiles)
     per_split = triton.cdiv(max(n_cls, 1), max(wanted, 1))
     return triton.cdiv(per_split, quantum) * quantum

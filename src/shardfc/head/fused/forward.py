@@ -6,7 +6,8 @@ a rescaled running sum of exponentials (FlashAttention's online softmax), plus t
 label smoothing. It writes one ``(max, sum-exp, logit sum)`` per sample and split; the launcher
 folds the splits exactly as the shards are folded (``Σ_k σ_k·e^{m_k − M}``). Each centre row's
 ``1/‖w‖`` comes from :func:`.tiles.row_inverse_norms_kernel`, run once before (and kept for the
-backward), so ``W`` is never normalised into a copy.
+backward), so ``W`` is never normalised into a copy. ``cls_bucket`` and ``batch_bucket`` are not
+read: they are the autotune key's class and batch counts (:func:`.autotune.bucket`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def lse_forward_kernel(
     a_ptr, w_ptr, rows_ptr, inv_ptr, tr_ptr, tcol_ptr, tval_ptr,
     pmax_ptr, psum_ptr, plsum_ptr,
     B, D, n_cls, K: tl.constexpr, cls_per_split, stride_a, stride_w, stride_tr, n_splits,
-    scale, threshold,
+    scale, threshold, cls_bucket, batch_bucket,
     HAS_ROWS: tl.constexpr, NORM_W: tl.constexpr, FILTER: tl.constexpr, SMOOTH: tl.constexpr,
     COMPUTE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
@@ -41,10 +42,10 @@ def lse_forward_kernel(
     for n0 in range(c_begin, c_end, BN):
         offs_n = n0 + tl.arange(0, BN)
         n_mask = offs_n < c_end
-        best, arg, fmax, _ = tiles.class_values(
+        best, fmax = tiles.class_values(
             a_ptr, stride_a, offs_m, m_mask, w_ptr, stride_w, rows_ptr, inv_ptr, tr_ptr, stride_tr,
-            offs_n, n_mask, K, D, -1,
-            HAS_ROWS, NORM_W, FILTER, False, COMPUTE, DOT, PRECISION, BM, BN, BD,
+            offs_n, n_mask, K, D,
+            HAS_ROWS, NORM_W, FILTER, COMPUTE, DOT, PRECISION, BM, BN, BD,
         )
         z, is_t = tiles.logits(best, fmax, offs_n, n_mask, tcol, tval, scale, threshold, FILTER)
         if SMOOTH:

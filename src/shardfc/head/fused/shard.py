@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from shardfc.head.fused import autotune, interpreting, shapes_only, tiles
+from shardfc.head.fused import autotune, chunks, interpreting, shapes_only, tiles
 from shardfc.head.kernels import ShardConfig, ShardStats, target_norm_gradients
 from shardfc.head.normalize import NORM_EPS
 
@@ -117,32 +117,46 @@ def shard_forward(
         )
     on, tsub, tval, tdraw, tdnorm = target_logits(a, w, local_labels, norms, cfg, rows)
     tcol = local_labels.to(torch.int32).contiguous()
-    per_split = autotune.class_splits(n_cls, B, dev)
-    n_splits = triton.cdiv(n_cls, per_split)
-    pmax = torch.empty(B, n_splits, dtype=torch.float32, device=dev)
-    psum = torch.empty_like(pmax)
-    plsum = torch.empty_like(pmax) if smooth else pmax
-    tr = target_rows.to(torch.float32).contiguous() if target_rows is not None else a_k
+    tval = tval.float().contiguous()
+    tr = target_rows.to(torch.float32).contiguous() if target_rows is not None else None
     rows = rows.contiguous() if rows is not None else None
+    scale, threshold = float(cfg.margin.scale), float(cfg.filter_threshold or 0.0)
     with _on(dev):
-        inv = row_inverse_norms(w, rows, n_cls * K) if normalize or target_rows is not None else pmax
-        autotune.launch(
-            autotune.lse_forward, lambda meta: (triton.cdiv(B, meta["BM"]), n_splits),
-            a_k, w, rows if rows is not None else tcol, inv, tr, tcol, tval.float().contiguous(),
-            pmax, psum, plsum,
-            B, D, n_cls, K, per_split, a_k.stride(0), w.stride(0), tr.stride(0), n_splits,
-            float(cfg.margin.scale), float(cfg.filter_threshold or 0.0),
-            HAS_ROWS=rows is not None, NORM_W=normalize, FILTER=target_rows is not None, SMOOTH=smooth,
-            **_dtypes(cfg),
-        )
+        inv = row_inverse_norms(w, rows, n_cls * K) if normalize or tr is not None else None
+        if cfg.impl == "gemm":
+            pmax, psum, plsum = chunks.forward_stats(a_k, w, rows, inv, tr, tcol, tval, n_cls, K, scale, threshold,
+                                                     normalize, smooth)
+        else:
+            pmax, psum, plsum = _fused_forward(a_k, w, rows, inv, tr, tcol, tval, n_cls, K, cfg, smooth)
     row_max = pmax.amax(dim=1)
     shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     sum_exp = (psum * torch.exp(pmax - shift.unsqueeze(1))).sum(dim=1)
     logit_sum = plsum.sum(dim=1).to(sd) if smooth else None
     return FusedShardStats(
-        row_max.to(sd), sum_exp.to(sd), tval, logit_sum, tdraw, tdnorm, None,
-        inv if inv is not pmax else None, tcol, tsub, on,
+        row_max.to(sd), sum_exp.to(sd), tval.to(sd), logit_sum, tdraw, tdnorm, None, inv, tcol, tsub, on,
     )
+
+
+def _fused_forward(a_k, w, rows, inv, tr, tcol, tval, n_cls, K, cfg, smooth):
+    """``(pmax, psum, plsum)`` of the fused online-LSE kernel (:mod:`.forward`): ``[B, splits]``."""
+    B, D, dev = a_k.shape[0], a_k.shape[1], a_k.device
+    per_split = autotune.class_splits(n_cls, B, dev)
+    n_splits = triton.cdiv(n_cls, per_split)
+    pmax = torch.empty(B, n_splits, dtype=torch.float32, device=dev)
+    psum = torch.empty_like(pmax)
+    plsum = torch.empty_like(pmax) if smooth else pmax
+    trk = tr if tr is not None else a_k
+    autotune.launch(
+        autotune.lse_forward(K, tr is not None, _precision(cfg)), lambda meta: (triton.cdiv(B, meta["BM"]), n_splits),
+        a_k, w, rows if rows is not None else tcol, inv if inv is not None else pmax, trk, tcol, tval,
+        pmax, psum, plsum,
+        B, D, n_cls, K, per_split, a_k.stride(0), w.stride(0), trk.stride(0), n_splits,
+        float(cfg.margin.scale), float(cfg.filter_threshold or 0.0),
+        autotune.bucket(n_cls), autotune.bucket(B),
+        HAS_ROWS=rows is not None, NORM_W=cfg.margin.normalize_weights, FILTER=tr is not None, SMOOTH=smooth,
+        **_dtypes(cfg),
+    )
+    return pmax, psum, plsum
 
 
 def shard_backward(
@@ -160,49 +174,34 @@ def shard_backward(
     feature_norms: bool = False,
     rows: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-    """The fused counterpart of :func:`shardfc.head.kernels.shard_backward` (same arguments and
-    results: ``grad_a``, the weight gradient unless added into ``grad_w_out``, ``grad_norm``)."""
+    """The counterpart of :func:`shardfc.head.kernels.shard_backward` (same arguments and results:
+    ``grad_a``, the weight gradient unless added into ``grad_w_out``, ``grad_norm``), for both
+    ``impl="triton"`` and ``impl="gemm"``: cuBLAS GEMMs over class chunks with Triton epilogues
+    (:mod:`.chunks`)."""
     a_in = a
     a, w, n_cls, K = _common(a, w, cfg, rows)
     B, D, dev, sd = a.shape[0], a.shape[1], a.device, cfg.stats_dtype
     eps, C = cfg.label_smoothing, cfg.num_classes
     accumulate = grad_w_out is not None
     grad_w = grad_w_out if accumulate else torch.empty((n_cls * K, D), dtype=w.dtype, device=dev)
-    grad_a = torch.zeros(B, D, dtype=torch.float32, device=dev)
-    coef = coef.to(torch.float32)
+    coef = coef.to(torch.float32).contiguous()
+    row_max = global_max.to(torch.float32).contiguous()
+    inv_sum = global_sum.to(torch.float32).reciprocal().contiguous()
     if n_cls > 0:
-        coef_over_sum = (coef / global_sum.to(torch.float32)).contiguous()
-        row_max = global_max.to(torch.float32).contiguous()
-        tr = target_rows.to(torch.float32).contiguous() if target_rows is not None else a
-        inv = stats.inv if stats.inv is not None else row_max
-        inputs = (
-            a, w, rows.contiguous() if rows is not None else stats.tcol, inv, tr, stats.tcol,
-            stats.target.float().contiguous(), stats.target_draw.float().contiguous(), stats.tsub,
-            row_max, coef_over_sum, coef.contiguous(),
-        )
-        scalars = (float(cfg.margin.scale), float(cfg.filter_threshold or 0.0), eps / C, 1.0 - eps)
-        flags = dict(
-            HAS_ROWS=rows is not None, NORM_W=cfg.margin.normalize_weights, FILTER=target_rows is not None,
-            SMOOTH=eps > 0, **_dtypes(cfg),
-            DP=max(16, triton.next_power_of_2(D)),
-        )
-        per_split = autotune.class_splits(n_cls, B, dev)
-        n_splits = triton.cdiv(n_cls, per_split)
-        partial = torch.empty(n_splits, B, D, dtype=torch.float32, device=dev)
         with _on(dev):
-            autotune.launch(
-                autotune.grad_a, lambda meta: (triton.cdiv(B, meta["BM"]), n_splits),
-                *inputs, partial, B, D, n_cls, K, per_split, a.stride(0), w.stride(0), tr.stride(0),
-                *scalars, **flags,
+            grad_a = chunks.backward(
+                a, w, rows.contiguous() if rows is not None else None, stats.inv,
+                target_rows.to(torch.float32).contiguous() if target_rows is not None else None,
+                stats.tcol, stats.target.float().contiguous(), stats.tsub, stats.target_draw.float(),
+                stats.on_shard, row_max, inv_sum, coef, grad_w, n_cls=n_cls, K=K,
+                scale=float(cfg.margin.scale), threshold=float(cfg.filter_threshold or 0.0),
+                eps_over_c=eps / C, one_minus_eps=1.0 - eps, normalize=cfg.margin.normalize_weights,
+                accumulate=accumulate, scatter=accumulate and rows is not None, a_exact=a_in,
             )
-            autotune.launch(
-                autotune.grad_w, lambda meta: (triton.cdiv(n_cls, meta["BN"]), K),
-                *inputs, grad_w, B, D, n_cls, K, a.stride(0), w.stride(0), tr.stride(0), grad_w.stride(0),
-                *scalars, ACCUMULATE=accumulate, SCATTER=accumulate and rows is not None, **flags,
-            )
-        grad_a = partial.sum(dim=0)
-    elif not accumulate:
-        grad_w.zero_()
+    else:
+        grad_a = torch.zeros(B, D, dtype=torch.float32, device=dev)
+        if not accumulate:
+            grad_w.zero_()
     # The target's dL/dz, for the norm's gradient (SphereFace, AdaFace, MagFace).
     on = stats.on_shard
     p_t = torch.exp(stats.target - global_max) * coef / global_sum

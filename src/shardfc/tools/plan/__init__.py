@@ -26,12 +26,12 @@ about 15 µs per operator, some 1.5 ms per chunk of a chunked head: a budget sea
 millions of chunks' worth of classes takes tens of seconds.
 
 The head's implementation: ``impl="torch"`` (default) replays the torch path, the one that runs on
-the CPU; ``impl="triton"`` replays the fused kernels' step (:mod:`shardfc.head.fused`, what
-``impl="auto"`` runs on a CUDA GPU with Triton installed): their launchers allocate on the meta
-device what they would on the GPU and launch nothing, and the row-sparse SGD (Partial FC, bf16/fp16
-centres) takes its fused kernel, as on a GPU. The kernels' one GPU-dependent buffer, the embedding
-gradient's partial sums (``[splits, B, D]`` fp32), follows the SM count ``sms`` (default 132, an
-H100 SXM). torch's own SGD/AdamW (fp32 centres, no sampling) and the row-sparse AdamW are replayed
+the CPU; ``impl="triton"`` and ``impl="gemm"`` replay the GPU implementations' step
+(:mod:`shardfc.head.fused`, what ``impl="auto"`` chooses between on a CUDA GPU with Triton
+installed): their launchers allocate on the meta device what they would on the GPU (the GEMM
+path's chunk of products, its operand rows and fp32 GEMM outputs) and launch nothing, and the
+row-sparse SGD (Partial FC, bf16/fp16 centres) takes its fused kernel, as on a GPU. The forwards'
+partial statistics (``[B, splits]`` fp32) follow the SM count ``sms`` (default 132, an H100 SXM). torch's own SGD/AdamW (fp32 centres, no sampling) and the row-sparse AdamW are replayed
 unfused, as torch runs them off CUDA: with weight decay (SGD) or AdamW that step allocates
 temporaries that torch's ``fused=True`` CUDA step does not, so there the plan overstates a GPU's
 peak by up to a gradient's size.
@@ -40,7 +40,7 @@ Usage::
 
     shardfc plan --classes 1000000 --dim 512 --batch 1024 --world-size 8 --budget 16GiB
     shardfc plan ... --no-grads-kept      # the training loop calls zero_grad(set_to_none=True)
-    shardfc plan ... --head-impl triton   # the fused kernels, as on a CUDA GPU
+    shardfc plan ... --head-impl triton   # the GPU path (fused forward, GEMM backward), as on a CUDA GPU
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 OPTIMIZERS = ("sgd", "sgd_nomomentum", "adamw")
 MEMORY_MODELS = ("allocated",)
 #: the implementations a plan replays (``"auto"`` is one of these, depending on the device)
-PLAN_IMPLS = ("torch", "triton")
+PLAN_IMPLS = ("torch", "triton", "gemm")
 PARTS = ("weights", "gradients", "optimizer_state", "activations", "communication")
 
 
@@ -126,10 +126,10 @@ def plan(
         sparse_grad: Partial FC's row-sparse weight gradient (needs ``sample_rate < 1``).
         subcenters: Sub-center ArcFace's ``K`` centres per class (``K`` weight rows each; Partial FC
             samples whole classes). ``n_local``, ``n_sampled`` and ``bytes_per_class`` count classes.
-        impl: the head's implementation, ``"torch"`` or ``"triton"`` (the fused kernels, as
-            ``impl="auto"`` runs them on a CUDA GPU; needs Triton installed; ``chunk_size`` is then
-            ignored, as the head ignores it).
-        sms: the GPU's streaming multiprocessors, for ``impl="triton"`` (see the module docstring).
+        impl: the head's implementation, ``"torch"``, ``"triton"`` or ``"gemm"`` (the GPU paths
+            ``impl="auto"`` chooses between on a CUDA GPU; need Triton installed; ``chunk_size`` is
+            then ignored, as the head ignores it).
+        sms: the GPU's streaming multiprocessors, for the GPU paths (see the module docstring).
 
     Returns a dict with ``parts`` (bytes per part, see the module docstring), ``step_peak``,
     ``resting``, ``total``, ``bytes_per_class`` (resting bytes over ``n_local``), ``n_local``, ``n_sampled``, ``local_batch``, the inputs, and with a
@@ -148,8 +148,8 @@ def plan(
     check_positive_int("sms", sms)
     if impl not in PLAN_IMPLS:
         raise ValueError(f"impl must be one of {', '.join(PLAN_IMPLS)}, got {impl!r}")
-    if impl == "triton" and importlib.util.find_spec("triton") is None:
-        raise ValueError("impl='triton' replays the fused kernels' step, which needs Triton installed "
+    if impl != "torch" and importlib.util.find_spec("triton") is None:
+        raise ValueError(f"impl={impl!r} replays the GPU kernels' step, which needs Triton installed "
                          "(pip install 'shardfc[gpu]')")
     dtype = _dtype_name(dtype)
     if optimizer not in OPTIMIZERS:
@@ -197,7 +197,7 @@ def plan(
             num_classes=num_classes, dim=dim, batch=batch, world_size=world_size, dtype=dtype, optimizer=optimizer,
             sample_rate=float(sample_rate), chunk_size=chunk_size, margin=type(margin).__name__,
             weight_decay=weight_decay, memory_model=memory_model, grad_in_place=grad_in_place, sparse_grad=sparse_grad,
-            subcenters=subcenters, impl=impl, sms=sms if impl == "triton" else None,
+            subcenters=subcenters, impl=impl, sms=sms if impl != "torch" else None,
         )
         if budget is not None:
             one = evaluate(1, batch)["total"]
@@ -216,7 +216,7 @@ def plan(
 @contextlib.contextmanager
 def _planned_sms(impl: str, sms: int):
     """The fused launchers' SM count on the meta device, for the plan's duration."""
-    if impl != "triton":
+    if impl == "torch":
         yield
         return
     from unittest import mock
@@ -360,9 +360,9 @@ def format_bytes(n: float) -> str:
 def format_plan(result: Dict[str, Any]) -> str:
     """A readable table of :func:`plan`'s result."""
     r = result
-    fused = r.get("impl") == "triton"
+    fused = r.get("impl", "torch") != "torch"
     chunk = "none (fused)" if fused else r["chunk_size"] if r["chunk_size"] else "none"
-    impl = f"triton, {r['sms']} SMs" if fused else "torch"
+    impl = f"{r['impl']}, {r['sms']} SMs" if fused else "torch"
     lines = [
         f"head: C={r['num_classes']:,} D={r['dim']} global B={r['batch']} on W={r['world_size']} "
         f"({r['dtype']}, {r['margin']}, impl {impl}, optimizer {r['optimizer']}, chunk {chunk}, sample rate {r['sample_rate']}"
@@ -396,7 +396,7 @@ def format_plan(result: Dict[str, Any]) -> str:
                  f"step peak above it: {format_bytes(r['step_peak'])}")
     lines.append(f"bytes per class at rest: {r['bytes_per_class']:,.1f} ({r['bytes_per_class'] / r['dim']:.2f} x D)")
     if not fused:
-        lines.append("(the torch path; on a CUDA GPU with Triton the head runs its fused kernels: --head-impl triton plans those)")
+        lines.append("(the torch path; on a CUDA GPU with Triton the head runs its GPU kernels: --head-impl triton or gemm plans those)")
     if "budget_bytes" in r:
         lines.append(f"budget {format_bytes(r['budget_bytes'])} per rank: {'fits' if r['fits'] else 'DOES NOT FIT'}")
         lines.append(f"largest C at B={r['batch']}: {r['max_classes']:,}")
@@ -431,11 +431,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--subcenters", type=int, default=1,
                    help="Sub-center ArcFace: K centres (weight rows) per class (default 1)")
     p.add_argument("--head-impl", dest="impl", choices=PLAN_IMPLS, default="torch",
-                   help="the head's implementation to replay: torch (default; the CPU's) or triton (the fused "
-                        "kernels impl=auto runs on a CUDA GPU; needs Triton installed)")
+                   help="the head's implementation to replay: torch (default; the CPU's), triton or gemm (the GPU "
+                        "paths impl=auto chooses between on a CUDA GPU; need Triton installed)")
     p.add_argument("--sms", type=int, default=132,
-                   help="with --head-impl triton: the GPU's SM count (default 132, an H100 SXM), which sizes the "
-                        "embedding gradient's partial sums")
+                   help="with --head-impl triton/gemm: the GPU's SM count (default 132, an H100 SXM), which sizes "
+                        "the forward's partial statistics")
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     try:
         args = p.parse_args(argv)

@@ -1,0 +1,243 @@
+"""One shard's loss as cuBLAS GEMMs over chunks of its classes, with Triton epilogues.
+
+The tensor-core work of a step is three matmul shapes (``x·Wᵀ``, ``dZ·W``, ``dZᵀ·x``) plus one
+recomputation of the logits in the backward; here each of them is a ``torch.mm`` (cuBLAS on a
+GPU, so it runs at the device's matmul rate, wgmma on Hopper, with no tile choice of ours), and
+everything else is one pass of an epilogue kernel (:mod:`.epilogue`). Per chunk of ``c`` classes
+(``K·c`` centre rows; :func:`chunk_classes` keeps the ``[B, K·c]`` block of products about
+:data:`CHUNK_BYTES`, so it stays in L2 between the GEMM that writes it and the kernels that read it):
+
+forward (``impl="gemm"``)::
+
+    Ŵ_c = operand(W rows)          gather (Partial FC), ·1/‖w‖, cast: one read of the rows
+    P   = x · Ŵ_cᵀ                 cuBLAS                                 [B, K·c]
+    stats_c = epilogue(P)          max / Σ exp / Σ z per sample           [B, splits]
+
+backward (``impl="gemm"`` and ``impl="triton"``)::
+
+    Ŵ_c, P as above                (the logits recomputed: nothing of [B, C] is kept)
+    E   = epilogue(P)  in place    unit·(softmax − ε/C), 0 at the target
+    gx += E · Ŵ_c                  cuBLAS, fp32 out                       [B, D]
+    H   = Eᵀ · x'                  cuBLAS, fp32 out (x' = x·coef/max|coef|) [K·c, D]
+    dW_c = weight_grad(H)          normalisation backward, one write per row
+    then, once: the target column's terms from [B] values (index_add of B rows)
+
+**Why ``E`` leaves out the per-sample factors.** ``dJ/dz_ij = coef_i·(p_ij − ε/C − (1−ε)[j=y_i])``
+and ``dJ/dc = s·dJ/dz`` off the target. With ``coef ≈ 1/B`` and ``p ≈ 1/C``, the products
+``coef·s·p`` at a million classes (≈ 1e-7) fall below fp16's normal range and flush to zero in
+an fp16 operand. ``E`` holds only ``unit·(p − ε/C)`` (``|E| ≤ unit``; ``unit = 2^15`` in fp16,
+so ``p`` down to ``2^-39`` stays representable, 1 otherwise); ``s``, ``coef`` and ``1/unit`` are
+applied to the fp32 GEMM outputs (``coef`` through the rows of ``x'``, bounded by 1). The target
+column, where the margin's derivative replaces ``s``, is added exactly from ``[B]`` values.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+from torch import Tensor
+
+from shardfc.head.fused import autotune, epilogue, interpreting, shapes_only
+
+#: Bytes of the ``[B, K·c]`` block of products per chunk: the block is written by one GEMM and
+#: read by the epilogue and two more GEMMs, so it should stay in L2 (50 MB on an H100).
+CHUNK_BYTES = 32 * 2**20
+#: Classes per chunk under Triton's interpreter: small, so the tests cross several chunks.
+INTERPRETER_CHUNK = 16
+#: Chunks are whole multiples of this many classes (the epilogues' class tile).
+CHUNK_QUANTUM = 128
+#: ``E``'s scale in fp16 (see the module docstring); other dtypes need none.
+FP16_UNIT = 2.0**15
+#: Epilogue tiles: ``(BM, BN)`` of the forward and backward epilogues, ``(BR, BD)`` of the row
+#: kernels. Memory-bound elementwise kernels: no tensor cores, nothing to tune.
+EPILOGUE_TILES = (32, 128)
+#: ... with sub-centres or the filter, whose blocks keep more alive (smaller: no spills).
+HEAVY_EPILOGUE_TILES = (32, 64)
+ROW_TILES = (32, 128)
+INTERPRETER_TILES = (16, 16)
+#: Epilogue programs per SM the forward's chunk split aims at.
+PROGRAMS_PER_SM = 4
+
+
+def chunk_classes(n_cls: int, batch: int, K: int) -> int:
+    """Classes per chunk: ``[B, K·c]`` products of about :data:`CHUNK_BYTES` in 2-byte elements, a
+    multiple of :data:`CHUNK_QUANTUM` (interpreter: :data:`INTERPRETER_CHUNK`)."""
+    if interpreting():
+        return INTERPRETER_CHUNK
+    c = CHUNK_BYTES // (2 * max(batch, 1) * K)
+    c = max(CHUNK_QUANTUM, c // CHUNK_QUANTUM * CHUNK_QUANTUM)
+    return min(c, triton.cdiv(max(n_cls, 1), CHUNK_QUANTUM) * CHUNK_QUANTUM)
+
+
+def _tiles(which):
+    return INTERPRETER_TILES if interpreting() else which
+
+
+def heavy(K: int, filter_: bool) -> bool:
+    """Sub-centres or the filter: the epilogues take :data:`HEAVY_EPILOGUE_TILES`."""
+    return K > 1 or filter_
+
+
+def _block_tiles(K: int, filter_: bool):
+    return _tiles(HEAVY_EPILOGUE_TILES if heavy(K, filter_) else EPILOGUE_TILES)
+
+
+def mm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` with fp32 accumulation and an fp32 result: cuBLAS's ``out_dtype`` on CUDA for
+    bf16/fp16 operands (no rounding of the output to 16 bits), else the same products in fp32."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.device.type in ("cuda", "meta"):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def emulate_rtne(out: Tensor) -> bool:
+    """A bf16 store under the interpreter, which truncates: the kernel rounds by hand first."""
+    return interpreting() and out.dtype == torch.bfloat16
+
+
+def unit_for(compute_dtype: torch.dtype) -> float:
+    return FP16_UNIT if compute_dtype == torch.float16 else 1.0
+
+
+def operand_rows(w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor], r0: int, n_rows: int,
+                 dtype: torch.dtype, scale: bool) -> Tensor:
+    """Scored rows ``r0 .. r0 + n_rows`` of ``w`` (through ``rows``), times ``inv`` (``scale``), in
+    ``dtype``: the chunk's GEMM operand, ``[n_rows, D]``."""
+    out = torch.empty(n_rows, w.shape[1], dtype=dtype, device=w.device)
+    if shapes_only(out) or n_rows == 0:
+        return out
+    BR, BD = _tiles(ROW_TILES)
+    epilogue.operand_rows_kernel[(triton.cdiv(n_rows, BR),)](
+        w, rows if rows is not None else out, inv if inv is not None else out, out, n_rows, r0, w.shape[1],
+        w.stride(0), out.stride(0), HAS_ROWS=rows is not None, SCALE=scale, EMULATE_RTNE=emulate_rtne(out),
+        BR=BR, BD=BD,
+    )
+    return out
+
+
+def _raw_rows(w: Tensor, rows: Optional[Tensor], r0: int, r1: int) -> Tensor:
+    """The chunk's centre rows as stored (fp32 for the filter's cosines): a view, or gathered."""
+    return w[r0:r1] if rows is None else w.index_select(0, rows[r0:r1])
+
+
+class _Chunk:
+    """One chunk's GEMM operand and products (and the filter's cosines)."""
+
+    def __init__(self, a: Tensor, w: Tensor, rows, inv, tr, c0: int, c1: int, K: int, normalize: bool):
+        self.c0, self.c1, self.r0, self.r1 = c0, c1, c0 * K, c1 * K
+        self.op = operand_rows(w, rows, inv, self.r0, self.r1 - self.r0, a.dtype, normalize)
+        self.p = a @ self.op.t()  # [B, K·c] in the compute dtype
+        self.f = None
+        if tr is not None:
+            self.f = tr @ _raw_rows(w, rows, self.r0, self.r1).to(tr.dtype).t()
+
+    def filter_args(self):
+        return (self.f, self.f.stride(0)) if self.f is not None else (self.p, 0)
+
+
+def forward_stats(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor], tr: Optional[Tensor],
+                  tcol: Tensor, tval: Tensor, n_cls: int, K: int, scale: float, threshold: float,
+                  normalize: bool, smooth: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(pmax, psum, plsum)`` ``[B, parts]``: the shard's partial statistics, chunk by chunk."""
+    B, dev = a.shape[0], a.device
+    per_chunk = chunk_classes(n_cls, B, K)
+    BM, BN = _block_tiles(K, tr is not None)
+    if interpreting() or dev.type not in ("cuda", "meta"):
+        wanted = 2  # the tests fold two splits per chunk
+    else:
+        sms = autotune.META_SMS if dev.type == "meta" else autotune.sm_count(dev.index or 0)
+        wanted = triton.cdiv(PROGRAMS_PER_SM * sms, triton.cdiv(B, BM))
+    per_prog = triton.cdiv(triton.cdiv(per_chunk, wanted), BN) * BN
+    chunks = [(c0, min(c0 + per_chunk, n_cls)) for c0 in range(0, n_cls, per_chunk)]
+    splits = [triton.cdiv(c1 - c0, per_prog) for c0, c1 in chunks]
+    n_parts = sum(splits)
+    pmax = torch.empty(B, n_parts, dtype=torch.float32, device=dev)
+    psum = torch.empty_like(pmax)
+    plsum = torch.empty_like(pmax) if smooth else pmax
+    part0 = 0
+    for (c0, c1), n_split in zip(chunks, splits):
+        ch = _Chunk(a, w, rows, inv, tr, c0, c1, K, normalize)
+        if not shapes_only(ch.p):
+            f, stride_f = ch.filter_args()
+            epilogue.forward_epilogue_kernel[(triton.cdiv(B, BM), n_split)](
+                ch.p, f, inv if inv is not None else pmax, tcol, tval, pmax, psum, plsum,
+                B, c1 - c0, c0, ch.r0, per_prog, ch.p.stride(0), stride_f, part0, n_parts,
+                float(scale), float(threshold), K=K, FILTER=tr is not None, SMOOTH=smooth, BM=BM, BN=BN,
+            )
+        part0 += n_split
+    return pmax, psum, plsum
+
+
+def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor], tr: Optional[Tensor],
+             tcol: Tensor, tval: Tensor, tsub: Tensor, tdraw: Tensor, on: Tensor,
+             row_max: Tensor, inv_sum: Tensor, coef: Tensor, grad_w: Tensor, *, n_cls: int, K: int,
+             scale: float, threshold: float, eps_over_c: float, one_minus_eps: float,
+             normalize: bool, accumulate: bool, scatter: bool, a_exact: Optional[Tensor] = None) -> Tensor:
+    """The shard's ``dJ/da`` (fp32 ``[B, D]``); ``dJ/dW`` written into ``grad_w`` (added with
+    ``accumulate``; at the weight rows with ``scatter``, else at the scored rows).
+
+    ``a`` is in the compute dtype; ``row_max``/``inv_sum`` the global ``M`` and ``1/S``; ``coef`` the
+    per-sample weights of the objective (0 for ignored samples); ``tval``/``tdraw``/``tsub``/``on``
+    the margin's target value and derivative, the target's sub-centre, and whether the label is
+    on this shard; ``a_exact``: the embeddings before the cast (the target rows' gradient uses
+    them; default ``a``)."""
+    a_exact = a if a_exact is None else a_exact
+    B, D, dev = a.shape[0], a.shape[1], a.device
+    cd = a.dtype
+    unit = unit_for(cd)
+    per_chunk = chunk_classes(n_cls, B, K)
+    BM, BN = _block_tiles(K, tr is not None)
+    BR, BD = _tiles(ROW_TILES)
+    # coef rides on the rows of x for the weight GEMM, scaled to at most 1 so fp16 keeps it normal.
+    cmax = coef.abs().amax()
+    cmax = torch.where(cmax > 0, cmax, torch.ones_like(cmax))
+    x_coef = (a.float() * (coef / cmax).unsqueeze(1)).to(cd)
+    hscale = (cmax * (scale / unit)).reshape(1).contiguous()
+    scratch = torch.empty(1, dtype=torch.float32, device=dev)  # for pointer arguments a kernel ignores
+
+    grad_a = torch.zeros(B, D, dtype=torch.float32, device=dev)
+    for c0 in range(0, n_cls, per_chunk):
+        c1 = min(c0 + per_chunk, n_cls)
+        ch = _Chunk(a, w, rows, inv, tr, c0, c1, K, normalize)
+        n_rows = ch.r1 - ch.r0
+        if not shapes_only(ch.p):
+            f, stride_f = ch.filter_args()
+            epilogue.backward_epilogue_kernel[(triton.cdiv(B, BM), triton.cdiv(c1 - c0, BN))](
+                ch.p, f, inv if inv is not None else scratch, tcol, tval, row_max, inv_sum,
+                B, c1 - c0, c0, ch.r0, ch.p.stride(0), stride_f, float(scale), float(threshold),
+                float(eps_over_c), float(unit), K=K, FILTER=tr is not None, SMOOTH=eps_over_c > 0,
+                EMULATE_RTNE=emulate_rtne(ch.p), BM=BM, BN=BN,
+            )
+        grad_a += mm_f32(ch.p, ch.op)  # E·Ŵ
+        h = mm_f32(ch.p.t(), x_coef)  # H = Eᵀ·x', [K·c, D] fp32
+        if not shapes_only(h):
+            epilogue.weight_grad_kernel[(triton.cdiv(n_rows, BR),)](
+                h, w, rows if rows is not None else scratch, inv if inv is not None else scratch, grad_w, hscale,
+                n_rows, ch.r0, D, h.stride(0), w.stride(0), grad_w.stride(0),
+                HAS_ROWS=rows is not None, NORM_W=normalize, ACCUMULATE=accumulate, SCATTER=scatter,
+                EMULATE_RTNE=emulate_rtne(grad_w), BR=BR, BD=BD,
+            )
+    grad_a *= (coef * (scale / unit)).unsqueeze(1)
+
+    # The target column, exactly, from [B] values: dJ/dc_t = z_t'·coef·(p_t − ε/C − (1−ε)) on the
+    # label's shard; its dJ/da is dc_t·ŵ_t and its dJ/dw_t the normalisation backward of dc_t·a.
+    p_t = torch.exp(tval - row_max) * inv_sum
+    dc_t = torch.where(on, tdraw * coef * (p_t - eps_over_c - one_minus_eps), torch.zeros_like(p_t))
+    t_scored = tcol.clamp(min=0).to(torch.int64) * K + tsub.to(torch.int64)
+    t_row = t_scored if rows is None else rows[t_scored]
+    w_t = w[t_row].float()
+    h_t = dc_t.unsqueeze(1) * a_exact.float()
+    if normalize:
+        inv_t = inv[t_scored].unsqueeze(1)
+        w_hat = w_t * inv_t
+        grad_a += dc_t.unsqueeze(1) * w_hat
+        h_t = inv_t * (h_t - (h_t * w_hat).sum(dim=1, keepdim=True) * w_hat)
+    else:
+        grad_a += dc_t.unsqueeze(1) * w_t
+    # Samples sharing a target add up (index_add); samples elsewhere add zeros to row 0.
+    grad_w.index_add_(0, t_row if scatter else t_scored, h_t.to(grad_w.dtype))
+    return grad_a

@@ -1,0 +1,201 @@
+"""Triton epilogues around the cuBLAS GEMMs of :mod:`.chunks`: everything of the loss that is not a
+matmul, one pass over each block of products, no ``tl.dot`` anywhere.
+
+The GEMMs (``x·Ŵᵀ``, ``E·Ŵ``, ``Eᵀ·x``) are where the FLOPs are, and cuBLAS runs them at the
+device's matmul rate whatever the GPU; these kernels only stream a ``[B, chunk]`` block of
+products (L2-resident at the chunk sizes :mod:`.chunks` picks) or a ``[chunk, D]`` block of rows
+once each, so their speed is a bandwidth figure that follows from their byte counts:
+
+* :func:`operand_rows_kernel`: the GEMM operand of a chunk of centre rows — gathered through
+  Partial FC's ``rows``, scaled by ``1/‖w‖`` when the margin normalises centres, cast to the compute
+  dtype — in one read of ``W`` (the torch path makes a normalised copy and a cast copy);
+* :func:`forward_epilogue_kernel`: per sample, the chunk's online ``(max, Σ exp, Σ z)`` from its
+  products: max over sub-centres, the margin's target value substituted, filtered negatives
+  removed — :func:`.tiles.logits`, the code the fused forward uses;
+* :func:`backward_epilogue_kernel`: the products rewritten in place as the GEMM operand ``E`` of the
+  backward, ``E_ij = unit · (softmax_ij − ε/C)`` at each class's arg-max sub-centre and 0 elsewhere
+  and at the target column. The per-sample factors (upstream gradient, the scale ``s``) and the
+  target column (the margin's derivative) stay out of ``E``, so ``E`` is bounded by ``unit`` and
+  fp16 keeps the small softmax values normal (see :mod:`.chunks`);
+* :func:`weight_grad_kernel`: the rows' weight gradient from the GEMM's ``H = Eᵀ·x`` (fp32): the
+  normalisation backward ``dJ/dw = inv·H − inv³·(w·H)·w`` and one write per row — new, Partial FC's
+  compact rows, or added into ``.grad`` (at the sampled rows).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from shardfc.head.fused import tiles
+
+
+@triton.jit
+def operand_rows_kernel(
+    w_ptr, rows_ptr, inv_ptr, out_ptr, n_rows, r0, D, stride_w, stride_o,
+    HAS_ROWS: tl.constexpr, SCALE: tl.constexpr, EMULATE_RTNE: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+):
+    """``out[r] = w[row(r0 + r)] · inv[r0 + r]`` (``SCALE``) in ``out``'s dtype, ``r < n_rows``."""
+    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    r_mask = offs_r < n_rows
+    scored = r0 + offs_r.to(tl.int64)
+    wrow = scored
+    if HAS_ROWS:
+        wrow = tl.load(rows_ptr + scored, mask=r_mask, other=0).to(tl.int64)
+    if SCALE:
+        inv = tl.load(inv_ptr + scored, mask=r_mask, other=0.0)
+    for d0 in range(0, D, BD):
+        offs_d = d0 + tl.arange(0, BD)
+        mask = r_mask[:, None] & (offs_d < D)[None, :]
+        w = tl.load(w_ptr + wrow[:, None] * stride_w + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        if SCALE:
+            w = w * inv[:, None]
+        tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * stride_o + offs_d[None, :],
+                 tiles.stored(w, out_ptr, EMULATE_RTNE), mask=mask)
+
+
+@triton.jit
+def _class_block(p_ptr, stride_p, f_ptr, stride_f, inv_ptr, r0, offs_m, m_mask, offs_n, n_mask,
+                 K: tl.constexpr, FILTER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """A ``[BM, BN]`` block of class values from the chunk's products (columns ``class·K + sub``):
+    the max over sub-centres, its sub-centre, and (``FILTER``) the max cosine to the target centre
+    (``F·inv``)."""
+    best = tl.full([BM, BN], float("-inf"), dtype=tl.float32)
+    arg = tl.zeros([BM, BN], dtype=tl.int32)
+    fmax = tl.full([BM, BN], float("-inf"), dtype=tl.float32)
+    mask = m_mask[:, None] & n_mask[None, :]
+    rows_p = p_ptr + offs_m.to(tl.int64)[:, None] * stride_p
+    for sub in tl.static_range(K):
+        col = offs_n.to(tl.int64) * K + sub
+        c = tl.load(rows_p + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        if K == 1:
+            best = c
+        else:
+            take = c > best
+            arg = tl.where(take, sub, arg)
+            best = tl.where(take, c, best)
+        if FILTER:
+            inv = tl.load(inv_ptr + r0 + col, mask=n_mask, other=0.0)
+            f = tl.load(f_ptr + offs_m.to(tl.int64)[:, None] * stride_f + col[None, :], mask=mask, other=0.0)
+            fmax = tl.maximum(fmax, f * inv[None, :])
+    return best, arg, fmax
+
+
+@triton.jit
+def forward_epilogue_kernel(
+    p_ptr, f_ptr, inv_ptr, tcol_ptr, tval_ptr, pmax_ptr, psum_ptr, plsum_ptr,
+    B, n_c, c0, r0, cls_per_prog, stride_p, stride_f, part0, n_parts, scale, threshold,
+    K: tl.constexpr, FILTER: tl.constexpr, SMOOTH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):
+    """Grid ``(row tiles, splits of the chunk)``: one ``(max, Σ exp, Σ z)`` per sample and split,
+    written at column ``part0 + split`` of the ``[B, n_parts]`` partials."""
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    m_mask = offs_m < B
+    # The label's class column within this chunk (out of range: the label is elsewhere).
+    tcol = tl.load(tcol_ptr + offs_m, mask=m_mask, other=-1) - c0
+    tval = tl.load(tval_ptr + offs_m, mask=m_mask, other=0.0)
+    run_max = tl.full([BM], float("-inf"), dtype=tl.float32)
+    run_sum = tl.zeros([BM], dtype=tl.float32)
+    run_lsum = tl.zeros([BM], dtype=tl.float32)
+    begin = pid_s * cls_per_prog
+    end = tl.minimum(begin + cls_per_prog, n_c)
+    for n0 in range(begin, end, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        n_mask = offs_n < end
+        best, arg, fmax = _class_block(p_ptr, stride_p, f_ptr, stride_f, inv_ptr, r0, offs_m, m_mask,
+                                       offs_n, n_mask, K, FILTER, BM, BN)
+        z, is_t = tiles.logits(best, fmax, offs_n, n_mask, tcol, tval, scale, threshold, FILTER)
+        if SMOOTH:
+            run_lsum += tl.sum(tl.where(n_mask[None, :], z, 0.0), axis=1)
+        new_max = tl.maximum(run_max, tl.max(z, axis=1))
+        shift = tl.where(new_max > float("-inf"), new_max, 0.0)
+        run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - shift[:, None]), axis=1)
+        run_max = new_max
+    out = offs_m.to(tl.int64) * n_parts + part0 + pid_s
+    tl.store(pmax_ptr + out, run_max, mask=m_mask)
+    tl.store(psum_ptr + out, run_sum, mask=m_mask)
+    if SMOOTH:
+        tl.store(plsum_ptr + out, run_lsum, mask=m_mask)
+
+
+@triton.jit
+def backward_epilogue_kernel(
+    p_ptr, f_ptr, inv_ptr, tcol_ptr, tval_ptr, max_ptr, rsum_ptr,
+    B, n_c, c0, r0, stride_p, stride_f, scale, threshold, eps_over_c, unit,
+    K: tl.constexpr, FILTER: tl.constexpr, SMOOTH: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr,
+):
+    """Grid ``(row tiles, class tiles of the chunk)``: the products of a tile replaced in place by
+    ``E = unit · (softmax − ε/C)`` at each class's arg-max sub-centre (0 at the others, at the
+    target column and for filtered negatives), in the products' dtype."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    m_mask = offs_m < B
+    n_mask = offs_n < n_c
+    tcol = tl.load(tcol_ptr + offs_m, mask=m_mask, other=-1) - c0
+    tval = tl.load(tval_ptr + offs_m, mask=m_mask, other=0.0)
+    row_max = tl.load(max_ptr + offs_m, mask=m_mask, other=0.0)
+    inv_sum = tl.load(rsum_ptr + offs_m, mask=m_mask, other=0.0)
+    best, arg, fmax = _class_block(p_ptr, stride_p, f_ptr, stride_f, inv_ptr, r0, offs_m, m_mask,
+                                   offs_n, n_mask, K, FILTER, BM, BN)
+    z, is_t = tiles.logits(best, fmax, offs_n, n_mask, tcol, tval, scale, threshold, FILTER)
+    u = tl.exp(z - row_max[:, None]) * inv_sum[:, None]
+    if SMOOTH:
+        u = u - eps_over_c
+    mask = m_mask[:, None] & n_mask[None, :]
+    e = tl.where(mask & ~is_t, u * unit, 0.0)
+    rows_p = p_ptr + offs_m.to(tl.int64)[:, None] * stride_p
+    for sub in tl.static_range(K):
+        col = offs_n.to(tl.int64) * K + sub
+        if K == 1:
+            own = e
+        else:
+            own = tl.where(arg == sub, e, 0.0)
+        tl.store(rows_p + col[None, :], tiles.stored(own, p_ptr, EMULATE_RTNE), mask=mask)
+
+
+@triton.jit
+def weight_grad_kernel(
+    h_ptr, w_ptr, rows_ptr, inv_ptr, g_ptr, hscale_ptr, n_rows, r0, D, stride_h, stride_w, stride_g,
+    HAS_ROWS: tl.constexpr, NORM_W: tl.constexpr, ACCUMULATE: tl.constexpr, SCATTER: tl.constexpr,
+    EMULATE_RTNE: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+):
+    """``dJ/dw`` of rows ``r0 .. r0 + n_rows`` of the shard's scored rows from ``H`` (fp32,
+    ``[n_rows, D]``, in units of ``hscale``): ``hscale·(inv·H − inv³·(w·H)·w)`` (``NORM_W``) or
+    ``hscale·H``, written once at the scored row (``SCATTER``: at the weight row, Partial FC's
+    dense ``.grad``), added to what is there (``ACCUMULATE``)."""
+    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    r_mask = offs_r < n_rows
+    scored = r0 + offs_r.to(tl.int64)
+    wrow = scored
+    if HAS_ROWS:
+        wrow = tl.load(rows_ptr + scored, mask=r_mask, other=0).to(tl.int64)
+    hscale = tl.load(hscale_ptr)
+    h_rows = h_ptr + offs_r.to(tl.int64)[:, None] * stride_h
+    w_rows = w_ptr + wrow[:, None] * stride_w
+    if NORM_W:
+        inv = tl.load(inv_ptr + scored, mask=r_mask, other=0.0)
+        wh = tl.zeros([BR], dtype=tl.float32)
+        for d0 in range(0, D, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            mask = r_mask[:, None] & (offs_d < D)[None, :]
+            h = tl.load(h_rows + offs_d[None, :], mask=mask, other=0.0)
+            w = tl.load(w_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+            wh += tl.sum(h * w, axis=1)
+        proj = inv * inv * inv * wh
+    out_rows = g_ptr + (wrow if SCATTER else scored)[:, None] * stride_g
+    for d0 in range(0, D, BD):
+        offs_d = d0 + tl.arange(0, BD)
+        mask = r_mask[:, None] & (offs_d < D)[None, :]
+        g = tl.load(h_rows + offs_d[None, :], mask=mask, other=0.0)
+        if NORM_W:
+            w = tl.load(w_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+            g = inv[:, None] * g - proj[:, None] * w
+        g = g * hscale
+        if ACCUMULATE:
+            g += tl.load(out_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_rows + offs_d[None, :], tiles.stored(g, g_ptr, EMULATE_RTNE), mask=mask)
