@@ -24,6 +24,8 @@ in ``sharded_state``.)
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -38,7 +40,8 @@ from shardfc.seeding import mix_seed
 from shardfc.head.layout import class_ranges
 from shardfc.head.normalize import l2_normalize
 from shardfc.head.kernels import ShardConfig
-from shardfc.head.fused import check_impl, resolve_impl
+from shardfc.head import impl_select
+from shardfc.head.fused import CANDIDATES, check_impl, resolve_impl
 from shardfc.head.partial_fc import (
     num_sampled,
     RowGrad,
@@ -63,6 +66,11 @@ from shardfc.head.validation import (
     raise_or_exchange_sizes,
 )
 from shardfc.checks import check_positive_int, check_probability
+
+#: ``impl="auto"`` times each candidate on at most this many of a shard's classes: enough chunks and
+#: tiles that the candidates rank as at full size, a bounded transient (the weight gradient of
+#: these rows) whatever the shard's size.
+AUTO_TIMED_CLASSES = 1 << 17
 
 DeviceLike = Union[str, torch.device, int]
 
@@ -387,8 +395,7 @@ class ShardedMarginHead(nn.Module):
         # impl="triton" that cannot run raises here, the same on every rank.
         compute_dtype = compute_dtype_for(embeds[0].device, embeds[0], weights[0])
         stats_dtype = stats_dtype_for(embeddings, weights[0])
-        impl = resolve_impl(self.impl, embeds[0].device, compute_dtype, stats_dtype)
-        self.last_impl = "triton" if impl == "auto" else impl  # TODO selector
+        impl = resolve_impl(self._impl_asked(), embeds[0].device, compute_dtype, stats_dtype)
         all_labels = self.ctx.all_gather_rows(labels, sizes) if self.distributed else labels
         valid = all_labels != self.ignore_index
         feature_norms = self._feature_norms(embeddings, sizes, valid) if self.margin.uses_feature_norm else None
@@ -400,18 +407,21 @@ class ShardedMarginHead(nn.Module):
                 sink = lambda shard, grad: self._keep_row_grad(shard, rows[shard], grad)  # noqa: E731
         else:
             self._record_rows([None] * len(weights))
+        config = ShardConfig(
+            margin=self.margin,
+            num_classes=num_classes,
+            label_smoothing=self.label_smoothing,
+            chunk_size=self._chunk_for(sum(sizes)),
+            compute_dtype=compute_dtype,
+            stats_dtype=stats_dtype,
+            subcenters=self.subcenters,
+            filter_threshold=self.interclass_filter_threshold,
+        )
+        if impl == "auto":  # timed once per workload on this GPU (the first forward of a new key)
+            impl = self._choose_impl(config, embeds[0], weights[0], local_labels[0], rows, sizes)
+        self.last_impl = impl
         plan = ShardedLossPlan(
-            config=ShardConfig(
-                margin=self.margin,
-                num_classes=num_classes,
-                label_smoothing=self.label_smoothing,
-                chunk_size=self._chunk_for(sum(sizes)),
-                compute_dtype=compute_dtype,
-                stats_dtype=stats_dtype,
-                subcenters=self.subcenters,
-                filter_threshold=self.interclass_filter_threshold,
-                impl=self.last_impl,
-            ),
+            config=dataclasses.replace(config, impl=impl),
             num_shards=len(weights),
             distributed=self.distributed,
             comm=self.ctx.communicator,
@@ -422,6 +432,66 @@ class ShardedMarginHead(nn.Module):
         )
         losses = sharded_cross_entropy(plan, valid, local_labels, embeds, weights, feature_norms)
         return reduce_losses(losses, valid, sizes, self.rank, self.reduction)
+
+    def _impl_asked(self) -> str:
+        """``impl``, or under ``impl="auto"`` what ``$SHARDFC_HEAD_IMPL`` names (if set)."""
+        return (impl_select.env_override() or "auto") if self.impl == "auto" else self.impl
+
+    def _choose_impl(self, cfg: ShardConfig, a: Tensor, w: Tensor, labels: Tensor, rows, sizes: List[int]) -> str:
+        """``impl="auto"`` on a GPU: the fastest of :data:`~shardfc.head.fused.CANDIDATES` for this
+        workload, timed by :func:`~shardfc.head.impl_select.default_selector` on the first local
+        shard's real inputs (at most :data:`AUTO_TIMED_CLASSES` of its classes: the candidates'
+        times grow alike with the class count) and remembered per workload key. Timing changes no
+        state: no ``.grad``, no optimizer, no sampling step, no collective but the agreement on
+        rank 0's choice."""
+        margin = self.margin
+        key = impl_select.workload_key(
+            batch=impl_select.bucket(sum(sizes)), classes=impl_select.bucket(w.shape[0] // self.subcenters),
+            sampled=rows is not None, dim=self.embedding_dim, subcenters=self.subcenters,
+            compute=str(cfg.compute_dtype), weights=str(w.dtype), margin=type(margin).__name__,
+            normalize=margin.normalize_weights, needs_norm=margin.needs_norm,
+            smoothing=cfg.label_smoothing > 0, filter=cfg.filter_threshold is not None,
+            world=self.world_size, shards=len(self.devices), **impl_select.environment_fields(a.device),
+        )
+        candidates = {name: self._timed_step(dataclasses.replace(cfg, impl=name), a, w, labels, rows[0] if rows else None)
+                      for name in CANDIDATES}
+        def rank0s(i: int) -> int:  # rank 0's index on every rank: one all-reduce of one number
+            t = torch.tensor([float(i + 1) if self.rank == 0 else 0.0], device=a.device)
+            self.ctx.communicator.all_reduce_(t, "sum")
+            return int(t.item()) - 1
+
+        agree = rank0s if self.distributed else None
+        with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
+            return impl_select.default_selector().choose(key, candidates, agree, write=self.rank == 0)
+
+    @staticmethod
+    def _timed_step(cfg: ShardConfig, a: Tensor, w: Tensor, labels: Tensor, rows: Optional[Tensor]):
+        """One shard's forward + backward of ``cfg.impl`` on detached inputs, its results dropped."""
+        from shardfc.head.function import _shard_kernels
+
+        K = cfg.subcenters
+        n = (w.shape[0] if rows is None else rows.numel()) // K
+        n_timed = min(n, AUTO_TIMED_CLASSES)
+        a, w = a.detach(), w.detach()
+        if rows is not None:
+            rows = rows[: n_timed * K]
+        else:
+            w = w[: n_timed * K]
+        labels = torch.where(labels < n_timed, labels, torch.full_like(labels, -1))
+        cfg = dataclasses.replace(cfg, num_classes=max(n_timed, 1))
+        target_rows = torch.zeros_like(a, dtype=cfg.stats_dtype) if cfg.filter_threshold is not None else None
+        norm = torch.linalg.vector_norm(a.to(cfg.stats_dtype), dim=1) if cfg.margin.needs_norm else None
+        coef = torch.full((a.shape[0],), 1.0 / max(a.shape[0], 1), dtype=cfg.stats_dtype, device=a.device)
+        forward, backward = _shard_kernels(cfg)
+        extra = {} if target_rows is None else {"target_rows": target_rows}
+
+        def run() -> None:
+            with torch.no_grad(), torch.autocast(a.device.type, enabled=False):
+                stats = forward(a, w, labels, norm, cfg, rows=rows, **extra)
+                backward(a, w, labels, norm, stats, stats.row_max, stats.sum_exp.clamp(min=1.0), coef, cfg,
+                         None, rows=rows, **extra)
+
+        return run
 
     def _feature_norms(self, embeddings: Tensor, sizes: List[int], valid: Tensor) -> Tensor:
         """The global batch's norms before normalisation ``[B]`` (AdaFace, MagFace), gathered like

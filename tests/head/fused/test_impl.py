@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
 
 import shardfc
-from shardfc.head import fused
+from shardfc.head import impl_select
 
 
 def _step(head, D=8):
@@ -71,10 +72,13 @@ def test_triton_not_installed(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_auto_is_triton_on_cuda():
+def test_auto_times_the_candidates_on_cuda(tmp_path, monkeypatch):
+    monkeypatch.setenv(impl_select.CACHE_DIR_VAR, str(tmp_path))
+    monkeypatch.setattr(impl_select, "default_selector", lambda s=impl_select.ImplSelector(): s)
     head = shardfc.ShardedMarginHead(8, 10, device="cuda")
     head(torch.randn(4, 8, device="cuda"), torch.tensor([0, 1, 2, 3], device="cuda"))
-    assert head.last_impl == "triton"
+    assert head.last_impl in ("triton", "gemm", "torch")
+    assert (tmp_path / impl_select.CACHE_NAME).exists()
 
 
 def test_an_impl_error_changes_no_state(monkeypatch):
@@ -83,3 +87,92 @@ def test_an_impl_error_changes_no_state(monkeypatch):
     with pytest.raises(ValueError, match="impl='triton' cannot run"):
         _step(head)
     assert head.sample_step == 0 and head.sampled_rows is None
+
+
+# ------------------------------------------------------------------ impl="auto" on a GPU, simulated
+class _Clock:
+    """A stub clock: each timed call of candidate ``k`` (in the order tried) lasts ``ms[k]``."""
+
+    def __init__(self, ms, steps):
+        self.ms, self.steps, self.calls, self.now = ms, steps, 0, 0.0
+
+    def __call__(self):
+        pair, end = divmod(self.calls, 2)
+        self.calls += 1
+        if end:
+            self.now += self.ms[min(pair // self.steps, len(self.ms) - 1)] / 1000
+        return self.now
+
+
+@pytest.fixture
+def auto_on_gpu(monkeypatch, tmp_path):
+    """``impl="auto"`` as on a CUDA GPU (the candidates run under the interpreter here), with a
+    selector whose clock says: triton 3 ms, gemm 1 ms, torch 2 ms."""
+    import shardfc.head.module as module
+
+    real = module.resolve_impl
+    monkeypatch.setattr(module, "resolve_impl", lambda impl, *a: "auto" if impl == "auto" else real(impl, *a))
+    monkeypatch.delenv(impl_select.ENV_VAR, raising=False)
+    clock = _Clock([3.0, 1.0, 2.0], steps=3)
+    selector = impl_select.ImplSelector(path=tmp_path / "head_impl.json", steps=3, warmup=1, clock=clock,
+                                        sync=lambda: None)
+    monkeypatch.setattr(impl_select, "default_selector", lambda: selector)
+    return selector, clock
+
+
+def _trained(impl, **kw):
+    torch.manual_seed(0)
+    head = shardfc.ShardedMarginHead(8, 37, impl=impl, **kw)
+    x, y = torch.randn(6, 8), torch.tensor([0, 5, 9, 36, 20, 1])
+    xr = x.clone().requires_grad_()
+    loss = head(xr, y)
+    loss.backward()
+    return head, loss.detach(), xr.grad, head.weight.grad
+
+
+@pytest.mark.parametrize("kw", [{}, {"sample_rate": 0.5}, {"subcenters": 2, "interclass_filter_threshold": 0.3}])
+def test_auto_picks_the_fastest_and_changes_no_state(auto_on_gpu, kw):
+    selector, clock = auto_on_gpu
+    head, loss, gx, gw = _trained("auto", **kw)
+    assert head.last_impl == "gemm"
+    assert len(selector.timings) == 1 and clock.calls == 2 * 3 * 3  # 3 candidates x 3 timed steps
+    # The timing runs left nothing behind: the step equals one run with impl="gemm" from the start
+    # (same loss, same gradients, Partial FC's sample step advanced once).
+    ref, ref_loss, ref_gx, ref_gw = _trained("gemm", **kw)
+    assert head.sample_step == ref.sample_step
+    assert torch.equal(loss, ref_loss) and torch.equal(gx, ref_gx) and torch.equal(gw, ref_gw)
+    # The choice is remembered: a second forward times nothing, and the cache file holds it ...
+    head(torch.randn(5, 8), torch.tensor([1, 2, 3, 4, 5]))  # 5 rows: the same batch bucket as 6
+    assert clock.calls == 18 and head.last_impl == "gemm"
+    # ... while a new workload (another batch bucket) is timed anew.
+    _step(head, 8)
+    assert clock.calls == 36 and len(selector.timings) == 2
+    first = next(iter(selector.timings))
+    assert json.loads(selector.path.read_text())[first]["impl"] == "gemm"
+
+
+def test_auto_reads_the_cache_of_an_earlier_run(auto_on_gpu):
+    selector, clock = auto_on_gpu
+    _trained("auto")
+    fresh = impl_select.ImplSelector(path=selector.path, clock=clock, sync=lambda: None)
+    impl_select.default_selector = lambda: fresh  # monkeypatched by the fixture, restored after
+    before = clock.calls
+    head, *_ = _trained("auto")
+    assert head.last_impl == "gemm" and clock.calls == before
+
+
+@pytest.mark.parametrize("name", ["torch", "gemm"])
+def test_env_names_the_impl_of_auto_heads(auto_on_gpu, monkeypatch, name):
+    selector, clock = auto_on_gpu
+    monkeypatch.setenv(impl_select.ENV_VAR, name)
+    head, *_ = _trained("auto")
+    assert head.last_impl == name and clock.calls == 0
+    explicit, *_ = _trained("triton")  # an explicit impl= wins over the variable
+    assert explicit.last_impl == "triton"
+
+
+def test_env_with_a_bad_value(monkeypatch):
+    monkeypatch.setenv(impl_select.ENV_VAR, "cuda")
+    head = shardfc.ShardedMarginHead(8, 10)
+    with pytest.raises(ValueError, match=r"SHARDFC_HEAD_IMPL='cuda' is not an implementation"):
+        _step(head)

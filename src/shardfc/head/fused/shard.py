@@ -104,7 +104,7 @@ def shard_forward(
 ) -> FusedShardStats:
     """The fused counterpart of :func:`shardfc.head.kernels.shard_forward` (same arguments)."""
     a_k, w, n_cls, K = _common(a, w, cfg, rows)
-    B, D, dev, sd = a.shape[0], a.shape[1], a.device, cfg.stats_dtype
+    B, dev, sd = a.shape[0], a.device, cfg.stats_dtype
     smooth = cfg.label_smoothing > 0
     normalize = cfg.margin.normalize_weights
     if n_cls == 0:  # a shard without classes: the statistics of an empty set
