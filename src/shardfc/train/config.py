@@ -296,7 +296,7 @@ class TrainConfig:
         _choice(self, "pipeline_schedule", PIPELINE_SCHEDULES)
         _choice(self, "amp", ("auto", "none", "bf16", "fp16"))
         _choice(self, "device", ("auto", "cpu", "cuda"))
-        _choice(self, "head_impl", ("auto", "triton", "torch"))
+        _choice(self, "head_impl", ("auto", "triton", "gemm", "torch"))
         for name in ("synthetic_identities", "synthetic_images_per_identity", "embedding_dim", "batch_size",
                      "grad_accum", "nproc", "log_every", "eval_batch_size", "subcenters", "pipeline_stages",
                      "micro_batches"):

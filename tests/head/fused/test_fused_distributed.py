@@ -1,4 +1,4 @@
-"""The fused kernels in process-group mode, W = 1..3 gloo ranks, against the dense float64
+"""The GPU implementations (triton; gemm for two cases) in process-group mode, W = 1..3 gloo ranks, against the dense float64
 reference: uneven shards (23 classes), unequal and empty local batches, labels on one shard."""
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ CASES = {
     "sphereface": dict(margin=M.SphereFace(4)),
     "labels_on_one_shard": dict(one_shard=True),
     "subcenters": dict(subcenters=2),
+    "gemm": dict(impl="gemm"),
+    "gemm+smoothing+ignore+none": dict(impl="gemm", label_smoothing=0.1, ignore=True, reduction="none", margin=M.CosFace()),
 }
 
 
@@ -37,7 +39,7 @@ def _case(rank, world, opts):
     margin, K = opts.get("margin", M.ArcFace()), opts.get("subcenters", 1)
     eps, reduction = opts.get("label_smoothing", 0.0), opts.get("reduction", "mean")
     head = shardfc.ShardedMarginHead(D, C, margin=margin, label_smoothing=eps, reduction=reduction,
-                                     subcenters=K, impl="triton")
+                                     subcenters=K, impl=opts.get("impl", "triton"))
     xr = x[lo:hi].float().requires_grad_()
     loss = head(xr, y[lo:hi])
     loss.backward(up[lo:hi].float() if reduction == "none" else torch.tensor(1.0))
@@ -82,6 +84,6 @@ def test_fused_matches_dense_reference(world):
     results = spawn(_all_cases, world, backend="gloo")
     for rank, per_case in enumerate(results):
         for name, errs in per_case.items():
-            assert errs.pop("impl") == "triton", (world, rank, name)
+            assert errs.pop("impl") == CASES[name].get("impl", "triton"), (world, rank, name)
             for key, err in errs.items():
                 assert err < TOL, (world, rank, name, key, err)
