@@ -277,7 +277,7 @@ def test_budget_too_small_for_one_class():
         (dict(sparse_grad=True), "sparse_grad needs Partial FC"),
         (dict(sparse_grad=1, sample_rate=0.5), "sparse_grad must be True or False"),
         (dict(subcenters=0), "subcenters must be a positive integer, got 0"),
-        (dict(impl="auto"), "impl must be one of torch, triton, got 'auto'"),
+        (dict(impl="auto"), "impl must be one of torch, triton, gemm, got 'auto'"),
         (dict(impl="triton", sms=0), "sms must be a positive integer, got 0"),
         (dict(margin="nope"), "nope"),
     ],
@@ -350,25 +350,28 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 
 
 @needs_triton
-def test_fused_plan_holds_no_logits():
-    """The fused step grows by 4 bytes per class (the centres' inverse norms) where the torch step
-    grows by a [B, n] buffer; at a million classes it is a few dozen MiB, not gigabytes."""
+@pytest.mark.parametrize("impl", ["triton", "gemm"])
+def test_fused_plan_holds_no_logits(impl):
+    """The GPU step's activations are a few class chunks' buffers plus a few bytes per class (the
+    centres' inverse norms, the forward's partial statistics), where the torch step grows by a
+    [B, n] buffer; at a million classes it is about a hundred MiB, not gigabytes."""
     D, B = 512, 1024
     n = 33 * 128 * 30  # 126,720 classes: 33 splits of 3,840 at 132 SMs (a multiple of the 128-class quantum)
-    one, two = (plan(c, D, B, impl="triton") for c in (n, 2 * n))
-    assert two["parts"]["activations"] - one["parts"]["activations"] == 4 * n
-    assert plan(n, D, B)["parts"]["activations"] >= B * n * 4 > 5 * one["parts"]["activations"]
-    big = plan(1_000_000, D, B, impl="triton")
-    assert big["step_peak"] < 100 * 2**20 and plan(1_000_000, D, B)["step_peak"] > 3 * 2**30
+    one, two = (plan(c, D, B, impl=impl) for c in (n, 2 * n))
+    assert 0 < two["parts"]["activations"] - one["parts"]["activations"] <= 8 * n
+    assert plan(n, D, B)["parts"]["activations"] >= B * n * 4 > 2 * one["parts"]["activations"]
+    big = plan(1_000_000, D, B, impl=impl)
+    assert big["step_peak"] < 200 * 2**20 and plan(1_000_000, D, B)["step_peak"] > 3 * 2**30
 
 
 @needs_triton
 def test_fused_plan_sizes_the_partial_sums_by_sms():
-    """The embedding gradient's [splits, B, D] fp32 partial sums: 4 programs per SM over B/64 row
-    tiles, so 33 splits at 132 SMs, 66 at 264, for B = 1024."""
+    """The fused forward's [B, splits] fp32 partial statistics (max, sum-exp) follow the SM count
+    (4 programs per SM over B/64 row tiles); the step's peak is the backward's chunk buffers, which
+    do not, so the plan at twice the SMs is no smaller."""
     D, B, n = 512, 1024, 33 * 128 * 30
     at = {sms: plan(n, D, B, impl="triton", sms=sms) for sms in (132, 264)}
-    assert at[264]["parts"]["activations"] - at[132]["parts"]["activations"] == 33 * B * D * 4
+    assert at[264]["parts"]["activations"] >= at[132]["parts"]["activations"]
     assert at[132]["sms"] == 132 and plan(n, D, B)["sms"] is None
 
 
@@ -381,14 +384,13 @@ def test_fused_plan_cli_and_its_errors(monkeypatch):
         assert main(argv) == 0
     fused_text, torch_text = out.getvalue().split("| **total**", 2)[0], out.getvalue()
     assert "impl triton, 114 SMs" in fused_text and "chunk none (fused)" in fused_text
-    assert "--head-impl triton plans those" in torch_text.split("head: C=")[-1]
+    assert "--head-impl triton or gemm plans those" in torch_text.split("head: C=")[-1]
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         assert main(argv + ["--head-impl", "triton", "--dtype", "float64"]) == 2
-        assert main(argv + ["--head-impl", "triton", "--dim", "2048"]) == 2
+        assert main(argv + ["--head-impl", "triton", "--dim", "2048"]) == 0  # no width limit any more
     assert "impl='triton' cannot run: the kernels keep fp32 statistics" in err.getvalue()
-    assert "embedding_dim=2048 is above the kernels' limit of 1024" in err.getvalue()
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
-    with pytest.raises(ValueError, match=r"impl='triton' replays the fused kernels' step, which needs Triton installed"):
+    with pytest.raises(ValueError, match=r"impl='triton' replays the GPU kernels' step, which needs Triton installed"):
         plan(1000, 64, 32, impl="triton")

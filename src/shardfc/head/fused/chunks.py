@@ -61,12 +61,12 @@ INTERPRETER_TILES = (16, 16)
 PROGRAMS_PER_SM = 4
 
 
-def chunk_classes(n_cls: int, batch: int, K: int) -> int:
-    """Classes per chunk: ``[B, K·c]`` products of about :data:`CHUNK_BYTES` in 2-byte elements, a
-    multiple of :data:`CHUNK_QUANTUM` (interpreter: :data:`INTERPRETER_CHUNK`)."""
+def chunk_classes(n_cls: int, batch: int, K: int, elem: int = 2) -> int:
+    """Classes per chunk: ``[B, K·c]`` products of about :data:`CHUNK_BYTES` in ``elem``-byte
+    elements, a multiple of :data:`CHUNK_QUANTUM` (interpreter: :data:`INTERPRETER_CHUNK`)."""
     if interpreting():
         return INTERPRETER_CHUNK
-    c = CHUNK_BYTES // (2 * max(batch, 1) * K)
+    c = CHUNK_BYTES // (elem * max(batch, 1) * K)
     c = max(CHUNK_QUANTUM, c // CHUNK_QUANTUM * CHUNK_QUANTUM)
     return min(c, triton.cdiv(max(n_cls, 1), CHUNK_QUANTUM) * CHUNK_QUANTUM)
 
@@ -144,7 +144,7 @@ def forward_stats(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Te
                   normalize: bool, smooth: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """``(pmax, psum, plsum)`` ``[B, parts]``: the shard's partial statistics, chunk by chunk."""
     B, dev = a.shape[0], a.device
-    per_chunk = chunk_classes(n_cls, B, K)
+    per_chunk = chunk_classes(n_cls, B, K, a.element_size())
     BM, BN = _block_tiles(K, tr is not None)
     if interpreting() or dev.type not in ("cuda", "meta"):
         wanted = 2  # the tests fold two splits per chunk
@@ -189,7 +189,7 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
     B, D, dev = a.shape[0], a.shape[1], a.device
     cd = a.dtype
     unit = unit_for(cd)
-    per_chunk = chunk_classes(n_cls, B, K)
+    per_chunk = chunk_classes(n_cls, B, K, a.element_size())
     BM, BN = _block_tiles(K, tr is not None)
     BR, BD = _tiles(ROW_TILES)
     # coef rides on the rows of x for the weight GEMM, scaled to at most 1 so fp16 keeps it normal.
