@@ -119,6 +119,24 @@ def _inverse_norms(w: Tensor, cfg: ShardConfig) -> Optional[Tensor]:
     return torch.where(norm >= NORM_EPS, norm.clamp(min=NORM_EPS).reciprocal(), torch.zeros_like(norm))
 
 
+def mm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` with fp32 accumulation and an fp32 result: cuBLAS's ``out_dtype`` on CUDA for
+    bf16/fp16 operands (no rounding of the output to 16 bits), else the same products in fp32."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.device.type in ("cuda", "meta"):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def fp16_operand_scale(g: Tensor) -> Tensor:
+    """A power of two (a 0-d tensor, no host sync) that puts ``max |g|`` in ``[2^13, 2^14)``, so
+    ``g`` times it keeps its small entries normal in fp16 (1 for an all-zero ``g``)."""
+    amax = g.abs().amax().float()
+    exp = torch.floor(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax))))
+    return torch.exp2(13.0 - exp)
+
+
 def _raw_products(a_s: Tensor, centres: Tensor, cfg: ShardConfig) -> Tensor:
     return (a_s @ centres.to(cfg.compute_dtype).t()).to(cfg.stats_dtype)
 
@@ -297,8 +315,17 @@ def shard_backward(
             z = full.scatter_(2, arg.long().unsqueeze(2), z.unsqueeze(2)).view(z.shape[0], -1)
         if inv is not None:
             z.mul_(inv.unsqueeze(0))  # dL/d(a·w_j) = inv_j · dL/d(a·ŵ_j)
-        g = z.to(cfg.compute_dtype)
-        grad_a.add_((g @ w_c.to(cfg.compute_dtype)).to(cfg.stats_dtype), alpha=margin.scale)
+        unscale = None
+        if cfg.compute_dtype == torch.float16:
+            # coef·softmax at a million classes (≈ 1e-10) is below fp16's normal range and would
+            # flush to zero in the operand: scale the chunk by a power of two that puts its largest
+            # entry near 2^14 (exact), multiply with fp32 results, and undo the scale after.
+            g_scale = fp16_operand_scale(z)
+            g, unscale = (z * g_scale).to(torch.float16), g_scale.reciprocal()
+            grad_a.add_(mm_f32(g, w_c.to(torch.float16)).to(cfg.stats_dtype) * unscale, alpha=margin.scale)
+        else:
+            g = z.to(cfg.compute_dtype)
+            grad_a.add_((g @ w_c.to(cfg.compute_dtype)).to(cfg.stats_dtype), alpha=margin.scale)
         r0, r1 = start * K, stop * K
         for b0 in range(0, r1 - r0, WGRAD_BLOCK):
             b1 = min(b0 + WGRAD_BLOCK, r1 - r0)
@@ -306,7 +333,9 @@ def shard_backward(
             # dL/dw_j = inv_j·(G_j − ŵ_j(ŵ_j·G_j)) = h_j − inv_j²·w_j·(w_j·h_j).
             out = None if scatter else grad_w[r0 + b0 : r0 + b1]
             g_t = g[:, b0:b1].t()
-            if not accumulate and g_t.dtype == a_s.dtype == out.dtype:
+            if unscale is not None:
+                h = (mm_f32(g_t, a_s) * unscale).to(w.dtype)
+            elif not accumulate and g_t.dtype == a_s.dtype == out.dtype:
                 h = torch.mm(g_t, a_s, out=out)  # straight into the gradient, no copy
             else:
                 h = (g_t @ a_s).to(w.dtype)

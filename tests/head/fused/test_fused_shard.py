@@ -148,3 +148,37 @@ def test_target_gradient_goes_to_the_sub_centre_the_margin_used(impl):
     grad = head.weight.grad
     assert float(grad[5 * K].abs().max()) == 0.0
     assert float(grad[5 * K + 1].abs().max()) > 0.0
+
+
+@pytest.mark.parametrize("name", ["torch", "triton", "gemm"])
+def test_fp16_keeps_small_softmax_gradients(name):
+    """At a million classes the non-target softmax values are ≈ 1e-7 and the upstream gradient
+    ≈ 1e-3: their products fall below fp16's normal range, and an fp16 operand holding them flushes
+    every non-target centre's gradient to zero. Here, at 53 classes, the samples sit far enough from
+    the other centres (cosine 0.35 to their own, s = 64) that every non-target class's softmax is
+    below 1e-6 for every sample, and the upstream gradient is 1e-3: the same magnitudes."""
+    Cs, Ds, Bs = 53, 256, 29
+    W0 = init_rows(0, Cs, Ds, 0)
+    g = torch.Generator().manual_seed(5)
+    y = torch.randint(0, Cs, (Bs,), generator=g)
+    unit = W0 / W0.norm(dim=1, keepdim=True)
+    side = torch.randn(Bs, Ds, generator=g)
+    side = side - (side * unit[y]).sum(1, keepdim=True) * unit[y]
+    x = 0.35 * unit[y] + (1 - 0.35**2) ** 0.5 * side / side.norm(dim=1, keepdim=True)
+    up = torch.full((Bs,), 1e-3)
+    p = torch.softmax(64 * (x.double() @ unit.double().t()), dim=1)
+    far = p.max(dim=0).values < 1e-6
+    far[y] = False
+    assert int(far.sum()) >= 20  # the case is what it says
+
+    Wd, xd = W0.double().requires_grad_(), x.double().requires_grad_()
+    shardfc.reference_loss(xd, Wd, y, MARGINS["normsoftmax"].__class__(64.0), reduction="none").backward(up.double())
+    head = shardfc.ShardedMarginHead(Ds, Cs, margin=MARGINS["normsoftmax"].__class__(64.0), impl=name,
+                                     reduction="none", device=DEVICE)
+    xr = x.to(DEVICE, copy=True).requires_grad_()
+    with torch.autocast(DEVICE.type, dtype=torch.float16):
+        loss = head(xr, y.to(DEVICE))
+    loss.backward(up.to(DEVICE))
+    got = head.weight.grad.double().cpu()[far]
+    assert int((got == 0).sum()) == 0
+    assert float((got - Wd.grad[far]).norm() / Wd.grad[far].norm()) < 2e-2

@@ -40,6 +40,7 @@ import triton
 from torch import Tensor
 
 from shardfc.head.fused import autotune, epilogue, interpreting, shapes_only
+from shardfc.head.kernels import mm_f32
 
 #: Bytes of the ``[B, K·c]`` block of products per chunk: the block is written by one GEMM and
 #: read by the epilogue and two more GEMMs, so it should stay in L2 (50 MB on an H100).
@@ -82,16 +83,6 @@ def heavy(K: int, filter_: bool) -> bool:
 
 def _block_tiles(K: int, filter_: bool):
     return _tiles(HEAVY_EPILOGUE_TILES if heavy(K, filter_) else EPILOGUE_TILES)
-
-
-def mm_f32(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` with fp32 accumulation and an fp32 result: cuBLAS's ``out_dtype`` on CUDA for
-    bf16/fp16 operands (no rounding of the output to 16 bits), else the same products in fp32."""
-    if a.dtype == torch.float32:
-        return a @ b
-    if a.device.type in ("cuda", "meta"):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
 
 
 def emulate_rtne(out: Tensor) -> bool:
