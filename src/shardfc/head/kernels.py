@@ -119,12 +119,19 @@ def _inverse_norms(w: Tensor, cfg: ShardConfig) -> Optional[Tensor]:
     return torch.where(norm >= NORM_EPS, norm.clamp(min=NORM_EPS).reciprocal(), torch.zeros_like(norm))
 
 
+#: Which device's :func:`mm_f32` a meta tensor replays (``shardfc plan``): ``"cuda"`` (one GEMM
+#: with an fp32 output) for the GPU paths, ``"cpu"`` (fp32 copies of the operands) for the torch
+#: path's plan, which predicts the CPU step.
+MM_F32_META = "cuda"
+
+
 def mm_f32(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` with fp32 accumulation and an fp32 result: cuBLAS's ``out_dtype`` on CUDA for
     bf16/fp16 operands (no rounding of the output to 16 bits), else the same products in fp32."""
     if a.dtype == torch.float32:
         return a @ b
-    if a.device.type in ("cuda", "meta"):
+    device = MM_F32_META if a.device.type == "meta" else a.device.type
+    if device == "cuda":
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 

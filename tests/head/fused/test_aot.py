@@ -47,7 +47,7 @@ def test_every_registered_config_and_variant_is_built(built):
     }
     got = [(b["variant"], b["kernel"], b["config"]) for b in built]
     assert sorted(got) == sorted(expected)
-    assert {"lse_forward_kernel", "row_inverse_norms_kernel", "row_sgd_kernel", "operand_rows_kernel",
+    assert {"lse_forward_kernel", "row_sgd_kernel", "operand_rows_kernel",
             "forward_epilogue_kernel", "backward_epilogue_kernel", "weight_grad_kernel"} <= set(aot.KERNELS)
 
 
@@ -78,7 +78,7 @@ def test_tensor_core_dots_use_wgmma_never_mma_sync(built):
     forward = [b for b in built if b["kernel"] == "lse_forward_kernel"]
     assert forward and all(b["dots"] > 0 for b in forward)
     assert all((b["tc_dots"] == 0) == (b["variant"] == "fp32-ieee") for b in forward)
-    assert all(b["dots"] == 0 for b in built if b["kernel"] in ("row_inverse_norms_kernel", "row_sgd_kernel"))
+    assert all(b["dots"] == 0 for b in built if b["kernel"] in ("operand_rows_kernel", "row_sgd_kernel"))
 
 
 def test_the_builds_get_the_jit_hints(built):

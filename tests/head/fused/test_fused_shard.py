@@ -182,3 +182,20 @@ def test_fp16_keeps_small_softmax_gradients(name):
     got = head.weight.grad.double().cpu()[far]
     assert int((got == 0).sum()) == 0
     assert float((got - Wd.grad[far]).norm() / Wd.grad[far].norm()) < 2e-2
+
+
+@pytest.mark.parametrize("case", [dict(), dict(sample_rate=0.4, grad_first=True), dict(subcenters=2, dtype=torch.bfloat16),
+                                  dict(margin="softmax", weight_grad_in_place=False)],
+                         ids=["plain", "partial_fc_in_place", "subcenters_bf16", "raw_centres"])
+def test_shard_above_the_operand_budget(impl, case, monkeypatch):
+    """A shard whose compute-dtype copy would exceed OPERAND_BYTES: the step's pass computes the
+    norms only, each chunk makes its own operand and the weight gradient reads the fp32 rows."""
+    from shardfc.head.fused import chunks
+
+    monkeypatch.setattr(chunks, "OPERAND_BYTES", 0)
+    made = []
+    real = chunks.operand_rows
+    monkeypatch.setattr(chunks, "operand_rows", lambda *a, **k: made.append(1) or real(*a, **k))
+    tol = 2e-2 if case.get("dtype") == torch.bfloat16 else FP32
+    _compare(impl, tol=tol, **case)
+    assert made  # the per-chunk operand ran

@@ -50,7 +50,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from shardfc.head.fused import autotune, chunks, epilogue, forward, optimizer, tiles
+from shardfc.head.fused import autotune, chunks, epilogue, forward, optimizer
 
 #: Shared memory an H100 SM grants one block (227 KB).
 H100_SHARED_BYTES = 232448
@@ -185,9 +185,6 @@ _FORWARD = dict(K=1, HAS_ROWS=False, NORM_W=True, FILTER=False, SMOOTH=False, CO
 register(forward.lse_forward_kernel, autotune.FORWARD_CONFIGS + autotune.HEAVY_FORWARD_CONFIGS, _FORWARD,
          types={"a_ptr": COMPUTE_PTR, "rows_ptr": "*i64", "tcol_ptr": "*i32"},
          pick=lambda f: autotune.forward_configs(f["K"], f["FILTER"], f["PRECISION"]))
-# shard.row_inverse_norms launches BR=64, BD=128 at Triton's default 4 warps, 3 stages.
-register(tiles.row_inverse_norms_kernel, [triton.Config({"BR": 64, "BD": 128}, num_warps=4, num_stages=3)],
-         dict(HAS_ROWS=False), types={"rows_ptr": "*i64"})
 # optimizer.row_sgd_ launches BR=32, BD=128 (4 warps, 3 stages); the default path is Partial FC's:
 # sampled rows (idx), their gradient rows in order, momentum.
 register(optimizer.row_sgd_kernel, [triton.Config({"BR": 32, "BD": 128}, num_warps=4, num_stages=3)],
@@ -199,7 +196,10 @@ register(optimizer.row_sgd_kernel, [triton.Config({"BR": 32, "BD": 128}, num_war
 _ROWS = [triton.Config({"BR": 32, "BD": 128}, num_warps=4, num_stages=3)]
 _BLOCK = [triton.Config(dict(zip(("BM", "BN"), t)), num_warps=4, num_stages=3)
           for t in (chunks.EPILOGUE_TILES, chunks.HEAVY_EPILOGUE_TILES)]
-register(epilogue.operand_rows_kernel, _ROWS, dict(HAS_ROWS=False, SCALE=True, EMULATE_RTNE=False),
+# The step's one pass over the scored rows: norms computed, rows normalised and cast (default);
+# the per-chunk operand of a shard above OPERAND_BYTES reads the norms instead.
+register(epilogue.operand_rows_kernel, _ROWS,
+         dict(HAS_ROWS=False, COMPUTE_INV=True, SCALE=True, WRITE=True, EMULATE_RTNE=False),
          types={"rows_ptr": "*i64", "out_ptr": "*bf16"})
 _pick_block = lambda f: [_BLOCK[chunks.heavy(f["K"], f["FILTER"])]]  # noqa: E731
 register(epilogue.forward_epilogue_kernel, _BLOCK, dict(K=1, FILTER=False, SMOOTH=False),
@@ -207,15 +207,19 @@ register(epilogue.forward_epilogue_kernel, _BLOCK, dict(K=1, FILTER=False, SMOOT
 register(epilogue.backward_epilogue_kernel, _BLOCK, dict(K=1, FILTER=False, SMOOTH=False, EMULATE_RTNE=False),
          types={"p_ptr": "*bf16", "tcol_ptr": "*i32"}, pick=_pick_block)
 register(epilogue.weight_grad_kernel, _ROWS,
-         dict(HAS_ROWS=False, NORM_W=True, ACCUMULATE=True, SCATTER=False, EMULATE_RTNE=False),
-         types={"rows_ptr": "*i64"})
+         dict(HAS_ROWS=False, NORM_W=True, W_HAT=True, ACCUMULATE=True, SCATTER=False, EMULATE_RTNE=False),
+         types={"rows_ptr": "*i64", "w_ptr": "*bf16"})
 
 #: Option paths beyond each kernel's default: flags overlaid on it (a kernel gets the keys it takes;
 #: a variant that changes none of a kernel's flags is not built for it).
 VARIANTS: Dict[str, dict] = {
     "default": {},
     "rows+filter+smoothing+subcenters3": dict(HAS_ROWS=True, FILTER=True, SMOOTH=True, K=3),
-    "raw-centres": dict(NORM_W=False),
+    "raw-centres": dict(NORM_W=False, W_HAT=False, SCALE=False),
+    # A shard above chunks.OPERAND_BYTES: the step's pass computes the norms only, each chunk
+    # makes its operand from them, and the weight gradient reads the fp32 rows.
+    "large-shard-norms": dict(WRITE=False, W_HAT=False),
+    "large-shard-chunk-operand": dict(COMPUTE_INV=False),
     "fp32-ieee": dict(COMPUTE=tl.float32, DOT=tl.float32, PRECISION="ieee"),
     "sgd-dense-grad+nesterov": dict(G_AT_IDX=True, NESTEROV=True),
     "sgd-all-rows-no-momentum": dict(HAS_IDX=False, MOMENTUM=False),

@@ -45,6 +45,10 @@ from shardfc.head.kernels import mm_f32
 #: Bytes of the ``[B, K·c]`` block of products per chunk: the block is written by one GEMM and
 #: read by the epilogue and two more GEMMs, so it should stay in L2 (50 MB on an H100).
 CHUNK_BYTES = 32 * 2**20
+#: The shard's scored rows in the compute dtype are made once per step (:func:`scored_rows`) when
+#: they take at most this many bytes (1M classes × D = 512 in bf16), and every GEMM slices them;
+#: above, each chunk makes its own operand, bounding the step's memory whatever the shard's size.
+OPERAND_BYTES = 2**30
 #: Classes per chunk under Triton's interpreter: small, so the tests cross several chunks.
 INTERPRETER_CHUNK = 16
 #: Chunks are whole multiples of this many classes (the epilogues' class tile).
@@ -94,19 +98,39 @@ def unit_for(compute_dtype: torch.dtype) -> float:
     return FP16_UNIT if compute_dtype == torch.float16 else 1.0
 
 
+def _operand_launch(w, rows, inv, out, r0, n_rows, compute_inv, scale, write):
+    BR, BD = _tiles(ROW_TILES)
+    epilogue.operand_rows_kernel[(triton.cdiv(n_rows, BR),)](
+        w, rows if rows is not None else w, inv if inv is not None else w, out if out is not None else w,
+        n_rows, r0, w.shape[1], w.stride(0), out.stride(0) if out is not None else 0,
+        HAS_ROWS=rows is not None, COMPUTE_INV=compute_inv, SCALE=scale, WRITE=write,
+        EMULATE_RTNE=out is not None and emulate_rtne(out), BR=BR, BD=BD,
+    )
+
+
+def scored_rows(w: Tensor, rows: Optional[Tensor], n_rows: int, dtype: torch.dtype, normalize: bool,
+                need_inv: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """One pass over the shard's ``n_rows`` scored rows, once per step: ``(operand, inv)``.
+
+    ``inv`` ``[n_rows]`` fp32: ``1/‖w‖`` (None unless ``need_inv``). ``operand`` ``[n_rows, D]`` in
+    ``dtype``: the rows (gathered through ``rows``; times ``inv`` when ``normalize``), which every
+    GEMM of the step slices — so the matmuls stream 2 bytes per element, not 4 — or None when it
+    would exceed :data:`OPERAND_BYTES` (each chunk then makes its own, :func:`operand_rows`)."""
+    inv = torch.empty(n_rows, dtype=torch.float32, device=w.device) if need_inv else None
+    write = n_rows * w.shape[1] * torch.finfo(dtype).bits // 8 <= OPERAND_BYTES
+    out = torch.empty(n_rows, w.shape[1], dtype=dtype, device=w.device) if write else None
+    if n_rows and not shapes_only(w) and (write or need_inv):
+        _operand_launch(w, rows, inv, out, 0, n_rows, need_inv, normalize, write)
+    return out, inv
+
+
 def operand_rows(w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor], r0: int, n_rows: int,
                  dtype: torch.dtype, scale: bool) -> Tensor:
     """Scored rows ``r0 .. r0 + n_rows`` of ``w`` (through ``rows``), times ``inv`` (``scale``), in
-    ``dtype``: the chunk's GEMM operand, ``[n_rows, D]``."""
+    ``dtype``: one chunk's GEMM operand, ``[n_rows, D]``, where the step has no :func:`scored_rows`."""
     out = torch.empty(n_rows, w.shape[1], dtype=dtype, device=w.device)
-    if shapes_only(out) or n_rows == 0:
-        return out
-    BR, BD = _tiles(ROW_TILES)
-    epilogue.operand_rows_kernel[(triton.cdiv(n_rows, BR),)](
-        w, rows if rows is not None else out, inv if inv is not None else out, out, n_rows, r0, w.shape[1],
-        w.stride(0), out.stride(0), HAS_ROWS=rows is not None, SCALE=scale, EMULATE_RTNE=emulate_rtne(out),
-        BR=BR, BD=BD,
-    )
+    if not shapes_only(out) and n_rows:
+        _operand_launch(w, rows, inv, out, r0, n_rows, False, scale, True)
     return out
 
 
@@ -116,11 +140,16 @@ def _raw_rows(w: Tensor, rows: Optional[Tensor], r0: int, r1: int) -> Tensor:
 
 
 class _Chunk:
-    """One chunk's GEMM operand and products (and the filter's cosines)."""
+    """One chunk's GEMM operand (a slice of the step's, or its own) and products (and the filter's
+    cosines)."""
 
-    def __init__(self, a: Tensor, w: Tensor, rows, inv, tr, c0: int, c1: int, K: int, normalize: bool):
+    def __init__(self, a: Tensor, w: Tensor, rows, inv, tr, c0: int, c1: int, K: int, normalize: bool,
+                 operand: Optional[Tensor]):
         self.c0, self.c1, self.r0, self.r1 = c0, c1, c0 * K, c1 * K
-        self.op = operand_rows(w, rows, inv, self.r0, self.r1 - self.r0, a.dtype, normalize)
+        if operand is not None:
+            self.op = operand[self.r0:self.r1]
+        else:
+            self.op = operand_rows(w, rows, inv, self.r0, self.r1 - self.r0, a.dtype, normalize)
         self.p = a @ self.op.t()  # [B, K·c] in the compute dtype
         self.f = None
         if tr is not None:
@@ -132,7 +161,7 @@ class _Chunk:
 
 def forward_stats(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor], tr: Optional[Tensor],
                   tcol: Tensor, tval: Tensor, n_cls: int, K: int, scale: float, threshold: float,
-                  normalize: bool, smooth: bool) -> Tuple[Tensor, Tensor, Tensor]:
+                  normalize: bool, smooth: bool, operand: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """``(pmax, psum, plsum)`` ``[B, parts]``: the shard's partial statistics, chunk by chunk."""
     B, dev = a.shape[0], a.device
     per_chunk = chunk_classes(n_cls, B, K, a.element_size())
@@ -151,7 +180,7 @@ def forward_stats(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Te
     plsum = torch.empty_like(pmax) if smooth else pmax
     part0 = 0
     for (c0, c1), n_split in zip(chunks, splits):
-        ch = _Chunk(a, w, rows, inv, tr, c0, c1, K, normalize)
+        ch = _Chunk(a, w, rows, inv, tr, c0, c1, K, normalize, operand)
         if not shapes_only(ch.p):
             f, stride_f = ch.filter_args()
             epilogue.forward_epilogue_kernel[(triton.cdiv(B, BM), n_split)](
@@ -167,7 +196,8 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
              tcol: Tensor, tval: Tensor, tsub: Tensor, tdraw: Tensor, on: Tensor,
              row_max: Tensor, inv_sum: Tensor, coef: Tensor, grad_w: Tensor, *, n_cls: int, K: int,
              scale: float, threshold: float, eps_over_c: float, one_minus_eps: float,
-             normalize: bool, accumulate: bool, scatter: bool, a_exact: Optional[Tensor] = None) -> Tensor:
+             normalize: bool, accumulate: bool, scatter: bool, a_exact: Optional[Tensor] = None,
+             operand: Optional[Tensor] = None) -> Tensor:
     """The shard's ``dJ/da`` (fp32 ``[B, D]``); ``dJ/dW`` written into ``grad_w`` (added with
     ``accumulate``; at the weight rows with ``scatter``, else at the scored rows).
 
@@ -175,7 +205,7 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
     per-sample weights of the objective (0 for ignored samples); ``tval``/``tdraw``/``tsub``/``on``
     the margin's target value and derivative, the target's sub-centre, and whether the label is
     on this shard; ``a_exact``: the embeddings before the cast (the target rows' gradient uses
-    them; default ``a``)."""
+    them; default ``a``); ``operand``: the step's :func:`scored_rows` operand (None: per chunk)."""
     a_exact = a if a_exact is None else a_exact
     B, D, dev = a.shape[0], a.shape[1], a.device
     cd = a.dtype
@@ -193,7 +223,7 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
     grad_a = torch.zeros(B, D, dtype=torch.float32, device=dev)
     for c0 in range(0, n_cls, per_chunk):
         c1 = min(c0 + per_chunk, n_cls)
-        ch = _Chunk(a, w, rows, inv, tr, c0, c1, K, normalize)
+        ch = _Chunk(a, w, rows, inv, tr, c0, c1, K, normalize, operand)
         n_rows = ch.r1 - ch.r0
         if not shapes_only(ch.p):
             f, stride_f = ch.filter_args()
@@ -206,10 +236,12 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
         grad_a += mm_f32(ch.p, ch.op)  # E·Ŵ
         h = mm_f32(ch.p.t(), x_coef)  # H = Eᵀ·x', [K·c, D] fp32
         if not shapes_only(h):
+            w_hat = operand is not None and normalize  # the normalised rows, already in the operand
+            w_read = operand if w_hat else w
             epilogue.weight_grad_kernel[(triton.cdiv(n_rows, BR),)](
-                h, w, rows if rows is not None else scratch, inv if inv is not None else scratch, grad_w, hscale,
-                n_rows, ch.r0, D, h.stride(0), w.stride(0), grad_w.stride(0),
-                HAS_ROWS=rows is not None, NORM_W=normalize, ACCUMULATE=accumulate, SCATTER=scatter,
+                h, w_read, rows if rows is not None else scratch, inv if inv is not None else scratch, grad_w,
+                hscale, n_rows, ch.r0, D, h.stride(0), w_read.stride(0), grad_w.stride(0),
+                HAS_ROWS=rows is not None, NORM_W=normalize, W_HAT=w_hat, ACCUMULATE=accumulate, SCATTER=scatter,
                 EMULATE_RTNE=emulate_rtne(grad_w), BR=BR, BD=BD,
             )
     grad_a *= (coef * (scale / unit)).unsqueeze(1)

@@ -6,9 +6,11 @@ device's matmul rate whatever the GPU; these kernels only stream a ``[B, chunk]`
 products (L2-resident at the chunk sizes :mod:`.chunks` picks) or a ``[chunk, D]`` block of rows
 once each, so their speed is a bandwidth figure that follows from their byte counts:
 
-* :func:`operand_rows_kernel`: the GEMM operand of a chunk of centre rows — gathered through
-  Partial FC's ``rows``, scaled by ``1/‖w‖`` when the margin normalises centres, cast to the compute
-  dtype — in one read of ``W`` (the torch path makes a normalised copy and a cast copy);
+* :func:`operand_rows_kernel`: the GEMM operand of the shard's scored centre rows — their
+  ``1/‖w‖``, and the rows gathered through Partial FC's ``rows``, scaled by it when the margin
+  normalises centres, cast to the compute dtype — in one read of ``W`` (the torch path makes a
+  normalised copy and a cast copy), once per step (or per chunk, for a shard above
+  :data:`.chunks.OPERAND_BYTES`);
 * :func:`forward_epilogue_kernel`: per sample, the chunk's online ``(max, Σ exp, Σ z)`` from its
   products: max over sub-centres, the margin's target value substituted, filtered negatives
   removed — :func:`.tiles.logits`, the code the fused forward uses;
@@ -33,25 +35,41 @@ from shardfc.head.fused import tiles
 @triton.jit
 def operand_rows_kernel(
     w_ptr, rows_ptr, inv_ptr, out_ptr, n_rows, r0, D, stride_w, stride_o,
-    HAS_ROWS: tl.constexpr, SCALE: tl.constexpr, EMULATE_RTNE: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+    HAS_ROWS: tl.constexpr, COMPUTE_INV: tl.constexpr, SCALE: tl.constexpr, WRITE: tl.constexpr,
+    EMULATE_RTNE: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
 ):
-    """``out[r] = w[row(r0 + r)] · inv[r0 + r]`` (``SCALE``) in ``out``'s dtype, ``r < n_rows``."""
+    """Scored rows ``r0 .. r0 + n_rows`` of ``w`` (through ``rows``): ``COMPUTE_INV`` stores their
+    ``1/‖w‖`` at ``inv[r0 + r]`` (0 below NORM_EPS, as the torch path), else ``SCALE`` reads it;
+    ``WRITE`` stores ``out[r] = w·inv`` (``SCALE``) or ``w``, in ``out``'s dtype. One read of the
+    rows for the norms, the second from L1/L2."""
     offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
     r_mask = offs_r < n_rows
     scored = r0 + offs_r.to(tl.int64)
     wrow = scored
     if HAS_ROWS:
         wrow = tl.load(rows_ptr + scored, mask=r_mask, other=0).to(tl.int64)
-    if SCALE:
+    w_rows = w_ptr + wrow[:, None] * stride_w
+    if COMPUTE_INV:
+        sq = tl.zeros([BR], dtype=tl.float32)
+        for d0 in range(0, D, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            w = tl.load(w_rows + offs_d[None, :], mask=r_mask[:, None] & (offs_d < D)[None, :], other=0.0)
+            w = w.to(tl.float32)
+            sq += tl.sum(w * w, axis=1)
+        norm = tl.sqrt(sq)
+        inv = tl.where(norm >= tiles.NORM_EPS, 1.0 / tl.maximum(norm, tiles.NORM_EPS), 0.0)
+        tl.store(inv_ptr + scored, inv, mask=r_mask)
+    elif SCALE:
         inv = tl.load(inv_ptr + scored, mask=r_mask, other=0.0)
-    for d0 in range(0, D, BD):
-        offs_d = d0 + tl.arange(0, BD)
-        mask = r_mask[:, None] & (offs_d < D)[None, :]
-        w = tl.load(w_ptr + wrow[:, None] * stride_w + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-        if SCALE:
-            w = w * inv[:, None]
-        tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * stride_o + offs_d[None, :],
-                 tiles.stored(w, out_ptr, EMULATE_RTNE), mask=mask)
+    if WRITE:
+        for d0 in range(0, D, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            mask = r_mask[:, None] & (offs_d < D)[None, :]
+            w = tl.load(w_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+            if SCALE:
+                w = w * inv[:, None]
+            tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * stride_o + offs_d[None, :],
+                     tiles.stored(w, out_ptr, EMULATE_RTNE), mask=mask)
 
 
 @triton.jit
@@ -161,13 +179,15 @@ def backward_epilogue_kernel(
 @triton.jit
 def weight_grad_kernel(
     h_ptr, w_ptr, rows_ptr, inv_ptr, g_ptr, hscale_ptr, n_rows, r0, D, stride_h, stride_w, stride_g,
-    HAS_ROWS: tl.constexpr, NORM_W: tl.constexpr, ACCUMULATE: tl.constexpr, SCATTER: tl.constexpr,
-    EMULATE_RTNE: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+    HAS_ROWS: tl.constexpr, NORM_W: tl.constexpr, W_HAT: tl.constexpr, ACCUMULATE: tl.constexpr,
+    SCATTER: tl.constexpr, EMULATE_RTNE: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
 ):
     """``dJ/dw`` of rows ``r0 .. r0 + n_rows`` of the shard's scored rows from ``H`` (fp32,
     ``[n_rows, D]``, in units of ``hscale``): ``hscale·(inv·H − inv³·(w·H)·w)`` (``NORM_W``) or
     ``hscale·H``, written once at the scored row (``SCATTER``: at the weight row, Partial FC's
-    dense ``.grad``), added to what is there (``ACCUMULATE``)."""
+    dense ``.grad``), added to what is there (``ACCUMULATE``). ``W_HAT``: ``w_ptr`` holds the
+    normalised scored rows ``ŵ`` (the step's operand, indexed by scored row), and the projection
+    is ``inv·(ŵ·H)·ŵ``: the fp32 rows are not read again."""
     offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
     r_mask = offs_r < n_rows
     scored = r0 + offs_r.to(tl.int64)
@@ -176,7 +196,7 @@ def weight_grad_kernel(
         wrow = tl.load(rows_ptr + scored, mask=r_mask, other=0).to(tl.int64)
     hscale = tl.load(hscale_ptr)
     h_rows = h_ptr + offs_r.to(tl.int64)[:, None] * stride_h
-    w_rows = w_ptr + wrow[:, None] * stride_w
+    w_rows = w_ptr + (scored if W_HAT else wrow)[:, None] * stride_w
     if NORM_W:
         inv = tl.load(inv_ptr + scored, mask=r_mask, other=0.0)
         wh = tl.zeros([BR], dtype=tl.float32)
@@ -186,7 +206,7 @@ def weight_grad_kernel(
             h = tl.load(h_rows + offs_d[None, :], mask=mask, other=0.0)
             w = tl.load(w_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
             wh += tl.sum(h * w, axis=1)
-        proj = inv * inv * inv * wh
+        proj = inv * wh if W_HAT else inv * inv * inv * wh
     out_rows = g_ptr + (wrow if SCATTER else scored)[:, None] * stride_g
     for d0 in range(0, D, BD):
         offs_d = d0 + tl.arange(0, BD)

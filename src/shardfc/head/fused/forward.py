@@ -5,7 +5,7 @@ time, forms each tile's logits in registers (:mod:`.tiles`) and folds them into 
 a rescaled running sum of exponentials (FlashAttention's online softmax), plus the logit sum for
 label smoothing. It writes one ``(max, sum-exp, logit sum)`` per sample and split; the launcher
 folds the splits exactly as the shards are folded (``Σ_k σ_k·e^{m_k − M}``). Each centre row's
-``1/‖w‖`` comes from :func:`.tiles.row_inverse_norms_kernel`, run once before (and kept for the
+``1/‖w‖`` comes from the step's one pass over the rows (:func:`.chunks.scored_rows`, kept for the
 backward), so ``W`` is never normalised into a copy. ``cls_bucket`` and ``batch_bucket`` are not
 read: they are the autotune key's class and batch counts (:func:`.autotune.bucket`).
 """

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from shardfc.head.fused import autotune, chunks, interpreting, shapes_only, tiles
+from shardfc.head.fused import autotune, chunks, interpreting
 from shardfc.head.kernels import ShardConfig, ShardStats, target_norm_gradients
 from shardfc.head.normalize import NORM_EPS
 
@@ -33,14 +33,17 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 @dataclass
 class FusedShardStats(ShardStats):
-    #: ``1/‖w_r‖`` of the scored centre rows, computed before the forward kernel and read by the
-    #: backward ones (None: raw centres and no filter).
+    #: ``1/‖w_r‖`` of the scored centre rows, computed in the forward's pass over the rows and read
+    #: by the backward (None: raw centres and no filter).
     inv: Optional[Tensor]
     #: Per sample: the label's class column in the shard (−1: elsewhere or ignored), the sub-centre
     #: the margin was applied to, and whether the label is here.
     tcol: Tensor
     tsub: Tensor
     on_shard: Tensor
+    #: The scored rows in the compute dtype (normalised when the margin says so), made once in the
+    #: forward and sliced by every GEMM of the backward (None: a shard above OPERAND_BYTES).
+    operand: Optional[Tensor] = None
 
 
 def _precision(cfg: ShardConfig) -> str:
@@ -122,10 +125,10 @@ def shard_forward(
     rows = rows.contiguous() if rows is not None else None
     scale, threshold = float(cfg.margin.scale), float(cfg.filter_threshold or 0.0)
     with _on(dev):
-        inv = row_inverse_norms(w, rows, n_cls * K) if normalize or tr is not None else None
+        operand, inv = chunks.scored_rows(w, rows, n_cls * K, cfg.compute_dtype, normalize, normalize or tr is not None)
         if cfg.impl == "gemm":
             pmax, psum, plsum = chunks.forward_stats(a_k, w, rows, inv, tr, tcol, tval, n_cls, K, scale, threshold,
-                                                     normalize, smooth)
+                                                     normalize, smooth, operand)
         else:
             pmax, psum, plsum = _fused_forward(a_k, w, rows, inv, tr, tcol, tval, n_cls, K, cfg, smooth)
     row_max = pmax.amax(dim=1)
@@ -133,7 +136,7 @@ def shard_forward(
     sum_exp = (psum * torch.exp(pmax - shift.unsqueeze(1))).sum(dim=1)
     logit_sum = plsum.sum(dim=1).to(sd) if smooth else None
     return FusedShardStats(
-        row_max.to(sd), sum_exp.to(sd), tval.to(sd), logit_sum, tdraw, tdnorm, None, inv, tcol, tsub, on,
+        row_max.to(sd), sum_exp.to(sd), tval.to(sd), logit_sum, tdraw, tdnorm, None, inv, tcol, tsub, on, operand,
     )
 
 
@@ -197,6 +200,7 @@ def shard_backward(
                 scale=float(cfg.margin.scale), threshold=float(cfg.filter_threshold or 0.0),
                 eps_over_c=eps / C, one_minus_eps=1.0 - eps, normalize=cfg.margin.normalize_weights,
                 accumulate=accumulate, scatter=accumulate and rows is not None, a_exact=a_in,
+                operand=stats.operand,
             )
     else:
         grad_a = torch.zeros(B, D, dtype=torch.float32, device=dev)
@@ -209,19 +213,6 @@ def shard_backward(
     grad_a = grad_a.to(sd)
     grad_norm = target_norm_gradients(a_in, norms, on, dz_t, stats.target_dnorm, coef.to(sd), cfg, feature_norms, grad_a)
     return grad_a.to(a_in.dtype), (None if accumulate else grad_w), grad_norm
-
-
-def row_inverse_norms(w: Tensor, rows: Optional[Tensor], n_rows: int) -> Tensor:
-    """``[n_rows]`` fp32 ``1/‖w_r‖`` of the scored rows (``rows[r]`` of ``w``, or row ``r``)."""
-    inv = torch.empty(n_rows, dtype=torch.float32, device=w.device)
-    if shapes_only(inv):
-        return inv
-    BR, BD = (16, 16) if interpreting() else (64, 128)
-    tiles.row_inverse_norms_kernel[(triton.cdiv(n_rows, BR),)](
-        w, rows if rows is not None else inv, inv, n_rows, w.shape[1], w.stride(0),
-        HAS_ROWS=rows is not None, BR=BR, BD=BD,
-    )
-    return inv
 
 
 def _on(dev: torch.device):

@@ -91,26 +91,6 @@ def products(
 
 
 @triton.jit
-def row_inverse_norms_kernel(w_ptr, rows_ptr, inv_ptr, n_rows, D, stride_w,
-                             HAS_ROWS: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
-    """``1/‖w_r‖`` of each scored row (0 below NORM_EPS, as the torch path), once per step: one
-    read of the scored rows, so the matmul kernels stream ``W`` through shared memory untouched."""
-    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
-    r_mask = offs_r < n_rows
-    wrow = offs_r.to(tl.int64)
-    if HAS_ROWS:
-        wrow = tl.load(rows_ptr + offs_r, mask=r_mask, other=0).to(tl.int64)
-    sq = tl.zeros([BR], dtype=tl.float32)
-    for d0 in range(0, D, BD):
-        offs_d = d0 + tl.arange(0, BD)
-        w_t = tl.load(w_ptr + wrow[:, None] * stride_w + offs_d[None, :],
-                      mask=r_mask[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
-        sq += tl.sum(w_t * w_t, axis=1)
-    norm = tl.sqrt(sq)
-    tl.store(inv_ptr + offs_r, tl.where(norm >= NORM_EPS, 1.0 / tl.maximum(norm, NORM_EPS), 0.0), mask=r_mask)
-
-
-@triton.jit
 def class_values(
     a_ptr, stride_a, offs_m, m_mask, w_ptr, stride_w, rows_ptr, inv_ptr, tr_ptr, stride_tr,
     offs_n, n_mask, K: tl.constexpr, D,
@@ -122,7 +102,7 @@ def class_values(
 
     Returns ``best`` (max over sub-centres of ``c``) and ``fmax`` (max over sub-centres of
     the cosine to the sample's target centre, for the filter); ``inv`` (the rows' ``1/‖w‖``) comes
-    from :func:`row_inverse_norms_kernel`. ``K`` is a compile-time constant: the sub-centre loop
+    from the step's pass over the rows (:func:`.chunks.scored_rows`). ``K`` is a compile-time constant: the sub-centre loop
     unrolls, so with one centre per class no tile beyond the products stays live.
     """
     best = tl.full([BM, BN], float("-inf"), dtype=tl.float32)

@@ -215,12 +215,16 @@ def plan(
 
 @contextlib.contextmanager
 def _planned_sms(impl: str, sms: int):
-    """The fused launchers' SM count on the meta device, for the plan's duration."""
-    if impl == "torch":
-        yield
-        return
+    """The device the replay stands for, for the plan's duration: the GPU launchers' SM count, or
+    the CPU's fp32 matmuls for the torch path."""
     from unittest import mock
 
+    if impl == "torch":  # the CPU's step: its fp32 matmuls of 16-bit operands copy them first
+        from shardfc.head import kernels
+
+        with mock.patch.object(kernels, "MM_F32_META", "cpu"):
+            yield
+        return
     from shardfc.head.fused import autotune
 
     with mock.patch.object(autotune, "META_SMS", sms):
