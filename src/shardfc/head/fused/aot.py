@@ -125,6 +125,7 @@ class Entry:
     pick: Optional[Callable[[Mapping[str, Any]], Sequence[triton.Config]]] = None
 
     def configs_for(self, flags: Mapping[str, Any]) -> Sequence[triton.Config]:
+        """The configs a run with ``flags`` uses (none: the launcher never runs it so)."""
         return self.configs if self.pick is None else self.pick(flags)
 
 
@@ -178,13 +179,22 @@ def register(fn, configs: Sequence[triton.Config], flags: Mapping[str, Any],
     return entry
 
 
-#: The forward's flags on the default path: bf16, centres normalised, one sub-centre, no filter.
-_FORWARD = dict(K=1, HAS_ROWS=False, NORM_W=True, FILTER=False, SMOOTH=False, COMPUTE=tl.bfloat16, DOT=tl.bfloat16,
-                PRECISION="tf32")
+#: The forward's flags on the default path: bf16, one sub-centre, no filter, reading the step's
+#: operand (the scored rows normalised and cast to bf16 already: no rows, no scaling).
+_FORWARD = dict(K=1, HAS_ROWS=False, NORM_W=False, FILTER=False, SMOOTH=False, COMPUTE=tl.bfloat16,
+                DOT=tl.bfloat16, PRECISION="tf32")
+_FORWARD_CONFIGS = autotune.FORWARD_CONFIGS + autotune.HEAVY_FORWARD_CONFIGS
+_pick_forward = lambda f: autotune.forward_configs(f["K"], f["FILTER"], f["PRECISION"])  # noqa: E731
 
-register(forward.lse_forward_kernel, autotune.FORWARD_CONFIGS + autotune.HEAVY_FORWARD_CONFIGS, _FORWARD,
-         types={"a_ptr": COMPUTE_PTR, "rows_ptr": "*i64", "tcol_ptr": "*i32"},
-         pick=lambda f: autotune.forward_configs(f["K"], f["FILTER"], f["PRECISION"]))
+register(forward.lse_forward_kernel, _FORWARD_CONFIGS, _FORWARD,
+         types={"a_ptr": COMPUTE_PTR, "w_ptr": COMPUTE_PTR, "rows_ptr": "*i64", "tcol_ptr": "*i32"},
+         # never with rows, normalisation in registers or the filter: those read the fp32 weight
+         pick=lambda f: [] if f["HAS_ROWS"] or f["NORM_W"] or f["FILTER"] else _pick_forward(f))
+# The forward that reads the fp32 weight (through Partial FC's rows, normalised in registers): with
+# the filter (its cosines need the fp32 rows), or for a shard above chunks.OPERAND_BYTES.
+register(forward.lse_forward_kernel, _FORWARD_CONFIGS, {**_FORWARD, "HAS_ROWS": True, "NORM_W": True, "FILTER": True},
+         types={"a_ptr": COMPUTE_PTR, "rows_ptr": "*i64", "tcol_ptr": "*i32"}, pick=_pick_forward,
+         name="lse_forward_kernel[fp32 W]")
 # optimizer.row_sgd_ launches BR=32, BD=128 (4 warps, 3 stages); the default path is Partial FC's:
 # sampled rows (idx), their gradient rows in order, momentum.
 register(optimizer.row_sgd_kernel, [triton.Config({"BR": 32, "BD": 128}, num_warps=4, num_stages=3)],
@@ -215,10 +225,11 @@ register(epilogue.weight_grad_kernel, _ROWS,
 VARIANTS: Dict[str, dict] = {
     "default": {},
     "rows+filter+smoothing+subcenters3": dict(HAS_ROWS=True, FILTER=True, SMOOTH=True, K=3),
+    "smoothing+subcenters3": dict(SMOOTH=True, K=3),
     "raw-centres": dict(NORM_W=False, W_HAT=False, SCALE=False),
     # A shard above chunks.OPERAND_BYTES: the step's pass computes the norms only, each chunk
     # makes its operand from them, and the weight gradient reads the fp32 rows.
-    "large-shard-norms": dict(WRITE=False, W_HAT=False),
+    "large-shard-norms": dict(WRITE=False, W_HAT=False, FILTER=False),
     "large-shard-chunk-operand": dict(COMPUTE_INV=False),
     "fp32-ieee": dict(COMPUTE=tl.float32, DOT=tl.float32, PRECISION="ieee"),
     "sgd-dense-grad+nesterov": dict(G_AT_IDX=True, NESTEROV=True),

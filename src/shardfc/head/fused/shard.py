@@ -130,7 +130,13 @@ def shard_forward(
             pmax, psum, plsum = chunks.forward_stats(a_k, w, rows, inv, tr, tcol, tval, n_cls, K, scale, threshold,
                                                      normalize, smooth, operand)
         else:
-            pmax, psum, plsum = _fused_forward(a_k, w, rows, inv, tr, tcol, tval, n_cls, K, cfg, smooth)
+            if operand is not None and tr is None:
+                # The step's operand: half the bytes of fp32 W, already gathered and normalised.
+                pmax, psum, plsum = _fused_forward(a_k, operand, None, None, None, tcol, tval, n_cls, K, cfg,
+                                                   smooth, normalize=False)
+            else:  # the filter's cosines read the fp32 rows: the kernel reads W and normalises in registers
+                pmax, psum, plsum = _fused_forward(a_k, w, rows, inv, tr, tcol, tval, n_cls, K, cfg, smooth,
+                                                   normalize=normalize)
     row_max = pmax.amax(dim=1)
     shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     sum_exp = (psum * torch.exp(pmax - shift.unsqueeze(1))).sum(dim=1)
@@ -140,8 +146,10 @@ def shard_forward(
     )
 
 
-def _fused_forward(a_k, w, rows, inv, tr, tcol, tval, n_cls, K, cfg, smooth):
-    """``(pmax, psum, plsum)`` of the fused online-LSE kernel (:mod:`.forward`): ``[B, splits]``."""
+def _fused_forward(a_k, w, rows, inv, tr, tcol, tval, n_cls, K, cfg, smooth, normalize):
+    """``(pmax, psum, plsum)`` of the fused online-LSE kernel (:mod:`.forward`): ``[B, splits]``;
+    ``w``: the weight (rows through ``rows``, normalised in registers when ``normalize``) or the
+    step's operand (compact, normalised already)."""
     B, D, dev = a_k.shape[0], a_k.shape[1], a_k.device
     per_split = autotune.class_splits(n_cls, B, dev)
     n_splits = triton.cdiv(n_cls, per_split)
@@ -156,7 +164,7 @@ def _fused_forward(a_k, w, rows, inv, tr, tcol, tval, n_cls, K, cfg, smooth):
         B, D, n_cls, K, per_split, a_k.stride(0), w.stride(0), trk.stride(0), n_splits,
         float(cfg.margin.scale), float(cfg.filter_threshold or 0.0),
         autotune.bucket(n_cls), autotune.bucket(B),
-        HAS_ROWS=rows is not None, NORM_W=cfg.margin.normalize_weights, FILTER=tr is not None, SMOOTH=smooth,
+        HAS_ROWS=rows is not None, NORM_W=normalize, FILTER=tr is not None, SMOOTH=smooth,
         **_dtypes(cfg),
     )
     return pmax, psum, plsum
