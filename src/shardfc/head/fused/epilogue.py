@@ -125,12 +125,7 @@ def forward_epilogue_kernel(
         best, arg, fmax = _class_block(p_ptr, stride_p, f_ptr, stride_f, inv_ptr, r0, offs_m, m_mask,
                                        offs_n, n_mask, K, FILTER, BM, BN)
         z, is_t = tiles.logits(best, fmax, offs_n, n_mask, tcol, tval, scale, threshold, FILTER)
-        if SMOOTH:
-            run_lsum += tl.sum(tl.where(n_mask[None, :], z, 0.0), axis=1)
-        new_max = tl.maximum(run_max, tl.max(z, axis=1))
-        shift = tl.where(new_max > float("-inf"), new_max, 0.0)
-        run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - shift[:, None]), axis=1)
-        run_max = new_max
+        run_max, run_sum, run_lsum = tiles.online_fold(z, n_mask, run_max, run_sum, run_lsum, SMOOTH)
     out = offs_m.to(tl.int64) * n_parts + part0 + pid_s
     tl.store(pmax_ptr + out, run_max, mask=m_mask)
     tl.store(psum_ptr + out, run_sum, mask=m_mask)

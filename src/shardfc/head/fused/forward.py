@@ -48,12 +48,7 @@ def lse_forward_kernel(
             HAS_ROWS, NORM_W, FILTER, COMPUTE, DOT, PRECISION, BM, BN, BD,
         )
         z, is_t = tiles.logits(best, fmax, offs_n, n_mask, tcol, tval, scale, threshold, FILTER)
-        if SMOOTH:
-            run_lsum += tl.sum(tl.where(n_mask[None, :], z, 0.0), axis=1)
-        new_max = tl.maximum(run_max, tl.max(z, axis=1))
-        shift = tl.where(new_max > float("-inf"), new_max, 0.0)
-        run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - shift[:, None]), axis=1)
-        run_max = new_max
+        run_max, run_sum, run_lsum = tiles.online_fold(z, n_mask, run_max, run_sum, run_lsum, SMOOTH)
     out = offs_m * n_splits + pid_s
     tl.store(pmax_ptr + out, run_max, mask=m_mask)
     tl.store(psum_ptr + out, run_sum, mask=m_mask)

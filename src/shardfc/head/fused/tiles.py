@@ -143,3 +143,16 @@ def logits(best, fmax, offs_n, n_mask, tcol, tval, scale, threshold, FILTER: tl.
         z = tl.where((fmax > threshold) & (~is_t), float("-inf"), z)
     z = tl.where(n_mask[None, :], z, float("-inf"))
     return z, is_t
+
+
+@triton.jit
+def online_fold(z, n_mask, run_max, run_sum, run_lsum, SMOOTH: tl.constexpr):
+    """A tile of logits folded into each row's running ``(max, Σ exp(z − max), Σ z)``: the running
+    sum rescaled to the new max (FlashAttention's online softmax); rows whose logits are all
+    ``−inf`` so far keep ``(−inf, 0)``."""
+    if SMOOTH:
+        run_lsum += tl.sum(tl.where(n_mask[None, :], z, 0.0), axis=1)
+    new_max = tl.maximum(run_max, tl.max(z, axis=1))
+    shift = tl.where(new_max > float("-inf"), new_max, 0.0)
+    run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - shift[:, None]), axis=1)
+    return new_max, run_sum, run_lsum
