@@ -3,6 +3,7 @@ reference: uneven shards (23 classes), unequal and empty local batches, labels o
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -87,3 +88,40 @@ def test_fused_matches_dense_reference(world):
             assert errs.pop("impl") == CASES[name].get("impl", "triton"), (world, rank, name)
             for key, err in errs.items():
                 assert err < TOL, (world, rank, name, key, err)
+
+
+def _auto_on_two_ranks(rank, world, cache_dir):
+    """impl="auto" as on a GPU (the candidates under the interpreter), each rank's stub clock
+    making a different candidate fastest: rank 0 gemm, rank 1 torch."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["SHARDFC_CACHE_DIR"] = cache_dir
+    import shardfc.head.module as module
+    from shardfc.head import impl_select
+
+    real = module.resolve_impl
+    module.resolve_impl = lambda impl, *a: "auto" if impl == "auto" else real(impl, *a)
+    ms = {0: [3.0, 1.0, 2.0], 1: [3.0, 2.0, 1.0]}[rank]
+    ticks = {"n": 0, "now": 0.0}
+
+    def clock():  # each timed call of candidate k lasts ms[k]; 2 steps each, clock read twice a step
+        pair, end = divmod(ticks["n"], 2)
+        ticks["n"] += 1
+        if end:
+            ticks["now"] += ms[min(pair // 2, 2)] / 1000
+        return ticks["now"]
+
+    selector = impl_select.ImplSelector(steps=2, warmup=0, clock=clock, sync=lambda: None)
+    impl_select.default_selector = lambda: selector
+    head = shardfc.ShardedMarginHead(D, C, impl="auto")
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(SIZES[world][rank] or 1, D, generator=g), torch.randint(0, C, (SIZES[world][rank] or 1,), generator=g)
+    head(x.requires_grad_(), y).backward()
+    fastest_here = min(selector.timings[next(iter(selector.timings))].items(), key=lambda kv: kv[1])[0]
+    return head.last_impl, fastest_here
+
+
+def test_auto_ranks_agree_on_rank_0s_choice(tmp_path):
+    results = spawn(_auto_on_two_ranks, 2, str(tmp_path), backend="gloo")
+    assert results == [("gemm", "gemm"), ("gemm", "torch")]
+    cached = json.loads((tmp_path / "head_impl.json").read_text())  # written by rank 0 alone
+    assert [v["impl"] for v in cached.values()] == ["gemm"]
