@@ -7,26 +7,30 @@ everything else is one pass of an epilogue kernel (:mod:`.epilogue`). Per chunk 
 (``K·c`` centre rows; :func:`chunk_classes` keeps the ``[B, K·c]`` block of products about
 :data:`CHUNK_BYTES`, so it stays in L2 between the GEMM that writes it and the kernels that read it):
 
-forward (``impl="gemm"``)::
+once per step::
 
-    Ŵ_c = operand(W rows)          gather (Partial FC), ·1/‖w‖, cast: one read of the rows
-    P   = x · Ŵ_cᵀ                 cuBLAS                                 [B, K·c]
+    Ŵ, inv = scored_rows(W)        gather (Partial FC), 1/‖w‖, ·inv, cast: one read of W
+                                   (above OPERAND_BYTES: the norms only, each chunk casts its rows)
+
+forward (``impl="gemm"``; ``"triton"`` runs its fused kernel over Ŵ instead)::
+
+    P   = x · Ŵ_cᵀ                 cuBLAS on the operand's slice          [B, K·c]
     stats_c = epilogue(P)          max / Σ exp / Σ z per sample           [B, splits]
 
 backward (``impl="gemm"`` and ``impl="triton"``)::
 
-    Ŵ_c, P as above                (the logits recomputed: nothing of [B, C] is kept)
+    P as above                     (the logits recomputed: nothing of [B, C] is kept)
     E   = epilogue(P)  in place    unit·(softmax − ε/C), 0 at the target
     gx += E · Ŵ_c                  cuBLAS, fp32 out                       [B, D]
     H   = Eᵀ · x'                  cuBLAS, fp32 out (x' = x·coef/max|coef|) [K·c, D]
-    dW_c = weight_grad(H)          normalisation backward, one write per row
+    dW_c = weight_grad(H)          inv·(H − (ŵ·H)·ŵ), one write per row
     then, once: the target column's terms from [B] values (index_add of B rows)
 
 **Why ``E`` leaves out the per-sample factors.** ``dJ/dz_ij = coef_i·(p_ij − ε/C − (1−ε)[j=y_i])``
 and ``dJ/dc = s·dJ/dz`` off the target. With ``coef ≈ 1/B`` and ``p ≈ 1/C``, the products
 ``coef·s·p`` at a million classes (≈ 1e-7) fall below fp16's normal range and flush to zero in
 an fp16 operand. ``E`` holds only ``unit·(p − ε/C)`` (``|E| ≤ unit``; ``unit = 2^15`` in fp16,
-so ``p`` down to ``2^-39`` stays representable, 1 otherwise); ``s``, ``coef`` and ``1/unit`` are
+so ``p`` down to ``2^-29`` ≈ 2e-9 stays a normal fp16 number, 1 otherwise); ``s``, ``coef`` and ``1/unit`` are
 applied to the fp32 GEMM outputs (``coef`` through the rows of ``x'``, bounded by 1). The target
 column, where the margin's derivative replaces ``s``, is added exactly from ``[B]`` values.
 """
