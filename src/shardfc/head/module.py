@@ -446,7 +446,9 @@ class ShardedMarginHead(nn.Module):
         rank 0's choice."""
         margin = self.margin
         key = impl_select.workload_key(
-            batch=impl_select.bucket(sum(sizes)), classes=impl_select.bucket(w.shape[0] // self.subcenters),
+            # global counts (the same on every rank), bucketed: a shard's class count differs by one
+            # between ranks when C does not divide
+            batch=impl_select.bucket(sum(sizes)), classes=impl_select.bucket(self.num_classes),
             sampled=rows is not None, dim=self.embedding_dim, subcenters=self.subcenters,
             compute=str(cfg.compute_dtype), weights=str(w.dtype), margin=type(margin).__name__,
             normalize=margin.normalize_weights, needs_norm=margin.needs_norm,
@@ -455,6 +457,7 @@ class ShardedMarginHead(nn.Module):
         )
         candidates = {name: self._timed_step(dataclasses.replace(cfg, impl=name), a, w, labels, rows[0] if rows else None)
                       for name in CANDIDATES}
+
         def rank0s(i: int) -> int:  # rank 0's index on every rank: one all-reduce of one number
             t = torch.tensor([float(i + 1) if self.rank == 0 else 0.0], device=a.device)
             self.ctx.communicator.all_reduce_(t, "sum")
