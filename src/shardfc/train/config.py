@@ -148,7 +148,7 @@ class TrainConfig:
     chunk_size: int = 0
     """Walk each shard's classes this many at a time to bound activation memory (logits never stored); 0: all at once; -1: auto (the largest chunk whose logits fit 64 MiB)."""
     head_impl: str = "auto"
-    """Which code computes the head's loss: auto (the fused Triton kernels on CUDA when they can run there, else torch), triton (fused kernels: no [B, C] logits; needs CUDA and pip install 'shardfc[gpu]'), torch (the reference)."""
+    """Which code computes the head's loss: auto (on CUDA with Triton, the fastest of triton, gemm and torch, timed once per workload and cached; else torch; SHARDFC_HEAD_IMPL names one instead), triton (a fused forward kernel; no [B, C] logits; needs CUDA and pip install 'shardfc[gpu]'), gemm (cuBLAS GEMMs over class chunks with Triton epilogues; same needs), torch (the reference)."""
     label_smoothing: float = 0.0
     """Label smoothing epsilon over all classes."""
     triplet_weight: float = 0.0
