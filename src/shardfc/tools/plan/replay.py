@@ -18,7 +18,7 @@ no data, so any ``C`` costs nothing — and runs the step ``shardfc bench`` runs
 * **speed**: many meta kernels are Python; :class:`_MetaStep` remembers the output shapes of each
   operator for given input shapes and scalars, so the chunk loop's repeated operators cost a lookup.
 
-With the head's ``impl="triton"`` the fused launchers allocate their outputs on the meta device and
+With the head's ``impl="triton"`` or ``"gemm"`` the GPU launchers allocate their outputs on the meta device and
 launch nothing (:mod:`shardfc.head.fused`), and the row-sparse SGD takes its fused kernel, as both
 do on a CUDA GPU.
 
@@ -296,7 +296,7 @@ def replay_step(
     head.train()
     name = "adamw" if optimizer == "adamw" else "sgd"
     opt = head_optimizer(head, name, lr=LR, momentum=MOMENTUM if optimizer == "sgd" else 0.0, weight_decay=weight_decay)
-    if head_options.get("impl") == "triton" and isinstance(opt, RowSparseSGD):
+    if head_options.get("impl") in ("triton", "gemm") and isinstance(opt, RowSparseSGD):
         opt.fused = True  # as on a CUDA GPU, where the automatic choice is its fused kernel
     params = list(head.parameters())
     grad_serials: List[Optional[int]] = []
