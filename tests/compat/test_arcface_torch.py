@@ -1,0 +1,111 @@
+"""``shardfc.compat.arcface_torch.PartialFC_V2`` against the dense float64 reference on 1–3 gloo
+ranks, its margins read from arcface_torch's modules, and its checkpoints in arcface_torch's layout
+(``checkpoint_gpu_<rank>.pt``) read back by ``shardfc import-arcface``'s reader."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import shardfc
+from shardfc import margins as M
+from shardfc.compat.arcface_torch import PartialFC_V2, margin_from_arcface_torch
+from shardfc.head.module import init_rows
+from shardfc.parallel.launch import spawn
+from shardfc.train.arcface_import import arcface_class_range, read_arcface_head
+
+C, D = 23, 16
+SIZES = {1: [7], 2: [5, 3], 3: [4, 0, 6]}
+
+
+def combined(s=64.0, m1=1.0, m2=0.5, m3=0.0, interclass_filtering_threshold=0):
+    """An object with the attributes of arcface_torch's CombinedMarginLoss."""
+    return SimpleNamespace(s=s, m1=m1, m2=m2, m3=m3, interclass_filtering_threshold=interclass_filtering_threshold)
+
+
+def _same(a: M.Margin, b: M.Margin) -> bool:
+    x = torch.linspace(-0.99, 0.99, 41, dtype=torch.float64)
+    return type(a) is type(b) and all(torch.allclose(u, v) for u, v in zip(a.target(x)[:2], b.target(x)[:2]))
+
+
+@pytest.mark.parametrize("given,expected", [
+    (combined(64, 1.0, 0.5, 0.0), M.ArcFace(64, 0.5)),
+    (combined(32, 1.0, 0.0, 0.4), M.CosFace(32, 0.4)),
+    (combined(64, 0.9, 0.4, 0.15), M.Combined(64, 0.9, 0.4, 0.15)),
+    (SimpleNamespace(scale=64.0, cos_m=0.8775825618903728, sin_m=0.479425538604203, sinmm=0.2397, theta=-0.87),
+     M.ArcFace(64, 0.5)),
+    (SimpleNamespace(s=64.0, m=0.4), M.CosFace(64, 0.4)),
+    (M.CosFace(30, 0.3), M.CosFace(30, 0.3)),
+])
+def test_margins_read_from_arcface_torch_modules(given, expected):
+    assert _same(margin_from_arcface_torch(given), expected)
+
+
+def test_margin_errors():
+    with pytest.raises(ValueError, match=r"interclass_filtering_threshold=0.2: arcface_torch zeroes the logits"):
+        margin_from_arcface_torch(combined(interclass_filtering_threshold=0.2))
+    with pytest.raises(TypeError, match=r"margin_loss must be arcface_torch's CombinedMarginLoss.*got function"):
+        margin_from_arcface_torch(lambda logits, labels: logits)
+
+
+def test_needs_an_initialised_process_group():
+    with pytest.raises(RuntimeError, match="PartialFC_V2 needs torch.distributed initialised first"):
+        PartialFC_V2(combined(), D, C)
+
+
+def _rank(rank, world, out_dir):
+    sizes = SIZES[world]
+    B, lo, hi = sum(sizes), sum(sizes[:rank]), sum(sizes[: rank + 1])
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(B, D, generator=g, dtype=torch.float64) * 2
+    y = torch.randint(0, C, (B,), generator=g)
+    pfc = PartialFC_V2(combined(64.0, 1.0, 0.5, 0.0), D, C, 1.0, False)
+    start, stop = arcface_class_range(C, world, rank)
+    shape_ok = tuple(pfc.weight.shape) == (stop - start, D) and pfc.class_range == range(start, stop)
+    xr = x[lo:hi].float().requires_grad_()
+    loss = pfc(xr, y[lo:hi].view(-1, 1).int())  # arcface_torch's labels: [B_r, 1], any int dtype
+    loss.backward()
+
+    W = init_rows(0, C, D, 0).double().requires_grad_()
+    xd = x.clone().requires_grad_()
+    ref = shardfc.reference_loss(xd, W, y, M.ArcFace(64.0, 0.5))
+    ref.backward()
+    rel = lambda a, b: float((a.double() - b).abs().max() / b.abs().max().clamp(min=1e-30)) if b.numel() else 0.0  # noqa: E731
+    errs = {
+        "loss": rel(loss.detach(), ref.detach()),
+        "grad_w": rel(pfc.weight.grad, W.grad[start:stop]),
+        "grad_x": rel(xr.grad, world * xd.grad[lo:hi]),  # arcface_torch's convention: W× this rank's share
+    }
+    # arcface_torch's checkpoint layout, read back by shardfc import-arcface's reader and by a new module
+    path = os.path.join(out_dir, f"checkpoint_gpu_{rank}.pt")
+    torch.save({"epoch": 0, "global_step": 1, "state_dict_softmax_fc": pfc.state_dict()}, path)
+    fresh = PartialFC_V2(combined(), D, C, sample_rate=0.5)
+    fresh.load_state_dict(torch.load(path)["state_dict_softmax_fc"])
+    loaded = torch.equal(fresh.weight, pfc.weight)
+
+    # Partial FC: the same step as ShardedMarginHead with the same sampling
+    torch.manual_seed(0)
+    sampled = PartialFC_V2(combined(32.0, 1.0, 0.0, 0.35), D, C, sample_rate=0.5)
+    head = shardfc.ShardedMarginHead(D, C, margin=M.CosFace(32.0, 0.35), sample_rate=0.5)
+    outs = []
+    for module in (sampled, head):
+        xs = x[lo:hi].float().requires_grad_()
+        module(xs, y[lo:hi]).backward()
+        outs.append((xs.grad, module.weight.grad))
+    same_sampled = all(torch.equal(a, b) for a, b in zip(*outs)) and outs[0][1].abs().sum() > 0
+    return errs, shape_ok, loaded, same_sampled
+
+
+@pytest.mark.parametrize("world", sorted(SIZES))
+def test_matches_the_dense_reference_and_round_trips_checkpoints(world, tmp_path):
+    results = spawn(_rank, world, str(tmp_path), backend="gloo")
+    for rank, (errs, shape_ok, loaded, same_sampled) in enumerate(results):
+        assert shape_ok and loaded and same_sampled, (world, rank)
+        for key, err in errs.items():
+            assert err < 1e-5, (world, rank, key, err)
+    joined = read_arcface_head(sorted(tmp_path.glob("checkpoint_gpu_*.pt")))
+    assert joined.weight.shape == (C, D) and joined.world_size == world
+    assert torch.allclose(joined.weight, init_rows(0, C, D, 0))  # the shards, in class order
