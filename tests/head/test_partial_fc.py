@@ -207,6 +207,27 @@ def test_fused_optimizer_only_for_cuda_fp32():
     assert not opt.param_groups[0].get("fused")
 
 
+def test_fused_optimizer_choice_with_the_device_stubbed(monkeypatch):
+    """The CUDA choice, decided on the CPU: parameters that say they are CUDA fp32 get torch's fused
+    SGD/AdamW, any other mix gets torch's default; head_optimizer passes the choice on."""
+    from types import SimpleNamespace
+
+    from shardfc.head import partial_fc
+
+    cuda32, cuda16 = SimpleNamespace(is_cuda=True, dtype=torch.float32), SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    assert partial_fc.fused_optimizer_ok([cuda32, cuda32]) is True
+    assert partial_fc.fused_optimizer_ok([cuda32, cuda16]) is None
+    assert partial_fc.fused_optimizer_ok([cuda32, torch.zeros(3)]) is None
+    made = {}
+    for name in ("SGD", "AdamW"):
+        monkeypatch.setattr(torch.optim, name, lambda params, name=name, **kw: made.setdefault(name, kw))
+    monkeypatch.setattr(partial_fc, "fused_optimizer_ok", lambda params: True)
+    head = shardfc.ShardedMarginHead(4, 10)
+    shardfc.head_optimizer(head, "sgd", lr=0.1)
+    shardfc.head_optimizer(head, "adamw", lr=0.1)
+    assert made["SGD"]["fused"] is True and made["AdamW"]["fused"] is True
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_head_optimizer_is_fused_on_cuda():
     head = shardfc.ShardedMarginHead(4, 10, device="cuda")

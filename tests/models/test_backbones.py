@@ -38,13 +38,25 @@ def test_input_sizes() -> None:
     assert input_size("tiny") == (32, 32)
 
 
-@pytest.mark.parametrize(
-    ("name", "expected"), [("iresnet50", 43.6e6), ("iresnet100", 65.2e6)]
-)
-def test_iresnet_param_count_matches_insightface(name: str, expected: float) -> None:
-    # Measured: iresnet50 43,590,848; iresnet100 65,156,160 (512-d).
-    n = _params(build_backbone(name, embedding_dim=512))
-    assert abs(n - expected) / expected < 0.02
+def _insightface_iresnet_params(blocks, embedding_dim=512):
+    """insightface arcface_torch's IResNet parameter count, from its layer list: a 3×3 stem (conv,
+    BN, PReLU); per block BN → 3×3 conv → BN → PReLU → 3×3 conv (stride on the second) → BN, the
+    first block of each stage with a 1×1 conv + BN shortcut; BN, a 7×7×512 → D linear, BN1d."""
+    n = 3 * 64 * 9 + 2 * 64 + 64
+    inplanes = 64
+    for planes, count in zip((64, 128, 256, 512), blocks):
+        for b in range(count):
+            n += 2 * inplanes + inplanes * planes * 9 + 2 * planes + planes + planes * planes * 9 + 2 * planes
+            if b == 0:
+                n += inplanes * planes + 2 * planes
+            inplanes = planes
+    return n + 2 * 512 + 512 * 49 * embedding_dim + embedding_dim + 2 * embedding_dim
+
+
+@pytest.mark.parametrize(("name", "blocks"), [("iresnet50", (3, 4, 14, 3)), ("iresnet100", (3, 13, 30, 3))])
+def test_iresnet_param_count_matches_insightface(name: str, blocks) -> None:
+    # Exactly (43,590,848 and 65,156,160 at 512-d): a dropped or extra block changes the count.
+    assert _params(build_backbone(name, embedding_dim=512)) == _insightface_iresnet_params(blocks)
 
 
 def test_iresnet_features_bn_scale_is_frozen() -> None:
