@@ -105,6 +105,16 @@ def test_roc_nearest_far_ties_take_the_largest_tar():
         roc_curve(np.ones(3), scores[:3])
 
 
+def test_roc_with_tied_scores():
+    """Pairs with equal scores are one threshold, one point (sklearn's answer, worked by hand, so
+    this runs without scikit-learn). Sorted: 0.9 P | 0.8 N, 0.8 P | 0.7 P, 0.7 N | 0.2 N: the
+    distinct thresholds give (fp, tp) = (0, 1), (1, 2), (2, 3), (3, 3); (1, 2) lies on the straight
+    run from (0, 1) to (2, 3) and is dropped."""
+    fpr, tpr, thr = roc_curve(np.array([1, 0, 1, 1, 0, 0]), np.array([0.9, 0.8, 0.8, 0.7, 0.7, 0.2]))
+    assert np.allclose(fpr, [0, 0, 2 / 3, 1]) and np.allclose(tpr, [0, 1 / 3, 1, 1])
+    assert thr[0] == np.inf and np.allclose(thr[1:], [0.9, 0.7, 0.2])
+
+
 def test_roc_matches_sklearn_when_installed():
     metrics = pytest.importorskip("sklearn.metrics")
     rng = np.random.default_rng(3)
