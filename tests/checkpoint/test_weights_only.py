@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from shardfc.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint, load_common, save_checkpoint
-
 from train.legacy import rewrite_file  # tests/ is on sys.path (its conftest.py): one helper for both suites
 
 C = 5

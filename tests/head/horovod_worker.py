@@ -16,9 +16,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import horovod.torch as hvd  # noqa: E402
+import test_module_distributed as tmd  # noqa: E402
 
 import shardfc  # noqa: E402
-import test_module_distributed as tmd  # noqa: E402
 from shardfc import margins as M  # noqa: E402
 from shardfc.head.module import init_rows  # noqa: E402
 from shardfc.parallel import count_comm  # noqa: E402

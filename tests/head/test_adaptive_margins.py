@@ -6,12 +6,11 @@ import math
 
 import pytest
 import torch
+from dense_losses import _target_logit, dense_loss
 
 import shardfc
 from shardfc import margins as M
 from shardfc.head.module import init_rows
-
-from dense_losses import _target_logit, dense_loss
 
 C, D, B = 9, 5, 12
 TOL = 1e-10

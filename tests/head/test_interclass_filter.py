@@ -3,12 +3,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from dense_losses import dense_loss
 
 import shardfc
 from shardfc import margins as M
 from shardfc.head.module import init_rows
-
-from dense_losses import dense_loss
 
 C, D, B = 13, 4, 10
 TOL = 1e-10

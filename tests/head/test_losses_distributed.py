@@ -13,14 +13,13 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from dense_losses import dense_loss
 
 import shardfc
 from shardfc import margins as M
 from shardfc.head.module import init_rows
 from shardfc.head.subcenters import subcenter_counts
 from shardfc.parallel.launch import spawn
-
-from dense_losses import dense_loss
 
 C, D, SEED = 23, 6, 99
 SIZES = {1: [7], 2: [5, 3], 3: [4, 0, 6], 4: [3, 5, 0, 2]}

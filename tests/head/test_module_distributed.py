@@ -15,8 +15,8 @@ import torch.distributed as dist
 import shardfc
 from shardfc import margins as M
 from shardfc.head.baselines import NaiveParallelHead, ReplicatedHead
-from shardfc.parallel.launch import spawn
 from shardfc.head.module import init_rows
+from shardfc.parallel.launch import spawn
 
 C, D, SEED = 23, 6, 1234  # 23 classes: not divisible by 2, 3 or 4
 SIZES = {1: [7], 2: [5, 3], 3: [4, 0, 6], 4: [3, 5, 0, 2]}  # unequal local batches, one empty

@@ -11,11 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import test_module_distributed as tmd
 import torch
+from test_module_distributed import CASES, SIZES, TOL
 
 import shardfc
-import test_module_distributed as tmd
-from test_module_distributed import CASES, SIZES, TOL
 
 WORLD = 2
 WORKER = Path(__file__).with_name("horovod_worker.py")

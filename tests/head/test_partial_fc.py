@@ -255,7 +255,7 @@ def test_sampling_reads_the_device_once_for_every_shard(monkeypatch):
     """Partial FC's per-step sample: every shard's positive count in one read (it was a torch.unique
     and an int() per shard of every rank, plus a copy of the positives to the host)."""
     head = shardfc.ShardedMarginHead(8, 100, sample_rate=0.2, devices=["cpu", "cpu", "cpu"])
-    x, y = torch.randn(12, 8), torch.randint(0, 100, (12,))
+    y = torch.randint(0, 100, (12,))
     reads = []
     for name in ("tolist", "item", "__bool__", "__int__", "cpu"):
         real = getattr(torch.Tensor, name)

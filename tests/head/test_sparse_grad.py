@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sparse_steps import step_both
 
 from shardfc import ShardedMarginHead
 from shardfc import margins as M
 from shardfc.head import kernels
 from shardfc.head.partial_fc import RowGrad, head_optimizer
 from shardfc.tools.bench.memory import LiveTensorBytes
-from sparse_steps import step_both
 
 C, D = 37, 5
 

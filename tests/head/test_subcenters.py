@@ -6,13 +6,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from dense_losses import dense_loss
 
 import shardfc
 from shardfc import margins as M
 from shardfc.head.module import init_rows
 from shardfc.head.subcenters import drop_subcenters, noisy_samples, subcenter_counts
-
-from dense_losses import dense_loss
 
 C, D, K, B = 11, 5, 3, 9
 TOL = 1e-10

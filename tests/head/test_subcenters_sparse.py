@@ -4,15 +4,14 @@ gradient equals the dense float64 reference's on them, and the optimizers apply 
 
 import pytest
 import torch
+from dense_losses import dense_loss
+from sparse_steps import step_both
 
 import shardfc
 from shardfc import margins as M
 from shardfc.head import kernels
 from shardfc.head.module import init_rows
 from shardfc.head.partial_fc import RowGrad, head_optimizer
-
-from dense_losses import dense_loss
-from sparse_steps import step_both
 
 C, D, K, B = 23, 5, 3, 11
 TOL = 1e-10

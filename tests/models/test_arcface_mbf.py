@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardfc.models import ArcfaceMobileFaceNet, BACKBONES, build_backbone, input_size
+from shardfc.models import BACKBONES, ArcfaceMobileFaceNet, build_backbone, input_size
 from shardfc.parallel.model_split import available_split_points, stages
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import shardfc
 from shardfc.parallel import lifecycle
 from shardfc.parallel.context import DistContext
 from shardfc.parallel.launch import spawn
@@ -20,8 +21,6 @@ from shardfc.train.config import TrainConfig
 from shardfc.train.data import ShardBatches, micro_batches
 from shardfc.train.state import RunState
 from shardfc.train.stopping import agreed_stop_signal
-
-import shardfc
 
 SRC = str(Path(shardfc.__file__).resolve().parents[1])
 

@@ -1,7 +1,14 @@
 """Evaluation: face verification (insightface ``.bin`` pair sets, IJB-B/C templates) and person re-ID (CMC / mAP)."""
 
 from shardfc.evaluation.ijb import evaluate_ijb, read_ijb_meta
-from shardfc.evaluation.reid import JUNK_PID, ReIDFolder, evaluate_reid, load_reid_split, parse_market1501_name, reid_metrics
+from shardfc.evaluation.reid import (
+    JUNK_PID,
+    ReIDFolder,
+    evaluate_reid,
+    load_reid_split,
+    parse_market1501_name,
+    reid_metrics,
+)
 from shardfc.evaluation.verification import (
     embed_batches,
     embed_images,

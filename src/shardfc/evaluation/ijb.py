@@ -28,10 +28,9 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-
-from PIL import Image
 
 from shardfc.data.transforms import decode_image, image_to_tensor, pil_to_tensor
 from shardfc.evaluation.alignment import align_face

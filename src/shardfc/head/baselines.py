@@ -20,6 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardfc.head import margins as _margins
+from shardfc.head.module import ShardedMarginHead, init_rows
+from shardfc.head.reference import reference_logits
+from shardfc.head.validation import check_batch_and_exchange_sizes
 from shardfc.parallel.collectives import (
     all_gather_rows,
     all_reduce,
@@ -29,9 +32,6 @@ from shardfc.parallel.collectives import (
     group_rank,
     scatter_from_root,
 )
-from shardfc.head.module import ShardedMarginHead, init_rows
-from shardfc.head.reference import reference_logits
-from shardfc.head.validation import check_batch_and_exchange_sizes
 from shardfc.parallel.context import DistContext
 
 

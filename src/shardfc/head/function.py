@@ -25,9 +25,9 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from shardfc.parallel.comm import Communicator
 from shardfc.head.kernels import ShardConfig, shard_backward, shard_forward
 from shardfc.head.normalize import NORM_EPS
+from shardfc.parallel.comm import Communicator
 
 
 @dataclass

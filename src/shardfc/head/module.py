@@ -33,25 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from shardfc.head import margins as _margins
-from shardfc.parallel.collectives import gather_rows_forward_reduce_scatter_backward
-from shardfc.parallel.context import DistContext
-from shardfc.seeding import mix_seed
-from shardfc.head.layout import class_ranges
-from shardfc.head.normalize import l2_normalize
-from shardfc.head.kernels import ShardConfig
+from shardfc.checks import check_positive_int, check_probability
 from shardfc.head import impl_select
-from shardfc.head.fused import CANDIDATES, check_impl, resolve_impl
-from shardfc.head.partial_fc import (
-    num_sampled,
-    RowGrad,
-    merge_row_grads,
-    positive_mask,
-    positives_per_range,
-    sample_present,
-    sampling_generator,
-    union_rows,
-)
+from shardfc.head import margins as _margins
+from shardfc.head import sharded_state as _state
 from shardfc.head.function import (
     ShardedLossPlan,
     compute_dtype_for,
@@ -59,13 +44,28 @@ from shardfc.head.function import (
     sharded_cross_entropy,
     stats_dtype_for,
 )
-from shardfc.head import sharded_state as _state
+from shardfc.head.fused import CANDIDATES, check_impl, resolve_impl
+from shardfc.head.kernels import ShardConfig
+from shardfc.head.layout import class_ranges
+from shardfc.head.normalize import l2_normalize
+from shardfc.head.partial_fc import (
+    RowGrad,
+    merge_row_grads,
+    num_sampled,
+    positive_mask,
+    positives_per_range,
+    sample_present,
+    sampling_generator,
+    union_rows,
+)
 from shardfc.head.validation import (
     check_batch_and_exchange_sizes,
     check_embeddings,
     raise_or_exchange_sizes,
 )
-from shardfc.checks import check_positive_int, check_probability
+from shardfc.parallel.collectives import gather_rows_forward_reduce_scatter_backward
+from shardfc.parallel.context import DistContext
+from shardfc.seeding import mix_seed
 
 #: ``impl="auto"`` times each candidate on at most this many of a shard's classes: enough chunks and
 #: tiles that the candidates rank as at full size, a bounded transient (the weight gradient of

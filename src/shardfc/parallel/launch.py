@@ -9,9 +9,9 @@ import io
 import logging
 import os
 import queue as queue_module
-import time
 import socket
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, List, Optional

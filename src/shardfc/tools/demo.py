@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from shardfc.head import margins
-from shardfc.parallel.launch import spawn
 from shardfc.head.module import ShardedMarginHead
 from shardfc.head.partial_fc import head_optimizer
+from shardfc.parallel.launch import spawn
 
 
 def _train(rank: int, world: int, args) -> List[float]:

@@ -15,7 +15,8 @@ from torch.utils.data import Dataset, Sampler
 from shardfc.head import ShardedMarginHead, head_optimizer
 from shardfc.head.margins import build_margin
 from shardfc.head.triplet import BatchHardTripletLoss
-from shardfc.models import build_backbone, input_size as default_input_size
+from shardfc.models import build_backbone
+from shardfc.models import input_size as default_input_size
 from shardfc.parallel.context import DistContext
 from shardfc.seeding import mix_seed, seed_all
 from shardfc.train import cpu
@@ -27,9 +28,11 @@ from shardfc.train.state import Parts
 from shardfc.train.strategy import (
     head_placement,
     loader_batch_size,
-    run_context as strategy_context,
     wrap_backbone,
     wrap_backbone_optimizer,
+)
+from shardfc.train.strategy import (
+    run_context as strategy_context,
 )
 
 logger = logging.getLogger("shardfc.train")

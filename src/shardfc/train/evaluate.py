@@ -8,8 +8,8 @@ one process with the plain backbone module: verification needs no collective.
 from __future__ import annotations
 
 import contextlib
-import os
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple

@@ -30,10 +30,10 @@ from shardfc.train.config import TrainConfig, absolute_paths, to_toml
 from shardfc.train.cpu import apply_threads
 from shardfc.train.data import micro_batches
 from shardfc.train.evaluate import build_targets
+from shardfc.train.pipeline_train import pipeline_step, stage_stream, whole_backbone
 from shardfc.train.profile import StartupClock, StepProfiler, count_ddp_traffic, profile_path
 from shardfc.train.reporting import ReportWindow, evaluate_targets, log_setup, report
 from shardfc.train.resume import restore, resume_path, save, step_of
-from shardfc.train.pipeline_train import pipeline_step, stage_stream, whole_backbone
 from shardfc.train.runlog import RunLog
 from shardfc.train.state import Parts, RunState
 from shardfc.train.step import apply_gradients, train_step

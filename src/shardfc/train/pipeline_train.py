@@ -23,8 +23,8 @@ from shardfc.head import ShardedMarginHead, head_optimizer
 from shardfc.head.margins import build_margin
 from shardfc.models import build_backbone
 from shardfc.parallel.context import DistContext
-from shardfc.parallel.stage_build import build_stage
-from shardfc.parallel.model_split import batch_stats_module, available_split_points, stages as cut_stages
+from shardfc.parallel.model_split import available_split_points, batch_stats_module
+from shardfc.parallel.model_split import stages as cut_stages
 from shardfc.parallel.pipeline import (
     PipelineLayout,
     PipelineRunner,
@@ -35,6 +35,7 @@ from shardfc.parallel.pipeline import (
     gather_object_to,
     replicas_for,
 )
+from shardfc.parallel.stage_build import build_stage
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.state import Parts
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fused_pairs import DEVICE
 
 import shardfc
 from shardfc.head.partial_fc import RowGrad, RowSparseSGD
-
-from fused_pairs import DEVICE
 
 N, D = 45, 20
 

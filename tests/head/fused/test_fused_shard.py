@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fused_pairs import DEVICE, MARGINS, C, D, data, rel, step
 
 import shardfc
 from shardfc.head.module import init_rows
-
-from fused_pairs import C, D, DEVICE, MARGINS, data, rel, step
 
 FP32 = 1e-5
 FAST = ("triton", "gemm")

@@ -11,6 +11,13 @@ comm_bytes_per_rank, floor_ratio`` (see :mod:`shardfc.tools.bench.runner` for th
 Markdown table, the JSON and the PNG.
 """
 
-from shardfc.tools.bench.runner import DEFAULT_CHUNK_SIZE, FIELDS, VARIANTS, local_batch_sizes, parse_variants, run_bench
+from shardfc.tools.bench.runner import (
+    DEFAULT_CHUNK_SIZE,
+    FIELDS,
+    VARIANTS,
+    local_batch_sizes,
+    parse_variants,
+    run_bench,
+)
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "FIELDS", "VARIANTS", "local_batch_sizes", "parse_variants", "run_bench"]

@@ -24,7 +24,6 @@ from typing import Iterator, List, Optional, TextIO
 from shardfc.checks import chunk_size_arg
 from shardfc.tools.bench.peers import DTYPES, MARGINS, SYSTEMS, failures, run_peers
 
-
 #: the logger the head reports on (``impl="auto"``'s timing table, at INFO)
 HEAD_LOGGER = "shardfc.head"
 

@@ -10,7 +10,6 @@ from typing import Any, Dict, List, Optional, Sequence
 from shardfc.parallel.split_bench import FIELDS as SPLIT_FIELDS
 from shardfc.tools.bench.recipes import ROW_FIELDS
 
-
 #: What ``comm_bytes_per_step`` leaves out, by strategy, when ``comm_counted`` is False.
 UNCOUNTED = {
     "dp": "DataParallel copies not counted",

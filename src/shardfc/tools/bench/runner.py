@@ -227,9 +227,9 @@ def _sync(device: torch.device) -> None:
 
 def _build(variant: str, cfg: Dict[str, Any], device: torch.device):
     """(head, optimizer, after_backward hook, matmul shape (rows, classes)) for one variant."""
-    from shardfc.head.module import ShardedMarginHead
     from shardfc.head.layout import class_ranges
     from shardfc.head.margins import build_margin
+    from shardfc.head.module import ShardedMarginHead
     from shardfc.head.partial_fc import head_optimizer
 
     dtype = DTYPES[cfg["dtype"]]

@@ -313,16 +313,15 @@ def _largest(total: Callable[[int], int], budget: int, low: int, cap: int = 1 <<
     while hi - lo > 1:
         width = hi - lo
         x = (lo + hi) // 2 if slow >= 2 else lo + (budget - t_lo) * (hi - lo) // (t_hi - t_lo)
-        for x in (min(max(x, lo + 1), hi - 1), None):  # the guess, then its neighbour
-            if x is None:
-                x = lo + 1 if t_x <= budget else hi - 1
-                if not lo < x < hi:
-                    break
+        x = min(max(x, lo + 1), hi - 1)
+        for _ in range(2):  # the guess, then its neighbour on the side the guess leaves open
             t_x = total_checked(x)
             if t_x <= budget:
-                lo, t_lo = x, t_x
+                lo, t_lo, x = x, t_x, x + 1
             else:
-                hi, t_hi = x, t_x
+                hi, t_hi, x = x, t_x, x - 1
+            if not lo < x < hi:
+                break
         slow = slow + 1 if hi - lo > width // 2 else 0
     return lo
 
