@@ -481,6 +481,23 @@ def test_balanced_split_points() -> None:
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_stages_and_activations_move_with_a_second_device_stubbed(pipelined: bool, monkeypatch) -> None:
+    """The movement itself, on a CPU-only machine: the meta device stands in for a second device
+    (the device check, which refuses meta for real use, is let through). Stage 1 must be moved
+    there and every activation must follow it, or its meta weights meet a CPU input and the
+    forward fails; the output ends on the last stage's device."""
+    from shardfc.parallel import model_split
+
+    monkeypatch.setattr(model_split, "_check_devices", lambda devices, n, what: tuple(map(torch.device, devices)))
+    split = split_model(_plain(), ["cpu", "meta"], ["act1"])
+    assert {p.device.type for p in split.stages[0].parameters()} == {"cpu"}
+    assert {p.device.type for p in split.stages[1].parameters()} == {"meta"}
+    net = PipelinedModel(split, 2) if pipelined else split
+    out = net(torch.randn(5, 3, 8, 8, dtype=torch.float64))
+    assert out.device.type == "meta" and out.shape == (5, 5)
+
+
 @needs_cuda
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_split_over_cpu_and_cuda_moves_stages_and_activations(pipelined: bool) -> None:
