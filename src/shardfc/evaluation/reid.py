@@ -91,9 +91,11 @@ def reid_metrics(
 
     Args:
         query_feats: ``[Q, D]`` query features (need not be normalised).
-        query_pids, query_cams: ``[Q]`` person and camera ids.
+        query_pids: ``[Q]`` person ids.
+        query_cams: ``[Q]`` camera ids.
         gallery_feats: ``[G, D]``.
-        gallery_pids, gallery_cams: ``[G]``.
+        gallery_pids: ``[G]`` person ids.
+        gallery_cams: ``[G]`` camera ids.
         ranks: CMC ranks to report.
         chunk_size: queries ranked at once (bounds memory at ``chunk_size * G``).
 

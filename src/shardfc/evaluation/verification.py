@@ -209,8 +209,9 @@ def verification_metrics(
     """Verification metrics of paired embeddings under both protocols (see the module docstring).
 
     Args:
-        embeddings_a, embeddings_b: ``[N, D]`` embeddings of the two sides of
-            each pair (need not be normalised).
+        embeddings_a: ``[N, D]`` embeddings of the first side of each pair (need not be
+            normalised).
+        embeddings_b: ``[N, D]`` embeddings of the second side.
         issame: bool ``[N]``.
         nfolds: cross-validation folds.
         far_targets: FAR values to report TAR at.

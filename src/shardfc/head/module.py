@@ -137,8 +137,9 @@ class ShardedMarginHead(nn.Module):
             Autograd then sees no gradient for that weight: ``torch.autograd.grad`` with respect
             to head weights needs ``False``.
         init_seed: seed of the ``N(0, 0.01²)`` initialisation, identical for any sharding.
-        device, dtype: of the weights in process-group / single mode (default: the current CUDA
-            device under NCCL, else the CPU; float32). ``dtype`` is the storage dtype of the class
+        device: of the weights in process-group / single mode (default: the current CUDA device
+            under NCCL, else the CPU).
+        dtype: of the weights in process-group / single mode (default float32): the storage dtype of the class
             centres (and of their optimizer state: :func:`~shardfc.head.partial_fc.head_optimizer`
             keeps it in the same dtype but computes each update in fp32 before rounding it back,
             to nearest or stochastically). bf16/fp16 halve a class's bytes at rest; the loss still
