@@ -48,7 +48,7 @@ from shardfc.head.fused import CANDIDATES, check_impl, resolve_impl
 from shardfc.head.kernels import ShardConfig
 from shardfc.head.layout import class_ranges
 from shardfc.head.normalize import l2_normalize
-from shardfc.head.partial_fc import (
+from shardfc.head.sampling import (
     RowGrad,
     merge_row_grads,
     num_sampled,
