@@ -1,6 +1,10 @@
 """``shardfc bench --peers``: the head side by side with the matmul floor and the field's fastest
 implementations, in one process, on one rank's work.
 
+One file by design: the systems (:data:`SYSTEMS`, one small builder each) and the loop that times
+them share the workload, the setup and the row format, and a new peer is one builder and one
+registry line here; the CLI (``peers_cli``) and the report (``peers_report``) are apart.
+
 Workload: the gathered batch ``B`` (embeddings ``[B, D]``, fp32 leaves that require grad, as a
 backbone hands them over), ``C`` local classes (fp32 centres ``[C, D]``), uniform labels. A *step*
 of a system = forward + backward + SGD (momentum 0.9, weight decay 5e-4) on the class centres +

@@ -10,6 +10,10 @@ to its release; the largest total is ``step_peak``. Where a shape depends on val
 takes the worst case for Partial FC: every label of the global batch a distinct class of rank 0's
 shard (see :mod:`.replay`). Every rank is assumed to hold rank 0's ``⌈B/W⌉`` rows.
 
+The package is two files by concept: :mod:`.replay` runs a step on the meta device; this one is
+what a user calls — :func:`plan` (arguments checked, replays memoised, the budget searches over
+``C`` and ``B``), its table and its CLI, which share one result dict and read best together.
+
 Parts (per rank, bytes): ``weights``, ``optimizer_state`` and, when kept, ``gradients`` are the
 state the step rests on (``resting``); at the step's peak, ``gradients`` (when not kept: the
 storages that become a ``.grad``), ``communication`` (storages a collective reads or writes) and
