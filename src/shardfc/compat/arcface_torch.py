@@ -103,6 +103,10 @@ class PartialFC_V2(ShardedMarginHead):
         self.embedding_size = self.embedding_dim
 
     def forward(self, local_embeddings: Tensor, local_labels: Tensor) -> Tensor:
+        """The mean loss over the global batch (a scalar, the same on every rank) of this rank's
+        ``local_embeddings [B_r, D]`` and ``local_labels [B_r]`` or ``[B_r, 1]`` (global class ids,
+        any integer dtype). Raises ValueError for a label outside ``[0, num_classes)`` (other than
+        ``-1``, ignored), on every rank."""
         labels = local_labels.reshape(-1)
         device = local_embeddings.device.type
         with torch.autocast(device, dtype=torch.float16, enabled=self.fp16 and device == "cuda"):

@@ -62,9 +62,12 @@ class AdaFace(Margin):
         return self.s
 
     def state(self) -> Dict[str, float]:
+        """The running statistics of the feature norms, ``{"norm_mean", "norm_std"}`` (saved in
+        checkpoints)."""
         return {"norm_mean": self.norm_mean, "norm_std": self.norm_std}
 
     def load_state(self, state: Dict[str, float]) -> None:
+        """Restore what :meth:`state` returned (raises KeyError if a key is missing)."""
         self.norm_mean, self.norm_std = float(state["norm_mean"]), float(state["norm_std"])
 
     @torch.no_grad()
@@ -139,6 +142,8 @@ class MagFace(Margin):
         return a, inside.to(norm.dtype)
 
     def margin_of(self, norm: Tensor) -> Tensor:
+        """The margin ``m(a)`` of each sample, ``[B]``, from its feature norm ``[B]``: linear from
+        ``l_m`` at ``l_a`` to ``u_m`` at ``u_a``, the norm clipped to ``[l_a, u_a]``."""
         a, _ = self._magnitude(norm)
         return (self.u_m - self.l_m) / (self.u_a - self.l_a) * (a - self.l_a) + self.l_m
 
@@ -161,6 +166,8 @@ class MagFace(Margin):
         return self.s * value, self.s * d_raw, self.s * d_m * dm
 
     def regularizer(self, norm):
+        """MagFace's per-sample term ``λ_g·(a/u_a² + 1/a)`` and its derivative in the norm, each
+        ``[B]`` (``a``: the norm clipped to ``[l_a, u_a]``; no gradient where clipped)."""
         a, da = self._magnitude(norm)
         g = a / self.u_a**2 + 1.0 / a
         dg = (1.0 / self.u_a**2 - 1.0 / (a * a)) * da

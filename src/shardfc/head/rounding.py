@@ -19,6 +19,7 @@ ROUNDINGS = ("nearest", "stochastic")
 
 
 def check_rounding(rounding: str) -> str:
+    """``rounding`` if it is one of :data:`ROUNDINGS`, else a ValueError naming it."""
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {', '.join(map(repr, ROUNDINGS))}, got {rounding!r}")
     return rounding
