@@ -88,6 +88,16 @@ def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def splits_wanted(batch: int, row_tile: int, device: torch.device, off_gpu: int) -> int:
+    """How many class splits give ``PROGRAMS_PER_SM`` programs per SM over the batch's row tiles
+    of ``row_tile`` rows (on the meta device, for :data:`META_SMS` SMs); ``off_gpu`` under the
+    interpreter or on the CPU, where the tests want a few splits to fold."""
+    if interpreting() or device.type not in ("cuda", "meta"):
+        return off_gpu
+    sms = META_SMS if device.type == "meta" else sm_count(device.index or 0)
+    return triton.cdiv(PROGRAMS_PER_SM * sms, triton.cdiv(max(batch, 1), row_tile))
+
+
 def class_splits(n_cls: int, batch: int, device: torch.device) -> int:
     """Classes per split for the kernels whose grid is ``(row tiles, class splits)``.
 
@@ -96,11 +106,6 @@ def class_splits(n_cls: int, batch: int, device: torch.device) -> int:
     fold partial statistics across splits).
     """
     quantum = INTERPRETER_TILES["BN"] if interpreting() else SPLIT_QUANTUM
-    if interpreting() or device.type not in ("cuda", "meta"):
-        wanted = 3
-    else:
-        row_tiles = triton.cdiv(max(batch, 1), 64)
-        sms = META_SMS if device.type == "meta" else sm_count(device.index or 0)
-        wanted = triton.cdiv(PROGRAMS_PER_SM * sms, row_tiles)
+    wanted = splits_wanted(batch, 64, device, off_gpu=3)
     per_split = triton.cdiv(max(n_cls, 1), max(wanted, 1))
     return triton.cdiv(per_split, quantum) * quantum

@@ -66,8 +66,6 @@ EPILOGUE_TILES = (32, 128)
 HEAVY_EPILOGUE_TILES = (32, 64)
 ROW_TILES = (32, 128)
 INTERPRETER_TILES = (16, 16)
-#: Epilogue programs per SM the forward's chunk split aims at.
-PROGRAMS_PER_SM = 4
 
 
 def chunk_classes(n_cls: int, batch: int, K: int, elem: int = 2) -> int:
@@ -170,11 +168,7 @@ def forward_stats(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Te
     B, dev = a.shape[0], a.device
     per_chunk = chunk_classes(n_cls, B, K, a.element_size())
     BM, BN = _block_tiles(K, tr is not None)
-    if interpreting() or dev.type not in ("cuda", "meta"):
-        wanted = 2  # the tests fold two splits per chunk
-    else:
-        sms = autotune.META_SMS if dev.type == "meta" else autotune.sm_count(dev.index or 0)
-        wanted = triton.cdiv(PROGRAMS_PER_SM * sms, triton.cdiv(B, BM))
+    wanted = autotune.splits_wanted(B, BM, dev, off_gpu=2)  # the tests fold two splits per chunk
     per_prog = triton.cdiv(triton.cdiv(per_chunk, wanted), BN) * BN
     chunks = [(c0, min(c0 + per_chunk, n_cls)) for c0 in range(0, n_cls, per_chunk)]
     splits = [triton.cdiv(c1 - c0, per_prog) for c0, c1 in chunks]
