@@ -22,6 +22,7 @@ workload, the same number of times on every rank whatever each rank's JSON file 
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -111,11 +112,16 @@ def environment_fields(device: Union[torch.device, str, None] = None) -> Dict[st
     versions (``None`` when absent)."""
     device = torch.device("cuda" if device is None and torch.cuda.is_available() else (device or "cpu"))
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda, "triton": _triton_version()}
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_version() -> Optional[str]:
+    """Read once: the head builds a workload key every forward under ``impl="auto"``."""
     try:
-        triton = importlib.metadata.version("triton")
+        return importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
-        triton = None
-    return {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton}
+        return None
 
 
 def _default_sync() -> Callable[[], None]:
