@@ -68,13 +68,22 @@ def choose_loader(loader: str, dataset: str, device: torch.device) -> str:
 
 def dali_to_torch(images: Any, device: torch.device, hwc: bool) -> torch.Tensor:
     """A DALI output batch as a uint8 torch tensor ``[N, 3, H, W]`` on ``device`` (one copy; HWC
-    output comes out as its channels_last view). On CUDA the copy runs on the current stream."""
+    output comes out as its channels_last view).
+
+    On CUDA the copy runs on the current stream (the prefetcher's side stream, where ``out`` is
+    allocated, so it is ordered after that memory's earlier use) and is waited for on that stream
+    alone, never the training stream: DALI may recycle its output buffer at its next run.
+    """
     from nvidia.dali.plugin.pytorch import feed_ndarray
 
     dense = images.as_tensor()
     out = torch.empty(dense.shape(), dtype=torch.uint8, device=device)
-    stream = torch.cuda.current_stream(device) if out.is_cuda else None
-    feed_ndarray(dense, out, cuda_stream=stream)
+    if out.is_cuda:
+        stream = torch.cuda.current_stream(device)
+        feed_ndarray(dense, out, cuda_stream=stream)
+        stream.synchronize()
+    else:
+        feed_ndarray(dense, out)
     return out.permute(0, 3, 1, 2) if hwc else out
 
 
