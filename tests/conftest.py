@@ -1,5 +1,5 @@
-"""Fixtures shared by every test folder: running a command under ``horovodrun``; the head's step
-measured on real tensors (what ``shardfc plan`` predicts)."""
+"""Fixtures shared by every test folder: running a command under ``horovodrun``; NVIDIA DALI present
+(or the test skipped); the head's step measured on real tensors (what ``shardfc plan`` predicts)."""
 
 from __future__ import annotations
 
@@ -75,6 +75,22 @@ def horovodrun() -> HorovodRun:
             pytest.fail(f"{REQUIRE_HOROVOD}=1 but {reason}", pytrace=False)
         pytest.skip(reason)
     return HorovodRun(_horovodrun_path())
+
+
+#: Set to 1 (CI does) to make the DALI tests fail instead of skipping when DALI is missing.
+REQUIRE_DALI = "SHARDFC_REQUIRE_DALI"
+
+
+@pytest.fixture(scope="session")
+def dali() -> None:
+    """Skips the test when NVIDIA DALI is missing (fails with SHARDFC_REQUIRE_DALI=1)."""
+    from shardfc.train.dali_loader import dali_missing
+
+    reason = dali_missing()
+    if reason is not None:
+        if os.environ.get(REQUIRE_DALI) == "1":
+            pytest.fail(f"{REQUIRE_DALI}=1 but {reason}", pytrace=False)
+        pytest.skip(reason)
 
 
 def _measured_step_peak(C, D, B, grads_kept=True, optimizer="sgd", dtype="float32", margin="arcface", impl="torch",

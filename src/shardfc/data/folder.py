@@ -100,6 +100,22 @@ class _FileImageDataset(Dataset):
         """How ``index`` is named in corrupt-image reports (the file path)."""
         return self.samples[index][0]
 
+    def label_of(self, index: int) -> int:
+        """The class of ``index``, without loading its image."""
+        return int(self.samples[index][1])
+
+    def read_image_bytes(self, index: int) -> bytes:
+        """The encoded image of ``index``, undecoded (what the DALI loader decodes).
+
+        Raises:
+            FileNotFoundError: the file is missing (as when it is decoded here).
+        """
+        path = self.sample_name(index)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"image file not found: {path!r}")
+        with open(path, "rb") as f:
+            return f.read()
+
     def _record_corrupt(self, index: int, err: CorruptImageError) -> None:
         self._corrupt_reasons[index] = err.reason
         path = self.sample_name(index)

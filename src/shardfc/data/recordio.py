@@ -648,6 +648,10 @@ class RecordIODataset(_FileImageDataset):
         """``"<rec path>#key <key>"`` of the record behind ``index``."""
         return self.reader.name(int(self.keys[index]))
 
+    def label_of(self, index: int) -> int:
+        """The class of ``index`` (read from its header at construction)."""
+        return int(self.labels[index])
+
     def read_image_bytes(self, index: int) -> bytes:
         """The encoded image of ``index`` (no decoding)."""
         key = int(self.keys[index])

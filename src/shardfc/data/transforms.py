@@ -166,10 +166,15 @@ class ImageTransform:
         self.random_flip = random_flip
         self.flip_prob = flip_prob
 
+    def draw_flip(self, generator: Optional[torch.Generator] = None) -> bool:
+        """Whether this image is mirrored: the one random draw of :meth:`__call__` (the DALI loader
+        draws it here too, so both loaders flip the same images)."""
+        if not self.random_flip:
+            return False
+        return bool(torch.rand((), generator=generator).item() < self.flip_prob)
+
     def __call__(self, img: Image.Image, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        flip = False
-        if self.random_flip:
-            flip = bool(torch.rand((), generator=generator).item() < self.flip_prob)
+        flip = self.draw_flip(generator)
         return image_to_tensor(img, self.image_size, flip=flip, normalized=self.normalized)
 
     def __repr__(self) -> str:

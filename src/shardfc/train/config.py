@@ -91,6 +91,8 @@ class TrainConfig:
     """Training images per identity of the synthetic dataset."""
     num_workers: int = 0
     """DataLoader worker processes per rank, started once and kept for the whole run (they load the next epoch's first batches while this epoch's last ones train); 0: load in the training process (synthetic images render faster than workers could ship them on a small CPU)."""
+    loader: str = "torch"
+    """Who reads and decodes the 'recordio' and 'folder' images: 'torch' (PIL in DataLoader workers; a corrupt image is skipped and counted), 'dali' (NVIDIA DALI, the 'dali' extra: decoded on the GPU on CUDA, on the CPU otherwise, with num_workers threads; a corrupt image stops the run with an error naming its batch) or 'auto' (dali when installed and the run is on CUDA, else torch). Same order, augmentation and resume either way."""
     drop_last: bool = False
     """Drop each epoch's last partial batch; by default it is trained on (the head accepts unequal per-rank batches)."""
     sampler: str = "random"
@@ -286,6 +288,14 @@ class TrainConfig:
         """Check value ranges and combinations; raise :class:`ConfigError` naming the field and value."""
         _choice(self, "dataset", ("synthetic", "folder", "recordio", "list", "market1501"))
         _choice(self, "sampler", ("random", "pk"))
+        _choice(self, "loader", ("torch", "dali", "auto"))
+        if self.loader == "dali" and self.dataset not in ("recordio", "folder"):
+            raise ConfigError(f"loader='dali' reads the 'recordio' and 'folder' datasets, not dataset={self.dataset!r}")
+        if self.loader == "dali":
+            from shardfc.train.dali_loader import dali_missing
+
+            if dali_missing() is not None:
+                raise ConfigError(f"loader='dali': {dali_missing()}")
         _choice(self, "neck", ("auto", "bnneck", "none"))
         self.margin = MARGIN_ALIASES.get(self.margin, self.margin)
         _choice(self, "margin", ("arcface", "cosface", "sphereface", "combined", "adaface", "magface", "normsoftmax",
@@ -467,7 +477,7 @@ def _at_least(cfg: TrainConfig, name: str, low: int) -> None:
 #: Section of each field: groups ``--help`` and the optional TOML tables.
 SECTIONS: Dict[str, Tuple[str, ...]] = {
     "data": ("dataset", "data_root", "list_file", "image_size", "synthetic_identities",
-             "synthetic_images_per_identity", "num_workers", "drop_last", "sampler", "pk_instances",
+             "synthetic_images_per_identity", "num_workers", "loader", "drop_last", "sampler", "pk_instances",
              "random_erasing"),
     "model": ("backbone", "embedding_dim", "neck"),
     "head": ("margin", "scale", "m", "m1", "m2", "m3", "easy_margin", "sphereface_lambda", "adaface_h",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import List, Optional, Tuple
 
 import torch
@@ -12,9 +13,12 @@ from shardfc.parallel.context import DistContext
 from shardfc.parallel.lifecycle import ignore_stop_signals
 from shardfc.seeding import mix_seed
 from shardfc.train.config import ConfigError, TrainConfig
+from shardfc.train.dali_loader import DaliBatches, choose_loader
 from shardfc.train.evaluate import synthetic_dataset
 from shardfc.train.prefetch import DevicePrefetcher, to_device
 from shardfc.train.state import RunState
+
+logger = logging.getLogger("shardfc.train")
 
 
 def train_dataset(cfg: TrainConfig, image_size: Tuple[int, int]) -> Dataset:
@@ -198,27 +202,39 @@ def micro_batches(dataset: Dataset, batches: Sampler, state: RunState, cfg: Trai
     (:func:`erasing_generator`), so a resumed run sees exactly the batches the uninterrupted one
     would have, with any number of workers.
 
-    One DataLoader iterator serves the whole run (:class:`EpochKeys`), with persistent workers.
+    One DataLoader iterator serves the whole run (:class:`EpochKeys`), with persistent workers; or,
+    with ``cfg.loader`` 'dali' (or 'auto' on CUDA with DALI installed), one DALI pipeline decodes the
+    same keys (:mod:`~shardfc.train.dali_loader`).
     Its batches go through a :class:`~shardfc.train.prefetch.DevicePrefetcher`: pinned, copied to
     the device on a side stream with ``ahead`` batches in flight (CUDA), uint8 images converted and
     normalised there, then erased (the rectangles are drawn on the host from the batch's place).
     ``channels_last``: images in that memory format (a channels_last backbone's input).
     """
-    use_workers = cfg.num_workers > 0
-    loader = DataLoader(
-        KeyedSamples(dataset),
-        batch_sampler=EpochKeys(batches, state.epoch, state.batch_in_epoch),
-        num_workers=cfg.num_workers,
-        collate_fn=collate_keyed,
-        pin_memory=ctx.device.type == "cuda",
-        persistent_workers=use_workers,
-        worker_init_fn=ignore_stop_signals,  # the trainer decides when to stop; its loader workers must not
-        generator=torch.Generator().manual_seed(cfg.seed + ctx.rank),
-    )
+    keys = EpochKeys(batches, state.epoch, state.batch_in_epoch)
+    to_tensor = None
+    if choose_loader(cfg.loader, cfg.dataset, ctx.device) == "dali":  # the same keys, decoded by DALI
+        loader = DaliBatches(dataset, keys, ctx.device, cfg.num_workers, batches.batch_size + 1, channels_last)
+        to_tensor, which = loader.to_torch, loader.describe()
+    else:
+        loader = DataLoader(
+            KeyedSamples(dataset),
+            batch_sampler=keys,
+            num_workers=cfg.num_workers,
+            collate_fn=collate_keyed,
+            pin_memory=ctx.device.type == "cuda",
+            persistent_workers=cfg.num_workers > 0,
+            worker_init_fn=ignore_stop_signals,  # the trainer decides when to stop; its loader workers must not
+            generator=torch.Generator().manual_seed(cfg.seed + ctx.rank),
+        )
+        which = f"torch DataLoader, {cfg.num_workers} worker process(es)"
+    if ctx.rank == 0:
+        logger.info("loader: %s (--loader %s)", which, cfg.loader)
     seed, rank, erasing = cfg.seed, ctx.rank, cfg.random_erasing
 
     def prepare(batch):
         images, labels, skipped, (epoch, b) = batch
+        if to_tensor is not None:  # DALI's batch: copied into torch here, on the prefetcher's side stream
+            images = to_tensor(images)
         images = to_device(images, ctx.device, channels_last)
         if erasing > 0:
             random_erase_(images, erasing, erasing_generator(seed, rank, epoch, b))

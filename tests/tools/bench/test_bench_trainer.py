@@ -34,3 +34,27 @@ def test_bench_trainer_names_a_bad_argument(capsys):
     assert "measures one process of strategy 'ddp'; got strategy='pipeline'" in capsys.readouterr().err
     assert bench_cli.main(["--trainer", "--batch-sise", "4"]) == 2
     assert "unknown argument '--batch-sise'" in capsys.readouterr().err
+
+
+def test_bench_trainer_loader_column_rates_the_torch_loader_and_dali(tmp_path, capsys, dali):
+    import numpy as np
+    from PIL import Image
+
+    from shardfc.data import cli as data_cli
+
+    rng = np.random.default_rng(0)
+    for k in range(24):
+        path = tmp_path / "faces" / f"id{k % 4}" / f"{k}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(path)
+    assert data_cli.main(["pack", str(tmp_path / "faces"), str(tmp_path / "rec")]) == 0
+    out = tmp_path / "bench.json"
+    args = ["--trainer", "--steps", "2", "--warmup", "1", "--quiet", "--json", str(out), "--dataset", "recordio",
+            "--data-root", str(tmp_path / "rec"), "--num-workers", "2", *TINY[4:]]
+    assert bench_cli.main(args) == 0
+    text = capsys.readouterr().out
+    loaders = json.loads(out.read_text())["loaders"]
+    assert [(v["loader"], v["workers"], v["decode"]) for v in loaders] == [
+        ("torch", 0, "CPU"), ("torch", 2, "CPU"), ("dali", 2, "CPU")]
+    assert all(v["images_per_s"] > 0 for v in loaders)
+    assert "| dali, 2 thread(s) | CPU |" in text and "| torch, 0 worker(s) | CPU |" in text

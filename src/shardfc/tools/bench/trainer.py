@@ -20,7 +20,10 @@ What it runs, after building the run as ``shardfc train`` does (:func:`~shardfc.
    no copy), in the run's memory format and precision; its steps alternate with the train steps in
    up to 5 blocks, so that a drifting load (a shared machine) weighs on both alike;
 4. **loader only**: the same stream drained without training, the batches already queued by the
-   workers left out first, so the rate is what the loader sustains.
+   workers left out first, so the rate is what the loader sustains;
+5. **the loader column** (datasets 'recordio' and 'folder'): the loader alone again for the torch
+   loader with 0, 2 and N workers and for DALI (``--loader dali``, N threads: decoding on the GPU on
+   CUDA, on the CPU otherwise) when installed, each a fresh stream past its start-up batches.
 
 Images/s count the images each step trains on (``batch_size x grad_accum``). The train rate over
 the ceiling is what the data path costs; the loader-only rate over the train rate is its headroom.
@@ -38,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -196,6 +199,13 @@ def bench_trainer(cfg, steps: int = 20, warmup: int = 3, progress: bool = True) 
     _sync(device)
     loader_rate = n_images / (time.perf_counter() - start)
     stream.close()
+    loaders = []
+    for loader, workers in loader_variants(cfg):
+        say(f"loader column: {loader} with {workers} worker(s)/thread(s), {loader_batches} batches timed")
+        variant = dataclasses.replace(cfg, loader=loader, num_workers=workers)
+        rate = _loader_rate(variant, run, ctx, skip=workers * 2 + 2, timed=loader_batches)
+        loaders.append({"loader": loader, "workers": workers, "decode": _decode_where(loader, device),
+                        "images_per_s": rate, "over_train": rate / train_rate})
     shutil.rmtree(out, ignore_errors=True)  # nothing is saved: the bench builds and steps only
 
     return {
@@ -204,7 +214,7 @@ def bench_trainer(cfg, steps: int = 20, warmup: int = 3, progress: bool = True) 
         "config": {
             "dataset": cfg.dataset, "data_root": cfg.data_root, "backbone": cfg.backbone,
             "image_size": list(run.image_size), "batch_size": run.batches.batch_size, "grad_accum": cfg.grad_accum,
-            "classes": run.num_classes, "embedding_dim": cfg.embedding_dim, "num_workers": cfg.num_workers,
+            "classes": run.num_classes, "embedding_dim": cfg.embedding_dim, "num_workers": cfg.num_workers, "loader": cfg.loader,
             "amp": "fp32" if run.amp_dtype is None else str(run.amp_dtype).replace("torch.", ""),
             "channels_last": run.channels_last, "compile": cfg.compile,
         },
@@ -215,11 +225,49 @@ def bench_trainer(cfg, steps: int = 20, warmup: int = 3, progress: bool = True) 
         "train_over_ceiling": train_rate / ceiling_rate,
         "loader_images_per_s": loader_rate,
         "loader_over_train": loader_rate / train_rate,
+        "loaders": loaders,
         "gpu_utilisation_percent": util.mean,
         "gpu_utilisation_why_none": util.why if util.mean is None else None,
         "startup_s": clock.total_s,
         "startup_phases": [[name, s] for name, s in clock.phases],
     }
+
+
+def loader_variants(cfg) -> List[Tuple[str, int]]:
+    """The loader column's ``(loader, workers)``: for the image datasets ('recordio', 'folder') the
+    torch loader with 0, 2 and N workers (N: ``num_workers``, else the cores) and DALI with N threads
+    when it is installed; nothing for the others (the synthetic set renders, it does not decode)."""
+    from shardfc.train.dali_loader import dali_missing
+
+    if cfg.dataset not in ("recordio", "folder"):
+        return []
+    n = cfg.num_workers or os.cpu_count() or 1
+    variants = [("torch", w) for w in sorted({0, 2, n})]
+    return variants + ([("dali", n)] if dali_missing() is None else [])
+
+
+def _decode_where(loader: str, device: torch.device) -> str:
+    return "GPU" if loader == "dali" and device.type == "cuda" else "CPU"
+
+
+def _loader_rate(cfg, run, ctx, skip: int, timed: int) -> float:
+    """Images/s of ``cfg``'s loader alone (to the device, normalised), past its first ``skip`` batches."""
+    from shardfc.train.data import micro_batches
+    from shardfc.train.state import RunState
+
+    stream = micro_batches(run.dataset, run.batches, RunState(batches_per_epoch=len(run.batches)), cfg, ctx,
+                           channels_last=run.channels_last)
+    try:
+        for _ in range(skip):
+            next(stream)
+        _sync(ctx.device)
+        start, n_images = time.perf_counter(), 0
+        for _ in range(timed):
+            n_images += next(stream)[0].shape[0]
+        _sync(ctx.device)
+        return n_images / (time.perf_counter() - start)
+    finally:
+        stream.close()
 
 
 def format_report(r: Dict[str, Any]) -> str:
@@ -232,7 +280,8 @@ def format_report(r: Dict[str, Any]) -> str:
         f"run: {c['dataset']}{' ' + c['data_root'] if c['data_root'] else ''}, {c['backbone']} at "
         f"{c['image_size'][0]}x{c['image_size'][1]}, batch {c['batch_size']} x {c['grad_accum']}, {c['classes']} classes, "
         f"{c['amp']}, {'channels_last' if c['channels_last'] else 'contiguous'}"
-        f"{', compiled' if c['compile'] else ''}, {c['num_workers']} loader worker(s); {r['steps']} timed steps",
+        f"{', compiled' if c['compile'] else ''}, --loader {c['loader']} with {c['num_workers']} worker(s); "
+        f"{r['steps']} timed steps",
         "",
         "| what | images/s |",
         "|---|---:|",
@@ -245,6 +294,11 @@ def format_report(r: Dict[str, Any]) -> str:
         "",
         "start-up: " + ", ".join(f"{name} {s:.2f} s" for name, s in r["startup_phases"]),
     ]
+    if r["loaders"]:
+        lines += ["", "| loader only (to the device, normalised) | decode | images/s | / train rate |", "|---|---|---:|---:|"]
+        for v in r["loaders"]:
+            what = f"{v['loader']}, {v['workers']} {'thread(s)' if v['loader'] == 'dali' else 'worker(s)'}"
+            lines.append(f"| {what} | {v['decode']} | {v['images_per_s']:,.0f} | {v['over_train']:.2f} |")
     return "\n".join(lines)
 
 

@@ -1,0 +1,213 @@
+"""``--loader dali``: the same batches as the torch loader (labels exact, pixels within the JPEG
+decoders' tolerance) from folders and both RecordIO layouts, every record once per epoch over 1-3
+ranks, a killed 2-rank run resumed bit for bit, and bad input as a clear error.
+
+Skipped without NVIDIA DALI, failing instead with ``SHARDFC_REQUIRE_DALI=1`` (as CI runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from shardfc.data import cli as data_cli
+from shardfc.data.recordio import RecordIODataset, RecordIOReader
+from shardfc.data.transforms import CorruptImageError, decode_image, pil_to_tensor
+from shardfc.parallel.context import DistContext
+from shardfc.parallel.launch import WorkerError
+from shardfc.train import cli as train_cli
+from shardfc.train.config import ConfigError, TrainConfig
+from shardfc.train.dali_loader import DaliBatches, choose_loader, dali_to_torch
+from shardfc.train.data import EpochKeys, ShardBatches, micro_batches, train_dataset
+from shardfc.train.state import RunState
+from shardfc.train.stopping import CRASH_ENV
+
+from .test_reproducible_resume import _weights
+from .tiny import tiny_config
+
+pytestmark = pytest.mark.usefixtures("dali")
+
+#: The loaders' tolerance, in uint8 levels. Decoding: DALI's libjpeg-turbo and PIL's agree exactly
+#: here on images at the run's size (1 level allowed for another libjpeg-turbo build). Resizing
+#: (DALI's antialiased linear vs PIL's bilinear), measured on random pixels, the worst case: up to 4,
+#: 0.4 on average.
+JPEG_TOLERANCE = 4
+
+IDS, PER = 6, 5  # 30 images: every rank count of 1..3 divides them, so no sampler padding repeats one
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict:
+    """A JPEG folder (random pixels, so each image and its mirror are unique; two of them at
+    another size, for the resize), its ``shardfc data pack`` (insightface layout: header and
+    identity records) and ``shardfc data shuffle`` copy (image records only)."""
+    root = tmp_path_factory.mktemp("dali")
+    rng = np.random.default_rng(0)
+    for ident in range(IDS):
+        for k in range(PER):
+            path = root / "folder" / f"id{ident}" / f"{k}.jpg"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            size = (20, 24) if (ident, k) in ((1, 2), (4, 0)) else (16, 16)
+            Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(path, quality=90)
+    assert data_cli.main(["pack", str(root / "folder"), str(root / "packed")]) == 0
+    assert data_cli.main(["shuffle", str(root / "packed"), str(root / "shuffled")]) == 0
+    assert RecordIODataset(root / "packed", (16, 16)).layout == "insightface"
+    assert RecordIODataset(root / "shuffled", (16, 16)).layout == "im2rec"
+    return {"folder": root / "folder", "insightface": root / "packed", "im2rec": root / "shuffled"}
+
+
+def _config(data_root: Path, layout: str, **overrides) -> TrainConfig:
+    dataset = "folder" if layout == "folder" else "recordio"
+    return dataclasses.replace(
+        TrainConfig(dataset=dataset, data_root=str(data_root), image_size=[16, 16], seed=7, output_dir="unused"),
+        **overrides,
+    )
+
+
+def _stream(cfg: TrainConfig, batches: int, channels_last: bool = False):
+    dataset = train_dataset(cfg, (16, 16))
+    shards = ShardBatches(len(dataset), 4, 0, 1, cfg.seed, drop_last=False)
+    state = RunState(batches_per_epoch=len(shards))
+    stream = micro_batches(dataset, shards, state, cfg, DistContext(), channels_last=channels_last)
+    out = [(*next(stream)[:2], (state.epoch, state.batch_in_epoch)) for _ in range(batches)]
+    stream.close()
+    return out
+
+
+@pytest.mark.parametrize("layout", ["folder", "insightface", "im2rec"])
+def test_dali_gives_the_torch_loaders_batches(data, layout, caplog):
+    # 10 micro-batches of 4: the epoch's 8 (the last one of 2 images) and 2 of the next epoch.
+    cfg = _config(data[layout], layout, num_workers=0)
+    torch_batches = _stream(cfg, 10)
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        dali_batches = _stream(dataclasses.replace(cfg, loader="dali", num_workers=2), 10)
+    assert "loader: NVIDIA DALI, decoding on the CPU with 2 thread(s)" in caplog.text
+    for (x, y, where), (xd, yd, where_d) in zip(torch_batches, dali_batches):
+        assert where == where_d and torch.equal(y, yd)
+        assert xd.dtype == torch.float32 and xd.shape == x.shape
+        assert (xd - x).abs().max() <= JPEG_TOLERANCE * 2 / 255 + 1e-6  # normalised: 1 level = 2/255
+    levels = torch.cat([(xd - x).abs().flatten() for (x, _, _), (xd, _, _) in zip(torch_batches, dali_batches)]) * 255 / 2
+    assert float(levels.mean()) < 0.05  # 28 of the 30 images decode exactly alike
+    assert float(levels.max()) > 0.5  # the two resized ones do differ: the bound is not vacuous
+
+
+def test_channels_last_batches_are_the_nhwc_layout_of_the_same_values(data):
+    cfg = _config(data["insightface"], "insightface", loader="dali")
+    (x, _, _), = _stream(cfg, 1)
+    (xl, _, _), = _stream(cfg, 1, channels_last=True)
+    assert xl.is_contiguous(memory_format=torch.channels_last) and not xl.is_contiguous()
+    assert x.is_contiguous() and torch.equal(x, xl)
+
+
+def _which(image: torch.Tensor, references: list) -> int:
+    """The index of the reference ``image`` is (as is or mirrored), within the JPEG tolerance."""
+    for i, ref in enumerate(references):
+        for candidate in (ref, ref.flip(-1)):
+            if int((image.int() - candidate.int()).abs().max()) <= JPEG_TOLERANCE:
+                return i
+    raise AssertionError("a DALI image matches no record")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_shards_cover_every_record_once_per_epoch(data, world):
+    dataset = RecordIODataset(data["insightface"], (16, 16), train=True, seed=3)
+    references = [
+        pil_to_tensor(decode_image(dataset.read_image_bytes(i)).resize((16, 16), Image.BILINEAR))
+        for i in range(len(dataset))
+    ]
+    seen, counts = [], []
+    for rank in range(world):
+        shards = ShardBatches(len(dataset), 4, rank, world, seed=3, drop_last=False)
+        stream = iter(DaliBatches(dataset, EpochKeys(shards), torch.device("cpu"), 1, 5))
+        batches = [next(stream) for _ in range(len(shards))]
+        counts.append(len(batches))
+        for images, labels, _, where in batches:
+            for image, label in zip(dali_to_torch(images, torch.device("cpu"), hwc=False), labels):
+                seen.append(_which(image, references))
+                assert int(label) == dataset.label_of(seen[-1])
+        stream.close()
+    assert len(set(counts)) == 1  # the same number of batches on every rank
+    assert sorted(seen) == list(range(len(dataset)))
+
+
+def test_a_killed_two_rank_run_resumes_bit_identically(data, tmp_path):
+    # 30 images over 2 ranks in micro-batches of 4: 4 per rank an epoch; 10 steps cross two epochs.
+    cfg = tiny_config(
+        tmp_path / "whole", dataset="recordio", data_root=str(data["insightface"]), loader="dali", num_workers=1,
+        image_size=[16, 16], batch_size=4, grad_accum=1, max_steps=10, warmup_steps=2, poly_power=0.0,
+        ckpt_every=4, eval_every=0, synthetic_val_pairs=0, log_every=5,
+    )
+    assert train_cli.run(cfg)["step"] == 10
+    assert "loader: NVIDIA DALI" in (tmp_path / "whole" / "train.log").read_text()
+    killed = dataclasses.replace(cfg, output_dir=str(tmp_path / "killed"))
+    marker = tmp_path / "crashed"
+    os.environ[CRASH_ENV] = f"1:6:{marker}"  # rank 1 dies at step 6, after the checkpoint of step 4
+    try:
+        with pytest.raises(WorkerError, match="rank 1"):
+            train_cli.run(killed)
+    finally:
+        del os.environ[CRASH_ENV]
+    assert marker.exists()
+    assert train_cli.run(killed)["step"] == 10  # resumes from step 4
+    whole, resumed = _weights(tmp_path / "whole"), _weights(tmp_path / "killed")
+    assert [k for k in whole if not torch.equal(whole[k], resumed[k])] == []
+
+
+def _corrupt_record(src: Path, dst: Path, key: int, how: str) -> Path:
+    dst.mkdir()
+    for name in ("train.rec", "train.idx", "property"):
+        (dst / name).write_bytes((src / name).read_bytes())
+    offset = RecordIOReader(dst / "train.rec").offset_of(key)
+    blob = bytearray((dst / "train.rec").read_bytes())
+    if how == "framing":
+        blob[offset : offset + 4] = b"XXXX"  # the record's magic
+    else:  # the image's bytes, past the 8-byte frame and the 24-byte IRHeader: framed, undecodable
+        blob[offset + 8 + 24 : offset + 8 + 24 + 40] = b"\x00" * 40
+    (dst / "train.rec").write_bytes(bytes(blob))
+    return dst
+
+
+@pytest.mark.parametrize("how, error, named", [
+    ("framing", ValueError, "key 3: bad magic"),
+    ("image", CorruptImageError, "train.rec#key 3.*the DALI loader stops"),
+])
+def test_a_damaged_record_is_an_error_naming_it(data, tmp_path, how, error, named):
+    root = _corrupt_record(data["insightface"], tmp_path / "bad", 3, how)
+    cfg = _config(root, "insightface", loader="dali")
+    with pytest.raises(error, match=named):
+        _stream(cfg, 8)  # one epoch: every record
+
+
+def test_bad_input_before_the_first_batch(data, tmp_path, monkeypatch):
+    bad = tmp_path / "noidx"
+    bad.mkdir()
+    (bad / "train.rec").write_bytes((data["insightface"] / "train.rec").read_bytes())
+    with pytest.raises(FileNotFoundError, match="train.idx"):
+        _stream(_config(bad, "insightface", loader="dali"), 1)
+    few = tmp_path / "few"
+    few.mkdir()
+    for name in ("train.rec", "train.idx"):
+        (few / name).write_bytes((data["insightface"] / name).read_bytes())
+    (few / "property").write_text("4,16,16\n")  # labels run to 5
+    with pytest.raises(ValueError, match="num_classes=4, but .* has label 5"):
+        _stream(_config(few, "insightface", loader="dali"), 1)
+    with pytest.raises(ConfigError, match="loader='dali' reads the 'recordio' and 'folder' datasets"):
+        TrainConfig(loader="dali").validate()
+    monkeypatch.setattr("shardfc.train.dali_loader.importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"NVIDIA DALI is not installed: pip install 'shardfc\[dali\]'"):
+        _config(data["folder"], "folder", loader="dali").validate()
+    assert choose_loader("auto", "recordio", torch.device("cuda")) == "torch"  # auto without DALI
+
+
+def test_auto_picks_dali_on_cuda_only():
+    assert choose_loader("auto", "recordio", torch.device("cuda", 0)) == "dali"
+    assert choose_loader("auto", "folder", torch.device("cpu")) == "torch"
+    assert choose_loader("auto", "synthetic", torch.device("cuda")) == "torch"
+    assert choose_loader("torch", "recordio", torch.device("cuda")) == "torch"
