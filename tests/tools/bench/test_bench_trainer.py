@@ -21,6 +21,8 @@ def test_bench_trainer_prints_both_rates_their_ratio_the_loader_and_the_startup(
         assert r[key] > 0, key
     assert r["train_over_ceiling"] == r["train_images_per_s"] / r["ceiling_images_per_s"]
     assert r["loader_over_train"] == r["loader_images_per_s"] / r["train_images_per_s"]
+    step_s = r["config"]["batch_size"] / r["train_images_per_s"]
+    assert r["beyond_ceiling_and_loader_ms"] == pytest.approx(1e3 * step_s * r["beyond_ceiling_and_loader_share"])
     assert r["gpu_utilisation_percent"] is None and r["gpu_utilisation_why_none"] == "the CPU"
     assert [name for name, _ in r["startup_phases"]][-2:] == ["first batch", "first step"]
     assert r["config"]["batch_size"] == 4 and r["config"]["channels_last"] is False and r["config"]["amp"] == "fp32"

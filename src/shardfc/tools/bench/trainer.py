@@ -255,6 +255,10 @@ def bench_trainer(cfg, steps: int = 20, warmup: int = 3, progress: bool = True) 
         "train_over_ceiling": train_rate / ceiling_rate,
         "loader_images_per_s": loader_rate,
         "loader_over_train": loader_rate / train_rate,
+        # The issue's figure: a train step's time beyond a ceiling step and a batch of the loader alone,
+        # from the three rates (measured apart, so a shared machine's drift lands here too).
+        "beyond_ceiling_and_loader_ms": 1e3 * images_per_step * (1 / train_rate - 1 / ceiling_rate - 1 / loader_rate),
+        "beyond_ceiling_and_loader_share": 1 - train_rate * (1 / ceiling_rate + 1 / loader_rate),
         "gpu_utilisation_percent": util.mean,
         "gpu_utilisation_why_none": util.why if util.mean is None else None,
         "startup_s": clock.total_s,
@@ -284,6 +288,8 @@ def format_report(r: Dict[str, Any]) -> str:
         f"| `shardfc train`'s step on the real stream | {r['train_images_per_s']:,.0f} |",
         f"| train / ceiling | {r['train_over_ceiling']:.2f} |",
         f"| data loader only | {r['loader_images_per_s']:,.0f} ({r['loader_over_train']:.1f}x the train rate) |",
+        f"| train step beyond a ceiling step and the loader's batch (from the rates) | "
+        f"{r['beyond_ceiling_and_loader_ms']:.2f} ms ({100 * r['beyond_ceiling_and_loader_share']:.0f}% of the step) |",
         f"| GPU utilisation during the train steps | {'n/a' if util is None else f'{util:.0f}%'} |",
         f"| start-up to the end of the first step | {r['startup_s']:.2f} s |",
         "",
