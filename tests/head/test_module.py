@@ -7,7 +7,7 @@ import torch
 
 import shardfc
 from shardfc import margins as M
-from shardfc.head.module import init_rows
+from shardfc.head.module import INIT_BLOCK, init_rows
 from shardfc.parallel.context import DistContext
 
 C, D, B = 13, 5, 9
@@ -330,3 +330,22 @@ def test_input_checks_read_the_device_once(monkeypatch):
     x[4, 1] = float("nan")
     with pytest.raises(ValueError, match=r"embeddings contain non-finite values \(row 4"):
         validation.check_batch_and_exchange_sizes(x, y, embedding_dim=8, num_classes=10, ignore_index=-1, ctx=DistContext())
+
+
+def test_init_rows_are_the_same_for_any_sharding_where_they_are_drawn():
+    """Blocks of INIT_BLOCK rows, each from its own seeded generator: the CPU's draw (every earlier
+    release's values), or a CUDA device's own (other values, drawn there)."""
+    n = 2 * INIT_BLOCK + 5
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        whole = init_rows(0, n, 3, 7, device=device)
+        cuts = [(0, 10), (10, INIT_BLOCK + 1), (INIT_BLOCK + 1, n)]
+        assert whole.device.type == device
+        assert torch.equal(torch.cat([init_rows(a, b, 3, 7, device=device) for a, b in cuts]), whole)
+    assert torch.equal(init_rows(5, 9, 3, 7, device="cpu"), init_rows(5, 9, 3, 7))
+    assert init_rows(5, 9, 3, 7, device="meta").device.type == "cpu"  # not a GPU: the CPU's draw
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_head_on_a_gpu_draws_its_rows_there():
+    head = shardfc.ShardedMarginHead(D, C, device="cuda")
+    assert torch.equal(head.weight.detach(), init_rows(0, C, D, 0, device="cuda"))

@@ -396,3 +396,33 @@ def test_fused_plan_cli_and_its_errors(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
     with pytest.raises(ValueError, match=r"impl='triton' replays the GPU kernels' step, which needs Triton installed"):
         plan(1000, 64, 32, impl="triton")
+
+
+@needs_triton
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_the_gpu_plan_replays_the_fused_optimizer_a_cuda_run_builds(optimizer, monkeypatch):
+    """fp32 centres on CUDA get torch's fused SGD/AdamW (head_optimizer), which update in place; the
+    unfused step (the CPU's) allocates a gradient's size or two (weight decay, AdamW's denominator):
+    at a million classes, where the GPU forward holds a few hundred MiB, that is the step's peak."""
+    args = dict(num_classes=1_000_000, dim=512, batch=64, optimizer=optimizer, weight_decay=5e-4, impl="triton")
+    fused = plan(**args)
+    weights = fused["parts"]["weights"]  # 1.95 GiB
+    monkeypatch.setattr(replay_module, "fused_as_on_cuda", contextlib.nullcontext)
+    unfused = plan(**args)
+    assert fused["step_peak"] < weights / 2 and unfused["step_peak"] >= weights
+    assert fused["resting"] == unfused["resting"]  # the same state: momentum, or AdamW's two moments
+
+
+def test_the_fused_sgd_step_allocates_nothing_on_real_tensors():
+    """The replay's rule for torch's fused SGD (no meta kernel: in place, nothing allocated), checked
+    against the fused kernel on real CPU tensors; the unfused step with weight decay allocates."""
+    from shardfc.tools.bench.memory import LiveTensorBytes
+
+    for fused, expected in ((True, 0), (None, 1000 * 16 * 4)):
+        p = torch.nn.Parameter(torch.randn(1000, 16))
+        p.grad = torch.randn(1000, 16)
+        opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, weight_decay=5e-4, fused=fused, foreach=False)
+        opt.step()  # the momentum buffer: resting state
+        with LiveTensorBytes() as mode:
+            opt.step()
+        assert mode.peak == expected, fused

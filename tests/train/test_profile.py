@@ -20,7 +20,7 @@ from .tiny import STEPS, tiny_config
 FIELDS = {
     "rank", "world_size", "strategy", "launcher", "device", "amp", "backbone", "step_s", "samples", "comm_bytes",
     "comm_bytes_by_kind", "comm_bytes_by_kind_per_step", "backbone_traffic_counted", "peak_rss_bytes", "cuda_peak_bytes",
-    "pid", "startup",
+    "pid", "startup", "step_phases_s",
 }
 
 
@@ -69,6 +69,11 @@ def test_profile_counts_ddp_traffic_and_the_samples_of_each_step(profiled):
         assert sum(p["comm_bytes"]) == sum(kinds.values())
         assert p["backbone_traffic_counted"] is True
         assert p["peak_rss_bytes"] > 50 * 2**20 and p["cuda_peak_bytes"] is None
+        # each step split into the loop's phases; the optimizer step within it is step_s
+        assert len(p["step_phases_s"]) == STEPS
+        for phases, step_s in zip(p["step_phases_s"], p["step_s"]):
+            assert {"stop agreement", "loader wait", "forward", "head", "backward", "optimizer"} <= set(phases)
+            assert sum(phases.values()) >= 0.9 * step_s
     log = (Path(cfg.output_dir) / "train.log").read_text()
     assert "start-up (to the end of the first step)" in log and "first batch" in log
 

@@ -80,13 +80,24 @@ INIT_BLOCK = 4096
 INIT_STD = 0.01
 
 
-def init_rows(start: int, stop: int, dim: int, seed: int) -> Tensor:
-    """Rows ``[start, stop)`` of the logical ``N(0, 0.01²)`` weight matrix for ``seed`` (fp32, CPU)."""
-    out = torch.empty(stop - start, dim)
+def init_rows(start: int, stop: int, dim: int, seed: int, device: Optional[DeviceLike] = None) -> Tensor:
+    """Rows ``[start, stop)`` of the logical ``N(0, 0.01²)`` weight matrix for ``seed`` (fp32).
+
+    Each block of :data:`INIT_BLOCK` rows is drawn whole from its own generator, seeded by ``(seed,
+    block)``, so any sharding gets the same rows. ``device``: a CUDA device draws them there, with a
+    generator on that device (:func:`~shardfc.head.sampling.sampling_generator`): no pass of the
+    host's generator over millions of rows and no copy of them to the GPU, but other values than
+    the CPU's (CUDA's Philox stream, not the CPU's Mersenne Twister), the same for any sharding on
+    GPUs of one model. Any other device (default: the CPU) gets the CPU's draw, the values of every
+    earlier release, on the CPU.
+    """
+    device = torch.device("cpu") if device is None else torch.device(device)
+    on = device if device.type == "cuda" else torch.device("cpu")
+    out = torch.empty(stop - start, dim, device=on)
     first, last = start // INIT_BLOCK, (stop - 1) // INIT_BLOCK if stop > start else -1
     for block in range(first, last + 1):
-        g = torch.Generator().manual_seed(mix_seed(seed, block))
-        rows = torch.randn(INIT_BLOCK, dim, generator=g) * INIT_STD
+        g = sampling_generator(on, mix_seed(seed, block))
+        rows = torch.randn(INIT_BLOCK, dim, generator=g, device=on) * INIT_STD
         b0 = block * INIT_BLOCK
         lo, hi = max(start, b0), min(stop, b0 + INIT_BLOCK)
         out[lo - start : hi - start] = rows[lo - b0 : hi - b0]
@@ -136,7 +147,8 @@ class ShardedMarginHead(nn.Module):
             tensor for autograd to add (keep it with ``optimizer.zero_grad(set_to_none=False)``).
             Autograd then sees no gradient for that weight: ``torch.autograd.grad`` with respect
             to head weights needs ``False``.
-        init_seed: seed of the ``N(0, 0.01²)`` initialisation, identical for any sharding.
+        init_seed: seed of the ``N(0, 0.01²)`` initialisation, identical for any sharding (drawn
+            on the weights' GPU when they are on one, with other values than the CPU's: :func:`init_rows`).
         device: of the weights in process-group / single mode (default: the current CUDA device
             under NCCL, else the CPU).
         dtype: of the weights in process-group / single mode (default float32): the storage dtype of the class
@@ -260,7 +272,7 @@ class ShardedMarginHead(nn.Module):
             self.shard_ranges = class_ranges(num_classes, len(devices))
             self.class_range = range(0, num_classes)
             self.shards = nn.ParameterList(
-                nn.Parameter(self._init_centres(r).to(d, dtype))
+                nn.Parameter(self._init_centres(r, d).to(d, dtype))
                 for r, d in zip(self.shard_ranges, devices)
             )
         else:
@@ -273,15 +285,16 @@ class ShardedMarginHead(nn.Module):
             self.shard_ranges = [self.class_range]
             self.devices = [self.ctx.device]
             r = self.class_range
-            self.weight = nn.Parameter(self._init_centres(r).to(self.ctx.device, dtype))
+            self.weight = nn.Parameter(self._init_centres(r, self.ctx.device).to(self.ctx.device, dtype))
         # The group the shards are collective over, this process's rank and the group's size in it.
         self.group, self.rank, self.world_size = self.ctx.group, self.ctx.rank, self.ctx.world_size
 
     # ------------------------------------------------------------------ helpers
-    def _init_centres(self, r: range) -> Tensor:
-        """The centre rows of classes ``r``: rows ``[K·start, K·stop)`` of the logical matrix."""
+    def _init_centres(self, r: range, device: torch.device) -> Tensor:
+        """The centre rows of classes ``r``: rows ``[K·start, K·stop)`` of the logical matrix, drawn
+        on ``device`` when it is a GPU (:func:`init_rows`)."""
         K = self.subcenters
-        return init_rows(r.start * K, r.stop * K, self.embedding_dim, self.init_seed)
+        return init_rows(r.start * K, r.stop * K, self.embedding_dim, self.init_seed, device=device)
 
     @property
     def shard_weights(self) -> List[nn.Parameter]:

@@ -15,6 +15,7 @@ from shardfc.seeding import mix_seed
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.dali_loader import DaliBatches, choose_loader
 from shardfc.train.evaluate import synthetic_dataset
+from shardfc.train.phases import OFF, PhaseClock
 from shardfc.train.prefetch import DevicePrefetcher, to_device
 from shardfc.train.state import RunState
 
@@ -193,7 +194,7 @@ def erasing_generator(seed: int, rank: int, epoch: int, batch_in_epoch: int) -> 
 
 
 def micro_batches(dataset: Dataset, batches: Sampler, state: RunState, cfg: TrainConfig, ctx: DistContext,
-                  channels_last: bool = False, ahead: Optional[int] = None):
+                  channels_last: bool = False, ahead: Optional[int] = None, clock: PhaseClock = OFF):
     """Endless ``(images, labels, skipped corrupt images)`` over epochs, on ``ctx.device``; advances
     ``state.epoch``/``batch_in_epoch``.
 
@@ -209,6 +210,7 @@ def micro_batches(dataset: Dataset, batches: Sampler, state: RunState, cfg: Trai
     the device on a side stream with ``ahead`` batches in flight (CUDA), uint8 images converted and
     normalised there, then erased (the rectangles are drawn on the host from the batch's place).
     ``channels_last``: images in that memory format (a channels_last backbone's input).
+    ``clock``: ``prepare`` is the step's ``h2d`` phase (:mod:`~shardfc.train.phases`).
     """
     keys = EpochKeys(batches, state.epoch, state.batch_in_epoch)
     to_tensor = None
@@ -232,13 +234,16 @@ def micro_batches(dataset: Dataset, batches: Sampler, state: RunState, cfg: Trai
     seed, rank, erasing = cfg.seed, ctx.rank, cfg.random_erasing
 
     def prepare(batch):
+        clock.lap("loader wait")
         images, labels, skipped, (epoch, b) = batch
         if to_tensor is not None:  # DALI's batch: copied into torch here, on the prefetcher's side stream
             images = to_tensor(images)
         images = to_device(images, ctx.device, channels_last)
         if erasing > 0:
             random_erase_(images, erasing, erasing_generator(seed, rank, epoch, b))
-        return images, labels.to(ctx.device, non_blocking=True), skipped, (epoch, b)
+        labels = labels.to(ctx.device, non_blocking=True)
+        clock.lap("h2d")
+        return images, labels, skipped, (epoch, b)
 
     for images, labels, skipped, (epoch, b) in DevicePrefetcher(loader, ctx.device, prepare, ahead):
         # As a step consumes it: the last batch of an epoch leaves (epoch, its count); the next

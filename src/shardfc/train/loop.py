@@ -30,6 +30,7 @@ from shardfc.train.config import TrainConfig, absolute_paths, to_toml
 from shardfc.train.cpu import apply_threads
 from shardfc.train.data import micro_batches
 from shardfc.train.evaluate import build_targets
+from shardfc.train.phases import OFF, PhaseClock, format_phases, summarize_phases
 from shardfc.train.pipeline_train import pipeline_step, stage_stream, whole_backbone
 from shardfc.train.profile import StartupClock, StepProfiler, count_ddp_traffic, profile_path
 from shardfc.train.reporting import ReportWindow, evaluate_targets, log_setup, report
@@ -40,7 +41,7 @@ from shardfc.train.step import apply_gradients, train_step
 from shardfc.train.stopping import StopAgreement, crash_if_asked
 from shardfc.train.strategy import signal_deadline_note, sync_after_restore
 
-__all__ = ["load_parts", "train"]
+__all__ = ["load_parts", "train", "trainer_step"]
 
 logger = logging.getLogger("shardfc.train")
 
@@ -58,16 +59,16 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
     evaluation.
     """
     started = time.time()
-    clock = StartupClock() if cfg.profile else None  # --profile: where the start-up went
+    startup = StartupClock() if cfg.profile else None  # --profile: where the start-up went
     cfg = absolute_paths(cfg.validate())  # stored in checkpoints: readable from any folder
     ctx = run_context(cfg, group)
     out = Path(cfg.output_dir)
     with record_stop_signals(), RunLog(out, ctx.is_main, cfg.progress) as runlog:
         threads = apply_threads(cfg.threads, cfg.strategy, ctx.world_size)  # before any work, in every process
-        mark = clock.mark if clock is not None else (lambda name: None)
+        mark = startup.mark if startup is not None else (lambda name: None)
         mark("process group and threads")
         # ---- build: data, model and optimizers (the same initialisation on every rank), evaluation
-        run = build_run(cfg, ctx, clock)
+        run = build_run(cfg, ctx, startup)
         parts = run.parts
         seed_all(rank_seed(cfg.seed, run.data_ctx.rank, 0))  # then per-replica augmentation / dropout streams
         autocast = autocast_factory(ctx.device, run.amp_dtype)
@@ -86,17 +87,19 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
             (out / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
         runlog.start_at(state.step)
         mark("resume")
+        profiler = _profiler(cfg, ctx, parts)
+        clock = profiler.phases if profiler else OFF
         if run.pipeline is None:
-            stream = micro_batches(run.dataset, run.batches, state, cfg, run.data_ctx, channels_last=run.channels_last)
+            stream = micro_batches(run.dataset, run.batches, state, cfg, run.data_ctx, channels_last=run.channels_last,
+                                   clock=clock)
         else:  # pipeline: only the first stage reads and decodes images
             stream = stage_stream(run.dataset, run.batches, state, cfg, run.data_ctx, run.pipeline.layout)
         batches = stream
-        if clock is not None and state.step < run.total_steps:
+        if startup is not None and state.step < run.total_steps:
             batches = itertools.chain([next(stream)], stream)  # the loader's start and first batch, timed apart
             mark("first batch")
-        profiler = _profiler(cfg, ctx, parts)
         if profiler:
-            profiler.startup = clock
+            profiler.startup = startup
 
         # ---- loop
         metrics: Dict[str, Dict[str, float]] = {}
@@ -109,26 +112,14 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         stop = 0
         agreed_stop = StopAgreement(ctx)  # on CUDA without a host sync per step
         while state.step < run.total_steps:
-            stop = agreed_stop()  # every rank leaves after the same step, or none does
+            stop = trainer_step(run, batches, state, cfg, autocast, agreed_stop, window, runlog, clock, profiler)
             if stop:
                 break
-            crash_if_asked(ctx.rank, state.step)
-            with profiler.step(state) if profiler else contextlib.nullcontext():
-                if run.pipeline is None:
-                    loss, corrupt = train_step(parts, batches, state, cfg, ctx, autocast)
-                else:
-                    loss, corrupt = pipeline_step(parts, run.pipeline, batches, state, cfg, ctx, autocast)
-                    apply_gradients(parts, cfg.grad_clip, ctx, run.pipeline)
-            if clock is not None and clock.phases[-1][0] != "first step":  # once, after the first step
+            if startup is not None and startup.phases[-1][0] != "first step":  # once, after the first step
                 mark("first step")
                 if ctx.is_main:
-                    logger.info("start-up (to the end of the first step) %s", clock.line())
-            state.step += 1
-            window.add(loss, corrupt)
-            runlog.advance()
+                    logger.info("start-up (to the end of the first step) %s", startup.line())
             last = state.step == run.total_steps
-            if state.step % cfg.log_every == 0 or last:
-                report(runlog, window, parts, state, run.total_steps, ctx)
             if cfg.ckpt_every and state.step % cfg.ckpt_every == 0 and not last:
                 last_saved = save(run, state, cfg)
             if cfg.eval_every and state.step % cfg.eval_every == 0 and not last:
@@ -161,6 +152,9 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
                 rank=ctx.rank, world_size=ctx.world_size, cfg=cfg, backbone=parts.module, amp_dtype=run.amp_dtype
             )
             profiler.write(profile_path(out, ctx.rank), summary)
+            if ctx.is_main and profiler.phases.steps:
+                logger.info("where a step's time went (rank 0):\n%s",
+                            format_phases(summarize_phases(profiler.phases.steps)))
         if ctx.is_main:
             logger.info("done: step %d in %.1f s; checkpoint %s", state.step, wall, last_saved)
     return {
@@ -172,6 +166,41 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         "descriptions": {t.name: t.description for t in targets},
         "output_dir": str(out),
     }
+
+
+def trainer_step(run, batches, state: RunState, cfg: TrainConfig, autocast, stop_agreement: StopAgreement,
+                 window: ReportWindow, runlog: RunLog, clock: PhaseClock = OFF,
+                 profiler: Optional[StepProfiler] = None) -> int:
+    """One turn of the loop up to its log line: agree on stopping, train one optimizer step, count it,
+    report it at a log point. Returns the agreed stop signal (0: a step was trained).
+
+    :func:`train` calls it, and ``shardfc bench --trainer`` times it: the bench measures the loop's own
+    step. ``clock`` splits it into phases (:mod:`~shardfc.train.phases`); ``profiler`` (``--profile``)
+    times the optimizer step within it.
+    """
+    ctx, parts = run.ctx, run.parts
+    clock.begin_step()
+    stop = stop_agreement()  # every rank leaves after the same step, or none does
+    clock.lap("stop agreement")
+    if stop:
+        clock.drop_step()
+        return stop
+    crash_if_asked(ctx.rank, state.step)
+    with profiler.step(state) if profiler else contextlib.nullcontext():
+        if run.pipeline is None:
+            loss, corrupt = train_step(parts, batches, state, cfg, ctx, autocast, clock)
+        else:
+            loss, corrupt = pipeline_step(parts, run.pipeline, batches, state, cfg, ctx, autocast)
+            clock.lap("pipeline schedule")
+            apply_gradients(parts, cfg.grad_clip, ctx, run.pipeline)
+            clock.lap("optimizer")
+    state.step += 1
+    window.add(loss, corrupt)
+    runlog.advance()
+    if state.step % cfg.log_every == 0 or state.step == run.total_steps:
+        report(runlog, window, parts, state, run.total_steps, ctx)
+    clock.end_step("logging/metrics")
+    return 0
 
 
 def _profiler(cfg: TrainConfig, ctx, parts) -> Optional[StepProfiler]:

@@ -21,6 +21,10 @@ all-reduce or broadcast). Besides the head's counted collectives that includes
 ``backbone_traffic_counted`` is False for dp. ``comm_bytes_by_kind_per_step`` has each step's
 bytes by kind (``comm_bytes_by_kind`` their sums over the run).
 
+Per step too, where its time went (``step_phases_s``: seconds by phase, the loop's whole step from
+its stop agreement to its log line; :mod:`~shardfc.train.phases`); rank 0 logs their means as a table
+at the end of the run.
+
 Per process: the peak resident set size (``ru_maxrss``, the whole life of the process, imports
 included) and, on CUDA, ``max_memory_allocated``.
 """
@@ -43,6 +47,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from shardfc.parallel.collectives import count_comm, record_comm_bytes
 from shardfc.parallel.comm import launched_by_horovodrun
 from shardfc.parallel.launch import launched_by_torchrun
+from shardfc.train.phases import PhaseClock
 
 __all__ = ["StartupClock", "StepProfiler", "count_ddp_traffic", "count_horovod_gradients", "peak_rss_bytes",
            "profile_path"]
@@ -139,6 +144,8 @@ class StepProfiler:
         self.comm_by_kind: Dict[str, int] = {}
         self.startup: "StartupClock | None" = None
         self.comm_by_kind_per_step: List[Dict[str, int]] = []
+        self.phases = PhaseClock(device, enabled=True)
+        """Where each step's time went, phase by phase."""
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -180,6 +187,7 @@ class StepProfiler:
             "cuda_peak_bytes": cuda_peak,
             "pid": os.getpid(),
             "startup": self.startup.as_dict() if self.startup is not None else None,
+            "step_phases_s": self.phases.steps,
         }
 
     def write(self, path: Path, summary: Dict[str, Any]) -> None:

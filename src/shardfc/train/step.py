@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardfc.parallel.context import DistContext
 from shardfc.train.config import TrainConfig
+from shardfc.train.phases import OFF, PhaseClock
 from shardfc.train.pipeline_train import PipelinePlan, clip_stage_grads_
 from shardfc.train.profile import count_horovod_gradients
 from shardfc.train.state import Parts, RunState
@@ -18,15 +19,17 @@ from shardfc.train.strategy import is_horovod_optimizer
 
 
 def train_step(
-    parts: Parts, stream: Iterator, state: RunState, cfg: TrainConfig, ctx: DistContext, autocast
+    parts: Parts, stream: Iterator, state: RunState, cfg: TrainConfig, ctx: DistContext, autocast,
+    clock: PhaseClock = OFF,
 ) -> Tuple[torch.Tensor, List[Tuple[str, str]]]:
     """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, (name, reason) of the
-    corrupt images skipped)."""
+    corrupt images skipped). ``clock``: where the step's time goes (:mod:`~shardfc.train.phases`)."""
     # set_to_none=True is torch's default; Horovod's DistributedOptimizer.zero_grad() takes no argument.
     parts.opt_backbone.zero_grad()
     # The head's gradient buffer is kept: its backward then adds into it in place, block by block,
     # instead of allocating a fresh [n_local, D] gradient every step.
     parts.opt_head.zero_grad(set_to_none=False)
+    clock.lap("optimizer")
     loss_sum = torch.zeros((), device=ctx.device)
     corrupt: List[Tuple[str, str]] = []
     for micro in range(cfg.grad_accum):
@@ -34,6 +37,7 @@ def train_step(
         images = images.to(ctx.device, non_blocking=True)
         labels = labels.to(ctx.device, non_blocking=True)
         corrupt += skipped
+        clock.lap("loader wait")
         # DDP all-reduces the backbone gradients on the last micro-batch only (Horovod's optimizer
         # counts grad_accum backward passes itself).
         last = micro == cfg.grad_accum - 1
@@ -41,21 +45,36 @@ def train_step(
         with sync:
             with autocast():
                 # Both losses are already means over the global micro-batch.
-                loss = micro_batch_loss(parts, images, labels, cfg.triplet_weight) / cfg.grad_accum
+                loss = micro_batch_loss(parts, images, labels, cfg.triplet_weight, clock) / cfg.grad_accum
             parts.scaler.scale(loss).backward()
+        clock.lap("backward")
         loss_sum += loss.detach().float()
         state.samples_seen += images.shape[0] * ctx.world_size
     apply_gradients(parts, cfg.grad_clip, ctx)
+    clock.lap("optimizer")
     return loss_sum, corrupt
 
 
-def micro_batch_loss(parts: Parts, images: torch.Tensor, labels: torch.Tensor, triplet_weight: float) -> torch.Tensor:
+def micro_batch_loss(
+    parts: Parts, images: torch.Tensor, labels: torch.Tensor, triplet_weight: float, clock: PhaseClock = OFF
+) -> torch.Tensor:
     """The head's classification loss of the embeddings, plus the weighted triplet loss of the
-    features before the neck when the run has one (the re-ID strong baseline)."""
+    features before the neck when the run has one (the re-ID strong baseline).
+
+    ``clock`` laps the backbone's forward, then the losses' forward; their backward is lapped when
+    the gradient reaches the embeddings (the rest of the backward is the backbone's)."""
     if parts.triplet is None:
-        return parts.head(parts.backbone(images), labels)
-    features, embeddings = parts.backbone(images, with_features=True)
-    return parts.head(embeddings, labels) + triplet_weight * parts.triplet(features, labels)
+        embeddings = parts.backbone(images)
+        clock.lap("forward")
+        clock.lap_on_backward(embeddings, "head")
+        loss = parts.head(embeddings, labels)
+    else:
+        features, embeddings = parts.backbone(images, with_features=True)
+        clock.lap("forward")
+        clock.lap_on_backward(embeddings, "head")
+        loss = parts.head(embeddings, labels) + triplet_weight * parts.triplet(features, labels)
+    clock.lap("head")
+    return loss
 
 
 def apply_gradients(parts: Parts, grad_clip: float, ctx: DistContext, pipeline: Optional[PipelinePlan] = None) -> None:

@@ -22,7 +22,13 @@ CRASH_ENV = "SHARDFC_TEST_CRASH"
 
 
 def agreed_stop_signal(ctx: DistContext) -> int:
-    """The largest signal number any rank recorded (0: none); collective over ``ctx``."""
+    """The largest signal number any rank recorded (0: none); collective over ``ctx``.
+
+    One process (no communicator) has nothing to agree on: the recorded signal is read directly,
+    with no tensor and no read back from one.
+    """
+    if ctx.communicator is None:
+        return received_signal() or 0
     flag = torch.tensor([received_signal() or 0], dtype=torch.int32, device=ctx.comm_device)
     ctx.all_reduce_(flag, "max")
     return int(flag.item())
@@ -39,12 +45,15 @@ class StopAgreement:
     step's: a fill kernel (no host-to-device copy), the max all-reduce, a non-blocking copy into
     pinned host memory and an event. Every rank reads the same agreed value at the same step, so
     all still leave after the same step: one step after a signal that an unlagged check would see.
+    One process (no communicator) is never lagged: it reads its own recorded signal, nothing else.
     """
 
     def __init__(self, ctx: DistContext, lagged: "bool | None" = None) -> None:
         self.ctx = ctx
         self.device = ctx.comm_device
-        self.lagged = self.device.type == "cuda" if lagged is None else bool(lagged)
+        if lagged is None:  # one process needs no lag: it agrees with itself, on the host
+            lagged = self.device.type == "cuda" and ctx.communicator is not None
+        self.lagged = bool(lagged)
         self._host = torch.zeros(1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         self._pending = False
         self._event = None

@@ -89,7 +89,7 @@ def test_fp32_against_dense_float64_reference(impl):
     x, y, up = data()
     margin = MARGINS["arcface"]
     got = step(impl, x, y, up, reduction="none", label_smoothing=0.1)
-    W = init_rows(0, C, D, 0).double().requires_grad_()
+    W = init_rows(0, C, D, 0, device=DEVICE).double().cpu().requires_grad_()
     xr = x.double().requires_grad_()
     ref = shardfc.reference_loss(xr, W, y, margin, label_smoothing=0.1, reduction="none")
     ref.backward(up.double())
@@ -102,7 +102,7 @@ def test_fp32_against_dense_float64_reference(impl):
 def test_low_precision_compute_within_torch_paths_error(impl, dtype):
     """Under autocast both paths multiply in ``dtype``; the fast one may not be less exact."""
     x, y, up = data()
-    W = init_rows(0, C, D, 0).double().requires_grad_()
+    W = init_rows(0, C, D, 0, device=DEVICE).double().cpu().requires_grad_()
     xr = x.double().requires_grad_()
     ref = shardfc.reference_loss(xr, W, y, MARGINS["arcface"], reduction="none")
     ref.backward(up.double())
@@ -157,7 +157,7 @@ def test_fp16_keeps_small_softmax_gradients(name):
     the other centres (cosine 0.35 to their own, s = 64) that every non-target class's softmax is
     below 1e-6 for every sample, and the upstream gradient is 1e-3: the same magnitudes."""
     Cs, Ds, Bs = 53, 256, 29
-    W0 = init_rows(0, Cs, Ds, 0)
+    W0 = init_rows(0, Cs, Ds, 0, device=DEVICE).cpu()  # the head's rows, drawn where it draws them
     g = torch.Generator().manual_seed(5)
     y = torch.randint(0, Cs, (Bs,), generator=g)
     unit = W0 / W0.norm(dim=1, keepdim=True)

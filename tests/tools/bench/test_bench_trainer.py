@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from shardfc.tools.bench import cli as bench_cli
 
 TINY = ["--synthetic-identities", "8", "--synthetic-images-per-identity", "4", "--image-size", "16", "16",
@@ -19,12 +21,23 @@ def test_bench_trainer_prints_both_rates_their_ratio_the_loader_and_the_startup(
         assert r[key] > 0, key
     assert r["train_over_ceiling"] == r["train_images_per_s"] / r["ceiling_images_per_s"]
     assert r["loader_over_train"] == r["loader_images_per_s"] / r["train_images_per_s"]
+    step_s = r["config"]["batch_size"] / r["train_images_per_s"]
+    assert r["beyond_ceiling_and_loader_ms"] == pytest.approx(1e3 * step_s * r["beyond_ceiling_and_loader_share"])
     assert r["gpu_utilisation_percent"] is None and r["gpu_utilisation_why_none"] == "the CPU"
     assert [name for name, _ in r["startup_phases"]][-2:] == ["first batch", "first step"]
     assert r["config"]["batch_size"] == 4 and r["config"]["channels_last"] is False and r["config"]["amp"] == "fp32"
     assert "| GPU utilisation during the train steps | n/a |" in text
     assert f"| train / ceiling | {r['train_over_ceiling']:.2f} |" in text
     assert "ceiling: the bare step on device-resident random tensors" in text and "load average" in text
+    # the loop's step split into phases, the ceiling's beside it
+    phases, ceiling = r["step_phases"], r["ceiling_phases"]
+    assert phases["steps"] == ceiling["steps"] == 2
+    assert set(phases["ms_per_step"]) == {"stop agreement", "loader wait", "h2d", "forward", "head", "backward",
+                                          "optimizer", "logging/metrics"}
+    assert phases["total_ms"] == pytest.approx(sum(phases["ms_per_step"].values()))
+    assert ceiling["outside_ms"] == 0 and ceiling["ms_per_step"]["forward"] > 0
+    assert "| phase (mean of 2 steps) | ms / step | % of the step | ceiling ms / step |" in text
+    assert f"| outside the data path and the bare step | {phases['outside_ms']:.3f} |" in text
 
 
 def test_bench_trainer_names_a_bad_argument(capsys):

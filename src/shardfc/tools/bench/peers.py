@@ -184,16 +184,16 @@ def _build_floor(wl: Workload, setup: Setup) -> Built:
 @contextlib.contextmanager
 def centres_from(weight0: torch.Tensor):
     """Heads built inside start from (a copy of) the rows of ``weight0``, on its device, instead of
-    drawing their own ``N(0, 0.01²)`` rows on the CPU (:func:`shardfc.head.module.init_rows`): at
-    a million classes that draw takes seconds per head, and every row starts from ``weight0`` anyway."""
+    drawing their own ``N(0, 0.01²)`` rows (:func:`shardfc.head.module.init_rows`): at a million
+    classes that draw takes seconds per head on the CPU, and every row starts from ``weight0`` anyway."""
     from shardfc.head import module
 
     original = module.init_rows
 
-    def rows(start: int, stop: int, dim: int, seed: int) -> torch.Tensor:
+    def rows(start: int, stop: int, dim: int, seed: int, device=None) -> torch.Tensor:
         if dim == weight0.shape[1] and 0 <= start <= stop <= weight0.shape[0]:
             return weight0[start:stop].clone()
-        return original(start, stop, dim, seed)
+        return original(start, stop, dim, seed, device=device)
 
     module.init_rows = rows
     try:

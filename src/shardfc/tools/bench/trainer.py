@@ -12,21 +12,30 @@ What it runs, after building the run as ``shardfc train`` does (:func:`~shardfc.
 
 1. **start-up**: from the start of the build to the end of the first real step, phase by phase
    (:class:`~shardfc.train.profile.StartupClock`, what ``--profile`` logs);
-2. **train**: ``--warmup`` then ``--steps`` steps of :func:`~shardfc.train.step.train_step` on the
-   real stream (:func:`~shardfc.train.data.micro_batches`: loader workers, prefetcher, device-side
+2. **train**: ``--warmup`` then ``--steps`` steps of the loop's own step
+   (:func:`~shardfc.train.loop.trainer_step`: the stop agreement, :func:`~shardfc.train.step.train_step`,
+   the counters and a report at each log point, logged to nowhere) on the real stream
+   (:func:`~shardfc.train.data.micro_batches`: loader workers, prefetcher, device-side
    normalisation), with the GPU's utilisation sampled meanwhile (NVML through ``pynvml``; "n/a" on
    the CPU or without it);
-3. **ceiling**: the same step on one batch of random tensors resident on the device (no loader,
-   no copy), in the run's memory format and precision; its steps alternate with the train steps in
-   up to 5 blocks, so that a drifting load (a shared machine) weighs on both alike;
-4. **loader only**: the same stream drained without training, the batches already queued by the
+3. **ceiling**: the bare step (:func:`~shardfc.train.step.train_step`) on one batch of random
+   tensors resident on the device (no loader, no copy), in the run's memory format and precision;
+   its steps alternate with the train steps in up to 5 blocks, so that a drifting load (a shared
+   machine) weighs on both alike;
+4. **phases**: ``--steps`` more train steps split into the phases of
+   :mod:`~shardfc.train.phases` (loader wait, h2d, forward, head, backward, optimizer,
+   logging/metrics, stop agreement), each followed by a ceiling step split alike; apart from the
+   timed blocks, since on a GPU each phase's end synchronises the device;
+5. **loader only**: the same stream drained without training, the batches already queued by the
    workers left out first, so the rate is what the loader sustains;
-5. **the loader column** (datasets 'recordio' and 'folder'): the loader alone again for the torch
+6. **the loader column** (datasets 'recordio' and 'folder'): the loader alone again for the torch
    loader with 0, 2 and N workers and for DALI (``--loader dali``, N threads: decoding on the GPU on
    CUDA, on the CPU otherwise) when installed, each a fresh stream past its start-up batches.
 
 Images/s count the images each step trains on (``batch_size x grad_accum``). The train rate over
 the ceiling is what the data path costs; the loader-only rate over the train rate is its headroom.
+The phases say where a train step's time goes, and how much of it is spent outside the data path
+and the bare step.
 """
 
 from __future__ import annotations
@@ -98,20 +107,14 @@ class _Utilisation:
         return sum(self.samples) / len(self.samples) if self.samples else None
 
 
-def _timed_steps(parts, stream, state, cfg, ctx, autocast, steps: int) -> float:
-    """Seconds for ``steps`` train steps (device synchronised at both ends); checks the loss once."""
-    from shardfc.train.step import train_step
-
-    _sync(ctx.device)
+def _timed(device: torch.device, steps: int, step) -> float:
+    """Seconds for ``steps`` calls of ``step()`` (device synchronised at both ends)."""
+    _sync(device)
     start = time.perf_counter()
-    loss = None
     for _ in range(steps):
-        loss, _ = train_step(parts, stream, state, cfg, ctx, autocast)
-    _sync(ctx.device)
-    elapsed = time.perf_counter() - start
-    if loss is not None and not torch.isfinite(loss).all():
-        raise FloatingPointError(f"the loss is {float(loss)} after {steps} steps: lower --lr")
-    return elapsed
+        step()
+    _sync(device)
+    return time.perf_counter() - start
 
 
 def bench_trainer(cfg, steps: int = 20, warmup: int = 3, progress: bool = True) -> Dict[str, Any]:
@@ -121,8 +124,14 @@ def bench_trainer(cfg, steps: int = 20, warmup: int = 3, progress: bool = True) 
     from shardfc.train.config import ConfigError
     from shardfc.train.cpu import apply_threads
     from shardfc.train.data import micro_batches
+    from shardfc.train.loop import trainer_step
+    from shardfc.train.phases import PhaseClock, summarize_phases
     from shardfc.train.profile import StartupClock
+    from shardfc.train.reporting import ReportWindow
+    from shardfc.train.runlog import RunLog
     from shardfc.train.state import RunState
+    from shardfc.train.step import train_step
+    from shardfc.train.stopping import StopAgreement
 
     for name, value in (("steps", steps), ("warmup", warmup)):
         if not isinstance(value, int) or value < (1 if name == "steps" else 0):
@@ -147,43 +156,74 @@ def bench_trainer(cfg, steps: int = 20, warmup: int = 3, progress: bool = True) 
     parts.head.train()
     autocast = autocast_factory(device, run.amp_dtype)
     state = RunState(batches_per_epoch=len(run.batches))
-    stream = micro_batches(run.dataset, run.batches, state, cfg, ctx, channels_last=run.channels_last)
+    phases = PhaseClock(device)  # enabled for the breakdown's steps only
+    stream = micro_batches(run.dataset, run.batches, state, cfg, ctx, channels_last=run.channels_last, clock=phases)
     first = next(stream)
     clock.mark("first batch")
-    _timed_steps(parts, itertools.chain([first], stream), state, cfg, ctx, autocast, 1)
-    clock.mark("first step")
-    say(f"start-up {clock.line()}")
-    images_per_step = run.batches.batch_size * cfg.grad_accum
+    # The loop's own step (trainer_step: stop agreement, step, counters, a report at each log point),
+    # logging to nowhere: a RunLog of a process that does not write (the bench saves nothing).
+    with RunLog(out, is_main=False) as runlog:
+        window, agreement = ReportWindow(state), StopAgreement(ctx)
 
-    # The ceiling's input: one batch of random tensors resident on the device.
-    h, w = run.image_size
-    g = torch.Generator().manual_seed(cfg.seed)
-    images = torch.randn(run.batches.batch_size, 3, h, w, generator=g).clamp_(-1, 1).to(device)
-    if run.channels_last:
-        images = images.contiguous(memory_format=torch.channels_last)
-    labels = torch.randint(run.num_classes, (run.batches.batch_size,), generator=g).to(device)
-    resident = itertools.repeat((images, labels, []))
+        def train(batches=stream) -> None:
+            trainer_step(run, batches, state, cfg, autocast, agreement, window, runlog, phases)
 
-    # Train and ceiling steps in alternating blocks, so that a load that drifts (a shared machine)
-    # weighs on both alike. Each train block first takes, untimed, as many micro-batches as the
-    # loader may have queued during the ceiling's block: a head start a steady run does not have.
-    queued = cfg.num_workers * 2 + 2  # DataLoader's prefetch_factor 2 per worker, the prefetcher's, one in hand
-    catch_up = -(-queued // cfg.grad_accum)
-    say(f"train and ceiling: {warmup} warm-up + {steps} timed steps of {images_per_step} images each, "
-        f"in alternating blocks ({catch_up} untimed train step(s) before each train block)")
-    _timed_steps(parts, stream, state, cfg, ctx, autocast, warmup)
-    _timed_steps(parts, resident, state, cfg, ctx, autocast, warmup)
-    blocks = [len(b) for b in torch.arange(steps).chunk(min(5, steps))]
-    train_s = ceiling_s = 0.0
-    with _Utilisation(device) as util:
-        for n in blocks:
-            _timed_steps(parts, stream, state, cfg, ctx, autocast, catch_up)
-            train_s += _timed_steps(parts, stream, state, cfg, ctx, autocast, n)
-            util.pause()
-            ceiling_s += _timed_steps(parts, resident, state, cfg, ctx, autocast, n)
-            util.resume()
-    train_rate = steps * images_per_step / train_s
-    ceiling_rate = steps * images_per_step / ceiling_s
+        _timed(device, 1, lambda: train(itertools.chain([first], stream)))
+        clock.mark("first step")
+        say(f"start-up {clock.line()}")
+        images_per_step = run.batches.batch_size * cfg.grad_accum
+
+        # The ceiling: the bare step (train_step) on one batch of random tensors resident on the device.
+        h, w = run.image_size
+        g = torch.Generator().manual_seed(cfg.seed)
+        images = torch.randn(run.batches.batch_size, 3, h, w, generator=g).clamp_(-1, 1).to(device)
+        if run.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        labels = torch.randint(run.num_classes, (run.batches.batch_size,), generator=g).to(device)
+        resident = itertools.repeat((images, labels, []))
+        ceiling_loss: List[torch.Tensor] = []
+        ceiling_phases = PhaseClock(device)
+
+        def ceiling() -> None:
+            ceiling_phases.begin_step()
+            ceiling_loss[:] = [train_step(parts, resident, state, cfg, ctx, autocast, ceiling_phases)[0]]
+            ceiling_phases.end_step()
+
+        # Train and ceiling steps in alternating blocks, so that a load that drifts (a shared machine)
+        # weighs on both alike. Each train block first takes, untimed, as many micro-batches as the
+        # loader may have queued during the ceiling's block: a head start a steady run does not have.
+        queued = cfg.num_workers * 2 + 2  # DataLoader's prefetch_factor 2 per worker, the prefetcher's, one in hand
+        catch_up = -(-queued // cfg.grad_accum)
+        say(f"train and ceiling: {warmup} warm-up + {steps} timed steps of {images_per_step} images each, "
+            f"in alternating blocks ({catch_up} untimed train step(s) before each train block); then "
+            f"{steps} more train steps split into phases")
+        _timed(device, warmup, train)
+        _timed(device, warmup, ceiling)
+        blocks = [len(b) for b in torch.arange(steps).chunk(min(5, steps))]
+        train_s = ceiling_s = 0.0
+        with _Utilisation(device) as util:
+            for n in blocks:
+                _timed(device, catch_up, train)
+                train_s += _timed(device, n, train)
+                util.pause()
+                ceiling_s += _timed(device, n, ceiling)
+                util.resume()
+        if not torch.isfinite(ceiling_loss[0]).all():
+            raise FloatingPointError(f"the ceiling's loss is {float(ceiling_loss[0])} after {steps} steps: lower --lr")
+        train_rate = steps * images_per_step / train_s
+        ceiling_rate = steps * images_per_step / ceiling_s
+
+        # Where the train step's time goes: more train steps, split into phases, each followed by a
+        # ceiling step split alike (the bare step's phases side by side, under the same load). Apart
+        # from the timed blocks: on a GPU each phase's end synchronises the device.
+        _timed(device, catch_up, train)
+        phases.enabled = ceiling_phases.enabled = True
+        for _ in range(steps):
+            train()
+            ceiling()
+        phases.enabled = ceiling_phases.enabled = False
+        breakdown = summarize_phases(phases.steps)
+        ceiling_breakdown = summarize_phases(ceiling_phases.steps)
 
     # The loader alone, past what its workers queued while the steps ran.
     loader_batches = max(steps * cfg.grad_accum, 2 * queued, 20)
@@ -226,10 +266,16 @@ def bench_trainer(cfg, steps: int = 20, warmup: int = 3, progress: bool = True) 
         "loader_images_per_s": loader_rate,
         "loader_over_train": loader_rate / train_rate,
         "loaders": loaders,
+        # The issue's figure: a train step's time beyond a ceiling step and a batch of the loader alone,
+        # from the three rates (measured apart, so a shared machine's drift lands here too).
+        "beyond_ceiling_and_loader_ms": 1e3 * images_per_step * (1 / train_rate - 1 / ceiling_rate - 1 / loader_rate),
+        "beyond_ceiling_and_loader_share": 1 - train_rate * (1 / ceiling_rate + 1 / loader_rate),
         "gpu_utilisation_percent": util.mean,
         "gpu_utilisation_why_none": util.why if util.mean is None else None,
         "startup_s": clock.total_s,
         "startup_phases": [[name, s] for name, s in clock.phases],
+        "step_phases": breakdown,
+        "ceiling_phases": ceiling_breakdown,
     }
 
 
@@ -271,7 +317,9 @@ def _loader_rate(cfg, run, ctx, skip: int, timed: int) -> float:
 
 
 def format_report(r: Dict[str, Any]) -> str:
-    """The figures as a Markdown table, with what was measured above it."""
+    """The figures as a Markdown table, with what was measured above it, and the step's phases."""
+    from shardfc.train.phases import format_phases
+
     c = r["config"]
     load = r["load_average"]
     util = r["gpu_utilisation_percent"]
@@ -289,10 +337,16 @@ def format_report(r: Dict[str, Any]) -> str:
         f"| `shardfc train`'s step on the real stream | {r['train_images_per_s']:,.0f} |",
         f"| train / ceiling | {r['train_over_ceiling']:.2f} |",
         f"| data loader only | {r['loader_images_per_s']:,.0f} ({r['loader_over_train']:.1f}x the train rate) |",
+        f"| train step beyond a ceiling step and the loader's batch (from the rates) | "
+        f"{r['beyond_ceiling_and_loader_ms']:.2f} ms ({100 * r['beyond_ceiling_and_loader_share']:.0f}% of the step) |",
         f"| GPU utilisation during the train steps | {'n/a' if util is None else f'{util:.0f}%'} |",
         f"| start-up to the end of the first step | {r['startup_s']:.2f} s |",
         "",
         "start-up: " + ", ".join(f"{name} {s:.2f} s" for name, s in r["startup_phases"]),
+        "",
+        "where the train step's time goes:",
+        "",
+        format_phases(r["step_phases"], beside=r["ceiling_phases"], beside_name="ceiling"),
     ]
     if r["loaders"]:
         lines += ["", "| loader only (to the device, normalised) | decode | images/s | / train rate |", "|---|---|---:|---:|"]

@@ -34,11 +34,12 @@ the CPU; ``impl="triton"`` and ``impl="gemm"`` replay the GPU implementations' s
 (:mod:`shardfc.head.fused`, what ``impl="auto"`` chooses between on a CUDA GPU with Triton
 installed): their launchers allocate on the meta device what they would on the GPU (the GEMM
 path's chunk of products, its operand rows and fp32 GEMM outputs) and launch nothing, and the
-row-sparse SGD (Partial FC, bf16/fp16 centres) takes its fused kernel, as on a GPU. The forwards'
-partial statistics (``[B, splits]`` fp32) follow the SM count ``sms`` (default 132, an H100 SXM). torch's own SGD/AdamW (fp32 centres, no sampling) and the row-sparse AdamW are replayed
-unfused, as torch runs them off CUDA: with weight decay (SGD) or AdamW that step allocates
-temporaries that torch's ``fused=True`` CUDA step does not, so there the plan overstates a GPU's
-peak by up to a gradient's size.
+optimizer is the one a CUDA run builds (:func:`.replay.fused_as_on_cuda`): torch's ``fused=True``
+SGD/AdamW for fp32 centres without sampling (updates in place, no temporaries), the row-sparse
+SGD's fused kernel (Partial FC, bf16/fp16 centres); the row-sparse AdamW, which has no fused
+kernel, as it runs. The forwards' partial statistics (``[B, splits]`` fp32) follow the SM count
+``sms`` (default 132, an H100 SXM). The torch path keeps torch's unfused optimizers, as it runs off
+CUDA (with weight decay or AdamW, temporaries of a gradient's size).
 
 Usage::
 

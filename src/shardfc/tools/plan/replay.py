@@ -19,8 +19,9 @@ no data, so any ``C`` costs nothing — and runs the step ``shardfc bench`` runs
   operator for given input shapes and scalars, so the chunk loop's repeated operators cost a lookup.
 
 With the head's ``impl="triton"`` or ``"gemm"`` the GPU launchers allocate their outputs on the meta device and
-launch nothing (:mod:`shardfc.head.fused`), and the row-sparse SGD takes its fused kernel, as both
-do on a CUDA GPU.
+launch nothing (:mod:`shardfc.head.fused`), and the optimizer is the one a CUDA run builds
+(:func:`fused_as_on_cuda`): torch's ``fused=True`` SGD/AdamW for fp32 centres (in place: the fused
+SGD, which has no meta kernel, allocates nothing) and the row-sparse SGD's fused kernel.
 
 Nothing here describes the head's buffers: a change in the head changes the replay.
 """
@@ -88,6 +89,8 @@ def _policy(func, args, kwargs):
         return torch.zeros(x.shape, dtype=kwargs.get("dtype") or x.dtype, device=kwargs.get("device"))
     if func is aten.copy_.default and args[1].device.type == "meta":
         return args[0].zero_()
+    if func is aten._fused_sgd_.default:  # torch's fused SGD (no meta kernel): updates in place, allocates nothing
+        return None
     return NotImplemented
 
 
@@ -246,13 +249,13 @@ def fake_world(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _meta_rows(start: int, stop: int, dim: int, seed: int) -> torch.Tensor:
+def _meta_rows(start: int, stop: int, dim: int, seed: int, device=None) -> torch.Tensor:
     return torch.empty(stop - start, dim, device=META)
 
 
 def build_head(num_classes: int, dim: int, dtype: torch.dtype, **options):
     """The head as the caller would build it, on the meta device. Its initial values are skipped
-    (``init_rows`` draws them on the CPU, block by block, for every class)."""
+    (``init_rows`` draws them block by block, for every class)."""
     from unittest import mock
 
     from shardfc.head import module
@@ -262,6 +265,36 @@ def build_head(num_classes: int, dim: int, dtype: torch.dtype, **options):
                           "values; it is gone: update shardfc/tools/plan/replay.py:build_head")
     with mock.patch.object(module, "init_rows", _meta_rows):
         return module.ShardedMarginHead(dim, num_classes, device=META, dtype=dtype, **options)
+
+
+@contextlib.contextmanager
+def fused_as_on_cuda() -> Iterator[None]:
+    """:func:`~shardfc.head.partial_fc.head_optimizer` choosing for meta parameters what it chooses
+    for CUDA ones of their dtype (torch's ``fused=True`` SGD/AdamW for fp32 centres), and torch
+    building that optimizer on the meta device (its check of the parameters' device lets meta pass)."""
+    import importlib
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from shardfc.head import partial_fc
+
+    # where torch's SGD / Adam(W) look the check up (torch.optim deletes these names from itself)
+    modules = [importlib.import_module(f"torch.optim.{name}") for name in ("optimizer", "sgd", "adam")]
+    checks = [m for m in modules if hasattr(m, "_device_dtype_check_for_fused")]
+    if not hasattr(partial_fc, "fused_optimizer_ok") or not checks:
+        raise ReplayError("shardfc plan replaces shardfc.head.partial_fc.fused_optimizer_ok and torch's "
+                          "_device_dtype_check_for_fused to replay the fused optimizer; one is gone: update "
+                          "shardfc/tools/plan/replay.py:fused_as_on_cuda")
+    choose = partial_fc.fused_optimizer_ok
+
+    def as_on_cuda(params):
+        return choose([SimpleNamespace(is_cuda=True, dtype=p.dtype) for p in params])
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(partial_fc, "fused_optimizer_ok", as_on_cuda))
+        for m in checks:
+            stack.enter_context(mock.patch.object(m, "_device_dtype_check_for_fused", lambda *a, **k: None))
+        yield
 
 
 # --------------------------------------------------------------------------- the step
@@ -295,8 +328,16 @@ def replay_step(
     head = build_head(num_classes, dim, dtype, **head_options)
     head.train()
     name = "adamw" if optimizer == "adamw" else "sgd"
-    opt = head_optimizer(head, name, lr=LR, momentum=MOMENTUM if optimizer == "sgd" else 0.0, weight_decay=weight_decay)
-    if head_options.get("impl") in ("triton", "gemm") and isinstance(opt, RowSparseSGD):
+    gpu = head_options.get("impl") in ("triton", "gemm")
+    # The GPU path's optimizer as a CUDA run builds it: torch's fused SGD/AdamW for fp32 centres, the
+    # row-sparse SGD's fused kernel.
+    stack = contextlib.ExitStack()
+    if gpu:
+        stack.enter_context(fused_as_on_cuda())
+    with stack:
+        opt = head_optimizer(head, name, lr=LR, momentum=MOMENTUM if optimizer == "sgd" else 0.0,
+                             weight_decay=weight_decay)
+    if gpu and isinstance(opt, RowSparseSGD):
         opt.fused = True  # as on a CUDA GPU, where the automatic choice is its fused kernel
     params = list(head.parameters())
     grad_serials: List[Optional[int]] = []
@@ -311,7 +352,7 @@ def replay_step(
             keep(shard, rows, grad)
 
         head._keep_row_grad = keep_and_note
-    with mode:
+    with fused_as_on_cuda() if gpu else contextlib.nullcontext(), mode:
         # warm-up: the state a step rests on (a kept .grad, the optimizer's buffers); a sparse_grad
         # head keeps no .grad between steps
         for p in params:
@@ -350,4 +391,4 @@ def replay_step(
     )
 
 
-__all__ = ["Replay", "ReplayError", "build_head", "fake_world", "replay_step"]
+__all__ = ["Replay", "ReplayError", "build_head", "fake_world", "fused_as_on_cuda", "replay_step"]

@@ -1,0 +1,148 @@
+"""Where a step's time goes (``--profile``'s phases), and no host sync in the loop between its log points."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardfc.train import loop
+from shardfc.train.loop import train
+from shardfc.train.phases import PHASES, PhaseClock, format_phases, summarize_phases
+from shardfc.train.profile import profile_path
+
+from .tiny import tiny_config
+
+
+class _FakeTime:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_clock_charges_each_phase_the_time_since_the_previous_lap(monkeypatch):
+    fake = _FakeTime()
+    monkeypatch.setattr("shardfc.train.phases.time.perf_counter", fake)
+    clock = PhaseClock("cpu")
+    clock.begin_step()
+    fake.now = 5.0
+    clock.lap("forward")
+    clock.end_step("optimizer")
+    assert clock.steps == []  # not enabled: nothing read, nothing kept
+    clock.enabled = True
+    for forward in (0.002, 0.004):
+        clock.begin_step()
+        fake.now += 0.001
+        clock.lap("loader wait")
+        fake.now += forward
+        clock.lap("forward")
+        fake.now += 0.0005
+        clock.lap("loader wait")  # a second micro-batch adds to the phase
+        fake.now += 0.0001
+        clock.end_step("logging/metrics")
+    clock.begin_step()
+    clock.drop_step()  # a step that trained nothing
+    clock.lap("forward")  # no open step: ignored
+    assert clock.steps == [pytest.approx({"loader wait": 0.0015, "forward": f, "logging/metrics": 0.0001})
+                           for f in (0.002, 0.004)]
+    s = summarize_phases(clock.steps)
+    assert list(s["ms_per_step"]) == ["loader wait", "forward", "logging/metrics"]  # in the step's order
+    assert s["ms_per_step"]["forward"] == pytest.approx(3.0) and s["total_ms"] == pytest.approx(4.6)
+    assert s["outside_ms"] == pytest.approx(0.1) and s["outside_share"] == pytest.approx(0.1 / 4.6)
+    table = format_phases(s, beside=s, beside_name="ceiling")
+    assert "| forward | 3.000 | 65.2% | 3.000 |" in table and "| step | 4.600 | 100% | 4.600 |" in table
+    assert "| outside the data path and the bare step | 0.100 | 2.2% | 0.100 |" in table
+
+
+def test_the_head_phase_ends_when_the_backward_reaches_the_embeddings(monkeypatch):
+    fake = _FakeTime()
+    monkeypatch.setattr("shardfc.train.phases.time.perf_counter", fake)
+    clock = PhaseClock("cpu", enabled=True)
+    x = torch.ones(3, requires_grad=True)
+    clock.begin_step()
+    embeddings = x * 2
+    clock.lap_on_backward(embeddings, "head")
+    loss = (embeddings**2).sum()
+    fake.now = 1.0
+    hooked = torch.Tensor.register_hook
+
+    def later(t, fn):  # the head's backward takes 2 s, then the backbone's 3 s
+        def timed(grad):
+            fake.now += 2.0
+            fn(grad)
+            fake.now += 3.0
+        return hooked(t, timed)
+
+    monkeypatch.setattr(torch.Tensor, "register_hook", later)
+    embeddings = x * 2
+    clock.lap_on_backward(embeddings, "head")
+    (embeddings**2).sum().backward()
+    clock.end_step("backward")
+    assert clock.steps == [{"head": 3.0, "backward": 3.0}]
+    del loss
+
+
+#: Tensor methods that read a value back to the host (a GPU sync when the tensor is on a GPU).
+_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__format__", "__repr__", "nonzero", "cpu", "numpy")
+#: Code that reads host tensors by design: the data on its way in, the (host) stop flag.
+_HOST_SIDE = ("shardfc/data/", "shardfc/train/data.py", "shardfc/train/stopping.py")
+
+
+def test_the_loop_reads_no_tensor_back_between_its_log_points(tmp_path, monkeypatch):
+    """One process on the CPU, 4 steps, a report every 2: every read of a tensor value from shardfc's
+    code (other than the data's and the stop flag's host tensors) inside a step happens in a report,
+    but for the head's one read per forward."""
+    where = {"step": False, "report": False}
+    reads = []
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if where["step"] and not where["report"]:
+                frame = sys._getframe(1)
+                while frame is not None and "/shardfc/" not in frame.f_code.co_filename.replace("\\", "/"):
+                    frame = frame.f_back  # torch's own code: charged to the shardfc line that called it
+                if frame is not None:
+                    path = frame.f_code.co_filename.replace("\\", "/")
+                    if not any(zone in path for zone in _HOST_SIDE):
+                        reads.append(f"{name} at {path.split('/shardfc/')[-1]}:{frame.f_lineno}")
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name in _READS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+
+    def flagged(key, fn):
+        def wrapped(*args, **kwargs):
+            where[key] = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                where[key] = False
+        return wrapped
+
+    monkeypatch.setattr(loop, "trainer_step", flagged("step", loop.trainer_step))
+    monkeypatch.setattr(loop, "report", flagged("report", loop.report))
+    cfg = tiny_config(tmp_path, nproc=1, max_steps=4, log_every=2, eval_every=0, ckpt_every=0,
+                      synthetic_val_pairs=0, profile=True, grad_clip=5.0)
+    train(cfg)
+    # The head's one read per forward: its input checks, read with the batch-size exchange that a
+    # process group needs anyway (head/validation.py); a second read anywhere fails here.
+    exchange = [r for r in reads if r.startswith("tolist at head/validation.py:")]
+    others = [r for r in reads if r not in exchange]
+    assert others == [], "\n".join(others)
+    assert len(exchange) == cfg.max_steps * cfg.grad_accum
+    # --profile split every step into the loop's phases, and rank 0 logged their table
+    p = json.loads(profile_path(Path(tmp_path), 0).read_text())
+    assert len(p["step_phases_s"]) == 4
+    for step in p["step_phases_s"]:
+        assert set(step) == set(PHASES) and min(step.values()) >= 0
+    log = (Path(tmp_path) / "train.log").read_text()
+    assert "where a step's time went" in log and "| outside the data path and the bare step |" in log
