@@ -563,6 +563,21 @@ class ShardedMarginHead(nn.Module):
         :func:`shardfc.head.sharded_state.load_sharded_state`)."""
         _state.load_sharded_state(self, state, optimizer)
 
+    def grow(self, n: int, rows=None, optimizer: Optional[torch.optim.Optimizer] = None) -> "ShardedMarginHead":
+        """Add ``n`` classes (ids ``C .. C + n - 1``) in place, keeping every trained row and its
+        optimizer state bit-identical and rebalancing the shards (see
+        :func:`shardfc.head.grow.grow_head`; collective in process-group mode).
+
+        Args:
+            n: classes to add.
+            rows: their centres: ``[n, D]`` (``[n, K, D]`` with sub-centres), a function of a range
+                of new class ids giving those rows, or None for the seeded random rows.
+            optimizer: the head's optimizer, whose parameters and per-row state grow with it.
+        """
+        from shardfc.head.grow import grow_head
+
+        return grow_head(self, n, rows, optimizer)
+
     # ------------------------------------------------------------------ predict
     @torch.no_grad()
     def predict(self, embeddings: Tensor, k: int = 5) -> Tuple[Tensor, Tensor]:
