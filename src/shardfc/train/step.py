@@ -18,10 +18,11 @@ from shardfc.train.strategy import is_horovod_optimizer
 
 
 def train_step(
-    parts: Parts, stream: Iterator, state: RunState, cfg: TrainConfig, ctx: DistContext, autocast
+    parts: Parts, stream: Iterator, state: RunState, cfg: TrainConfig, ctx: DistContext, autocast, frozen: bool = False
 ) -> Tuple[torch.Tensor, List[Tuple[str, str]]]:
     """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, (name, reason) of the
-    corrupt images skipped)."""
+    corrupt images skipped). ``frozen``: the backbone runs without autograd (head-only warm-up), so
+    it gets no gradient and its optimizer moves nothing."""
     # set_to_none=True is torch's default; Horovod's DistributedOptimizer.zero_grad() takes no argument.
     parts.opt_backbone.zero_grad()
     # The head's gradient buffer is kept: its backward then adds into it in place, block by block,
@@ -41,7 +42,7 @@ def train_step(
         with sync:
             with autocast():
                 # Both losses are already means over the global micro-batch.
-                loss = micro_batch_loss(parts, images, labels, cfg.triplet_weight) / cfg.grad_accum
+                loss = micro_batch_loss(parts, images, labels, cfg.triplet_weight, frozen) / cfg.grad_accum
             parts.scaler.scale(loss).backward()
         loss_sum += loss.detach().float()
         state.samples_seen += images.shape[0] * ctx.world_size
@@ -49,9 +50,15 @@ def train_step(
     return loss_sum, corrupt
 
 
-def micro_batch_loss(parts: Parts, images: torch.Tensor, labels: torch.Tensor, triplet_weight: float) -> torch.Tensor:
+def micro_batch_loss(parts: Parts, images: torch.Tensor, labels: torch.Tensor, triplet_weight: float,
+                     frozen: bool = False) -> torch.Tensor:
     """The head's classification loss of the embeddings, plus the weighted triplet loss of the
-    features before the neck when the run has one (the re-ID strong baseline)."""
+    features before the neck when the run has one (the re-ID strong baseline). ``frozen``: the
+    backbone's forward without autograd, the head's loss alone (the triplet would train nothing)."""
+    if frozen:
+        with torch.no_grad():
+            embeddings = parts.backbone(images)
+        return parts.head(embeddings, labels)
     if parts.triplet is None:
         return parts.head(parts.backbone(images), labels)
     features, embeddings = parts.backbone(images, with_features=True)
