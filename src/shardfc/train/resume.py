@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from shardfc import checkpoint as ckpt
-from shardfc.checkpoint.format import read_meta
 from shardfc.checkpoint import step_of
+from shardfc.checkpoint.format import read_meta
 from shardfc.parallel.context import DistContext
 from shardfc.seeding import seed_all
 from shardfc.train.build import Run, rank_seed
