@@ -46,7 +46,7 @@ def train_step(
             parts.scaler.scale(loss).backward()
         loss_sum += loss.detach().float()
         state.samples_seen += images.shape[0] * ctx.world_size
-    apply_gradients(parts, cfg.grad_clip, ctx)
+    apply_gradients(parts, cfg.grad_clip, ctx, frozen=frozen)
     return loss_sum, corrupt
 
 
@@ -65,14 +65,17 @@ def micro_batch_loss(parts: Parts, images: torch.Tensor, labels: torch.Tensor, t
     return parts.head(embeddings, labels) + triplet_weight * parts.triplet(features, labels)
 
 
-def apply_gradients(parts: Parts, grad_clip: float, ctx: DistContext, pipeline: Optional[PipelinePlan] = None) -> None:
+def apply_gradients(parts: Parts, grad_clip: float, ctx: DistContext, pipeline: Optional[PipelinePlan] = None,
+                    frozen: bool = False) -> None:
     """Average (Horovod), unscale (fp16), clip, and step both optimizers and their schedules: the end of a step.
 
     ``pipeline``: this rank holds one stage (and the head only on the last stage), so the backbone's
     gradient norm is summed over the stages and the head's over the last stage's ranks.
+    ``frozen``: a head-only warm-up step; the backbone optimizer does not step (Horovod's would
+    all-reduce zero gradients and let weight decay move the frozen weights).
     """
     horovod = is_horovod_optimizer(parts.opt_backbone)
-    if horovod:
+    if horovod and not frozen:
         # The averaged backbone gradients now, before the overflow check and the clipping read them;
         # the optimizer's step must then not synchronise again.
         parts.opt_backbone.synchronize()
@@ -92,8 +95,9 @@ def apply_gradients(parts: Parts, grad_clip: float, ctx: DistContext, pipeline: 
             clip_stage_grads_(params, grad_clip, pipeline)
             if parts.head is not None:
                 clip_head_grad_(parts.head, grad_clip, pipeline.layout.replica_ctx)
-    with parts.opt_backbone.skip_synchronize() if horovod else contextlib.nullcontext():
-        parts.scaler.step(parts.opt_backbone)
+    if not frozen:
+        with parts.opt_backbone.skip_synchronize() if horovod else contextlib.nullcontext():
+            parts.scaler.step(parts.opt_backbone)
     if parts.opt_head is not None:
         parts.scaler.step(parts.opt_head)
     parts.scaler.update()
