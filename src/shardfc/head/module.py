@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -563,7 +563,10 @@ class ShardedMarginHead(nn.Module):
         :func:`shardfc.head.sharded_state.load_sharded_state`)."""
         _state.load_sharded_state(self, state, optimizer)
 
-    def grow(self, n: int, rows=None, optimizer: Optional[torch.optim.Optimizer] = None) -> "ShardedMarginHead":
+    def grow(
+        self, n: int, rows: Union[Tensor, Callable[[range], Tensor], None] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+    ) -> "ShardedMarginHead":
         """Add ``n`` classes (ids ``C .. C + n - 1``) in place, keeping every trained row and its
         optimizer state bit-identical and rebalancing the shards (see
         :func:`shardfc.head.grow.grow_head`; collective in process-group mode).
