@@ -54,7 +54,7 @@ def measure(parts, cfg: TrainConfig) -> dict:
     return {"verification": verification, "top1": top1}
 
 
-def fine_tune_table(out: Path, pretrain_steps: int, steps: int) -> list:
+def fine_tune_table(out: Path, pretrain_steps: int, steps: int, **options) -> list:
     pre = TrainConfig(**COMMON, synthetic_identities=200, synthetic_images_per_identity=20, seed=0,
                       max_steps=pretrain_steps, ckpt_every=0, output_dir=str(out / "pretrain"))
     if not (out / "pretrain" / "checkpoints").is_dir():
@@ -63,13 +63,14 @@ def fine_tune_table(out: Path, pretrain_steps: int, steps: int) -> list:
     for init in ("random", "imprint"):
         cfg = TrainConfig(**COMMON, synthetic_identities=100, synthetic_images_per_identity=10, seed=1,
                           init_from=str(out / "pretrain"), head_init=init, max_steps=steps, ckpt_every=50, keep_last=0,
-                          output_dir=str(out / f"ft-{init}"), resume="none").validate()
+                          output_dir=str(out / "-".join([f"ft-{init}"] + [f"{k}{v}" for k, v in options.items()])),
+                          resume="none", **options).validate()
         path = resolve_init_from(cfg.init_from)
         started = time.time()
         run = build_run(cfg, DistContext(), classes_from=(path, True))
         init_from(run, path, cfg)
         setup_s = time.time() - started
-        row = {"head_init": init, "init_s": round(setup_s, 2), 0: measure(run.parts, cfg)}
+        row = {"head_init": init, **options, "init_s": round(setup_s, 2), 0: measure(run.parts, cfg)}
         summary = train_cli.run(cfg)
         row["train_s"] = round(summary["wall_time_s"], 1)
         for step in (50, steps):
@@ -115,12 +116,17 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="folder for the fine-tuning runs (the table)")
     p.add_argument("--pretrain-steps", type=int, default=600)
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--backbone-lr-mult", type=float, default=1.0, help="fine-tuning runs: --backbone-lr-mult")
+    p.add_argument("--head-warmup-steps", type=int, default=0, help="fine-tuning runs: --head-warmup-steps")
     p.add_argument("--imprint-classes", type=int, default=0, help="time imprinting this many classes")
+    p.add_argument("--imprint-dim", type=int, default=128, help="embedding width of the imprinting timing")
     args = p.parse_args()
     if args.imprint_classes:
-        print(json.dumps(imprint_timing(args.imprint_classes)), flush=True)
+        print(json.dumps(imprint_timing(args.imprint_classes, args.imprint_dim)), flush=True)
     if args.out:
-        fine_tune_table(args.out, args.pretrain_steps, args.steps)
+        options = {k: v for k, v in (("backbone_lr_mult", args.backbone_lr_mult),
+                                     ("head_warmup_steps", args.head_warmup_steps)) if v != {"backbone_lr_mult": 1.0}.get(k, 0)}
+        fine_tune_table(args.out, args.pretrain_steps, args.steps, **options)
 
 
 if __name__ == "__main__":
