@@ -82,6 +82,12 @@ class _FileImageDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    @property
+    def class_names(self) -> List[str]:
+        """The identity behind each class id, as text (a checkpoint records them, so a grown or
+        reordered dataset maps every identity to its old row): here the label numbers."""
+        return [str(i) for i in range(self.num_classes)]
+
     def set_epoch(self, epoch: int) -> None:
         """The epoch ``dataset[i]`` draws its augmentation for (see the module docstring)."""
         self.epoch = int(epoch)
@@ -208,6 +214,11 @@ class ImageFolderDataset(_FileImageDataset):
                 f"(found {len(self.classes)} sub-folders; extensions: {sorted(IMG_EXTENSIONS)})"
             )
         self.num_classes = len(self.classes)
+
+    @property
+    def class_names(self) -> List[str]:
+        """The identity folder names, ``class_names[label]`` (= :attr:`classes`)."""
+        return list(self.classes)
 
 
 class ListFileDataset(_FileImageDataset):

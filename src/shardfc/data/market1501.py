@@ -73,3 +73,8 @@ class Market1501TrainDataset(_FileImageDataset):
         self.samples = [(path, label_of[pid]) for path, pid, _ in found]
         self.cams = [cam for _, _, cam in found]
         self.num_classes = len(self.pids)
+
+    @property
+    def class_names(self) -> List[str]:
+        """The person ids of the file names, as text: ``class_names[label]``."""
+        return [str(pid) for pid in self.pids]

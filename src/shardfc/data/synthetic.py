@@ -21,7 +21,7 @@ seen in training, used by :meth:`verification_pairs`.
 from __future__ import annotations
 
 import math
-from typing import Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -139,6 +139,12 @@ class SyntheticIdentities(Dataset):
 
     def __len__(self) -> int:
         return self.num_identities * self.images_per_identity
+
+    @property
+    def class_names(self) -> List[str]:
+        """``"synthetic-s<seed>-<identity>"``: identity ``i`` of one seed is the same person in a
+        data set of any size, and no identity of another seed."""
+        return [f"synthetic-s{self.seed}-{i:05d}" for i in range(self.num_identities)]
 
     def __getitem__(self, index: int) -> Tuple[torch.Tensor, int]:
         n = len(self)

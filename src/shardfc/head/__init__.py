@@ -10,16 +10,20 @@
     validation.py   input checks that raise on every rank
     normalize.py    L2 normalisation with a finite gradient at zero
     layout.py       which class ids each shard holds
+    grow.py         growing a head by new classes, old rows and optimizer state kept
+    imprint.py      imprinted centres: the normalised mean embedding of each class, sharded
     reference.py    the plain dense implementation everything is tested against
     baselines.py    NaiveParallelHead, ReplicatedHead (for comparison in bench)
     triplet.py      BatchHardTripletLoss over the global batch (the re-ID recipe's metric loss)
 """
 
 from shardfc.head import margins, partial_fc, subcenters
+from shardfc.head.grow import grow_head, grown_state
+from shardfc.head.imprint import Imprinted, imprint_centres
 from shardfc.head.module import ShardedMarginHead
 from shardfc.head.partial_fc import head_optimizer
 from shardfc.head.reference import reference_loss
 from shardfc.head.triplet import BatchHardTripletLoss
 
-__all__ = ["BatchHardTripletLoss", "ShardedMarginHead", "head_optimizer", "margins", "partial_fc", "reference_loss",
-           "subcenters"]
+__all__ = ["BatchHardTripletLoss", "Imprinted", "ShardedMarginHead", "grow_head", "grown_state", "head_optimizer",
+           "imprint_centres", "margins", "partial_fc", "reference_loss", "subcenters"]

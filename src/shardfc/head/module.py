@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -575,6 +575,24 @@ class ShardedMarginHead(nn.Module):
         """Load a :meth:`sharded_state` dict saved with any sharding into the local shards (see
         :func:`shardfc.head.sharded_state.load_sharded_state`)."""
         _state.load_sharded_state(self, state, optimizer)
+
+    def grow(
+        self, n: int, rows: Union[Tensor, Callable[[range], Tensor], None] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+    ) -> "ShardedMarginHead":
+        """Add ``n`` classes (ids ``C .. C + n - 1``) in place, keeping every trained row and its
+        optimizer state bit-identical and rebalancing the shards (see
+        :func:`shardfc.head.grow.grow_head`; collective in process-group mode).
+
+        Args:
+            n: classes to add.
+            rows: their centres: ``[n, D]`` (``[n, K, D]`` with sub-centres), a function of a range
+                of new class ids giving those rows, or None for the seeded random rows.
+            optimizer: the head's optimizer, whose parameters and per-row state grow with it.
+        """
+        from shardfc.head.grow import grow_head
+
+        return grow_head(self, n, rows, optimizer)
 
     # ------------------------------------------------------------------ predict
     @torch.no_grad()

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Tuple
 
 import torch
@@ -20,6 +21,7 @@ from shardfc.models import input_size as default_input_size
 from shardfc.parallel.context import DistContext
 from shardfc.seeding import mix_seed, seed_all
 from shardfc.train import cpu
+from shardfc.train.classes import ClassPlan
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.data import rank_batches, train_dataset
 from shardfc.train.pipeline_train import PipelinePlan, build_pipeline_parts, pipeline_layout
@@ -96,13 +98,14 @@ def build_parts(
         **head_placement(cfg, ctx),
     )
     trainable = [p for p in backbone.parameters() if p.requires_grad]
+    backbone_lr = cfg.lr * cfg.backbone_lr_mult  # fine-tuning: a gentler backbone than head
     if cfg.optimizer == "sgd":
         opt_backbone: torch.optim.Optimizer = torch.optim.SGD(
-            trainable, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov
+            trainable, lr=backbone_lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov
         )
     else:
         opt_backbone = torch.optim.AdamW(
-            trainable, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+            trainable, lr=backbone_lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
         )
     opt_backbone = wrap_backbone_optimizer(cfg, ctx, backbone, opt_backbone)
     opt_head = head_optimizer(
@@ -194,6 +197,8 @@ class Run:
     """Strategy 'pipeline': this rank's stage, schedule and the whole backbone's layout."""
     channels_last: bool = False
     """The backbone is in channels_last, so its input batches are made so too (:func:`use_channels_last`)."""
+    classes: Optional[ClassPlan] = None
+    """Which head row each identity has, against the checkpoint the run starts from (None: none)."""
 
     @property
     def num_classes(self) -> int:
@@ -205,15 +210,22 @@ class Run:
         return self.pipeline.layout.replica_ctx if self.pipeline is not None else self.ctx
 
 
-def build_run(cfg: TrainConfig, ctx: DistContext, clock=None) -> Run:
+def build_run(cfg: TrainConfig, ctx: DistContext, clock=None, classes_from: Optional[Tuple[Path, bool]] = None) -> Run:
     """Data, batches, schedule length and parts; the backbone initialisation is the same on every rank.
 
     ``clock``: a :class:`~shardfc.train.profile.StartupClock` that gets a mark per phase (``--profile``).
+    ``classes_from``: ``(checkpoint, is --init-from)`` the run starts from: its recorded class names
+    decide the head's classes and the dataset's labels (:mod:`~shardfc.train.classes`).
     """
     mark = clock.mark if clock is not None else (lambda name: None)
     amp_dtype = resolve_amp_dtype(cfg, ctx.device)
     image_size = resolve_image_size(cfg)
     dataset = train_dataset(cfg, image_size)
+    class_plan = None
+    if classes_from is not None:
+        from shardfc.train.fine_tune import plan_run_classes
+
+        dataset, class_plan = plan_run_classes(cfg, dataset, *classes_from)
     mark("dataset")
     layout = pipeline_layout(cfg, ctx) if cfg.strategy == "pipeline" else None
     data_ctx = layout.replica_ctx if layout is not None else ctx  # also the head's ranks
@@ -236,7 +248,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, clock=None) -> Run:
         parts = build_parts(cfg, ctx, dataset.num_classes, image_size, total_steps, amp_dtype)
         mark("model, head and optimizers")
         return Run(ctx, image_size, dataset, batches, total_steps, amp_dtype, parts,
-                   channels_last=use_channels_last(cfg, ctx.device, parts.module))
+                   channels_last=use_channels_last(cfg, ctx.device, parts.module), classes=class_plan)
     parts, plan = build_pipeline_parts(
         cfg, ctx, layout, dataset.num_classes, image_size, amp_dtype, autocast_factory(ctx.device, amp_dtype)
     )
@@ -245,7 +257,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, clock=None) -> Run:
         for o in (parts.opt_backbone, parts.opt_head) if o is not None
     ]
     mark("pipeline stage, head and optimizers")
-    return Run(ctx, image_size, dataset, batches, total_steps, amp_dtype, parts, plan)
+    return Run(ctx, image_size, dataset, batches, total_steps, amp_dtype, parts, plan, classes=class_plan)
 
 
 def run_context(cfg: TrainConfig, group: Optional[dist.ProcessGroup]) -> DistContext:

@@ -262,6 +262,18 @@ class TrainConfig:
     eval_flip: bool = True
     """Add the embedding of the mirrored image at evaluation (insightface protocol)."""
 
+    # ------------------------------------------------------------------ classes (fine-tuning, growing)
+    init_from: str = ""
+    """Start a new run from a trained model: a shardfc checkpoint folder (a step_* folder, or a run folder whose newest checkpoint is taken), e.g. an `shardfc import-arcface` output. Its backbone is loaded; its head too where its classes are this dataset's (grown by the new ones), else a new head is built for the dataset's classes (--head-init). Ignored when --resume finds a checkpoint of this run."""
+    head_init: str = "random"
+    """Rows of classes the checkpoint has no row for (a fine-tuning run's, or identities added since): 'random' (seeded N(0, 0.01)) or 'imprint' (the normalised mean embedding of the class's images under the loaded backbone: one sharded pass over the data before the first step)."""
+    head_warmup_steps: int = 0
+    """Train only the head for this many first steps: the backbone frozen (eval mode, no gradient, no update), then trained as usual."""
+    backbone_lr_mult: float = 1.0
+    """The backbone's learning rate is lr times this (the head's is lr): below 1 to fine-tune a trained backbone gently."""
+    on_missing_classes: str = "error"
+    """When the checkpoint has classes the dataset lacks (vanished or renamed identities, or no class names to tell): 'error' (refuse, naming them), 'keep' (keep their rows, without images: no identity changes row) or 'fresh' (a new head for the dataset's classes; only the backbone is kept)."""
+
     # ------------------------------------------------------------------ derived helpers
     def margin_params(self) -> Dict[str, Any]:
         """Keyword arguments of :func:`shardfc.head.margins.build_margin` for ``self.margin``."""
@@ -379,6 +391,7 @@ class TrainConfig:
             raise ConfigError("output_dir must not be empty")
         if self.strategy == "pipeline":
             self._validate_pipeline()
+        _validate_classes(self)
         return self
 
     def _validate_pipeline(self) -> None:
@@ -404,7 +417,7 @@ class TrainConfig:
 DEFAULT_OUTPUT_DIR = "shardfc_runs/synthetic"
 
 #: The fields that name files or folders (``val_bins`` is a list of them).
-PATH_FIELDS = ("data_root", "list_file", "output_dir", "reid_root", "val_bins")
+PATH_FIELDS = ("data_root", "list_file", "output_dir", "reid_root", "val_bins", "init_from")
 
 
 def absolute_paths(cfg: TrainConfig, base: "str | os.PathLike[str] | None" = None) -> TrainConfig:
@@ -435,6 +448,20 @@ _MARGIN_FIELDS = {
     "adaface": ("scale", "m", "adaface_h", "adaface_momentum"),
     "magface": ("scale", "magface_l_a", "magface_u_a", "magface_l_m", "magface_u_m", "magface_lambda_g"),
 }
+
+
+def _validate_classes(cfg: TrainConfig) -> None:
+    """The fine-tuning and class-growing options (docs/classes.md)."""
+    _choice(cfg, "head_init", ("random", "imprint"))
+    _choice(cfg, "on_missing_classes", ("error", "keep", "fresh"))
+    _at_least(cfg, "head_warmup_steps", 0)
+    if not cfg.backbone_lr_mult >= 0:
+        raise ConfigError(f"backbone_lr_mult must be >= 0, got {cfg.backbone_lr_mult!r}")
+    if cfg.strategy == "pipeline" and (cfg.head_init == "imprint" or cfg.head_warmup_steps):
+        raise ConfigError(
+            f"strategy='pipeline' cuts the backbone into stages: head_init={cfg.head_init!r} and head_warmup_steps="
+            f"{cfg.head_warmup_steps!r} need it whole on each rank; use strategy 'ddp' for them"
+        )
 
 
 def _validate_reid(cfg: TrainConfig) -> None:
@@ -490,6 +517,7 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
             "amp", "channels_last", "compile", "seed", "nproc", "device", "threads", "output_dir", "resume", "log_every", "progress",
             "profile", "eval_every", "ckpt_every", "keep_last", "save_on_signal", "pg_timeout", "trust_checkpoint"),
     "eval": ("val_bins", "reid_root", "synthetic_val_pairs", "eval_batch_size", "eval_flip"),
+    "classes": ("init_from", "head_init", "head_warmup_steps", "backbone_lr_mult", "on_missing_classes"),
 }
 _SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}

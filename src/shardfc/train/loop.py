@@ -30,6 +30,7 @@ from shardfc.train.config import TrainConfig, absolute_paths, to_toml
 from shardfc.train.cpu import apply_threads
 from shardfc.train.data import micro_batches
 from shardfc.train.evaluate import build_targets
+from shardfc.train.fine_tune import init_from, resolve_init_from
 from shardfc.train.phases import OFF, PhaseClock, format_phases, summarize_phases
 from shardfc.train.pipeline_train import pipeline_step, stage_stream, whole_backbone
 from shardfc.train.profile import StartupClock, StepProfiler, count_ddp_traffic, profile_path
@@ -67,8 +68,14 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         threads = apply_threads(cfg.threads, cfg.strategy, ctx.world_size)  # before any work, in every process
         mark = startup.mark if startup is not None else (lambda name: None)
         mark("process group and threads")
-        # ---- build: data, model and optimizers (the same initialisation on every rank), evaluation
-        run = build_run(cfg, ctx, startup)
+        # ---- build: data, model and optimizers (the same initialisation on every rank), evaluation;
+        # the checkpoint the run starts from says which head row each identity has
+        resume_from = resume_path(cfg, ctx)
+        init_path = resolve_init_from(cfg.init_from) if cfg.init_from and resume_from is None else None
+        if cfg.init_from and resume_from is not None and ctx.is_main:
+            logger.info("init_from=%s ignored: this run resumes from its own checkpoint %s", cfg.init_from, resume_from)
+        start_from = (resume_from, False) if resume_from is not None else (init_path, True) if init_path else None
+        run = build_run(cfg, ctx, startup, classes_from=start_from)
         parts = run.parts
         seed_all(rank_seed(cfg.seed, run.data_ctx.rank, 0))  # then per-replica augmentation / dropout streams
         autocast = autocast_factory(ctx.device, run.amp_dtype)
@@ -80,9 +87,11 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
 
         # ---- resume: the newest complete checkpoint, saved on any number of ranks
         state = RunState(batches_per_epoch=len(run.batches))
-        resume_from = resume_path(cfg, ctx)
         if resume_from is not None:
             state = _restore(run, resume_from, cfg)
+        elif init_path is not None:  # a trained model on this run's classes: step 0, fresh optimizers
+            init_from(run, init_path, cfg)
+            sync_after_restore(run.ctx, run.parts)
         if ctx.is_main:  # only now: a refused resume leaves the earlier run's config.toml alone
             (out / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
         runlog.start_at(state.step)
@@ -186,9 +195,12 @@ def trainer_step(run, batches, state: RunState, cfg: TrainConfig, autocast, stop
         clock.drop_step()
         return stop
     crash_if_asked(ctx.rank, state.step)
+    frozen = state.step < cfg.head_warmup_steps  # head-only warm-up: the backbone frozen
+    if frozen or state.step == cfg.head_warmup_steps:
+        parts.backbone.train(not frozen)
     with profiler.step(state) if profiler else contextlib.nullcontext():
         if run.pipeline is None:
-            loss, corrupt = train_step(parts, batches, state, cfg, ctx, autocast, clock)
+            loss, corrupt = train_step(parts, batches, state, cfg, ctx, autocast, clock, frozen=frozen)
         else:
             loss, corrupt = pipeline_step(parts, run.pipeline, batches, state, cfg, ctx, autocast)
             clock.lap("pipeline schedule")
@@ -219,7 +231,7 @@ def load_parts(cfg: TrainConfig, path: Path, group: Optional[dist.ProcessGroup] 
     Collective over ``group`` (DDP's construction broadcasts the backbone): call it on every rank.
     """
     cfg.validate()
-    run = build_run(cfg, run_context(cfg, group))
+    run = build_run(cfg, run_context(cfg, group), classes_from=(Path(path), False))
     return run.parts, _restore(run, Path(path), cfg)
 
 

@@ -16,10 +16,13 @@ import torch
 
 from shardfc import checkpoint as ckpt
 from shardfc.checkpoint import step_of
+from shardfc.checkpoint.format import read_meta
 from shardfc.parallel.context import DistContext
 from shardfc.seeding import seed_all
 from shardfc.train.build import Run, rank_seed
+from shardfc.train.classes import ClassPlan
 from shardfc.train.config import ConfigError, TrainConfig
+from shardfc.train.fine_tune import fresh_rows, head_state_for, load_kept
 from shardfc.train.pipeline_train import load_whole_backbone_state, whole_backbone_state
 from shardfc.train.schedule import apply_schedule
 from shardfc.train.state import RunState
@@ -76,6 +79,8 @@ def _common(run: Run, state: RunState, cfg: TrainConfig, backbone: Dict[str, Any
         "batch_size": cfg.batch_size,
         # Text, read back by shardfc.train.artifacts.saved_config: the file stays plain data.
         "config_json": json.dumps(dataclasses.asdict(cfg)),
+        # Which identity each head row is: a grown or reordered dataset keeps every identity's row.
+        "class_names": run.classes.names if run.classes is not None else getattr(run.dataset, "class_names", None),
     }
 
 
@@ -158,17 +163,12 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
     """
     parts, ctx, num_classes, image_size = run.parts, run.ctx, run.num_classes, run.image_size
     batches_per_epoch, total_steps = len(run.batches), run.total_steps
-    # A pipeline rank before the last stage holds no head rows: it reads the common state only.
-    layout = parts.head.state_layout() if parts.head is not None else {"num_classes": num_classes, "class_range": range(0)}
+    # The classes the checkpoint keeps (all of them unless the dataset's identity set grew; none
+    # for --on-missing-classes fresh), read by class range; a pipeline rank before the last stage
+    # holds no head rows: it reads the common state only.
+    plan = run.classes if run.classes is not None else ClassPlan(list(map(str, range(num_classes))), None, num_classes)
     try:
-        loaded = ckpt.load_checkpoint(
-            path,
-            **layout,
-            fingerprint=fingerprint(cfg, num_classes, image_size),
-            map_location="cpu",
-            rank=ctx.rank,
-            trust_pickle=cfg.trust_checkpoint,
-        )
+        loaded = load_kept(run, cfg, path, plan, fingerprint(cfg, int(read_meta(path)["num_classes"]), image_size))
     except ValueError as e:  # another model or class count: say how to get going
         raise ConfigError(f"cannot resume: {e}. Train it in a new --output-dir (or pass --resume none there)") from e
     common = loaded.common
@@ -182,8 +182,15 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
         logger.info("%s holds no backbone optimizer state (imported from %s): it starts fresh",
                     path, common.get("imported_from", "elsewhere"))
     if parts.head is not None:
-        # The head's rows, Partial FC step and optimizer rows: this rank's classes, whatever the saved sharding.
-        parts.head.load_sharded_state(loaded.head_state, parts.opt_head)
+        # The head's rows, Partial FC step and optimizer rows: this rank's classes, whatever the saved
+        # sharding; new classes' rows after them (imprinted with the backbone just loaded).
+        head_state = head_state_for(run, cfg, loaded, plan, with_optimizer=True)
+        if head_state is None:
+            fresh_rows(run, cfg)
+        else:
+            parts.head.load_sharded_state(head_state, parts.opt_head)
+    if plan.kept != num_classes and ctx.is_main:
+        logger.info("head: %s; new rows: %s", plan.note, cfg.head_init)
     for s, saved in zip(parts.schedulers, common.get("schedulers", [])):
         s.load_state_dict(saved)
     if parts.scaler.is_enabled() and common.get("scaler"):

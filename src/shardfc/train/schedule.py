@@ -42,16 +42,18 @@ def apply_schedule(parts: Parts, cfg: TrainConfig, total_steps: int, step: int) 
     saved = parts.schedulers[0]
     before = (saved.base_lrs[0], vars(saved.lr_lambdas[0]))
     for s in parts.schedulers:
+        # The backbone's peak is lr x backbone_lr_mult (fine-tuning), the head's lr.
+        peak = cfg.lr * (cfg.backbone_lr_mult if s.optimizer is parts.opt_backbone else 1.0)
         s.lr_lambdas = [WarmupDecay(cfg, total_steps) for _ in s.optimizer.param_groups]
-        s.base_lrs = [cfg.lr for _ in s.optimizer.param_groups]
+        s.base_lrs = [peak for _ in s.optimizer.param_groups]
         s.last_epoch = step
         for group, fn in zip(s.optimizer.param_groups, s.lr_lambdas):
-            group["initial_lr"] = cfg.lr
-            group["lr"] = cfg.lr * fn(step)
-    if before != (cfg.lr, vars(parts.schedulers[0].lr_lambdas[0])):
+            group["initial_lr"] = peak
+            group["lr"] = peak * fn(step)
+    if before != (saved.base_lrs[0], vars(parts.schedulers[0].lr_lambdas[0])):
         logger.info(
             "the schedule differs from the checkpoint's (lr %g, %s); following this run's: lr %g, %s",
-            before[0], before[1], cfg.lr, vars(parts.schedulers[0].lr_lambdas[0]),
+            before[0], before[1], saved.base_lrs[0], vars(parts.schedulers[0].lr_lambdas[0]),
         )
 
 

@@ -20,10 +20,12 @@ from shardfc.train.strategy import is_horovod_optimizer
 
 def train_step(
     parts: Parts, stream: Iterator, state: RunState, cfg: TrainConfig, ctx: DistContext, autocast,
-    clock: PhaseClock = OFF,
+    clock: PhaseClock = OFF, frozen: bool = False,
 ) -> Tuple[torch.Tensor, List[Tuple[str, str]]]:
     """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, (name, reason) of the
-    corrupt images skipped). ``clock``: where the step's time goes (:mod:`~shardfc.train.phases`)."""
+    corrupt images skipped). ``clock``: where the step's time goes (:mod:`~shardfc.train.phases`).
+    ``frozen``: the backbone runs without autograd (head-only warm-up), so it gets no gradient and its
+    optimizer moves nothing."""
     # set_to_none=True is torch's default; Horovod's DistributedOptimizer.zero_grad() takes no argument.
     parts.opt_backbone.zero_grad()
     # The head's gradient buffer is kept: its backward then adds into it in place, block by block,
@@ -45,24 +47,33 @@ def train_step(
         with sync:
             with autocast():
                 # Both losses are already means over the global micro-batch.
-                loss = micro_batch_loss(parts, images, labels, cfg.triplet_weight, clock) / cfg.grad_accum
+                loss = micro_batch_loss(parts, images, labels, cfg.triplet_weight, clock, frozen) / cfg.grad_accum
             parts.scaler.scale(loss).backward()
         clock.lap("backward")
         loss_sum += loss.detach().float()
         state.samples_seen += images.shape[0] * ctx.world_size
-    apply_gradients(parts, cfg.grad_clip, ctx)
+    apply_gradients(parts, cfg.grad_clip, ctx, frozen=frozen)
     clock.lap("optimizer")
     return loss_sum, corrupt
 
 
 def micro_batch_loss(
-    parts: Parts, images: torch.Tensor, labels: torch.Tensor, triplet_weight: float, clock: PhaseClock = OFF
+    parts: Parts, images: torch.Tensor, labels: torch.Tensor, triplet_weight: float, clock: PhaseClock = OFF,
+    frozen: bool = False,
 ) -> torch.Tensor:
     """The head's classification loss of the embeddings, plus the weighted triplet loss of the
     features before the neck when the run has one (the re-ID strong baseline).
 
     ``clock`` laps the backbone's forward, then the losses' forward; their backward is lapped when
-    the gradient reaches the embeddings (the rest of the backward is the backbone's)."""
+    the gradient reaches the embeddings (the rest of the backward is the backbone's). ``frozen``: the
+    backbone's forward without autograd, the head's loss alone (the triplet would train nothing)."""
+    if frozen:
+        with torch.no_grad():
+            embeddings = parts.backbone(images)
+        clock.lap("forward")
+        loss = parts.head(embeddings, labels)
+        clock.lap("head")
+        return loss
     if parts.triplet is None:
         embeddings = parts.backbone(images)
         clock.lap("forward")
@@ -77,14 +88,17 @@ def micro_batch_loss(
     return loss
 
 
-def apply_gradients(parts: Parts, grad_clip: float, ctx: DistContext, pipeline: Optional[PipelinePlan] = None) -> None:
+def apply_gradients(parts: Parts, grad_clip: float, ctx: DistContext, pipeline: Optional[PipelinePlan] = None,
+                    frozen: bool = False) -> None:
     """Average (Horovod), unscale (fp16), clip, and step both optimizers and their schedules: the end of a step.
 
     ``pipeline``: this rank holds one stage (and the head only on the last stage), so the backbone's
     gradient norm is summed over the stages and the head's over the last stage's ranks.
+    ``frozen``: a head-only warm-up step; the backbone optimizer does not step (Horovod's would
+    all-reduce zero gradients and let weight decay move the frozen weights).
     """
     horovod = is_horovod_optimizer(parts.opt_backbone)
-    if horovod:
+    if horovod and not frozen:
         # The averaged backbone gradients now, before the overflow check and the clipping read them;
         # the optimizer's step must then not synchronise again.
         parts.opt_backbone.synchronize()
@@ -104,8 +118,9 @@ def apply_gradients(parts: Parts, grad_clip: float, ctx: DistContext, pipeline: 
             clip_stage_grads_(params, grad_clip, pipeline)
             if parts.head is not None:
                 clip_head_grad_(parts.head, grad_clip, pipeline.layout.replica_ctx)
-    with parts.opt_backbone.skip_synchronize() if horovod else contextlib.nullcontext():
-        parts.scaler.step(parts.opt_backbone)
+    if not frozen:
+        with parts.opt_backbone.skip_synchronize() if horovod else contextlib.nullcontext():
+            parts.scaler.step(parts.opt_backbone)
     if parts.opt_head is not None:
         parts.scaler.step(parts.opt_head)
     parts.scaler.update()

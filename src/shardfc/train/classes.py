@@ -1,0 +1,138 @@
+"""Which head row each identity of a run's dataset gets, given the checkpoint it starts from.
+
+A checkpoint records its classes' names (``class_names``: folder names, person ids, label
+numbers as text). The run's dataset lists its own. An identity the checkpoint knows keeps its
+row; a new one is appended after the checkpoint's ``C`` (ids ``C, C + 1, ...``, in the dataset's
+order); the dataset's labels are then mapped to those ids (:class:`~shardfc.data.relabel.RelabelledDataset`),
+so a reordered listing changes nothing. Rows never shift silently: an identity the checkpoint
+has and the dataset lacks (vanished, or renamed) is an error that names them, unless
+``on_missing_classes`` says what to do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from shardfc.train.config import ConfigError
+
+__all__ = ["ClassPlan", "plan_classes", "SHOWN"]
+
+#: Offending names an error shows (then a count of the rest).
+SHOWN = 5
+
+
+@dataclass
+class ClassPlan:
+    """How the run's head relates to the checkpoint's.
+
+    Attributes:
+        names: the identity of each class id of the run's head.
+        label_map: ``label_map[dataset label]`` = class id, or None when they are equal.
+        kept: classes whose rows come from the checkpoint: ids ``0 .. kept - 1`` (0: a fresh head).
+        added: names of the classes after ``kept`` (new rows).
+        vanished: names the checkpoint has and the dataset lacks (rows kept without images, or dropped).
+        note: one line for the log saying what was loaded, new and dropped.
+    """
+
+    names: List[str]
+    label_map: Optional[np.ndarray]
+    kept: int
+    added: List[str] = field(default_factory=list)
+    vanished: List[str] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.names)
+
+
+def _shown(names: Sequence[str]) -> str:
+    head = ", ".join(repr(n) for n in names[:SHOWN])
+    return head + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
+
+
+def _check_unique(names: Sequence[str], where: str) -> None:
+    if len(set(names)) != len(names):
+        seen, dup = set(), []
+        for n in names:
+            if n in seen:
+                dup.append(n)
+            seen.add(n)
+        raise ConfigError(f"{where} names classes more than once: {_shown(dup)}")
+
+
+def _fresh(names: List[str], why: str) -> ClassPlan:
+    return ClassPlan(list(names), None, 0, list(names), note=f"new head of {len(names)} classes ({why})")
+
+
+def plan_classes(
+    saved: Optional[Sequence[str]],
+    saved_classes: int,
+    dataset: Sequence[str],
+    *,
+    init: bool,
+    on_missing: str = "error",
+    source: str = "the checkpoint",
+) -> ClassPlan:
+    """The run's classes, from the checkpoint's ``saved`` names (None: it recorded none) and
+    ``saved_classes`` count, and the dataset's names.
+
+    Args:
+        saved: the checkpoint's class names, or None.
+        saved_classes: the checkpoint head's class count.
+        dataset: the run's dataset's class names, ``dataset[label]``.
+        init: ``--init-from`` (a new run: a disjoint class set starts a fresh head) rather than
+            ``--resume`` (the run goes on: its rows must be kept).
+        on_missing: what to do with checkpoint classes the dataset lacks: ``"error"``; ``"keep"``
+            (their rows stay, without images: no id moves); ``"fresh"`` (a new head for the
+            dataset's classes: only the backbone is kept).
+        source: the checkpoint, as the messages name it.
+
+    Raises:
+        ConfigError: vanished identities under ``"error"``, no names where they are needed, or
+            names given twice.
+    """
+    dataset = list(dataset)
+    _check_unique(dataset, "the dataset")
+    hint = (f"pass --on-missing-classes keep to keep their rows (no identity moves), or --on-missing-classes fresh "
+            f"to start a new head for this dataset's {len(dataset)} classes (the backbone is kept)")
+    if on_missing == "fresh":
+        return _fresh(dataset, "--on-missing-classes fresh")
+    if saved is None:
+        if saved_classes == len(dataset):  # as before names were recorded: label y is row y
+            return ClassPlan(dataset, None, saved_classes,
+                             note=f"{source} records no class names: its {saved_classes} rows are taken as the dataset's "
+                                  "labels 0..C-1 in order")
+        if init:
+            return _fresh(dataset, f"{source} records no class names and has {saved_classes} classes")
+        raise ConfigError(
+            f"{source} records no class names (saved before shardfc recorded them, or imported) and has "
+            f"{saved_classes} classes, the dataset {len(dataset)}: which row is which identity cannot be told. "
+            "Pass --on-missing-classes fresh to start a new head (the backbone is kept)"
+        )
+    saved = list(saved)
+    if len(saved) != saved_classes:
+        raise ConfigError(f"{source} records {len(saved)} class names for {saved_classes} classes")
+    _check_unique(saved, source)
+    known = set(saved)
+    in_data = set(dataset)
+    added = [n for n in dataset if n not in known]
+    vanished = [n for n in saved if n not in in_data]
+    if init and len(vanished) == len(saved):
+        return _fresh(dataset, f"none of {source}'s {saved_classes} classes is in the dataset: its head is dropped")
+    if vanished and on_missing != "keep":
+        raise ConfigError(
+            f"{len(vanished)} of {source}'s {saved_classes} classes are not in the dataset (vanished or renamed): "
+            f"{_shown(vanished)}; rows are never shifted silently: {hint}"
+        )
+    names = saved + added
+    row_of = {n: i for i, n in enumerate(names)}
+    label_map = np.fromiter((row_of[n] for n in dataset), dtype=np.int64, count=len(dataset))
+    identity = len(names) == len(dataset) and bool((label_map == np.arange(len(dataset))).all())
+    note = f"{saved_classes} classes from {source}, {len(added)} new"
+    if vanished:
+        note += f", {len(vanished)} kept without images ({_shown(vanished)})"
+    return ClassPlan(names, None if identity else label_map, saved_classes, added, vanished, note)

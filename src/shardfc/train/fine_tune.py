@@ -1,0 +1,209 @@
+"""Starting a run from a trained model on another class set (``--init-from``), and the rows of
+classes a checkpoint has none for (``--head-init``): random or imprinted, sharded, in one pass.
+
+The class bookkeeping (which identity keeps which row) is :mod:`~shardfc.train.classes`'; the
+head's growth is :func:`shardfc.head.grow.grown_state`; the imprinting is
+:func:`shardfc.head.imprint.imprint_centres`. This module joins them to a run.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable, Optional, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from shardfc import checkpoint as ckpt
+from shardfc.checkpoint.format import read_meta
+from shardfc.data.relabel import RelabelledDataset
+from shardfc.head.grow import grown_state
+from shardfc.head.imprint import imprint_centres
+from shardfc.head.module import init_rows
+from shardfc.parallel.context import DistContext
+from shardfc.train.classes import ClassPlan, plan_classes
+from shardfc.train.config import ConfigError, TrainConfig
+
+__all__ = ["resolve_init_from", "saved_classes", "plan_run_classes", "new_head_rows", "load_kept", "head_state_for",
+           "fresh_rows", "init_from"]
+
+logger = logging.getLogger("shardfc.train")
+
+
+def resolve_init_from(path: str) -> Path:
+    """The checkpoint ``--init-from`` names: a ``step_*`` folder, or the newest one of a run folder
+    (``<run>/checkpoints/step_*``, as ``shardfc train`` and ``shardfc import-arcface`` write)."""
+    p = Path(path).expanduser()
+    if (p / ckpt.META_FILE).is_file():
+        ckpt.verify_checkpoint(p)
+        return p
+    for root in (p / "checkpoints", p):
+        if root.is_dir():
+            found = ckpt.latest_checkpoint(root)
+            if found is not None:
+                return found
+    raise ConfigError(
+        f"init_from={path!r}: no shardfc checkpoint there (a step_* folder with meta.json, or a run folder holding "
+        "checkpoints/step_*; convert an arcface_torch model with `shardfc import-arcface` first)"
+    )
+
+
+def saved_classes(path: Path, trust_pickle: bool) -> Tuple[Optional[list], int, dict]:
+    """``(class names or None, class count, common dict)`` of checkpoint ``path``."""
+    common, meta = ckpt.load_common(path, trust_pickle=trust_pickle)
+    names = common.get("class_names")
+    return (list(names) if names is not None else None), int(meta["num_classes"]), common
+
+
+def plan_run_classes(cfg: TrainConfig, dataset: Dataset, path: Path, init: bool) -> Tuple[Dataset, ClassPlan]:
+    """The run's class plan against checkpoint ``path`` and its dataset, relabelled when the plan
+    moves labels (a grown or reordered identity set)."""
+    names, count, _ = saved_classes(path, cfg.trust_checkpoint)
+    dataset_names = getattr(dataset, "class_names", None)
+    if dataset_names is None:
+        dataset_names = [str(i) for i in range(dataset.num_classes)]
+    plan = plan_classes(names, count, dataset_names, init=init, on_missing=cfg.on_missing_classes,
+                        source=f"checkpoint {path}")
+    if plan.label_map is not None or plan.num_classes != dataset.num_classes:
+        dataset = RelabelledDataset(dataset, plan.label_map if plan.label_map is not None
+                                    else np.arange(dataset.num_classes), plan.names)
+    return dataset, plan
+
+
+def _overlap(a: range, b: range) -> range:
+    lo = max(a.start, b.start)
+    return range(lo, max(lo, min(a.stop, b.stop)))
+
+
+def _random_rows(cfg: TrainConfig, head) -> Callable[[range], torch.Tensor]:
+    K, D = head.subcenters, head.embedding_dim
+
+    def rows(r: range) -> torch.Tensor:
+        out = init_rows(r.start * K, r.stop * K, D, cfg.seed)
+        return out if K == 1 else out.view(len(r), K, D)
+
+    return rows
+
+
+@torch.no_grad()
+def _embeddings(run, cfg: TrainConfig, wanted_from: int):
+    """This rank's share of the images of classes ``>= wanted_from``, through the backbone in eval mode."""
+    from shardfc.train.build import autocast_factory
+    from shardfc.train.identity_sampler import dataset_labels
+    from shardfc.train.prefetch import to_device
+
+    ctx: DistContext = run.ctx
+    labels = dataset_labels(run.dataset)
+    indices = np.nonzero(labels >= wanted_from)[0][ctx.rank :: ctx.world_size]
+    loader = DataLoader(Subset(run.dataset, indices.tolist()), batch_size=cfg.eval_batch_size,
+                        num_workers=cfg.num_workers)
+    model = run.parts.module
+    was_training = model.training
+    model.eval()
+    autocast = autocast_factory(ctx.device, run.amp_dtype)
+    try:
+        for images, y in loader:
+            with autocast():
+                x = model(to_device(images, ctx.device, run.channels_last))
+            yield x.float(), y
+    finally:
+        model.train(was_training)
+
+
+def new_head_rows(run, cfg: TrainConfig, kept: int) -> Callable[[range], torch.Tensor]:
+    """The rows of this rank's classes ``>= kept`` as ``cfg.head_init`` says (collective for 'imprint').
+
+    Imprinted: the normalised mean embedding of each class's images (a class without images gets
+    its random row); with sub-centres each centre is the imprint plus its own random row, so they differ.
+    """
+    head = run.parts.head
+    random_rows = _random_rows(cfg, head)
+    if cfg.head_init != "imprint":
+        return random_rows
+    wanted = _overlap(head.class_range, range(kept, head.num_classes))
+    got = imprint_centres(_embeddings(run, cfg, kept), wanted, head.embedding_dim,
+                          context=run.ctx if run.ctx.distributed else None, device=run.ctx.device)
+    centres, empty = got.centres.cpu(), (got.counts == 0).cpu()
+    missing = int(empty.sum())
+    if missing:
+        logger.warning("%d class(es) of rank %d have no image to imprint from (first: %s): random rows",
+                       missing, run.ctx.rank, got.missing[:5].tolist())
+
+    def rows(r: range) -> torch.Tensor:
+        rand = random_rows(r)
+        lo, hi = r.start - wanted.start, r.stop - wanted.start
+        c, e = centres[lo:hi], empty[lo:hi]
+        if head.subcenters > 1:
+            return torch.where(e.view(-1, 1, 1), rand, c.unsqueeze(1) + rand)
+        return torch.where(e.view(-1, 1), rand, c)
+
+    return rows
+
+
+def load_kept(run, cfg: TrainConfig, path: Path, plan: ClassPlan, fingerprint: Optional[dict]) -> "ckpt.LoadedCheckpoint":
+    """Checkpoint ``path`` with the rows of this rank's classes that the plan keeps (read by class
+    range, so any saved sharding: the resharding path); no head rows when the plan keeps none."""
+    head = run.parts.head
+    old = _overlap(head.class_range, range(plan.kept)) if head is not None and plan.kept else range(0)
+    saved_count = int(read_meta(path)["num_classes"])
+    return ckpt.load_checkpoint(path, class_range=old, num_classes=saved_count, fingerprint=fingerprint,
+                                map_location="cpu", rank=run.ctx.rank, trust_pickle=cfg.trust_checkpoint)
+
+
+def head_state_for(run, cfg: TrainConfig, loaded, plan: ClassPlan, with_optimizer: bool) -> Optional[dict]:
+    """This rank's head state: the kept rows of ``loaded`` (:func:`load_kept`; with their optimizer
+    state or not) and the new rows after them (``--head-init``; collective for 'imprint', so the
+    backbone must be loaded first). None when the plan keeps no row (a fresh head)."""
+    if plan.kept == 0:
+        return None
+    state = loaded.head_state
+    if not with_optimizer:
+        state = dict(state, tensors={"weight": state["tensors"]["weight"]},
+                     extras={k: v for k, v in state["extras"].items() if not k.startswith("optimizer.")})
+    if plan.num_classes == plan.kept:
+        return state
+    return grown_state(state, plan.num_classes, run.parts.head.class_range, new_head_rows(run, cfg, plan.kept))
+
+
+def fresh_rows(run, cfg: TrainConfig) -> None:
+    """A new head for all of the run's classes: imprinted (collective), or the random rows it was built with."""
+    head = run.parts.head
+    if cfg.head_init != "imprint":
+        return
+    rows = new_head_rows(run, cfg, 0)
+    with torch.no_grad():
+        for w, r in zip(head.shard_weights, head.shard_ranges):
+            w.copy_(rows(r).reshape(w.shape).to(w.dtype))
+
+
+def init_from(run, path: Path, cfg: TrainConfig) -> None:
+    """Load ``--init-from``'s backbone into the run, and its head where the plan keeps its classes;
+    build the other rows as ``--head-init`` says. The run starts at step 0 with fresh optimizers."""
+    from shardfc.train.pipeline_train import load_whole_backbone_state
+
+    plan: ClassPlan = run.classes
+    parts = run.parts
+    _, _, common = saved_classes(path, cfg.trust_checkpoint)
+    config = common.get("config_json")
+    try:
+        if run.pipeline is None:
+            parts.module.load_state_dict(common["backbone"])
+        else:
+            load_whole_backbone_state(parts, run.pipeline, common["backbone"], None)
+    except (RuntimeError, KeyError) as e:
+        raise ConfigError(
+            f"init_from={str(path)!r}: its backbone does not fit backbone={cfg.backbone!r}, embedding_dim="
+            f"{cfg.embedding_dim} ({str(e).splitlines()[0]}); the checkpoint's config: {config}"
+        ) from None
+    if parts.head is not None:
+        state = head_state_for(run, cfg, load_kept(run, cfg, path, plan, None), plan, with_optimizer=False)
+        if state is None:
+            fresh_rows(run, cfg)
+        else:
+            parts.head.load_sharded_state(state)
+    if run.ctx.is_main:
+        logger.info("init from %s: backbone loaded (%d tensors); head: %s; %s rows: %s", path,
+                    len(common["backbone"]), plan.note, len(plan.added) if plan.kept else plan.num_classes,
+                    cfg.head_init)

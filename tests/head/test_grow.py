@@ -1,0 +1,138 @@
+"""Growing a head by new classes: old rows and optimizer state bit-identical, in every layout, and
+through a checkpoint saved on 2 ranks and grown on 3 (the resharding path)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardfc import ShardedMarginHead, head_optimizer
+from shardfc import margins as M
+from shardfc.checkpoint import load_checkpoint, save_checkpoint
+from shardfc.head.grow import grown_state
+from shardfc.head.layout import class_ranges
+from shardfc.head.module import init_rows
+from shardfc.parallel.launch import spawn
+
+D = 8
+
+
+def make_head(C, sample_rate=1.0, dtype=torch.float32, **kw) -> ShardedMarginHead:
+    return ShardedMarginHead(D, C, margin=M.CosFace(16.0, 0.2), sample_rate=sample_rate, sample_seed=3,
+                             init_seed=5, dtype=dtype, **kw)
+
+
+def train(head, opt, steps, C, seed=0):
+    for step in steps:
+        g = torch.Generator().manual_seed(seed * 1000 + step)
+        x, y = torch.randn(16, D, generator=g), torch.randint(0, C, (16,), generator=g)
+        opt.zero_grad(set_to_none=False)
+        head(x, y).backward()
+        opt.step()
+
+
+def logical(head, opt) -> dict:
+    """This process's rows of the weight and of every per-row optimizer tensor, in class order."""
+    out = {"weight": torch.cat([w.detach().cpu() for w in head.shard_weights])}
+    for key, value in opt.state[head.shard_weights[0]].items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 1:
+            out[key] = torch.cat([opt.state[w][key].cpu() for w in head.shard_weights])
+    return out
+
+
+def assert_grown(before: dict, after: dict, C: int, new_rows: torch.Tensor) -> None:
+    assert before.keys() == after.keys()
+    for key in before:
+        a, b = before[key], after[key]
+        assert b.dtype == a.dtype and b.shape[0] == C + new_rows.shape[0], key
+        assert torch.equal(b[:C], a), f"{key}: an old row changed"
+        if key == "weight":
+            assert torch.equal(b[C:], new_rows.to(b.dtype))
+        else:
+            assert not b[C:].any(), f"{key}: new rows' optimizer state is not zero"
+
+
+@pytest.mark.parametrize("devices", [None, ["cpu", "cpu", "cpu"]], ids=["single", "devices"])
+@pytest.mark.parametrize("name,sample_rate", [("sgd", 1.0), ("adamw", 0.5)])
+def test_grow_in_memory_keeps_rows_and_state(devices, name, sample_rate):
+    C, n = 20, 7
+    head = make_head(C, sample_rate, devices=devices)
+    opt = head_optimizer(head, name, lr=0.1, momentum=0.9, weight_decay=5e-4)
+    train(head, opt, range(3), C)
+    before = logical(head, opt)
+    rows = torch.randn(n, D)
+    head.grow(n, rows, opt)
+    assert head.num_classes == C + n and [len(r) for r in head.shard_ranges] == [len(r) for r in
+                                                                                  class_ranges(C + n, len(head.devices))]
+    assert_grown(before, logical(head, opt), C, rows)
+    train(head, opt, range(3, 5), C + n)  # the grown head and its optimizer keep training
+    assert all(torch.isfinite(w).all() for w in head.shard_weights)
+
+
+def test_grow_default_rows_are_the_seeded_rows_of_a_bigger_head():
+    head = make_head(10, subcenters=2)
+    head.grow(5)
+    assert torch.equal(head.weight.detach(), make_head(15, subcenters=2).weight.detach())
+    assert torch.equal(head.weight.detach()[20:], init_rows(20, 30, D, 5))
+
+
+def test_grow_refuses_bad_arguments():
+    head = make_head(10)
+    with pytest.raises(ValueError, match="n must be an int >= 0"):
+        head.grow(-1)
+    with pytest.raises(ValueError, match=r"rows has shape \(3, 8\), growing by 2"):
+        head.grow(2, torch.zeros(3, D))
+    with pytest.raises(ValueError, match="ignore_index=12 would be a class id"):
+        ShardedMarginHead(D, 10, ignore_index=12).grow(5)
+    with pytest.raises(ValueError, match="a head only grows"):
+        grown_state(head.sharded_state(), 9, range(9), lambda r: None)
+
+
+C_OLD, C_NEW = 1000, 1300
+
+
+def _new_rows(r: range) -> torch.Tensor:
+    """The test's new centres of global ids ``r`` (a function of the id alone: any sharding)."""
+    return torch.stack([torch.full((D,), float(i)) for i in r]).to(torch.bfloat16)
+
+
+def _save_on_two(rank, world, root):
+    """Train a bf16 Partial FC head of 1,000 classes on 2 ranks, save it, then grow it in memory."""
+    head = make_head(C_OLD, 0.3, torch.bfloat16)
+    opt = head_optimizer(head, "sgd", lr=0.1, momentum=0.9, weight_decay=5e-4)
+    train(head, opt, range(4), C_OLD, seed=rank)
+    before = logical(head, opt)
+    save_checkpoint(root, 4, common={}, per_rank=None, head_state=head.sharded_state(opt), fingerprint={})
+    head.grow(C_NEW - C_OLD, _new_rows, opt)  # in process-group mode: rebalanced over the same 2 ranks
+    return before, head.class_range, logical(head, opt)
+
+
+def _grow_on_three(rank, world, path):
+    """Load the 2-rank checkpoint on 3 ranks as a 1,300-class head: the resharding path."""
+    head = make_head(C_NEW, 0.3, torch.bfloat16)
+    opt = head_optimizer(head, "sgd", lr=0.1, momentum=0.9, weight_decay=5e-4)
+    mine = head.class_range
+    old = range(mine.start, min(mine.stop, C_OLD)) if mine.start < C_OLD else range(C_OLD, C_OLD)
+    loaded = load_checkpoint(path, class_range=old, num_classes=C_OLD, rank=rank)
+    head.load_sharded_state(grown_state(loaded.head_state, C_NEW, mine, _new_rows), opt)
+    out = (mine, logical(head, opt))
+    train(head, opt, range(2), C_NEW)  # and it trains on
+    return out
+
+
+def test_grow_1000_to_1300_while_moving_from_2_to_3_ranks(tmp_path: Path):
+    saved = spawn(_save_on_two, 2, str(tmp_path), backend="gloo")
+    before = {k: torch.cat([b[k] for b, _, _ in saved]) for k in saved[0][0]}
+    assert set(before) == {"weight", "momentum_buffer"} and before["weight"].dtype == torch.bfloat16
+    new_rows = _new_rows(range(C_OLD, C_NEW))
+
+    in_memory = {k: torch.cat([after[k] for _, _, after in saved]) for k in before}
+    assert [r for _, r, _ in saved] == class_ranges(C_NEW, 2)
+    assert_grown(before, in_memory, C_OLD, new_rows)
+
+    path = next(tmp_path.glob("step_*"))
+    grown = spawn(_grow_on_three, 3, str(path), backend="gloo")
+    assert [r for r, _ in grown] == class_ranges(C_NEW, 3)
+    assert_grown(before, {k: torch.cat([rows[k] for _, rows in grown]) for k in before}, C_OLD, new_rows)

@@ -1,0 +1,66 @@
+"""``shardfc train --init-from`` and a resume whose dataset gained identities, end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardfc import checkpoint as ckpt
+from shardfc.models import build_backbone
+from shardfc.train import cli as train_cli
+from shardfc.train.arcface_import import import_arcface
+from shardfc.train.config import ConfigError
+from shardfc.train.loop import load_parts
+
+from .tiny import tiny_config
+
+
+def test_fine_tune_from_an_import_arcface_backbone(tmp_path: Path):
+    """A released backbone imported with its own (nameless) head of 10 classes, fine-tuned on 2 ranks
+    on 24 other identities: imprinted head, the backbone frozen for the whole (2-step) run."""
+    torch.save(build_backbone("tiny", 16, input_size=(16, 16)).state_dict(), tmp_path / "backbone.pth")
+    imported, _ = import_arcface(tmp_path / "released", tmp_path / "backbone.pth", "tiny", num_classes=10,
+                                 embedding_dim=16, input_size=(16, 16))
+    cfg = tiny_config(tmp_path / "ft", init_from=str(tmp_path / "released"), head_init="imprint",
+                      head_warmup_steps=2, backbone_lr_mult=0.1, max_steps=2, eval_every=0, ckpt_every=0)
+    summary = train_cli.run(cfg)
+    assert summary["step"] == 2
+    log = (tmp_path / "ft" / "train.log").read_text()
+    assert f"init from {imported}: backbone loaded" in log and "new head of 24 classes" in log and "imprint" in log
+    saved, _ = ckpt.load_common(summary["checkpoint"])
+    released, _ = ckpt.load_common(imported)
+    for key, value in released["backbone"].items():  # frozen: not a bit moved, BatchNorm statistics included
+        assert torch.equal(saved["backbone"][key], value), key
+    assert saved["class_names"] == [f"synthetic-s0-{i:05d}" for i in range(24)]
+
+
+def test_resume_with_more_identities_keeps_every_row_and_imprints_the_new_ones(tmp_path: Path):
+    out = tmp_path / "run"
+    first = train_cli.run(tiny_config(out, nproc=1, max_steps=2, eval_every=0, ckpt_every=0))
+    path = Path(first["checkpoint"])
+    old = ckpt.load_checkpoint(path, class_range=range(24), num_classes=24)
+
+    cfg = tiny_config(out, nproc=1, synthetic_identities=30, head_init="imprint", backbone_lr_mult=0.5)
+    parts, state = load_parts(cfg, path)
+    head, w = parts.head, parts.head.weight.detach()
+    assert state.step == 2 and head.num_classes == 30
+    assert torch.equal(w[:24], old.head_tensors["weight"])
+    momentum = parts.opt_head.state[head.weight]["momentum_buffer"]
+    assert torch.equal(momentum[:24], old.head_tensors["optimizer.momentum_buffer"]) and not momentum[24:].any()
+    assert parts.opt_backbone.param_groups[0]["initial_lr"] == pytest.approx(cfg.lr * 0.5)
+
+    # The new rows: the normalised mean of the normalised embeddings of each new identity's images.
+    from shardfc.data import SyntheticIdentities
+
+    data = SyntheticIdentities(30, 5, (16, 16), seed=0)
+    model = parts.module.eval()
+    with torch.no_grad():
+        for c in range(24, 30):
+            x = model(torch.stack([data[c * 5 + k][0] for k in range(5)])).double()
+            mean = torch.nn.functional.normalize(x, dim=1).sum(0)
+            assert (w[c].double() - mean / mean.norm()).abs().max() < 1e-5, c
+
+    with pytest.raises(ConfigError, match=r"4 of checkpoint .* classes are not in the dataset .*'synthetic-s0-00020'"):
+        train_cli.run(tiny_config(out, nproc=1, synthetic_identities=20))
