@@ -30,7 +30,7 @@ from shardfc.train.config import TrainConfig, absolute_paths, to_toml
 from shardfc.train.cpu import apply_threads
 from shardfc.train.data import micro_batches
 from shardfc.train.evaluate import build_targets
-from shardfc.train.pipeline_train import pipeline_step, stage_stream, whole_backbone
+from shardfc.train.pipeline_train import evaluate_through_pipeline, pipeline_step, stage_stream
 from shardfc.train.profile import StartupClock, StepProfiler, count_ddp_traffic, profile_path
 from shardfc.train.reporting import ReportWindow, evaluate_targets, log_setup, report
 from shardfc.train.resume import restore, resume_path, save, step_of
@@ -132,7 +132,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
             if cfg.ckpt_every and state.step % cfg.ckpt_every == 0 and not last:
                 last_saved = save(run, state, cfg)
             if cfg.eval_every and state.step % cfg.eval_every == 0 and not last:
-                metrics = _evaluate(run, targets, state.step, runlog)
+                metrics = _evaluate(run, targets, state.step, runlog, autocast)
         runlog.close_bar()
         stream.close()  # the loader's workers end now, not whenever the generator is collected
 
@@ -153,7 +153,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
                 logger.info("stopped at step %d by signal %s; checkpoint %s", state.step, signal_name(stop), saved)
         else:
             # Re-evaluated when nothing was trained (the summary reports it), but not logged twice in metrics.csv.
-            metrics = _evaluate(run, targets, state.step, runlog, record=trained)
+            metrics = _evaluate(run, targets, state.step, runlog, autocast, record=trained)
         ctx.barrier()  # leave together: no rank tears the group down under another
         wall = time.time() - started
         if profiler:
@@ -194,14 +194,16 @@ def load_parts(cfg: TrainConfig, path: Path, group: Optional[dist.ProcessGroup] 
     return run.parts, _restore(run, Path(path), cfg)
 
 
-def _evaluate(run, targets, step: int, runlog: RunLog, record: bool = True) -> Dict[str, Dict[str, float]]:
-    """Rank 0 evaluates the whole backbone (a pipeline's stages gathered to it first: collective)."""
+def _evaluate(run, targets, step: int, runlog: RunLog, autocast, record: bool = True) -> Dict[str, Dict[str, float]]:
+    """Rank 0 evaluates the backbone (a pipeline's through its stages, which serve it: collective)."""
     if run.pipeline is None:
         return evaluate_targets(targets, run.parts, step, runlog, record=record)
-    backbone = whole_backbone(run)
-    if backbone is None or not targets:
-        return {}
-    return evaluate_targets(targets, Parts(backbone, None, None, None, [], run.parts.scaler), step, runlog, record=record)
+
+    def evaluate(backbone):
+        parts = Parts(backbone, None, None, None, [], run.parts.scaler)
+        return evaluate_targets(targets, parts, step, runlog, record=record)
+
+    return evaluate_through_pipeline(run, evaluate, autocast)
 
 
 def _restore(run, path: Path, cfg: TrainConfig) -> RunState:
