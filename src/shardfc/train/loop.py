@@ -30,6 +30,7 @@ from shardfc.train.config import TrainConfig, absolute_paths, to_toml
 from shardfc.train.cpu import apply_threads
 from shardfc.train.data import micro_batches
 from shardfc.train.evaluate import build_targets
+from shardfc.train.memory_phases import MemoryPhases
 from shardfc.train.pipeline_train import evaluate_through_pipeline, pipeline_step, stage_stream
 from shardfc.train.profile import StartupClock, StepProfiler, count_ddp_traffic, profile_path
 from shardfc.train.reporting import ReportWindow, evaluate_targets, log_setup, report
@@ -95,8 +96,10 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
             batches = itertools.chain([next(stream)], stream)  # the loader's start and first batch, timed apart
             mark("first batch")
         profiler = _profiler(cfg, ctx, parts)
+        memory = MemoryPhases(ctx.device) if profiler else None
         if profiler:
             profiler.startup = clock
+            memory.mark("build and resume")
 
         # ---- loop
         metrics: Dict[str, Dict[str, float]] = {}
@@ -130,17 +133,23 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
             if state.step % cfg.log_every == 0 or last:
                 report(runlog, window, parts, state, run.total_steps, ctx)
             if cfg.ckpt_every and state.step % cfg.ckpt_every == 0 and not last:
+                _mark(memory, f"training to step {state.step}")
                 last_saved = save(run, state, cfg)
+                _mark(memory, f"save at step {state.step}")
             if cfg.eval_every and state.step % cfg.eval_every == 0 and not last:
+                _mark(memory, f"training to step {state.step}")
                 metrics = _evaluate(run, targets, state.step, runlog, autocast)
+                _mark(memory, f"evaluation at step {state.step}")
         runlog.close_bar()
         stream.close()  # the loader's workers end now, not whenever the generator is collected
 
         # ---- save: a final checkpoint (unless nothing was trained) and a final evaluation
         trained = state.step > (step_of(resume_from) if resume_from is not None else 0)
         saved_here = last_saved is not None and step_of(last_saved) == state.step  # a signal right after a periodic save
+        _mark(memory, f"training to step {state.step}")
         if trained and (not stop or cfg.save_on_signal) and not saved_here:
             last_saved = save(run, state, cfg)
+            _mark(memory, f"save at step {state.step}")
         elif ctx.is_main and not stop:
             logger.info("%s is at step %d; max %d steps: nothing to train", resume_from, state.step, run.total_steps)
         if stop:
@@ -154,12 +163,14 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         else:
             # Re-evaluated when nothing was trained (the summary reports it), but not logged twice in metrics.csv.
             metrics = _evaluate(run, targets, state.step, runlog, autocast, record=trained)
+            _mark(memory, f"evaluation at step {state.step}")
         ctx.barrier()  # leave together: no rank tears the group down under another
         wall = time.time() - started
         if profiler:
             summary = profiler.summary(
                 rank=ctx.rank, world_size=ctx.world_size, cfg=cfg, backbone=parts.module, amp_dtype=run.amp_dtype
             )
+            summary["memory_phases"] = memory.as_dict(parts)
             profiler.write(profile_path(out, ctx.rank), summary)
         if ctx.is_main:
             logger.info("done: step %d in %.1f s; checkpoint %s", state.step, wall, last_saved)
@@ -172,6 +183,11 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         "descriptions": {t.name: t.description for t in targets},
         "output_dir": str(out),
     }
+
+
+def _mark(memory: Optional[MemoryPhases], phase: str) -> None:
+    if memory is not None:
+        memory.mark(phase)
 
 
 def _profiler(cfg: TrainConfig, ctx, parts) -> Optional[StepProfiler]:

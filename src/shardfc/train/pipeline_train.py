@@ -1,13 +1,19 @@
-"""``--strategy pipeline`` in the trainer: build a stage, step it, and save/restore the whole model.
+"""``--strategy pipeline`` in the trainer: build a stage, step it, evaluate through it, save it per stage.
 
 Each rank builds only its stage (:func:`shardfc.parallel.stage_build.build_stage`): the backbone
 is built on the meta device, and the stage's modules get real storage with exactly the values the
 whole backbone's seeded initialisation gives them (the same as every other strategy), so a rank
-never holds more than its stage. The shapes crossing the stages are passed along the pipeline. The optimizer covers the stage's parameters only; the head (and its optimizer) exists on the
-last stage's ranks, sharded over them. A checkpoint holds the backbone and its optimizer
-*whole*, in the layout of an unsplit model (the same state-dict keys and parameter indices a ddp
-run saves), so it resumes under any strategy and any number of stages: the stages gather their
-states to the last stage's replica-0 rank, which writes it with the head's ranks.
+never holds more than its stage. The shapes crossing the stages are passed along the pipeline. The
+optimizer covers the stage's parameters only; the head (and its optimizer) exists on the last
+stage's ranks, sharded over them.
+
+No rank ever holds the whole backbone, not even to save or evaluate it. A checkpoint is saved per
+stage (:mod:`shardfc.checkpoint.stages`): each stage's replica 0 writes its state-dict entries and
+optimizer state under the unsplit model's names (the other replicas' digests are compared with
+it), in one atomic save over the world with the head shards; a resume, under any strategy and any
+stage count, reads only the stage files holding its keys. Evaluation runs on world rank 0 with a
+module whose forward passes the batch through replica 0's stages, forward only and micro-batched
+(:mod:`shardfc.parallel.pipeline_forward`).
 """
 
 from __future__ import annotations
