@@ -88,13 +88,15 @@ def _save_pipeline(run: Run, state: RunState, cfg: TrainConfig) -> Path:
     and its optimizer state (the other replicas' are compared with it), the last stage's ranks their
     head shards, world rank 0 the common file; one atomic save over the world, nothing gathered.
 
-    No rank files: on restore every rank reseeds its streams from (seed, replica, step).
+    Every rank also writes its RNG states: a run resumed on the same layout continues their streams
+    (bit for bit the uninterrupted run); on another layout every rank reseeds from (seed, replica, step).
     """
     parts, plan, ctx = run.parts, run.pipeline, run.ctx
     scaler = stage_scaler_state(parts, plan)
+    per_rank = {"rng": rng_state(), "world_size": ctx.world_size, "pipeline": _pipeline_layout(run)}
     return ckpt.save_checkpoint(
         checkpoint_root(cfg), state.step,
-        common=_common(run, state, cfg, None, None, scaler) if ctx.is_main else None, per_rank=None,
+        common=_common(run, state, cfg, None, None, scaler) if ctx.is_main else None, per_rank=per_rank,
         head_state=parts.head.sharded_state(parts.opt_head) if parts.head is not None else None,
         stage_parts=[stage_part(parts, plan)],
         fingerprint=fingerprint(cfg, run.num_classes, run.image_size),
@@ -182,7 +184,7 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
     state = RunState(**common["state"])
     apply_schedule(parts, cfg, total_steps, state.step)
     saved_world, data_ctx = common["world_size"], run.data_ctx
-    if saved_world == data_ctx.world_size and loaded.per_rank is not None and run.pipeline is None:
+    if saved_world == data_ctx.world_size and _same_layout(loaded.per_rank, run):
         set_rng_state(loaded.per_rank["rng"])
     else:
         seed_all(rank_seed(cfg.seed, data_ctx.rank, state.step))
@@ -231,6 +233,20 @@ def _restore_backbone(run: Run, loaded: ckpt.LoadedCheckpoint, cfg: TrainConfig)
     )
     load_stage_state(parts, plan, model, by_name)
     return True
+
+
+def _pipeline_layout(run: Run) -> Optional[list]:
+    """What decides which random numbers a pipeline rank draws: its stage count and cuts (None: no pipeline)."""
+    return None if run.pipeline is None else [run.pipeline.layout.stages, list(run.pipeline.split_points)]
+
+
+def _same_layout(per_rank: Optional[Dict[str, Any]], run: Run) -> bool:
+    """Whether this rank's saved RNG states are its own: the same world, strategy layout and place."""
+    return (
+        per_rank is not None
+        and per_rank.get("world_size", run.ctx.world_size) == run.ctx.world_size
+        and per_rank.get("pipeline") == _pipeline_layout(run)
+    )
 
 
 def rng_state() -> Dict[str, Any]:
