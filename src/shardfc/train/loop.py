@@ -132,12 +132,14 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
             last = state.step == run.total_steps
             if state.step % cfg.log_every == 0 or last:
                 report(runlog, window, parts, state, run.total_steps, ctx)
-            if cfg.ckpt_every and state.step % cfg.ckpt_every == 0 and not last:
+            saving = cfg.ckpt_every and state.step % cfg.ckpt_every == 0 and not last
+            evaluating = cfg.eval_every and state.step % cfg.eval_every == 0 and not last
+            if saving or evaluating:
                 _mark(memory, f"training to step {state.step}")
+            if saving:
                 last_saved = save(run, state, cfg)
                 _mark(memory, f"save at step {state.step}")
-            if cfg.eval_every and state.step % cfg.eval_every == 0 and not last:
-                _mark(memory, f"training to step {state.step}")
+            if evaluating:
                 metrics = _evaluate(run, targets, state.step, runlog, autocast)
                 _mark(memory, f"evaluation at step {state.step}")
         runlog.close_bar()
