@@ -110,23 +110,6 @@ def test_pipeline_checkpoint_is_saved_per_stage(ddp_and_pipeline):
         assert a["world_size"] == 2  # the data-parallel width, as ddp's 2 ranks
 
 
-def test_export_assembles_the_stage_files(ddp_and_pipeline, tmp_path):
-    from shardfc.checkpoint import latest_checkpoint, read_stage_state, verify_checkpoint
-    from shardfc.train import cli_export
-    from shardfc.train.artifacts import load_backbone
-
-    ddp, _, pipe, _ = ddp_and_pipeline
-    assert cli_export.main(["--checkpoint", pipe.output_dir, "--out", str(tmp_path / "model.pt")]) == 0
-    mine, theirs = load_backbone(pipe.output_dir).model, load_backbone(ddp.output_dir).model
-    path = latest_checkpoint(Path(pipe.output_dir) / "checkpoints")
-    saved, _ = read_stage_state(path, verify_checkpoint(path))
-    assert all(torch.equal(v, saved[k]) for k, v in mine.state_dict().items())  # the stages' weights, exactly
-    x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(mine(x), theirs(x), rtol=RTOL, atol=1e-5)  # the ddp run's model
-        torch.testing.assert_close(torch.jit.load(str(tmp_path / "model.pt"))(x), mine(x))
-
-
 @pytest.mark.parametrize("saved_by, resumed_by", [("pipeline", "ddp"), ("pipeline", "pipeline"), ("ddp", "pipeline")])
 def test_checkpoints_resume_across_strategies(ddp_and_pipeline, saved_by, resumed_by, tmp_path):
     ddp, _, pipe, _ = ddp_and_pipeline
