@@ -33,7 +33,7 @@ but its files may hold pickled objects (e.g. numpy RNG states): they are read on
      "fingerprint": {...},                    # caller's JSON dict (model name, config, ...)
      "files": {file_name: {"size": bytes, "sha256": hex}},
      "torch_version": str, "created_unix": float,
-     # only in a per-stage save:
+     # only in a per-stage save (whose format_version is then 3):
      "backbone_stages": {"keys": [...], "params": [...],     # the unsplit model's, in order
                          "files": {"backbone_stage<i>.pt": {"keys": [...], "params": [...]}}}}
 
@@ -83,7 +83,10 @@ __all__ = [
 FORMAT_NAME = "shardfc-checkpoint"
 #: 2: every .pt file loads with ``torch.load(weights_only=True)``. 1: the same layout, pickled objects allowed.
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+#: A format-2 checkpoint whose backbone is saved per stage (``backbone_stages``): a shardfc that
+#: cannot read those refuses the version instead of failing on the missing backbone.
+STAGED_FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 META_FILE = "meta.json"
 COMMON_FILE = "common.pt"
 
@@ -193,7 +196,7 @@ def build_meta(
     """The ``meta.json`` of a checkpoint whose head was saved on ``len(class_ranges)`` ranks."""
     meta = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if backbone_stages is None else STAGED_FORMAT_VERSION,
         "step": step,
         "world_size": len(class_ranges),
         "num_classes": num_classes,

@@ -286,9 +286,6 @@ def clip_stage_grads_(params: Sequence[nn.Parameter], max_norm: float, plan: Pip
     return total
 
 
-# ---------------------------------------------------------------------- checkpoints: per stage
-
-
 # ---------------------------------------------------------------------- evaluation through the stages
 
 
