@@ -118,3 +118,16 @@ def test_save_killed_mid_save_leaves_the_previous(tmp_path):
     assert proc.returncode == 17, proc.stderr
     assert ck.latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
     assert ck.find_checkpoints(tmp_path) == [tmp_path / "step_00000001"]
+
+
+def test_bad_stage_parts_are_named(tmp_path):
+    model, names, opt = _trained("tiny")
+    parts = _parts(model, names, opt, TINY)
+    with pytest.raises(ValueError, match=r"stage_parts\[0\] must be a StagePart, got str"):
+        save_checkpoint(tmp_path, 1, common={}, per_rank=None, stage_parts=["backbone"], **HEAD)
+    with pytest.raises(ValueError, match="no rank passed a head shard"):
+        save_checkpoint(tmp_path, 1, common={}, per_rank=None, stage_parts=parts, fingerprint={})
+    stray = StagePart(**{**vars(parts[0]), "optimizer": {"state": {}, "param_groups": [{"params": ["fc.weight"]}]}})
+    with pytest.raises(ValueError, match=r"stage_parts\[0\]\.optimizer names parameters that are not the stage's"):
+        save_checkpoint(tmp_path, 1, common={}, per_rank=None, stage_parts=[stray, parts[1]], **HEAD)
+    assert not list(tmp_path.iterdir())  # refused before anything was written
