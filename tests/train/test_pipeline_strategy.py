@@ -1,5 +1,5 @@
-"""``shardfc train --strategy pipeline``: the ddp loss curve, whole-backbone checkpoints that resume
-under pipeline and ddp, clear errors.
+"""``shardfc train --strategy pipeline``: the ddp loss curve, per-stage checkpoints that resume
+under pipeline and ddp (and ddp's under pipeline), evaluation through the stages, clear errors.
 
 Processes: a 2-rank ddp run, a 2 stages x 2 replicas pipeline run of the same training, a ddp run
 resumed from the pipeline's step-3 checkpoint and a pipeline run resumed from it.
@@ -60,7 +60,7 @@ def test_pipeline_trains_the_ddp_curve(ddp_and_pipeline):
     a, b = _losses(ddp.output_dir), _losses(pipe.output_dir)
     assert sorted(b) == list(range(1, STEPS + 1)) and a[STEPS] < a[1]
     np.testing.assert_allclose([b[s] for s in sorted(a)], [a[s] for s in sorted(a)], rtol=RTOL)
-    # evaluated on the stages' weights gathered to rank 0: the same metrics
+    # evaluated through the stages (forward only, micro-batched): the unsplit model's metrics
     assert pipe_summary["metrics"]["synthetic"]["accuracy"] == pytest.approx(ddp_summary["metrics"]["synthetic"]["accuracy"])
     log = (Path(pipe.output_dir) / "train.log").read_text()
     assert "pipeline: 2 stages x 2 replicas, cut after body; 1f1b schedule over 2 micro-batches" in log
@@ -86,15 +86,22 @@ def test_pipeline_profile_counts_the_stage_to_stage_traffic(ddp_and_pipeline):
             assert p["comm_bytes"][step] == sum(kinds.values())
 
 
-def test_pipeline_checkpoint_holds_the_whole_backbone(ddp_and_pipeline):
+def test_pipeline_checkpoint_is_saved_per_stage(ddp_and_pipeline):
+    from shardfc.checkpoint import optimizer_by_index, read_stage_state, verify_checkpoint
+
     ddp, _, pipe, _ = ddp_and_pipeline
     for step in ("step_00000003", "step_00000006"):
         mine, theirs = (Path(c.output_dir) / "checkpoints" / step for c in (pipe, ddp))
+        meta = verify_checkpoint(mine)
+        # each stage's replica 0 wrote its part; the common file holds no backbone
+        assert sorted(meta["backbone_stages"]["files"]) == ["backbone_stage0.pt", "backbone_stage1.pt"]
         a, b = _common(mine), _common(theirs)
-        assert list(a["backbone"]) == list(b["backbone"])  # every key, in the unsplit model's order
+        assert "backbone" not in a and "backbone_optimizer" not in a
+        model, by_name = read_stage_state(mine, meta)  # assembled as the unsplit model reads it
+        assert list(model) == list(b["backbone"])  # every key, in the unsplit model's order
         for key, value in b["backbone"].items():
-            torch.testing.assert_close(a["backbone"][key], value, rtol=RTOL, atol=1e-6, msg=key)
-        opt_a, opt_b = a["backbone_optimizer"], b["backbone_optimizer"]
+            torch.testing.assert_close(model[key], value, rtol=RTOL, atol=1e-6, msg=key)
+        opt_a, opt_b = optimizer_by_index(by_name, meta["backbone_stages"]["params"]), b["backbone_optimizer"]
         assert opt_a["param_groups"][0]["params"] == opt_b["param_groups"][0]["params"]
         assert sorted(opt_a["state"]) == sorted(opt_b["state"])
         for i, s in opt_b["state"].items():

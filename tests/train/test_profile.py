@@ -20,7 +20,7 @@ from .tiny import STEPS, tiny_config
 FIELDS = {
     "rank", "world_size", "strategy", "launcher", "device", "amp", "backbone", "step_s", "samples", "comm_bytes",
     "comm_bytes_by_kind", "comm_bytes_by_kind_per_step", "backbone_traffic_counted", "peak_rss_bytes", "cuda_peak_bytes",
-    "pid", "startup", "step_phases_s",
+    "pid", "startup", "step_phases_s", "memory_phases",
 }
 
 
@@ -74,6 +74,14 @@ def test_profile_counts_ddp_traffic_and_the_samples_of_each_step(profiled):
         for phases, step_s in zip(p["step_phases_s"], p["step_s"]):
             assert {"stop agreement", "loader wait", "forward", "head", "backward", "optimizer"} <= set(phases)
             assert sum(phases.values()) >= 0.9 * step_s
+        # the peak after each phase: it only grows, up to the process's peak
+        memory = p["memory_phases"]
+        assert memory["backbone_state_bytes"] == 2 * params + buffers  # weights, BN statistics, momentum
+        assert [m["after"] for m in memory["peak_after"]] == [
+            "build and resume", "training to step 3", "save at step 3", "evaluation at step 3", "training to step 6",
+            "save at step 6", "evaluation at step 6"]
+        peaks = [m["peak_rss_bytes"] for m in memory["peak_after"]]
+        assert peaks == sorted(peaks) and peaks[-1] <= p["peak_rss_bytes"]
     log = (Path(cfg.output_dir) / "train.log").read_text()
     assert "start-up (to the end of the first step)" in log and "first batch" in log
 

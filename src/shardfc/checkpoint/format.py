@@ -12,6 +12,9 @@ On-disk format (``format_version`` 2)
         head_<r>.pt   torch.save({"class_range": (start, stop),
                                   "tensors": {name: Tensor with shape[0] == stop - start},
                                   "extras": {name: value}})   # e.g. Adam's scalar "step"
+        backbone_stage<i>.pt   only in a per-stage save (a pipeline run): one stage's share of the
+                      backbone and its optimizer state, in the unsplit model's names
+                      (see :mod:`shardfc.checkpoint.stages`); common.pt then holds no backbone
 
 Every ``.pt`` file holds only tensors and plain data (dict, list, tuple, str, int, float, bool,
 None, ...), so it loads with ``torch.load(weights_only=True)``, which cannot run code; see
@@ -29,7 +32,13 @@ but its files may hold pickled objects (e.g. numpy RNG states): they are read on
      "head_extras": [name, ...],
      "fingerprint": {...},                    # caller's JSON dict (model name, config, ...)
      "files": {file_name: {"size": bytes, "sha256": hex}},
-     "torch_version": str, "created_unix": float}
+     "torch_version": str, "created_unix": float,
+     # only in a per-stage save (whose format_version is then 3):
+     "backbone_stages": {"keys": [...], "params": [...],     # the unsplit model's, in order
+                         "files": {"backbone_stage<i>.pt": {"keys": [...], "params": [...]}}}}
+
+``<r>`` of ``head_<r>.pt`` counts the ranks that hold a head shard, in rank order (in a pipeline
+run: the last stage's ranks).
 
 A checkpoint directory is named ``step_<step:08d>``; :data:`STEP_DIR_RE` is the one pattern that
 recognises such names (discovery, pruning, and the trainer's setting aside of newer steps all use
@@ -59,6 +68,7 @@ __all__ = [
     "CheckpointError",
     "head_file",
     "rank_file",
+    "stage_file",
     "step_dir_name",
     "parse_step_dir",
     "step_dirs",
@@ -73,7 +83,10 @@ __all__ = [
 FORMAT_NAME = "shardfc-checkpoint"
 #: 2: every .pt file loads with ``torch.load(weights_only=True)``. 1: the same layout, pickled objects allowed.
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+#: A format-2 checkpoint whose backbone is saved per stage (``backbone_stages``): a shardfc that
+#: cannot read those refuses the version instead of failing on the missing backbone.
+STAGED_FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 META_FILE = "meta.json"
 COMMON_FILE = "common.pt"
 
@@ -92,6 +105,10 @@ def head_file(rank: int) -> str:
 
 def rank_file(rank: int) -> str:
     return f"rank_{rank}.pt"
+
+
+def stage_file(index: int) -> str:
+    return f"backbone_stage{index}.pt"
 
 
 # --------------------------------------------------------------------------- step directories
@@ -174,11 +191,12 @@ def build_meta(
     extras: list[str],
     fingerprint: dict[str, Any],
     files: Mapping[str, Mapping[str, Any]],
+    backbone_stages: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
-    """The ``meta.json`` of a checkpoint saved on ``len(class_ranges)`` ranks."""
-    return {
+    """The ``meta.json`` of a checkpoint whose head was saved on ``len(class_ranges)`` ranks."""
+    meta = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if backbone_stages is None else STAGED_FORMAT_VERSION,
         "step": step,
         "world_size": len(class_ranges),
         "num_classes": num_classes,
@@ -191,6 +209,9 @@ def build_meta(
         "torch_version": torch.__version__,
         "created_unix": time.time(),
     }
+    if backbone_stages is not None:
+        meta["backbone_stages"] = backbone_stages
+    return meta
 
 
 def read_meta(path: "str | os.PathLike[str]") -> dict[str, Any]:
@@ -242,6 +263,10 @@ def _well_formed(meta: dict[str, Any]) -> bool:
             and all(head_file(r) in files for r in range(world))
             and all(isinstance(e, dict) and isinstance(e.get("size"), int) for e in files.values())
         )
+        stages = meta.get("backbone_stages")
+        if stages is not None:
+            ok = ok and isinstance(stages["keys"], list) and isinstance(stages["params"], list)
+            ok = ok and all(f in files and isinstance(e["keys"], list) for f, e in stages["files"].items())
         # Saved ranges must tile [0, num_classes) in rank order, as the saver enforces.
         bounds = [0] + [b for a, b in ranges]
         ok = ok and all(

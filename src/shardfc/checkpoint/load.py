@@ -17,7 +17,7 @@ from shardfc.checkpoint.weights_only import load_pt
 from shardfc.checks import check_int
 from shardfc.parallel.context import DistContext
 
-__all__ = ["LoadedCheckpoint", "verify_checkpoint", "load_common", "load_checkpoint"]
+__all__ = ["LoadedCheckpoint", "verify_checkpoint", "load_common", "load_checkpoint", "load_file"]
 
 
 @dataclass
@@ -73,17 +73,19 @@ def verify_checkpoint(path: str | os.PathLike[str], *, check_hashes: bool = True
     return meta
 
 
-def _load_file(
-    path: Path, fname: str, meta: Mapping[str, Any], map_location: Any, verify: bool, trust_pickle: bool
+def load_file(
+    path: Path, fname: str, meta: Mapping[str, Any], map_location: Any, verify: bool, trust_pickle: bool,
+    mmap: bool = False,
 ) -> Any:
     """Check ``path/fname`` against ``meta.json`` (size always, sha256 if ``verify``) and read it
-    with ``weights_only=True`` (see :func:`~shardfc.checkpoint.weights_only.load_pt`)."""
+    with ``weights_only=True`` (see :func:`~shardfc.checkpoint.weights_only.load_pt`), memory-mapped
+    if ``mmap``."""
     fpath = path / fname
     entry = meta["files"].get(fname)
     if entry is None:
         raise CheckpointError(f"{path / META_FILE} does not list {fname}")
     check_file(fpath, entry, check_hash=verify)
-    return load_pt(fpath, map_location, trust_pickle=trust_pickle, meta=meta)
+    return load_pt(fpath, map_location, trust_pickle=trust_pickle, meta=meta, mmap=mmap)
 
 
 def load_common(
@@ -101,7 +103,7 @@ def load_common(
     """
     path = Path(path)
     meta = verify_checkpoint(path, check_hashes=False)
-    common = _load_file(path, COMMON_FILE, meta, map_location, verify=True, trust_pickle=trust_pickle)
+    common = load_file(path, COMMON_FILE, meta, map_location, verify=True, trust_pickle=trust_pickle)
     if not isinstance(common, dict):
         raise CheckpointError(f"{path / COMMON_FILE} does not hold a dict (got {type(common).__name__})")
     return common, meta
@@ -143,13 +145,14 @@ def _check_fingerprint(saved: Mapping[str, Any], current: Mapping[str, Any], pat
 def load_checkpoint(
     path: str | os.PathLike[str],
     *,
-    class_range: range,
+    class_range: Optional[range],
     num_classes: int,
     fingerprint: Optional[dict[str, Any]] = None,
     map_location: Any = "cpu",
     rank: Optional[int] = None,
     verify: bool = True,
     trust_pickle: bool = False,
+    mmap: bool = False,
 ) -> LoadedCheckpoint:
     """Load the rows of ``class_range`` from a checkpoint saved on any number of ranks.
 
@@ -159,7 +162,8 @@ def load_checkpoint(
 
     Args:
         path: Checkpoint directory (``.../step_XXXXXXXX``).
-        class_range: Class ids this rank holds now (may be empty).
+        class_range: Class ids this rank holds now (may be empty); None: this rank holds no head
+            (a pipeline stage before the last), no head file is read.
         num_classes: Total classes of this run; must match the checkpoint.
         fingerprint: If given, must equal the saved fingerprint (compared after a JSON round trip).
         map_location: Passed to ``torch.load``.
@@ -170,6 +174,8 @@ def load_checkpoint(
             more (checkpoint format 1, or a file not written by shardfc) is refused unless this is
             True, which reads it with full unpickling: that can run arbitrary code, so only for
             checkpoints you trust.
+        mmap: Map ``common.pt`` instead of reading it (a rank that needs a part of a whole
+            backbone saved there pages in only that part); needs ``map_location`` "cpu".
 
     Raises:
         ValueError: Bad arguments, ``num_classes`` or fingerprint mismatch.
@@ -178,7 +184,8 @@ def load_checkpoint(
     """
     path = Path(path)
     check_int("num_classes", num_classes, 1)
-    check_class_range(class_range, num_classes)
+    if class_range is not None:
+        check_class_range(class_range, num_classes)
     rank = DistContext.resolve().rank if rank is None else check_int("rank", rank, 0)
     meta = read_meta(path)
     if meta["num_classes"] != num_classes:
@@ -188,13 +195,16 @@ def load_checkpoint(
     if fingerprint is not None:
         _check_fingerprint(meta["fingerprint"], fingerprint, path)
 
-    common = _load_file(path, COMMON_FILE, meta, map_location, verify, trust_pickle)
+    common = load_file(path, COMMON_FILE, meta, map_location, verify, trust_pickle, mmap=mmap)
     if not isinstance(common, dict):
         raise CheckpointError(f"{path / COMMON_FILE} does not hold a dict (got {type(common).__name__})")
     per_rank = None
     if rank_file(rank) in meta["files"]:
-        per_rank = _load_file(path, rank_file(rank), meta, map_location, verify, trust_pickle)
-    tensors, extras = _load_head_rows(path, meta, class_range, map_location, verify, trust_pickle)
+        per_rank = load_file(path, rank_file(rank), meta, map_location, verify, trust_pickle)
+    tensors: dict[str, torch.Tensor] = {}
+    extras: dict[str, Any] = {}
+    if class_range is not None:
+        tensors, extras = _load_head_rows(path, meta, class_range, map_location, verify, trust_pickle)
     return LoadedCheckpoint(
         step=meta["step"],
         common=common,
@@ -203,7 +213,7 @@ def load_checkpoint(
         head_extras=extras,
         meta=meta,
         path=path,
-        class_range=class_range,
+        class_range=range(0) if class_range is None else class_range,
     )
 
 
@@ -226,7 +236,7 @@ def _load_head_rows(
     extras_from = -1
     for i in wanted:
         fname = head_file(i)
-        head = _load_file(path, fname, meta, map_location, verify, trust_pickle)
+        head = load_file(path, fname, meta, map_location, verify, trust_pickle)
         if not (isinstance(head, dict) and {"class_range", "tensors", "extras"} <= head.keys()):
             raise CheckpointError(f"{path / fname} is not a head shard file")
         if tuple(head["class_range"]) != (saved[i].start, saved[i].stop):

@@ -4,7 +4,9 @@ A save is four steps, each collective over the group so that a failure on any ra
 rank raise instead of leaving the others waiting:
 
 1. :func:`_agree_on_arguments`: each rank validates its own arguments; the verdicts and shard
-   descriptions are all-gathered, and the shards are checked to tile ``[0, num_classes)``.
+   descriptions are all-gathered, and the shards are checked to tile ``[0, num_classes)`` (and
+   the stage parts of a per-stage save to tile the backbone, its replicas to agree:
+   :mod:`~shardfc.checkpoint.stages`).
 2. :func:`_write_rank_files`: each rank writes its files into the scratch directory; the
    all-gather of the outcomes doubles as the barrier after writing.
 3. :func:`_publish_from_first`: rank 0 writes ``meta.json`` last and renames the directory into
@@ -35,9 +37,11 @@ from shardfc.checkpoint.format import (
     head_file,
     rank_file,
     scratch_dir_name,
+    stage_file,
     step_dir_name,
     tensor_specs,
 )
+from shardfc.checkpoint.stages import StagePart, check_parts, prepare_part
 from shardfc.checkpoint.validation import (
     check_class_range,
     check_consistency,
@@ -63,13 +67,20 @@ class _Shard:
 
     step: int
     num_classes: int
-    class_range: range
+    class_range: Optional[range]
+    """None: this rank holds no head shard (a pipeline stage before the last)."""
     tensors: dict[str, torch.Tensor]
     extras: dict[str, Any]
     infos: list[dict[str, Any]]
-    """Every rank's shard description (class range, tensor specs, extras names, fingerprint)."""
+    """The shard descriptions (class range, tensor specs, extras names, fingerprint) of the ranks holding one."""
     token: str
     """Rank 0's random token: names the scratch directories of this save."""
+    head_index: Optional[int] = None
+    """This rank's place among the ranks holding a head shard: names its ``head_<i>.pt``."""
+    parts: Optional[list[tuple[dict[str, Any], dict[str, Any]]]] = None
+    """This rank's stage parts: (description, payload)."""
+    backbone_stages: Optional[dict[str, Any]] = None
+    """``meta.json``'s description of the stage files (a per-stage save)."""
 
 
 def save_checkpoint(
@@ -86,6 +97,7 @@ def save_checkpoint(
     fingerprint: dict[str, Any],
     group: ProcessGroup | None = None,
     keep_last: int | None = None,
+    stage_parts: list[StagePart] | None = None,
 ) -> Path:
     """Atomically save a checkpoint of a class-sharded run; collective over ``group``.
 
@@ -114,6 +126,11 @@ def save_checkpoint(
         group: Process group to save over; None means the default group.
         keep_last: If set, rank 0 deletes all but the newest ``keep_last`` complete
             checkpoints after a successful save (never the one just written).
+        stage_parts: This rank's shares of a backbone saved per stage (a pipeline run), each
+            written as ``backbone_stage<index>.pt`` unless it is a replica that only verifies
+            (:class:`~shardfc.checkpoint.stages.StagePart`); the parts of all ranks must tile
+            the model. A rank that passes parts may pass no head arguments: it holds no head
+            shard (at least one rank must).
 
     Returns:
         The final checkpoint directory (same on every rank).
@@ -129,8 +146,12 @@ def save_checkpoint(
     separate = dict(num_classes=num_classes, class_range=class_range, tensors=head_tensors, extras=head_extras)
 
     def prepare():
-        head = _head_arguments(separate, head_state)
-        return _prepare(step, keep_last, common, per_rank, head, fingerprint, writes_common=ctx.is_main)
+        head = _head_arguments(separate, head_state, optional=bool(stage_parts))
+        prepared = _prepare(step, keep_last, common, per_rank, head, fingerprint, writes_common=ctx.is_main)
+        if stage_parts is not None and not isinstance(stage_parts, (list, tuple)):
+            raise ValueError(f"stage_parts must be a list of StagePart, got {type(stage_parts).__name__}")
+        parts = [prepare_part(p, f"stage_parts[{i}]") for i, p in enumerate(stage_parts or [])]
+        return (*prepared, parts)
 
     shard = _agree_on_arguments(ctx, step, prepare)
     tmp = root / scratch_dir_name("tmp", step_dir_name(step), shard.token)
@@ -146,8 +167,11 @@ def save_checkpoint(
 # --------------------------------------------------------------------------- 1. arguments
 
 
-def _head_arguments(head: dict[str, Any], head_state: Any) -> dict[str, Any]:
-    """The head shard to save, from ``head_state`` or from the separate arguments (not both)."""
+def _head_arguments(head: dict[str, Any], head_state: Any, optional: bool = False) -> Optional[dict[str, Any]]:
+    """The head shard to save, from ``head_state`` or from the separate arguments (not both);
+    None when ``optional`` and none is given."""
+    if optional and head_state is None and all(v is None for v in head.values()):
+        return None
     if head_state is None:
         if head["tensors"] is None or head["class_range"] is None or head["num_classes"] is None:
             raise ValueError("pass head_state, or head_tensors, class_range and num_classes")
@@ -165,22 +189,26 @@ def _prepare(
     keep_last: Any,
     common: Any,
     per_rank: Any,
-    head: dict[str, Any],
+    head: Optional[dict[str, Any]],
     fingerprint: Any,
     *,
     writes_common: bool,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's arguments checked: ``(shard description, compact CPU tensors, extras)``.
 
-    ``head``: ``{"num_classes", "class_range", "tensors", "extras"}`` of this rank's shard;
-    ``writes_common``: this rank writes ``common`` (rank 0).
+    ``head``: ``{"num_classes", "class_range", "tensors", "extras"}`` of this rank's shard (None:
+    it holds none, the description's ``class_range`` is None); ``writes_common``: this rank
+    writes ``common`` (rank 0).
     """
-    num_classes, class_range = head["num_classes"], head["class_range"]
     check_int("step", step, 0)
-    check_int("num_classes", num_classes, 1)
     if keep_last is not None:
         check_int("keep_last", keep_last, 1)
-    check_class_range(class_range, num_classes)
+    if head is None:
+        head = {"num_classes": None, "class_range": None, "tensors": {}, "extras": {}}
+    num_classes, class_range = head["num_classes"], head["class_range"]
+    if class_range is not None:
+        check_int("num_classes", num_classes, 1)
+        check_class_range(class_range, num_classes)
     if common is not None and not isinstance(common, dict):
         raise ValueError(f"common must be a dict or None, got {type(common).__name__}")
     if per_rank is not None and not isinstance(per_rank, dict):
@@ -192,11 +220,11 @@ def _prepare(
     extras = check_str_keys("head_extras", head["extras"])
     check_plain("head_extras", extras)
     fp = json_roundtrip("fingerprint", check_str_keys("fingerprint", fingerprint))
-    tensors = prepare_head_tensors(head["tensors"], len(class_range))
+    tensors = prepare_head_tensors(head["tensors"], len(class_range) if class_range is not None else 0)
     info = {
         "step": step,
         "num_classes": num_classes,
-        "class_range": (class_range.start, class_range.stop),
+        "class_range": (class_range.start, class_range.stop) if class_range is not None else None,
         "specs": tensor_specs(tensors),
         "extras": sorted(extras),
         "fingerprint": fp,
@@ -214,9 +242,10 @@ def _agree_on_arguments(ctx: DistContext, step: Any, prepare) -> _Shard:
     info: Optional[dict[str, Any]] = None
     tensors: dict[str, torch.Tensor] = {}
     extras: dict[str, Any] = {}
+    parts: list[tuple[dict[str, Any], dict[str, Any]]] = []
     local_error: Optional[Exception] = None
     try:
-        info, tensors, extras = prepare()
+        info, tensors, extras, parts = prepare()
     except Exception as e:  # not only ValueError: e.g. a failing device-to-host copy
         local_error = e
     statuses = ctx.all_gather_object(
@@ -224,6 +253,7 @@ def _agree_on_arguments(ctx: DistContext, step: Any, prepare) -> _Shard:
             "error": None if local_error is None else str(local_error),
             "invalid": isinstance(local_error, ValueError),
             "info": info,
+            "parts": [description for description, _ in parts],
             "token": secrets.token_hex(8) if ctx.is_main else None,
         }
     )
@@ -235,11 +265,24 @@ def _agree_on_arguments(ctx: DistContext, step: Any, prepare) -> _Shard:
         if all(s["invalid"] for s in statuses if s["error"]):
             raise ValueError(message)
         raise CheckpointError(message)
-    infos = [s["info"] for s in statuses]
+    for r, s in enumerate(statuses):
+        if s["info"]["step"] != statuses[0]["info"]["step"]:
+            raise ValueError(f"step differs across ranks: rank 0 has {statuses[0]['info']['step']!r}, rank {r} has "
+                             f"{s['info']['step']!r}")
+    # The ranks that hold a head shard, in rank order: ``head_<i>.pt`` numbers them.
+    holders = [r for r, s in enumerate(statuses) if s["info"]["class_range"] is not None]
+    if not holders:
+        raise ValueError("no rank passed a head shard: at least one must")
+    infos = [statuses[r]["info"] for r in holders]
     check_consistency(infos)
+    backbone_stages = check_parts([s["parts"] for s in statuses])
     assert info is not None
-    start, stop = info["class_range"]
-    return _Shard(info["step"], info["num_classes"], range(start, stop), tensors, extras, infos, statuses[0]["token"])
+    head_range = info["class_range"]
+    return _Shard(
+        info["step"], infos[0]["num_classes"], range(*head_range) if head_range is not None else None, tensors,
+        extras, infos, statuses[0]["token"], holders.index(ctx.rank) if ctx.rank in holders else None, parts,
+        backbone_stages,
+    )
 
 
 # --------------------------------------------------------------------------- 2. files
@@ -262,12 +305,17 @@ def _write_rank_files(
             files[COMMON_FILE] = save_durable(dict(common or {}), tmp / COMMON_FILE)
         if per_rank is not None:
             files[rank_file(ctx.rank)] = save_durable(per_rank, tmp / rank_file(ctx.rank))
-        head = {
-            "class_range": (shard.class_range.start, shard.class_range.stop),
-            "tensors": shard.tensors,
-            "extras": shard.extras,
-        }
-        files[head_file(ctx.rank)] = save_durable(head, tmp / head_file(ctx.rank))
+        if shard.head_index is not None:
+            head = {
+                "class_range": (shard.class_range.start, shard.class_range.stop),
+                "tensors": shard.tensors,
+                "extras": shard.extras,
+            }
+            files[head_file(shard.head_index)] = save_durable(head, tmp / head_file(shard.head_index))
+        for description, payload in shard.parts or []:
+            if description["writes"]:  # a replica's part was only compared (its digest)
+                name = stage_file(description["index"])
+                files[name] = save_durable(payload, tmp / name)
     except Exception as e:  # report, so that other ranks fail too rather than hang
         write_error = e
     # Doubles as the barrier: every rank has finished writing once this returns.
@@ -310,6 +358,7 @@ def _publish_from_first(
                 extras=first["extras"],
                 fingerprint=first["fingerprint"],
                 files=files,
+                backbone_stages=shard.backbone_stages,
             )
             # meta.json last: its presence marks a checkpoint whose other files are complete.
             write_bytes_durable(tmp / META_FILE, json.dumps(meta, indent=2).encode())

@@ -49,17 +49,20 @@ def prepare_head_tensors(head_tensors: Any, rows: int) -> dict[str, torch.Tensor
                 f"head_tensors[{name!r}] has shape {tuple(t.shape)}; its first dim must equal "
                 f"len(class_range)={rows}"
             )
-        t = t.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        elif not (
-            t.is_contiguous()
-            and t.storage_offset() == 0
-            and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-        ):
-            t = t.clone(memory_format=torch.contiguous_format)
-        out[name] = t
+        out[name] = compact_cpu(t)
     return out
+
+
+def compact_cpu(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU, holding its own elements only (torch.save writes a view's whole storage)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        return t.cpu()
+    if not (
+        t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    ):
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 def check_consistency(infos: list[dict[str, Any]]) -> None:

@@ -72,11 +72,13 @@ def _refusal_reason(error: BaseException) -> str:
     return f"the global {m.group(1)}" if m else "objects"
 
 
-def load_pt(path: Path, map_location: Any, *, trust_pickle: bool, meta: Mapping[str, Any]) -> Any:
+def load_pt(path: Path, map_location: Any, *, trust_pickle: bool, meta: Mapping[str, Any], mmap: bool = False) -> Any:
     """``torch.load(path, weights_only=True)``; a file that needs full unpickling is refused with a
-    CheckpointError saying why and how to opt in, or, with ``trust_pickle``, read anyway."""
+    CheckpointError saying why and how to opt in, or, with ``trust_pickle``, read anyway.
+
+    ``mmap``: map the file instead of reading it (tensors are paged in as they are used)."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         if "weights only" not in str(e).lower():
             raise CheckpointError(f"cannot read checkpoint file {path}: {type(e).__name__}: {e}") from e
@@ -99,6 +101,6 @@ def load_pt(path: Path, map_location: Any, *, trust_pickle: bool, meta: Mapping[
         ) from None
     logger.warning("loading %s with full unpickling (trust_pickle=True): it needs %s", path, reason)
     try:
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
     except Exception as e:
         raise CheckpointError(f"cannot read checkpoint file {path}: {type(e).__name__}: {e}") from e

@@ -18,7 +18,8 @@ from shardfc.data import IMG_EXTENSIONS
 from shardfc.models import build_backbone
 from shardfc.train.config import ConfigError, TrainConfig, config_from_mapping
 
-__all__ = ["add_checkpoint_args", "TrainedBackbone", "resolve_checkpoint", "saved_config", "load_backbone", "list_images", "pick_device"]
+__all__ = ["add_checkpoint_args", "TrainedBackbone", "resolve_checkpoint", "saved_config", "load_backbone",
+           "load_stages_streaming", "list_images", "pick_device"]
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     """``--checkpoint`` and ``--trust-checkpoint``, as every command that reads a trained run takes them."""
@@ -79,20 +80,37 @@ def load_backbone(
     """The backbone of a checkpoint (a checkpoint folder or a run folder: see :func:`resolve_checkpoint`).
 
     Only the replicated part (``common.pt``, hash-checked) is read: the head shards, which can
-    be gigabytes, are not needed for inference. ``trust_pickle``: read a ``common.pt`` that needs
+    be gigabytes, are not needed for inference; a pipeline run's backbone is assembled from its
+    stage files one at a time (:func:`load_stages_streaming`). ``trust_pickle``: read a ``common.pt`` that needs
     full unpickling (``--trust-checkpoint``; see :func:`shardfc.checkpoint.load_checkpoint`).
     """
     folder = resolve_checkpoint(path)
     common, meta = ckpt.load_common(folder, trust_pickle=trust_pickle)
-    if "backbone" not in common:
+    if "backbone" not in common and "backbone_stages" not in meta:
         raise ckpt.CheckpointError(f"{folder} was not saved by 'shardfc train' (no backbone in common.pt)")
     cfg = saved_config(common, folder)
     h, w = meta["fingerprint"]["image_size"]
     from shardfc.train.build import backbone_kwargs  # build imports the training stack; only needed here
 
     model = build_backbone(cfg.backbone, cfg.embedding_dim, **backbone_kwargs(cfg, (int(h), int(w))))
-    model.load_state_dict(common["backbone"])
+    if "backbone" in common:
+        model.load_state_dict(common["backbone"])
+    else:
+        load_stages_streaming(model, folder, meta, trust_pickle=trust_pickle)
     return TrainedBackbone(model.to(device).eval(), cfg, (int(h), int(w)), folder)
+
+
+def load_stages_streaming(model: nn.Module, folder: Path, meta: Dict[str, Any], *, trust_pickle: bool = False) -> None:
+    """Fill ``model`` from a per-stage checkpoint (a pipeline run's), one stage file at a time: each is
+    memory-mapped, copied into the model and released before the next is opened, so the unsplit model
+    is the only whole copy in memory. The weights alone: no optimizer state is read."""
+    expected = list(model.state_dict())
+    if sorted(meta["backbone_stages"]["keys"]) != sorted(expected):
+        raise ckpt.CheckpointError(f"{folder}'s stage files do not hold the keys of a {type(model).__name__}")
+    for entry in meta["backbone_stages"]["files"].values():
+        part, _ = ckpt.read_stage_state(folder, meta, entry["keys"], [], trust_pickle=trust_pickle)
+        model.load_state_dict(part, strict=False)
+        del part  # unmaps the file
 
 
 def list_images(folder: "str | os.PathLike[str]") -> List[Path]:

@@ -142,14 +142,16 @@ def new_head_rows(run, cfg: TrainConfig, kept: int) -> Callable[[range], torch.T
     return rows
 
 
-def load_kept(run, cfg: TrainConfig, path: Path, plan: ClassPlan, fingerprint: Optional[dict]) -> "ckpt.LoadedCheckpoint":
+def load_kept(run, cfg: TrainConfig, path: Path, plan: ClassPlan, fingerprint: Optional[dict],
+              mmap: bool = False) -> "ckpt.LoadedCheckpoint":
     """Checkpoint ``path`` with the rows of this rank's classes that the plan keeps (read by class
-    range, so any saved sharding: the resharding path); no head rows when the plan keeps none."""
+    range, so any saved sharding: the resharding path); no head rows when the plan keeps none.
+    ``mmap``: map the common file (a pipeline stage takes its part of a backbone saved whole)."""
     head = run.parts.head
     old = _overlap(head.class_range, range(plan.kept)) if head is not None and plan.kept else range(0)
     saved_count = int(read_meta(path)["num_classes"])
     return ckpt.load_checkpoint(path, class_range=old, num_classes=saved_count, fingerprint=fingerprint,
-                                map_location="cpu", rank=run.ctx.rank, trust_pickle=cfg.trust_checkpoint)
+                                map_location="cpu", rank=run.ctx.rank, trust_pickle=cfg.trust_checkpoint, mmap=mmap)
 
 
 def head_state_for(run, cfg: TrainConfig, loaded, plan: ClassPlan, with_optimizer: bool) -> Optional[dict]:
@@ -181,29 +183,25 @@ def fresh_rows(run, cfg: TrainConfig) -> None:
 def init_from(run, path: Path, cfg: TrainConfig) -> None:
     """Load ``--init-from``'s backbone into the run, and its head where the plan keeps its classes;
     build the other rows as ``--head-init`` says. The run starts at step 0 with fresh optimizers."""
-    from shardfc.train.pipeline_train import load_whole_backbone_state
+    from shardfc.train.resume import restore_backbone  # resume builds on this module
 
     plan: ClassPlan = run.classes
     parts = run.parts
-    _, _, common = saved_classes(path, cfg.trust_checkpoint)
-    config = common.get("config_json")
-    try:
-        if run.pipeline is None:
-            parts.module.load_state_dict(common["backbone"])
-        else:
-            load_whole_backbone_state(parts, run.pipeline, common["backbone"], None)
+    loaded = load_kept(run, cfg, path, plan, None, mmap=run.pipeline is not None)
+    config = loaded.common.get("config_json")
+    try:  # whole in the common file or per pipeline stage: the stage files this rank's keys are in
+        restore_backbone(run, loaded, cfg, with_optimizer=False)
     except (RuntimeError, KeyError) as e:
         raise ConfigError(
             f"init_from={str(path)!r}: its backbone does not fit backbone={cfg.backbone!r}, embedding_dim="
             f"{cfg.embedding_dim} ({str(e).splitlines()[0]}); the checkpoint's config: {config}"
         ) from None
     if parts.head is not None:
-        state = head_state_for(run, cfg, load_kept(run, cfg, path, plan, None), plan, with_optimizer=False)
+        state = head_state_for(run, cfg, loaded, plan, with_optimizer=False)
         if state is None:
             fresh_rows(run, cfg)
         else:
             parts.head.load_sharded_state(state)
     if run.ctx.is_main:
-        logger.info("init from %s: backbone loaded (%d tensors); head: %s; %s rows: %s", path,
-                    len(common["backbone"]), plan.note, len(plan.added) if plan.kept else plan.num_classes,
+        logger.info("init from %s: backbone loaded; head: %s; %s rows: %s", path, plan.note, len(plan.added) if plan.kept else plan.num_classes,
                     cfg.head_init)

@@ -31,8 +31,9 @@ from shardfc.train.cpu import apply_threads
 from shardfc.train.data import micro_batches
 from shardfc.train.evaluate import build_targets
 from shardfc.train.fine_tune import init_from, resolve_init_from
+from shardfc.train.memory_phases import MemoryPhases
 from shardfc.train.phases import OFF, PhaseClock, format_phases, summarize_phases
-from shardfc.train.pipeline_train import pipeline_step, stage_stream, whole_backbone
+from shardfc.train.pipeline_train import evaluate_through_pipeline, pipeline_step, stage_stream
 from shardfc.train.profile import StartupClock, StepProfiler, count_ddp_traffic, profile_path
 from shardfc.train.reporting import ReportWindow, evaluate_targets, log_setup, report
 from shardfc.train.resume import restore, resume_path, save, step_of
@@ -107,8 +108,10 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         if startup is not None and state.step < run.total_steps:
             batches = itertools.chain([next(stream)], stream)  # the loader's start and first batch, timed apart
             mark("first batch")
+        memory = MemoryPhases(ctx.device) if profiler else None
         if profiler:
             profiler.startup = startup
+            memory.mark("build and resume")
 
         # ---- loop
         metrics: Dict[str, Dict[str, float]] = {}
@@ -129,18 +132,26 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
                 if ctx.is_main:
                     logger.info("start-up (to the end of the first step) %s", startup.line())
             last = state.step == run.total_steps
-            if cfg.ckpt_every and state.step % cfg.ckpt_every == 0 and not last:
+            saving = cfg.ckpt_every and state.step % cfg.ckpt_every == 0 and not last
+            evaluating = cfg.eval_every and state.step % cfg.eval_every == 0 and not last
+            if saving or evaluating:
+                _mark(memory, f"training to step {state.step}")
+            if saving:
                 last_saved = save(run, state, cfg)
-            if cfg.eval_every and state.step % cfg.eval_every == 0 and not last:
-                metrics = _evaluate(run, targets, state.step, runlog)
+                _mark(memory, f"save at step {state.step}")
+            if evaluating:
+                metrics = _evaluate(run, targets, state.step, runlog, autocast)
+                _mark(memory, f"evaluation at step {state.step}")
         runlog.close_bar()
         stream.close()  # the loader's workers end now, not whenever the generator is collected
 
         # ---- save: a final checkpoint (unless nothing was trained) and a final evaluation
         trained = state.step > (step_of(resume_from) if resume_from is not None else 0)
         saved_here = last_saved is not None and step_of(last_saved) == state.step  # a signal right after a periodic save
+        _mark(memory, f"training to step {state.step}")
         if trained and (not stop or cfg.save_on_signal) and not saved_here:
             last_saved = save(run, state, cfg)
+            _mark(memory, f"save at step {state.step}")
         elif ctx.is_main and not stop:
             logger.info("%s is at step %d; max %d steps: nothing to train", resume_from, state.step, run.total_steps)
         if stop:
@@ -153,13 +164,15 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
                 logger.info("stopped at step %d by signal %s; checkpoint %s", state.step, signal_name(stop), saved)
         else:
             # Re-evaluated when nothing was trained (the summary reports it), but not logged twice in metrics.csv.
-            metrics = _evaluate(run, targets, state.step, runlog, record=trained)
+            metrics = _evaluate(run, targets, state.step, runlog, autocast, record=trained)
+            _mark(memory, f"evaluation at step {state.step}")
         ctx.barrier()  # leave together: no rank tears the group down under another
         wall = time.time() - started
         if profiler:
             summary = profiler.summary(
                 rank=ctx.rank, world_size=ctx.world_size, cfg=cfg, backbone=parts.module, amp_dtype=run.amp_dtype
             )
+            summary["memory_phases"] = memory.as_dict(parts)
             profiler.write(profile_path(out, ctx.rank), summary)
             if ctx.is_main and profiler.phases.steps:
                 logger.info("where a step's time went (rank 0):\n%s",
@@ -215,6 +228,11 @@ def trainer_step(run, batches, state: RunState, cfg: TrainConfig, autocast, stop
     return 0
 
 
+def _mark(memory: Optional[MemoryPhases], phase: str) -> None:
+    if memory is not None:
+        memory.mark(phase)
+
+
 def _profiler(cfg: TrainConfig, ctx, parts) -> Optional[StepProfiler]:
     """``--profile``: a StepProfiler, with DDP's own traffic counted too (its hooks go in before the first step)."""
     if not cfg.profile:
@@ -235,14 +253,16 @@ def load_parts(cfg: TrainConfig, path: Path, group: Optional[dist.ProcessGroup] 
     return run.parts, _restore(run, Path(path), cfg)
 
 
-def _evaluate(run, targets, step: int, runlog: RunLog, record: bool = True) -> Dict[str, Dict[str, float]]:
-    """Rank 0 evaluates the whole backbone (a pipeline's stages gathered to it first: collective)."""
+def _evaluate(run, targets, step: int, runlog: RunLog, autocast, record: bool = True) -> Dict[str, Dict[str, float]]:
+    """Rank 0 evaluates the backbone (a pipeline's through its stages, which serve it: collective)."""
     if run.pipeline is None:
         return evaluate_targets(targets, run.parts, step, runlog, record=record)
-    backbone = whole_backbone(run)
-    if backbone is None or not targets:
-        return {}
-    return evaluate_targets(targets, Parts(backbone, None, None, None, [], run.parts.scaler), step, runlog, record=record)
+
+    def evaluate(backbone):
+        parts = Parts(backbone, None, None, None, [], run.parts.scaler)
+        return evaluate_targets(targets, parts, step, runlog, record=record)
+
+    return evaluate_through_pipeline(run, evaluate, autocast)
 
 
 def _restore(run, path: Path, cfg: TrainConfig) -> RunState:

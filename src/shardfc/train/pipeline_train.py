@@ -1,24 +1,31 @@
-"""``--strategy pipeline`` in the trainer: build a stage, step it, and save/restore the whole model.
+"""``--strategy pipeline`` in the trainer: build a stage, step it, evaluate through it, save it per stage.
 
 Each rank builds only its stage (:func:`shardfc.parallel.stage_build.build_stage`): the backbone
 is built on the meta device, and the stage's modules get real storage with exactly the values the
 whole backbone's seeded initialisation gives them (the same as every other strategy), so a rank
-never holds more than its stage. The shapes crossing the stages are passed along the pipeline. The optimizer covers the stage's parameters only; the head (and its optimizer) exists on the
-last stage's ranks, sharded over them. A checkpoint holds the backbone and its optimizer
-*whole*, in the layout of an unsplit model (the same state-dict keys and parameter indices a ddp
-run saves), so it resumes under any strategy and any number of stages: the stages gather their
-states to the last stage's replica-0 rank, which writes it with the head's ranks.
+never holds more than its stage. The shapes crossing the stages are passed along the pipeline. The
+optimizer covers the stage's parameters only; the head (and its optimizer) exists on the last
+stage's ranks, sharded over them.
+
+No rank ever holds the whole backbone, not even to save or evaluate it. A checkpoint is saved per
+stage (:mod:`shardfc.checkpoint.stages`): each stage's replica 0 writes its state-dict entries and
+optimizer state under the unsplit model's names (the other replicas' digests are compared with
+it), in one atomic save over the world with the head shards; a resume, under any strategy and any
+stage count, reads only the stage files holding its keys. Evaluation runs on world rank 0 with a
+module whose forward passes the batch through replica 0's stages, forward only and micro-batched
+(:mod:`shardfc.parallel.pipeline_forward`).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from shardfc.checkpoint import StagePart, optimizer_by_index, optimizer_by_name
 from shardfc.head import ShardedMarginHead, head_optimizer
 from shardfc.head.margins import build_margin
 from shardfc.models import build_backbone
@@ -26,6 +33,7 @@ from shardfc.parallel.context import DistContext
 from shardfc.parallel.model_split import available_split_points, batch_stats_module
 from shardfc.parallel.model_split import stages as cut_stages
 from shardfc.parallel.pipeline import (
+    ActivationSpec,
     PipelineLayout,
     PipelineRunner,
     average_gradients_,
@@ -47,12 +55,14 @@ __all__ = [
     "build_pipeline_parts",
     "check_pipeline_config",
     "clip_stage_grads_",
-    "load_whole_backbone_state",
+    "evaluate_through_pipeline",
+    "load_stage_state",
     "pipeline_layout",
     "pipeline_step",
+    "stage_part",
+    "stage_scaler_state",
     "stage_stream",
-    "whole_backbone",
-    "whole_backbone_state",
+    "whole_optimizer_by_name",
 ]
 
 
@@ -103,8 +113,8 @@ class PipelinePlan:
     """This stage's trainable parameters, in its optimizer's order."""
     losses: List[torch.Tensor]
     """Loss values recorded by the last stage's loss function during a step (unscaled)."""
-    new_backbone: Callable[[], nn.Module]
-    """Builds an unsplit backbone of the run's architecture (to evaluate the gathered weights)."""
+    specs: Tuple[ActivationSpec, ...]
+    """Every stage's input and the last output (shapes per row, dtypes): what crosses the stages."""
 
 
 def build_pipeline_parts(
@@ -112,9 +122,6 @@ def build_pipeline_parts(
     amp_dtype: Optional[torch.dtype], autocast,
 ) -> Tuple[Parts, PipelinePlan]:
     """This rank's stage (and, on the last stage, head shard), their optimizers and the schedule."""
-    def new_backbone() -> nn.Module:
-        return build_backbone(cfg.backbone, cfg.embedding_dim, **_backbone_kwargs(cfg, image_size)).to(ctx.device)
-
     def points_of(model: nn.Module) -> List[str]:
         return list(cfg.split_points) or balanced_split_points(model, layout.stages)
 
@@ -163,7 +170,7 @@ def build_pipeline_parts(
         allow_micro_batch_stats=cfg.micro_batch_stats,
     )
     parts = Parts(module, head, opt_backbone, opt_head, [], scaler)
-    plan = PipelinePlan(layout, runner, tuple(points), state_keys, param_names, stage_names, losses, new_backbone)
+    plan = PipelinePlan(layout, runner, tuple(points), state_keys, param_names, stage_names, losses, tuple(specs))
     return parts, plan
 
 
@@ -279,74 +286,77 @@ def clip_stage_grads_(params: Sequence[nn.Parameter], max_norm: float, plan: Pip
     return total
 
 
-# ---------------------------------------------------------------------- checkpoints: the whole backbone
+# ---------------------------------------------------------------------- evaluation through the stages
 
 
-def whole_backbone_state(parts: Parts, plan: PipelinePlan, dst_stage: int) -> Optional[Dict[str, Any]]:
-    """The unsplit backbone's ``{"model": state_dict, "optimizer": state_dict}`` on stage ``dst_stage``
-    of replica 0 (None elsewhere); collective over replica 0's pipeline group.
+def evaluate_through_pipeline(run, evaluate: Callable[[nn.Module], Dict[str, Any]], autocast) -> Dict[str, Any]:
+    """``evaluate(backbone)`` on world rank 0 with a backbone whose forward runs through replica 0's
+    stages (:class:`~shardfc.parallel.pipeline_forward.PipelinedForward`, forward only, micro-batched
+    as the training), while the other stages of replica 0 serve it; ``{}`` elsewhere. Collective over
+    replica 0's pipeline group; the other replicas return at once."""
+    from shardfc.parallel.pipeline_forward import PipelinedForward, serve_forward
 
-    The optimizer state is re-indexed from each stage's parameters to the whole model's, so it is
-    exactly what an unsplit optimizer over the same parameters would hold.
-    """
-    mine = {
-        "model": {k: v.detach().cpu() for k, v in parts.backbone.state_dict().items()},
-        "optimizer": _to_whole(parts.opt_backbone.state_dict(), plan),
-    }
-    pieces = gather_object_to(plan.layout, mine, dst_stage)
-    if pieces is None:
+    plan, device = run.pipeline, run.ctx.device
+    layout, micro = plan.layout, plan.runner.micro_batches
+    if layout.replica != 0:
+        return {}
+    if layout.stage != 0:
+        serve_forward(run.parts.backbone, layout, plan.specs, device, micro, autocast)
+        return {}
+    backbone = PipelinedForward(run.parts.backbone, layout, plan.specs, device, micro)
+    try:
+        return evaluate(backbone)
+    finally:  # also after an error here: the other stages must stop waiting
+        backbone.close()
+
+
+# ---------------------------------------------------------------------- checkpoints: per stage
+
+
+def stage_part(parts: Parts, plan: PipelinePlan) -> StagePart:
+    """This rank's share of a per-stage checkpoint: its stage's state-dict entries and optimizer state,
+    under the unsplit model's names (written by replica 0, compared by the other replicas)."""
+    return StagePart(
+        index=plan.layout.stage,
+        model=parts.backbone.state_dict(),
+        optimizer=optimizer_by_name(parts.opt_backbone.state_dict(), plan.stage_param_names),
+        all_keys=plan.state_keys,
+        all_params=plan.param_names,
+        writes=plan.layout.replica == 0,
+    )
+
+
+def stage_scaler_state(parts: Parts, plan: PipelinePlan) -> Optional[Dict[str, Any]]:
+    """The last stage's fp16 loss-scaler state on world rank 0 (which writes the common file; the
+    loss, hence the first scaling, is on the last stage), None elsewhere or when the scaler is off
+    (then no collective)."""
+    if not parts.scaler.is_enabled():
         return None
-    model = {}
-    for piece in pieces:
-        model.update(piece["model"])
-    state: Dict[int, Any] = {}
-    for piece in pieces:
-        state.update(piece["optimizer"]["state"])
-    optimizer = {"state": dict(sorted(state.items())), "param_groups": pieces[0]["optimizer"]["param_groups"]}
-    return {"model": {k: model[k] for k in plan.state_keys}, "optimizer": optimizer}
+    states = gather_object_to(plan.layout, parts.scaler.state_dict(), dst_stage=0)
+    return None if states is None or plan.layout.stage != 0 else states[-1]
 
 
-def whole_backbone(run) -> Optional[nn.Module]:
-    """The unsplit backbone with the stages' current weights on world rank 0 (stage 0 of replica 0),
-    None elsewhere; collective over replica 0's pipeline group."""
-    gathered = whole_backbone_state(run.parts, run.pipeline, dst_stage=0)
-    if gathered is None:
-        return None
-    model = run.pipeline.new_backbone()
-    model.load_state_dict(gathered["model"])
-    return model
-
-
-def _to_whole(opt_state: Dict[str, Any], plan: PipelinePlan) -> Dict[str, Any]:
-    index = {name: i for i, name in enumerate(plan.param_names)}
-    state = {index[plan.stage_param_names[i]]: _cpu(s) for i, s in opt_state["state"].items()}
-    groups = [dict(g, params=list(range(len(plan.param_names)))) for g in opt_state["param_groups"]]
-    return {"state": state, "param_groups": groups}
-
-
-def _cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _cpu(v) for k, v in value.items()}
-    return value
-
-
-def load_whole_backbone_state(
-    parts: Parts, plan: PipelinePlan, model: Dict[str, Any], optimizer: Optional[Dict[str, Any]]
+def load_stage_state(
+    parts: Parts, plan: PipelinePlan, model: Mapping[str, torch.Tensor], optimizer: Optional[Mapping[str, Any]]
 ) -> None:
-    """Load this stage's share of an unsplit backbone's model and optimizer state (saved by any strategy;
-    ``optimizer`` None: an imported run's weights alone, the optimizer starts fresh)."""
-    own = parts.backbone.state_dict().keys()
+    """Load this stage's share of a backbone's state: ``model`` holds (at least) its state-dict entries
+    under the unsplit model's keys, ``optimizer`` (at least) its parameters' state by name
+    (:func:`shardfc.checkpoint.optimizer_by_name`); None: an imported run's weights alone, the
+    optimizer starts fresh."""
+    own = list(parts.backbone.state_dict())
+    missing = [k for k in own if k not in model]
+    if missing:
+        raise ConfigError(f"the checkpoint's backbone has no {missing[:5]}: saved by another architecture?")
     parts.backbone.load_state_dict({k: model[k] for k in own})
-    if optimizer is None:
-        return
+    if optimizer is not None:
+        parts.opt_backbone.load_state_dict(optimizer_by_index(optimizer, plan.stage_param_names))
+
+
+def whole_optimizer_by_name(optimizer: Mapping[str, Any], plan: PipelinePlan) -> Dict[str, Any]:
+    """An unsplit backbone optimizer's state (as ddp saves it whole) by parameter name."""
     saved = len(optimizer["param_groups"][0]["params"]) if optimizer["param_groups"] else 0
     if saved != len(plan.param_names):
         raise ConfigError(
             f"the checkpoint's backbone optimizer covers {saved} parameters, the backbone has {len(plan.param_names)}"
         )
-    index = {name: i for i, name in enumerate(plan.param_names)}
-    state = {i: optimizer["state"][index[n]] for i, n in enumerate(plan.stage_param_names) if index[n] in optimizer["state"]}
-    groups = [dict(g, params=list(range(len(plan.stage_param_names)))) for g in optimizer["param_groups"]]
-    parts.opt_backbone.load_state_dict({"state": state, "param_groups": groups})
+    return optimizer_by_name(optimizer, plan.param_names)

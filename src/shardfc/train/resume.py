@@ -23,7 +23,7 @@ from shardfc.train.build import Run, rank_seed
 from shardfc.train.classes import ClassPlan
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.fine_tune import fresh_rows, head_state_for, load_kept
-from shardfc.train.pipeline_train import load_whole_backbone_state, whole_backbone_state
+from shardfc.train.pipeline_train import load_stage_state, stage_part, stage_scaler_state, whole_optimizer_by_name
 from shardfc.train.schedule import apply_schedule
 from shardfc.train.state import RunState
 
@@ -66,14 +66,18 @@ def save(run: Run, state: RunState, cfg: TrainConfig) -> Path:
     )
 
 
-def _common(run: Run, state: RunState, cfg: TrainConfig, backbone: Dict[str, Any], optimizer: Dict[str, Any]):
-    """What rank 0 writes once: the whole backbone and its optimizer, schedules, scaler, run state."""
+def _common(
+    run: Run, state: RunState, cfg: TrainConfig, backbone: Optional[Dict[str, Any]], optimizer: Optional[Dict[str, Any]],
+    scaler: Optional[Dict[str, Any]] = None,
+):
+    """What rank 0 writes once: the whole backbone and its optimizer (unless saved per stage), schedules,
+    scaler, run state."""
     parts = run.parts
+    whole = {} if backbone is None else {"backbone": backbone, "backbone_optimizer": optimizer}
     return {
-        "backbone": backbone,
-        "backbone_optimizer": optimizer,
+        **whole,
         "schedulers": [s.state_dict() for s in parts.schedulers],
-        "scaler": parts.scaler.state_dict(),
+        "scaler": parts.scaler.state_dict() if scaler is None else scaler,
         "state": dataclasses.asdict(state),
         "world_size": run.data_ctx.world_size,  # the ranks the data was partitioned over
         "batch_size": cfg.batch_size,
@@ -85,31 +89,24 @@ def _common(run: Run, state: RunState, cfg: TrainConfig, backbone: Dict[str, Any
 
 
 def _save_pipeline(run: Run, state: RunState, cfg: TrainConfig) -> Path:
-    """A pipeline run's checkpoint: the stages gather the whole backbone to the last stage's replica 0,
-    which writes it with the head shards of the last stage's ranks; every rank learns the outcome.
+    """A pipeline run's checkpoint, per stage: every stage's replica 0 writes its share of the backbone
+    and its optimizer state (the other replicas' are compared with it), the last stage's ranks their
+    head shards, world rank 0 the common file; one atomic save over the world, nothing gathered.
 
-    No rank files: on restore every rank reseeds its streams from (seed, replica, step).
+    Every rank also writes its RNG states: a run resumed on the same layout continues their streams
+    (bit for bit the uninterrupted run); on another layout every rank reseeds from (seed, replica, step).
     """
     parts, plan, ctx = run.parts, run.pipeline, run.ctx
-    layout = plan.layout
-    whole = whole_backbone_state(parts, plan, dst_stage=layout.stages - 1)
-    outcome: Any = None
-    if layout.is_last:
-        try:
-            common = _common(run, state, cfg, whole["model"], whole["optimizer"]) if whole is not None else None
-            path = ckpt.save_checkpoint(
-                checkpoint_root(cfg), state.step, common=common, per_rank=None,
-                head_state=parts.head.sharded_state(parts.opt_head),
-                fingerprint=fingerprint(cfg, run.num_classes, run.image_size),
-                group=layout.replica_ctx.group, keep_last=cfg.keep_last or None,
-            )
-            outcome = ("ok", str(path))
-        except Exception as e:  # every rank must learn about it, or the others would wait forever
-            outcome = ("error", e)
-    kind, value = ctx.all_gather_object(outcome)[layout.rank_of(layout.stages - 1, 0)]
-    if kind == "error":
-        raise value
-    return Path(value)
+    scaler = stage_scaler_state(parts, plan)
+    per_rank = {"rng": rng_state(), "world_size": ctx.world_size, "pipeline": _pipeline_layout(run)}
+    return ckpt.save_checkpoint(
+        checkpoint_root(cfg), state.step,
+        common=_common(run, state, cfg, None, None, scaler) if ctx.is_main else None, per_rank=per_rank,
+        head_state=parts.head.sharded_state(parts.opt_head) if parts.head is not None else None,
+        stage_parts=[stage_part(parts, plan)],
+        fingerprint=fingerprint(cfg, run.num_classes, run.image_size),
+        group=ctx.group, keep_last=cfg.keep_last or None,
+    )
 
 
 def resume_path(cfg: TrainConfig, ctx: DistContext) -> Optional[Path]:
@@ -168,17 +165,12 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
     # holds no head rows: it reads the common state only.
     plan = run.classes if run.classes is not None else ClassPlan(list(map(str, range(num_classes))), None, num_classes)
     try:
-        loaded = load_kept(run, cfg, path, plan, fingerprint(cfg, int(read_meta(path)["num_classes"]), image_size))
+        loaded = load_kept(run, cfg, path, plan, fingerprint(cfg, int(read_meta(path)["num_classes"]), image_size),
+                           mmap=run.pipeline is not None)  # a stage takes its part of a backbone saved whole
     except ValueError as e:  # another model or class count: say how to get going
         raise ConfigError(f"cannot resume: {e}. Train it in a new --output-dir (or pass --resume none there)") from e
     common = loaded.common
-    if run.pipeline is None:
-        parts.module.load_state_dict(common["backbone"])
-        if "backbone_optimizer" in common:
-            parts.opt_backbone.load_state_dict(common["backbone_optimizer"])
-    else:  # this stage's share of the whole backbone, whichever strategy saved it
-        load_whole_backbone_state(parts, run.pipeline, common["backbone"], common.get("backbone_optimizer"))
-    if "backbone_optimizer" not in common and ctx.is_main:  # an imported run (shardfc import-arcface): weights only
+    if not restore_backbone(run, loaded, cfg) and ctx.is_main:  # an imported run (shardfc import-arcface)
         logger.info("%s holds no backbone optimizer state (imported from %s): it starts fresh",
                     path, common.get("imported_from", "elsewhere"))
     if parts.head is not None:
@@ -199,7 +191,7 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
     state = RunState(**common["state"])
     apply_schedule(parts, cfg, total_steps, state.step)
     saved_world, data_ctx = common["world_size"], run.data_ctx
-    if saved_world == data_ctx.world_size and loaded.per_rank is not None and run.pipeline is None:
+    if saved_world == data_ctx.world_size and _same_layout(loaded.per_rank, run):
         set_rng_state(loaded.per_rank["rng"])
     else:
         seed_all(rank_seed(cfg.seed, data_ctx.rank, state.step))
@@ -218,6 +210,53 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
     if ctx.is_main:
         logger.info("restored step %d (epoch %d) from %s", state.step, state.epoch, path)
     return state
+
+
+def restore_backbone(run: Run, loaded: ckpt.LoadedCheckpoint, cfg: TrainConfig, with_optimizer: bool = True) -> bool:
+    """Load the backbone and (``with_optimizer``) its optimizer, whichever layout saved them and
+    whichever this run has: whole in the common file (ddp, dp, horovod, an older pipeline run, an
+    import) or per stage (a pipeline run; only the stage files holding this rank's keys are read).
+    Returns whether the checkpoint held optimizer state."""
+    parts, plan, common = run.parts, run.pipeline, loaded.common
+    if "backbone" in common:
+        model, optimizer = common["backbone"], common.get("backbone_optimizer")
+        if not with_optimizer:
+            optimizer = None
+        if plan is None:
+            parts.module.load_state_dict(model)
+            if optimizer is not None:
+                parts.opt_backbone.load_state_dict(optimizer)
+            return optimizer is not None
+        by_name = None if optimizer is None else whole_optimizer_by_name(optimizer, plan)
+        load_stage_state(parts, plan, model, by_name)
+        return optimizer is not None
+    if plan is None:  # the unsplit model: every stage file, then the whole optimizer by index
+        model, by_name = ckpt.read_stage_state(loaded.path, loaded.meta, trust_pickle=cfg.trust_checkpoint)
+        parts.module.load_state_dict(model)
+        if with_optimizer:
+            names = [n for n, p in parts.module.named_parameters() if p.requires_grad]
+            parts.opt_backbone.load_state_dict(ckpt.optimizer_by_index(by_name, names))
+        return True
+    model, by_name = ckpt.read_stage_state(
+        loaded.path, loaded.meta, list(parts.backbone.state_dict()), plan.stage_param_names,
+        trust_pickle=cfg.trust_checkpoint,
+    )
+    load_stage_state(parts, plan, model, by_name if with_optimizer else None)
+    return True
+
+
+def _pipeline_layout(run: Run) -> Optional[list]:
+    """What decides which random numbers a pipeline rank draws: its stage count and cuts (None: no pipeline)."""
+    return None if run.pipeline is None else [run.pipeline.layout.stages, list(run.pipeline.split_points)]
+
+
+def _same_layout(per_rank: Optional[Dict[str, Any]], run: Run) -> bool:
+    """Whether this rank's saved RNG states are its own: the same world, strategy layout and place."""
+    return (
+        per_rank is not None
+        and per_rank.get("world_size", run.ctx.world_size) == run.ctx.world_size
+        and per_rank.get("pipeline") == _pipeline_layout(run)
+    )
 
 
 def rng_state() -> Dict[str, Any]:
