@@ -221,7 +221,7 @@ def test_pipeline_stages_train_on_dali_batches_as_on_torch_ones(at_run_size, tmp
     # 16x16 JPEGs exactly as PIL does (libjpeg-turbo both), so the losses are equal, not just close.
     same = [torch.equal(x, xd) for (x, _, _), (xd, _, _) in zip(
         _stream(_config(at_run_size, "insightface"), 7), _stream(_config(at_run_size, "insightface", loader="dali"), 7))]
-    assert all(same), "DALI's and PIL's decoders disagree on images at the run's size: this test's premise"
+    assert all(same), "this test's premise: DALI's batches of images at the run's size are the torch loader's"
     cfg = tiny_config(
         tmp_path / "torch", dataset="recordio", data_root=str(at_run_size), strategy="pipeline", pipeline_stages=2,
         micro_batches=2, micro_batch_stats=True, batch_size=8, grad_accum=1, drop_last=True, max_steps=5,
