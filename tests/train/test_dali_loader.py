@@ -1,6 +1,7 @@
 """``--loader dali``: the same batches as the torch loader (labels exact, pixels within the JPEG
-decoders' tolerance) from folders and both RecordIO layouts, every record once per epoch over 1-3
-ranks, a killed 2-rank run resumed bit for bit, and bad input as a clear error.
+decoders' tolerance) from folders and both RecordIO layouts and under the P x K sampler, every
+record once per epoch over 1-3 ranks, a killed 2-rank run resumed bit for bit, a 2-stage pipeline
+run bit-identical to its torch-loader twin, ``auto`` on the CPU, and bad input as a clear error.
 
 Skipped without NVIDIA DALI, failing instead with ``SHARDFC_REQUIRE_DALI=1`` (as CI runs).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
+from shardfc.checkpoint import latest_checkpoint, read_stage_state, verify_checkpoint
 from shardfc.data import cli as data_cli
 from shardfc.data.recordio import RecordIODataset, RecordIOReader
 from shardfc.data.transforms import CorruptImageError, decode_image, pil_to_tensor
@@ -25,10 +28,11 @@ from shardfc.parallel.launch import WorkerError
 from shardfc.train import cli as train_cli
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.dali_loader import DaliBatches, choose_loader, dali_to_torch
-from shardfc.train.data import EpochKeys, ShardBatches, micro_batches, train_dataset
+from shardfc.train.data import EpochKeys, ShardBatches, micro_batches, rank_batches, train_dataset
 from shardfc.train.state import RunState
 from shardfc.train.stopping import CRASH_ENV
 
+from .test_pipeline_strategy import _losses
 from .test_reproducible_resume import _weights
 from .tiny import tiny_config
 
@@ -73,12 +77,21 @@ def _config(data_root: Path, layout: str, **overrides) -> TrainConfig:
 
 def _stream(cfg: TrainConfig, batches: int, channels_last: bool = False):
     dataset = train_dataset(cfg, (16, 16))
-    shards = ShardBatches(len(dataset), 4, 0, 1, cfg.seed, drop_last=False)
+    shards = rank_batches(cfg, dataset, 4, DistContext())  # cfg.sampler's batches of 4, as the trainer's
     state = RunState(batches_per_epoch=len(shards))
     stream = micro_batches(dataset, shards, state, cfg, DistContext(), channels_last=channels_last)
     out = [(*next(stream)[:2], (state.epoch, state.batch_in_epoch)) for _ in range(batches)]
     stream.close()
     return out
+
+
+def _assert_same_batches(torch_batches: list, dali_batches: list) -> None:
+    """The same places and labels exactly, the same images within the decoders' tolerance."""
+    assert len(torch_batches) == len(dali_batches)
+    for (x, y, where), (xd, yd, where_d) in zip(torch_batches, dali_batches):
+        assert where == where_d and torch.equal(y, yd)
+        assert xd.dtype == torch.float32 and xd.shape == x.shape
+        assert (xd - x).abs().max() <= JPEG_TOLERANCE * 2 / 255 + 1e-6  # normalised: 1 level = 2/255
 
 
 @pytest.mark.parametrize("layout", ["folder", "insightface", "im2rec"])
@@ -89,13 +102,36 @@ def test_dali_gives_the_torch_loaders_batches(data, layout, caplog):
     with caplog.at_level(logging.INFO, logger="shardfc.train"):
         dali_batches = _stream(dataclasses.replace(cfg, loader="dali", num_workers=2), 10)
     assert "loader: NVIDIA DALI, decoding on the CPU with 2 thread(s)" in caplog.text
-    for (x, y, where), (xd, yd, where_d) in zip(torch_batches, dali_batches):
-        assert where == where_d and torch.equal(y, yd)
-        assert xd.dtype == torch.float32 and xd.shape == x.shape
-        assert (xd - x).abs().max() <= JPEG_TOLERANCE * 2 / 255 + 1e-6  # normalised: 1 level = 2/255
+    _assert_same_batches(torch_batches, dali_batches)
     levels = torch.cat([(xd - x).abs().flatten() for (x, _, _), (xd, _, _) in zip(torch_batches, dali_batches)]) * 255 / 2
     assert float(levels.mean()) < 0.05  # 28 of the 30 images decode exactly alike
     assert float(levels.max()) > 0.5  # the two resized ones do differ: the bound is not vacuous
+
+
+def test_pk_sampler_batches_are_the_torch_loaders(data, tmp_path, caplog):
+    # Identity 0 keeps one image, so its chunk of K=2 is that image twice (drawn with replacement):
+    # a batch that holds one index twice. 26 images, batches of 4 = 2 identities x 2: 5 an epoch.
+    root = tmp_path / "uneven"
+    shutil.copytree(data["folder"], root)
+    for k in range(1, PER):
+        (root / "id0" / f"{k}.jpg").unlink()
+    cfg = _config(root, "folder", sampler="pk", pk_instances=2, num_workers=0)
+    torch_batches = _stream(cfg, 7)  # an epoch and 2 batches of the next
+    assert [where for _, _, where in torch_batches] == [(0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (1, 1), (1, 2)]
+    assert all(torch.equal(y[0::2], y[1::2]) for _, y, _ in torch_batches)  # P x K: pairs of one identity
+    assert any(int((y == 0).sum()) == 2 for _, y, _ in torch_batches)  # identity 0's repeated image
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        dali_batches = _stream(dataclasses.replace(cfg, loader="dali", num_workers=1), 7)
+    assert "loader: NVIDIA DALI" in caplog.text
+    _assert_same_batches(torch_batches, dali_batches)
+
+
+def test_auto_on_the_cpu_loads_with_torch_and_says_so(data, caplog):
+    cfg = _config(data["insightface"], "insightface", loader="auto", num_workers=0)
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        (x, _, _), = _stream(cfg, 1)
+    assert "loader: torch DataLoader, 0 worker process(es) (--loader auto)" in caplog.text
+    assert x.shape == (4, 3, 16, 16)
 
 
 def test_channels_last_batches_are_the_nhwc_layout_of_the_same_values(data):
@@ -158,6 +194,48 @@ def test_a_killed_two_rank_run_resumes_bit_identically(data, tmp_path):
     assert train_cli.run(killed)["step"] == 10  # resumes from step 4
     whole, resumed = _weights(tmp_path / "whole"), _weights(tmp_path / "killed")
     assert [k for k in whole if not torch.equal(whole[k], resumed[k])] == []
+
+
+@pytest.fixture(scope="module")
+def at_run_size(data, tmp_path_factory) -> Path:
+    """The RecordIO pack of the folder's images that are already 16x16 (28 of 30): nothing to
+    resize, so DALI's decodes equal the torch loader's bit for bit."""
+    root = tmp_path_factory.mktemp("dali_16")
+    shutil.copytree(data["folder"], root / "folder")
+    for odd in ("id1/2.jpg", "id4/0.jpg"):  # the two at 20x24
+        (root / "folder" / odd).unlink()
+    assert data_cli.main(["pack", str(root / "folder"), str(root / "packed")]) == 0
+    return root / "packed"
+
+
+def _stage_weights(run: Path) -> dict:
+    """The last checkpoint's backbone (assembled from its stage files) and head."""
+    ckpt = latest_checkpoint(run / "checkpoints")
+    backbone, _ = read_stage_state(ckpt, verify_checkpoint(ckpt))
+    return {**backbone, "margin_head.weight": torch.load(ckpt / "head_0.pt", weights_only=True)["tensors"]["weight"]}
+
+
+def test_pipeline_stages_train_on_dali_batches_as_on_torch_ones(at_run_size, tmp_path):
+    # 2 stages x 1 replica (the tiny backbone's one cut); 28 images in batches of 8 with drop_last:
+    # 3 an epoch, so the 5 steps cross an epoch boundary. Only stage 0 loads; DALI decodes these
+    # 16x16 JPEGs exactly as PIL does (libjpeg-turbo both), so the losses are equal, not just close.
+    same = [torch.equal(x, xd) for (x, _, _), (xd, _, _) in zip(
+        _stream(_config(at_run_size, "insightface"), 7), _stream(_config(at_run_size, "insightface", loader="dali"), 7))]
+    assert all(same), "this test's premise: DALI's batches of images at the run's size are the torch loader's"
+    cfg = tiny_config(
+        tmp_path / "torch", dataset="recordio", data_root=str(at_run_size), strategy="pipeline", pipeline_stages=2,
+        micro_batches=2, micro_batch_stats=True, batch_size=8, grad_accum=1, drop_last=True, max_steps=5,
+        log_every=1, ckpt_every=0, eval_every=0, synthetic_val_pairs=0, num_workers=0,
+    )
+    dali = dataclasses.replace(cfg, output_dir=str(tmp_path / "dali"), loader="dali", num_workers=1)
+    train_cli.run(cfg)
+    train_cli.run(dali)
+    assert "loader: NVIDIA DALI" in (tmp_path / "dali" / "train.log").read_text()
+    expected, got = _losses(tmp_path / "torch"), _losses(tmp_path / "dali")
+    assert sorted(expected) == [1, 2, 3, 4, 5] and expected[5] != expected[1]
+    assert got == expected  # as logged: 6 significant digits; the weights below, every bit
+    a, b = _stage_weights(tmp_path / "torch"), _stage_weights(tmp_path / "dali")
+    assert list(a) == list(b) and [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
 def _corrupt_record(src: Path, dst: Path, key: int, how: str) -> Path:
