@@ -84,6 +84,11 @@ def test_pipeline_profile_counts_the_stage_to_stage_traffic(ddp_and_pipeline):
             # decode once: the first stage sends its batch's 8 int64 labels to the last, nothing else does
             assert kinds.get("pipeline_labels") == (8 * 8 if sent == "pipeline_activations" else None), (rank, kinds)
             assert p["comm_bytes"][step] == sum(kinds.values())
+        # the first stage's batches are waited for and copied inside the schedule, but charged apart
+        # (after the first step: --profile loads the first batch before the loop, as start-up)
+        for phases in p["step_phases_s"][1:]:
+            assert "pipeline schedule" in phases and "optimizer" in phases
+            assert ({"loader wait", "h2d"} <= set(phases)) == (sent == "pipeline_activations"), (rank, phases)
 
 
 def test_pipeline_checkpoint_is_saved_per_stage(ddp_and_pipeline):

@@ -103,7 +103,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
             stream = micro_batches(run.dataset, run.batches, state, cfg, run.data_ctx, channels_last=run.channels_last,
                                    clock=clock)
         else:  # pipeline: only the first stage reads and decodes images
-            stream = stage_stream(run.dataset, run.batches, state, cfg, run.data_ctx, run.pipeline.layout)
+            stream = stage_stream(run.dataset, run.batches, state, cfg, run.data_ctx, run.pipeline.layout, clock)
         batches = stream
         if startup is not None and state.step < run.total_steps:
             batches = itertools.chain([next(stream)], stream)  # the loader's start and first batch, timed apart
