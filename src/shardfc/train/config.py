@@ -264,7 +264,7 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ classes (fine-tuning, growing)
     init_from: str = ""
-    """Start a new run from a trained model: a shardfc checkpoint folder (a step_* folder, or a run folder whose newest checkpoint is taken), e.g. an `shardfc import-arcface` output. Its backbone is loaded; its head too where its classes are this dataset's (grown by the new ones), else a new head is built for the dataset's classes (--head-init). Ignored when --resume finds a checkpoint of this run."""
+    """Start a new run from a trained model: a shardfc checkpoint folder (a step_* folder, or a run folder whose newest checkpoint is taken), e.g. an `shardfc import-arcface` output, or a `shardfc export` TorchScript file (its weights read without running it; it holds no head). Its backbone is loaded; its head too where its classes are this dataset's (grown by the new ones), else a new head is built for the dataset's classes (--head-init). Ignored when --resume finds a checkpoint of this run."""
     head_init: str = "random"
     """Rows of classes the checkpoint has no row for (a fine-tuning run's, or identities added since): 'random' (seeded N(0, 0.01)) or 'imprint' (the normalised mean embedding of the class's images under the loaded backbone: one sharded pass over the data before the first step)."""
     head_warmup_steps: int = 0
