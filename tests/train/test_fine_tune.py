@@ -69,9 +69,9 @@ def test_resume_with_more_identities_keeps_every_row_and_imprints_the_new_ones(t
 
 
 def test_fine_tune_from_an_exported_model(tmp_path: Path):
-    """`shardfc export`'s TorchScript file as --init-from: its weights (read without running it) are the
-    trained backbone's bit for bit (frozen through the 1-step run, so the saved backbone shows them), the
-    head is new; another backbone or width is refused, naming what the file was exported from."""
+    """`shardfc export`'s TorchScript file as --init-from, under ddp and pipeline: its weights (read without
+    running it) are the trained backbone's bit for bit (frozen through the 1-step run, so the saved backbone
+    shows them), the head is new; another backbone or width is refused, naming what the file was exported from."""
     trained = train_cli.run(tiny_config(tmp_path / "run", nproc=1, max_steps=1, eval_every=0, ckpt_every=0))
     model = tmp_path / "model.pt"
     assert cli_export.main(["--checkpoint", trained["checkpoint"], "--out", str(model)]) == 0
@@ -87,6 +87,15 @@ def test_fine_tune_from_an_exported_model(tmp_path: Path):
     for key, value in source["backbone"].items():
         assert torch.equal(saved["backbone"][key], value), key
     assert saved["class_names"] == [f"synthetic-s0-{i:05d}" for i in range(10)]
+
+    # A pipeline stage takes its share of the export's weights (and keeps them through its warm-up step).
+    pipe = dataclasses.replace(cfg, output_dir=str(tmp_path / "pipe"), strategy="pipeline", nproc=2, pipeline_stages=2,
+                               micro_batches=2, micro_batch_stats=True, drop_last=True)
+    path = Path(train_cli.run(pipe)["checkpoint"])
+    stages, _ = ckpt.read_stage_state(path, ckpt.verify_checkpoint(path))
+    assert list(stages) == list(source["backbone"])
+    for key, value in source["backbone"].items():
+        assert torch.equal(stages[key], value), key
 
     with pytest.raises(ConfigError, match=r"init_from=.*model\.pt' was exported from backbone='tiny', embedding_dim=16; "
                                           r"this run has backbone='tiny', embedding_dim=32"):
