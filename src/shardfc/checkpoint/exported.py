@@ -177,6 +177,9 @@ class Exported:
     def weights_for(self, expected: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The tensors under the keys of state dict ``expected``, each of its shape.
 
+        Args:
+            expected: the state dict to fill (e.g. ``backbone.state_dict()``): its keys and shapes.
+
         Raises:
             CheckpointError: a key missing or of another shape, naming the first few and the export's backbone.
         """
@@ -212,7 +215,11 @@ def _archive_prefix(names: List[str]) -> str:
 
 def is_torchscript(path: Path) -> bool:
     """Whether ``path`` is a TorchScript file (a zip with ``data.pkl`` and ``constants.pkl``; a
-    ``torch.save`` file has no ``constants.pkl``). Reads only the zip's listing."""
+    ``torch.save`` file has no ``constants.pkl``). Reads only the zip's listing.
+
+    Args:
+        path: the file (a folder or a missing path is not one).
+    """
     path = Path(path)
     if not path.is_file() or not zipfile.is_zipfile(path):
         return False
@@ -241,6 +248,9 @@ def _tensors(root: Any) -> Dict[str, torch.Tensor]:
 
 def read_exported(path: Path) -> Exported:
     """The weights and ``shardfc.json`` of TorchScript file ``path``, without running any of it.
+
+    Args:
+        path: a ``shardfc export`` file (``model.pt``).
 
     Raises:
         CheckpointError: not a TorchScript file, a pickle naming a global other than tensor
