@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from shardfc import checkpoint as ckpt
 from shardfc.models import build_backbone
 from shardfc.train import cli as train_cli
+from shardfc.train import cli_export
 from shardfc.train.arcface_import import import_arcface
 from shardfc.train.config import ConfigError
 from shardfc.train.loop import load_parts
@@ -64,3 +66,37 @@ def test_resume_with_more_identities_keeps_every_row_and_imprints_the_new_ones(t
 
     with pytest.raises(ConfigError, match=r"4 of checkpoint .* classes are not in the dataset .*'synthetic-s0-00020'"):
         train_cli.run(tiny_config(out, nproc=1, synthetic_identities=20))
+
+
+def test_fine_tune_from_an_exported_model(tmp_path: Path):
+    """`shardfc export`'s TorchScript file as --init-from, under ddp and pipeline: its weights (read without
+    running it) are the trained backbone's bit for bit (frozen through the 1-step run, so the saved backbone
+    shows them), the head is new; another backbone or width is refused, naming what the file was exported from."""
+    trained = train_cli.run(tiny_config(tmp_path / "run", nproc=1, max_steps=1, eval_every=0, ckpt_every=0))
+    model = tmp_path / "model.pt"
+    assert cli_export.main(["--checkpoint", trained["checkpoint"], "--out", str(model)]) == 0
+
+    cfg = tiny_config(tmp_path / "ft", nproc=1, init_from=str(model), synthetic_identities=10, head_warmup_steps=1,
+                      max_steps=1, eval_every=0, ckpt_every=0)
+    summary = train_cli.run(cfg)
+    log = (tmp_path / "ft" / "train.log").read_text()
+    assert f"init from {model}: backbone loaded from an exported model" in log and "new head of 10 classes" in log
+    saved, _ = ckpt.load_common(summary["checkpoint"])
+    source, _ = ckpt.load_common(trained["checkpoint"])
+    assert list(saved["backbone"]) == list(source["backbone"])
+    for key, value in source["backbone"].items():
+        assert torch.equal(saved["backbone"][key], value), key
+    assert saved["class_names"] == [f"synthetic-s0-{i:05d}" for i in range(10)]
+
+    # A pipeline stage takes its share of the export's weights (and keeps them through its warm-up step).
+    pipe = dataclasses.replace(cfg, output_dir=str(tmp_path / "pipe"), strategy="pipeline", nproc=2, pipeline_stages=2,
+                               micro_batches=2, micro_batch_stats=True, drop_last=True)
+    path = Path(train_cli.run(pipe)["checkpoint"])
+    stages, _ = ckpt.read_stage_state(path, ckpt.verify_checkpoint(path))
+    assert list(stages) == list(source["backbone"])
+    for key, value in source["backbone"].items():
+        assert torch.equal(stages[key], value), key
+
+    with pytest.raises(ConfigError, match=r"init_from=.*model\.pt' was exported from backbone='tiny', embedding_dim=16; "
+                                          r"this run has backbone='tiny', embedding_dim=32"):
+        train_cli.run(dataclasses.replace(cfg, output_dir=str(tmp_path / "wide"), embedding_dim=32))

@@ -151,3 +151,36 @@ def test_pipeline_flags_and_errors(tmp_path):
         tiny_config(tmp_path, strategy="pipeline", micro_batches=1).validate()
     with pytest.raises(ConfigError, match=r"split_points=\['body', 'pool'\] names 2 cut\(s\), but pipeline_stages=2"):
         tiny_config(tmp_path, strategy="pipeline", split_points=["body", "pool"]).validate()
+
+
+def test_imprint_under_ddp_then_a_head_only_warm_up_under_pipeline(ddp_and_pipeline, tmp_path):
+    """The route the pipeline's imprint refusal names: a 1-step ddp run imprints 6 new identities' rows,
+    a 2-stage pipeline run resumes it; its warm-up (to step 3) moves the head and leaves every stage weight
+    and BatchNorm statistic as loaded, bit for bit; step 4 trains the backbone."""
+    from shardfc.checkpoint import read_stage_state, verify_checkpoint
+
+    ddp, _, _, _ = ddp_and_pipeline
+    out = tmp_path / "ft"
+    with pytest.raises(ConfigError, match=r"head_init='imprint'.*--strategy ddp.*then --resume that run with "
+                                          r"--strategy pipeline"):
+        tiny_config(out, strategy="pipeline", micro_batch_stats=True, head_init="imprint").validate()
+    imprinted = train_cli.run(tiny_config(out, nproc=1, init_from=ddp.output_dir, head_init="imprint",
+                                          synthetic_identities=30, head_warmup_steps=1, max_steps=1, eval_every=0,
+                                          ckpt_every=0))
+    loaded = _common(Path(ddp.output_dir) / "checkpoints" / "step_00000006")["backbone"]
+    pipe = tiny_config(out, strategy="pipeline", nproc=2, pipeline_stages=2, micro_batches=2, micro_batch_stats=True,
+                       synthetic_identities=30, head_warmup_steps=3, max_steps=4, ckpt_every=3, eval_every=0,
+                       drop_last=True, resume=imprinted["checkpoint"])
+    train_cli.run(pipe)
+
+    def backbone(step: int) -> dict:
+        path = out / "checkpoints" / f"step_{step:08d}"
+        return read_stage_state(path, verify_checkpoint(path))[0]
+
+    warmed, trained = backbone(3), backbone(4)
+    assert list(warmed) == list(loaded)
+    for key, value in loaded.items():  # weights, running statistics, num_batches_tracked
+        assert torch.equal(warmed[key], value), key
+    assert not torch.equal(_head(out / "checkpoints" / "step_00000003"), _head(Path(imprinted["checkpoint"])))
+    assert not torch.equal(trained["body.0.weight"], loaded["body.0.weight"])
+    assert not torch.equal(trained["body.1.running_mean"], loaded["body.1.running_mean"])

@@ -10,6 +10,7 @@ slices it needs (:mod:`shardfc.checkpoint.stages`).
     durable.py      hashed writes, fsync, publishing by rename, pruning and tidying up
     validation.py   argument checks of save and load
     weights_only.py only tensors and plain data in .pt files; loading without unpickling code
+    exported.py     the weights of a `shardfc export` TorchScript file, read without running it
     stages.py       a backbone saved per pipeline stage, read back by the keys a layout needs
     save.py         save_checkpoint (collective over the group)
     load.py         load_checkpoint, load_common, verify_checkpoint (no collectives)

@@ -18,7 +18,7 @@ import numpy as np
 
 from shardfc.train.config import ConfigError
 
-__all__ = ["ClassPlan", "plan_classes", "SHOWN"]
+__all__ = ["ClassPlan", "plan_classes", "fresh_plan", "SHOWN"]
 
 #: Offending names an error shows (then a count of the rest).
 SHOWN = 5
@@ -64,7 +64,8 @@ def _check_unique(names: Sequence[str], where: str) -> None:
         raise ConfigError(f"{where} names classes more than once: {_shown(dup)}")
 
 
-def _fresh(names: List[str], why: str) -> ClassPlan:
+def fresh_plan(names: List[str], why: str) -> ClassPlan:
+    """A new head for classes ``names`` (ids in their order); ``why`` goes into the log's note."""
     return ClassPlan(list(names), None, 0, list(names), note=f"new head of {len(names)} classes ({why})")
 
 
@@ -100,14 +101,14 @@ def plan_classes(
     hint = (f"pass --on-missing-classes keep to keep their rows (no identity moves), or --on-missing-classes fresh "
             f"to start a new head for this dataset's {len(dataset)} classes (the backbone is kept)")
     if on_missing == "fresh":
-        return _fresh(dataset, "--on-missing-classes fresh")
+        return fresh_plan(dataset, "--on-missing-classes fresh")
     if saved is None:
         if saved_classes == len(dataset):  # as before names were recorded: label y is row y
             return ClassPlan(dataset, None, saved_classes,
                              note=f"{source} records no class names: its {saved_classes} rows are taken as the dataset's "
                                   "labels 0..C-1 in order")
         if init:
-            return _fresh(dataset, f"{source} records no class names and has {saved_classes} classes")
+            return fresh_plan(dataset, f"{source} records no class names and has {saved_classes} classes")
         raise ConfigError(
             f"{source} records no class names (saved before shardfc recorded them, or imported) and has "
             f"{saved_classes} classes, the dataset {len(dataset)}: which row is which identity cannot be told. "
@@ -122,7 +123,7 @@ def plan_classes(
     added = [n for n in dataset if n not in known]
     vanished = [n for n in saved if n not in in_data]
     if init and len(vanished) == len(saved):
-        return _fresh(dataset, f"none of {source}'s {saved_classes} classes is in the dataset: its head is dropped")
+        return fresh_plan(dataset, f"none of {source}'s {saved_classes} classes is in the dataset: its head is dropped")
     if vanished and on_missing != "keep":
         raise ConfigError(
             f"{len(vanished)} of {source}'s {saved_classes} classes are not in the dataset (vanished or renamed): "

@@ -264,11 +264,11 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ classes (fine-tuning, growing)
     init_from: str = ""
-    """Start a new run from a trained model: a shardfc checkpoint folder (a step_* folder, or a run folder whose newest checkpoint is taken), e.g. an `shardfc import-arcface` output. Its backbone is loaded; its head too where its classes are this dataset's (grown by the new ones), else a new head is built for the dataset's classes (--head-init). Ignored when --resume finds a checkpoint of this run."""
+    """Start a new run from a trained model: a shardfc checkpoint folder (a step_* folder, or a run folder whose newest checkpoint is taken), e.g. an `shardfc import-arcface` output, or a `shardfc export` TorchScript file (its weights read without running it; it holds no head). Its backbone is loaded; its head too where its classes are this dataset's (grown by the new ones), else a new head is built for the dataset's classes (--head-init). Ignored when --resume finds a checkpoint of this run."""
     head_init: str = "random"
     """Rows of classes the checkpoint has no row for (a fine-tuning run's, or identities added since): 'random' (seeded N(0, 0.01)) or 'imprint' (the normalised mean embedding of the class's images under the loaded backbone: one sharded pass over the data before the first step)."""
     head_warmup_steps: int = 0
-    """Train only the head for this many first steps: the backbone frozen (eval mode, no gradient, no update), then trained as usual."""
+    """Train only the head for this many first steps: the backbone frozen (eval mode, no gradient, no update; a pipeline's stages: eval mode, no update), then trained as usual."""
     backbone_lr_mult: float = 1.0
     """The backbone's learning rate is lr times this (the head's is lr): below 1 to fine-tune a trained backbone gently."""
     on_missing_classes: str = "error"
@@ -457,10 +457,12 @@ def _validate_classes(cfg: TrainConfig) -> None:
     _at_least(cfg, "head_warmup_steps", 0)
     if not cfg.backbone_lr_mult >= 0:
         raise ConfigError(f"backbone_lr_mult must be >= 0, got {cfg.backbone_lr_mult!r}")
-    if cfg.strategy == "pipeline" and (cfg.head_init == "imprint" or cfg.head_warmup_steps):
+    if cfg.strategy == "pipeline" and cfg.head_init == "imprint":
         raise ConfigError(
-            f"strategy='pipeline' cuts the backbone into stages: head_init={cfg.head_init!r} and head_warmup_steps="
-            f"{cfg.head_warmup_steps!r} need it whole on each rank; use strategy 'ddp' for them"
+            "strategy='pipeline' cuts the backbone into stages: head_init='imprint' needs every image's embedding "
+            "on the head's ranks, which a pipeline computes only inside its training schedule. Imprint with "
+            "--strategy ddp (e.g. --max-steps 1, or the head-only warm-up), then --resume that run with "
+            "--strategy pipeline: its checkpoint resumes under any strategy"
         )
 
 

@@ -17,13 +17,14 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from shardfc import checkpoint as ckpt
+from shardfc.checkpoint.exported import is_torchscript, read_exported
 from shardfc.checkpoint.format import read_meta
 from shardfc.data.relabel import RelabelledDataset
 from shardfc.head.grow import grown_state
 from shardfc.head.imprint import imprint_centres
 from shardfc.head.module import init_rows
 from shardfc.parallel.context import DistContext
-from shardfc.train.classes import ClassPlan, plan_classes
+from shardfc.train.classes import ClassPlan, fresh_plan, plan_classes
 from shardfc.train.config import ConfigError, TrainConfig
 
 __all__ = ["resolve_init_from", "saved_classes", "plan_run_classes", "new_head_rows", "load_kept", "head_state_for",
@@ -33,9 +34,12 @@ logger = logging.getLogger("shardfc.train")
 
 
 def resolve_init_from(path: str) -> Path:
-    """The checkpoint ``--init-from`` names: a ``step_*`` folder, or the newest one of a run folder
-    (``<run>/checkpoints/step_*``, as ``shardfc train`` and ``shardfc import-arcface`` write)."""
+    """The model ``--init-from`` names: a checkpoint's ``step_*`` folder, the newest one of a run folder
+    (``<run>/checkpoints/step_*``, as ``shardfc train`` and ``shardfc import-arcface`` write), or a
+    ``shardfc export`` TorchScript file (:func:`init_from` reads it without running it)."""
     p = Path(path).expanduser()
+    if p.is_file() and is_torchscript(p):
+        return p
     if (p / ckpt.META_FILE).is_file():
         ckpt.verify_checkpoint(p)
         return p
@@ -45,8 +49,9 @@ def resolve_init_from(path: str) -> Path:
             if found is not None:
                 return found
     raise ConfigError(
-        f"init_from={path!r}: no shardfc checkpoint there (a step_* folder with meta.json, or a run folder holding "
-        "checkpoints/step_*; convert an arcface_torch model with `shardfc import-arcface` first)"
+        f"init_from={path!r}: no shardfc checkpoint or exported model there (a step_* folder with meta.json, a run "
+        "folder holding checkpoints/step_*, or a `shardfc export` TorchScript file; convert an arcface_torch model "
+        "with `shardfc import-arcface` first)"
     )
 
 
@@ -59,11 +64,13 @@ def saved_classes(path: Path, trust_pickle: bool) -> Tuple[Optional[list], int, 
 
 def plan_run_classes(cfg: TrainConfig, dataset: Dataset, path: Path, init: bool) -> Tuple[Dataset, ClassPlan]:
     """The run's class plan against checkpoint ``path`` and its dataset, relabelled when the plan
-    moves labels (a grown or reordered identity set)."""
-    names, count, _ = saved_classes(path, cfg.trust_checkpoint)
+    moves labels (a grown or reordered identity set). An exported model (no head) gives a fresh head."""
     dataset_names = getattr(dataset, "class_names", None)
     if dataset_names is None:
         dataset_names = [str(i) for i in range(dataset.num_classes)]
+    if is_torchscript(path):
+        return dataset, fresh_plan(dataset_names, "an exported model holds no head")
+    names, count, _ = saved_classes(path, cfg.trust_checkpoint)
     plan = plan_classes(names, count, dataset_names, init=init, on_missing=cfg.on_missing_classes,
                         source=f"checkpoint {path}")
     if plan.label_map is not None or plan.num_classes != dataset.num_classes:
@@ -180,13 +187,41 @@ def fresh_rows(run, cfg: TrainConfig) -> None:
             w.copy_(rows(r).reshape(w.shape).to(w.dtype))
 
 
+def _backbone_from_export(run, path: Path, cfg: TrainConfig) -> None:
+    """Load the backbone weights of a ``shardfc export`` file (read without running it) into this
+    rank's backbone (a pipeline stage: its share), after checking what it was exported from."""
+    exported = read_exported(path)
+    meta = exported.metadata
+    if meta and (meta.get("backbone"), meta.get("embedding_dim")) != (cfg.backbone, cfg.embedding_dim):
+        raise ConfigError(
+            f"init_from={str(path)!r} was exported from backbone={meta.get('backbone')!r}, embedding_dim="
+            f"{meta.get('embedding_dim')!r}; this run has backbone={cfg.backbone!r}, embedding_dim={cfg.embedding_dim}: "
+            "pass the export's --backbone and --embedding-dim"
+        )
+    target = run.parts.backbone if run.pipeline is not None else run.parts.module
+    try:
+        weights = exported.weights_for(target.state_dict())
+    except ckpt.CheckpointError as e:
+        raise ConfigError(f"init_from={str(path)!r}: {e}") from None
+    target.load_state_dict(weights)
+
+
 def init_from(run, path: Path, cfg: TrainConfig) -> None:
     """Load ``--init-from``'s backbone into the run, and its head where the plan keeps its classes;
-    build the other rows as ``--head-init`` says. The run starts at step 0 with fresh optimizers."""
+    build the other rows as ``--head-init`` says. The run starts at step 0 with fresh optimizers.
+    An exported model gives the backbone alone: the head is new."""
     from shardfc.train.resume import restore_backbone  # resume builds on this module
 
     plan: ClassPlan = run.classes
     parts = run.parts
+    if is_torchscript(path):
+        _backbone_from_export(run, path, cfg)
+        if parts.head is not None:
+            fresh_rows(run, cfg)
+        if run.ctx.is_main:
+            logger.info("init from %s: backbone loaded from an exported model (read without running it); head: %s; "
+                        "%d rows: %s", path, plan.note, plan.num_classes, cfg.head_init)
+        return
     loaded = load_kept(run, cfg, path, plan, None, mmap=run.pipeline is not None)
     config = loaded.common.get("config_json")
     try:  # whole in the common file or per pipeline stage: the stage files this rank's keys are in

@@ -215,9 +215,12 @@ def trainer_step(run, batches, state: RunState, cfg: TrainConfig, autocast, stop
         if run.pipeline is None:
             loss, corrupt = train_step(parts, batches, state, cfg, ctx, autocast, clock, frozen=frozen)
         else:
+            # A head-only warm-up still runs the whole schedule: the stages' gradients are wasted work, but
+            # the head's are exact and no stage needs another code path; the stages are in eval mode (above,
+            # BatchNorm statistics frozen) and their optimizer does not step.
             loss, corrupt = pipeline_step(parts, run.pipeline, batches, state, cfg, ctx, autocast)
             clock.lap("pipeline schedule")
-            apply_gradients(parts, cfg.grad_clip, ctx, run.pipeline)
+            apply_gradients(parts, cfg.grad_clip, ctx, run.pipeline, frozen=frozen)
             clock.lap("optimizer")
     state.step += 1
     window.add(loss, corrupt)
