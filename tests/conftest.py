@@ -66,14 +66,19 @@ class HorovodRun:
         return code, log.read_text(errors="replace")
 
 
+def skip_unless_installed(reason: Optional[str], require_variable: str) -> None:
+    """Skip the test when an optional dependency is missing (``reason``: why, or None when present);
+    fail instead when ``require_variable`` is 1, as CI sets it for what it installs."""
+    if reason is not None:
+        if os.environ.get(require_variable) == "1":
+            pytest.fail(f"{require_variable}=1 but {reason}", pytrace=False)
+        pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def horovodrun() -> HorovodRun:
     """A :class:`HorovodRun`; skips the test when Horovod is missing (fails with SHARDFC_REQUIRE_HOROVOD=1)."""
-    reason = horovod_missing()
-    if reason is not None:
-        if os.environ.get(REQUIRE_HOROVOD) == "1":
-            pytest.fail(f"{REQUIRE_HOROVOD}=1 but {reason}", pytrace=False)
-        pytest.skip(reason)
+    skip_unless_installed(horovod_missing(), REQUIRE_HOROVOD)
     return HorovodRun(_horovodrun_path())
 
 
@@ -86,11 +91,7 @@ def dali() -> None:
     """Skips the test when NVIDIA DALI is missing (fails with SHARDFC_REQUIRE_DALI=1)."""
     from shardfc.train.dali_loader import dali_missing
 
-    reason = dali_missing()
-    if reason is not None:
-        if os.environ.get(REQUIRE_DALI) == "1":
-            pytest.fail(f"{REQUIRE_DALI}=1 but {reason}", pytrace=False)
-        pytest.skip(reason)
+    skip_unless_installed(dali_missing(), REQUIRE_DALI)
 
 
 def _measured_step_peak(C, D, B, grads_kept=True, optimizer="sgd", dtype="float32", margin="arcface", impl="torch",
