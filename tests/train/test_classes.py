@@ -90,3 +90,37 @@ def test_fine_tuning_on_a_disjoint_set_builds_a_new_head_but_a_partial_overlap_m
 def test_duplicate_names_are_refused():
     with pytest.raises(ConfigError, match="the dataset names classes more than once: 'a'"):
         plan_classes(["a"], 1, ["a", "a"], init=False)
+
+
+def test_renamed_identities_keep_their_rows_under_their_new_names(tmp_path: Path):
+    from shardfc.train.classes import read_renames, rename
+
+    renames_file = tmp_path / "renames.tsv"
+    renames_file.write_text("# old\tnew\nbob\trobert smith\n\n", encoding="utf-8")
+    renames = read_renames(renames_file)
+    assert renames == {"bob": "robert smith"}
+    saved = rename(["al", "bob", "cy"], renames)
+    assert saved == ["al", "robert smith", "cy"]
+    plan = plan_classes(saved, 3, ["robert smith", "al", "cy", "dee"], init=False)
+    assert plan.names == ["al", "robert smith", "cy", "dee"] and plan.kept == 3
+    assert plan.label_map.tolist() == [1, 0, 2, 3]  # robert smith trains bob's row 1
+    # a later resume passes the same file: its checkpoint already has the new name
+    assert rename(plan.names, renames) == plan.names
+    with pytest.raises(ConfigError, match=r"renames 1 name\(s\) the checkpoint does not have: 'zed'"):
+        rename(["al"], {"zed": "z"})
+
+
+@pytest.mark.parametrize("text, message", [
+    ("bob robert\n", r"line 1: expected 'old name<TAB>new name', got 'bob robert'"),
+    ("a\tb\n\na\tc\n", r"line 3: 'a' is renamed twice"),
+    ("a\t\n", r"line 1: expected"),
+])
+def test_a_bad_renames_file_is_refused_naming_the_line(tmp_path: Path, text, message):
+    from shardfc.train.classes import read_renames
+
+    f = tmp_path / "renames.tsv"
+    f.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError, match=message):
+        read_renames(f)
+    with pytest.raises(ConfigError, match=r"rename_classes='.*missing.tsv': cannot read it"):
+        read_renames(tmp_path / "missing.tsv")

@@ -67,6 +67,24 @@ def test_resume_with_more_identities_keeps_every_row_and_imprints_the_new_ones(t
     with pytest.raises(ConfigError, match=r"4 of checkpoint .* classes are not in the dataset .*'synthetic-s0-00020'"):
         train_cli.run(tiny_config(out, nproc=1, synthetic_identities=20))
 
+    # An identity renamed since (its images now under another name): refused, then given its row by
+    # --rename-classes; the relabelled dataset trains row 5 with the renamed identity's images.
+    from shardfc.train.fine_tune import plan_run_classes
+
+    class Renamed(SyntheticIdentities):  # identity 5 renamed, and the identities listed in reverse
+        @property
+        def class_names(self):
+            return [("renamed-5" if n.endswith("-00005") else n) for n in super().class_names][::-1]
+
+    renamed = Renamed(24, 5, (16, 16), seed=0)
+    with pytest.raises(ConfigError, match=r"'synthetic-s0-00005'.*--rename-classes"):
+        plan_run_classes(cfg, renamed, path, init=False)
+    (tmp_path / "renames.tsv").write_text("synthetic-s0-00005\trenamed-5\n", encoding="utf-8")
+    renaming = tiny_config(out, nproc=1, rename_classes=str(tmp_path / "renames.tsv"))
+    relabelled, plan = plan_run_classes(renaming, renamed, path, init=False)
+    assert plan.kept == 24 and plan.added == [] and plan.names[5] == "renamed-5"
+    assert plan.label_map[renamed.class_names.index("renamed-5")] == 5
+
 
 def test_fine_tune_from_an_exported_model(tmp_path: Path):
     """`shardfc export`'s TorchScript file as --init-from, under ddp and pipeline: its weights (read without

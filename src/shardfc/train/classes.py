@@ -6,19 +6,21 @@ row; a new one is appended after the checkpoint's ``C`` (ids ``C, C + 1, ...``, 
 order); the dataset's labels are then mapped to those ids (:class:`~shardfc.data.relabel.RelabelledDataset`),
 so a reordered listing changes nothing. Rows never shift silently: an identity the checkpoint
 has and the dataset lacks (vanished, or renamed) is an error that names them, unless
-``on_missing_classes`` says what to do.
+``on_missing_classes`` says what to do, or a renames file (``rename_classes``: old name, new name)
+gives a renamed identity its old row under its new name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
 from shardfc.train.config import ConfigError
 
-__all__ = ["ClassPlan", "plan_classes", "fresh_plan", "SHOWN"]
+__all__ = ["ClassPlan", "plan_classes", "fresh_plan", "read_renames", "rename", "SHOWN"]
 
 #: Offending names an error shows (then a count of the rest).
 SHOWN = 5
@@ -64,6 +66,47 @@ def _check_unique(names: Sequence[str], where: str) -> None:
         raise ConfigError(f"{where} names classes more than once: {_shown(dup)}")
 
 
+def read_renames(path: "str | Path") -> Dict[str, str]:
+    """``{old name: new name}`` from a renames file: one ``old<TAB>new`` per line (a name may hold
+    spaces, not tabs); blank lines and lines starting with ``#`` are skipped.
+
+    Raises:
+        ConfigError: the file is missing, a line is not two tab-separated names, or a name is
+            renamed twice (naming the file and the line).
+    """
+    where = f"rename_classes={str(path)!r}"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read it ({e.strerror or e})") from None
+    renames: Dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        parts = line.split("\t")
+        if len(parts) != 2 or not parts[0] or not parts[1]:
+            raise ConfigError(f"{where}, line {number}: expected 'old name<TAB>new name', got {line!r}")
+        if parts[0] in renames:
+            raise ConfigError(f"{where}, line {number}: {parts[0]!r} is renamed twice")
+        renames[parts[0]] = parts[1]
+    return renames
+
+
+def rename(saved: Sequence[str], renames: Dict[str, str], source: str = "the checkpoint") -> List[str]:
+    """``saved`` class names with ``renames`` applied (each row keeps its place). A rename already
+    applied (``source`` has the new name and not the old: a checkpoint of the renaming run) is left
+    alone, so the same file may be passed on every later resume.
+
+    Raises:
+        ConfigError: a name to rename that ``source`` has under neither name (naming the first few).
+    """
+    known = set(saved)
+    unknown = [old for old, new in renames.items() if old not in known and new not in known]
+    if unknown:
+        raise ConfigError(f"rename_classes renames {len(unknown)} name(s) {source} does not have: {_shown(unknown)}")
+    return [renames.get(n, n) for n in saved]
+
+
 def fresh_plan(names: List[str], why: str) -> ClassPlan:
     """A new head for classes ``names`` (ids in their order); ``why`` goes into the log's note."""
     return ClassPlan(list(names), None, 0, list(names), note=f"new head of {len(names)} classes ({why})")
@@ -98,7 +141,8 @@ def plan_classes(
     """
     dataset = list(dataset)
     _check_unique(dataset, "the dataset")
-    hint = (f"pass --on-missing-classes keep to keep their rows (no identity moves), or --on-missing-classes fresh "
+    hint = (f"pass --rename-classes FILE for renamed ones (old<TAB>new per line: they keep their rows), "
+            f"--on-missing-classes keep to keep their rows (no identity moves), or --on-missing-classes fresh "
             f"to start a new head for this dataset's {len(dataset)} classes (the backbone is kept)")
     if on_missing == "fresh":
         return fresh_plan(dataset, "--on-missing-classes fresh")

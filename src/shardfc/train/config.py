@@ -273,6 +273,8 @@ class TrainConfig:
     """The backbone's learning rate is lr times this (the head's is lr): below 1 to fine-tune a trained backbone gently."""
     on_missing_classes: str = "error"
     """When the checkpoint has classes the dataset lacks (vanished or renamed identities, or no class names to tell): 'error' (refuse, naming them), 'keep' (keep their rows, without images: no identity changes row) or 'fresh' (a new head for the dataset's classes; only the backbone is kept)."""
+    rename_classes: str = ""
+    """A file of identities renamed since the checkpoint: one 'old name<TAB>new name' per line (# comments allowed); each keeps its row under its new name, in this run's checkpoints too. Read with --resume and --init-from."""
 
     # ------------------------------------------------------------------ derived helpers
     def margin_params(self) -> Dict[str, Any]:
@@ -417,7 +419,7 @@ class TrainConfig:
 DEFAULT_OUTPUT_DIR = "shardfc_runs/synthetic"
 
 #: The fields that name files or folders (``val_bins`` is a list of them).
-PATH_FIELDS = ("data_root", "list_file", "output_dir", "reid_root", "val_bins", "init_from")
+PATH_FIELDS = ("data_root", "list_file", "output_dir", "reid_root", "val_bins", "init_from", "rename_classes")
 
 
 def absolute_paths(cfg: TrainConfig, base: "str | os.PathLike[str] | None" = None) -> TrainConfig:
@@ -519,7 +521,8 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
             "amp", "channels_last", "compile", "seed", "nproc", "device", "threads", "output_dir", "resume", "log_every", "progress",
             "profile", "eval_every", "ckpt_every", "keep_last", "save_on_signal", "pg_timeout", "trust_checkpoint"),
     "eval": ("val_bins", "reid_root", "synthetic_val_pairs", "eval_batch_size", "eval_flip"),
-    "classes": ("init_from", "head_init", "head_warmup_steps", "backbone_lr_mult", "on_missing_classes"),
+    "classes": ("init_from", "head_init", "head_warmup_steps", "backbone_lr_mult", "on_missing_classes",
+                "rename_classes"),
 }
 _SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}

@@ -24,7 +24,7 @@ from shardfc.head.grow import grown_state
 from shardfc.head.imprint import imprint_centres
 from shardfc.head.module import init_rows
 from shardfc.parallel.context import DistContext
-from shardfc.train.classes import ClassPlan, fresh_plan, plan_classes
+from shardfc.train.classes import ClassPlan, fresh_plan, plan_classes, read_renames, rename
 from shardfc.train.config import ConfigError, TrainConfig
 
 __all__ = ["resolve_init_from", "saved_classes", "plan_run_classes", "new_head_rows", "load_kept", "head_state_for",
@@ -71,6 +71,10 @@ def plan_run_classes(cfg: TrainConfig, dataset: Dataset, path: Path, init: bool)
     if is_torchscript(path):
         return dataset, fresh_plan(dataset_names, "an exported model holds no head")
     names, count, _ = saved_classes(path, cfg.trust_checkpoint)
+    if cfg.rename_classes:  # renamed identities keep their rows under their new names
+        if names is None:
+            raise ConfigError(f"rename_classes={cfg.rename_classes!r}: checkpoint {path} records no class names to rename")
+        names = rename(names, read_renames(cfg.rename_classes), source=f"checkpoint {path}")
     plan = plan_classes(names, count, dataset_names, init=init, on_missing=cfg.on_missing_classes,
                         source=f"checkpoint {path}")
     if plan.label_map is not None or plan.num_classes != dataset.num_classes:
