@@ -33,6 +33,20 @@ from shardfc.head.fused import tiles
 
 
 @triton.jit
+def _row_block(rows_ptr, r0, n_rows, BR: tl.constexpr, HAS_ROWS: tl.constexpr):
+    """This program's ``BR`` rows of a per-row kernel: their offsets in the chunk, the mask of those
+    below ``n_rows``, their scored row ids (``r0 + offset``) and the weight rows they read (through
+    ``rows_ptr``, Partial FC's sampled rows, under ``HAS_ROWS``; else the scored rows themselves)."""
+    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    r_mask = offs_r < n_rows
+    scored = r0 + offs_r.to(tl.int64)
+    wrow = scored
+    if HAS_ROWS:
+        wrow = tl.load(rows_ptr + scored, mask=r_mask, other=0).to(tl.int64)
+    return offs_r, r_mask, scored, wrow
+
+
+@triton.jit
 def operand_rows_kernel(
     w_ptr, rows_ptr, inv_ptr, out_ptr, n_rows, r0, D, stride_w, stride_o,
     HAS_ROWS: tl.constexpr, COMPUTE_INV: tl.constexpr, SCALE: tl.constexpr, WRITE: tl.constexpr,
@@ -42,12 +56,7 @@ def operand_rows_kernel(
     ``1/‖w‖`` at ``inv[r0 + r]`` (0 below NORM_EPS, as the torch path), else ``SCALE`` reads it;
     ``WRITE`` stores ``out[r] = w·inv`` (``SCALE``) or ``w``, in ``out``'s dtype. One read of the
     rows for the norms, the second from L1/L2."""
-    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
-    r_mask = offs_r < n_rows
-    scored = r0 + offs_r.to(tl.int64)
-    wrow = scored
-    if HAS_ROWS:
-        wrow = tl.load(rows_ptr + scored, mask=r_mask, other=0).to(tl.int64)
+    offs_r, r_mask, scored, wrow = _row_block(rows_ptr, r0, n_rows, BR, HAS_ROWS)
     w_rows = w_ptr + wrow[:, None] * stride_w
     if COMPUTE_INV:
         sq = tl.zeros([BR], dtype=tl.float32)
@@ -183,12 +192,7 @@ def weight_grad_kernel(
     dense ``.grad``), added to what is there (``ACCUMULATE``). ``W_HAT``: ``w_ptr`` holds the
     normalised scored rows ``ŵ`` (the step's operand, indexed by scored row), and the projection
     is ``inv·(ŵ·H)·ŵ``: the fp32 rows are not read again."""
-    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
-    r_mask = offs_r < n_rows
-    scored = r0 + offs_r.to(tl.int64)
-    wrow = scored
-    if HAS_ROWS:
-        wrow = tl.load(rows_ptr + scored, mask=r_mask, other=0).to(tl.int64)
+    offs_r, r_mask, scored, wrow = _row_block(rows_ptr, r0, n_rows, BR, HAS_ROWS)
     hscale = tl.load(hscale_ptr)
     h_rows = h_ptr + offs_r.to(tl.int64)[:, None] * stride_h
     w_rows = w_ptr + (scored if W_HAT else wrow)[:, None] * stride_w
