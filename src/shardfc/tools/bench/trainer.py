@@ -228,16 +228,7 @@ def bench_trainer(cfg, steps: int = 20, warmup: int = 3, progress: bool = True) 
     # The loader alone, past what its workers queued while the steps ran.
     loader_batches = max(steps * cfg.grad_accum, 2 * queued, 20)
     say(f"loader only: {queued} queued batches skipped, {loader_batches} timed")
-    for _ in range(queued):
-        next(stream)
-    _sync(device)
-    start = time.perf_counter()
-    n_images = 0
-    for _ in range(loader_batches):
-        images = next(stream)[0]
-        n_images += images.shape[0]
-    _sync(device)
-    loader_rate = n_images / (time.perf_counter() - start)
+    loader_rate = _drain_rate(stream, device, skip=queued, timed=loader_batches)
     stream.close()
     loaders = []
     for loader, workers in loader_variants(cfg):
@@ -304,16 +295,22 @@ def _loader_rate(cfg, run, ctx, skip: int, timed: int) -> float:
     stream = micro_batches(run.dataset, run.batches, RunState(batches_per_epoch=len(run.batches)), cfg, ctx,
                            channels_last=run.channels_last)
     try:
-        for _ in range(skip):
-            next(stream)
-        _sync(ctx.device)
-        start, n_images = time.perf_counter(), 0
-        for _ in range(timed):
-            n_images += next(stream)[0].shape[0]
-        _sync(ctx.device)
-        return n_images / (time.perf_counter() - start)
+        return _drain_rate(stream, ctx.device, skip, timed)
     finally:
         stream.close()
+
+
+def _drain_rate(stream, device: torch.device, skip: int, timed: int) -> float:
+    """Images/s of ``stream`` drained without training: ``skip`` batches untimed (what its workers
+    had queued), then ``timed`` batches, the device synchronised around them."""
+    for _ in range(skip):
+        next(stream)
+    _sync(device)
+    start, n_images = time.perf_counter(), 0
+    for _ in range(timed):
+        n_images += next(stream)[0].shape[0]
+    _sync(device)
+    return n_images / (time.perf_counter() - start)
 
 
 def format_report(r: Dict[str, Any]) -> str:
