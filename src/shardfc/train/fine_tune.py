@@ -26,6 +26,7 @@ from shardfc.head.module import init_rows
 from shardfc.parallel.context import DistContext
 from shardfc.train.classes import ClassPlan, fresh_plan, plan_classes, read_renames, rename
 from shardfc.train.config import ConfigError, TrainConfig
+from shardfc.train.pipeline_train import restore_backbone
 
 __all__ = ["resolve_init_from", "saved_classes", "plan_run_classes", "new_head_rows", "load_kept", "head_state_for",
            "fresh_rows", "init_from"]
@@ -214,8 +215,6 @@ def init_from(run, path: Path, cfg: TrainConfig) -> None:
     """Load ``--init-from``'s backbone into the run, and its head where the plan keeps its classes;
     build the other rows as ``--head-init`` says. The run starts at step 0 with fresh optimizers.
     An exported model gives the backbone alone: the head is new."""
-    from shardfc.train.resume import restore_backbone  # resume builds on this module
-
     plan: ClassPlan = run.classes
     parts = run.parts
     if is_torchscript(path):

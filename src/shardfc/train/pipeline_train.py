@@ -25,7 +25,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from shardfc.checkpoint import StagePart, optimizer_by_index, optimizer_by_name
+from shardfc import checkpoint as ckpt
+from shardfc.checkpoint import StagePart, optimizer_by_index, optimizer_by_name, read_stage_state
 from shardfc.head import ShardedMarginHead, head_optimizer
 from shardfc.head.margins import build_margin
 from shardfc.models import build_backbone
@@ -59,6 +60,7 @@ __all__ = [
     "load_stage_state",
     "pipeline_layout",
     "pipeline_step",
+    "restore_backbone",
     "stage_part",
     "stage_scaler_state",
     "stage_stream",
@@ -364,3 +366,36 @@ def whole_optimizer_by_name(optimizer: Mapping[str, Any], plan: PipelinePlan) ->
             f"the checkpoint's backbone optimizer covers {saved} parameters, the backbone has {len(plan.param_names)}"
         )
     return optimizer_by_name(optimizer, plan.param_names)
+
+
+def restore_backbone(run, loaded: "ckpt.LoadedCheckpoint", cfg: TrainConfig, with_optimizer: bool = True) -> bool:
+    """Load the backbone and (``with_optimizer``) its optimizer, whichever layout saved them and
+    whichever this run has: whole in the common file (ddp, dp, horovod, an older pipeline run, an
+    import) or per stage (a pipeline run; only the stage files holding this rank's keys are read).
+    Returns whether the checkpoint held optimizer state."""
+    parts, plan, common = run.parts, run.pipeline, loaded.common
+    if "backbone" in common:
+        model, optimizer = common["backbone"], common.get("backbone_optimizer")
+        if not with_optimizer:
+            optimizer = None
+        if plan is None:
+            parts.module.load_state_dict(model)
+            if optimizer is not None:
+                parts.opt_backbone.load_state_dict(optimizer)
+            return optimizer is not None
+        by_name = None if optimizer is None else whole_optimizer_by_name(optimizer, plan)
+        load_stage_state(parts, plan, model, by_name)
+        return optimizer is not None
+    if plan is None:  # the unsplit model: every stage file, then the whole optimizer by index
+        model, by_name = read_stage_state(loaded.path, loaded.meta, trust_pickle=cfg.trust_checkpoint)
+        parts.module.load_state_dict(model)
+        if with_optimizer:
+            names = [n for n, p in parts.module.named_parameters() if p.requires_grad]
+            parts.opt_backbone.load_state_dict(optimizer_by_index(by_name, names))
+        return True
+    model, by_name = read_stage_state(
+        loaded.path, loaded.meta, list(parts.backbone.state_dict()), plan.stage_param_names,
+        trust_pickle=cfg.trust_checkpoint,
+    )
+    load_stage_state(parts, plan, model, by_name if with_optimizer else None)
+    return True

@@ -23,7 +23,7 @@ from shardfc.train.build import Run, rank_seed
 from shardfc.train.classes import ClassPlan
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.fine_tune import fresh_rows, head_state_for, load_kept
-from shardfc.train.pipeline_train import load_stage_state, stage_part, stage_scaler_state, whole_optimizer_by_name
+from shardfc.train.pipeline_train import restore_backbone, stage_part, stage_scaler_state
 from shardfc.train.schedule import apply_schedule
 from shardfc.train.state import RunState
 
@@ -210,39 +210,6 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
     if ctx.is_main:
         logger.info("restored step %d (epoch %d) from %s", state.step, state.epoch, path)
     return state
-
-
-def restore_backbone(run: Run, loaded: ckpt.LoadedCheckpoint, cfg: TrainConfig, with_optimizer: bool = True) -> bool:
-    """Load the backbone and (``with_optimizer``) its optimizer, whichever layout saved them and
-    whichever this run has: whole in the common file (ddp, dp, horovod, an older pipeline run, an
-    import) or per stage (a pipeline run; only the stage files holding this rank's keys are read).
-    Returns whether the checkpoint held optimizer state."""
-    parts, plan, common = run.parts, run.pipeline, loaded.common
-    if "backbone" in common:
-        model, optimizer = common["backbone"], common.get("backbone_optimizer")
-        if not with_optimizer:
-            optimizer = None
-        if plan is None:
-            parts.module.load_state_dict(model)
-            if optimizer is not None:
-                parts.opt_backbone.load_state_dict(optimizer)
-            return optimizer is not None
-        by_name = None if optimizer is None else whole_optimizer_by_name(optimizer, plan)
-        load_stage_state(parts, plan, model, by_name)
-        return optimizer is not None
-    if plan is None:  # the unsplit model: every stage file, then the whole optimizer by index
-        model, by_name = ckpt.read_stage_state(loaded.path, loaded.meta, trust_pickle=cfg.trust_checkpoint)
-        parts.module.load_state_dict(model)
-        if with_optimizer:
-            names = [n for n, p in parts.module.named_parameters() if p.requires_grad]
-            parts.opt_backbone.load_state_dict(ckpt.optimizer_by_index(by_name, names))
-        return True
-    model, by_name = ckpt.read_stage_state(
-        loaded.path, loaded.meta, list(parts.backbone.state_dict()), plan.stage_param_names,
-        trust_pickle=cfg.trust_checkpoint,
-    )
-    load_stage_state(parts, plan, model, by_name if with_optimizer else None)
-    return True
 
 
 def _pipeline_layout(run: Run) -> Optional[list]:
