@@ -1,0 +1,444 @@
+"""The head's step on one GPU, looked at from four sides, in one process (``scripts/gpu_check.sh`` runs it):
+
+* ``correctness``: each ``impl``'s loss and gradients (``x.grad``, ``weight.grad``) against the dense
+  float64 reference (:func:`shardfc.reference_loss`), in fp32 and under bf16 autocast, with the CPU
+  tests' tolerances (fp32: :data:`FP32_RTOL`; bf16: at most twice the torch path's error plus 2e-3);
+* ``step``: the step as ``shardfc bench`` times it (zero_grad kept, forward, backward, SGD momentum)
+  and as the trainer runs it (plus ``clip_head_grad_`` at the default ``grad_clip`` 5), per impl,
+  beside the three bf16 matmuls of the same shapes, and Partial FC r = 0.1 with bf16 centres and the
+  row-sparse update; median of ``--steps`` after ``--warmup``, CUDA-synchronised, peak memory above rest;
+* ``profile``: one step under ``torch.profiler`` (kernel count, the ten slowest kernels) and under
+  ``torch.cuda.set_sync_debug_mode("warn")`` (each host synchronisation, with the line that caused it);
+* ``plan``: ``shardfc plan``'s predicted step peak beside the measured one, for the configurations
+  the plan models (centres and compute in one dtype).
+
+    python scripts/gpu_step.py --parts correctness,step,profile,plan --classes 1000000 --json out.json
+
+``--device cpu`` with tiny sizes checks the script itself (the fused impls run under
+``TRITON_INTERPRET=1`` when it is set; otherwise their rows say why they cannot run). Exit 1 if a
+correctness row fails or any part raised, else 0. A JSON of everything with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+import shardfc
+from shardfc.head.margins import build_margin
+from shardfc.parallel.context import DistContext
+
+IMPLS = ("torch", "triton", "gemm")
+FP32_RTOL = 1e-4
+GRAD_CLIP = 5.0  # the trainer's default --grad-clip
+LR, MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 5e-4
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_step] {msg}", file=sys.stderr, flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.detach().double(), ref.detach().double()
+    return float((a - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def autocast(device: torch.device, dtype: str):
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, dtype))
+
+
+def make_head(dim: int, classes: int, device: torch.device, impl: str, weight0: Optional[torch.Tensor] = None,
+              dtype=torch.float32, **options):
+    """A one-shard head on ``device`` whose rows are ``weight0`` (skips the N(0, 0.01²) draw)."""
+    from shardfc.tools.bench.peers import centres_from
+
+    ctx = DistContext(device=device)
+    if weight0 is None:
+        g = torch.Generator(device=device).manual_seed(0)
+        weight0 = torch.randn(classes, dim, generator=g, device=device).mul_(0.01)
+    with centres_from(weight0):
+        head = shardfc.ShardedMarginHead(dim, classes, margin=build_margin("arcface"), context=ctx, dtype=dtype,
+                                         impl=impl, **options)
+    with torch.no_grad():
+        head.weight.copy_(weight0.to(head.weight.dtype))
+    return head, ctx
+
+
+def inputs(batch: int, dim: int, classes: int, device: torch.device, count: int, dtype=torch.float32, seed: int = 1):
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for _ in range(count):
+        x = torch.randn(batch, dim, generator=g, device=device).to(dtype).requires_grad_(True)
+        y = torch.randint(0, classes, (batch,), generator=g, device=device)
+        out.append((x, y))
+    return out
+
+
+def cannot_run(e: Exception, impl: str) -> Optional[str]:
+    text = str(e)
+    return text if f"impl={impl!r} cannot run" in text else None
+
+
+# --------------------------------------------------------------------------- correctness
+def correctness(args, device: torch.device) -> Dict[str, Any]:
+    C, B, D = args.check_classes, args.batch, args.dim
+    g = torch.Generator(device=device).manual_seed(7)
+    weight0 = torch.randn(C, D, generator=g, device=device).mul_(0.01)
+    x0 = torch.randn(B, D, generator=g, device=device)
+    y = torch.randint(0, C, (B,), generator=g, device=device)
+    margin = build_margin("arcface")
+    x64 = x0.double().requires_grad_(True)
+    w64 = weight0.double().requires_grad_(True)
+    ref = shardfc.reference_loss(x64, w64, y, margin)
+    ref.backward()
+    ref_loss, ref_gx, ref_gw = float(ref.detach()), x64.grad, w64.grad
+    del x64, w64
+    rows: List[Dict[str, Any]] = []
+    for dtype in ("float32", "bfloat16"):
+        torch_err = None
+        for impl in IMPLS:
+            row: Dict[str, Any] = dict(classes=C, batch=B, dim=D, dtype=dtype, impl=impl)
+            try:
+                head, _ = make_head(D, C, device, impl, weight0)
+                x = x0.clone().requires_grad_(True)
+                with autocast(device, dtype):
+                    loss = head(x, y)
+                loss.backward()
+                sync(device)
+                err = max(abs(float(loss) - ref_loss) / abs(ref_loss), rel(x.grad, ref_gx), rel(head.weight.grad, ref_gw))
+                row.update(loss=float(loss), reference_loss=ref_loss, loss_rel_err=abs(float(loss) - ref_loss) / abs(ref_loss),
+                           x_grad_rel_err=rel(x.grad, ref_gx), weight_grad_rel_err=rel(head.weight.grad, ref_gw),
+                           ran=head.last_impl)
+                if dtype == "float32":
+                    tol = FP32_RTOL
+                elif impl == "torch":
+                    tol = None  # the bf16 reference point of the others
+                    torch_err = err
+                else:
+                    tol = None if torch_err is None else 2 * torch_err + 2e-3
+                row.update(max_rel_err=err, tolerance=tol, status="ok" if tol is None or err <= tol else "FAILED")
+                del head, x, loss
+            except ValueError as e:
+                why = cannot_run(e, impl)
+                if why is None:
+                    raise
+                row.update(status="unavailable", reason=why)
+            except Exception as e:  # the row's own failure, reported with the others
+                row.update(status="FAILED", reason=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+            rows.append(row)
+            log(f"correctness C={C} {dtype} impl={impl}: {row['status']} "
+                + (f"max rel err {row['max_rel_err']:.2e} (tol {row['tolerance']})" if "max_rel_err" in row else row.get("reason", "")))
+            release(device)
+    return {"rows": rows}
+
+
+# --------------------------------------------------------------------------- step timing
+def release(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def time_steps(step: Callable[[Any, Any], Any], batches, device: torch.device, warmup: int, steps: int):
+    """Median ms of ``steps`` calls after ``warmup``; the largest peak above the memory before a step."""
+    for i in range(warmup):
+        step(*batches[i % len(batches)])
+    sync(device)
+    times, peaks = [], []
+    for i in range(steps):
+        x, y = batches[i % len(batches)]
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+        sync(device)
+        t0 = time.perf_counter()
+        step(x, y)
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+        if device.type == "cuda":
+            peaks.append(torch.cuda.max_memory_allocated(device) - before)
+    return statistics.median(times), (max(peaks) if peaks else None), times
+
+
+def head_step(head, opt, ctx, device, dtype: str, clip: bool):
+    from shardfc.train.step import clip_head_grad_
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=False)
+        with autocast(device, dtype):
+            loss = head(x, y)
+        loss.backward()
+        if clip:
+            clip_head_grad_(head, GRAD_CLIP, ctx)
+        opt.step()
+        x.grad = None
+        return loss
+
+    return step
+
+
+def floor_step(B: int, C: int, D: int, device: torch.device, dtype: str):
+    cdt = getattr(torch, dtype)
+    g = torch.Generator(device=device).manual_seed(3)
+    x = torch.randn(B, D, generator=g, device=device).to(cdt)
+    w = torch.randn(C, D, generator=g, device=device).to(cdt)
+    dz = torch.randn(B, C, generator=g, device=device).to(cdt)
+
+    def step(_x, _y):
+        x @ w.t()
+        dz @ w
+        dz.t() @ x
+
+    return step
+
+
+def step_part(args, device: torch.device) -> Dict[str, Any]:
+    C, B, D = args.classes, args.batch, args.dim
+    rows: List[Dict[str, Any]] = []
+    batches = inputs(B, D, C, device, 4)
+    ms, _, times = time_steps(floor_step(B, C, D, device, args.dtype), batches, device, args.warmup, args.steps)
+    rows.append(dict(name="matmul floor (3 GEMMs)", impl="-", ms=ms, times_ms=times, peak_above_rest=None))
+    log(f"step C={C}: floor {ms:.3f} ms")
+    release(device)
+    variants = []
+    for impl in IMPLS:
+        variants.append((f"{impl}: bench step", impl, False, {}, torch.float32))
+        variants.append((f"{impl}: trainer step (+ clip_head_grad_ 5.0)", impl, True, {}, torch.float32))
+    for impl in ("triton", "gemm"):
+        variants.append((f"{impl}: Partial FC r=0.1, bf16 centres, sparse_grad", impl, False,
+                         {"sample_rate": 0.1, "sparse_grad": True}, torch.bfloat16))
+    for name, impl, clip, options, wdt in variants:
+        row: Dict[str, Any] = dict(name=name, impl=impl)
+        try:
+            head, ctx = make_head(D, C, device, impl, dtype=wdt, **options)
+            opt = shardfc.head_optimizer(head, "sgd", lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+            step = head_step(head, opt, ctx, device, args.dtype, clip)
+            ms, peak, times = time_steps(step, batches, device, args.warmup, args.steps)
+            row.update(ms=ms, times_ms=times, peak_above_rest=peak, ran=head.last_impl, status="ok",
+                       optimizer=type(opt).__name__)
+            log(f"step C={C} {name}: {ms:.3f} ms, peak above rest "
+                + ("-" if peak is None else f"{peak / 2**20:.1f} MiB"))
+            del head, opt, step
+        except ValueError as e:
+            why = cannot_run(e, impl)
+            if why is None:
+                row.update(status="FAILED", reason=f"ValueError: {e}", traceback=traceback.format_exc())
+            else:
+                row.update(status="unavailable", reason=why)
+            log(f"step C={C} {name}: {row['status']}: {row['reason']}")
+        except Exception as e:
+            row.update(status="FAILED", reason=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+            log(f"step C={C} {name}: FAILED: {row['reason']}")
+        rows.append(row)
+        release(device)
+    return {"classes": C, "batch": B, "dim": D, "dtype": args.dtype, "rows": rows}
+
+
+# --------------------------------------------------------------------------- profile and host syncs
+def profile_part(args, device: torch.device) -> Dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    C, B, D = args.classes, args.batch, args.dim
+    out: Dict[str, Any] = {"classes": C, "batch": B, "dim": D, "dtype": args.dtype, "impls": {}}
+    batches = inputs(B, D, C, device, 2)
+    for impl in args.profile_impls.split(","):
+        res: Dict[str, Any] = {}
+        try:
+            head, ctx = make_head(D, C, device, impl)
+            opt = shardfc.head_optimizer(head, "sgd", lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+            step = head_step(head, opt, ctx, device, args.dtype, clip=True)
+            for i in range(2):
+                step(*batches[i % 2])
+            sync(device)
+            # host synchronisations, each with the Python line that asked for it
+            syncs: Dict[str, int] = {}
+            if device.type == "cuda":
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        step(*batches[0])
+                        sync(device)
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                for w in caught:
+                    if "synchroniz" in str(w.message):
+                        key = f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:120]}"
+                        syncs[key] = syncs.get(key, 0) + 1
+            res["host_syncs"] = sum(syncs.values())
+            res["host_sync_sites"] = syncs
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            with profile(activities=activities) as prof:
+                step(*batches[1])
+                sync(device)
+            kernels: Dict[str, List[float]] = {}
+            for evt in prof.events():
+                if device.type == "cuda" and str(getattr(evt, "device_type", "")).endswith("CUDA"):
+                    us = getattr(evt, "device_time", None)
+                    if us is None:
+                        us = getattr(evt, "cuda_time", 0.0)
+                    kernels.setdefault(evt.name, []).append(float(us))
+            res["kernels"] = sum(len(v) for v in kernels.values())
+            res["kernel_time_ms"] = sum(sum(v) for v in kernels.values()) / 1e3
+            top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:10]
+            res["slowest"] = [dict(name=k[:140], calls=len(v), total_ms=sum(v) / 1e3) for k, v in top]
+            res["ran"] = head.last_impl
+            log(f"profile C={C} impl={impl}: {res['kernels']} kernels, {res['kernel_time_ms']:.3f} ms of kernels, "
+                f"{res['host_syncs']} host syncs")
+            for s in res["slowest"]:
+                log(f"    {s['total_ms']:8.3f} ms  x{s['calls']:<4d} {s['name'][:100]}")
+            for site, n in syncs.items():
+                log(f"    sync x{n}: {site}")
+            del head, opt, step
+        except Exception as e:
+            res.update(status="FAILED", reason=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+            log(f"profile impl={impl}: FAILED: {res['reason']}")
+        out["impls"][impl] = res
+        release(device)
+    return out
+
+
+# --------------------------------------------------------------------------- plan vs measured
+def plan_part(args, device: torch.device) -> Dict[str, Any]:
+    from shardfc.tools.plan import plan
+
+    C, B, D = args.classes, args.batch, args.dim
+    rows = []
+    for dtype, impl in (("float32", "triton"), ("bfloat16", "triton"), ("bfloat16", "gemm")):
+        row: Dict[str, Any] = dict(dtype=dtype, impl=impl, classes=C)
+        try:
+            p = plan(C, D, B, dtype=dtype, impl=impl, weight_decay=WEIGHT_DECAY,
+                     sms=torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132)
+            row.update(planned_step_peak=p["step_peak"], planned_resting=p["resting"], planned_parts=p["parts"])
+            wdt = getattr(torch, dtype)
+            head, ctx = make_head(D, C, device, impl, dtype=wdt)
+            opt = shardfc.head_optimizer(head, "sgd", lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+            step = head_step(head, opt, ctx, device, "float32", clip=False)  # x and centres in `dtype`
+            batches = inputs(B, D, C, device, 2, dtype=wdt)
+            ms, peak, _ = time_steps(step, batches, device, 2, 3)
+            rest = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+            row.update(measured_step_peak=peak, measured_allocated_at_rest=rest, ms=ms, ran=head.last_impl,
+                       status="ok")
+            if peak:
+                row["measured_over_planned"] = peak / max(p["step_peak"], 1)
+            log(f"plan C={C} {dtype} impl={impl}: planned step peak {p['step_peak'] / 2**20:.1f} MiB, measured "
+                + ("-" if peak is None else f"{peak / 2**20:.1f} MiB") + f" ({ms:.3f} ms)")
+            del head, opt, step, batches
+        except ValueError as e:
+            why = cannot_run(e, impl)
+            row.update(status="unavailable" if why else "FAILED", reason=why or f"ValueError: {e}")
+            log(f"plan {dtype} impl={impl}: {row['status']}: {row['reason']}")
+        except Exception as e:
+            row.update(status="FAILED", reason=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+            log(f"plan {dtype} impl={impl}: FAILED: {row['reason']}")
+        rows.append(row)
+        release(device)
+    return {"rows": rows}
+
+
+PARTS = {"correctness": correctness, "step": step_part, "profile": profile_part, "plan": plan_part}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {','.join(PARTS)}")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--classes", type=int, default=1_000_000, help="C of the step, profile and plan parts")
+    p.add_argument("--check-classes", type=int, default=250_000, help="C of the correctness part")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype of the step")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile-impls", default="triton,gemm")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_step: --device cuda but CUDA is not available", file=sys.stderr)
+        return 2
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda,
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception:
+        env["triton"] = None
+    result: Dict[str, Any] = {"environment": env, "args": vars(args)}
+    status = 0
+    for name in args.parts.split(","):
+        t0 = time.perf_counter()
+        try:
+            result[name] = PARTS[name](args, device)
+        except Exception as e:
+            result[name] = {"status": "FAILED", "reason": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            log(f"{name}: FAILED: {e}\n{traceback.format_exc()}")
+            status = 1
+        result[name + "_seconds"] = time.perf_counter() - t0
+        if args.json:  # after each part, so a timeout leaves what was done
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(result, f, indent=1, default=str)
+    for row in result.get("correctness", {}).get("rows", []):
+        if row.get("status") == "FAILED":
+            status = 1
+    for part in ("step", "plan"):
+        for row in result.get(part, {}).get("rows", []):
+            if row.get("status") == "FAILED":
+                status = 1
+    print(summary(result))
+    return status
+
+
+def summary(r: Dict[str, Any]) -> str:
+    env = r["environment"]
+    lines = [f"## gpu_step: {env['device']}, torch {env['torch']}, CUDA {env['cuda']}, triton {env['triton']}"]
+    if "correctness" in r and "rows" in r["correctness"]:
+        lines += ["", "| correctness | impl | loss err | x.grad err | W.grad err | tol | status |", "|---|---|---|---|---|---|---|"]
+        for row in r["correctness"]["rows"]:
+            f = lambda k: f"{row[k]:.2e}" if isinstance(row.get(k), float) else "-"  # noqa: E731
+            lines.append(f"| C={row['classes']} {row['dtype']} | {row['impl']} | {f('loss_rel_err')} | {f('x_grad_rel_err')} | "
+                         f"{f('weight_grad_rel_err')} | {f('tolerance')} | {row['status']} {row.get('reason', '')[:80]} |")
+    if "step" in r and "rows" in r["step"]:
+        s = r["step"]
+        lines += ["", f"| step C={s['classes']} B={s['batch']} D={s['dim']} {s['dtype']} | ms | peak above rest MiB | status |",
+                  "|---|---:|---:|---|"]
+        for row in s["rows"]:
+            ms = f"{row['ms']:.3f}" if row.get("ms") is not None else "-"
+            pk = f"{row['peak_above_rest'] / 2**20:.1f}" if row.get("peak_above_rest") else "-"
+            lines.append(f"| {row['name']} | {ms} | {pk} | {row.get('status', 'ok')} {row.get('reason', '')[:80]} |")
+    if "profile" in r and "impls" in r["profile"]:
+        for impl, res in r["profile"]["impls"].items():
+            if "kernels" in res:
+                lines.append(f"\nprofile impl={impl}: {res['kernels']} kernels, {res['kernel_time_ms']:.3f} ms, "
+                             f"{res['host_syncs']} host syncs")
+    if "plan" in r and "rows" in r["plan"]:
+        lines += ["", "| plan vs measured | planned MiB | measured MiB | ms |", "|---|---:|---:|---:|"]
+        for row in r["plan"]["rows"]:
+            pl = f"{row['planned_step_peak'] / 2**20:.1f}" if "planned_step_peak" in row else "-"
+            me = f"{row['measured_step_peak'] / 2**20:.1f}" if row.get("measured_step_peak") else "-"
+            ms = f"{row['ms']:.3f}" if "ms" in row else "-"
+            lines.append(f"| {row['dtype']} {row['impl']} | {pl} | {me} | {ms} {row.get('reason', '')[:60]} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
