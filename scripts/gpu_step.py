@@ -121,6 +121,7 @@ def correctness(args, device: torch.device) -> Dict[str, Any]:
                     loss = head(x, y)
                 loss.backward()
                 sync(device)
+                loss = loss.detach()
                 err = max(abs(float(loss) - ref_loss) / abs(ref_loss), rel(x.grad, ref_gx), rel(head.weight.grad, ref_gw))
                 row.update(loss=float(loss), reference_loss=ref_loss, loss_rel_err=abs(float(loss) - ref_loss) / abs(ref_loss),
                            x_grad_rel_err=rel(x.grad, ref_gx), weight_grad_rel_err=rel(head.weight.grad, ref_gw),
@@ -280,7 +281,7 @@ def profile_part(args, device: torch.device) -> Dict[str, Any]:
                     finally:
                         torch.cuda.set_sync_debug_mode("default")
                 for w in caught:
-                    if "synchroniz" in str(w.message):
+                    if "called a synchronizing" in str(w.message):
                         key = f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:120]}"
                         syncs[key] = syncs.get(key, 0) + 1
             res["host_syncs"] = sum(syncs.values())
@@ -301,6 +302,12 @@ def profile_part(args, device: torch.device) -> Dict[str, Any]:
             top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:10]
             res["slowest"] = [dict(name=k[:140], calls=len(v), total_ms=sum(v) / 1e3) for k, v in top]
             res["ran"] = head.last_impl
+            if impl == "triton" and device.type == "cuda":  # the forward tile the autotuner kept
+                from shardfc.head.fused import autotune
+
+                best = getattr(autotune.lse_forward(1, False, "tf32", False), "best_config", None)
+                res["forward_config"] = str(best)
+                log(f"profile impl=triton: forward autotune kept {best}")
             log(f"profile C={C} impl={impl}: {res['kernels']} kernels, {res['kernel_time_ms']:.3f} ms of kernels, "
                 f"{res['host_syncs']} host syncs")
             for s in res["slowest"]:

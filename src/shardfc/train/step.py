@@ -144,7 +144,9 @@ def clip_head_grad_(head: nn.Module, max_norm: float, ctx: DistContext) -> torch
     grads = head_grads(head)
     sq = torch.zeros((), device=ctx.device, dtype=torch.float32)
     for g in grads:  # the shards may sit on several devices (dp)
-        sq += g.detach().float().pow(2).sum().to(sq.device)
+        # One reduction pass in fp32, no temporary: g.float().pow(2) made a copy of the whole
+        # gradient (2 GB at 1M classes, D = 512), measured on an H200 as the trainer step's extra peak.
+        sq += torch.linalg.vector_norm(g.detach(), dtype=torch.float32).square().to(sq.device)
     ctx.all_reduce_(sq)
     total = sq.sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)

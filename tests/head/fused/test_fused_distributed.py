@@ -39,13 +39,15 @@ def _case(rank, world, opts):
     up = torch.randn(B, generator=g, dtype=torch.float64)
     margin, K = opts.get("margin", M.ArcFace()), opts.get("subcenters", 1)
     eps, reduction = opts.get("label_smoothing", 0.0), opts.get("reduction", "mean")
+    dev = _device()
     head = shardfc.ShardedMarginHead(D, C, margin=margin, label_smoothing=eps, reduction=reduction,
-                                     subcenters=K, impl=opts.get("impl", "triton"))
-    xr = x[lo:hi].float().requires_grad_()
-    loss = head(xr, y[lo:hi])
-    loss.backward(up[lo:hi].float() if reduction == "none" else torch.tensor(1.0))
+                                     subcenters=K, impl=opts.get("impl", "triton"), device=dev)
+    xr = x[lo:hi].float().to(dev).requires_grad_()
+    loss = head(xr, y[lo:hi].to(dev))
+    loss.backward(up[lo:hi].float().to(dev) if reduction == "none" else torch.tensor(1.0, device=dev))
+    loss, grad_x, grad_w = loss.detach().cpu(), xr.grad.cpu(), head.weight.grad.cpu()
 
-    W = init_rows(0, C * K, D, 0).double().requires_grad_()
+    W = init_rows(0, C * K, D, 0, device=dev).double().cpu().requires_grad_()  # the head's rows, drawn where it draws them
     x_ref = x.clone().requires_grad_()
     if K > 1:
         xn = x_ref / x_ref.norm(dim=1, keepdim=True)
@@ -60,9 +62,9 @@ def _case(rank, world, opts):
     ref_loss = ref.detach()[lo:hi] if reduction == "none" else ref.detach()
     return {
         "impl": head.last_impl,
-        "loss": rel(loss.detach(), ref_loss),
-        "grad_x": rel(xr.grad, world * x_ref.grad[lo:hi]),
-        "grad_w": rel(head.weight.grad, W.grad[r.start * K : r.stop * K]),
+        "loss": rel(loss, ref_loss),
+        "grad_x": rel(grad_x, world * x_ref.grad[lo:hi]),
+        "grad_w": rel(grad_w, W.grad[r.start * K : r.stop * K]),
     }
 
 
@@ -74,9 +76,20 @@ def _arc(cos, y, margin):
     return z.index_put((rows, y), value)
 
 
-def _all_cases(rank, world):
+def _device() -> torch.device:
+    """The ranks' device: the machine's GPU, shared by every rank (gloo moves CUDA tensors through
+    the host), compiled kernels; else the CPU under Triton's interpreter."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _interpret_off_gpu() -> None:
     # Each rank is a new process: the interpreter is set before it first imports the kernels.
-    os.environ["TRITON_INTERPRET"] = "1"
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _all_cases(rank, world):
+    _interpret_off_gpu()
     return {name: _case(rank, world, opts) for name, opts in CASES.items()}
 
 
@@ -93,7 +106,7 @@ def test_fused_matches_dense_reference(world):
 def _auto_on_two_ranks(rank, world, cache_dir):
     """impl="auto" as on a GPU (the candidates under the interpreter), each rank's stub clock
     making a different candidate fastest: rank 0 gemm, rank 1 torch."""
-    os.environ["TRITON_INTERPRET"] = "1"
+    _interpret_off_gpu()
     os.environ["SHARDFC_CACHE_DIR"] = cache_dir
     import shardfc.head.module as module
     from shardfc.head import impl_select
@@ -112,10 +125,11 @@ def _auto_on_two_ranks(rank, world, cache_dir):
 
     selector = impl_select.ImplSelector(steps=2, warmup=0, clock=clock, sync=lambda: None)
     impl_select.default_selector = lambda: selector
-    head = shardfc.ShardedMarginHead(D, C, impl="auto")
+    dev = _device()
+    head = shardfc.ShardedMarginHead(D, C, impl="auto", device=dev)
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(SIZES[world][rank] or 1, D, generator=g), torch.randint(0, C, (SIZES[world][rank] or 1,), generator=g)
-    head(x.requires_grad_(), y).backward()
+    head(x.to(dev).requires_grad_(), y.to(dev)).backward()
     fastest_here = min(selector.timings[next(iter(selector.timings))].items(), key=lambda kv: kv[1])[0]
     return head.last_impl, fastest_here
 

@@ -13,11 +13,18 @@ from __future__ import annotations
 import gc
 
 import pytest
+import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from shardfc.tools.plan import plan
 
 C, D, B = 400, 32, 32
+
+# On a CUDA machine the kernels are compiled and refuse CPU tensors, and the CUDA allocator rounds
+# small blocks up to 512 bytes: there scripts/gpu_step.py (its plan part) holds the plan to
+# torch.cuda.max_memory_allocated at full size instead (equal to the byte on an H200 at C = 1M).
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-only: on a GPU, scripts/gpu_step.py "
+                                "compares the plan with torch.cuda.max_memory_allocated at full size")
 
 
 @pytest.fixture

@@ -157,7 +157,7 @@ def test_fp16_keeps_small_softmax_gradients(name):
     the other centres (cosine 0.35 to their own, s = 64) that every non-target class's softmax is
     below 1e-6 for every sample, and the upstream gradient is 1e-3: the same magnitudes."""
     Cs, Ds, Bs = 53, 256, 29
-    W0 = init_rows(0, Cs, Ds, 0, device=DEVICE).cpu()  # the head's rows, drawn where it draws them
+    W0 = init_rows(0, Cs, Ds, 0)  # drawn on the CPU and copied into the head: the same case on every device
     g = torch.Generator().manual_seed(5)
     y = torch.randint(0, Cs, (Bs,), generator=g)
     unit = W0 / W0.norm(dim=1, keepdim=True)
@@ -174,6 +174,8 @@ def test_fp16_keeps_small_softmax_gradients(name):
     shardfc.reference_loss(xd, Wd, y, MARGINS["normsoftmax"].__class__(64.0), reduction="none").backward(up.double())
     head = shardfc.ShardedMarginHead(Ds, Cs, margin=MARGINS["normsoftmax"].__class__(64.0), impl=name,
                                      reduction="none", device=DEVICE)
+    with torch.no_grad():
+        head.weight.copy_(W0)
     xr = x.to(DEVICE, copy=True).requires_grad_()
     with torch.autocast(DEVICE.type, dtype=torch.float16):
         loss = head(xr, y.to(DEVICE))

@@ -7,14 +7,16 @@ import json
 
 import pytest
 import torch
+from fused_pairs import DEVICE
 
 import shardfc
 from shardfc.head import impl_select
 
 
 def _step(head, D=8):
+    """One forward on the head's device (the CPU, or the GPU of a CUDA machine)."""
     x, y = torch.randn(4, D), torch.tensor([0, 1, 2, 3])
-    return head(x, y)
+    return head(x.to(head.weight.device), y.to(head.weight.device))
 
 
 def test_bad_impl_name():
@@ -38,9 +40,9 @@ def test_gpu_impls_on_cpu_without_interpreter(monkeypatch, impl):
 
 @pytest.mark.parametrize("impl", ["triton", "gemm"])
 def test_gpu_impls_with_float64(impl):
-    head = shardfc.ShardedMarginHead(8, 10, impl=impl, dtype=torch.float64)
+    head = shardfc.ShardedMarginHead(8, 10, impl=impl, dtype=torch.float64, device=DEVICE)
     with pytest.raises(ValueError, match=r"fp32 statistics; inputs of torch.float64 need impl='torch'"):
-        head(torch.randn(4, 8, dtype=torch.float64), torch.tensor([0, 1, 2, 3]))
+        _step(head)
 
 
 @pytest.mark.parametrize("impl", ["triton", "gemm"])
@@ -52,10 +54,10 @@ def test_wide_embeddings_run(impl):
     x, y = torch.randn(6, D, generator=g), torch.tensor([0, 1, 2, 3, 4, 5])
     out = {}
     for name in ("torch", impl):
-        head = shardfc.ShardedMarginHead(D, 10, impl=name)
-        xr = x.clone().requires_grad_()
-        head(xr, y).backward()
-        out[name] = (xr.grad, head.weight.grad)
+        head = shardfc.ShardedMarginHead(D, 10, impl=name, device=DEVICE)
+        xr = x.to(DEVICE, copy=True).requires_grad_()
+        head(xr, y.to(DEVICE)).backward()
+        out[name] = (xr.grad.cpu(), head.weight.grad.cpu())
     for got, ref in zip(out[impl], out["torch"]):
         assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
 
@@ -122,10 +124,10 @@ def auto_on_gpu(monkeypatch, tmp_path):
 
 def _trained(impl, **kw):
     torch.manual_seed(0)
-    head = shardfc.ShardedMarginHead(8, 37, impl=impl, **kw)
+    head = shardfc.ShardedMarginHead(8, 37, impl=impl, device=DEVICE, **kw)
     x, y = torch.randn(6, 8), torch.tensor([0, 5, 9, 36, 20, 1])
-    xr = x.clone().requires_grad_()
-    loss = head(xr, y)
+    xr = x.to(DEVICE).requires_grad_()
+    loss = head(xr, y.to(DEVICE))
     loss.backward()
     return head, loss.detach(), xr.grad, head.weight.grad
 
@@ -142,7 +144,7 @@ def test_auto_picks_the_fastest_and_changes_no_state(auto_on_gpu, kw):
     assert head.sample_step == ref.sample_step
     assert torch.equal(loss, ref_loss) and torch.equal(gx, ref_gx) and torch.equal(gw, ref_gw)
     # The choice is remembered: a second forward times nothing, and the cache file holds it ...
-    head(torch.randn(5, 8), torch.tensor([1, 2, 3, 4, 5]))  # 5 rows: the same batch bucket as 6
+    head(torch.randn(5, 8, device=DEVICE), torch.tensor([1, 2, 3, 4, 5], device=DEVICE))  # the batch bucket of 6
     assert clock.calls == 18 and head.last_impl == "gemm"
     # ... while a new workload (another batch bucket) is timed anew.
     _step(head, 8)

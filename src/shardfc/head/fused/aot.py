@@ -183,8 +183,8 @@ def register(fn, configs: Sequence[triton.Config], flags: Mapping[str, Any],
 #: operand (the scored rows normalised and cast to bf16 already: no rows, no scaling).
 _FORWARD = dict(K=1, HAS_ROWS=False, NORM_W=False, FILTER=False, SMOOTH=False, COMPUTE=tl.bfloat16,
                 DOT=tl.bfloat16, PRECISION="tf32")
-_FORWARD_CONFIGS = autotune.FORWARD_CONFIGS + autotune.HEAVY_FORWARD_CONFIGS
-_pick_forward = lambda f: autotune.forward_configs(f["K"], f["FILTER"], f["PRECISION"])  # noqa: E731
+_FORWARD_CONFIGS = autotune.FORWARD_CONFIGS + autotune.WIDE_FORWARD_CONFIGS + autotune.HEAVY_FORWARD_CONFIGS
+_pick_forward = lambda f: autotune.forward_configs(f["K"], f["FILTER"], f["PRECISION"], f["NORM_W"])  # noqa: E731
 
 register(forward.lse_forward_kernel, _FORWARD_CONFIGS, _FORWARD,
          types={"a_ptr": COMPUTE_PTR, "w_ptr": COMPUTE_PTR, "rows_ptr": "*i64", "tcol_ptr": "*i32"},

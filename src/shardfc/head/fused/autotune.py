@@ -25,7 +25,7 @@ import triton
 from shardfc.head.fused import forward, interpreting, shapes_only
 
 #: Class splits are multiples of this (the largest ``BN``), so every config tiles them exactly.
-SPLIT_QUANTUM = 128
+SPLIT_QUANTUM = 256
 #: Programs per SM the split count aims at (enough to hide a tile's latency, few partial rows).
 PROGRAMS_PER_SM = 4
 #: The SM count assumed on the ``meta`` device, where a step is replayed for its shapes (``shardfc
@@ -42,18 +42,33 @@ def _configs(tiles):
 
 
 FORWARD_CONFIGS = _configs([(128, 128, 32, 8, 4), (64, 128, 64, 8, 3), (128, 64, 64, 8, 3)])
+#: Wider tiles for the plain bf16/fp16 forward: more work per wgmma between the online-softmax
+#: updates. Added after the first H200 run (the forward took 2.96 ms at C = 1M, twice a cuBLAS
+#: GEMM of the shape); 187 and 248-254 registers, no spills under Triton 3.6 and 3.9.
+WIDE_FORWARD_CONFIGS = _configs([(128, 128, 64, 8, 4), (128, 256, 32, 8, 4)])
 #: With sub-centres or the filter a tile keeps more alive (the running max over sub-centres, the
 #: filter's second product): smaller tiles, which keep it in registers.
 HEAVY_FORWARD_CONFIGS = _configs([(64, 64, 64, 8, 3), (64, 128, 32, 8, 3)])
 _FLAGS = ["K", "HAS_ROWS", "NORM_W", "FILTER", "SMOOTH", "COMPUTE", "DOT", "PRECISION"]
 _KEY = ["D", "cls_bucket", "batch_bucket"] + _FLAGS
 
-def forward_configs(K: int, filter_: bool, precision: str = "tf32"):
-    """The forward's autotune configs for ``K`` sub-centres, the filter on or off and the dot's
-    precision (fp32 ``"ieee"`` runs on FMA units: its 128×128 tile spills 16 bytes)."""
-    if K > 1 or filter_:
+
+def forward_configs(K: int, filter_: bool, precision: str = "tf32", norm_w: bool = False):
+    """The forward's autotune configs for ``K`` sub-centres, the filter on or off, the dot's
+    precision (fp32 ``"ieee"`` runs on FMA units: its 128×128 tile spills 16 bytes) and whether the
+    kernel reads the fp32 rows and normalises them itself (``norm_w``: a shard above the operand
+    budget; the 128×256 tile spills there, so the wide tiles are for the step's operand only).
+
+    The filter reads fp32 rows beside the operand: there Triton 3.6's build of the 64×128×32 tile
+    spills (152 bytes with sub-centres, seen in the sm_90 build on the first H200 run), so the
+    filter keeps the 64×64×64 tile alone."""
+    if filter_:
+        return HEAVY_FORWARD_CONFIGS[:1]
+    if K > 1:
         return HEAVY_FORWARD_CONFIGS
-    return FORWARD_CONFIGS[1:] if precision == "ieee" else FORWARD_CONFIGS
+    if precision == "ieee":
+        return FORWARD_CONFIGS[1:]
+    return FORWARD_CONFIGS if norm_w else FORWARD_CONFIGS + WIDE_FORWARD_CONFIGS
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,9 +76,9 @@ def _tuned(configs: tuple):
     return triton.autotune(list(configs), key=_KEY)(forward.lse_forward_kernel)
 
 
-def lse_forward(K: int, filter_: bool, precision: str = "tf32"):
+def lse_forward(K: int, filter_: bool, precision: str = "tf32", norm_w: bool = False):
     """The autotuned forward kernel over :func:`forward_configs` (one tuner per config list)."""
-    return _tuned(tuple(forward_configs(K, filter_, precision)))
+    return _tuned(tuple(forward_configs(K, filter_, precision, norm_w)))
 
 
 def bucket(n: int) -> int:

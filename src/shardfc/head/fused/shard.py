@@ -158,7 +158,7 @@ def _fused_forward(a_k, w, rows, inv, tr, tcol, tval, n_cls, K, cfg, smooth, nor
     plsum = torch.empty_like(pmax) if smooth else pmax
     trk = tr if tr is not None else a_k
     autotune.launch(
-        autotune.lse_forward(K, tr is not None, _precision(cfg)), lambda meta: (triton.cdiv(B, meta["BM"]), n_splits),
+        autotune.lse_forward(K, tr is not None, _precision(cfg), normalize), lambda meta: (triton.cdiv(B, meta["BM"]), n_splits),
         a_k, w, rows if rows is not None else tcol, inv if inv is not None else pmax, trk, tcol, tval,
         pmax, psum, plsum,
         B, D, n_cls, K, per_split, a_k.stride(0), w.stride(0), trk.stride(0), n_splits,
