@@ -123,3 +123,17 @@ def test_register_rejects_undecided_arguments_and_duplicates():
         sgd = aot.KERNELS["row_sgd_kernel"]
         aot.register(sgd.fn, sgd.configs, sgd.flags, sgd.types)
     assert aot.KERNELS["row_sgd_kernel"] is sgd
+
+
+def test_class_splits_are_whole_tiles_of_every_forward_config():
+    """A split of the forward's classes is a multiple of SPLIT_QUANTUM so that every autotune
+    config tiles it exactly; the wide 128×256 tile (added after the first H200 run) raised it to 256."""
+    from shardfc.head.fused import autotune
+
+    configs = autotune.FORWARD_CONFIGS + autotune.WIDE_FORWARD_CONFIGS + autotune.HEAVY_FORWARD_CONFIGS
+    assert all(autotune.SPLIT_QUANTUM % c.kwargs["BN"] == 0 for c in configs)
+    assert all(c in autotune.forward_configs(1, False) for c in autotune.WIDE_FORWARD_CONFIGS)
+    # the wide tiles are for the bf16/fp16 operand only: not the fp32 rows (norm_w), the filter or fp32 IEEE
+    for kwargs in (dict(norm_w=True), dict(precision="ieee")):
+        assert not any(c in autotune.forward_configs(1, False, **kwargs) for c in autotune.WIDE_FORWARD_CONFIGS)
+    assert autotune.forward_configs(1, True) == autotune.HEAVY_FORWARD_CONFIGS[:1]

@@ -94,7 +94,8 @@ def plot(result: Dict[str, Any], path: str) -> None:
         for x, r in zip(xs, rows):
             v = value(r) if r["status"] == "ok" else None
             if v is None:
-                ax.annotate("n/a", (x, 0), ha="center", va="bottom", fontsize="small", color="gray")
+                ax.annotate("n/a", (x, 0.01), xycoords=("data", "axes fraction"), ha="center", va="bottom",
+                            fontsize="small", color="gray")
                 continue
             ax.bar(x, v, color=COLOURS.get(r["group"], "tab:green"))
             if ax is axes[0] and r["ratio_to_floor"] is not None:
@@ -102,6 +103,10 @@ def plot(result: Dict[str, Any], path: str) -> None:
                             fontsize="x-small", xytext=(0, 2), textcoords="offset points")
         ax.set_ylabel(title, fontsize="small")
         ax.margins(y=0.2)
+        shown = [v for r in rows if r["status"] == "ok" and (v := value(r))]
+        if shown and max(shown) > 30 * min(shown):  # one slow row would flatten the others (Liger at 1M)
+            ax.set_yscale("log")
+            ax.set_ylabel(title + ", log scale", fontsize="small")
     axes[1].set_xticks(xs, labels, fontsize="x-small")
     from matplotlib.patches import Patch
 
