@@ -1,0 +1,53 @@
+"""The GPU machine's scripts run on the CPU too, so that a GPU's scarce minutes never go to an
+import error or a bad argument: ``scripts/gpu_step.py`` at tiny shapes (the fused impls say why they
+cannot run without CUDA or the interpreter) and ``scripts/gpu_check.sh``'s device part."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def test_gpu_step_runs_on_the_cpu_and_checks_the_torch_path_against_float64(tmp_path):
+    out = tmp_path / "gpu_step.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_step.py"), "--device", "cpu", "--batch", "8", "--dim", "16",
+         "--classes", "40", "--check-classes", "30", "--steps", "2", "--warmup", "1", "--json", str(out)],
+        capture_output=True, text=True, env=_env(), timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = {(r["dtype"], r["impl"]): r for r in result["correctness"]["rows"]}
+    assert rows["float32", "torch"]["status"] == "ok" and rows["float32", "torch"]["max_rel_err"] < 1e-5
+    assert rows["bfloat16", "torch"]["status"] == "ok"
+    for impl in ("triton", "gemm"):  # no CUDA, no interpreter: unavailable, with the head's reason
+        assert rows["float32", impl]["status"] == "unavailable"
+        assert "not a CUDA device" in rows["float32", impl]["reason"]
+    steps = {r["name"]: r for r in result["step"]["rows"]}
+    assert steps["torch: bench step"]["status"] == "ok" and steps["torch: bench step"]["ms"] > 0
+    assert steps["triton: bench step"]["status"] == "unavailable"
+    assert "| C=30 float32 | torch |" in proc.stdout  # the summary table
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the script would measure it")
+def test_gpu_check_refuses_a_machine_without_cuda_in_its_first_part(tmp_path):
+    env = dict(_env(), OUT=str(tmp_path), PARTS="env step", PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 1
+    assert "no CUDA device visible to torch" in proc.stdout
+    assert not (tmp_path / "gpu_step.json").exists()  # it stopped before measuring anything
