@@ -2,7 +2,7 @@
 # One command for a CUDA machine: everything the GPU path needs checked and measured, in one call, so
 # that scarce GPU minutes go to measuring, not setting up (issue 30; docs/gpu.md has the figures).
 #
-#   bash scripts/gpu_check.sh                        # from the repository root, about 8 minutes
+#   bash scripts/gpu_check.sh                        # from the repository root, about 4 minutes on an H200
 #   PARTS="step peers" bash scripts/gpu_check.sh     # a rerun of some parts only
 #
 # Nothing is installed system-wide and nothing is downloaded (such machines often have no network):

@@ -49,6 +49,11 @@ class ShardedLossPlan:
     #: Row-sparse weight gradients: called as ``sink(shard index, compact gradient)`` with the
     #: ``[len(rows), D]`` gradient of a sampled shard, which autograd then never sees.
     row_grad_sink: Optional[Callable[[int, Tensor], None]] = None
+    #: The optimizer's step fused into the backward (the fused impls only): called once per shard
+    #: when the backward starts, ``row_update(shard index)`` returns the step to apply to its
+    #: scored rows as their gradient is formed (:class:`shardfc.head.fused.chunks.RowUpdate`; the
+    #: weight then gets no gradient at all), or None for an ordinary gradient.
+    row_update: Optional[Callable[[int], Optional[object]]] = None
 
     def rows_of(self, shard: int) -> Optional[Tensor]:
         return None if self.rows is None else self.rows[shard]
@@ -153,8 +158,11 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
                 "the sharded head's backward ran twice for one forward; its softmax buffer is "
                 "consumed in place (run the forward again instead of retain_graph=True)"
             )
-        valid, row_max, sum_exp, *tensors = ctx.saved_tensors
         n_shards = plan.num_shards
+        # Claimed before the saved tensors are unpacked: a second backward into an update already
+        # applied (gradient accumulation) gets the optimizer's own error, not autograd's.
+        updates = [plan.row_update(i) if plan.row_update is not None else None for i in range(n_shards)]
+        valid, row_max, sum_exp, *tensors = ctx.saved_tensors
         embeds, weights = tensors[:n_shards], tensors[n_shards:]
         cfg = plan.config
         # The objective is the average over ranks of what each rank back-propagates.
@@ -173,10 +181,11 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
             rows = plan.rows_of(i)
             sparse = rows is not None and plan.row_grad_sink is not None
             out = _existing_grad(w) if plan.weight_grad_in_place and not sparse else None
+            extra = {} if updates[i] is None else {"update": updates[i]}
             with _autocast_off(dev.type):
                 ga, gw, gn = backward_shard(
                     a, w, lab, norm, stats, row_max.to(dev), sum_exp.to(dev), coef.to(dev), cfg, out,
-                    target_rows=targets, feature_norms=ctx.feature_norms, rows=rows,
+                    target_rows=targets, feature_norms=ctx.feature_norms, rows=rows, **extra,
                 )
             if gw is not None and rows is not None:
                 if sparse:

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
+import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -66,6 +68,8 @@ from shardfc.head.validation import (
 from shardfc.parallel.collectives import gather_rows_forward_reduce_scatter_backward
 from shardfc.parallel.context import DistContext
 from shardfc.seeding import mix_seed
+
+_log = logging.getLogger("shardfc.head")
 
 #: ``impl="auto"`` times each candidate on at most this many of a shard's classes: enough chunks and
 #: tiles that the candidates rank as at full size, a bounded transient (the weight gradient of
@@ -255,6 +259,11 @@ class ShardedMarginHead(nn.Module):
         self.impl = check_impl(impl)
         #: The implementation the last forward ran ("torch" or "triton"; None before the first).
         self.last_impl: Optional[str] = None
+        #: Who applies the optimizer's step to the weights after the last training forward:
+        #: "fused" (its backward, :meth:`fuse_optimizer_update`) or "optimizer: <why not fused>"
+        #: (``step()``, from the stored gradient); None before the first or without a fused optimizer.
+        self.last_update: Optional[str] = None
+        self._fused_optimizer = None  # a weak reference to the optimizer whose step the backward applies
         self.init_seed = int(init_seed)
         dtype = torch.float32 if dtype is None else dtype
 
@@ -295,6 +304,33 @@ class ShardedMarginHead(nn.Module):
         on ``device`` when it is a GPU (:func:`init_rows`)."""
         K = self.subcenters
         return init_rows(r.start * K, r.stop * K, self.embedding_dim, self.init_seed, device=device)
+
+    def fuse_optimizer_update(self, optimizer) -> None:
+        """Let the backward apply ``optimizer``'s step to the shard weights while it forms their
+        gradient (:func:`~shardfc.head.partial_fc.head_optimizer` with ``fused_update=True`` calls
+        this), whenever the forward runs a GPU implementation; else ``optimizer.step()`` does as usual.
+        Held weakly: the head does not keep the optimizer alive."""
+        self._fused_optimizer = weakref.ref(optimizer)
+
+    def _row_update_hook(self, impl: str, compute_dtype: torch.dtype, weights: List[Tensor]):
+        """The plan's ``row_update`` for this forward (None: the optimizer steps from the gradient)
+        and, in :attr:`last_update`, who updates the weights; logged when it changes."""
+        opt = self._fused_optimizer() if self._fused_optimizer is not None else None
+        if opt is None or not torch.is_grad_enabled():
+            return None
+        why = None
+        if impl not in ("triton", "gemm"):
+            why = f"impl={impl!r} stores the gradient (the fused update needs impl 'triton' or 'gemm')"
+        elif compute_dtype == torch.float16:
+            why = "fp16 compute (a loss scaler's gradient is unscaled and checked in step())"
+        else:
+            why = next((r for r in (opt.fused_update_unavailable(w) for w in weights) if r is not None), None)
+        last = "fused" if why is None else f"optimizer: {why}"
+        if last != self.last_update:
+            _log.info("head update: %s", "fused into the backward (no .grad stored)" if why is None
+                      else f"by the optimizer's step from .grad ({why})")
+        self.last_update = last
+        return None if why is not None else (lambda shard: opt.backward_update(weights[shard]))
 
     @property
     def shard_weights(self) -> List[nn.Parameter]:
@@ -443,6 +479,7 @@ class ShardedMarginHead(nn.Module):
             weight_grad_in_place=self.weight_grad_in_place,
             rows=rows,
             row_grad_sink=sink,
+            row_update=self._row_update_hook(impl, compute_dtype, weights),
         )
         losses = sharded_cross_entropy(plan, valid, local_labels, embeds, weights, feature_norms)
         return reduce_losses(losses, valid, sizes, self.rank, self.reduction)

@@ -84,13 +84,48 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
         check_rounding(rounding)
         super().__init__(params, dict(defaults, rounding=rounding, rounding_seed=int(rounding_seed), rounding_step=0))
         self.sampled_rows = sampled_rows
+        #: Let a head's backward apply this optimizer's step to its weights (see
+        #: :func:`head_optimizer`'s ``fused_update``); set by ``head_optimizer``.
+        self.fused_update = False
+        self._updated_in_backward: set = set()  # ids of the parameters a backward updated since the last step
 
     def _take_rows(self) -> Mapping[Tensor, Union[Tensor, RowGrad]]:
         return self.sampled_rows() if self.sampled_rows is not None else {}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._take_rows()  # the gradient the recorded rows belong to is discarded: forget them too
+        self._updated_in_backward.clear()  # a new step begins
         super().zero_grad(set_to_none)
+
+    def fused_update_unavailable(self, p: Tensor) -> Optional[str]:
+        """Why a backward cannot apply this optimizer's step to ``p`` (None when it can)."""
+        return "this optimizer has no fused update (SGD only)"
+
+    def backward_update(self, p: Tensor):
+        """The step a head's backward applies to ``p`` while it forms ``p``'s gradient (a
+        :class:`shardfc.head.fused.chunks.RowUpdate`: this step's learning rate, momentum buffer
+        and hyper-parameters), or None when ``fused_update`` is off or ``p`` does not qualify (the
+        gradient is then stored and :meth:`step` updates ``p`` as usual). :meth:`step` skips a
+        parameter updated this way. A second backward into the same parameter before ``step()``
+        (gradient accumulation) is an error: its first update is already applied."""
+        if not self.fused_update or self.fused_update_unavailable(p) is not None:
+            return None
+        if id(p) in self._updated_in_backward:
+            raise RuntimeError(
+                "the head's optimizer step already ran in an earlier backward of this step "
+                "(head_optimizer(..., fused_update=True) updates the weights in the backward): "
+                "accumulating gradients over several backward passes needs fused_update=False "
+                "(shardfc train chooses it by itself when grad_accum > 1)"
+            )
+        group = next((g for g in self.param_groups if any(q is p for q in g["params"])), None)
+        if group is None:
+            raise ValueError("backward_update: the tensor is not a parameter of this optimizer")
+        update = self._row_update(p, group)
+        self._updated_in_backward.add(id(p))
+        return update
+
+    def _row_update(self, p: Tensor, group: dict):
+        raise NotImplementedError
 
     @staticmethod
     def _blocks(p: Tensor, entry) -> Iterator[Tuple[Union[Tensor, slice], Tensor, Union[Tensor, slice]]]:
@@ -128,8 +163,11 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         rows_of = self._take_rows()
+        updated, self._updated_in_backward = self._updated_in_backward, set()
         for group in self.param_groups:
             for index, p in enumerate(group["params"]):
+                if id(p) in updated:  # the head's backward applied this step already
+                    continue
                 if self._fused_update(p, rows_of.get(p), group):
                     continue
                 rnd = self._rounder(group, index, p.device)
@@ -210,6 +248,27 @@ class RowSparseSGD(_RowSparseOptimizer):
                  group["lr"], group["momentum"], group["weight_decay"], group["nesterov"])
         return True
 
+    def fused_update_unavailable(self, p: Tensor) -> Optional[str]:
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            return "Triton is not installed (pip install 'shardfc[gpu]')"
+        from shardfc.head.fused.optimizer import fusable
+
+        group = next((g for g in self.param_groups if any(q is p for q in g["params"])), self.defaults)
+        return fusable(p, group["rounding"])
+
+    def _row_update(self, p: Tensor, group: dict):
+        from shardfc.head.fused.chunks import RowUpdate
+
+        buf = None
+        if group["momentum"]:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            buf = state["momentum_buffer"]
+        return RowUpdate(p, buf, group["lr"], group["momentum"], group["weight_decay"], group["nesterov"])
+
     def _update(self, p: Tensor, idx, g: Tensor, group: dict, rnd) -> None:
         lr, mom, wd, nesterov = group["lr"], group["momentum"], group["weight_decay"], group["nesterov"]
         cd = update_dtype(p.dtype)
@@ -286,6 +345,7 @@ def head_optimizer(
     eps: float = 1e-8,
     rounding: str = "nearest",
     rounding_seed: int = 0,
+    fused_update: bool = False,
 ) -> torch.optim.Optimizer:
     """The optimizer for a head's shards: row-sparse under Partial FC, torch's own otherwise.
 
@@ -293,11 +353,27 @@ def head_optimizer(
     They also serve a head whose weights are bf16/fp16 (with every row updated when there is no
     sampling): its state stays in that dtype and each update is computed in fp32 and rounded back
     once, to ``rounding`` (``"nearest"`` or ``"stochastic"``, seeded by ``rounding_seed``).
+
+    ``fused_update=True`` (SGD only): the head's backward applies this optimizer's step to each
+    weight row as it forms the row's gradient (the GPU implementations, ``impl="triton"`` /
+    ``"gemm"``), so the ``[n, D]`` gradient is never written, cleared or read again and ``step()``
+    has nothing left to do for the head. Then the head's weights get no ``.grad``: nothing can
+    clip, inspect or accumulate it — call ``backward`` once per ``step()`` (a second backward
+    before it is an error), and keep ``fused_update=False`` for gradient accumulation, clipping
+    the head, fp16 loss scaling or gradient hooks. Where the backward cannot apply it (the torch
+    implementation, fp16 compute, stochastic rounding), the step runs as usual in ``step()``;
+    ``head.last_update`` says which ran. The update is the optimizer's own (the same rows, the
+    same fp32 arithmetic, one rounding), equal to the unfused path to fp32 rounding.
     """
     key = str(name).lower()
     if key not in ("sgd", "adamw"):
         raise ValueError(f"optimizer name must be 'sgd' or 'adamw', got {name!r}")
     check_rounding(rounding)
+    if not isinstance(fused_update, bool):
+        raise TypeError(f"fused_update must be True or False, got {fused_update!r}")
+    if fused_update and key != "sgd":
+        raise ValueError(f"fused_update=True needs the 'sgd' optimizer (its step is fused into the backward), "
+                         f"got {name!r}")
     sparse = getattr(head, "sample_rate", 1.0) < 1.0
     params = list(head.parameters())
     low = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
@@ -306,8 +382,15 @@ def head_optimizer(
     # 1M x 512 fp32 rows took 8.4 ms of a 57 ms step on an H100); the state they keep is the same.
     fused = fused_optimizer_ok(params)
     if key == "sgd":
-        if sparse or low:
-            return RowSparseSGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, **own)
+        if sparse or low or fused_update:
+            opt = RowSparseSGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, **own)
+            if fused_update:
+                opt.fused_update = True
+                attach = getattr(head, "fuse_optimizer_update", None)
+                if attach is None:
+                    raise TypeError(f"fused_update=True needs a ShardedMarginHead, got {type(head).__name__}")
+                attach(opt)
+            return opt
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, fused=fused)
     if sparse or low:
         return RowSparseAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **own)

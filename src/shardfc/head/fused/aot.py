@@ -219,6 +219,11 @@ register(epilogue.backward_epilogue_kernel, _BLOCK, dict(K=1, FILTER=False, SMOO
 register(epilogue.weight_grad_kernel, _ROWS,
          dict(HAS_ROWS=False, NORM_W=True, W_HAT=True, ACCUMULATE=True, SCATTER=False, EMULATE_RTNE=False),
          types={"rows_ptr": "*i64", "w_ptr": "*bf16"})
+# The update fused into it (head_optimizer(..., fused_update=True)): fp32 centres and momentum,
+# the gradient formed from H and the bf16 operand as above, never stored.
+register(epilogue.weight_update_kernel, [triton.Config(dict(zip(("BR", "BD"), chunks.UPDATE_TILES)), num_warps=4, num_stages=3)],
+         dict(HAS_ROWS=False, NORM_W=True, W_HAT=True, MOMENTUM=True, NESTEROV=False, EMULATE_RTNE=False),
+         types={"rows_ptr": "*i64", "w_ptr": "*bf16", "slot_ptr": "*i32"})
 
 #: Option paths beyond each kernel's default: flags overlaid on it (a kernel gets the keys it takes;
 #: a variant that changes none of a kernel's flags is not built for it).
@@ -234,6 +239,7 @@ VARIANTS: Dict[str, dict] = {
     "fp32-ieee": dict(COMPUTE=tl.float32, DOT=tl.float32, PRECISION="ieee"),
     "sgd-dense-grad+nesterov": dict(G_AT_IDX=True, NESTEROV=True),
     "sgd-all-rows-no-momentum": dict(HAS_IDX=False, MOMENTUM=False),
+    "fused-update-rows+nesterov": dict(HAS_ROWS=True, NESTEROV=True),
 }
 
 

@@ -26,6 +26,11 @@ backward (``impl="gemm"`` and ``impl="triton"``)::
     dW_c = weight_grad(H)          inv·(H − (ŵ·H)·ŵ), one write per row
     then, once: the target column's terms from [B] values (index_add of B rows)
 
+or, with a fused update (:class:`RowUpdate`), the target column's terms first, summed per target
+row into ``[B, D]``, and per chunk ``weight_update(H)``: each row's gradient (its target terms
+included) formed in registers and the optimizer's step applied to the row — no ``[n, D]``
+gradient is written, cleared or read.
+
 **Why ``E`` leaves out the per-sample factors.** ``dJ/dz_ij = coef_i·(p_ij − ε/C − (1−ε)[j=y_i])``
 and ``dJ/dc = s·dJ/dz`` off the target. With ``coef ≈ 1/B`` and ``p ≈ 1/C``, the products
 ``coef·s·p`` at a million classes (≈ 1e-7) fall below fp16's normal range and flush to zero in
@@ -37,6 +42,7 @@ column, where the margin's derivative replaces ``s``, is added exactly from ``[B
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -65,7 +71,26 @@ EPILOGUE_TILES = (32, 128)
 #: ... with sub-centres or the filter, whose blocks keep more alive (smaller: no spills).
 HEAVY_EPILOGUE_TILES = (32, 64)
 ROW_TILES = (32, 128)
+#: ... of the fused update, which keeps five tiles alive (H, the row, its momentum, the target
+#: terms, the gradient): half as wide, so a thread holds ~130 registers, not ~250.
+UPDATE_TILES = (32, 64)
 INTERPRETER_TILES = (16, 16)
+
+
+@dataclass
+class RowUpdate:
+    """The optimizer's step the backward applies to each scored row as it forms its gradient:
+    SGD (weight decay, momentum, Nesterov; no dampening) on ``param`` (the shard's weight, updated
+    in place at the weight rows) with ``momentum_buffer`` (same shape; None without momentum),
+    rounded once to nearest into their dtypes — what :class:`shardfc.head.partial_fc.RowSparseSGD`
+    does with the gradient (:func:`shardfc.head.partial_fc.head_optimizer`, ``fused_update``)."""
+
+    param: Tensor
+    momentum_buffer: Optional[Tensor]
+    lr: float
+    momentum: float
+    weight_decay: float
+    nesterov: bool
 
 
 def chunk_classes(n_cls: int, batch: int, K: int, elem: int = 2) -> int:
@@ -195,9 +220,11 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
              row_max: Tensor, inv_sum: Tensor, coef: Tensor, grad_w: Tensor, *, n_cls: int, K: int,
              scale: float, threshold: float, eps_over_c: float, one_minus_eps: float,
              normalize: bool, accumulate: bool, scatter: bool, a_exact: Optional[Tensor] = None,
-             operand: Optional[Tensor] = None) -> Tensor:
+             operand: Optional[Tensor] = None, update: Optional[RowUpdate] = None) -> Tensor:
     """The shard's ``dJ/da`` (fp32 ``[B, D]``); ``dJ/dW`` written into ``grad_w`` (added with
-    ``accumulate``; at the weight rows with ``scatter``, else at the scored rows).
+    ``accumulate``; at the weight rows with ``scatter``, else at the scored rows) — or, with
+    ``update``, applied to the weight by the optimizer's step row by row and never stored
+    (``grad_w`` is then unused).
 
     ``a`` is in the compute dtype; ``row_max``/``inv_sum`` the global ``M`` and ``1/S``; ``coef`` the
     per-sample weights of the objective (0 for ignored samples); ``tval``/``tdraw``/``tsub``/``on``
@@ -218,6 +245,25 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
     hscale = (cmax * (scale / unit)).reshape(1).contiguous()
     scratch = torch.empty(1, dtype=torch.float32, device=dev)  # for pointer arguments a kernel ignores
 
+    # The target column, exactly, from [B] values: dJ/dc_t = z_t'·coef·(p_t − ε/C − (1−ε)) on the
+    # label's shard; its dJ/da is dc_t·ŵ_t and its dJ/dw_t the normalisation backward of dc_t·a.
+    # Formed first, from the rows as they are before any update of this step.
+    p_t = torch.exp(tval - row_max) * inv_sum
+    dc_t = torch.where(on, tdraw * coef * (p_t - eps_over_c - one_minus_eps), torch.zeros_like(p_t))
+    t_scored = tcol.clamp(min=0).to(torch.int64) * K + tsub.to(torch.int64)
+    t_row = t_scored if rows is None else rows[t_scored]
+    w_t = w[t_row].float()
+    h_t = dc_t.unsqueeze(1) * a_exact.float()
+    if normalize:
+        inv_t = inv[t_scored].unsqueeze(1)
+        w_hat_t = w_t * inv_t
+        grad_a_t = dc_t.unsqueeze(1) * w_hat_t
+        h_t = inv_t * (h_t - (h_t * w_hat_t).sum(dim=1, keepdim=True) * w_hat_t)
+    else:
+        grad_a_t = dc_t.unsqueeze(1) * w_t
+    if update is not None:
+        slot, t_sum = _target_slots(t_scored, h_t, n_cls * K)
+
     grad_a = torch.zeros(B, D, dtype=torch.float32, device=dev)
     for c0 in range(0, n_cls, per_chunk):
         c1 = min(c0 + per_chunk, n_cls)
@@ -233,9 +279,21 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
             )
         grad_a += mm_f32(ch.p, ch.op)  # E·Ŵ
         h = mm_f32(ch.p.t(), x_coef)  # H = Eᵀ·x', [K·c, D] fp32
-        if not shapes_only(h):
-            w_hat = operand is not None and normalize  # the normalised rows, already in the operand
-            w_read = operand if w_hat else w
+        w_hat = operand is not None and normalize  # the normalised rows, already in the operand
+        w_read = operand if w_hat else w
+        if update is not None and not shapes_only(h):
+            p, buf = update.param, update.momentum_buffer
+            UR, UD = _tiles(UPDATE_TILES)
+            epilogue.weight_update_kernel[(triton.cdiv(n_rows, UR),)](
+                h, w_read, rows if rows is not None else scratch, inv if inv is not None else scratch, hscale,
+                slot, t_sum, p, buf if buf is not None else p,
+                n_rows, ch.r0, D, h.stride(0), w_read.stride(0), t_sum.stride(0), p.stride(0),
+                buf.stride(0) if buf is not None else 0,
+                float(update.lr), float(update.momentum), float(update.weight_decay),
+                HAS_ROWS=rows is not None, NORM_W=normalize, W_HAT=w_hat, MOMENTUM=buf is not None,
+                NESTEROV=bool(update.nesterov), EMULATE_RTNE=emulate_rtne(p), BR=UR, BD=UD,
+            )
+        elif not shapes_only(h):
             epilogue.weight_grad_kernel[(triton.cdiv(n_rows, BR),)](
                 h, w_read, rows if rows is not None else scratch, inv if inv is not None else scratch, grad_w,
                 hscale, n_rows, ch.r0, D, h.stride(0), w_read.stride(0), grad_w.stride(0),
@@ -243,22 +301,21 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
                 EMULATE_RTNE=emulate_rtne(grad_w), BR=BR, BD=BD,
             )
     grad_a *= (coef * (scale / unit)).unsqueeze(1)
-
-    # The target column, exactly, from [B] values: dJ/dc_t = z_t'·coef·(p_t − ε/C − (1−ε)) on the
-    # label's shard; its dJ/da is dc_t·ŵ_t and its dJ/dw_t the normalisation backward of dc_t·a.
-    p_t = torch.exp(tval - row_max) * inv_sum
-    dc_t = torch.where(on, tdraw * coef * (p_t - eps_over_c - one_minus_eps), torch.zeros_like(p_t))
-    t_scored = tcol.clamp(min=0).to(torch.int64) * K + tsub.to(torch.int64)
-    t_row = t_scored if rows is None else rows[t_scored]
-    w_t = w[t_row].float()
-    h_t = dc_t.unsqueeze(1) * a_exact.float()
-    if normalize:
-        inv_t = inv[t_scored].unsqueeze(1)
-        w_hat = w_t * inv_t
-        grad_a += dc_t.unsqueeze(1) * w_hat
-        h_t = inv_t * (h_t - (h_t * w_hat).sum(dim=1, keepdim=True) * w_hat)
-    else:
-        grad_a += dc_t.unsqueeze(1) * w_t
-    # Samples sharing a target add up (index_add); samples elsewhere add zeros to row 0.
-    grad_w.index_add_(0, t_row if scatter else t_scored, h_t.to(grad_w.dtype))
+    grad_a += grad_a_t
+    if update is None:
+        # Samples sharing a target add up (index_add); samples elsewhere add zeros to row 0.
+        grad_w.index_add_(0, t_row if scatter else t_scored, h_t.to(grad_w.dtype))
     return grad_a
+
+
+def _target_slots(t_scored: Tensor, h_t: Tensor, n_scored: int) -> Tuple[Tensor, Tensor]:
+    """For the fused update: ``slot`` ``[n_scored]`` int32, −1 except at the scored rows that are
+    some sample's target, where it names one of those samples; and ``t_sum`` ``[B, D]`` fp32, at that
+    sample's row the sum of the target terms of every sample with that target (the others zero).
+    Which of several samples names a row does not matter: all of them add into the one it names.
+    No host sync: a scatter, a gather and an index_add of ``B`` rows."""
+    B = t_scored.shape[0]
+    slot = torch.full((n_scored,), -1, dtype=torch.int32, device=t_scored.device)
+    slot[t_scored] = torch.arange(B, dtype=torch.int32, device=t_scored.device)
+    t_sum = torch.zeros_like(h_t).index_add_(0, slot[t_scored].to(torch.int64), h_t)
+    return slot, t_sum

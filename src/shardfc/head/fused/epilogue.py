@@ -21,7 +21,10 @@ once each, so their speed is a bandwidth figure that follows from their byte cou
   fp16 keeps the small softmax values normal (see :mod:`.chunks`);
 * :func:`weight_grad_kernel`: the rows' weight gradient from the GEMM's ``H = Eᵀ·x`` (fp32): the
   normalisation backward ``dJ/dw = inv·H − inv³·(w·H)·w`` and one write per row — new, Partial FC's
-  compact rows, or added into ``.grad`` (at the sampled rows).
+  compact rows, or added into ``.grad`` (at the sampled rows);
+* :func:`weight_update_kernel`: the same gradient, never stored: the optimizer's step applied to
+  each row as it is formed (``head_optimizer(..., fused_update=True)``), so the ``[n, D]`` gradient
+  is not written, cleared or read again.
 """
 
 from __future__ import annotations
@@ -181,6 +184,34 @@ def backward_epilogue_kernel(
 
 
 @triton.jit
+def _normalisation_projection(h_rows, w_rows, inv_ptr, scored, r_mask, D,
+                              W_HAT: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    """``(inv, proj)`` per row of the block: ``1/‖w‖`` and the coefficient of the normalisation
+    backward's projection, ``inv·(ŵ·H)`` from the normalised rows (``W_HAT``) or ``inv³·(w·H)``."""
+    inv = tl.load(inv_ptr + scored, mask=r_mask, other=0.0)
+    wh = tl.zeros([BR], dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        offs_d = d0 + tl.arange(0, BD)
+        mask = r_mask[:, None] & (offs_d < D)[None, :]
+        h = tl.load(h_rows + offs_d[None, :], mask=mask, other=0.0)
+        w = tl.load(w_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        wh += tl.sum(h * w, axis=1)
+    proj = inv * wh if W_HAT else inv * inv * inv * wh
+    return inv, proj
+
+
+@triton.jit
+def _grad_tile(h_rows, w_rows, offs_d, mask, inv, proj, hscale, NORM_W: tl.constexpr):
+    """One ``[BR, BD]`` tile of the rows' weight gradient from ``H``: ``hscale·(inv·H − proj·w)``
+    (``NORM_W``) or ``hscale·H`` — the one description of it, for the gradient and the update."""
+    g = tl.load(h_rows + offs_d[None, :], mask=mask, other=0.0)
+    if NORM_W:
+        w = tl.load(w_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = inv[:, None] * g - proj[:, None] * w
+    return g * hscale
+
+
+@triton.jit
 def weight_grad_kernel(
     h_ptr, w_ptr, rows_ptr, inv_ptr, g_ptr, hscale_ptr, n_rows, r0, D, stride_h, stride_w, stride_g,
     HAS_ROWS: tl.constexpr, NORM_W: tl.constexpr, W_HAT: tl.constexpr, ACCUMULATE: tl.constexpr,
@@ -196,25 +227,59 @@ def weight_grad_kernel(
     hscale = tl.load(hscale_ptr)
     h_rows = h_ptr + offs_r.to(tl.int64)[:, None] * stride_h
     w_rows = w_ptr + (scored if W_HAT else wrow)[:, None] * stride_w
+    inv = tl.zeros([BR], dtype=tl.float32)
+    proj = inv
     if NORM_W:
-        inv = tl.load(inv_ptr + scored, mask=r_mask, other=0.0)
-        wh = tl.zeros([BR], dtype=tl.float32)
-        for d0 in range(0, D, BD):
-            offs_d = d0 + tl.arange(0, BD)
-            mask = r_mask[:, None] & (offs_d < D)[None, :]
-            h = tl.load(h_rows + offs_d[None, :], mask=mask, other=0.0)
-            w = tl.load(w_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-            wh += tl.sum(h * w, axis=1)
-        proj = inv * wh if W_HAT else inv * inv * inv * wh
+        inv, proj = _normalisation_projection(h_rows, w_rows, inv_ptr, scored, r_mask, D, W_HAT, BR, BD)
     out_rows = g_ptr + (wrow if SCATTER else scored)[:, None] * stride_g
     for d0 in range(0, D, BD):
         offs_d = d0 + tl.arange(0, BD)
         mask = r_mask[:, None] & (offs_d < D)[None, :]
-        g = tl.load(h_rows + offs_d[None, :], mask=mask, other=0.0)
-        if NORM_W:
-            w = tl.load(w_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-            g = inv[:, None] * g - proj[:, None] * w
-        g = g * hscale
+        g = _grad_tile(h_rows, w_rows, offs_d, mask, inv, proj, hscale, NORM_W)
         if ACCUMULATE:
             g += tl.load(out_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(out_rows + offs_d[None, :], tiles.stored(g, g_ptr, EMULATE_RTNE), mask=mask)
+
+
+@triton.jit
+def weight_update_kernel(
+    h_ptr, w_ptr, rows_ptr, inv_ptr, hscale_ptr, slot_ptr, t_ptr, p_ptr, buf_ptr,
+    n_rows, r0, D, stride_h, stride_w, stride_t, stride_p, stride_b, lr, momentum, weight_decay,
+    HAS_ROWS: tl.constexpr, NORM_W: tl.constexpr, W_HAT: tl.constexpr, MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr, EMULATE_RTNE: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+):
+    """The optimizer's step on rows ``r0 .. r0 + n_rows`` of the shard's scored rows, from their
+    gradient as :func:`weight_grad_kernel` forms it, which is never stored: plus the target
+    column's rows (``slot[scored] ≥ 0``: row ``slot`` of ``t``, the summed target terms of the
+    samples whose label is that row), SGD with weight decay, momentum and Nesterov in fp32, the
+    weight row ``p[wrow]`` and its momentum ``buf[wrow]`` rounded once (to nearest) into their
+    dtype — :class:`shardfc.head.partial_fc.RowSparseSGD`'s update. With ``NORM_W`` and not
+    ``W_HAT``, ``w_ptr`` is ``p``: each tile is read for the gradient before it is written."""
+    offs_r, r_mask, scored, wrow = _row_block(rows_ptr, r0, n_rows, BR, HAS_ROWS)
+    hscale = tl.load(hscale_ptr)
+    h_rows = h_ptr + offs_r.to(tl.int64)[:, None] * stride_h
+    w_rows = w_ptr + (scored if W_HAT else wrow)[:, None] * stride_w
+    inv = tl.zeros([BR], dtype=tl.float32)
+    proj = inv
+    if NORM_W:
+        inv, proj = _normalisation_projection(h_rows, w_rows, inv_ptr, scored, r_mask, D, W_HAT, BR, BD)
+    slot = tl.load(slot_ptr + scored, mask=r_mask, other=-1)
+    has_t = slot >= 0
+    t_rows = t_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None] * stride_t
+    p_rows = p_ptr + wrow[:, None] * stride_p
+    b_rows = buf_ptr + wrow[:, None] * stride_b
+    for d0 in range(0, D, BD):
+        offs_d = d0 + tl.arange(0, BD)
+        mask = r_mask[:, None] & (offs_d < D)[None, :]
+        g = _grad_tile(h_rows, w_rows, offs_d, mask, inv, proj, hscale, NORM_W)
+        g += tl.load(t_rows + offs_d[None, :], mask=mask & has_t[:, None], other=0.0)
+        w = tl.load(p_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = g + weight_decay * w
+        if MOMENTUM:
+            b = tl.load(b_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32) * momentum + g
+            tl.store(b_rows + offs_d[None, :], tiles.stored(b, buf_ptr, EMULATE_RTNE), mask=mask)
+            if NESTEROV:
+                g = g + momentum * b
+            else:
+                g = b
+        tl.store(p_rows + offs_d[None, :], tiles.stored(w - lr * g, p_ptr, EMULATE_RTNE), mask=mask)

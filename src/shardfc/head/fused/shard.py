@@ -184,17 +184,24 @@ def shard_backward(
     target_rows: Optional[Tensor] = None,
     feature_norms: bool = False,
     rows: Optional[Tensor] = None,
+    update: Optional[chunks.RowUpdate] = None,
 ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """The counterpart of :func:`shardfc.head.kernels.shard_backward` (same arguments and results:
     ``grad_a``, the weight gradient unless added into ``grad_w_out``, ``grad_norm``), for both
     ``impl="triton"`` and ``impl="gemm"``: cuBLAS GEMMs over class chunks with Triton epilogues
-    (:mod:`.chunks`)."""
+    (:mod:`.chunks`). ``update``: the optimizer's step, applied to ``w``'s scored rows in place
+    as their gradient is formed; the weight gradient is then never stored (None is returned)."""
     a_in = a
     a, w, n_cls, K = _common(a, w, cfg, rows)
+    if update is not None and w.data_ptr() != update.param.data_ptr():
+        raise ValueError("a fused update needs the shard's weight itself (contiguous rows), not a copy of it")
     B, D, dev, sd = a.shape[0], a.shape[1], a.device, cfg.stats_dtype
     eps, C = cfg.label_smoothing, cfg.num_classes
-    accumulate = grad_w_out is not None
-    grad_w = grad_w_out if accumulate else torch.empty((n_cls * K, D), dtype=w.dtype, device=dev)
+    accumulate = grad_w_out is not None and update is None
+    if update is not None:
+        grad_w = None
+    else:
+        grad_w = grad_w_out if accumulate else torch.empty((n_cls * K, D), dtype=w.dtype, device=dev)
     coef = coef.to(torch.float32).contiguous()
     row_max = global_max.to(torch.float32).contiguous()
     inv_sum = global_sum.to(torch.float32).reciprocal().contiguous()
@@ -208,11 +215,11 @@ def shard_backward(
                 scale=float(cfg.margin.scale), threshold=float(cfg.filter_threshold or 0.0),
                 eps_over_c=eps / C, one_minus_eps=1.0 - eps, normalize=cfg.margin.normalize_weights,
                 accumulate=accumulate, scatter=accumulate and rows is not None, a_exact=a_in,
-                operand=stats.operand,
+                operand=stats.operand, update=update,
             )
     else:
         grad_a = torch.zeros(B, D, dtype=torch.float32, device=dev)
-        if not accumulate:
+        if grad_w is not None and not accumulate:
             grad_w.zero_()
     # The target's dL/dz, for the norm's gradient (SphereFace, AdaFace, MagFace).
     on = stats.on_shard
@@ -220,7 +227,7 @@ def shard_backward(
     dz_t = torch.where(on, p_t - coef * (eps / C + 1.0 - eps), torch.zeros_like(p_t))
     grad_a = grad_a.to(sd)
     grad_norm = target_norm_gradients(a_in, norms, on, dz_t, stats.target_dnorm, coef.to(sd), cfg, feature_norms, grad_a)
-    return grad_a.to(a_in.dtype), (None if accumulate else grad_w), grad_norm
+    return grad_a.to(a_in.dtype), (None if accumulate or update is not None else grad_w), grad_norm
 
 
 def _on(dev: torch.device):
