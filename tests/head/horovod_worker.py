@@ -111,7 +111,7 @@ def apply_gradients_case(rank, world):
     parts = Parts(backbone, head, opt, torch.optim.SGD(head.parameters(), lr=lr), [],
                   torch.amp.GradScaler("cpu", enabled=False))
     head(backbone(inputs[lo:hi]), labels[lo:hi]).backward()
-    apply_gradients(parts, max_norm, head.ctx)
+    apply_gradients(parts, max_norm, head.ctx, head_grad_clip=max_norm)
 
     ref_backbone = make_backbone()
     W_full = init_rows(0, tmd.C, tmd.D, 0).double().requires_grad_()

@@ -48,7 +48,7 @@ def _head(ckpt: Path) -> torch.Tensor:
 def ddp_and_pipeline(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     # grad_clip that bites: the backbone's norm is summed over the stages, the head's over its ranks
-    common = dict(log_every=1, drop_last=True, grad_clip=0.5)
+    common = dict(log_every=1, drop_last=True, grad_clip=0.5, head_grad_clip=0.5)
     ddp = tiny_config(root / "ddp", batch_size=4, grad_accum=2, **common)
     pipe = tiny_config(root / "pipe", strategy="pipeline", nproc=4, pipeline_stages=2, micro_batches=2,
                        micro_batch_stats=True, batch_size=8, grad_accum=1, profile=True, **common)

@@ -24,6 +24,7 @@ from shardfc.train import cpu
 from shardfc.train.classes import ClassPlan
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.data import rank_batches, train_dataset
+from shardfc.train.head_update import fused_head_update
 from shardfc.train.pipeline_train import PipelinePlan, build_pipeline_parts, pipeline_layout
 from shardfc.train.schedule import WarmupDecay
 from shardfc.train.state import Parts
@@ -111,7 +112,7 @@ def build_parts(
     opt_head = head_optimizer(
         head, cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
         nesterov=cfg.nesterov, betas=tuple(cfg.betas), eps=cfg.eps,
-        rounding=cfg.head_rounding, rounding_seed=cfg.seed,
+        rounding=cfg.head_rounding, rounding_seed=cfg.seed, fused_update=fused_head_update(cfg, ctx.device, amp_dtype),
     )
     schedulers = [
         torch.optim.lr_scheduler.LambdaLR(o, WarmupDecay(cfg, total_steps)) for o in (opt_backbone, opt_head)

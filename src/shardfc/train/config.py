@@ -182,7 +182,11 @@ class TrainConfig:
     eps: float = 1e-8
     """AdamW epsilon."""
     grad_clip: float = 5.0
-    """Clip the backbone's gradient norm, and separately the head's global norm over all shards, to this value; 0: no clipping."""
+    """Clip the backbone's gradient norm to this value, as insightface's arcface_torch does; 0: no clipping. The head is clipped only with head_grad_clip (before 0.2 this clipped the head too)."""
+    head_grad_clip: float = 0.0
+    """Clip the head's gradient by its global norm over all shards to this value; 0 (default): the head is not clipped. Set it to grad_clip for what grad_clip did before 0.2. Needs the head's gradient stored (head_update 'optimizer')."""
+    head_update: str = "auto"
+    """Who applies the head's optimizer step: 'fused' (the head's backward, row by row as it forms the gradient, which is then never stored: no [n, D] gradient written, cleared or read; SGD on CUDA with head_impl triton/gemm, grad_accum 1, no fp16 loss scaling, no head_grad_clip, nearest rounding, one micro-batch per pipeline step), 'optimizer' (the gradient stored, then the optimizer's step) or 'auto' (fused where all that holds, else optimizer)."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step (the step's batch is grad_accum * batch_size * nproc)."""
 
@@ -321,6 +325,7 @@ class TrainConfig:
         _choice(self, "amp", ("auto", "none", "bf16", "fp16"))
         _choice(self, "device", ("auto", "cpu", "cuda"))
         _choice(self, "head_impl", ("auto", "triton", "gemm", "torch"))
+        _choice(self, "head_update", ("auto", "fused", "optimizer"))
         for name in ("synthetic_identities", "synthetic_images_per_identity", "embedding_dim", "batch_size",
                      "grad_accum", "nproc", "log_every", "eval_batch_size", "subcenters", "pipeline_stages",
                      "micro_batches"):
@@ -333,7 +338,7 @@ class TrainConfig:
         for name in ("lr", "scale", "eps", "pg_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("weight_decay", "grad_clip", "poly_power", "sphereface_lambda"):
+        for name in ("weight_decay", "grad_clip", "head_grad_clip", "poly_power", "sphereface_lambda"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.momentum < 1.0:
@@ -393,8 +398,34 @@ class TrainConfig:
             raise ConfigError("output_dir must not be empty")
         if self.strategy == "pipeline":
             self._validate_pipeline()
+        if self.head_update == "fused":
+            why = self.head_update_not_fusable()
+            if why is not None:
+                raise ConfigError(f"head_update='fused': {why}; use head_update 'auto' or 'optimizer'")
         _validate_classes(self)
         return self
+
+    def head_update_not_fusable(self, device_type: Optional[str] = None) -> Optional[str]:
+        """Why the head's backward cannot apply its optimizer's step in this run (None when it can):
+        the conditions of ``head_update='fused'`` that the configuration decides (``device_type``:
+        the run's device, when known)."""
+        if self.optimizer != "sgd":
+            return f"optimizer={self.optimizer!r} (the fused update is SGD's)"
+        if self.grad_accum > 1:
+            return f"grad_accum={self.grad_accum} (several backward passes add into one step's gradient)"
+        if self.strategy == "pipeline" and self.micro_batches > 1:
+            return f"strategy='pipeline' with micro_batches={self.micro_batches} (a backward per micro-batch)"
+        if self.head_grad_clip > 0:
+            return f"head_grad_clip={self.head_grad_clip} (clipping reads the stored gradient)"
+        if self.amp == "fp16":
+            return "amp='fp16' (the loss scaler unscales and checks the stored gradient)"
+        if self.head_rounding != "nearest" and self.head_dtype != "float32":
+            return f"head_rounding={self.head_rounding!r} (the fused update rounds to nearest)"
+        if self.head_impl == "torch":
+            return "head_impl='torch' (the fused update is the GPU implementations')"
+        if device_type == "cpu" or (device_type is None and self.device == "cpu"):
+            return "the run is on the CPU (the fused update needs CUDA)"
+        return None
 
     def _validate_pipeline(self) -> None:
         if self.pipeline_stages < 2:
@@ -515,7 +546,8 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
              "adaface_momentum", "magface_l_a", "magface_u_a", "magface_l_m", "magface_u_m", "magface_lambda_g",
              "subcenters", "interclass_filter_threshold", "sample_rate", "chunk_size", "head_impl",
              "label_smoothing", "head_dtype", "head_rounding", "sparse_grad", "triplet_weight", "triplet_margin", "triplet_soft"),
-    "optim": ("optimizer", "lr", "momentum", "weight_decay", "nesterov", "betas", "eps", "grad_clip", "grad_accum"),
+    "optim": ("optimizer", "lr", "momentum", "weight_decay", "nesterov", "betas", "eps", "grad_clip", "head_grad_clip",
+              "head_update", "grad_accum"),
     "schedule": ("batch_size", "max_steps", "epochs", "scheduler", "poly_power", "warmup_steps"),
     "run": ("strategy", "pipeline_stages", "pipeline_schedule", "micro_batches", "split_points", "micro_batch_stats",
             "amp", "channels_last", "compile", "seed", "nproc", "device", "threads", "output_dir", "resume", "log_every", "progress",

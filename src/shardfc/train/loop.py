@@ -220,7 +220,7 @@ def trainer_step(run, batches, state: RunState, cfg: TrainConfig, autocast, stop
             # BatchNorm statistics frozen) and their optimizer does not step.
             loss, corrupt = pipeline_step(parts, run.pipeline, batches, state, cfg, ctx, autocast)
             clock.lap("pipeline schedule")
-            apply_gradients(parts, cfg.grad_clip, ctx, run.pipeline, frozen=frozen)
+            apply_gradients(parts, cfg.grad_clip, ctx, run.pipeline, frozen=frozen, head_grad_clip=cfg.head_grad_clip)
             clock.lap("optimizer")
     state.step += 1
     window.add(loss, corrupt)

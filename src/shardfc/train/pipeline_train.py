@@ -46,6 +46,7 @@ from shardfc.parallel.pipeline import (
 )
 from shardfc.parallel.stage_build import build_stage
 from shardfc.train.config import ConfigError, TrainConfig
+from shardfc.train.head_update import fused_head_update
 from shardfc.train.state import Parts
 
 logger = logging.getLogger("shardfc.train")
@@ -155,6 +156,7 @@ def build_pipeline_parts(
         opt_head = head_optimizer(
             head, cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
             nesterov=cfg.nesterov, betas=tuple(cfg.betas), eps=cfg.eps,
+            fused_update=fused_head_update(cfg, ctx.device, amp_dtype),
         )
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp_dtype == torch.float16)
     losses: List[torch.Tensor] = []

@@ -52,7 +52,7 @@ def train_step(
         clock.lap("backward")
         loss_sum += loss.detach().float()
         state.samples_seen += images.shape[0] * ctx.world_size
-    apply_gradients(parts, cfg.grad_clip, ctx, frozen=frozen)
+    apply_gradients(parts, cfg.grad_clip, ctx, frozen=frozen, head_grad_clip=cfg.head_grad_clip)
     clock.lap("optimizer")
     return loss_sum, corrupt
 
@@ -89,9 +89,12 @@ def micro_batch_loss(
 
 
 def apply_gradients(parts: Parts, grad_clip: float, ctx: DistContext, pipeline: Optional[PipelinePlan] = None,
-                    frozen: bool = False) -> None:
+                    frozen: bool = False, head_grad_clip: float = 0.0) -> None:
     """Average (Horovod), unscale (fp16), clip, and step both optimizers and their schedules: the end of a step.
 
+    ``grad_clip`` clips the backbone's gradient norm (0: not), ``head_grad_clip`` the head's global
+    norm over its shards (0, the default: not; arcface_torch clips the backbone only, and the
+    head's gradient is the step's largest tensor).
     ``pipeline``: this rank holds one stage (and the head only on the last stage), so the backbone's
     gradient norm is summed over the stages and the head's over the last stage's ranks.
     ``frozen``: a head-only warm-up step; the backbone optimizer does not step (Horovod's would
@@ -113,11 +116,10 @@ def apply_gradients(parts: Parts, grad_clip: float, ctx: DistContext, pipeline: 
         params = [p for p in parts.backbone.parameters() if p.grad is not None]
         if pipeline is None:
             torch.nn.utils.clip_grad_norm_(params, grad_clip)
-            clip_head_grad_(parts.head, grad_clip, ctx)
         else:
             clip_stage_grads_(params, grad_clip, pipeline)
-            if parts.head is not None:
-                clip_head_grad_(parts.head, grad_clip, pipeline.layout.replica_ctx)
+    if head_grad_clip > 0 and parts.head is not None:
+        clip_head_grad_(parts.head, head_grad_clip, ctx if pipeline is None else pipeline.layout.replica_ctx)
     if not frozen:
         with parts.opt_backbone.skip_synchronize() if horovod else contextlib.nullcontext():
             parts.scaler.step(parts.opt_backbone)

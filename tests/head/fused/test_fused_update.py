@@ -160,3 +160,35 @@ def test_bad_arguments():
         partial_fc.head_optimizer(head, "sgd", lr=0.1, fused_update="yes")
     with pytest.raises(TypeError, match=r"fused_update=True needs a ShardedMarginHead, got Linear"):
         partial_fc.head_optimizer(torch.nn.Linear(2, 3), "sgd", lr=0.1, fused_update=True)
+
+
+def test_the_trainers_step_with_the_fused_update(monkeypatch):
+    """``shardfc train``'s step (zero_grad, forward, backward, clip the backbone, both optimizers,
+    the schedules) with head_update 'fused' trains the head as with 'optimizer' (faked onto this
+    device: the interpreter, or the GPU)."""
+    import dataclasses
+
+    import shardfc.train.build as build
+    from shardfc.parallel.context import DistContext
+    from shardfc.train.config import TrainConfig
+    from shardfc.train.step import apply_gradients
+
+    monkeypatch.setattr(build, "fused_head_update", lambda cfg, device, amp: cfg.head_update == "fused")
+    base = TrainConfig(image_size=[16, 16], embedding_dim=D, synthetic_identities=C, head_impl="triton", warmup_steps=1,
+                       grad_clip=0.5, backbone="tiny")
+    heads = {}
+    for mode in ("optimizer", "fused"):
+        cfg = dataclasses.replace(base, head_update=mode).validate()
+        torch.manual_seed(0)
+        parts = build.build_parts(cfg, DistContext(device=DEVICE), C, (16, 16), total_steps=4, amp_dtype=None)
+        for step in range(2):
+            parts.opt_backbone.zero_grad()
+            parts.opt_head.zero_grad(set_to_none=False)
+            g = torch.Generator().manual_seed(step)
+            images = torch.randn(12, 3, 16, 16, generator=g).to(DEVICE)
+            labels = torch.randint(0, C, (12,), generator=g).to(DEVICE)
+            parts.head(parts.backbone(images), labels).backward()
+            apply_gradients(parts, cfg.grad_clip, DistContext(device=DEVICE), head_grad_clip=cfg.head_grad_clip)
+        assert parts.head.last_update == ("fused" if mode == "fused" else None)
+        heads[mode] = parts.head.weight.detach().double().cpu()
+    assert _rel(heads["fused"], heads["optimizer"]) < 1e-5
