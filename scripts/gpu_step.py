@@ -221,20 +221,26 @@ def step_part(args, device: torch.device) -> Dict[str, Any]:
     release(device)
     variants = []
     for impl in IMPLS:
-        variants.append((f"{impl}: bench step", impl, False, {}, torch.float32))
-        variants.append((f"{impl}: trainer step (+ clip_head_grad_ 5.0)", impl, True, {}, torch.float32))
+        variants.append((f"{impl}: bench step", impl, False, {}, torch.float32, False))
+        variants.append((f"{impl}: head clipped (clip_head_grad_ 5.0)", impl, True, {}, torch.float32, False))
     for impl in ("triton", "gemm"):
+        variants.append((f"{impl}: SGD step fused into the backward", impl, False, {}, torch.float32, True))
         variants.append((f"{impl}: Partial FC r=0.1, bf16 centres, sparse_grad", impl, False,
-                         {"sample_rate": 0.1, "sparse_grad": True}, torch.bfloat16))
-    for name, impl, clip, options, wdt in variants:
+                         {"sample_rate": 0.1, "sparse_grad": True}, torch.bfloat16, False))
+        variants.append((f"{impl}: Partial FC r=0.1, bf16 centres, fused update", impl, False,
+                         {"sample_rate": 0.1}, torch.bfloat16, True))
+    for name, impl, clip, options, wdt, fused in variants:
         row: Dict[str, Any] = dict(name=name, impl=impl)
         try:
             head, ctx = make_head(D, C, device, impl, dtype=wdt, **options)
-            opt = shardfc.head_optimizer(head, "sgd", lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+            opt = shardfc.head_optimizer(head, "sgd", lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY,
+                                         fused_update=fused)
             step = head_step(head, opt, ctx, device, args.dtype, clip)
             ms, peak, times = time_steps(step, batches, device, args.warmup, args.steps)
             row.update(ms=ms, times_ms=times, peak_above_rest=peak, ran=head.last_impl, status="ok",
-                       optimizer=type(opt).__name__)
+                       optimizer=type(opt).__name__, update=head.last_update)
+            if fused and head.last_update != "fused" and device.type == "cuda":
+                row.update(status="FAILED", reason=f"the update was not fused: {head.last_update}")
             log(f"step C={C} {name}: {ms:.3f} ms, peak above rest "
                 + ("-" if peak is None else f"{peak / 2**20:.1f} MiB"))
             del head, opt, step
@@ -260,12 +266,16 @@ def profile_part(args, device: torch.device) -> Dict[str, Any]:
     C, B, D = args.classes, args.batch, args.dim
     out: Dict[str, Any] = {"classes": C, "batch": B, "dim": D, "dtype": args.dtype, "impls": {}}
     batches = inputs(B, D, C, device, 2)
-    for impl in args.profile_impls.split(","):
+    for name in args.profile_impls.split(","):
+        # "<impl>" (the gradient stored, then the optimizer) or "<impl>+fused" (the SGD step in the
+        # backward: what shardfc train runs by default on a GPU); neither clips the head
+        impl, fused = name.split("+")[0], name.endswith("+fused")
         res: Dict[str, Any] = {}
         try:
             head, ctx = make_head(D, C, device, impl)
-            opt = shardfc.head_optimizer(head, "sgd", lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
-            step = head_step(head, opt, ctx, device, args.dtype, clip=True)
+            opt = shardfc.head_optimizer(head, "sgd", lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY,
+                                         fused_update=fused)
+            step = head_step(head, opt, ctx, device, args.dtype, clip=False)
             for i in range(2):
                 step(*batches[i % 2])
             sync(device)
@@ -311,7 +321,7 @@ def profile_part(args, device: torch.device) -> Dict[str, Any]:
                 best = getattr(autotune.lse_forward(1, False, "tf32", False), "best_config", None)
                 res["forward_config"] = str(best)
                 log(f"profile impl=triton: forward autotune kept {best}")
-            log(f"profile C={C} impl={impl}: {res['kernels']} kernels, {res['kernel_time_ms']:.3f} ms of kernels, "
+            log(f"profile C={C} {name}: {res['kernels']} kernels, {res['kernel_time_ms']:.3f} ms of kernels, "
                 f"{res['host_syncs']} host syncs")
             for s in res["slowest"]:
                 log(f"    {s['total_ms']:8.3f} ms  x{s['calls']:<4d} {s['name'][:100]}")
@@ -320,8 +330,8 @@ def profile_part(args, device: torch.device) -> Dict[str, Any]:
             del head, opt, step
         except Exception as e:
             res.update(status="FAILED", reason=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-            log(f"profile impl={impl}: FAILED: {res['reason']}")
-        out["impls"][impl] = res
+            log(f"profile {name}: FAILED: {res['reason']}")
+        out["impls"][name] = res
         release(device)
     return out
 
@@ -378,7 +388,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype of the step")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--profile-impls", default="triton,gemm")
+    p.add_argument("--profile-impls", default="triton+fused,triton",
+                   help="comma-separated: an impl (the optimizer's step) or impl+fused (the step in the backward)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -438,7 +449,7 @@ def summary(r: Dict[str, Any]) -> str:
     if "profile" in r and "impls" in r["profile"]:
         for impl, res in r["profile"]["impls"].items():
             if "kernels" in res:
-                lines.append(f"\nprofile impl={impl}: {res['kernels']} kernels, {res['kernel_time_ms']:.3f} ms, "
+                lines.append(f"\nprofile {impl}: {res['kernels']} kernels, {res['kernel_time_ms']:.3f} ms, "
                              f"{res['host_syncs']} host syncs")
     if "plan" in r and "rows" in r["plan"]:
         lines += ["", "| plan vs measured | planned MiB | measured MiB | ms |", "|---|---:|---:|---:|"]

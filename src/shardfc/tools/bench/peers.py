@@ -21,7 +21,9 @@ Rows (:data:`SYSTEMS`, in this order):
   ``ValueError("impl='<name>' cannot run: <why>")``) leaves its row unavailable with that reason.
   ``shardfc-auto``: ``impl="auto"``, the head's own choice (it times the candidates on the first
   forward, the check step's, and logs the table on logger ``shardfc.head``); the note says which
-  impl it chose (``head.last_impl``). ``shardfc-chunked``: ``chunk_size="auto"``;
+  impl it chose (``head.last_impl``). ``shardfc-fused-update``: the same with
+  ``head_optimizer(..., fused_update=True)``, the SGD step applied in the backward (the note says
+  whether it was: off CUDA the optimizer's step runs, as for the other rows). ``shardfc-chunked``: ``chunk_size="auto"``;
   ``shardfc-partial``: Partial FC at ``sample_rate`` (0.1). These two leave ``impl`` to the head
   (``auto``). Every shardfc row steps with :func:`shardfc.head_optimizer`, as training does.
 * ``dense`` / ``dense-compile``: the plain dense head a user would write — normalise, full
@@ -211,10 +213,11 @@ def _impl_unavailable(e: ValueError, impl: Optional[str], device: torch.device) 
     return NEEDS_CUDA if device.type != "cuda" and "CUDA" in text else text
 
 
-def _shardfc(margin_name: Optional[str], impl: Optional[str], options: Optional[Callable[[Workload], Dict[str, Any]]] = None
-             ) -> Callable[[Workload, Setup], Built]:
+def _shardfc(margin_name: Optional[str], impl: Optional[str], options: Optional[Callable[[Workload], Dict[str, Any]]] = None,
+             fused_update: bool = False) -> Callable[[Workload, Setup], Built]:
     """A shardfc row: ``margin_name`` (None: the workload's margin), ``impl`` (None: the head's
-    default) and the head's ``options`` for the workload.
+    default), the head's ``options`` for the workload, and whether the head's backward applies
+    the SGD step (``head_optimizer(..., fused_update=True)``; its note says whether it did).
 
     An explicit ``impl`` that cannot run here is the head's to say: its forward raises
     ``ValueError("impl='<name>' cannot run: <why>")`` before anything changes state, and the row
@@ -236,7 +239,7 @@ def _shardfc(margin_name: Optional[str], impl: Optional[str], options: Optional[
             head = ShardedMarginHead(wl.dim, wl.classes, **kwargs)
         with torch.no_grad():
             head.weight.copy_(setup.weight0)
-        opt = head_optimizer(head, "sgd", lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+        opt = head_optimizer(head, "sgd", lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, fused_update=fused_update)
         comparable = opts.get("sample_rate", 1.0) >= 1.0
         if not comparable:
             note = "; ".join(filter(None, [note, "loss not compared: Partial FC samples the negatives"]))
@@ -253,8 +256,12 @@ def _shardfc(margin_name: Optional[str], impl: Optional[str], options: Optional[
         def ran() -> str:  # which path the head took
             last = head.last_impl
             if impl == "auto":
-                return f"auto chose impl={last}"
-            return f"ran impl={last}" if impl in (None, last) else f"**asked impl={impl}, ran impl={last}**"
+                text = f"auto chose impl={last}"
+            else:
+                text = f"ran impl={last}" if impl in (None, last) else f"**asked impl={impl}, ran impl={last}**"
+            if fused_update:
+                text += "; update fused into the backward" if head.last_update == "fused" else f"; {head.last_update}"
+            return text
 
         return Built(_training_step(wl, setup.device, loss_fn, opt), note=note, comparable=comparable, ran=ran)
 
@@ -416,6 +423,8 @@ SYSTEMS: Dict[str, System] = {
     "shardfc-triton": System("shardfc, impl=triton", "margin", _shardfc(None, "triton")),
     "shardfc-gemm": System("shardfc, impl=gemm", "margin", _shardfc(None, "gemm")),
     "shardfc-auto": System("shardfc, impl=auto", "margin", _shardfc(None, "auto")),
+    "shardfc-fused-update": System("shardfc, impl=auto, SGD step in the backward", "margin",
+                                   _shardfc(None, "auto", fused_update=True)),
     "shardfc-chunked": System("shardfc, chunk_size=auto", "margin", _shardfc(None, None, lambda wl: {"chunk_size": wl.chunk_size})),
     "shardfc-partial": System("shardfc, Partial FC", "margin", _shardfc(None, None, lambda wl: {"sample_rate": wl.sample_rate})),
     "dense": System("plain torch dense, eager", "margin", _dense(softmax=False, compiled=False)),
