@@ -533,7 +533,9 @@ class ShardedMarginHead(nn.Module):
         coef = torch.full((a.shape[0],), 1.0 / max(a.shape[0], 1), dtype=cfg.stats_dtype, device=a.device)
         forward, backward = _shard_kernels(cfg)
         fused = cfg.impl != "torch"
-        slice_forward = _shard_kernels(dataclasses.replace(cfg_s, impl="gemm"))[0] if fused else forward
+        # the fused forward picks its code by cfg.impl when called: the slice's statistics come from
+        # gemm's (no autotuner), so the only fused-kernel forward of the timing is the whole shard's
+        cfg_stats = dataclasses.replace(cfg_s, impl="gemm") if fused else cfg_s
         extra = {} if target_rows is None else {"target_rows": target_rows}
         slice_stats: List[Any] = []  # the fused backward's statistics of the slice, made at the first call
 
@@ -549,7 +551,7 @@ class ShardedMarginHead(nn.Module):
                     return
                 forward(a, w, labels, norm, cfg, rows=rows, **extra)  # the whole shard: the run's autotune key
                 if not slice_stats:
-                    slice_stats.append(slice_forward(a, w_s, labels_s, norm, cfg_s, rows=rows_s, **extra))
+                    slice_stats.append(forward(a, w_s, labels_s, norm, cfg_stats, rows=rows_s, **extra))
                 for _ in range(k):
                     backward_slice(slice_stats[0])
 
