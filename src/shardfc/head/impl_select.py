@@ -55,6 +55,7 @@ __all__ = [
     "ImplSelector",
     "RankView",
     "Settled",
+    "VIEW_CODES",
     "bucket",
     "cache_file",
     "default_selector",
