@@ -407,3 +407,161 @@ def test_default_selector_is_created_once(tmp_path):
     assert sel is S.default_selector()
     assert sel.path == tmp_path / "default-cache" / "head_impl.json"
     assert sel.write_cache and sel.steps == 5 and sel.warmup == 1
+
+
+# ---------------------------------------------------------------------- the ranks' agreement
+def _gathers(*views):
+    """One fake all-gather per rank: each returns every rank's code, as the head's all-reduce does,
+    and records that it was called (the collective every rank must enter)."""
+    codes = [v.encode() for v in views]
+    calls = []
+
+    def gather(code):
+        assert code in codes  # what this rank sent is its own view's code
+        calls.append(code)
+        return list(codes)
+
+    return gather, calls
+
+
+def test_rank_views_round_trip_through_their_codes():
+    seen = set()
+    for override in (None, "triton", "gemm", "torch", S.INVALID):
+        for runs in (False, True):
+            for cached in range(-1, len(S.CANDIDATES)):
+                view = S.RankView(override, runs, cached)
+                code = view.encode()
+                assert 0 <= code < S.VIEW_CODES and S.RankView.decode(code) == view
+                seen.add(code)
+    assert len(seen) == S.VIEW_CODES  # one code per view, none shared
+    for bad in (-1, S.VIEW_CODES, 2.0, True):
+        with pytest.raises(RuntimeError, match="not the code of a head-impl view"):
+            S.RankView.decode(bad)
+    with pytest.raises(ValueError, match="override must be one of"):
+        S.RankView("cuda")
+    with pytest.raises(ValueError, match="cached must be an index"):
+        S.RankView(None, True, 3)
+
+
+def test_an_override_on_some_ranks_only_is_one_error_naming_them():
+    views = [S.RankView(), S.RankView("gemm")]
+    with pytest.raises(ValueError) as info:
+        S.settle_views(views)
+    assert str(info.value) == (
+        "SHARDFC_HEAD_IMPL differs across ranks: rank 0 unset, rank 1 'gemm'; set it on every rank or on none"
+    )
+    # many ranks: runs of ranks as ranges, one line whatever the world size
+    views = [S.RankView()] * 8 + [S.RankView("torch"), S.RankView("gemm")] + [S.RankView("torch")] * 2
+    with pytest.raises(ValueError, match=r"ranks 0-7 unset, ranks 8,10-11 'torch', rank 9 'gemm'; set it"):
+        S.settle_views(views)
+
+
+def test_an_invalid_override_anywhere_is_an_error_everywhere():
+    with pytest.raises(ValueError, match=r"SHARDFC_HEAD_IMPL names no implementation of the head on rank 1 .*triton, gemm, torch"):
+        S.settle_views([S.RankView(), S.RankView(S.INVALID, False)])
+
+
+def test_an_override_that_cannot_run_on_some_rank_is_an_error_everywhere():
+    with pytest.raises(ValueError, match=r"SHARDFC_HEAD_IMPL='triton' cannot run on ranks 1-2 \(see the error there\)"):
+        S.settle_views([S.RankView("triton"), S.RankView("triton", False), S.RankView("triton", False)])
+
+
+def test_what_the_ranks_settle_on():
+    assert S.settle_views([S.RankView("gemm", cached=0)] * 3) == S.Settled("gemm", "override")
+    # no override, the fused kernels cannot run on rank 1: torch everywhere, rank 1 named
+    assert S.settle_views([S.RankView(cached=0), S.RankView(None, False)]) == S.Settled("torch", "no-triton", (1,))
+    assert S.settle_views([S.RankView(None, False)] * 2) == S.Settled("torch", "no-triton", (0, 1))
+    # else rank 0's cache entry, whatever the others' say; else time
+    assert S.settle_views([S.RankView(cached=1), S.RankView(cached=2)]) == S.Settled("gemm", "cached")
+    assert S.settle_views([S.RankView(), S.RankView(cached=2)]) == S.Settled(None, "time")
+    with pytest.raises(ValueError, match="at least one rank"):
+        S.settle_views([])
+
+
+def test_settle_costs_one_collective_per_workload_and_remembers(tmp_path, caplog):
+    (tmp_path / "r0.json").write_text(json.dumps({KEY: {"impl": "gemm", "times_ms": {}, "when": "x"}}))
+    sel0, sel1 = S.ImplSelector(tmp_path / "r0.json"), S.ImplSelector(tmp_path / "r1.json")
+    gather, calls = _gathers(S.RankView(cached=1), S.RankView())
+    with caplog.at_level(logging.INFO, logger="shardfc.head"):
+        assert sel0.settle(KEY, None, True, gather) == "gemm"
+        assert sel1.settle(KEY, None, True, gather) == "gemm"
+    assert len(calls) == 2 and sel0.choices[KEY] == sel1.choices[KEY] == "gemm"
+    assert any("rank 0's cached choice" in r.getMessage() for r in caplog.records)
+    # the next forwards of the workload: no collective
+    assert sel0.settle(KEY, None, True, lambda c: pytest.fail("no collective on a memory hit")) == "gemm"
+
+
+def test_settle_leaves_the_timing_to_choose_without_a_second_cache_agreement(tmp_path):
+    gather, calls = _gathers(S.RankView(), S.RankView())
+    sel = S.ImplSelector(tmp_path / "c.json")
+    assert sel.settle(KEY, None, True, gather) is None and KEY not in sel.choices
+    b = Bench()
+    record = []
+    name = b.selector(tmp_path / "c.json").choose(
+        KEY, b.candidates(triton=0.002, gemm=0.001), agree=_rank0_agree(record), cached=False
+    )
+    assert name == "gemm" and record == [1]  # one collective: the fastest, none for the cache
+
+
+def test_settle_raises_from_this_ranks_own_error(tmp_path):
+    here = ValueError("SHARDFC_HEAD_IMPL='cudnn' is not an implementation of the head")
+    gather, _ = _gathers(S.RankView(S.INVALID, False), S.RankView())
+    with pytest.raises(ValueError, match="names no implementation of the head on rank 0") as info:
+        S.ImplSelector(tmp_path / "c.json").settle(KEY, S.INVALID, False, gather, cause=here)
+    assert info.value.__cause__ is here
+    with pytest.raises(ValueError, match="on rank 0") as info:  # rank 1's error has no cause of its own
+        S.ImplSelector(tmp_path / "c.json").settle(KEY, None, True, gather)
+    assert info.value.__cause__ is None
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_torch_everywhere_when_the_fused_kernels_cannot_run_on_some_rank(tmp_path, caplog):
+    gather, _ = _gathers(S.RankView(), S.RankView(None, False))
+    with caplog.at_level(logging.INFO, logger="shardfc.head"):
+        assert S.ImplSelector(tmp_path / "c.json").settle(KEY, None, True, gather) == "torch"
+        why = RuntimeError("Triton is not installed")
+        assert S.ImplSelector(tmp_path / "d.json").settle(KEY, None, False, gather, cause=why) == "torch"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and all("torch on every rank" in w and "on rank 1" in w for w in warnings)
+    assert "here: Triton is not installed" in warnings[1]
+    caplog.clear()
+    gather, _ = _gathers(S.RankView(None, False), S.RankView(None, False))  # a CPU run: nothing to warn about
+    with caplog.at_level(logging.INFO, logger="shardfc.head"):
+        assert S.ImplSelector(tmp_path / "e.json").settle(KEY, None, False, gather) == "torch"
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO]
+
+
+# ---------------------------------------------------------------------- the head's workload key
+def test_the_heads_workload_key_holds_what_can_change_the_choice(monkeypatch):
+    import shardfc
+    from shardfc.head import module as M
+
+    def key(sample_rate=0.5, sparse_grad=False, sampling=True, device="cpu", **kw):
+        head = shardfc.ShardedMarginHead(8, 37, sample_rate=sample_rate, sparse_grad=sparse_grad)
+        return M.workload_key(head, 6, torch.float32, torch.float32, torch.device(device), sampling, **kw)
+
+    base = key()
+    fields = json.loads(base)
+    for name in ("shardfc", "torch", "triton", "cuda", "gpu", "sample_rate", "sparse_grad", "fused_update"):
+        assert name in fields, name
+    assert fields["fused_update"] is False and fields["shardfc"] == shardfc.__version__
+    assert key(sample_rate=0.25) != base
+    assert key(sparse_grad=True) != base
+    assert key(fused_update=True) != base
+    # a dense forward (evaluation) does the same work whatever the training's sampling says
+    assert key(sample_rate=0.25, sampling=False) == key(sampling=False) != base
+    for module, attr, value in ((shardfc, "__version__", "99.0"), (torch, "__version__", "99.0+stub")):
+        with monkeypatch.context() as m:
+            m.setattr(module, attr, value)
+            assert key() != base, attr
+    with monkeypatch.context() as m:
+        m.setattr(S, "_triton_version", lambda: "99.0")
+        assert key() != base
+    with monkeypatch.context() as m:
+        names = iter(["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+        m.setattr(torch.cuda, "get_device_name", lambda device=None: next(names))
+        assert key(device="cuda") != key(device="cuda")
+    with pytest.raises(TypeError, match="fused_update must be True or False, got 'yes'"):
+        key(fused_update="yes")
+    with pytest.raises(TypeError, match="sampling must be True or False, got 1"):
+        key(sampling=1)

@@ -8,19 +8,28 @@ the head: a candidate is a callable that runs one forward + backward of one impl
 real inputs and changes no state.
 
 Across ranks the choice must be the same everywhere (a rank that runs another implementation still
-computes the same loss, but its collectives could differ). :meth:`ImplSelector.choose` takes an
-``agree(i)`` collective that returns rank 0's ``i`` on every rank, and calls it once or twice per
-workload, the same number of times on every rank whatever each rank's JSON file says:
+computes the same loss, but its collectives could differ), and every rank must take part in the
+agreement whatever it would do alone, or the others wait for it forever. In a process group the
+head settles a new workload in one or two collectives, the same number on every rank:
 
-1. ``i0 = agree(index of this rank's cached choice, or -1)``;
-2. ``i0 >= 0``: every rank takes rank 0's cached choice and times nothing;
-3. else every rank times every candidate and ``agree(index of its fastest)`` gives rank 0's pick.
+1. :meth:`ImplSelector.settle`: every rank sends what it would do alone (:class:`RankView`: its
+   ``SHARDFC_HEAD_IMPL``, whether it can run what that names or time the fused kernels, its cache
+   file's entry) in one all-gather, and every rank applies the same rule (:func:`settle_views`) to
+   the same list: an override that differs between ranks, or that names no implementation, or one
+   that cannot run on some rank, is the same ValueError on every rank (naming the variable, the
+   values and the ranks); one override set alike everywhere is run; ranks where the fused kernels
+   cannot run make every rank run torch (with a warning when some other rank could have); else
+   rank 0's cached choice, if it has one;
+2. only when nothing was settled: :meth:`ImplSelector.choose` (``cached=False``) times every
+   candidate on every rank, and ``agree(index of its fastest)`` gives rank 0's pick everywhere.
 
+One process calls :meth:`ImplSelector.choose` alone: ``agree`` is then None.
 ``SHARDFC_HEAD_IMPL`` (:func:`env_override`) lets a user skip all of this and name the implementation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import hashlib
@@ -33,7 +42,7 @@ import pathlib
 import statistics
 import tempfile
 import time
-from typing import Any, Callable, Dict, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -42,12 +51,17 @@ from shardfc.head.fused import CANDIDATES, IMPLS
 
 __all__ = [
     "ENV_VAR",
+    "INVALID",
     "ImplSelector",
+    "RankView",
+    "Settled",
+    "VIEW_CODES",
     "bucket",
     "cache_file",
     "default_selector",
     "env_override",
     "environment_fields",
+    "settle_views",
     "short_key",
     "workload_key",
 ]
@@ -60,6 +74,13 @@ CACHE_DIR_VAR = "SHARDFC_CACHE_DIR"
 CACHE_NAME = "head_impl.json"
 
 _OOM = getattr(torch.cuda, "OutOfMemoryError", RuntimeError)
+
+#: A :class:`RankView`'s ``override`` when ``$SHARDFC_HEAD_IMPL`` names no implementation there.
+INVALID = "<invalid>"
+#: Every value a rank's override can take, in the order of its code in :meth:`RankView.encode`.
+_OVERRIDES: Tuple[Optional[str], ...] = (None, *CANDIDATES, INVALID)
+#: How many codes :meth:`RankView.encode` uses (override x runs x cached).
+VIEW_CODES = len(_OVERRIDES) * 2 * (len(CANDIDATES) + 1)
 
 
 def env_override() -> Optional[str]:
@@ -108,11 +129,17 @@ def short_key(key: str) -> str:
 
 
 def environment_fields(device: Union[torch.device, str, None] = None) -> Dict[str, Optional[str]]:
-    """The machine's part of a workload key: GPU name (``"cpu"`` off CUDA), torch, CUDA and Triton
-    versions (``None`` when absent)."""
+    """The machine's part of a workload key: GPU name (``"cpu"`` off CUDA), shardfc, torch, CUDA and
+    Triton versions (``None`` when absent). A new release of any of them may change which
+    implementation is fastest (new kernels, new tiles, a new compiler), so it times again."""
+    import shardfc  # here, not at the top: shardfc's __init__ imports the head, which imports this module
+
     device = torch.device("cuda" if device is None and torch.cuda.is_available() else (device or "cpu"))
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    return {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda, "triton": _triton_version()}
+    return {
+        "gpu": gpu, "shardfc": shardfc.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
+        "triton": _triton_version(),
+    }
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,6 +149,109 @@ def _triton_version() -> Optional[str]:
         return importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+# ---------------------------------------------------------------------- the ranks' agreement
+@dataclasses.dataclass(frozen=True)
+class RankView:
+    """What one rank would do for a workload on its own, before the ranks agree.
+
+    Attributes:
+        override: the implementation its ``$SHARDFC_HEAD_IMPL`` names (None: unset, empty or
+            ``auto``; :data:`INVALID`: a value that names none).
+        runs: with an override, whether that implementation can run there; without, whether the
+            candidates can be timed there (a CUDA device with Triton, a dtype the kernels take).
+        cached: index in :data:`~shardfc.head.fused.CANDIDATES` of its cache file's choice for the
+            workload, -1 for none.
+    """
+
+    override: Optional[str] = None
+    runs: bool = True
+    cached: int = -1
+
+    def __post_init__(self):
+        if self.override not in _OVERRIDES:
+            raise ValueError(f"override must be one of {_OVERRIDES}, got {self.override!r}")
+        if not -1 <= self.cached < len(CANDIDATES):
+            raise ValueError(f"cached must be an index of {CANDIDATES} or -1, got {self.cached!r}")
+
+    def encode(self) -> int:
+        """One small integer (below :data:`VIEW_CODES`): what the ranks exchange, exact in any float dtype."""
+        return _OVERRIDES.index(self.override) + len(_OVERRIDES) * (int(self.runs) + 2 * (self.cached + 1))
+
+    @classmethod
+    def decode(cls, code: int) -> "RankView":
+        """The view :meth:`encode` made ``code`` of; a RuntimeError when no view makes it."""
+        if isinstance(code, bool) or not isinstance(code, int) or not 0 <= code < VIEW_CODES:
+            raise RuntimeError(f"a rank sent {code!r}, not the code of a head-impl view (0 .. {VIEW_CODES - 1})")
+        rest, override = divmod(code, len(_OVERRIDES))
+        cached, runs = divmod(rest, 2)
+        return cls(_OVERRIDES[override], bool(runs), cached - 1)
+
+
+class Settled(NamedTuple):
+    """What :func:`settle_views` decided: ``impl`` every rank runs (None: time the candidates),
+    ``how`` (``"override"``, ``"no-triton"``, ``"cached"`` or ``"time"``) and, for ``"no-triton"``,
+    the ranks where the fused kernels cannot run."""
+
+    impl: Optional[str]
+    how: str
+    ranks: Tuple[int, ...] = ()
+
+
+def settle_views(views: Sequence[RankView]) -> Settled:
+    """The one rule every rank applies to the same list of views (``views[r]``: rank r's), so each
+    decides the same or raises the same ValueError:
+
+    * an override that names no implementation on some rank, or that is not the same on every
+      rank (set on some ranks only, or to different names), or that cannot run on some rank: a
+      ValueError naming the variable, the values and the ranks — never a rank that goes on alone;
+    * one override set alike on every rank (and runnable on each): that implementation, no timing;
+    * no override, and the fused kernels cannot run on some rank: torch on every rank, the one
+      implementation that runs everywhere (what ``auto`` means on one such process too);
+    * else rank 0's cached choice, if any; else None: time the candidates.
+    """
+    if not views:
+        raise ValueError("settle_views needs the view of at least one rank")
+    invalid = [r for r, v in enumerate(views) if v.override == INVALID]
+    if invalid:
+        raise ValueError(
+            f"{ENV_VAR} names no implementation of the head on {_ranks(invalid)} (see the error there); "
+            f"set it to one of {', '.join(CANDIDATES)} on every rank, or leave it unset on every rank"
+        )
+    if len({v.override for v in views}) > 1:
+        groups: Dict[Optional[str], List[int]] = {}
+        for r, v in enumerate(views):
+            groups.setdefault(v.override, []).append(r)
+        shown = ", ".join(f"{_ranks(rs)} {'unset' if o is None else repr(o)}" for o, rs in groups.items())
+        raise ValueError(f"{ENV_VAR} differs across ranks: {shown}; set it on every rank or on none")
+    override = views[0].override
+    cannot = tuple(r for r, v in enumerate(views) if not v.runs)
+    if override is not None:
+        if cannot:
+            raise ValueError(
+                f"{ENV_VAR}={override!r} cannot run on {_ranks(cannot)} (see the error there); "
+                f"name an implementation every rank can run, e.g. torch"
+            )
+        return Settled(override, "override")
+    if cannot:
+        return Settled("torch", "no-triton", cannot)
+    if views[0].cached >= 0:
+        return Settled(CANDIDATES[views[0].cached], "cached")
+    return Settled(None, "time")
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """``rank 3``, or ``ranks 0,2-7``: runs of consecutive ranks as ranges, so an error about a
+    thousand ranks stays one line."""
+    runs: List[List[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
 def _default_sync() -> Callable[[], None]:
@@ -180,6 +310,65 @@ class ImplSelector:
         self.failures: Dict[str, Dict[str, str]] = {}
         self._warned: set = set()
 
+    # ------------------------------------------------------------------ settle (process groups)
+    def settle(
+        self,
+        key: str,
+        override: Optional[str],
+        runs: bool,
+        gather: Optional[Callable[[int], Sequence[int]]] = None,
+        cause: Optional[BaseException] = None,
+    ) -> Optional[str]:
+        """The first step of workload ``key`` in a process group (see the module docstring): the
+        implementation every rank runs, or None when the candidates must be timed (then call
+        :meth:`choose` with ``cached=False`` on every rank).
+
+        ``override`` and ``runs``: this rank's :class:`RankView` (its cached entry is read here).
+        ``gather(code)``: every rank's code in rank order, one collective that every rank enters
+        (None: this process alone). ``cause``: why this rank cannot do what its view says (its
+        invalid value, why its override cannot run here, or why the candidates cannot be timed
+        here). Raises the ValueError of :func:`settle_views`, the same on every rank, from ``cause``
+        on a rank whose override it concerns; the warning of a fall-back to torch names it. A
+        settled name is remembered like a timed one, so a workload costs its collective once per
+        process.
+        """
+        if key in self.choices:
+            return self.choices[key]
+        cached = -1
+        if override is None and runs:  # a cache entry only matters where the candidates could be timed
+            entry = self._read().get(key)
+            name = entry.get("impl") if isinstance(entry, dict) else None
+            cached = CANDIDATES.index(name) if name in CANDIDATES else -1
+        view = RankView(override, bool(runs), cached)
+        codes = [view.encode()] if gather is None else list(gather(view.encode()))
+        try:
+            settled = settle_views([RankView.decode(c) for c in codes])
+        except ValueError as e:
+            if cause is not None and override is not None:  # this rank's override is in the error: say why
+                raise e from cause
+            raise
+        if settled.impl is not None:
+            self._log_settled(key, settled, view, len(codes), cause)
+            self.choices[key] = settled.impl
+        return settled.impl
+
+    def _log_settled(self, key: str, settled: Settled, view: RankView, world: int, cause) -> None:
+        short = short_key(key)
+        if settled.how == "override":
+            self.log.info("head impl for workload %s: %s (%s on every rank)", short, settled.impl, ENV_VAR)
+        elif settled.how == "cached":
+            where = f"cached in {self.path}" if view.cached == CANDIDATES.index(settled.impl) else "rank 0's cached choice"
+            self.log.info("head impl for workload %s: %s (%s)", short, settled.impl, where)
+        elif len(settled.ranks) < world:  # some ranks could have run the fused kernels: say why they don't
+            here = f" (here: {cause})" if cause is not None and not view.runs else ""
+            self.log.warning(
+                "head impl for workload %s: torch on every rank, as the fused kernels cannot run on %s%s and every "
+                "rank runs the same implementation; make Triton run there (a CUDA device, pip install "
+                "'shardfc[gpu]') or pass impl='torch' to choose torch yourself", short, _ranks(settled.ranks), here,
+            )
+        else:  # no rank can run them (a CPU run): what auto means there, nothing to warn about
+            self.log.debug("head impl for workload %s: torch (the fused kernels run on no rank)", short)
+
     # ------------------------------------------------------------------ choose
     def choose(
         self,
@@ -187,14 +376,16 @@ class ImplSelector:
         candidates: Mapping[str, Callable[[], None]],
         agree: Optional[Callable[[int], int]] = None,
         write: Optional[bool] = None,
+        cached: bool = True,
     ) -> str:
         """The implementation to run for workload ``key``.
 
         ``candidates``: name -> one forward + backward on the real inputs, changing no state; names
         from :data:`~shardfc.head.fused.CANDIDATES`, tried in the order given, the same on every rank.
         ``agree(i)``: returns rank 0's ``i`` on every rank (None: one process). ``write``: persist the
-        choice (default: the constructor's ``write_cache``). Raises a RuntimeError listing the
-        failures when no candidate runs (on rank 0, or here).
+        choice (default: the constructor's ``write_cache``). ``cached=False``: time without looking
+        at the cache file (and without the agreement on rank 0's entry): :meth:`settle` did. Raises a
+        RuntimeError listing the failures when no candidate runs (on rank 0, or here).
         """
         if key in self.choices:
             return self.choices[key]
@@ -202,18 +393,15 @@ class ImplSelector:
         write = self.write_cache if write is None else bool(write)
         short = short_key(key)
 
-        entry = self._read().get(key)
-        cached = entry.get("impl") if isinstance(entry, dict) else None
-        local = names.index(cached) if cached in names else -1
-        i0 = self._agree(agree, local, len(names))
-        if i0 >= 0:
-            name = names[i0]
-            if name == cached:
-                self.log.info("head impl for workload %s: %s (cached in %s)", short, name, self.path)
-            else:
-                self.log.info("head impl for workload %s: %s (rank 0's cached choice)", short, name)
-            self.choices[key] = name
-            return name
+        if cached:
+            entry = self._read().get(key)
+            name = entry.get("impl") if isinstance(entry, dict) else None
+            i0 = self._agree(agree, names.index(name) if name in names else -1, len(names))
+            if i0 >= 0:
+                where = f"cached in {self.path}" if names[i0] == name else "rank 0's cached choice"
+                self.log.info("head impl for workload %s: %s (%s)", short, names[i0], where)
+                self.choices[key] = names[i0]
+                return names[i0]
 
         times, errors = self._time_all(names, candidates)
         self.timings[key], self.failures[key] = times, errors

@@ -46,7 +46,7 @@ from shardfc.head.function import (
     sharded_cross_entropy,
     stats_dtype_for,
 )
-from shardfc.head.fused import CANDIDATES, check_impl, resolve_impl
+from shardfc.head.fused import CANDIDATES, check_impl, resolve_impl, triton_unavailable
 from shardfc.head.kernels import ShardConfig
 from shardfc.head.layout import class_ranges
 from shardfc.head.normalize import l2_normalize
@@ -71,9 +71,10 @@ from shardfc.seeding import mix_seed
 
 _log = logging.getLogger("shardfc.head")
 
-#: ``impl="auto"`` times each candidate on at most this many of a shard's classes: enough chunks and
-#: tiles that the candidates rank as at full size, a bounded transient (the weight gradient of
-#: these rows) whatever the shard's size.
+#: ``impl="auto"`` times each candidate's backward on at most this many of a shard's classes at a
+#: time, repeated until it has done the whole shard's work: the transient weight gradient of the
+#: timing stays at most this many classes' rows (256 MiB at D = 512 in fp32) whatever the shard's
+#: size, while the fused forward runs on the whole shard (:meth:`ShardedMarginHead._timed_step`).
 AUTO_TIMED_CLASSES = 1 << 17
 
 DeviceLike = Union[str, torch.device, int]
@@ -312,6 +313,12 @@ class ShardedMarginHead(nn.Module):
         Held weakly: the head does not keep the optimizer alive."""
         self._fused_optimizer = weakref.ref(optimizer)
 
+    def _fuses_update(self) -> bool:
+        """An optimizer whose step the backward applies is attached (and alive): part of
+        ``impl="auto"``'s workload key, since the backward then does the update's work too."""
+        opt = self._fused_optimizer() if self._fused_optimizer is not None else None
+        return bool(opt is not None and opt.fused_update)
+
     def _row_update_hook(self, impl: str, compute_dtype: torch.dtype, weights: List[Tensor]):
         """The plan's ``row_update`` for this forward (None: the optimizer steps from the gradient)
         and, in :attr:`last_update`, who updates the weights; logged when it changes."""
@@ -442,10 +449,10 @@ class ShardedMarginHead(nn.Module):
         x = self._prepare_embeddings(embeddings)
         embeds = self._global_embeddings(x, sizes, autograd=True)
         # Which code runs, decided before anything changes state (the Partial FC sample step): an
-        # impl="triton" that cannot run raises here, the same on every rank.
+        # impl="triton" that cannot run raises here; under impl="auto" the ranks agree here.
         compute_dtype = compute_dtype_for(embeds[0].device, embeds[0], weights[0])
         stats_dtype = stats_dtype_for(embeddings, weights[0])
-        impl = resolve_impl(self._impl_asked(), embeds[0].device, compute_dtype, stats_dtype)
+        impl, key = self._impl_for(embeds[0].device, compute_dtype, stats_dtype, weights[0].dtype, sum(sizes), sampling)
         all_labels = self.ctx.all_gather_rows(labels, sizes) if self.distributed else labels
         valid = all_labels != self.ignore_index
         feature_norms = self._feature_norms(embeddings, sizes, valid) if self.margin.uses_feature_norm else None
@@ -468,7 +475,7 @@ class ShardedMarginHead(nn.Module):
             filter_threshold=self.interclass_filter_threshold,
         )
         if impl == "auto":  # timed once per workload on this GPU (the first forward of a new key)
-            impl = self._choose_impl(config, embeds[0], weights[0], local_labels[0], rows, sizes)
+            impl = self._choose_impl(key, config, embeds[0], weights[0], local_labels[0], rows)
         self.last_impl = impl
         plan = ShardedLossPlan(
             config=dataclasses.replace(config, impl=impl),
@@ -484,28 +491,47 @@ class ShardedMarginHead(nn.Module):
         losses = sharded_cross_entropy(plan, valid, local_labels, embeds, weights, feature_norms)
         return reduce_losses(losses, valid, sizes, self.rank, self.reduction)
 
-    def _impl_asked(self) -> str:
-        """``impl``, or under ``impl="auto"`` what ``$SHARDFC_HEAD_IMPL`` names (if set)."""
-        return (impl_select.env_override() or "auto") if self.impl == "auto" else self.impl
+    def _impl_for(self, device: torch.device, compute_dtype: torch.dtype, stats_dtype: torch.dtype,
+                  weight_dtype: torch.dtype, batch: int, sampling: bool) -> Tuple[str, Optional[str]]:
+        """``(impl, key)``: the implementation this forward runs, or ``("auto", workload key)`` when
+        the candidates are to be timed (after the sample step: they run on its rows).
 
-    def _choose_impl(self, cfg: ShardConfig, a: Tensor, w: Tensor, labels: Tensor, rows, sizes: List[int]) -> str:
-        """``impl="auto"`` on a GPU: the fastest of :data:`~shardfc.head.fused.CANDIDATES` for this
-        workload, timed by :func:`~shardfc.head.impl_select.default_selector` on the first local
-        shard's real inputs (at most :data:`AUTO_TIMED_CLASSES` of its classes: the candidates'
-        times grow alike with the class count) and remembered per workload key. Timing changes no
-        state: no ``.grad``, no optimizer, no sampling step, no collective but the agreement on
-        rank 0's choice."""
-        margin = self.margin
-        key = impl_select.workload_key(
-            # global counts (the same on every rank), bucketed: a shard's class count differs by one
-            # between ranks when C does not divide
-            batch=impl_select.bucket(sum(sizes)), classes=impl_select.bucket(self.num_classes),
-            sampled=rows is not None, dim=self.embedding_dim, subcenters=self.subcenters,
-            compute=str(cfg.compute_dtype), weights=str(w.dtype), margin=type(margin).__name__,
-            normalize=margin.normalize_weights, needs_norm=margin.needs_norm,
-            smoothing=cfg.label_smoothing > 0, filter=cfg.filter_threshold is not None,
-            world=self.world_size, shards=len(self.devices), **impl_select.environment_fields(a.device),
-        )
+        ``impl="auto"`` in a process group: at the first forward of a workload every rank enters the
+        agreement (:meth:`~shardfc.head.impl_select.ImplSelector.settle`: one collective), whatever its
+        ``$SHARDFC_HEAD_IMPL``, its Triton or its device say, so a rank that would decide otherwise
+        alone is an error on every rank or a choice every rank shares, never a rank waiting for
+        another in a collective it skipped. Later forwards of the workload find the choice in memory
+        and talk to nobody. One process has nothing to agree on: the variable is read every forward."""
+        if self.impl != "auto":
+            return resolve_impl(self.impl, device, compute_dtype, stats_dtype), None
+        if not self.distributed:
+            impl = resolve_impl(impl_select.env_override() or "auto", device, compute_dtype, stats_dtype)
+            if impl != "auto":
+                return impl, None
+            return impl, workload_key(self, batch, compute_dtype, weight_dtype, device, sampling, self._fuses_update())
+        key = workload_key(self, batch, compute_dtype, weight_dtype, device, sampling, self._fuses_update())
+        selector = impl_select.default_selector()
+        if key in selector.choices:  # every forward after the first of a workload: no collective
+            return selector.choices[key], None
+        override, runs, cause = _local_view(device, compute_dtype, stats_dtype)
+        settled = selector.settle(key, override, runs, self._gather_codes, cause)
+        return ("auto", key) if settled is None else (settled, None)
+
+    def _gather_codes(self, code: int) -> List[int]:
+        """Every rank's ``code`` (a small integer, exact in fp32) in rank order: one all-reduce (sum)
+        of a ``[world]`` vector where each rank writes its own place — an all-gather of one number
+        through the reduction every communicator has. Its read to the host is once per workload."""
+        t = torch.zeros(self.world_size, device=self.devices[0])
+        t[self.rank] = float(code)
+        self.ctx.communicator.all_reduce_(t, "sum")
+        return [int(round(v)) for v in t.tolist()]
+
+    def _choose_impl(self, key: str, cfg: ShardConfig, a: Tensor, w: Tensor, labels: Tensor, rows) -> str:
+        """``impl="auto"`` on a GPU: the fastest of :data:`~shardfc.head.fused.CANDIDATES` for workload
+        ``key``, timed by :func:`~shardfc.head.impl_select.default_selector` on the first local
+        shard's real inputs (:meth:`_timed_step`) and remembered per key. Timing changes no state:
+        no ``.grad``, no optimizer, no sampling step; in a process group its one collective (after
+        :meth:`_impl_for`'s) is the agreement on rank 0's pick."""
         selector = impl_select.default_selector()
         if key in selector.choices:  # every forward after the first of a workload: no timing set-up
             return selector.choices[key]
@@ -519,34 +545,58 @@ class ShardedMarginHead(nn.Module):
 
         agree = rank0s if self.distributed else None
         with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
-            return selector.choose(key, candidates, agree, write=self.rank == 0)
+            # In a process group _impl_for has settled rank 0's cache entry already: time at once.
+            return selector.choose(key, candidates, agree, write=self.rank == 0, cached=not self.distributed)
 
     @staticmethod
     def _timed_step(cfg: ShardConfig, a: Tensor, w: Tensor, labels: Tensor, rows: Optional[Tensor]):
-        """One shard's forward + backward of ``cfg.impl`` on detached inputs, its results dropped."""
+        """One shard's forward + backward of ``cfg.impl`` on detached inputs, its results dropped:
+        the work of the whole shard, with a bounded transient.
+
+        The fused forward runs over all ``n`` scored classes of the shard, as the step's own forward
+        does: Triton's autotuner keys the forward kernel on the class count's power-of-two bucket
+        (:mod:`shardfc.head.fused.autotune`), so it tunes here once, under the key the run then uses
+        (a smaller slice would be tuned under its own key, and the first step would tune again). It
+        allocates what the step's forward does (the operand, at most ``OPERAND_BYTES``) and keeps
+        nothing. The backward, whose weight gradient has a row per class, runs ``k = ⌈n /``
+        :data:`AUTO_TIMED_CLASSES` ``⌉`` times over the first ``⌈n / k⌉`` classes: the whole
+        shard's work with the transient gradient of at most :data:`AUTO_TIMED_CLASSES` classes. Its
+        statistics come once, at the first call (the warm-up's), from the gemm forward of that
+        slice, which has no autotuner. torch has none either: its forward (``[B, slice]`` logits)
+        and backward both run ``k`` times over the slice.
+        """
         from shardfc.head.function import _shard_kernels
 
-        K = cfg.subcenters
-        n = (w.shape[0] if rows is None else rows.numel()) // K
-        n_timed = min(n, AUTO_TIMED_CLASSES)
         a, w = a.detach(), w.detach()
-        if rows is not None:
-            rows = rows[: n_timed * K]
-        else:
-            w = w[: n_timed * K]
-        labels = torch.where(labels < n_timed, labels, torch.full_like(labels, -1))
-        cfg = dataclasses.replace(cfg, num_classes=max(n_timed, 1))
+        n = (w.shape[0] if rows is None else rows.numel()) // cfg.subcenters
+        k = max(1, math.ceil(n / AUTO_TIMED_CLASSES))
+        cfg_s, w_s, labels_s, rows_s = _first_classes(cfg, w, labels, rows, math.ceil(n / k))
         target_rows = torch.zeros_like(a, dtype=cfg.stats_dtype) if cfg.filter_threshold is not None else None
         norm = torch.linalg.vector_norm(a.to(cfg.stats_dtype), dim=1) if cfg.margin.needs_norm else None
         coef = torch.full((a.shape[0],), 1.0 / max(a.shape[0], 1), dtype=cfg.stats_dtype, device=a.device)
         forward, backward = _shard_kernels(cfg)
+        fused = cfg.impl != "torch"
+        # the fused forward picks its code by cfg.impl when called: the slice's statistics come from
+        # gemm's (no autotuner), so the only fused-kernel forward of the timing is the whole shard's
+        cfg_stats = dataclasses.replace(cfg_s, impl="gemm") if fused else cfg_s
         extra = {} if target_rows is None else {"target_rows": target_rows}
+        slice_stats: List[Any] = []  # the fused backward's statistics of the slice, made at the first call
+
+        def backward_slice(stats) -> None:
+            backward(a, w_s, labels_s, norm, stats, stats.row_max, stats.sum_exp.clamp(min=1.0), coef, cfg_s,
+                     None, rows=rows_s, **extra)
 
         def run() -> None:
             with torch.no_grad(), torch.autocast(a.device.type, enabled=False):
-                stats = forward(a, w, labels, norm, cfg, rows=rows, **extra)
-                backward(a, w, labels, norm, stats, stats.row_max, stats.sum_exp.clamp(min=1.0), coef, cfg,
-                         None, rows=rows, **extra)
+                if not fused:
+                    for _ in range(k):
+                        backward_slice(forward(a, w_s, labels_s, norm, cfg_s, rows=rows_s, **extra))
+                    return
+                forward(a, w, labels, norm, cfg, rows=rows, **extra)  # the whole shard: the run's autotune key
+                if not slice_stats:
+                    slice_stats.append(forward(a, w_s, labels_s, norm, cfg_stats, rows=rows_s, **extra))
+                for _ in range(k):
+                    backward_slice(slice_stats[0])
 
         return run
 
@@ -683,6 +733,73 @@ class ShardedMarginHead(nn.Module):
             f"{where}, classes={self.class_range.start}..{self.class_range.stop - 1}, "
             f"reduction={self.reduction!r}, label_smoothing={self.label_smoothing}{chunk}"
         )
+
+
+def workload_key(
+    head: ShardedMarginHead, batch: int, compute_dtype: torch.dtype, weight_dtype: torch.dtype,
+    device: torch.device, sampling: bool, fused_update: bool = False,
+) -> str:
+    """The key under which ``impl="auto"`` remembers its choice for a forward of ``head`` over a
+    global batch of ``batch`` samples (:func:`~shardfc.head.impl_select.workload_key`): what can
+    change which implementation is fastest. Counts are global (the same on every rank) and bucketed
+    to a power of two, since a shard's class count differs by one between ranks when C does not
+    divide; the machine's fields (GPU name, shardfc / torch / CUDA / Triton versions) are constant in
+    a process. So every rank meets a new key at the same forward, where the ranks agree.
+
+    ``sampling``: the forward samples classes (Partial FC in training): the sample rate and
+    ``sparse_grad`` then change the work; a dense forward keys them as 1.0 and False.
+    ``fused_update``: the optimizer update is fused into the backward (more work there); False
+    until the head can do it.
+    """
+    if not isinstance(sampling, bool):
+        raise TypeError(f"sampling must be True or False, got {sampling!r}")
+    if not isinstance(fused_update, bool):
+        raise TypeError(f"fused_update must be True or False, got {fused_update!r}")
+    margin = head.margin
+    return impl_select.workload_key(
+        batch=impl_select.bucket(batch), classes=impl_select.bucket(head.num_classes), dim=head.embedding_dim,
+        subcenters=head.subcenters, sample_rate=head.sample_rate if sampling else 1.0,
+        sparse_grad=head.sparse_grad and sampling, fused_update=fused_update,
+        compute=str(compute_dtype), weights=str(weight_dtype), margin=type(margin).__name__,
+        normalize=margin.normalize_weights, needs_norm=margin.needs_norm, smoothing=head.label_smoothing > 0,
+        filter=head.interclass_filter_threshold is not None, world=head.world_size, shards=len(head.devices),
+        **impl_select.environment_fields(device),
+    )
+
+
+def _local_view(device: torch.device, compute_dtype: torch.dtype,
+                stats_dtype: torch.dtype) -> Tuple[Optional[str], bool, Optional[Exception]]:
+    """What this rank would do under ``impl="auto"`` alone, for the agreement: ``(override, runs,
+    cause)``. ``override``: what ``$SHARDFC_HEAD_IMPL`` names (None when unset or ``auto``,
+    :data:`~shardfc.head.impl_select.INVALID` when it names nothing); ``runs``: that implementation
+    can run here, or without one, the candidates can be timed here; ``cause``: why not. Raises
+    nothing: a rank that raised here would leave the others waiting in the agreement."""
+    try:
+        override = impl_select.env_override()
+    except ValueError as e:
+        return impl_select.INVALID, False, e
+    if override in (None, "auto"):
+        if resolve_impl("auto", device, compute_dtype, stats_dtype) == "auto":
+            return None, True, None
+        why = triton_unavailable(device, compute_dtype, stats_dtype) or f"the head's tensors are on {device}, not a CUDA device"
+        return None, False, RuntimeError(why)
+    try:
+        resolve_impl(override, device, compute_dtype, stats_dtype)
+    except ValueError as e:
+        return override, False, e
+    return override, True, None
+
+
+def _first_classes(cfg: ShardConfig, w: Tensor, labels: Tensor, rows: Optional[Tensor], n: int):
+    """``(cfg, w, labels, rows)`` of a shard cut to its first ``n`` scored classes (the labels of the
+    others ignored), for timing."""
+    K = cfg.subcenters
+    if rows is not None:
+        rows = rows[: n * K]
+    else:
+        w = w[: n * K]
+    labels = torch.where(labels < n, labels, torch.full_like(labels, -1))
+    return dataclasses.replace(cfg, num_classes=max(n, 1)), w, labels, rows
 
 
 def reduce_losses(losses: Tensor, valid: Tensor, sizes: Sequence[int], rank: int, reduction: str) -> Tensor:

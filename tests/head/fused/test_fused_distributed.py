@@ -139,3 +139,84 @@ def test_auto_ranks_agree_on_rank_0s_choice(tmp_path):
     assert results == [("gemm", "gemm"), ("gemm", "torch")]
     cached = json.loads((tmp_path / "head_impl.json").read_text())  # written by rank 0 alone
     assert [v["impl"] for v in cached.values()] == ["gemm"]
+
+
+#: impl="auto" on 2 ranks whose environments differ: case -> (rank -> SHARDFC_HEAD_IMPL, ranks where
+#: Triton is not installed). The other ranks run as on a GPU (off one, the candidates run under the
+#: interpreter). The error cases come first: the cases after them show the ranks still in step.
+AGREEMENT_CASES = {
+    "override on rank 1 only": ({1: "gemm"}, ()),
+    "invalid override on rank 0": ({0: "cudnn", 1: "gemm"}, ()),
+    "override that cannot run on rank 1": ({0: "triton", 1: "triton"}, (1,)),
+    "override on both": ({0: "gemm", 1: "gemm"}, ()),
+    "no Triton on rank 1": ({}, (1,)),
+    "no override": ({}, ()),
+}
+
+
+def _agreement_cases(rank, world, cache_dir):
+    """Each case on a fresh head and selector: ``(impl run, candidates timed)``, or ``("error",
+    message, this rank's cause)`` for a ValueError."""
+    import importlib.util
+
+    _interpret_off_gpu()
+    os.environ["SHARDFC_CACHE_DIR"] = cache_dir
+    import shardfc.head.module as module
+    from shardfc.head import impl_select
+
+    real, find_spec = module.resolve_impl, importlib.util.find_spec
+    as_on_gpu = lambda impl, *a: "auto" if impl == "auto" else real(impl, *a)  # noqa: E731
+    no_triton = lambda name, *a: None if name == "triton" else find_spec(name, *a)  # noqa: E731
+    dev = _device()
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(3, D, generator=g), torch.randint(0, C, (3,), generator=g)
+    out = {}
+    for name, (env, without_triton) in AGREEMENT_CASES.items():
+        os.environ.pop(impl_select.ENV_VAR, None)
+        if rank in env:
+            os.environ[impl_select.ENV_VAR] = env[rank]
+        # the kernels are imported already: only the head's check for Triton sees it missing
+        importlib.util.find_spec = no_triton if rank in without_triton else find_spec
+        module.resolve_impl = real if rank in without_triton else as_on_gpu
+        selector = impl_select.ImplSelector(steps=1, warmup=0, sync=lambda: None)
+        impl_select.default_selector = lambda: selector
+        head = shardfc.ShardedMarginHead(D, C, impl="auto", device=dev)
+        try:
+            head(x.to(dev).requires_grad_(), y.to(dev)).backward()
+            out[name] = (head.last_impl, sum(len(t) for t in selector.timings.values()))
+        except ValueError as e:
+            out[name] = ("error", str(e), None if e.__cause__ is None else str(e.__cause__))
+        finally:
+            importlib.util.find_spec = find_spec
+    return out
+
+
+@pytest.fixture(scope="module")
+def agreement(tmp_path_factory):
+    # a short group timeout: a rank left waiting in a collective fails the test in a minute, not five
+    return spawn(_agreement_cases, 2, str(tmp_path_factory.mktemp("cache")), backend="gloo", timeout_s=60)
+
+
+def test_auto_override_on_one_rank_only_is_the_same_error_on_both(agreement):
+    expected = "SHARDFC_HEAD_IMPL differs across ranks: rank 0 unset, rank 1 'gemm'; set it on every rank or on none"
+    assert [r["override on rank 1 only"] for r in agreement] == [("error", expected, None)] * 2
+
+
+def test_auto_invalid_or_unrunnable_override_is_an_error_on_every_rank(agreement):
+    (_, msg0, cause0), (_, msg1, cause1) = [r["invalid override on rank 0"] for r in agreement]
+    assert msg0 == msg1 and msg0.startswith("SHARDFC_HEAD_IMPL names no implementation of the head on rank 0 ")
+    assert "'cudnn'" in cause0 and cause1 is None  # the value itself, where it was set
+    (_, msg0, cause0), (_, msg1, cause1) = [r["override that cannot run on rank 1"] for r in agreement]
+    assert msg0 == msg1 and msg0.startswith("SHARDFC_HEAD_IMPL='triton' cannot run on rank 1 ")
+    assert cause0 is None and "impl='triton' cannot run: Triton is not installed" in cause1
+
+
+def test_auto_override_on_every_rank_is_run_without_timing(agreement):
+    assert [r["override on both"] for r in agreement] == [("gemm", 0)] * 2
+
+
+def test_auto_is_torch_on_every_rank_when_one_cannot_run_the_fused_kernels(agreement):
+    assert [r["no Triton on rank 1"] for r in agreement] == [("torch", 0)] * 2
+    # and the group is still in step after every case: the last times the candidates on both
+    assert [r["no override"][1] for r in agreement] == [3, 3]
+    assert agreement[0]["no override"][0] == agreement[1]["no override"][0]

@@ -178,3 +178,44 @@ def test_env_with_a_bad_value(monkeypatch):
     head = shardfc.ShardedMarginHead(8, 10)
     with pytest.raises(ValueError, match=r"SHARDFC_HEAD_IMPL='cuda' is not an implementation"):
         _step(head)
+
+
+@pytest.mark.parametrize("kw", [{}, {"sample_rate": 0.5}])
+def test_auto_times_the_forward_in_the_real_shards_autotune_bucket(auto_on_gpu, monkeypatch, kw):
+    """The timing's fused forward runs on the shard's own class count, so Triton's autotuner (keyed on
+    its power-of-two bucket) tunes once, under the key the run uses; its backward runs on slices of
+    at most AUTO_TIMED_CLASSES classes (the transient weight gradient), as often as covers the shard."""
+    import shardfc.head.function as function
+    import shardfc.head.module as module
+    from shardfc.head.fused import autotune, shard
+
+    selector, _ = auto_on_gpu
+    selector.clock = _Clock([1.0, 2.0, 3.0], steps=3)  # triton fastest: the real forward runs the kernel too
+    monkeypatch.setattr(module, "AUTO_TIMED_CLASSES", 8)  # 37 classes: slices of 8, 5 of them
+    forwards, backwards = [], []
+
+    def spy_forward(*args, **kw):
+        forwards.append(args[7])  # n_cls: the class count the kernel (and its autotune key) sees
+        return fused_forward(*args, **kw)
+
+    def spy_backward(real):
+        def backward(a, w, *args, rows=None, **kw):
+            backwards.append(w.shape[0] if rows is None else rows.numel())
+            return real(a, w, *args, rows=rows, **kw)
+
+        return backward
+
+    fused_forward = shard._fused_forward
+    monkeypatch.setattr(shard, "_fused_forward", spy_forward)
+    monkeypatch.setattr(shard, "shard_backward", spy_backward(shard.shard_backward))
+    monkeypatch.setattr(function, "shard_backward", spy_backward(function.shard_backward))
+    head = shardfc.ShardedMarginHead(8, 37, impl="auto", device=DEVICE, **kw)
+    x, y = torch.randn(6, 8), torch.tensor([0, 5, 9, 36, 20, 1])
+    head(x.to(DEVICE), y.to(DEVICE))  # the forward only: every backward seen is the timing's
+    assert head.last_impl == "triton"
+    real = head.sampled_rows[0].numel() if kw else 37  # the classes the step's own forward scored
+    assert forwards[-1] == real and len(forwards) == 1 + 3 + 1  # warm-up + 3 timed + the step's
+    assert {autotune.bucket(n) for n in forwards} == {autotune.bucket(real)}
+    # each of the 3 candidates x 4 calls runs the backward k = ceil(n / 8) times on ceil(n / k) <= 8 classes
+    k = -(-real // 8)
+    assert len(backwards) == 3 * 4 * k and set(backwards) == {-(-real // k)} and max(backwards) <= 8
