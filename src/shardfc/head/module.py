@@ -53,10 +53,9 @@ from shardfc.head.sampling import (
     merge_row_grads,
     num_sampled,
     positive_mask,
-    positives_per_range,
     sample_present,
     sampling_generator,
-    union_rows,
+    united,
 )
 from shardfc.head.validation import (
     check_batch_and_exchange_sizes,
@@ -129,14 +128,16 @@ class ShardedMarginHead(nn.Module):
             ``None``: one ``[B, n_local]`` buffer, no recomputation.
         chunk_budget_bytes: the activation budget of ``chunk_size="auto"`` (default 64 MiB).
         sample_rate: Partial FC. In training mode each step each shard keeps the classes of the
-            global batch's labels it owns plus uniform negatives, ``⌈r·n_local⌉`` in all (more if
-            the positives need it); build the optimizer with
+            global batch's labels it owns plus uniform negatives, a fixed count: ``⌈r·n_local⌉``, or
+            the global batch size ``B`` when that is larger (every positive then fits, whatever the
+            labels), at most ``n_local``; known from shapes alone, so sampling reads nothing back to
+            the host (:mod:`shardfc.head.sampling`). Build the optimizer with
             :func:`shardfc.head.partial_fc.head_optimizer` so only those rows move. ``1.0``: the full
             head. Evaluation mode and :meth:`predict` always use every class.
         sample_seed: seed of the sampling; step ``t`` of shard ``i`` draws from
             ``(sample_seed, i, t)``, so a run is reproducible (``sample_step`` counts steps).
         sparse_grad: Partial FC only (``sample_rate < 1``): the weight gradient of a training step
-            holds the sampled rows only, a compact ``[K·(⌈r·n_local⌉ (+ positives)), D]`` buffer kept by
+            holds the sampled rows only, a compact ``[K·k, D]`` buffer (``k`` the count above) kept by
             the head (never a ``.grad``: autograd sees none for the weights) and handed with its row
             ids to the row-sparse optimizer of :func:`~shardfc.head.partial_fc.head_optimizer`
             (:meth:`take_sampled_rows`). No ``[n_local, D]`` gradient is ever allocated, so a class
@@ -229,8 +230,8 @@ class ShardedMarginHead(nn.Module):
         self.sample_rate = check_probability("sample_rate", sample_rate, low_open=True, high_open=False)
         self.sample_seed = int(sample_seed)
         self.sample_step = 0
-        # Per shard, the rows the forwards since the optimizer's last step used (None: every row).
-        self._pending_rows: Optional[List[Optional[Tensor]]] = None
+        # Per shard, the rows each forward since the optimizer's last step used (None: every row).
+        self._pending_rows: Optional[List[Optional[List[Tensor]]]] = None
         if not isinstance(sparse_grad, bool):
             raise TypeError(f"sparse_grad must be True or False, got {sparse_grad!r}")
         if sparse_grad and self.sample_rate >= 1.0:
@@ -307,8 +308,19 @@ class ShardedMarginHead(nn.Module):
         autograd enabled since the optimizer last took them used: the Partial FC sample, united over
         the micro-batches of a step. An entry ``None`` means every row of that shard (a forward
         without sampling, e.g. in evaluation mode); the whole is ``None`` when no forward was recorded.
+        The forwards only note their samples; the union (a ``torch.unique``, a host read on a GPU) is
+        formed here, when asked, and only for a step of several forwards.
         """
-        return None if self._pending_rows is None else list(self._pending_rows)
+        if self._pending_rows is None:
+            return None
+        return [None if parts is None else self._united(parts) for parts in self._pending_rows]
+
+    @staticmethod
+    def _united(parts: List[Tensor]) -> Tensor:
+        """A shard's rows over the forwards of a step, kept united once formed."""
+        if len(parts) > 1:
+            parts[:] = [united(parts)]
+        return parts[0]
 
     def take_sampled_rows(self) -> Dict[Tensor, Union[Tensor, RowGrad]]:
         """``{shard weight: rows}`` of :attr:`sampled_rows`, which are then forgotten.
@@ -333,7 +345,7 @@ class ShardedMarginHead(nn.Module):
                             w.grad = torch.zeros_like(w)
                         w.grad.index_add_(0, merged.rows, merged.values.to(w.grad.dtype))
                 continue
-            out[w] = merge_row_grads(parts) if parts else rows
+            out[w] = merge_row_grads(parts) if parts else self._united(rows)
         return out
 
     def row_grad_values(self) -> List[Tensor]:
@@ -354,13 +366,14 @@ class ShardedMarginHead(nn.Module):
         self._row_grads[shard].append((rows, grad))
 
     def _record_rows(self, rows: List[Optional[Tensor]]) -> None:
-        """Note the rows of each shard a forward used, for the optimizer (only when autograd records)."""
+        """Note the rows of each shard a forward used, for the optimizer (only when autograd records).
+        A micro-batch's rows are appended, not united: the union waits for :attr:`sampled_rows`."""
         if not torch.is_grad_enabled():
             return
         if self._pending_rows is None:
-            self._pending_rows = list(rows)
+            self._pending_rows = [None if r is None else [r] for r in rows]
         else:
-            self._pending_rows = [union_rows(a, b) for a, b in zip(self._pending_rows, rows)]
+            self._pending_rows = [None if a is None or b is None else a + [b] for a, b in zip(self._pending_rows, rows)]
 
     @property
     def distributed(self) -> bool:
@@ -538,15 +551,15 @@ class ShardedMarginHead(nn.Module):
         """Partial FC: each shard's sampled rows, labels re-indexed into them, and the sampled total."""
         step, self.sample_step = self.sample_step, self.sample_step + 1
         first_shard = self.rank if self.distributed else 0
-        # Every rank sees the global labels, so it can count every shard's positives without talking;
-        # one read to the host for all of them (the sample sizes), nothing per shard.
+        # A fixed count per shard, from shapes alone (no read of the labels): ⌈r·n⌉, or the global
+        # batch size when larger, the most distinct positives a shard can have (sampling.num_sampled).
+        batch = all_labels.shape[0]
         ranges = class_ranges(self.num_classes, self.world_size * len(self.devices))
-        n_pos = positives_per_range(all_labels, all_labels != self.ignore_index, ranges)
         sub_labels, sampled = [], []
         for i, (w, lab) in enumerate(zip(self.shard_weights, local_labels)):
             gen = sampling_generator(w.device, mix_seed(self.sample_seed, first_shard + i, step))
             n_classes = w.shape[0] // self.subcenters
-            keep = num_sampled(n_classes, self.sample_rate, n_pos[first_shard + i])
+            keep = num_sampled(n_classes, self.sample_rate, batch)
             rows = sample_present(positive_mask(lab, n_classes), keep, gen)
             sampled.append(rows)
             lut = torch.full((n_classes,), -1, dtype=torch.int64, device=w.device)
@@ -556,7 +569,7 @@ class ShardedMarginHead(nn.Module):
                 K = self.subcenters
                 sampled[-1] = (rows.unsqueeze(1) * K + torch.arange(K, device=rows.device)).view(-1)
         self._record_rows(sampled)
-        total = sum(num_sampled(len(r), self.sample_rate, n) for r, n in zip(ranges, n_pos))
+        total = sum(num_sampled(len(r), self.sample_rate, batch) for r in ranges)
         return sampled, sub_labels, total
 
     # ------------------------------------------------------------------ sharded state
