@@ -58,8 +58,12 @@ from shardfc.head.sampling import (
     united,
 )
 from shardfc.head.validation import (
+    PendingCheck,
     check_batch_and_exchange_sizes,
+    check_batch_deferred,
     check_embeddings,
+    check_validate,
+    defers,
     raise_or_exchange_sizes,
 )
 from shardfc.parallel.collectives import gather_rows_forward_reduce_scatter_backward
@@ -175,6 +179,14 @@ class ShardedMarginHead(nn.Module):
             compute, ``embedding_dim ≤ 1024``; a clear error says which condition fails) or
             ``"auto"`` (the default: Triton on CUDA when it can run there, else torch).
             ``last_impl`` says which ran.
+        validate: when the value checks of a forward's inputs (finite embeddings, labels in
+            ``[0, C)`` or ``ignore_index``) are read, in one process: ``"immediate"`` (in that
+            forward: one host sync a step), ``"deferred"`` (at the start of the next forward, or at
+            :meth:`check_pending`, from pinned host memory once the GPU is done: no sync; the error
+            still names the row and value, and which forward's batch) or ``"auto"`` (the default:
+            deferred on CUDA, immediate elsewhere). In process-group mode the checks travel with the
+            batch-size exchange and raise at once on every rank, whatever this says. Types and
+            shapes are always checked at once. See docs/head.md ("When input errors surface").
 
     Example::
 
@@ -205,6 +217,7 @@ class ShardedMarginHead(nn.Module):
         subcenters: int = 1,
         interclass_filter_threshold: Optional[float] = None,
         impl: str = "auto",
+        validate: str = "auto",
     ):
         super().__init__()
         self.embedding_dim = check_positive_int("embedding_dim", embedding_dim)
@@ -254,6 +267,10 @@ class ShardedMarginHead(nn.Module):
                 )
         self.interclass_filter_threshold = interclass_filter_threshold
         self.impl = check_impl(impl)
+        self.validate = check_validate(validate)
+        # A deferred value check still to read (validate="deferred"), and the forwards counted for its message.
+        self._pending_check: Optional[PendingCheck] = None
+        self._forward_calls = 0
         #: The implementation the last forward ran ("torch" or "triton"; None before the first).
         self.last_impl: Optional[str] = None
         self.init_seed = int(init_seed)
@@ -384,10 +401,27 @@ class ShardedMarginHead(nn.Module):
         return raise_or_exchange_sizes(error, local_batch, self.ctx)
 
     def _check_and_exchange(self, embeddings: Tensor, labels: Tensor) -> List[int]:
-        return check_batch_and_exchange_sizes(
-            embeddings, labels, embedding_dim=self.embedding_dim, num_classes=self.num_classes,
-            ignore_index=self.ignore_index, ctx=self.ctx,
-        )
+        self.check_pending()  # the previous forward's deferred checks first: their batch came first
+        self._forward_calls += 1
+        args = dict(embedding_dim=self.embedding_dim, num_classes=self.num_classes, ignore_index=self.ignore_index,
+                    ctx=self.ctx)
+        device = embeddings.device if isinstance(embeddings, Tensor) else self.devices[0]
+        if not defers(self.validate, device, self.distributed):
+            return check_batch_and_exchange_sizes(embeddings, labels, **args)
+        sizes, self._pending_check = check_batch_deferred(embeddings, labels, call=self._forward_calls, **args)
+        return sizes
+
+    def check_pending(self) -> None:
+        """Raise the error of the last forward's value checks if they are still unread and failed
+        (``validate="deferred"``: non-finite embeddings or labels out of range in that batch); else
+        nothing. Every forward calls it first. Call it after a run's last step and before saving a
+        checkpoint (``shardfc train`` does; :meth:`sharded_state` does too), so that a bad final batch
+        is reported and no checkpoint holds a step trained on one. It waits for that forward's check
+        kernels only (a CUDA event), never for the work queued after them."""
+        pending, self._pending_check = self._pending_check, None
+        error = pending.error() if pending is not None else None
+        if error is not None:
+            raise error
 
     def _prepare_embeddings(self, embeddings: Tensor) -> Tensor:
         return l2_normalize(embeddings) if self.margin.normalize_embeddings else embeddings
@@ -581,7 +615,9 @@ class ShardedMarginHead(nn.Module):
 
     def sharded_state(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
         """This process's part of the head's state, as one block of classes whatever its sharding
-        (see :func:`shardfc.head.sharded_state.sharded_state`)."""
+        (see :func:`shardfc.head.sharded_state.sharded_state`). Reads a deferred input check first
+        (:meth:`check_pending`): a state trained on a bad batch is not handed out silently."""
+        self.check_pending()
         return _state.sharded_state(self, optimizer)
 
     def load_sharded_state(self, state: Mapping[str, Any], optimizer: Optional[torch.optim.Optimizer] = None) -> None:
