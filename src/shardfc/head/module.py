@@ -563,7 +563,8 @@ class ShardedMarginHead(nn.Module):
     def _feature_norms(self, embeddings: Tensor, sizes: List[int], valid: Tensor) -> Tensor:
         """The global batch's norms before normalisation ``[B]`` (AdaFace, MagFace), gathered like
         the embeddings (gradient reduce-scattered, W× under the DDP convention). In training mode
-        the margin's running statistics step on the valid ones: the same values on every rank."""
+        the margin's running statistics step on the valid ones (a mask, no boolean indexing: no host
+        read): the same values on every rank."""
         x = embeddings.float() if embeddings.dtype in (torch.float16, torch.bfloat16) else embeddings
         norms = torch.linalg.vector_norm(x, dim=1)
         if self.distributed:
@@ -571,7 +572,7 @@ class ShardedMarginHead(nn.Module):
                 norms.unsqueeze(1), sizes, self.ctx, grad_scale=self.world_size
             ).squeeze(1)
         if self.training and hasattr(self.margin, "update_statistics"):
-            self.margin.update_statistics(norms.detach()[valid.to(norms.device)])
+            self.margin.update_statistics(norms.detach(), valid.to(norms.device))
         return norms
 
     def _chunk_for(self, batch: int) -> Optional[int]:
