@@ -241,8 +241,9 @@ class PendingCheck:
             error = embeddings_value_error(self._embeddings)
         else:
             error = labels_value_error(self._labels, self.num_classes, self.ignore_index)
-        return type(error)(f"{error} [the batch of forward call {self.call}, found at the next call: "
-                           "validate='deferred' reads the value checks one call late; see docs/head.md]")
+        return type(error)(f"{error} [the batch of forward call {self.call}, read after that call: "
+                           "validate='deferred' reports the value checks at the next forward or check_pending(); "
+                           "see docs/head.md]")
 
 
 def check_batch_deferred(
