@@ -15,7 +15,9 @@
 #   step     scripts/gpu_step.py: each impl against float64 at C_CHECK (fp32, bf16);
 #            the head step at C = CLASSES_STEP (bench and trainer variants, Partial FC
 #            r=0.1 bf16 sparse) beside the matmul floor; one step profiled (kernels,
-#            the slowest ten, host syncs); shardfc plan beside the measured peak       -> gpu_step.json
+#            the slowest ten, host syncs), and a step (plain and Partial FC) under
+#            torch.cuda.set_sync_debug_mode("error"), which must pass: no host sync
+#            (issue 31); shardfc plan beside the measured peak                         -> gpu_step.json
 #   peers    shardfc bench --peers at each C of CLASSES (B, D, bf16)                    -> peers_c<C>.json
 #   tests    pytest on the CUDA-capable tests (tests/head -k "cuda or triton or fused",
 #            the CUDA-only tests elsewhere), kernels compiled for the real card         -> tests.log
@@ -24,7 +26,7 @@
 #            resumes and evaluates, and `shardfc eval` of its checkpoint               -> trainer.json, train.log
 # Everything printed also goes to all.log. At most 8 files, flat, under ${OUT:-gpu_check_out}; the
 # plots are drawn afterwards from the JSON on any machine (shardfc.tools.bench.peers_report.plot).
-# Exit 1 if any part failed (a correctness row, a failed bench row or a loss that disagrees, a test,
+# Exit 1 if any part failed (a correctness row, a step that synchronised the host, a failed bench row or a loss that disagrees, a test,
 # a trainer command), else 0.
 #
 # Environment (defaults): OUT (gpu_check_out), PYTHON (python3), DEVICE (cuda), PARTS (all), BATCH (1024),

@@ -7,8 +7,10 @@
   and as the trainer runs it (plus ``clip_head_grad_`` at the default ``grad_clip`` 5), per impl,
   beside the three bf16 matmuls of the same shapes, and Partial FC r = 0.1 with bf16 centres and the
   row-sparse update; median of ``--steps`` after ``--warmup``, CUDA-synchronised, peak memory above rest;
-* ``profile``: one step under ``torch.profiler`` (kernel count, the ten slowest kernels) and under
-  ``torch.cuda.set_sync_debug_mode("warn")`` (each host synchronisation, with the line that caused it);
+* ``profile``: one step under ``torch.profiler`` (kernel count, the ten slowest kernels), under
+  ``torch.cuda.set_sync_debug_mode("warn")`` (each host synchronisation, with the line that caused it)
+  and under ``set_sync_debug_mode("error")`` (a sync raises: the step must pass, issue 31), that one
+  also for a Partial FC head (r = 0.1, bf16 centres, ``sparse_grad``); skipped on a CPU;
 * ``plan``: ``shardfc plan``'s predicted step peak beside the measured one, for the configurations
   the plan models (centres and compute in one dtype).
 
@@ -16,7 +18,8 @@
 
 ``--device cpu`` with tiny sizes checks the script itself (the fused impls run under
 ``TRITON_INTERPRET=1`` when it is set; otherwise their rows say why they cannot run). Exit 1 if a
-correctness row fails or any part raised, else 0. A JSON of everything with ``--json``.
+correctness row fails, a step synchronised the host under ``set_sync_debug_mode("error")`` or any
+part raised, else 0. A JSON of everything with ``--json``.
 """
 
 from __future__ import annotations
@@ -260,6 +263,25 @@ def step_part(args, device: torch.device) -> Dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- profile and host syncs
+def sync_error_mode(step: Callable[[Any, Any], Any], batch, device: torch.device) -> Dict[str, Any]:
+    """One ``step`` under ``torch.cuda.set_sync_debug_mode("error")``, where a host synchronisation
+    raises RuntimeError: ``{"status": "pass"}``, or ``"FAILED"`` with the error (CUDA only: on another
+    device ``"skipped"``). The step's inputs must already be on the device."""
+    if device.type != "cuda":
+        return {"status": "skipped", "reason": "CUDA only (torch.cuda.set_sync_debug_mode)"}
+    sync(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(*batch)
+    except Exception as e:  # a sync's RuntimeError, or anything else the step raised
+        return {"status": "FAILED", "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                "traceback": traceback.format_exc()}
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    sync(device)
+    return {"status": "pass"}
+
+
 def profile_part(args, device: torch.device) -> Dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -296,6 +318,9 @@ def profile_part(args, device: torch.device) -> Dict[str, Any]:
                         syncs[key] = syncs.get(key, 0) + 1
             res["host_syncs"] = sum(syncs.values())
             res["host_sync_sites"] = syncs
+            res["sync_error_mode"] = sync_error_mode(step, batches[1], device)
+            log(f"profile impl={impl}: a step under set_sync_debug_mode('error'): {res['sync_error_mode']['status']} "
+                + res["sync_error_mode"].get("reason", ""))
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
             with profile(activities=activities) as prof:
                 step(*batches[1])
@@ -328,12 +353,33 @@ def profile_part(args, device: torch.device) -> Dict[str, Any]:
             for site, n in syncs.items():
                 log(f"    sync x{n}: {site}")
             del head, opt, step
+            res["partial_fc_sync_error_mode"] = partial_fc_sync_check(args, device, impl, batches)
         except Exception as e:
             res.update(status="FAILED", reason=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
             log(f"profile {name}: FAILED: {res['reason']}")
         out["impls"][name] = res
         release(device)
     return out
+
+
+def partial_fc_sync_check(args, device: torch.device, impl: str, batches) -> Dict[str, Any]:
+    """The trainer's step of a Partial FC head (r = 0.1, bf16 centres, ``sparse_grad``, row-sparse
+    SGD) under ``set_sync_debug_mode("error")``, after two warm-up steps."""
+    if device.type != "cuda":
+        return {"status": "skipped", "reason": "CUDA only (torch.cuda.set_sync_debug_mode)"}
+    try:
+        head, ctx = make_head(args.dim, args.classes, device, impl, dtype=torch.bfloat16, sample_rate=0.1, sparse_grad=True)
+        opt = shardfc.head_optimizer(head, "sgd", lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+        step = head_step(head, opt, ctx, device, args.dtype, clip=True)
+        for i in range(2):
+            step(*batches[i % 2])
+        res = sync_error_mode(step, batches[0], device)
+    except Exception as e:
+        res = {"status": "FAILED", "reason": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    log(f"profile impl={impl}: a Partial FC step under set_sync_debug_mode('error'): {res['status']} "
+        + res.get("reason", ""))
+    release(device)
+    return res
 
 
 # --------------------------------------------------------------------------- plan vs measured
@@ -425,6 +471,10 @@ def main(argv=None) -> int:
         for row in result.get(part, {}).get("rows", []):
             if row.get("status") == "FAILED":
                 status = 1
+    for res in result.get("profile", {}).get("impls", {}).values():  # a step that synchronised the host
+        for key in ("sync_error_mode", "partial_fc_sync_error_mode"):
+            if res.get(key, {}).get("status") == "FAILED":
+                status = 1
     print(summary(result))
     return status
 
@@ -451,6 +501,10 @@ def summary(r: Dict[str, Any]) -> str:
             if "kernels" in res:
                 lines.append(f"\nprofile {impl}: {res['kernels']} kernels, {res['kernel_time_ms']:.3f} ms, "
                              f"{res['host_syncs']} host syncs")
+            for key, what in (("sync_error_mode", "step"), ("partial_fc_sync_error_mode", "Partial FC step")):
+                if key in res:
+                    lines.append(f"profile impl={impl}: {what} under set_sync_debug_mode('error'): {res[key]['status']}"
+                                 + (f" ({res[key]['reason'][:100]})" if res[key].get("reason") else ""))
     if "plan" in r and "rows" in r["plan"]:
         lines += ["", "| plan vs measured | planned MiB | measured MiB | ms |", "|---|---:|---:|---:|"]
         for row in r["plan"]["rows"]:

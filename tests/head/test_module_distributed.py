@@ -110,9 +110,11 @@ def _run_case(rank, world, opts):
 
 
 def _bad_input_cases(rank, world):
-    """Each case: one rank passes bad input; every rank must raise, none may hang."""
+    """Each case: one rank passes bad input; every rank must raise, none may hang. In a process group
+    the value checks travel with the batch-size exchange: they raise at once on every rank even
+    with ``validate="deferred"``, whose one-call delay is for one process."""
     out = {}
-    head = shardfc.ShardedMarginHead(D, C, dtype=torch.float64)
+    head = shardfc.ShardedMarginHead(D, C, dtype=torch.float64, validate="deferred")
     good_x, good_y = torch.randn(3, D, dtype=torch.float64), torch.tensor([0, 5, C - 1])
     bad = world - 1
     cases = {

@@ -251,16 +251,37 @@ def test_positives_per_range_against_a_plain_count(seed):
     assert positives_per_range(labels, valid, ranges) == plain
 
 
-def test_sampling_reads_the_device_once_for_every_shard(monkeypatch):
-    """Partial FC's per-step sample: every shard's positive count in one read (it was a torch.unique
-    and an int() per shard of every rank, plus a copy of the positives to the host)."""
+def test_sampling_reads_nothing_and_its_size_depends_on_the_batch_size_only(monkeypatch):
+    """Partial FC's per-step sample: no read back to the host (it was a count of every shard's
+    positives, read with one .tolist(), and before that a torch.unique and an int() per shard), and a
+    fixed count per shard, ⌈r·n⌉ or the global batch size when larger, whatever the labels."""
     head = shardfc.ShardedMarginHead(8, 100, sample_rate=0.2, devices=["cpu", "cpu", "cpu"])
-    y = torch.randint(0, 100, (12,))
     reads = []
     for name in ("tolist", "item", "__bool__", "__int__", "cpu"):
         real = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name: reads.append(_n) or _r(self, *a))
-    all_labels = y
-    local = [torch.where((y >= r.start) & (y < r.stop), y - r.start, -1) for r in head.shard_ranges]
-    head._sample_classes(all_labels, local)
-    assert reads == ["tolist"]
+    g = torch.Generator().manual_seed(0)
+    for y in (torch.randint(0, 100, (12,), generator=g), torch.full((12,), 5), torch.arange(0, 36, 3),
+              torch.full((12,), -1)):
+        local = [torch.where((y >= r.start) & (y < r.stop), y - r.start, -1) for r in head.shard_ranges]
+        rows, sub_labels, total = head._sample_classes(y, local)
+        expected = [num_sampled(len(r), 0.2, 12) for r in head.shard_ranges]
+        assert [r.numel() for r in rows] == expected == [12, 12, 12] and total == 36
+        for r, lab, sub in zip(rows, local, sub_labels):  # every positive sampled, labels re-indexed into the sample
+            assert torch.equal(torch.where(lab >= 0, r[sub.clamp(min=0)], -1), lab)
+    assert reads == []
+
+
+def test_more_positives_than_the_rate_allows_are_all_kept_and_the_loss_is_exact():
+    """⌈0.05·200⌉ = 10 classes, but a batch of 32 samples of 32 distinct classes: the shard keeps 32
+    (the batch size), every positive among them, and the loss is the dense loss over those classes."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(32, D, generator=g, dtype=torch.float64)
+    y = torch.randperm(C, generator=g)[:32]
+    head = shardfc.ShardedMarginHead(D, C, sample_rate=0.05, dtype=torch.float64, label_smoothing=0.1)
+    loss = head(x, y)
+    (rows,) = head.sampled_rows
+    assert rows.numel() == 32 and torch.isin(y, rows).all()
+    sub = torch.searchsorted(rows, y)
+    ref = shardfc.reference_loss(x, head.weight.detach()[rows], sub, head.margin, label_smoothing=0.1)
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-14)

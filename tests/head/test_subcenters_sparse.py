@@ -53,9 +53,10 @@ def test_sparse_gradient_equals_dense_reference_on_sampled_centre_rows(
     monkeypatch, devices, chunk, margin, filter_threshold, first_shard, ignore
 ):
     """23 classes over 3 shards (8, 8, 7), K = 3; without a chunk size SAMPLED_BLOCK = 7 rows makes
-    blocks of 2 whole classes (6 rows), several per shard."""
+    blocks of 2 whole classes (6 rows), several per shard. A batch of 5: each shard samples
+    max(⌈0.4·n⌉, 5) = 5 classes (the batch size bounds its positives), a real sample."""
     monkeypatch.setattr(kernels, "SAMPLED_BLOCK", 7)
-    x, y = _data(1, first_shard, ignore)
+    x, y = _data(1, first_shard, ignore, batch=5)
     head = _head(True, devices, chunk, margin, filter_threshold)
     xs = x.clone().requires_grad_()
     loss = head(xs, y)

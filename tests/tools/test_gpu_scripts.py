@@ -26,7 +26,8 @@ def test_gpu_step_runs_on_the_cpu_and_checks_the_torch_path_against_float64(tmp_
     out = tmp_path / "gpu_step.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gpu_step.py"), "--device", "cpu", "--batch", "8", "--dim", "16",
-         "--classes", "40", "--check-classes", "30", "--steps", "2", "--warmup", "1", "--json", str(out)],
+         "--classes", "40", "--check-classes", "30", "--steps", "2", "--warmup", "1", "--profile-impls", "torch,triton",
+         "--json", str(out)],
         capture_output=True, text=True, env=_env(), timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -41,6 +42,12 @@ def test_gpu_step_runs_on_the_cpu_and_checks_the_torch_path_against_float64(tmp_
     assert steps["torch: bench step"]["status"] == "ok" and steps["torch: bench step"]["ms"] > 0
     assert steps["triton: bench step"]["status"] == "unavailable"
     assert "| C=30 float32 | torch |" in proc.stdout  # the summary table
+    # The step under torch.cuda.set_sync_debug_mode("error") is CUDA's: skipped here, cleanly.
+    torch_profile = result["profile"]["impls"]["torch"]
+    assert torch_profile["host_syncs"] == 0 and torch_profile["kernels"] == 0
+    for key in ("sync_error_mode", "partial_fc_sync_error_mode"):
+        assert torch_profile[key]["status"] == "skipped" and "CUDA only" in torch_profile[key]["reason"]
+    assert "step under set_sync_debug_mode('error'): skipped" in proc.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the script would measure it")

@@ -199,6 +199,31 @@ def test_fp16_on_cpu_falls_back_to_bf16_with_a_message(tmp_path, caplog, monkeyp
     assert "amp='fp16' asked for, but this run is on the CPU" in (tmp_path / "fp16" / "train.log").read_text()
 
 
+def test_the_run_flushes_the_heads_deferred_input_checks(tmp_path, monkeypatch):
+    """One process on CUDA defers the head's value checks one forward (validate="auto"): every
+    checkpoint reads the pending ones first (sharded_state), and the loop reads the last batch's when
+    it ends, so a bad final batch is reported. Here on the CPU, with the deferred mode forced."""
+    import inspect
+
+    from shardfc.head import module
+
+    monkeypatch.setattr(module, "defers", lambda *args: True)
+    callers = []
+    real = module.ShardedMarginHead.check_pending
+
+    def check_pending(self):
+        callers.append(inspect.stack()[1].function)
+        return real(self)
+
+    monkeypatch.setattr(module.ShardedMarginHead, "check_pending", check_pending)
+    cfg = tiny_config(tmp_path / "run", nproc=1, max_steps=2, grad_accum=2, synthetic_val_pairs=0, ckpt_every=1,
+                      eval_every=0)
+    assert train(cfg)["step"] == 2
+    assert callers.count("_check_and_exchange") == 4  # each forward reads the previous one's first
+    assert callers.count("sharded_state") == 2  # the checkpoints at steps 1 and 2
+    assert callers.index("train") < len(callers) - 1 and callers[-1] == "sharded_state"  # loop end, then the last save
+
+
 def test_checkpoint_of_another_model_or_lost_classes_is_refused(run2, tmp_path):
     cfg, _ = run2
     other_model = _copy_run(cfg, tmp_path / "a", nproc=1, embedding_dim=32)

@@ -25,8 +25,10 @@ negatives too close to the sample's *target centre*: not the same method, so a n
 is refused with a message rather than silently changed.
 
 Partial FC (``sample_rate < 1``): each rank scores its positive classes and uniform negatives,
-``⌈r·n_local⌉`` classes in all (arcface_torch: ``⌊r·n_local⌋``), and the weight gradient is dense
-with zeros outside them, as a plain ``torch.optim.SGD`` over the weight expects.
+``max(⌈r·n_local⌉, B)`` classes in all (``B`` the global batch: every positive fits, with no host
+read; arcface_torch: ``⌊r·n_local⌋``, or only the positives when they outnumber it, found with a
+``torch.unique`` each step), and the weight gradient is dense with zeros outside them, as a plain
+``torch.optim.SGD`` over the weight expects.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ margin only touches the target logit, so it works unchanged in the chunked and P
 from __future__ import annotations
 
 import math
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from torch import Tensor
@@ -34,7 +34,10 @@ class AdaFace(Margin):
 
     ``norm_mean`` / ``norm_std`` are the running statistics (initial 20 and 100, as the authors'
     code); the head updates them in training mode with :meth:`update_statistics` from the global
-    batch's norms, so every rank holds the same values, and saves them in its sharded state.
+    batch's norms, so every rank holds the same values, and saves them in its sharded state. Once
+    updated from a batch they live on its device (a ``[2]`` float64 tensor the margin reads there),
+    so a step reads nothing back to the host; reading ``norm_mean`` / ``norm_std`` or :meth:`state`
+    copies them to the host (a sync on a GPU: at checkpoint time, not in a step).
     """
 
     normalize_embeddings = True
@@ -52,10 +55,34 @@ class AdaFace(Margin):
         self.momentum = _check_real("momentum", momentum, nonnegative=True)
         if self.momentum > 1:
             raise ValueError(f"momentum must be in [0, 1], got {momentum!r}")
-        self.norm_mean, self.norm_std = 20.0, 100.0
+        self._stats: Tensor = torch.tensor([20.0, 100.0], dtype=torch.float64)  # mean, std; moves to the norms' device
 
     def _params(self) -> dict:
-        return {k: v for k, v in vars(self).items() if k not in ("norm_mean", "norm_std")}
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+    @property
+    def norm_mean(self) -> float:
+        return float(self._stats[0])
+
+    @norm_mean.setter
+    def norm_mean(self, value: float) -> None:
+        self._stats = self._stats.clone()
+        self._stats[0] = float(value)
+
+    @property
+    def norm_std(self) -> float:
+        return float(self._stats[1])
+
+    @norm_std.setter
+    def norm_std(self, value: float) -> None:
+        self._stats = self._stats.clone()
+        self._stats[1] = float(value)
+
+    def _stats_on(self, device: torch.device) -> Tensor:
+        """The statistics on ``device`` (moved there for good: every later step reads them there)."""
+        if self._stats.device != device:
+            self._stats = self._stats.to(device)
+        return self._stats
 
     @property
     def scale(self) -> float:
@@ -68,23 +95,33 @@ class AdaFace(Margin):
 
     def load_state(self, state: Dict[str, float]) -> None:
         """Restore what :meth:`state` returned (raises KeyError if a key is missing)."""
-        self.norm_mean, self.norm_std = float(state["norm_mean"]), float(state["norm_std"])
+        mean, std = float(state["norm_mean"]), float(state["norm_std"])
+        self._stats = torch.tensor([mean, std], dtype=torch.float64).to(self._stats.device)
 
     @torch.no_grad()
-    def update_statistics(self, norms: Tensor) -> None:
-        """One momentum step of the running mean and (unbiased) std from a batch's feature norms;
-        a batch of fewer than 2 samples has no std and leaves both unchanged."""
-        if norms.numel() < 2:
+    def update_statistics(self, norms: Tensor, valid: Optional[Tensor] = None) -> None:
+        """One momentum step of the running mean and (unbiased) std from a batch's feature norms
+        (those where ``valid``, bool ``[B]``, is set; all without it); a batch of fewer than 2 such
+        samples has no std and leaves both unchanged. On the norms' device, by masks: no host read."""
+        if norms.device.type == "meta":  # shapes only (shardfc plan): no values to step on
             return
         safe = norms.double().clamp(*self.NORM_CLIP)
-        mean, std = float(safe.mean()), float(safe.std())
+        weight = torch.ones_like(safe) if valid is None else valid.to(safe.device, torch.float64)
+        n = weight.sum()
+        mean = (safe * weight).sum() / n.clamp(min=1)
+        std = (((safe - mean) * weight).square().sum() / (n - 1).clamp(min=1)).sqrt()
+        old = self._stats_on(safe.device)
         a = self.momentum
-        self.norm_mean = a * mean + (1 - a) * self.norm_mean
-        self.norm_std = a * std + (1 - a) * self.norm_std
+        new = a * torch.stack([mean, std]) + (1 - a) * old
+        self._stats = torch.where(n >= 2, new, old)
 
     def quality(self, norm: Tensor) -> Tensor:
         """``ẑ``, the normalised feature norm in ``[−1, 1]``."""
-        z = (norm.clamp(*self.NORM_CLIP) - self.norm_mean) / (self.norm_std + self.STD_EPS)
+        if norm.device.type == "meta":  # shapes only (shardfc plan): the values stay where they are
+            stats = torch.empty(2, dtype=torch.float64, device="meta")
+        else:
+            stats = self._stats_on(norm.device)
+        z = (norm.clamp(*self.NORM_CLIP) - stats[0].to(norm.dtype)) / (stats[1].to(norm.dtype) + self.STD_EPS)
         return (z * self.h).clamp(-1.0, 1.0)
 
     def target(self, raw, norm=None):

@@ -215,8 +215,12 @@ def gather_target_centres(
     B, D = embeds[0].shape[0], weights[0].shape[1]
     total = torch.zeros(B, D, dtype=sd, device=home)
     for i, (a, w, lab) in enumerate(zip(embeds, weights, local_labels)):
-        rows = torch.nonzero(lab >= 0).squeeze(1)
-        ids = (lab[rows].unsqueeze(1) * K + torch.arange(K, device=lab.device)).view(-1)
+        if w.shape[0] == 0:  # a shard without classes holds no target
+            continue
+        # Every sample's candidate centres (class 0's for a sample whose label is elsewhere), kept
+        # where the label is here: a mask, not nonzero, so nothing is read back to the host.
+        here = lab >= 0
+        ids = (lab.clamp(min=0).unsqueeze(1) * K + torch.arange(K, device=lab.device)).view(-1)
         sampled = plan.rows_of(i)
         if sampled is not None:  # Partial FC: labels index the sampled classes, whose rows these are
             ids = sampled[ids]
@@ -225,11 +229,11 @@ def gather_target_centres(
         if K > 1:
             # The class logit's own measure: a·ŵ (or a·w for a margin that keeps centres raw).
             pick = unit if cfg.margin.normalize_weights else centres
-            best = (pick @ a[rows].to(sd).unsqueeze(2)).squeeze(2).argmax(dim=1)
-            unit = unit[torch.arange(rows.numel(), device=unit.device), best]
+            best = (pick @ a.to(sd).unsqueeze(2)).squeeze(2).argmax(dim=1)
+            unit = unit[torch.arange(B, device=unit.device), best]
         else:
             unit = unit.view(-1, D)
-        total.index_add_(0, rows.to(home), unit.to(home))
+        total.add_(torch.where(here.unsqueeze(1), unit, torch.zeros_like(unit)).to(home))
     if plan.distributed:
         plan.comm.all_reduce_(total, "sum")
     return total

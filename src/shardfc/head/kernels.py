@@ -155,9 +155,17 @@ def _scaled_embeddings(a: Tensor, cfg: ShardConfig) -> Tensor:
     return (a * s if s != 1.0 else a).to(cfg.compute_dtype)
 
 
-def _targets_in(rows_t: Tensor, cols_t: Tensor, start: int, stop: int) -> Tuple[Tensor, Tensor]:
-    sel = (cols_t >= start) & (cols_t < stop)
-    return rows_t[sel], cols_t[sel] - start
+def _targets_in(cols: Tensor, start: int, stop: int) -> Tuple[Tensor, Tensor]:
+    """Which samples' target class is in the chunk ``[start, stop)`` (bool ``[B]``) and each sample's
+    column in the chunk (``[B, 1]``; an arbitrary valid column where it is not): masks over the
+    whole batch, never ``nonzero``, so nothing is read back to the host."""
+    sel = (cols >= start) & (cols < stop)
+    return sel, (cols - start).clamp(0, stop - start - 1).unsqueeze(1)
+
+
+def _put_targets(z: Tensor, sel: Tensor, at: Tensor, values: Tensor) -> None:
+    """``z[i, at[i]] = values[i]`` where ``sel[i]``; the other rows keep their entry."""
+    z.scatter_(1, at, torch.where(sel, values.to(z.dtype), z.gather(1, at).squeeze(1)).unsqueeze(1))
 
 
 def _class_logits(a_s: Tensor, w_c: Tensor, inv: Optional[Tensor], cfg: ShardConfig) -> Tuple[Tensor, Optional[Tensor]]:
@@ -217,26 +225,24 @@ def shard_forward(
     target_dnorm = torch.zeros(B, dtype=sd, device=dev) if margin.needs_norm else None
     buffers: Optional[list] = None if cfg.chunk_size else []
 
-    rows_t = torch.nonzero(local_labels >= 0).squeeze(1)
-    cols_t = local_labels[rows_t]
     a_s = _scaled_embeddings(a, cfg)
     step = _step(n, rows, cfg)
     for start in range(0, n, step):
         stop = min(start + step, n)
         w_c = _centres(w, rows, start * K, stop * K)
         z, arg = _class_logits(a_s, w_c, _inverse_norms(w_c, cfg), cfg)
-        r, c = _targets_in(rows_t, cols_t, start, stop)
-        raw_t = z[r, c] / margin.scale
-        if r.numel():
-            value, d_raw, d_norm = margin.target(raw_t, norms[r] if norms is not None else None)
-            z[r, c] = value
-            target[r] = value
-            target_draw[r] = d_raw
-            if target_dnorm is not None and d_norm is not None:
-                target_dnorm[r] = d_norm
+        sel, at = _targets_in(local_labels, start, stop)
+        # The margin on every sample's candidate column, kept where it is the target (masks: no sync).
+        raw_t = z.gather(1, at).squeeze(1) / margin.scale
+        value, d_raw, d_norm = margin.target(raw_t, norms)
+        _put_targets(z, sel, at, value)
+        target = torch.where(sel, value.to(sd), target)
+        target_draw = torch.where(sel, d_raw.to(sd), target_draw)
+        if target_dnorm is not None and d_norm is not None:
+            target_dnorm = torch.where(sel, d_norm.to(sd), target_dnorm)
         if target_rows is not None:
             drop = _filtered_classes(target_rows, w_c, cfg)
-            drop[r, c] = False  # the target itself always stays
+            drop.scatter_(1, at, drop.gather(1, at) & ~sel.unsqueeze(1))  # the target itself always stays
             z.masked_fill_(drop, float("-inf"))
         if logit_sum is not None:
             logit_sum += z.sum(dim=1)
@@ -278,8 +284,7 @@ def shard_backward(
     K = cfg.subcenters
     n = _columns(w, rows) // K
     margin, eps, C = cfg.margin, cfg.label_smoothing, cfg.num_classes
-    rows_t = torch.nonzero(local_labels >= 0).squeeze(1)
-    cols_t = local_labels[rows_t]
+    on_shard = local_labels >= 0
     a_s = _scaled_embeddings(a, cfg)
     grad_a = torch.zeros(a.shape, dtype=cfg.stats_dtype, device=a.device)
     step = _step(n, rows, cfg)
@@ -291,32 +296,31 @@ def shard_backward(
         grad_w = torch.empty((n * K,) + tuple(w.shape[1:]), dtype=w.dtype, device=w.device)
     coef_over_sum = coef / global_sum
     smooth = (coef * (eps / C)).unsqueeze(1) if eps > 0 else None
-    # dL/dz_t for the targets on this shard, from the saved target logits alone.
-    p_t = torch.exp(stats.target[rows_t] - global_max[rows_t]) * coef_over_sum[rows_t]
-    dz_t = p_t - coef[rows_t] * (eps / C + 1.0 - eps)
+    # dL/dz_t for the targets on this shard (0 for the other samples), from the saved target logits alone.
+    p_t = torch.exp(stats.target - global_max) * coef_over_sum
+    dz_t = torch.where(on_shard, p_t - coef * (eps / C + 1.0 - eps), torch.zeros_like(p_t))
 
     for k, start in enumerate(range(0, n, step)):
         stop = min(start + step, n)
         w_c = _centres(w, rows, start * K, stop * K)
         inv = _inverse_norms(w_c, cfg)
-        r, c = _targets_in(rows_t, cols_t, start, stop)
-        sel = (cols_t >= start) & (cols_t < stop)
+        sel, at = _targets_in(local_labels, start, stop)
         if stats.buffers is not None:
             _, _, z, chunk_max, arg = stats.buffers[k]  # exp(z − chunk_max): rescale to coef·softmax
             z.mul_((torch.exp(chunk_max - global_max) * coef_over_sum).unsqueeze(1))
         else:
             z, arg = _class_logits(a_s, w_c, inv, cfg)
-            z[r, c] = stats.target[r]
+            _put_targets(z, sel, at, stats.target)
             if target_rows is not None:
                 drop = _filtered_classes(target_rows, w_c, cfg)
-                drop[r, c] = False
+                drop.scatter_(1, at, drop.gather(1, at) & ~sel.unsqueeze(1))
                 z.masked_fill_(drop, float("-inf"))
             z.sub_(global_max.unsqueeze(1)).exp_().mul_(coef_over_sum.unsqueeze(1))
         if smooth is not None:
             z.sub_(smooth)
         # z is now dL/dz. Through the margin, dL/draw is s·dz off target and (∂z_t/∂raw)·dz_t on
         # target; the factor s is applied to the matmul operands/results, so targets get ÷s here.
-        z[r, c] = dz_t[sel] * stats.target_draw[r] / margin.scale
+        _put_targets(z, sel, at, dz_t * stats.target_draw / margin.scale)
         if arg is not None:  # a class's gradient goes to its arg-max centre; the others get none
             full = torch.zeros(z.shape[0], z.shape[1], K, dtype=z.dtype, device=z.device)
             z = full.scatter_(2, arg.long().unsqueeze(2), z.unsqueeze(2)).view(z.shape[0], -1)
@@ -359,10 +363,7 @@ def shard_backward(
         del z, g
     if stats.buffers is not None:
         stats.buffers.clear()
-    on_shard = local_labels >= 0
-    dz_full = torch.zeros(a.shape[0], dtype=cfg.stats_dtype, device=a.device)
-    dz_full[rows_t] = dz_t
-    grad_norm = target_norm_gradients(a, norms, on_shard, dz_full, stats.target_dnorm, coef, cfg, feature_norms, grad_a)
+    grad_norm = target_norm_gradients(a, norms, on_shard, dz_t, stats.target_dnorm, coef, cfg, feature_norms, grad_a)
     return grad_a.to(a.dtype), (None if accumulate else grad_w), grad_norm
 
 

@@ -55,14 +55,17 @@ from shardfc.head.sampling import (
     merge_row_grads,
     num_sampled,
     positive_mask,
-    positives_per_range,
     sample_present,
     sampling_generator,
-    union_rows,
+    united,
 )
 from shardfc.head.validation import (
+    PendingCheck,
     check_batch_and_exchange_sizes,
+    check_batch_deferred,
     check_embeddings,
+    check_validate,
+    defers,
     raise_or_exchange_sizes,
 )
 from shardfc.parallel.collectives import gather_rows_forward_reduce_scatter_backward
@@ -134,14 +137,16 @@ class ShardedMarginHead(nn.Module):
             ``None``: one ``[B, n_local]`` buffer, no recomputation.
         chunk_budget_bytes: the activation budget of ``chunk_size="auto"`` (default 64 MiB).
         sample_rate: Partial FC. In training mode each step each shard keeps the classes of the
-            global batch's labels it owns plus uniform negatives, ``⌈r·n_local⌉`` in all (more if
-            the positives need it); build the optimizer with
+            global batch's labels it owns plus uniform negatives, a fixed count: ``⌈r·n_local⌉``, or
+            the global batch size ``B`` when that is larger (every positive then fits, whatever the
+            labels), at most ``n_local``; known from shapes alone, so sampling reads nothing back to
+            the host (:mod:`shardfc.head.sampling`). Build the optimizer with
             :func:`shardfc.head.partial_fc.head_optimizer` so only those rows move. ``1.0``: the full
             head. Evaluation mode and :meth:`predict` always use every class.
         sample_seed: seed of the sampling; step ``t`` of shard ``i`` draws from
             ``(sample_seed, i, t)``, so a run is reproducible (``sample_step`` counts steps).
         sparse_grad: Partial FC only (``sample_rate < 1``): the weight gradient of a training step
-            holds the sampled rows only, a compact ``[K·(⌈r·n_local⌉ (+ positives)), D]`` buffer kept by
+            holds the sampled rows only, a compact ``[K·k, D]`` buffer (``k`` the count above) kept by
             the head (never a ``.grad``: autograd sees none for the weights) and handed with its row
             ids to the row-sparse optimizer of :func:`~shardfc.head.partial_fc.head_optimizer`
             (:meth:`take_sampled_rows`). No ``[n_local, D]`` gradient is ever allocated, so a class
@@ -179,6 +184,14 @@ class ShardedMarginHead(nn.Module):
             compute, ``embedding_dim ≤ 1024``; a clear error says which condition fails) or
             ``"auto"`` (the default: Triton on CUDA when it can run there, else torch).
             ``last_impl`` says which ran.
+        validate: when the value checks of a forward's inputs (finite embeddings, labels in
+            ``[0, C)`` or ``ignore_index``) are read, in one process: ``"immediate"`` (in that
+            forward: one host sync a step), ``"deferred"`` (at the start of the next forward, or at
+            :meth:`check_pending`, from pinned host memory once the GPU is done: no sync; the error
+            still names the row and value, and which forward's batch) or ``"auto"`` (the default:
+            deferred on CUDA, immediate elsewhere). In process-group mode the checks travel with the
+            batch-size exchange and raise at once on every rank, whatever this says. Types and
+            shapes are always checked at once. See docs/head.md ("When input errors surface").
 
     Example::
 
@@ -209,6 +222,7 @@ class ShardedMarginHead(nn.Module):
         subcenters: int = 1,
         interclass_filter_threshold: Optional[float] = None,
         impl: str = "auto",
+        validate: str = "auto",
     ):
         super().__init__()
         self.embedding_dim = check_positive_int("embedding_dim", embedding_dim)
@@ -234,8 +248,8 @@ class ShardedMarginHead(nn.Module):
         self.sample_rate = check_probability("sample_rate", sample_rate, low_open=True, high_open=False)
         self.sample_seed = int(sample_seed)
         self.sample_step = 0
-        # Per shard, the rows the forwards since the optimizer's last step used (None: every row).
-        self._pending_rows: Optional[List[Optional[Tensor]]] = None
+        # Per shard, the rows each forward since the optimizer's last step used (None: every row).
+        self._pending_rows: Optional[List[Optional[List[Tensor]]]] = None
         if not isinstance(sparse_grad, bool):
             raise TypeError(f"sparse_grad must be True or False, got {sparse_grad!r}")
         if sparse_grad and self.sample_rate >= 1.0:
@@ -258,6 +272,10 @@ class ShardedMarginHead(nn.Module):
                 )
         self.interclass_filter_threshold = interclass_filter_threshold
         self.impl = check_impl(impl)
+        self.validate = check_validate(validate)
+        # A deferred value check still to read (validate="deferred"), and the forwards counted for its message.
+        self._pending_check: Optional[PendingCheck] = None
+        self._forward_calls = 0
         #: The implementation the last forward ran ("torch" or "triton"; None before the first).
         self.last_impl: Optional[str] = None
         #: Who applies the optimizer's step to the weights after the last training forward:
@@ -350,8 +368,19 @@ class ShardedMarginHead(nn.Module):
         autograd enabled since the optimizer last took them used: the Partial FC sample, united over
         the micro-batches of a step. An entry ``None`` means every row of that shard (a forward
         without sampling, e.g. in evaluation mode); the whole is ``None`` when no forward was recorded.
+        The forwards only note their samples; the union (a ``torch.unique``, a host read on a GPU) is
+        formed here, when asked, and only for a step of several forwards.
         """
-        return None if self._pending_rows is None else list(self._pending_rows)
+        if self._pending_rows is None:
+            return None
+        return [None if parts is None else self._united(parts) for parts in self._pending_rows]
+
+    @staticmethod
+    def _united(parts: List[Tensor]) -> Tensor:
+        """A shard's rows over the forwards of a step, kept united once formed."""
+        if len(parts) > 1:
+            parts[:] = [united(parts)]
+        return parts[0]
 
     def take_sampled_rows(self) -> Dict[Tensor, Union[Tensor, RowGrad]]:
         """``{shard weight: rows}`` of :attr:`sampled_rows`, which are then forgotten.
@@ -376,7 +405,7 @@ class ShardedMarginHead(nn.Module):
                             w.grad = torch.zeros_like(w)
                         w.grad.index_add_(0, merged.rows, merged.values.to(w.grad.dtype))
                 continue
-            out[w] = merge_row_grads(parts) if parts else rows
+            out[w] = merge_row_grads(parts) if parts else self._united(rows)
         return out
 
     def row_grad_values(self) -> List[Tensor]:
@@ -397,13 +426,14 @@ class ShardedMarginHead(nn.Module):
         self._row_grads[shard].append((rows, grad))
 
     def _record_rows(self, rows: List[Optional[Tensor]]) -> None:
-        """Note the rows of each shard a forward used, for the optimizer (only when autograd records)."""
+        """Note the rows of each shard a forward used, for the optimizer (only when autograd records).
+        A micro-batch's rows are appended, not united: the union waits for :attr:`sampled_rows`."""
         if not torch.is_grad_enabled():
             return
         if self._pending_rows is None:
-            self._pending_rows = list(rows)
+            self._pending_rows = [None if r is None else [r] for r in rows]
         else:
-            self._pending_rows = [union_rows(a, b) for a, b in zip(self._pending_rows, rows)]
+            self._pending_rows = [None if a is None or b is None else a + [b] for a, b in zip(self._pending_rows, rows)]
 
     @property
     def distributed(self) -> bool:
@@ -414,10 +444,27 @@ class ShardedMarginHead(nn.Module):
         return raise_or_exchange_sizes(error, local_batch, self.ctx)
 
     def _check_and_exchange(self, embeddings: Tensor, labels: Tensor) -> List[int]:
-        return check_batch_and_exchange_sizes(
-            embeddings, labels, embedding_dim=self.embedding_dim, num_classes=self.num_classes,
-            ignore_index=self.ignore_index, ctx=self.ctx,
-        )
+        self.check_pending()  # the previous forward's deferred checks first: their batch came first
+        self._forward_calls += 1
+        args = dict(embedding_dim=self.embedding_dim, num_classes=self.num_classes, ignore_index=self.ignore_index,
+                    ctx=self.ctx)
+        device = embeddings.device if isinstance(embeddings, Tensor) else self.devices[0]
+        if not defers(self.validate, device, self.distributed):
+            return check_batch_and_exchange_sizes(embeddings, labels, **args)
+        sizes, self._pending_check = check_batch_deferred(embeddings, labels, call=self._forward_calls, **args)
+        return sizes
+
+    def check_pending(self) -> None:
+        """Raise the error of the last forward's value checks if they are still unread and failed
+        (``validate="deferred"``: non-finite embeddings or labels out of range in that batch); else
+        nothing. Every forward calls it first. Call it after a run's last step and before saving a
+        checkpoint (``shardfc train`` does; :meth:`sharded_state` does too), so that a bad final batch
+        is reported and no checkpoint holds a step trained on one. It waits for that forward's check
+        kernels only (a CUDA event), never for the work queued after them."""
+        pending, self._pending_check = self._pending_check, None
+        error = pending.error() if pending is not None else None
+        if error is not None:
+            raise error
 
     def _prepare_embeddings(self, embeddings: Tensor) -> Tensor:
         return l2_normalize(embeddings) if self.margin.normalize_embeddings else embeddings
@@ -603,7 +650,8 @@ class ShardedMarginHead(nn.Module):
     def _feature_norms(self, embeddings: Tensor, sizes: List[int], valid: Tensor) -> Tensor:
         """The global batch's norms before normalisation ``[B]`` (AdaFace, MagFace), gathered like
         the embeddings (gradient reduce-scattered, W× under the DDP convention). In training mode
-        the margin's running statistics step on the valid ones: the same values on every rank."""
+        the margin's running statistics step on the valid ones (a mask, no boolean indexing: no host
+        read): the same values on every rank."""
         x = embeddings.float() if embeddings.dtype in (torch.float16, torch.bfloat16) else embeddings
         norms = torch.linalg.vector_norm(x, dim=1)
         if self.distributed:
@@ -611,7 +659,7 @@ class ShardedMarginHead(nn.Module):
                 norms.unsqueeze(1), sizes, self.ctx, grad_scale=self.world_size
             ).squeeze(1)
         if self.training and hasattr(self.margin, "update_statistics"):
-            self.margin.update_statistics(norms.detach()[valid.to(norms.device)])
+            self.margin.update_statistics(norms.detach(), valid.to(norms.device))
         return norms
 
     def _chunk_for(self, batch: int) -> Optional[int]:
@@ -625,15 +673,15 @@ class ShardedMarginHead(nn.Module):
         """Partial FC: each shard's sampled rows, labels re-indexed into them, and the sampled total."""
         step, self.sample_step = self.sample_step, self.sample_step + 1
         first_shard = self.rank if self.distributed else 0
-        # Every rank sees the global labels, so it can count every shard's positives without talking;
-        # one read to the host for all of them (the sample sizes), nothing per shard.
+        # A fixed count per shard, from shapes alone (no read of the labels): ⌈r·n⌉, or the global
+        # batch size when larger, the most distinct positives a shard can have (sampling.num_sampled).
+        batch = all_labels.shape[0]
         ranges = class_ranges(self.num_classes, self.world_size * len(self.devices))
-        n_pos = positives_per_range(all_labels, all_labels != self.ignore_index, ranges)
         sub_labels, sampled = [], []
         for i, (w, lab) in enumerate(zip(self.shard_weights, local_labels)):
             gen = sampling_generator(w.device, mix_seed(self.sample_seed, first_shard + i, step))
             n_classes = w.shape[0] // self.subcenters
-            keep = num_sampled(n_classes, self.sample_rate, n_pos[first_shard + i])
+            keep = num_sampled(n_classes, self.sample_rate, batch)
             rows = sample_present(positive_mask(lab, n_classes), keep, gen)
             sampled.append(rows)
             lut = torch.full((n_classes,), -1, dtype=torch.int64, device=w.device)
@@ -643,7 +691,7 @@ class ShardedMarginHead(nn.Module):
                 K = self.subcenters
                 sampled[-1] = (rows.unsqueeze(1) * K + torch.arange(K, device=rows.device)).view(-1)
         self._record_rows(sampled)
-        total = sum(num_sampled(len(r), self.sample_rate, n) for r, n in zip(ranges, n_pos))
+        total = sum(num_sampled(len(r), self.sample_rate, batch) for r in ranges)
         return sampled, sub_labels, total
 
     # ------------------------------------------------------------------ sharded state
@@ -655,7 +703,9 @@ class ShardedMarginHead(nn.Module):
 
     def sharded_state(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
         """This process's part of the head's state, as one block of classes whatever its sharding
-        (see :func:`shardfc.head.sharded_state.sharded_state`)."""
+        (see :func:`shardfc.head.sharded_state.sharded_state`). Reads a deferred input check first
+        (:meth:`check_pending`): a state trained on a bad batch is not handed out silently."""
+        self.check_pending()
         return _state.sharded_state(self, optimizer)
 
     def load_sharded_state(self, state: Mapping[str, Any], optimizer: Optional[torch.optim.Optimizer] = None) -> None:

@@ -3,8 +3,8 @@
 
 Partial FC (An et al., "Partial FC: Training 10 Million Identities on a Single Machine",
 ICCVW 2021) scores each step against the positive classes of the global batch plus a uniform
-sample of negatives, ``⌈r · n_local⌉`` classes per shard in all (more when the positives alone
-exceed that). Its point is that the step touches only those rows — so the optimizer must not
+sample of negatives, a fixed ``max(⌈r · n_local⌉, B)`` classes per shard (``B`` the global batch:
+every positive fits, and nothing is read back to the host; :mod:`shardfc.head.sampling`). Its point is that the step touches only those rows — so the optimizer must not
 move the others either: a dense gradient with zero rows would still let momentum and weight
 decay move every row every step. :class:`RowSparseSGD` and :class:`RowSparseAdamW` update exactly
 the rows the head sampled since the last step; every other row and its optimizer state stay

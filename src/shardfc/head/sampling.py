@@ -1,10 +1,18 @@
 """Partial FC's sampling: which classes each shard scores in a step, and which rows a step touched.
 
-Every shard keeps its positive classes (some sample of the global batch is labelled with them) plus
-uniformly drawn negatives, ``⌈r · n_local⌉`` classes in all (more when the positives alone exceed
-that); the draw is on the shard's device and seeded per shard and step, so a run reproduces. The
-rows a step's forwards used, and a ``sparse_grad`` head's compact gradient of them
-(:class:`RowGrad`), are what the row-sparse optimizers of :mod:`shardfc.head.partial_fc` update.
+Every shard keeps a fixed number of classes each step, :func:`num_sampled` of its class count, the
+rate and the *global batch size* ``B``: ``⌈r · n_local⌉``, or ``B`` when that is larger (a batch of
+``B`` samples has at most ``B`` distinct classes, so every positive fits whatever the labels), never
+more than ``n_local``. Its positive classes (some sample of the global batch is labelled with them)
+come first, then uniformly drawn negatives: random scores with the positives forced to the top and
+``topk``, as insightface's PartialFC_V2 draws them (which, unlike this, reads the positives back with
+a ``torch.unique`` every step and, when they outnumber its ``int(r·n_local)``, keeps just them: a
+count that depends on the labels). So the sample's shape depends on shapes only, never on the
+labels' values: nothing is read back to the host, and a step's shapes are the same for every batch
+of a size. The draw is on the shard's device
+and seeded per shard and step, so a run reproduces. The rows a step's forwards used, and a
+``sparse_grad`` head's compact gradient of them (:class:`RowGrad`), are what the row-sparse
+optimizers of :mod:`shardfc.head.partial_fc` update.
 """
 
 from __future__ import annotations
@@ -18,7 +26,9 @@ from torch import Tensor
 
 
 def num_sampled(num_local: int, sample_rate: float, num_positive: int) -> int:
-    """How many classes a shard keeps: ``⌈r·n⌉``, but never fewer than its positives."""
+    """How many classes a shard keeps: ``⌈r·n⌉``, but never fewer than ``num_positive`` (at most
+    ``n``). The head passes the global batch size, the most positives a shard can have, so that the
+    count is known from shapes alone; :func:`sample_rows` the positives it was given."""
     return min(num_local, max(math.ceil(sample_rate * num_local), num_positive))
 
 
@@ -59,7 +69,8 @@ def positive_mask(local_labels: Tensor, num_local: int) -> Tensor:
 
 def positives_per_range(labels: Tensor, valid: Tensor, ranges: Sequence[range]) -> List[int]:
     """How many distinct valid labels fall in each class range: one sort of the global batch's
-    labels and one read back to the host, for every shard of every rank at once."""
+    labels and one read back to the host, for every shard of every rank at once. (The head's sample
+    no longer needs it: its size comes from the batch size, with no read of the labels.)"""
     if not ranges:
         return []
     sentinel = ranges[-1].stop
@@ -94,7 +105,16 @@ def merge_row_grads(parts: Sequence[Tuple[Tensor, Tensor]]) -> RowGrad:
 
 
 def union_rows(previous: Optional[Tensor], rows: Optional[Tensor]) -> Optional[Tensor]:
-    """Rows used by two forwards of one step, ``None`` standing for every row."""
+    """Rows used by two forwards of one step, ``None`` standing for every row (a ``torch.unique``:
+    a host read; the head unites its micro-batches' rows only when the optimizer asks for them)."""
     if previous is None or rows is None:
         return None
-    return torch.unique(torch.cat([previous, rows.to(previous.device)]))
+    return united([previous, rows])
+
+
+def united(parts: Sequence[Tensor]) -> Tensor:
+    """The sorted distinct rows of several forwards' samples (one ``torch.unique``; on a GPU a host
+    read, so the head calls it at the optimizer's step, never in a forward)."""
+    if len(parts) == 1:
+        return parts[0]
+    return torch.unique(torch.cat([p.to(parts[0].device) for p in parts]))

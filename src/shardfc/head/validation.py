@@ -6,11 +6,19 @@ header ``[local batch size, error kind, value flags]``; if any rank failed, ever
 naming the rank and the problem. The header doubles as the exchange of local batch sizes the
 gathers need. The value checks (finite embeddings, labels in range) run on the device and travel
 in the header, so they add no host synchronisation to the one the exchange needs.
+
+In one process (no exchange) reading the value checks would be a host sync of its own, the only
+one of a step. With ``validate="deferred"`` (the default on CUDA: :func:`defers`) a forward only
+starts them — flags computed on the device, copied without blocking to pinned host memory, a CUDA
+event recorded — and :class:`PendingCheck` reads them at the start of the *next* forward (or at
+:meth:`~shardfc.head.module.ShardedMarginHead.check_pending`), when the GPU has long finished them:
+the error names the same row and value, and which forward's batch it was, one call late. Types,
+shapes and devices are checked on the host, at once, in every mode.
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -144,7 +152,8 @@ def check_batch_and_exchange_sizes(
 
     Types and shapes are checked on the host; the values (finite embeddings, labels in range) on
     the device, read with the batch-size exchange: no host sync beyond the one that exchange needs
-    (one in a single process), where reading each check would stall the GPU twice a step.
+    (one in a single process, where :func:`check_batch_deferred` avoids it), where reading each
+    check would stall the GPU twice a step.
     """
     error = check_embeddings(embeddings, embedding_dim, values=False)
     if error is None:
@@ -160,9 +169,106 @@ def check_batch_and_exchange_sizes(
     return raise_or_exchange_sizes(error, local_batch, ctx, flags, describe)
 
 
+#: How a head reads its value checks (``validate=``): ``"immediate"`` in the forward that runs them
+#: (one host sync in one process), ``"deferred"`` at the next forward, ``"auto"`` deferred on CUDA.
+VALIDATE_MODES = ("auto", "immediate", "deferred")
+
+
+def check_validate(validate) -> str:
+    """``validate`` if it is one of :data:`VALIDATE_MODES`, else a ValueError naming it."""
+    if validate not in VALIDATE_MODES:
+        raise ValueError(f"validate must be one of {VALIDATE_MODES}, got {validate!r}")
+    return validate
+
+
+def defers(validate: str, device: torch.device, distributed: bool) -> bool:
+    """Whether a forward on ``device`` defers its value checks. Never in process-group mode: there
+    they travel with the batch-size exchange, whose read waits for the embeddings anyway, so reading
+    them there is free and every rank raises at once. ``"auto"``: on CUDA, where a read would stall
+    the queue; on the CPU a read costs nothing and the error comes with the bad call itself."""
+    if distributed:
+        return False
+    if validate == "auto":
+        return device.type == "cuda"
+    return validate == "deferred"
+
+
+class PendingCheck:
+    """The value checks of one forward's inputs, on their way to the host (``validate="deferred"``).
+
+    Made by :func:`check_batch_deferred`: the flags of :func:`value_flags` are computed on the
+    device and, on CUDA, copied without blocking into pinned host memory behind a recorded event;
+    nothing waits. :meth:`error` reads them later: it waits for that event only (the check's own
+    kernels, long done by the next forward; not the work queued after them, so the GPU never runs
+    dry) and reads host memory. To name the bad row and value it keeps references to the batch's
+    embeddings (detached) and labels: no copy, and their in-place changes are noticed.
+    """
+
+    def __init__(self, embeddings: Tensor, labels: Tensor, num_classes: int, ignore_index: int, call: int):
+        flags = value_flags(embeddings, labels, num_classes, ignore_index)
+        self._event = None
+        if flags.device.type == "cuda":
+            self._host: Optional[Tensor] = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            self._host.copy_(flags, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(flags.device))
+        elif flags.device.type == "cpu":
+            self._host = flags  # host memory already
+        elif flags.device.type == "meta":
+            self._host = None  # shapes only (shardfc plan): nothing to read
+        else:  # another accelerator: a plain copy (it may block)
+            self._host = flags.to("cpu")
+        self._embeddings, self._labels = embeddings.detach(), labels.detach()
+        self._versions = (self._embeddings._version, self._labels._version)
+        self.num_classes, self.ignore_index, self.call = num_classes, ignore_index, call
+
+    def error(self) -> Optional[Exception]:
+        """The error of the checked batch (None when its values are good)."""
+        if self._host is None:
+            return None
+        if self._event is not None:
+            self._event.synchronize()
+        raised = self._host.numpy().tolist()  # a host array: no device read (see shardfc.tools.host_syncs)
+        if not any(raised):
+            return None
+        changed = (self._embeddings._version, self._labels._version) != self._versions
+        if changed:  # the values that failed are gone: say which check failed, without a row
+            what = ("embeddings contain non-finite values" if raised[0] else
+                    f"labels hold a value outside [0, num_classes={self.num_classes}) that is not "
+                    f"ignore_index={self.ignore_index}")
+            error: Exception = ValueError(f"{what} (the tensor was changed in place since, so not which row)")
+        elif raised[0]:
+            error = embeddings_value_error(self._embeddings)
+        else:
+            error = labels_value_error(self._labels, self.num_classes, self.ignore_index)
+        return type(error)(f"{error} [the batch of forward call {self.call}, read after that call: "
+                           "validate='deferred' reports the value checks at the next forward or check_pending(); "
+                           "see docs/head.md]")
+
+
+def check_batch_deferred(
+    embeddings, labels, *, embedding_dim: int, num_classes: int, ignore_index: int, ctx: DistContext, call: int,
+) -> Tuple[List[int], Optional[PendingCheck]]:
+    """:func:`check_batch_and_exchange_sizes` for one process with the value checks started, not
+    read: types and shapes raise at once; the values' verdict is the returned :class:`PendingCheck`."""
+    if ctx.distributed:
+        raise ValueError("deferred value checks are for one process; process-group mode reads them with the exchange")
+    error = check_embeddings(embeddings, embedding_dim, values=False)
+    if error is None:
+        error = check_labels(labels, embeddings.shape[0], num_classes, ignore_index, values=False)
+    sizes = raise_or_exchange_sizes(error, embeddings.shape[0] if error is None else 0, ctx)
+    pending = PendingCheck(embeddings, labels, num_classes, ignore_index, call) if embeddings.shape[0] else None
+    return sizes, pending
+
+
 __all__ = [
     "check_embeddings",
     "check_labels",
     "raise_or_exchange_sizes",
     "check_batch_and_exchange_sizes",
+    "check_batch_deferred",
+    "PendingCheck",
+    "VALIDATE_MODES",
+    "check_validate",
+    "defers",
 ]

@@ -143,6 +143,8 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
                 metrics = _evaluate(run, targets, state.step, runlog, autocast)
                 _mark(memory, f"evaluation at step {state.step}")
         runlog.close_bar()
+        if parts.head is not None:  # the last batch's deferred input checks (one process on CUDA): read now
+            parts.head.check_pending()
         stream.close()  # the loader's workers end now, not whenever the generator is collected
 
         # ---- save: a final checkpoint (unless nothing was trained) and a final evaluation

@@ -46,7 +46,9 @@ def checkpoint_root(cfg: TrainConfig) -> Path:
 
 
 def save(run: Run, state: RunState, cfg: TrainConfig) -> Path:
-    """Save a checkpoint of the run at ``state.step`` (collective over the group)."""
+    """Save a checkpoint of the run at ``state.step`` (collective over the group). The head's
+    ``sharded_state`` reads its deferred input checks first (``check_pending``): no checkpoint holds a
+    step trained on a batch that failed them."""
     if run.pipeline is not None:
         return _save_pipeline(run, state, cfg)
     parts, ctx, num_classes = run.parts, run.ctx, run.num_classes

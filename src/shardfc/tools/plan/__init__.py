@@ -263,8 +263,8 @@ class _Evaluator:
         resting = r.weights + r.optimizer_state + r.gradients
         rate = self.head_options["sample_rate"]
         n_sampled = r.n_local
-        if rate < 1.0:  # the replay's policy: every label of the global batch a distinct class of this shard
-            n_sampled = num_sampled(r.n_local, rate, min(r.local_batch * world_size, r.n_local))
+        if rate < 1.0:  # the head's fixed count: max(⌈r·n⌉, the global batch), at most n (what the replay sampled)
+            n_sampled = num_sampled(r.n_local, rate, r.local_batch * world_size)
         return dict(parts=parts, step_peak=r.step_peak, resting=resting, total=resting + r.step_peak,
                     bytes_per_class=resting / max(r.n_local, 1), n_local=r.n_local, n_sampled=n_sampled, local_batch=r.local_batch)
 

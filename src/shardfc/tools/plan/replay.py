@@ -12,9 +12,10 @@ no data, so any ``C`` costs nothing — and runs the step ``shardfc bench`` runs
   buffers. Every rank then holds rank 0's ``⌈B/W⌉`` rows. The group is destroyed afterwards.
 * **values**: a meta tensor has none. Where the step's result shape depends on them, :func:`_policy`
   answers as if every boolean were True: every mask keeps every element, ``unique`` keeps every
-  element (every label of the global batch is a distinct class of this rank's shard: the largest
-  Partial FC sample), a boolean read is True (the input checks pass); a copy off the meta device is
-  zeros. Any other value-dependent operator stops the replay with :class:`ReplayError`.
+  element, a boolean read is True (the input checks pass); a copy off the meta device is zeros. Any
+  other value-dependent operator stops the replay with :class:`ReplayError`. (A head step no longer
+  has any such operator — issue 31: Partial FC's sample has a fixed count, ``max(⌈r·n⌉, B)``, from
+  shapes alone — so the policy now only serves the immediate input checks and older code.)
 * **speed**: many meta kernels are Python; :class:`_MetaStep` remembers the output shapes of each
   operator for given input shapes and scalars, so the chunk loop's repeated operators cost a lookup.
 

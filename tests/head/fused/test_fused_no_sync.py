@@ -1,0 +1,62 @@
+"""No host synchronisation in a head step of the fused implementations (issue 31): forward and
+backward of ``impl="triton"`` and ``"gemm"`` read nothing back to the host, plain, under Partial FC
+(dense and sparse gradient), with sub-centres and with the inter-class filter, in one process with
+``validate="deferred"`` (the default on CUDA). Under the interpreter on a CPU (the counter:
+:class:`~shardfc.tools.host_syncs.HostSyncCounter`), compiled on a GPU, where the same step must also
+pass ``torch.cuda.set_sync_debug_mode("error")``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fused_pairs import DEVICE
+
+import shardfc
+from shardfc import margins as M
+from shardfc.tools.host_syncs import HostSyncCounter
+
+C, D, B = 40, 16, 6
+
+CONFIGS = {
+    "plain": {},
+    "partial_fc": dict(sample_rate=0.3),
+    "partial_fc+sparse_grad": dict(sample_rate=0.3, sparse_grad=True),
+    "subcenters+partial_fc+sparse_grad": dict(subcenters=2, sample_rate=0.3, sparse_grad=True),
+    "filter": dict(interclass_filter_threshold=0.2),
+    "adaface": dict(margin=M.AdaFace()),
+}
+
+
+def _batch(seed: int):
+    """A batch on the device (made before a step: a copy from pageable host memory would block)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(B, D, generator=g) * 3).to(DEVICE).requires_grad_()
+    y = torch.randint(0, C, (B,), generator=g)
+    y[::3] = -1
+    return x, y.to(DEVICE)
+
+
+def _step(head, batch) -> None:
+    head(*batch).backward()
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("impl", ["triton", "gemm"])
+def test_a_fused_head_step_reads_nothing_back_to_the_host(impl, config):
+    head = shardfc.ShardedMarginHead(D, C, impl=impl, validate="deferred", device=DEVICE, **CONFIGS[config])
+    batches = [_batch(seed) for seed in range(3)]
+    _step(head, batches[0])
+    head.take_sampled_rows()
+    with HostSyncCounter() as syncs:
+        _step(head, batches[1])  # reads the first step's deferred check
+    assert head.last_impl == impl
+    assert syncs.count == 0, f"impl={impl} {config}:\n{syncs.report()}"
+    if DEVICE.type == "cuda":  # compiled: torch's own detector agrees (a sync raises RuntimeError)
+        head.take_sampled_rows()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            _step(head, batches[2])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    head.check_pending()
