@@ -60,3 +60,24 @@ def test_a_fused_head_step_reads_nothing_back_to_the_host(impl, config):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     head.check_pending()
+
+
+@pytest.mark.parametrize("config", ["plain", "partial_fc"])
+def test_a_step_with_the_sgd_update_fused_reads_nothing_back(config):
+    """The update applied in the backward (``head_optimizer(..., fused_update=True)``) and the
+    optimizer's ``step()`` after it: its target rows are summed by a scatter, not a unique."""
+    head = shardfc.ShardedMarginHead(D, C, impl="triton", validate="deferred", device=DEVICE, **CONFIGS[config])
+    opt = shardfc.head_optimizer(head, "sgd", lr=0.1, momentum=0.9, weight_decay=5e-4, fused_update=True)
+    batches = [_batch(seed) for seed in range(2)]
+
+    def step(batch):
+        opt.zero_grad(set_to_none=False)
+        _step(head, batch)
+        opt.step()
+
+    step(batches[0])
+    with HostSyncCounter() as syncs:
+        step(batches[1])
+    assert head.last_update == "fused"
+    assert syncs.count == 0, f"{config}:\n{syncs.report()}"
+    head.check_pending()
