@@ -212,7 +212,7 @@ class TrainConfig:
     channels_last: bool = True
     """On CUDA, hold a convolutional backbone and its input batches in channels_last (NHWC) memory format, the layout cuDNN's tensor-core convolutions run in (ignored on the CPU and by backbones without 2-D convolutions; under strategy 'pipeline' each stage with convolutions holds its weights so and converts its input, while the activations crossing the stages stay NCHW); --no-channels-last: contiguous NCHW."""
     compile: bool = False
-    """torch.compile the backbone (in place, nn.Module.compile: checkpoints keep the plain parameter names; under strategy 'pipeline', each rank's stage); the first steps are slower while it compiles."""
+    """torch.compile the backbone (in place, nn.Module.compile: checkpoints keep the plain parameter names; under strategy 'pipeline', each rank's stage; refused by 'dp', whose replicas would not run it); the first steps are slower while it compiles."""
     seed: int = 0
     """Seed of the model initialisation, data order, augmentation and the synthetic dataset."""
     pipeline_stages: int = 2
@@ -407,6 +407,11 @@ class TrainConfig:
             raise ConfigError("output_dir must not be empty")
         if self.strategy == "pipeline":
             self._validate_pipeline()
+        if self.strategy == "dp" and self.compile:
+            raise ConfigError(
+                "compile=True is not supported by strategy='dp': nn.DataParallel's replicas copy the module's "
+                "compiled forward, which runs the original module with the first device's weights; use --strategy ddp"
+            )
         if self.head_update == "fused":
             why = self.head_update_not_fusable()
             if why is not None:

@@ -54,7 +54,7 @@ logger = logging.getLogger("shardfc.train")
 __all__ = [
     "STAGE_LABELS",
     "PipelinePlan",
-    "Stage",
+    "StageCut",
     "check_pipeline_config",
     "clip_stage_grads_",
     "cut_stage",
@@ -121,7 +121,7 @@ class PipelinePlan:
 
 
 @dataclass
-class Stage:
+class StageCut:
     """This rank's stage of the backbone, cut by :func:`cut_stage`, and what it knows of the whole."""
 
     module: nn.Module
@@ -136,7 +136,7 @@ class Stage:
 def cut_stage(
     cfg: TrainConfig, ctx: DistContext, layout: PipelineLayout, new_backbone: Callable[[], nn.Module],
     image_size: Tuple[int, int], autocast,
-) -> Stage:
+) -> StageCut:
     """This rank's stage of ``new_backbone()`` (the builder's backbone, every option of ``cfg`` in it),
     built alone at the cuts ``cfg.split_points`` (else balanced), on ``ctx.device``, and the activation
     specs of every stage (collective over the replica's pipeline group, under ``autocast``)."""
@@ -154,7 +154,7 @@ def cut_stage(
     del built  # the other stages were never allocated (or, where the build could not be replayed, are freed)
     specs = chained_activation_specs(module, layout, ((3, *image_size), torch.float32), ctx.device, autocast)
     stage_names = tuple(n for n, p in module.named_parameters() if p.requires_grad)
-    return Stage(module, tuple(points), state_keys, param_names, stage_names, tuple(specs))
+    return StageCut(module, tuple(points), state_keys, param_names, stage_names, tuple(specs))
 
 
 def keep_boundaries_contiguous(module: nn.Module) -> None:
@@ -179,7 +179,7 @@ def stage_head_placement(layout: PipelineLayout) -> Optional[Dict[str, Any]]:
     return {"context": layout.replica_ctx} if layout.is_last else None
 
 
-def pipeline_plan(cfg: TrainConfig, ctx: DistContext, layout: PipelineLayout, stage: Stage, parts: Parts) -> PipelinePlan:
+def pipeline_plan(cfg: TrainConfig, ctx: DistContext, layout: PipelineLayout, stage: StageCut, parts: Parts) -> PipelinePlan:
     """The stage's schedule around the built ``parts`` (its loss, on the last stage, is ``parts.head``'s
     through ``parts.scaler``) and what a pipeline rank knows of the whole model."""
     losses: List[torch.Tensor] = []
