@@ -267,6 +267,13 @@ class Stage(nn.Sequential):
         super().__init__(modules)
         self.segment_names = tuple(segment_names)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # nn.Sequential's, written here: torch.compile (a pipeline stage under --compile) traces from
+        # a frame in this file, where it skips one in torch's own nn.Sequential (nothing compiled).
+        for module in self:
+            x = module(x)
+        return x
+
     def extra_repr(self) -> str:
         return f"segments={list(self.segment_names)}"
 

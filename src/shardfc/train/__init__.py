@@ -2,7 +2,9 @@
 
     config.py     TrainConfig (a docstring per field), TOML presets, flags
     strategy.py   ddp / dp / horovod: the run's context, backbone and optimizer wrapping, head placement
-    build.py      a run from its config: context, data, backbone (wrapped per strategy), head shard, optimizers, precision
+    build.py      a run from its config: context, data, and (build_model, every strategy's one builder) backbone
+                  or pipeline stage, head shard, optimizers, schedules, precision
+    pipeline_train.py   --strategy pipeline: the stage cut and schedule, its step, evaluation and checkpoints
     loop.py       train(): build -> resume -> loop -> save, read top to bottom
     step.py       one optimizer step (micro-batches, fp16 overflow agreement, clipping)
     data.py       the dataset, per-rank resumable batches, the micro-batch stream

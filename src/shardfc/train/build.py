@@ -1,4 +1,12 @@
-"""Build a run's parts from its config: image size, backbone (wrapped as the strategy says), head shard, optimizers, precision."""
+"""Build a run's parts from its config: image size, backbone (wrapped as the strategy says), head shard, optimizers, precision.
+
+:func:`build_model` is the one builder of every strategy: each option of the config reaches the
+backbone (or, under ``--strategy pipeline``, this rank's stage of it), the head, the optimizers, the
+schedules, the scaler and the triplet loss the same way, and the strategy is applied from outside
+(:mod:`~shardfc.train.strategy`'s wrappers; :mod:`~shardfc.train.pipeline_train`'s stage cut and
+schedule). A field a strategy cannot honour is refused by :meth:`TrainConfig.validate`, naming it;
+``tests/train/test_builder.py`` goes over every field under every strategy.
+"""
 
 from __future__ import annotations
 
@@ -19,13 +27,21 @@ from shardfc.head.triplet import BatchHardTripletLoss
 from shardfc.models import build_backbone
 from shardfc.models import input_size as default_input_size
 from shardfc.parallel.context import DistContext
+from shardfc.parallel.pipeline import PipelineLayout
 from shardfc.seeding import mix_seed, seed_all
 from shardfc.train import cpu
 from shardfc.train.classes import ClassPlan
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.data import rank_batches, train_dataset
 from shardfc.train.head_update import fused_head_update
-from shardfc.train.pipeline_train import PipelinePlan, build_pipeline_parts, pipeline_layout
+from shardfc.train.pipeline_train import (
+    PipelinePlan,
+    cut_stage,
+    keep_boundaries_contiguous,
+    pipeline_layout,
+    pipeline_plan,
+    stage_head_placement,
+)
 from shardfc.train.schedule import WarmupDecay
 from shardfc.train.state import Parts
 from shardfc.train.strategy import (
@@ -61,10 +77,7 @@ def resolve_image_size(cfg: TrainConfig) -> Tuple[int, int]:
 
 def backbone_kwargs(cfg: TrainConfig, image_size: Tuple[int, int]) -> dict:
     """Constructor arguments of ``cfg.backbone`` beyond the embedding width (also used to rebuild it for export)."""
-    kwargs: dict = {"input_size": tuple(image_size)} if cfg.backbone == "tiny" else {}
-    if cfg.neck != "auto":
-        kwargs["neck"] = cfg.neck
-    return kwargs
+    return cfg.backbone_params(image_size)
 
 
 def build_parts(
@@ -75,14 +88,82 @@ def build_parts(
     total_steps: int,
     amp_dtype: Optional[torch.dtype],
 ) -> Parts:
-    """Backbone (in DDP / DataParallel as the strategy says), head shard(s), optimizers, schedules and scaler."""
-    backbone = build_backbone(cfg.backbone, cfg.embedding_dim, **backbone_kwargs(cfg, image_size)).to(ctx.device)
-    if use_channels_last(cfg, ctx.device, backbone):
-        backbone = backbone.to(memory_format=torch.channels_last)
+    """The parts of a strategy that holds the whole backbone (ddp, dp, horovod): :func:`build_model`'s."""
+    return build_model(cfg, ctx, num_classes, image_size, total_steps, amp_dtype)[0]
+
+
+def build_model(
+    cfg: TrainConfig,
+    ctx: DistContext,
+    num_classes: int,
+    image_size: Tuple[int, int],
+    total_steps: int,
+    amp_dtype: Optional[torch.dtype],
+    layout: Optional[PipelineLayout] = None,
+) -> Tuple[Parts, Optional[PipelinePlan]]:
+    """The one builder of every strategy: the backbone (in DDP / DataParallel as the strategy says; with
+    a pipeline ``layout``, this rank's stage of it), head shard(s), optimizers, schedules, scaler and
+    triplet loss, and (pipeline) the stage's schedule.
+
+    Every option of ``cfg`` that shapes these is read here once, for every strategy: the backbone's
+    (``backbone``, ``embedding_dim``, ``neck``, the image size, ``channels_last``, ``compile``, the
+    ``seed`` of its initialisation), the head's (:func:`build_head`), the optimizers'
+    (:func:`backbone_optimizer`, :func:`build_head_optimizer`: ``backbone_lr_mult``, rounding,
+    ``head_update``), the schedules', the scaler's and the triplet loss's. What differs by strategy is
+    applied to the result: :func:`~shardfc.train.strategy.wrap_backbone` and
+    :func:`~shardfc.train.strategy.wrap_backbone_optimizer` (DDP, DataParallel, Horovod), where the
+    head's shards live, and the pipeline's stage cut (:func:`~shardfc.train.pipeline_train.cut_stage`)
+    and schedule (:func:`~shardfc.train.pipeline_train.pipeline_plan`).
+    """
+    seed_all(cfg.seed)  # the backbone's initialisation: the same on every rank, under every strategy
+
+    def new_backbone() -> torch.nn.Module:
+        return build_backbone(cfg.backbone, cfg.embedding_dim, **backbone_kwargs(cfg, image_size))
+
+    stage = None
+    if layout is None:
+        module = prepare_backbone(cfg, ctx.device, new_backbone().to(ctx.device))
+        backbone = wrap_backbone(cfg, ctx, module)
+        placement: Optional[dict] = head_placement(cfg, ctx)
+    else:
+        stage = cut_stage(cfg, ctx, layout, new_backbone, image_size, autocast_factory(ctx.device, amp_dtype))
+        module = backbone = prepare_backbone(cfg, ctx.device, stage.module, pipeline_stage=True)
+        placement = stage_head_placement(layout)
+    head = build_head(cfg, num_classes, placement) if placement is not None else None
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    opt_backbone = wrap_backbone_optimizer(cfg, ctx, backbone, backbone_optimizer(cfg, trainable))
+    opt_head = build_head_optimizer(cfg, head, ctx.device, amp_dtype) if head is not None else None
+    schedulers = [
+        torch.optim.lr_scheduler.LambdaLR(o, WarmupDecay(cfg, total_steps))
+        for o in (opt_backbone, opt_head) if o is not None
+    ]
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp_dtype == torch.float16)
+    # W x gradient (the triplet's default), like the head's: the backbone's wrapper averages over ranks.
+    # (strategy 'pipeline' refuses the triplet loss: TrainConfig.validate)
+    triplet = BatchHardTripletLoss(cfg.triplet_margin, cfg.triplet_soft, context=ctx) if cfg.triplet_weight > 0 else None
+    parts = Parts(backbone, head, opt_backbone, opt_head, schedulers, scaler, triplet)
+    plan = pipeline_plan(cfg, ctx, layout, stage, parts) if layout is not None else None
+    return parts, plan
+
+
+def prepare_backbone(cfg: TrainConfig, device: torch.device, module: torch.nn.Module,
+                     pipeline_stage: bool = False) -> torch.nn.Module:
+    """``module`` (the whole backbone, or a pipeline stage of it, on ``device``) as the run trains it:
+    in channels_last where :func:`use_channels_last` says (a stage's input and output stay NCHW:
+    :func:`~shardfc.train.pipeline_train.keep_boundaries_contiguous`), compiled in place with ``cfg.compile``."""
+    if use_channels_last(cfg, device, module):
+        module = module.to(memory_format=torch.channels_last)
+        if pipeline_stage:
+            keep_boundaries_contiguous(module)
     if cfg.compile:
-        backbone.compile()  # in place: state_dict() keys stay the module's own (no '_orig_mod.')
-    backbone = wrap_backbone(cfg, ctx, backbone)
-    head = ShardedMarginHead(
+        module.compile()  # in place: state_dict() keys stay the module's own (no '_orig_mod.')
+    return module
+
+
+def build_head(cfg: TrainConfig, num_classes: int, placement: dict) -> ShardedMarginHead:
+    """This rank's shard(s) of the margin head, with every head option of ``cfg``; ``placement``: the
+    keyword arguments that say where the shards live (the strategy's)."""
+    return ShardedMarginHead(
         cfg.embedding_dim,
         num_classes,
         margin=build_margin(cfg.margin, **cfg.margin_params()),
@@ -96,31 +177,30 @@ def build_parts(
         subcenters=cfg.subcenters,
         interclass_filter_threshold=cfg.interclass_filter_threshold or None,
         impl=cfg.head_impl,
-        **head_placement(cfg, ctx),
+        **placement,
     )
-    trainable = [p for p in backbone.parameters() if p.requires_grad]
+
+
+def backbone_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
+    """torch SGD / AdamW over the backbone's trainable ``params`` (a pipeline stage's: its own) at
+    ``lr x backbone_lr_mult``."""
     backbone_lr = cfg.lr * cfg.backbone_lr_mult  # fine-tuning: a gentler backbone than head
     if cfg.optimizer == "sgd":
-        opt_backbone: torch.optim.Optimizer = torch.optim.SGD(
-            trainable, lr=backbone_lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov
+        return torch.optim.SGD(
+            params, lr=backbone_lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov
         )
-    else:
-        opt_backbone = torch.optim.AdamW(
-            trainable, lr=backbone_lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
-        )
-    opt_backbone = wrap_backbone_optimizer(cfg, ctx, backbone, opt_backbone)
-    opt_head = head_optimizer(
+    return torch.optim.AdamW(params, lr=backbone_lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def build_head_optimizer(cfg: TrainConfig, head: ShardedMarginHead, device: torch.device,
+                         amp_dtype: Optional[torch.dtype]) -> torch.optim.Optimizer:
+    """The head's optimizer (row-sparse under Partial FC or a bf16/fp16 head), its rounding, and
+    whether the head's backward applies its step (:func:`~shardfc.train.head_update.fused_head_update`)."""
+    return head_optimizer(
         head, cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
         nesterov=cfg.nesterov, betas=tuple(cfg.betas), eps=cfg.eps,
-        rounding=cfg.head_rounding, rounding_seed=cfg.seed, fused_update=fused_head_update(cfg, ctx.device, amp_dtype),
+        rounding=cfg.head_rounding, rounding_seed=cfg.seed, fused_update=fused_head_update(cfg, device, amp_dtype),
     )
-    schedulers = [
-        torch.optim.lr_scheduler.LambdaLR(o, WarmupDecay(cfg, total_steps)) for o in (opt_backbone, opt_head)
-    ]
-    scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp_dtype == torch.float16)
-    # W x gradient (the triplet's default), like the head's: the backbone's wrapper averages over ranks.
-    triplet = BatchHardTripletLoss(cfg.triplet_margin, cfg.triplet_soft, context=ctx) if cfg.triplet_weight > 0 else None
-    return Parts(backbone, head, opt_backbone, opt_head, schedulers, scaler, triplet)
 
 
 def use_channels_last(cfg: TrainConfig, device: torch.device, backbone: torch.nn.Module) -> bool:
@@ -244,21 +324,12 @@ def build_run(cfg: TrainConfig, ctx: DistContext, clock=None, classes_from: Opti
                        "use --sampler pk", cfg.sampler)
     total_steps = cfg.max_steps or math.ceil(cfg.epochs * len(batches) / cfg.grad_accum)
     mark("sampler")
-    seed_all(cfg.seed)
-    if layout is None:
-        parts = build_parts(cfg, ctx, dataset.num_classes, image_size, total_steps, amp_dtype)
-        mark("model, head and optimizers")
-        return Run(ctx, image_size, dataset, batches, total_steps, amp_dtype, parts,
-                   channels_last=use_channels_last(cfg, ctx.device, parts.module), classes=class_plan)
-    parts, plan = build_pipeline_parts(
-        cfg, ctx, layout, dataset.num_classes, image_size, amp_dtype, autocast_factory(ctx.device, amp_dtype)
-    )
-    parts.schedulers = [
-        torch.optim.lr_scheduler.LambdaLR(o, WarmupDecay(cfg, total_steps))
-        for o in (parts.opt_backbone, parts.opt_head) if o is not None
-    ]
-    mark("pipeline stage, head and optimizers")
-    return Run(ctx, image_size, dataset, batches, total_steps, amp_dtype, parts, plan, classes=class_plan)
+    parts, plan = build_model(cfg, ctx, dataset.num_classes, image_size, total_steps, amp_dtype, layout)
+    mark("model, head and optimizers" if layout is None else "pipeline stage, head and optimizers")
+    # A pipeline stage converts its own input (keep_boundaries_contiguous): its batches stay NCHW.
+    channels_last = layout is None and use_channels_last(cfg, ctx.device, parts.module)
+    return Run(ctx, image_size, dataset, batches, total_steps, amp_dtype, parts, plan,
+               channels_last=channels_last, classes=class_plan)
 
 
 def run_context(cfg: TrainConfig, group: Optional[dist.ProcessGroup]) -> DistContext:

@@ -210,9 +210,9 @@ class TrainConfig:
     amp: str = "auto"
     """Mixed precision: 'auto' (bf16 autocast on a CUDA GPU that has bf16, fp16 autocast + loss scaling on one that has not, none on the CPU), 'none', 'bf16' (autocast) or 'fp16' (autocast + loss scaling; on CPU it falls back to bf16 where the CPU has native bf16, else to fp32)."""
     channels_last: bool = True
-    """On CUDA, hold a convolutional backbone and its input batches in channels_last (NHWC) memory format, the layout cuDNN's tensor-core convolutions run in (ignored on the CPU, by backbones without 2-D convolutions and by strategy 'pipeline'); --no-channels-last: contiguous NCHW."""
+    """On CUDA, hold a convolutional backbone and its input batches in channels_last (NHWC) memory format, the layout cuDNN's tensor-core convolutions run in (ignored on the CPU and by backbones without 2-D convolutions; under strategy 'pipeline' each stage with convolutions holds its weights so and converts its input, while the activations crossing the stages stay NCHW); --no-channels-last: contiguous NCHW."""
     compile: bool = False
-    """torch.compile the backbone (in place, nn.Module.compile: checkpoints keep the plain parameter names); the first steps are slower while it compiles."""
+    """torch.compile the backbone (in place, nn.Module.compile: checkpoints keep the plain parameter names; under strategy 'pipeline', each rank's stage; refused by 'dp', whose replicas would not run it); the first steps are slower while it compiles."""
     seed: int = 0
     """Seed of the model initialisation, data order, augmentation and the synthetic dataset."""
     pipeline_stages: int = 2
@@ -281,6 +281,15 @@ class TrainConfig:
     """A file of identities renamed since the checkpoint: one 'old name<TAB>new name' per line (# comments allowed); each keeps its row under its new name, in this run's checkpoints too. Read with --resume and --init-from."""
 
     # ------------------------------------------------------------------ derived helpers
+    def backbone_params(self, image_size: Sequence[int]) -> Dict[str, Any]:
+        """Keyword arguments of :func:`shardfc.models.build_backbone` for ``self.backbone`` beyond the
+        embedding width, for inputs of ``image_size`` ``(H, W)``: every strategy's backbone, a pipeline's
+        probe and an export rebuild it from these."""
+        kwargs: Dict[str, Any] = {"input_size": tuple(int(x) for x in image_size)} if self.backbone == "tiny" else {}
+        if self.neck != "auto":
+            kwargs["neck"] = self.neck
+        return kwargs
+
     def margin_params(self) -> Dict[str, Any]:
         """Keyword arguments of :func:`shardfc.head.margins.build_margin` for ``self.margin``."""
         name = self.margin
@@ -398,6 +407,11 @@ class TrainConfig:
             raise ConfigError("output_dir must not be empty")
         if self.strategy == "pipeline":
             self._validate_pipeline()
+        if self.strategy == "dp" and self.compile:
+            raise ConfigError(
+                "compile=True is not supported by strategy='dp': nn.DataParallel's replicas copy the module's "
+                "compiled forward, which runs the original module with the first device's weights; use --strategy ddp"
+            )
         if self.head_update == "fused":
             why = self.head_update_not_fusable()
             if why is not None:
@@ -440,6 +454,13 @@ class TrainConfig:
                 f"pipeline_schedule='1f1b' needs micro_batches >= pipeline_stages, got micro_batches={self.micro_batches} "
                 f"for pipeline_stages={self.pipeline_stages} (raise --micro-batches, or --pipeline-schedule gpipe)"
             )
+        for name in PIPELINE_REFUSES:
+            value, default = getattr(self, name), _FIELDS[name].default
+            if value != default:
+                raise ConfigError(
+                    f"{name}={value!r} is not supported by strategy='pipeline' (its last stage hands the head the "
+                    "embeddings only, not the feature before the neck the triplet loss reads): use --strategy ddp"
+                )
         if self.split_points and len(self.split_points) != self.pipeline_stages - 1:
             raise ConfigError(
                 f"split_points={list(self.split_points)} names {len(self.split_points)} cut(s), but pipeline_stages="
@@ -448,6 +469,11 @@ class TrainConfig:
 
 
 DEFAULT_OUTPUT_DIR = "shardfc_runs/synthetic"
+
+#: The fields strategy 'pipeline' refuses at any value but their default (the triplet loss's), each
+#: with a one-line error naming it; every other field reaches the pipeline's parts as it reaches
+#: ddp's (one builder: :func:`shardfc.train.build.build_model`; tests/train/test_builder.py).
+PIPELINE_REFUSES = ("triplet_weight", "triplet_margin", "triplet_soft")
 
 #: The fields that name files or folders (``val_bins`` is a list of them).
 PATH_FIELDS = ("data_root", "list_file", "output_dir", "reid_root", "val_bins", "init_from", "rename_classes")

@@ -1,6 +1,6 @@
 """Who applies the head's optimizer step in a training run: its backward (fused) or ``step()``.
 
-One decision for every strategy's builder (:mod:`.build`, :mod:`.pipeline_train`), from the
+One decision for every strategy, in the one builder (:func:`.build.build_model`), from the
 configuration's ``head_update`` and what the run is: see
 :meth:`shardfc.train.config.TrainConfig.head_update_not_fusable` for the conditions.
 """

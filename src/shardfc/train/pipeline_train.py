@@ -1,11 +1,14 @@
-"""``--strategy pipeline`` in the trainer: build a stage, step it, evaluate through it, save it per stage.
+"""``--strategy pipeline`` in the trainer: cut a stage, schedule it, step it, evaluate through it, save it per stage.
 
-Each rank builds only its stage (:func:`shardfc.parallel.stage_build.build_stage`): the backbone
-is built on the meta device, and the stage's modules get real storage with exactly the values the
-whole backbone's seeded initialisation gives them (the same as every other strategy), so a rank
-never holds more than its stage. The shapes crossing the stages are passed along the pipeline. The
-optimizer covers the stage's parameters only; the head (and its optimizer) exists on the last
-stage's ranks, sharded over them.
+The parts are built by the one builder of every strategy (:func:`shardfc.train.build.build_model`);
+what is the pipeline's own is applied from here. Each rank cuts only its stage
+(:func:`cut_stage`, :func:`shardfc.parallel.stage_build.build_stage`): the backbone is built on
+the meta device, and the stage's modules get real storage with exactly the values the whole
+backbone's seeded initialisation gives them (the same as every other strategy), so a rank never
+holds more than its stage. The shapes crossing the stages are passed along the pipeline. The
+backbone optimizer covers the stage's parameters only; the head (and its optimizer) exists on the
+last stage's ranks, sharded over them (:func:`stage_head_placement`); :func:`pipeline_plan` builds the
+stage's schedule around the built parts.
 
 No rank ever holds the whole backbone, not even to save or evaluate it. A checkpoint is saved per
 stage (:mod:`shardfc.checkpoint.stages`): each stage's replica 0 writes its state-dict entries and
@@ -27,8 +30,6 @@ from torch import nn
 
 from shardfc import checkpoint as ckpt
 from shardfc.checkpoint import StagePart, optimizer_by_index, optimizer_by_name, read_stage_state
-from shardfc.head import ShardedMarginHead, head_optimizer
-from shardfc.head.margins import build_margin
 from shardfc.models import build_backbone
 from shardfc.parallel.context import DistContext
 from shardfc.parallel.model_split import available_split_points, batch_stats_module
@@ -46,7 +47,6 @@ from shardfc.parallel.pipeline import (
 )
 from shardfc.parallel.stage_build import build_stage
 from shardfc.train.config import ConfigError, TrainConfig
-from shardfc.train.head_update import fused_head_update
 from shardfc.train.state import Parts
 
 logger = logging.getLogger("shardfc.train")
@@ -54,14 +54,18 @@ logger = logging.getLogger("shardfc.train")
 __all__ = [
     "STAGE_LABELS",
     "PipelinePlan",
-    "build_pipeline_parts",
+    "StageCut",
     "check_pipeline_config",
     "clip_stage_grads_",
+    "cut_stage",
     "evaluate_through_pipeline",
+    "keep_boundaries_contiguous",
     "load_stage_state",
     "pipeline_layout",
+    "pipeline_plan",
     "pipeline_step",
     "restore_backbone",
+    "stage_head_placement",
     "stage_part",
     "stage_scaler_state",
     "stage_stream",
@@ -73,7 +77,7 @@ def check_pipeline_config(cfg: TrainConfig, world_size: int) -> int:
     """The number of split points of ``cfg.backbone``, after refusing a layout it cannot have
     (ConfigError naming the values); cheap: the backbone is built on the meta device."""
     with torch.device("meta"):
-        probe = build_backbone(cfg.backbone, cfg.embedding_dim, **_backbone_kwargs(cfg, (32, 32)))
+        probe = build_backbone(cfg.backbone, cfg.embedding_dim, **cfg.backbone_params((32, 32)))
     n_points = len(available_split_points(probe, blocks=True))  # cuts between blocks count too
     try:
         replicas_for(world_size, cfg.pipeline_stages, n_points)
@@ -97,10 +101,6 @@ def pipeline_layout(cfg: TrainConfig, ctx: DistContext) -> PipelineLayout:
     return create_layout(ctx, cfg.pipeline_stages, check_pipeline_config(cfg, ctx.world_size))
 
 
-def _backbone_kwargs(cfg: TrainConfig, image_size: Tuple[int, int]) -> Dict[str, Any]:
-    return {"input_size": image_size} if cfg.backbone == "tiny" else {}
-
-
 @dataclass
 class PipelinePlan:
     """What a pipeline rank knows beyond its :class:`Parts`: its place, schedule and the whole model's layout."""
@@ -120,19 +120,31 @@ class PipelinePlan:
     """Every stage's input and the last output (shapes per row, dtypes): what crosses the stages."""
 
 
-def build_pipeline_parts(
-    cfg: TrainConfig, ctx: DistContext, layout: PipelineLayout, num_classes: int, image_size: Tuple[int, int],
-    amp_dtype: Optional[torch.dtype], autocast,
-) -> Tuple[Parts, PipelinePlan]:
-    """This rank's stage (and, on the last stage, head shard), their optimizers and the schedule."""
+@dataclass
+class StageCut:
+    """This rank's stage of the backbone, cut by :func:`cut_stage`, and what it knows of the whole."""
+
+    module: nn.Module
+    """The stage's modules (on the run's device), the only real part of the backbone on this rank."""
+    split_points: Tuple[str, ...]
+    state_keys: Tuple[str, ...]
+    param_names: Tuple[str, ...]
+    stage_param_names: Tuple[str, ...]
+    specs: Tuple[ActivationSpec, ...]
+
+
+def cut_stage(
+    cfg: TrainConfig, ctx: DistContext, layout: PipelineLayout, new_backbone: Callable[[], nn.Module],
+    image_size: Tuple[int, int], autocast,
+) -> StageCut:
+    """This rank's stage of ``new_backbone()`` (the builder's backbone, every option of ``cfg`` in it),
+    built alone at the cuts ``cfg.split_points`` (else balanced), on ``ctx.device``, and the activation
+    specs of every stage (collective over the replica's pipeline group, under ``autocast``)."""
     def points_of(model: nn.Module) -> List[str]:
         return list(cfg.split_points) or balanced_split_points(model, layout.stages)
 
     try:
-        built = build_stage(
-            lambda: build_backbone(cfg.backbone, cfg.embedding_dim, **_backbone_kwargs(cfg, image_size)),
-            layout.stage, points_of,
-        )
+        built = build_stage(new_backbone, layout.stage, points_of)
     except ValueError as e:
         raise ConfigError(f"split_points: {e}") from None
     points = built.split_points
@@ -142,25 +154,37 @@ def build_pipeline_parts(
     del built  # the other stages were never allocated (or, where the build could not be replayed, are freed)
     specs = chained_activation_specs(module, layout, ((3, *image_size), torch.float32), ctx.device, autocast)
     stage_names = tuple(n for n, p in module.named_parameters() if p.requires_grad)
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    opt_backbone = _optimizer(cfg, trainable)
+    return StageCut(module, tuple(points), state_keys, param_names, stage_names, tuple(specs))
 
-    head = opt_head = None
-    if layout.is_last:
-        head = ShardedMarginHead(
-            cfg.embedding_dim, num_classes, margin=build_margin(cfg.margin, **cfg.margin_params()),
-            label_smoothing=cfg.label_smoothing, chunk_size={0: None, -1: "auto"}.get(cfg.chunk_size, cfg.chunk_size),
-            sample_rate=cfg.sample_rate, sample_seed=cfg.seed, init_seed=cfg.seed, context=layout.replica_ctx,
-            impl=cfg.head_impl,
-        )
-        opt_head = head_optimizer(
-            head, cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-            nesterov=cfg.nesterov, betas=tuple(cfg.betas), eps=cfg.eps,
-            fused_update=fused_head_update(cfg, ctx.device, amp_dtype),
-        )
-    scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp_dtype == torch.float16)
+
+def keep_boundaries_contiguous(module: nn.Module) -> None:
+    """A channels_last stage (:func:`shardfc.train.build.use_channels_last`) whose input and output
+    stay NCHW: the pipeline's buffers and its checks of what crosses a stage (strides included)
+    are contiguous, so the stage converts its input to channels_last itself and hands on a
+    contiguous output (a copy each way, as ddp's loader converts its batches)."""
+    def to_channels_last(_module, args):
+        return tuple(a.contiguous(memory_format=torch.channels_last) if torch.is_tensor(a) and a.dim() == 4 else a
+                     for a in args)
+
+    def to_contiguous(_module, _args, output):
+        return output.contiguous() if torch.is_tensor(output) else output
+
+    module.register_forward_pre_hook(to_channels_last)
+    module.register_forward_hook(to_contiguous)
+
+
+def stage_head_placement(layout: PipelineLayout) -> Optional[Dict[str, Any]]:
+    """Keyword arguments of :class:`~shardfc.ShardedMarginHead` that say where its shards live: over the
+    last stage's ranks, where the embeddings appear; None on the other stages (they hold no head)."""
+    return {"context": layout.replica_ctx} if layout.is_last else None
+
+
+def pipeline_plan(cfg: TrainConfig, ctx: DistContext, layout: PipelineLayout, stage: StageCut, parts: Parts) -> PipelinePlan:
+    """The stage's schedule around the built ``parts`` (its loss, on the last stage, is ``parts.head``'s
+    through ``parts.scaler``) and what a pipeline rank knows of the whole model."""
     losses: List[torch.Tensor] = []
     weight = 1.0 / (cfg.micro_batches * cfg.grad_accum)
+    head, scaler = parts.head, parts.scaler
 
     def loss_fn(embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # The head's loss is the mean over the replicas' micro-batch: weighted, the step's mean.
@@ -169,19 +193,12 @@ def build_pipeline_parts(
         return scaler.scale(loss)
 
     runner = PipelineRunner(
-        module, layout, ctx.device, schedule=cfg.pipeline_schedule, micro_batches=cfg.micro_batches,
-        local_batch=cfg.batch_size, specs=(specs[layout.stage], specs[layout.stage + 1]), loss_fn=loss_fn,
-        allow_micro_batch_stats=cfg.micro_batch_stats,
+        parts.backbone, layout, ctx.device, schedule=cfg.pipeline_schedule, micro_batches=cfg.micro_batches,
+        local_batch=cfg.batch_size, specs=(stage.specs[layout.stage], stage.specs[layout.stage + 1]),
+        loss_fn=loss_fn if head is not None else None, allow_micro_batch_stats=cfg.micro_batch_stats,
     )
-    parts = Parts(module, head, opt_backbone, opt_head, [], scaler)
-    plan = PipelinePlan(layout, runner, tuple(points), state_keys, param_names, stage_names, losses, tuple(specs))
-    return parts, plan
-
-
-def _optimizer(cfg: TrainConfig, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov)
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    return PipelinePlan(layout, runner, stage.split_points, stage.state_keys, stage.param_names,
+                        stage.stage_param_names, losses, stage.specs)
 
 
 # ---------------------------------------------------------------------- step

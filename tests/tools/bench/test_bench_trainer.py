@@ -12,9 +12,14 @@ TINY = ["--synthetic-identities", "8", "--synthetic-images-per-identity", "4", "
         "--embedding-dim", "8", "--batch-size", "4", "--synthetic-val-pairs", "0", "--threads", "1"]
 
 
-def test_bench_trainer_prints_both_rates_their_ratio_the_loader_and_the_startup(tmp_path, capsys):
+def test_bench_trainer_prints_both_rates_their_ratio_the_loader_and_the_startup(tmp_path, capsys, monkeypatch):
+    import shardfc.train.build as build
+
+    built, factory = [], build.build_model  # what it times is built by the trainer's one builder
+    monkeypatch.setattr(build, "build_model", lambda cfg, *a, **k: built.append(cfg) or factory(cfg, *a, **k))
     out = tmp_path / "bench.json"
     assert bench_cli.main(["--trainer", "--steps", "2", "--warmup", "1", "--quiet", "--json", str(out), *TINY]) == 0
+    assert [cfg.embedding_dim for cfg in built] == [8]
     text = capsys.readouterr().out
     r = json.loads(out.read_text())
     for key in ("ceiling_images_per_s", "train_images_per_s", "loader_images_per_s", "startup_s"):
