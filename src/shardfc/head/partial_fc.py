@@ -238,15 +238,19 @@ class RowSparseSGD(_RowSparseOptimizer):
             return True
         else:
             idx, grad, at_idx = entry, p.grad, True  # rows of the dense .grad (None: every row)
-        buf = None
-        if group["momentum"]:
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p)
-            buf = state["momentum_buffer"]
+        buf = self._momentum_buffer(p, group)
         row_sgd_(p, buf, grad.contiguous(), None if idx is None else idx.contiguous(), at_idx,
                  group["lr"], group["momentum"], group["weight_decay"], group["nesterov"])
         return True
+
+    def _momentum_buffer(self, p: Tensor, group: dict) -> Optional[Tensor]:
+        """``p``'s momentum buffer (made, zero, at the first step; None without momentum)."""
+        if not group["momentum"]:
+            return None
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        return state["momentum_buffer"]
 
     def fused_update_unavailable(self, p: Tensor) -> Optional[str]:
         import importlib.util
@@ -261,12 +265,7 @@ class RowSparseSGD(_RowSparseOptimizer):
     def _row_update(self, p: Tensor, group: dict):
         from shardfc.head.fused.chunks import RowUpdate
 
-        buf = None
-        if group["momentum"]:
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p)
-            buf = state["momentum_buffer"]
+        buf = self._momentum_buffer(p, group)
         return RowUpdate(p, buf, group["lr"], group["momentum"], group["weight_decay"], group["nesterov"])
 
     def _update(self, p: Tensor, idx, g: Tensor, group: dict, rnd) -> None:
@@ -277,10 +276,7 @@ class RowSparseSGD(_RowSparseOptimizer):
         if wd:
             g = g + wd * w
         if mom:
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p)
-            buf = state["momentum_buffer"]
+            buf = self._momentum_buffer(p, group)
             b = buf[idx].to(cd) * mom + g
             buf[idx] = rnd(b, buf.dtype)
             g = g + mom * b if nesterov else b

@@ -201,6 +201,25 @@ def _normalisation_projection(h_rows, w_rows, inv_ptr, scored, r_mask, D,
 
 
 @triton.jit
+def _gradient_rows(h_ptr, w_ptr, rows_ptr, inv_ptr, hscale_ptr, n_rows, r0, D, stride_h, stride_w,
+                   HAS_ROWS: tl.constexpr, NORM_W: tl.constexpr, W_HAT: tl.constexpr,
+                   BR: tl.constexpr, BD: tl.constexpr):
+    """What a per-row kernel of the weight gradient needs before its tiles: the block's rows (mask,
+    scored ids, weight rows), ``hscale``, the row pointers into ``H`` and the rows the projection
+    reads (the operand's ``ŵ`` under ``W_HAT``, else the weight), and ``(inv, proj)`` (zeros
+    without ``NORM_W``)."""
+    offs_r, r_mask, scored, wrow = _row_block(rows_ptr, r0, n_rows, BR, HAS_ROWS)
+    hscale = tl.load(hscale_ptr)
+    h_rows = h_ptr + offs_r.to(tl.int64)[:, None] * stride_h
+    w_rows = w_ptr + (scored if W_HAT else wrow)[:, None] * stride_w
+    inv = tl.zeros([BR], dtype=tl.float32)
+    proj = inv
+    if NORM_W:
+        inv, proj = _normalisation_projection(h_rows, w_rows, inv_ptr, scored, r_mask, D, W_HAT, BR, BD)
+    return r_mask, scored, wrow, hscale, h_rows, w_rows, inv, proj
+
+
+@triton.jit
 def _grad_tile(h_rows, w_rows, offs_d, mask, inv, proj, hscale, NORM_W: tl.constexpr):
     """One ``[BR, BD]`` tile of the rows' weight gradient from ``H``: ``hscale·(inv·H − proj·w)``
     (``NORM_W``) or ``hscale·H`` — the one description of it, for the gradient and the update."""
@@ -223,14 +242,8 @@ def weight_grad_kernel(
     dense ``.grad``), added to what is there (``ACCUMULATE``). ``W_HAT``: ``w_ptr`` holds the
     normalised scored rows ``ŵ`` (the step's operand, indexed by scored row), and the projection
     is ``inv·(ŵ·H)·ŵ``: the fp32 rows are not read again."""
-    offs_r, r_mask, scored, wrow = _row_block(rows_ptr, r0, n_rows, BR, HAS_ROWS)
-    hscale = tl.load(hscale_ptr)
-    h_rows = h_ptr + offs_r.to(tl.int64)[:, None] * stride_h
-    w_rows = w_ptr + (scored if W_HAT else wrow)[:, None] * stride_w
-    inv = tl.zeros([BR], dtype=tl.float32)
-    proj = inv
-    if NORM_W:
-        inv, proj = _normalisation_projection(h_rows, w_rows, inv_ptr, scored, r_mask, D, W_HAT, BR, BD)
+    r_mask, scored, wrow, hscale, h_rows, w_rows, inv, proj = _gradient_rows(
+        h_ptr, w_ptr, rows_ptr, inv_ptr, hscale_ptr, n_rows, r0, D, stride_h, stride_w, HAS_ROWS, NORM_W, W_HAT, BR, BD)
     out_rows = g_ptr + (wrow if SCATTER else scored)[:, None] * stride_g
     for d0 in range(0, D, BD):
         offs_d = d0 + tl.arange(0, BD)
@@ -255,14 +268,8 @@ def weight_update_kernel(
     weight row ``p[wrow]`` and its momentum ``buf[wrow]`` rounded once (to nearest) into their
     dtype — :class:`shardfc.head.partial_fc.RowSparseSGD`'s update. With ``NORM_W`` and not
     ``W_HAT``, ``w_ptr`` is ``p``: each tile is read for the gradient before it is written."""
-    offs_r, r_mask, scored, wrow = _row_block(rows_ptr, r0, n_rows, BR, HAS_ROWS)
-    hscale = tl.load(hscale_ptr)
-    h_rows = h_ptr + offs_r.to(tl.int64)[:, None] * stride_h
-    w_rows = w_ptr + (scored if W_HAT else wrow)[:, None] * stride_w
-    inv = tl.zeros([BR], dtype=tl.float32)
-    proj = inv
-    if NORM_W:
-        inv, proj = _normalisation_projection(h_rows, w_rows, inv_ptr, scored, r_mask, D, W_HAT, BR, BD)
+    r_mask, scored, wrow, hscale, h_rows, w_rows, inv, proj = _gradient_rows(
+        h_ptr, w_ptr, rows_ptr, inv_ptr, hscale_ptr, n_rows, r0, D, stride_h, stride_w, HAS_ROWS, NORM_W, W_HAT, BR, BD)
     slot = tl.load(slot_ptr + scored, mask=r_mask, other=-1)
     has_t = slot >= 0
     t_rows = t_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None] * stride_t
