@@ -46,6 +46,8 @@ CATEGORIES = {
     "checkpoint": "where and when the run saves and resumes (resume.py)",
     "eval": "evaluation during training (evaluate.py; under pipeline through the stages)",
     "classes": "the classes a started-from checkpoint decides (fine_tune.py, classes.py)",
+    "contiguous": "off under strategy 'horovod', as the field's help says: Horovod's collectives take "
+                  "contiguous tensors only (build.channels_last_wanted; logged on a GPU)",
 }
 
 
@@ -167,7 +169,8 @@ TABLE: Dict[str, Any] = {
     "micro_batch_stats": Reaches(dict(micro_batch_stats=False, micro_batches=1, pipeline_schedule="gpipe"),
                                  lambda s, b: s["plan"]["micro_batch_stats"] is False, **PIPE_ONLY),
     "amp": Other("precision"),
-    "channels_last": Reaches(dict(channels_last=False), lambda s, b: not s["channels_last"]),
+    "channels_last": Reaches(dict(channels_last=False), lambda s, b: not s["channels_last"],
+                             only=("ddp", "dp", "pipeline"), elsewhere="contiguous"),
     "compile": Reaches(dict(compile=True), lambda s, b: s["compiled"],
                        refused={"dp": "compile=True is not supported by strategy='dp'"}),
     "seed": Reaches(dict(seed=3), lambda s, b: s["head"]["init_seed"] == 3 and s["head"]["sample_seed"] == 3
@@ -214,7 +217,9 @@ def probes(strategy: str) -> Dict[str, Dict[str, Any]]:
 
 def _channels_last_anywhere(cfg: TrainConfig, device, backbone: nn.Module) -> bool:
     """``use_channels_last`` as on CUDA, on any device (the CPU runs channels_last convolutions too)."""
-    return bool(cfg.channels_last) and any(isinstance(m, nn.Conv2d) for m in backbone.modules())
+    from shardfc.train.build import channels_last_wanted
+
+    return channels_last_wanted(cfg, backbone)
 
 
 def _scalars(obj) -> Dict[str, Any]:

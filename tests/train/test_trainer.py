@@ -136,7 +136,7 @@ def test_head_gradient_is_clipped_by_its_global_norm():
     assert np.allclose(np.concatenate([r[1] for r in results]), expected.numpy(), atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_clipping_the_head_makes_no_copy_of_its_gradient(dtype):
     """The head's gradient is the largest tensor of a step (2 GB at a million classes, D = 512):
     its norm is one reduction, with nothing of the gradient's size allocated (the first H200 run

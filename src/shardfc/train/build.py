@@ -155,6 +155,8 @@ def prepare_backbone(cfg: TrainConfig, device: torch.device, module: torch.nn.Mo
         module = module.to(memory_format=torch.channels_last)
         if pipeline_stage:
             keep_boundaries_contiguous(module)
+    elif cfg.channels_last and cfg.strategy == "horovod" and torch.device(device).type == "cuda":
+        logger.info("channels_last is off under strategy 'horovod': its collectives take contiguous tensors only")
     if cfg.compile:
         module.compile()  # in place: state_dict() keys stay the module's own (no '_orig_mod.')
     return module
@@ -203,14 +205,21 @@ def build_head_optimizer(cfg: TrainConfig, head: ShardedMarginHead, device: torc
     )
 
 
-def use_channels_last(cfg: TrainConfig, device: torch.device, backbone: torch.nn.Module) -> bool:
-    """Whether the run holds ``backbone`` and its inputs in channels_last: ``cfg.channels_last`` on a CUDA
-    device, for a backbone with 2-D convolutions (the layout changes nothing for the others)."""
+def channels_last_wanted(cfg: TrainConfig, backbone: torch.nn.Module) -> bool:
+    """``cfg.channels_last``, where it means something and the strategy can carry it: a backbone with
+    2-D convolutions, not under strategy 'horovod' (Horovod's broadcast and gradient all-reduce take
+    contiguous tensors only: a channels_last weight or gradient is refused there)."""
     return (
         bool(cfg.channels_last)
-        and torch.device(device).type == "cuda"
+        and cfg.strategy != "horovod"
         and any(isinstance(m, torch.nn.Conv2d) for m in backbone.modules())
     )
+
+
+def use_channels_last(cfg: TrainConfig, device: torch.device, backbone: torch.nn.Module) -> bool:
+    """Whether the run holds ``backbone`` and its inputs in channels_last: :func:`channels_last_wanted`,
+    on a CUDA device (the layout changes nothing elsewhere)."""
+    return torch.device(device).type == "cuda" and channels_last_wanted(cfg, backbone)
 
 
 def resolve_amp_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dtype]:

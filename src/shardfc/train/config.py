@@ -210,7 +210,7 @@ class TrainConfig:
     amp: str = "auto"
     """Mixed precision: 'auto' (bf16 autocast on a CUDA GPU that has bf16, fp16 autocast + loss scaling on one that has not, none on the CPU), 'none', 'bf16' (autocast) or 'fp16' (autocast + loss scaling; on CPU it falls back to bf16 where the CPU has native bf16, else to fp32)."""
     channels_last: bool = True
-    """On CUDA, hold a convolutional backbone and its input batches in channels_last (NHWC) memory format, the layout cuDNN's tensor-core convolutions run in (ignored on the CPU and by backbones without 2-D convolutions; under strategy 'pipeline' each stage with convolutions holds its weights so and converts its input, while the activations crossing the stages stay NCHW); --no-channels-last: contiguous NCHW."""
+    """On CUDA, hold a convolutional backbone and its input batches in channels_last (NHWC) memory format, the layout cuDNN's tensor-core convolutions run in (ignored on the CPU, by backbones without 2-D convolutions and under strategy 'horovod', whose collectives take contiguous tensors only; under strategy 'pipeline' each stage with convolutions holds its weights so and converts its input, while the activations crossing the stages stay NCHW); --no-channels-last: contiguous NCHW."""
     compile: bool = False
     """torch.compile the backbone (in place, nn.Module.compile: checkpoints keep the plain parameter names; under strategy 'pipeline', each rank's stage; refused by 'dp', whose replicas would not run it); the first steps are slower while it compiles."""
     seed: int = 0

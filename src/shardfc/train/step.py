@@ -148,7 +148,9 @@ def clip_head_grad_(head: nn.Module, max_norm: float, ctx: DistContext) -> torch
     for g in grads:  # the shards may sit on several devices (dp)
         # One reduction pass in fp32, no temporary: g.float().pow(2) made a copy of the whole
         # gradient (2 GB at 1M classes, D = 512), measured on an H200 as the trainer step's extra peak.
-        sq += torch.linalg.vector_norm(g.detach(), dtype=torch.float32).square().to(sq.device)
+        # (fp64 gradients reduce in fp64: vector_norm refuses to narrow)
+        acc = torch.promote_types(g.dtype, torch.float32)
+        sq += torch.linalg.vector_norm(g.detach(), dtype=acc).square().to(sq.device, torch.float32)
     ctx.all_reduce_(sq)
     total = sq.sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
