@@ -98,6 +98,16 @@ def cannot_run(e: Exception, impl: str) -> Optional[str]:
     return text if f"impl={impl!r} cannot run" in text else None
 
 
+def row_error(row: Dict[str, Any], e: Exception, impl: str) -> None:
+    """A row's own error: "unavailable" where the head says ``impl`` cannot run here, else "FAILED"
+    with the traceback."""
+    why = cannot_run(e, impl) if isinstance(e, ValueError) else None
+    if why is not None:
+        row.update(status="unavailable", reason=why)
+    else:
+        row.update(status="FAILED", reason=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+
+
 # --------------------------------------------------------------------------- correctness
 def correctness(args, device: torch.device) -> Dict[str, Any]:
     C, B, D = args.check_classes, args.batch, args.dim
@@ -247,16 +257,9 @@ def step_part(args, device: torch.device) -> Dict[str, Any]:
             log(f"step C={C} {name}: {ms:.3f} ms, peak above rest "
                 + ("-" if peak is None else f"{peak / 2**20:.1f} MiB"))
             del head, opt, step
-        except ValueError as e:
-            why = cannot_run(e, impl)
-            if why is None:
-                row.update(status="FAILED", reason=f"ValueError: {e}", traceback=traceback.format_exc())
-            else:
-                row.update(status="unavailable", reason=why)
-            log(f"step C={C} {name}: {row['status']}: {row['reason']}")
         except Exception as e:
-            row.update(status="FAILED", reason=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-            log(f"step C={C} {name}: FAILED: {row['reason']}")
+            row_error(row, e, impl)
+            log(f"step C={C} {name}: {row['status']}: {row['reason']}")
         rows.append(row)
         release(device)
     return {"classes": C, "batch": B, "dim": D, "dtype": args.dtype, "rows": rows}
@@ -408,13 +411,9 @@ def plan_part(args, device: torch.device) -> Dict[str, Any]:
             log(f"plan C={C} {dtype} impl={impl}: planned step peak {p['step_peak'] / 2**20:.1f} MiB, measured "
                 + ("-" if peak is None else f"{peak / 2**20:.1f} MiB") + f" ({ms:.3f} ms)")
             del head, opt, step, batches
-        except ValueError as e:
-            why = cannot_run(e, impl)
-            row.update(status="unavailable" if why else "FAILED", reason=why or f"ValueError: {e}")
-            log(f"plan {dtype} impl={impl}: {row['status']}: {row['reason']}")
         except Exception as e:
-            row.update(status="FAILED", reason=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-            log(f"plan {dtype} impl={impl}: FAILED: {row['reason']}")
+            row_error(row, e, impl)
+            log(f"plan {dtype} impl={impl}: {row['status']}: {row['reason']}")
         rows.append(row)
         release(device)
     return {"rows": rows}

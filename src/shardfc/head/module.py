@@ -331,16 +331,20 @@ class ShardedMarginHead(nn.Module):
         Held weakly: the head does not keep the optimizer alive."""
         self._fused_optimizer = weakref.ref(optimizer)
 
+    def _update_optimizer(self):
+        """The optimizer whose step the backward applies, if one is attached and still alive."""
+        return self._fused_optimizer() if self._fused_optimizer is not None else None
+
     def _fuses_update(self) -> bool:
         """An optimizer whose step the backward applies is attached (and alive): part of
         ``impl="auto"``'s workload key, since the backward then does the update's work too."""
-        opt = self._fused_optimizer() if self._fused_optimizer is not None else None
+        opt = self._update_optimizer()
         return bool(opt is not None and opt.fused_update)
 
     def _row_update_hook(self, impl: str, compute_dtype: torch.dtype, weights: List[Tensor]):
         """The plan's ``row_update`` for this forward (None: the optimizer steps from the gradient)
         and, in :attr:`last_update`, who updates the weights; logged when it changes."""
-        opt = self._fused_optimizer() if self._fused_optimizer is not None else None
+        opt = self._update_optimizer()
         if opt is None or not torch.is_grad_enabled():
             return None
         why = None
