@@ -269,8 +269,15 @@ def stats_dtype_for(*tensors: Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+#: The compute dtype of a step on the ``meta`` device, which has no autocast: set by ``shardfc plan
+#: --compute-dtype`` to replay a step under autocast (None: the inputs' promoted dtype).
+META_COMPUTE_DTYPE: Optional[torch.dtype] = None
+
+
 def compute_dtype_for(device: torch.device, *tensors: Tensor) -> torch.dtype:
     """The autocast dtype when autocast is on for ``device``, else the inputs' promoted dtype."""
+    if device.type == "meta" and META_COMPUTE_DTYPE is not None:
+        return META_COMPUTE_DTYPE
     if device.type != "meta" and torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     dtype = tensors[0].dtype

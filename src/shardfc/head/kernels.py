@@ -27,6 +27,7 @@ too close to a sample's target centre get a −inf logit, i.e. no softmax mass a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -134,6 +135,24 @@ def mm_f32(a: Tensor, b: Tensor) -> Tensor:
     if device == "cuda":
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
+
+
+@functools.lru_cache(maxsize=None)
+def _addmm_dtype_on(device: str) -> bool:
+    """torch has ``addmm(..., out_dtype=)`` (one cuBLAS GEMM with an fp32 ``C``) for ``device``."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype_out", device.upper())
+
+
+def addmm_f32(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``c += a @ b`` in place, ``c`` fp32, with fp32 accumulation: one GEMM whose epilogue adds into
+    ``c`` (cuBLAS's ``beta = 1``) where torch has it for 16-bit operands, instead of a GEMM into a
+    new ``[M, N]`` tensor and an add that reads both again."""
+    if a.dtype == torch.float32:
+        return c.addmm_(a, b)
+    device = MM_F32_META if a.device.type == "meta" else a.device.type
+    if device == "cuda" and (a.device.type == "meta" or _addmm_dtype_on("cuda")):
+        return torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+    return c.add_(mm_f32(a, b))
 
 
 def fp16_operand_scale(g: Tensor) -> Tensor:

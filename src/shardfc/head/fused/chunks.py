@@ -4,8 +4,9 @@ The tensor-core work of a step is three matmul shapes (``x·Wᵀ``, ``dZ·W``, `
 recomputation of the logits in the backward; here each of them is a ``torch.mm`` (cuBLAS on a
 GPU, so it runs at the device's matmul rate, wgmma on Hopper, with no tile choice of ours), and
 everything else is one pass of an epilogue kernel (:mod:`.epilogue`). Per chunk of ``c`` classes
-(``K·c`` centre rows; :func:`chunk_classes` keeps the ``[B, K·c]`` block of products about
-:data:`CHUNK_BYTES`, so it stays in L2 between the GEMM that writes it and the kernels that read it):
+(``K·c`` centre rows; :func:`chunk_classes` sizes the chunk so its working set — the ``[B, K·c]``
+block of products, its ``K·c`` operand rows and, in the backward, their fp32 ``[K·c, D]`` ``H`` —
+fills :data:`CHUNK_L2_SHARE` of the device's L2, so what one kernel writes the next reads from L2):
 
 once per step::
 
@@ -21,7 +22,7 @@ backward (``impl="gemm"`` and ``impl="triton"``)::
 
     P as above                     (the logits recomputed: nothing of [B, C] is kept)
     E   = epilogue(P)  in place    unit·(softmax − ε/C), 0 at the target
-    gx += E · Ŵ_c                  cuBLAS, fp32 out                       [B, D]
+    gx += E · Ŵ_c                  cuBLAS, fp32, added in its epilogue (addmm)  [B, D]
     H   = Eᵀ · x'                  cuBLAS, fp32 out (x' = x·coef/max|coef|) [K·c, D]
     dW_c = weight_grad(H)          inv·(H − (ŵ·H)·ŵ), one write per row
     then, once: the target column's terms from [B] values (index_add of B rows)
@@ -42,6 +43,7 @@ column, where the margin's derivative replaces ``s``, is added exactly from ``[B
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -50,11 +52,16 @@ import triton
 from torch import Tensor
 
 from shardfc.head.fused import autotune, epilogue, interpreting, shapes_only
-from shardfc.head.kernels import mm_f32
+from shardfc.head.fused.traffic import Region, gathered, note, rows_of, span
+from shardfc.head.kernels import addmm_f32, mm_f32
 
-#: Bytes of the ``[B, K·c]`` block of products per chunk: the block is written by one GEMM and
-#: read by the epilogue and two more GEMMs, so it should stay in L2 (50 MB on an H100).
-CHUNK_BYTES = 32 * 2**20
+#: The share of the device's L2 one chunk's working set fills (:func:`chunk_classes`). Its products
+#: are written by one GEMM and read by the epilogue and two more GEMMs, and its ``H`` written by one
+#: GEMM and read by the row kernel: in L2, none of them costs HBM traffic. Not all of L2: the rows
+#: and optimizer state the row kernel streams pass through it too.
+CHUNK_L2_SHARE = 0.6
+#: L2 bytes of the device a meta tensor stands for (``shardfc plan``; its ``--l2``): an H100's.
+META_L2_BYTES = 50 * 2**20
 #: The shard's scored rows in the compute dtype are made once per step (:func:`scored_rows`) when
 #: they take at most this many bytes (1M classes × D = 512 in bf16), and every GEMM slices them;
 #: above, each chunk makes its own operand, bounding the step's memory whatever the shard's size.
@@ -93,14 +100,41 @@ class RowUpdate:
     nesterov: bool
 
 
-def chunk_classes(n_cls: int, batch: int, K: int, elem: int = 2) -> int:
-    """Classes per chunk: ``[B, K·c]`` products of about :data:`CHUNK_BYTES` in ``elem``-byte
-    elements, a multiple of :data:`CHUNK_QUANTUM` (interpreter: :data:`INTERPRETER_CHUNK`)."""
+@functools.lru_cache(maxsize=None)
+def _cuda_l2_bytes(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).L2_cache_size)
+
+
+def l2_bytes(device: torch.device) -> int:
+    """The L2 cache of ``device`` (a CUDA GPU's, read once; :data:`META_L2_BYTES` on meta)."""
+    if device.type == "cuda":
+        return _cuda_l2_bytes(device.index if device.index is not None else torch.cuda.current_device())
+    return META_L2_BYTES
+
+
+def chunk_classes(n_cls: int, batch: int, K: int, D: int, elem: int, device: torch.device,
+                  row_bytes: Optional[int] = None) -> int:
+    """Classes per chunk: the chunk's working set — ``[B, K·c]`` products and ``K·c`` operand rows
+    in ``elem``-byte elements, and in the backward (``row_bytes`` not None) the ``[K·c, D]`` fp32
+    ``H`` plus the ``row_bytes`` per row the row kernel streams (the gradient it writes, or the
+    weight and optimizer state the fused update rewrites) — in :data:`CHUNK_L2_SHARE` of
+    ``device``'s L2 (:func:`l2_bytes`), a multiple of :data:`CHUNK_QUANTUM` (at least one;
+    interpreter: :data:`INTERPRETER_CHUNK`). Then a chunk's products and ``H`` are still in L2 when
+    the next chunk's, which take their blocks, overwrite them: they never reach HBM."""
     if interpreting():
         return INTERPRETER_CHUNK
-    c = CHUNK_BYTES // (elem * max(batch, 1) * K)
+    per_row = batch * elem + D * elem + (4 * D + row_bytes if row_bytes is not None else 0)
+    c = int(CHUNK_L2_SHARE * l2_bytes(device)) // (K * max(per_row, 1))
     c = max(CHUNK_QUANTUM, c // CHUNK_QUANTUM * CHUNK_QUANTUM)
     return min(c, triton.cdiv(max(n_cls, 1), CHUNK_QUANTUM) * CHUNK_QUANTUM)
+
+
+def _row_bytes(update: Optional[RowUpdate], grad_w: Tensor) -> int:
+    """Bytes per row the backward's row kernel streams besides ``H`` and the operand row."""
+    if update is None:
+        return grad_w.shape[-1] * grad_w.element_size()
+    state = [t for t in (update.param, update.momentum_buffer) if t is not None]
+    return sum(t.shape[-1] * t.element_size() for t in state)
 
 
 def _tiles(which):
@@ -126,6 +160,12 @@ def unit_for(compute_dtype: torch.dtype) -> float:
 
 
 def _operand_launch(w, rows, inv, out, r0, n_rows, compute_inv, scale, write):
+    if shapes_only(w):
+        reads = [gathered(w, rows, r0, n_rows)] + rows_of(rows, r0, n_rows)
+        writes = rows_of(out, 0, n_rows) if write else []
+        (writes if compute_inv else reads).extend(rows_of(inv, r0, n_rows) if compute_inv or scale else [])
+        note("operand_rows", reads, writes)
+        return
     BR, BD = _tiles(ROW_TILES)
     epilogue.operand_rows_kernel[(triton.cdiv(n_rows, BR),)](
         w, rows if rows is not None else w, inv if inv is not None else w, out if out is not None else w,
@@ -146,7 +186,7 @@ def scored_rows(w: Tensor, rows: Optional[Tensor], n_rows: int, dtype: torch.dty
     inv = torch.empty(n_rows, dtype=torch.float32, device=w.device) if need_inv else None
     write = n_rows * w.shape[1] * torch.finfo(dtype).bits // 8 <= OPERAND_BYTES
     out = torch.empty(n_rows, w.shape[1], dtype=dtype, device=w.device) if write else None
-    if n_rows and not shapes_only(w) and (write or need_inv):
+    if n_rows and (write or need_inv):
         _operand_launch(w, rows, inv, out, 0, n_rows, need_inv, normalize, write)
     return out, inv
 
@@ -156,7 +196,7 @@ def operand_rows(w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor], r0: i
     """Scored rows ``r0 .. r0 + n_rows`` of ``w`` (through ``rows``), times ``inv`` (``scale``), in
     ``dtype``: one chunk's GEMM operand, ``[n_rows, D]``, where the step has no :func:`scored_rows`."""
     out = torch.empty(n_rows, w.shape[1], dtype=dtype, device=w.device)
-    if not shapes_only(out) and n_rows:
+    if n_rows:
         _operand_launch(w, rows, inv, out, r0, n_rows, False, scale, True)
     return out
 
@@ -182,6 +222,12 @@ class _Chunk:
         if tr is not None:
             self.f = tr @ _raw_rows(w, rows, self.r0, self.r1).to(tr.dtype).t()
 
+    def block_reads(self, inv: Optional[Tensor], per_sample) -> list:
+        """What an epilogue over this chunk's products reads (``shardfc plan --bytes``): the block
+        (and the filter's cosines), the rows' ``1/‖w‖`` and the ``[B]`` vectors ``per_sample``."""
+        reads = [span(self.p)] + ([span(self.f)] if self.f is not None else []) + rows_of(inv, self.r0, self.r1 - self.r0)
+        return reads + [span(t) for t in per_sample]
+
     def filter_args(self):
         return (self.f, self.f.stride(0)) if self.f is not None else (self.p, 0)
 
@@ -191,7 +237,7 @@ def forward_stats(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Te
                   normalize: bool, smooth: bool, operand: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """``(pmax, psum, plsum)`` ``[B, parts]``: the shard's partial statistics, chunk by chunk."""
     B, dev = a.shape[0], a.device
-    per_chunk = chunk_classes(n_cls, B, K, a.element_size())
+    per_chunk = chunk_classes(n_cls, B, K, a.shape[1], a.element_size(), dev)
     BM, BN = _block_tiles(K, tr is not None)
     wanted = autotune.splits_wanted(B, BM, dev, off_gpu=2)  # the tests fold two splits per chunk
     per_prog = triton.cdiv(triton.cdiv(per_chunk, wanted), BN) * BN
@@ -204,7 +250,10 @@ def forward_stats(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Te
     part0 = 0
     for (c0, c1), n_split in zip(chunks, splits):
         ch = _Chunk(a, w, rows, inv, tr, c0, c1, K, normalize, operand)
-        if not shapes_only(ch.p):
+        if shapes_only(ch.p):
+            outs = [Region(t, ("cols", part0, n_split), B * n_split * 4) for t in {id(t): t for t in (pmax, psum, plsum)}.values()]
+            note("forward_epilogue", ch.block_reads(inv, (tcol, tval)), outs)
+        else:
             f, stride_f = ch.filter_args()
             epilogue.forward_epilogue_kernel[(triton.cdiv(B, BM), n_split)](
                 ch.p, f, inv if inv is not None else pmax, tcol, tval, pmax, psum, plsum,
@@ -235,7 +284,7 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
     B, D, dev = a.shape[0], a.shape[1], a.device
     cd = a.dtype
     unit = unit_for(cd)
-    per_chunk = chunk_classes(n_cls, B, K, a.element_size())
+    per_chunk = chunk_classes(n_cls, B, K, D, a.element_size(), dev, _row_bytes(update, grad_w))
     BM, BN = _block_tiles(K, tr is not None)
     BR, BD = _tiles(ROW_TILES)
     # coef rides on the rows of x for the weight GEMM, scaled to at most 1 so fp16 keeps it normal.
@@ -269,7 +318,9 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
         c1 = min(c0 + per_chunk, n_cls)
         ch = _Chunk(a, w, rows, inv, tr, c0, c1, K, normalize, operand)
         n_rows = ch.r1 - ch.r0
-        if not shapes_only(ch.p):
+        if shapes_only(ch.p):
+            note("backward_epilogue", ch.block_reads(inv, (tcol, tval, row_max, inv_sum)), [span(ch.p)])
+        else:
             f, stride_f = ch.filter_args()
             epilogue.backward_epilogue_kernel[(triton.cdiv(B, BM), triton.cdiv(c1 - c0, BN))](
                 ch.p, f, inv if inv is not None else scratch, tcol, tval, row_max, inv_sum,
@@ -277,11 +328,14 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
                 float(eps_over_c), float(unit), K=K, FILTER=tr is not None, SMOOTH=eps_over_c > 0,
                 EMULATE_RTNE=emulate_rtne(ch.p), BM=BM, BN=BN,
             )
-        grad_a += mm_f32(ch.p, ch.op)  # E·Ŵ
+        addmm_f32(grad_a, ch.p, ch.op)  # gx += E·Ŵ, one GEMM
         h = mm_f32(ch.p.t(), x_coef)  # H = Eᵀ·x', [K·c, D] fp32
         w_hat = operand is not None and normalize  # the normalised rows, already in the operand
         w_read = operand if w_hat else w
-        if update is not None and not shapes_only(h):
+        if shapes_only(h):
+            _note_rows(update, h, w_read, None if w_hat else rows, inv, rows, grad_w, ch.r0, n_rows, accumulate, scatter,
+                       slot if update is not None else None)
+        elif update is not None:
             p, buf = update.param, update.momentum_buffer
             UR, UD = _tiles(UPDATE_TILES)
             epilogue.weight_update_kernel[(triton.cdiv(n_rows, UR),)](
@@ -293,19 +347,38 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
                 HAS_ROWS=rows is not None, NORM_W=normalize, W_HAT=w_hat, MOMENTUM=buf is not None,
                 NESTEROV=bool(update.nesterov), EMULATE_RTNE=emulate_rtne(p), BR=UR, BD=UD,
             )
-        elif not shapes_only(h):
+        else:
             epilogue.weight_grad_kernel[(triton.cdiv(n_rows, BR),)](
                 h, w_read, rows if rows is not None else scratch, inv if inv is not None else scratch, grad_w,
                 hscale, n_rows, ch.r0, D, h.stride(0), w_read.stride(0), grad_w.stride(0),
                 HAS_ROWS=rows is not None, NORM_W=normalize, W_HAT=w_hat, ACCUMULATE=accumulate, SCATTER=scatter,
                 EMULATE_RTNE=emulate_rtne(grad_w), BR=BR, BD=BD,
             )
+        # Freed before the next chunk allocates its own: the caching allocator then hands it these
+        # blocks, whose lines are still in L2, so the dirty products and H are overwritten there
+        # instead of being written back to HBM.
+        del ch, h
     grad_a *= (coef * (scale / unit)).unsqueeze(1)
     grad_a += grad_a_t
     if update is None:
         # Samples sharing a target add up (index_add); samples elsewhere add zeros to row 0.
         grad_w.index_add_(0, t_row if scatter else t_scored, h_t.to(grad_w.dtype))
     return grad_a
+
+
+def _note_rows(update: Optional[RowUpdate], h: Tensor, w_read: Tensor, read_rows: Optional[Tensor],
+               inv: Optional[Tensor], rows: Optional[Tensor], grad_w: Tensor, r0: int, n: int, accumulate: bool,
+               scatter: bool, slot: Optional[Tensor]) -> None:
+    """What :func:`epilogue.weight_update_kernel` or :func:`epilogue.weight_grad_kernel` would read
+    and write for one chunk's ``n`` rows (``shardfc plan --bytes``). The target terms the update
+    adds (``t_sum``, at most ``B`` rows over the whole step) are left out."""
+    reads = [span(h[:n]), gathered(w_read, read_rows, r0, n)] + rows_of(inv, r0, n) + rows_of(rows, r0, n)
+    if update is not None:
+        state = [gathered(t, rows, r0, n) for t in (update.param, update.momentum_buffer) if t is not None]
+        note("weight_update", reads + state + rows_of(slot, r0, n), state)
+        return
+    out = gathered(grad_w, rows if scatter else None, r0, n)
+    note("weight_grad", reads + ([out] if accumulate else []), [out])
 
 
 def _target_slots(t_scored: Tensor, h_t: Tensor, n_scored: int) -> Tuple[Tensor, Tensor]:

@@ -18,6 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from shardfc.head.fused import interpreting, shapes_only
+from shardfc.head.fused.traffic import gathered, note, rows_of, span
 
 
 @triton.jit
@@ -67,7 +68,11 @@ def row_sgd_(p: Tensor, buf: Optional[Tensor], grad: Tensor, idx: Optional[Tenso
     """Update rows ``idx`` of ``p`` (every row: ``idx`` None) in place; ``grad`` holds row ``i``'s
     gradient at ``idx[i]`` (``grad_at_idx``) or at ``i``; ``buf``: the momentum buffer (None: none)."""
     n = p.shape[0] if idx is None else idx.numel()
-    if n == 0 or shapes_only(p):  # meta: shapes only, nothing to launch (shardfc plan)
+    if n and shapes_only(p):  # meta: what it would touch, nothing launched (shardfc plan --bytes)
+        state = [gathered(t, idx, 0, n) for t in (p, buf) if t is not None]
+        g = gathered(grad, idx, 0, n) if grad_at_idx else span(grad[:n])
+        note("row_sgd", state + [g] + rows_of(idx, 0, n), state)
+    if n == 0 or shapes_only(p):
         return
     BR, BD = (16, 16) if interpreting() else (32, 128)
     with torch.cuda.device(p.device) if p.is_cuda else contextlib.nullcontext():

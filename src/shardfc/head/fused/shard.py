@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from shardfc.head.fused import autotune, chunks, interpreting
+from shardfc.head.fused import autotune, chunks, interpreting, shapes_only
+from shardfc.head.fused.traffic import gathered, note, rows_of, span
 from shardfc.head.kernels import ShardConfig, ShardStats, target_norm_gradients
 from shardfc.head.normalize import NORM_EPS
 
@@ -157,6 +158,11 @@ def _fused_forward(a_k, w, rows, inv, tr, tcol, tval, n_cls, K, cfg, smooth, nor
     psum = torch.empty_like(pmax)
     plsum = torch.empty_like(pmax) if smooth else pmax
     trk = tr if tr is not None else a_k
+    if shapes_only(a_k):  # the row tiles of one split share its rows through L2: one read of them
+        reads = [span(a_k), gathered(w, rows, 0, n_cls * K)] + rows_of(rows, 0, n_cls * K) + rows_of(inv, 0, n_cls * K)
+        reads += [span(t) for t in (tcol, tval)] + ([span(tr)] if tr is not None else [])
+        outs = [span(t) for t in {id(t): t for t in (pmax, psum, plsum)}.values()]
+        note("lse_forward", reads, outs, flops=2.0 * B * n_cls * K * D)
     autotune.launch(
         autotune.lse_forward(K, tr is not None, _precision(cfg), normalize), lambda meta: (triton.cdiv(B, meta["BM"]), n_splits),
         a_k, w, rows if rows is not None else tcol, inv if inv is not None else pmax, trk, tcol, tval,

@@ -107,6 +107,10 @@ def plan(
     subcenters: int = 1,
     impl: str = "torch",
     sms: int = 132,
+    fused_update: bool = False,
+    compute_dtype: Optional[str] = None,
+    traffic: bool = False,
+    l2_bytes: Union[int, str] = 50 * 2**20,
 ) -> Dict[str, Any]:
     """Per-rank memory of one head training step, and (with a budget) the largest C and B that fit.
 
@@ -135,6 +139,13 @@ def plan(
             ``impl="auto"`` chooses between on a CUDA GPU; need Triton installed; ``chunk_size`` is
             then ignored, as the head ignores it).
         sms: the GPU's streaming multiprocessors, for the GPU paths (see the module docstring).
+        fused_update: :func:`~shardfc.head.partial_fc.head_optimizer`'s (SGD: the step applied in the
+            backward, no ``.grad``; the GPU paths only).
+        compute_dtype: the matmuls' dtype, as autocast sets it (``"bfloat16"`` with ``float32``
+            weights: the trainer's ``--amp``); None: ``dtype``.
+        traffic: also count the step's HBM bytes kernel by kernel (:mod:`.traffic`): the result's
+            ``traffic``. The GPU paths' chunks and the count's L2 model use ``l2_bytes``.
+        l2_bytes: the GPU's L2 (default 50 MiB, an H100's), an int or a string like ``"50MiB"``.
 
     Returns a dict with ``parts`` (bytes per part, see the module docstring), ``step_peak``,
     ``resting``, ``total``, ``bytes_per_class`` (resting bytes over ``n_local``), ``n_local``, ``n_sampled``, ``local_batch``, the inputs, and with a
@@ -177,6 +188,16 @@ def plan(
     if sparse_grad and sample_rate >= 1:
         raise ValueError(f"sparse_grad needs Partial FC (sample_rate < 1), got sample_rate={sample_rate!r}")
     budget = None if budget_bytes is None else parse_bytes(budget_bytes)
+    if not isinstance(fused_update, bool):
+        raise ValueError(f"fused_update must be True or False, got {fused_update!r}")
+    if fused_update and (impl == "torch" or optimizer == "adamw"):
+        raise ValueError(f"fused_update needs impl 'triton' or 'gemm' and optimizer 'sgd' or 'sgd_nomomentum' (the "
+                         f"update the GPU backward applies), got impl={impl!r}, optimizer={optimizer!r}")
+    if compute_dtype is not None:
+        compute_dtype = _dtype_name(compute_dtype)
+    if not isinstance(traffic, bool):
+        raise ValueError(f"traffic must be True or False, got {traffic!r}")
+    l2 = parse_bytes(l2_bytes, "l2_bytes")
     margin = _margin(margin)
 
     import torch.distributed as dist
@@ -185,7 +206,8 @@ def plan(
         return _in_fresh_process(
             plan, num_classes, dim, batch, world_size, dtype, optimizer, sample_rate, chunk_size, budget,
             margin=margin, weight_decay=weight_decay, chunk_budget_bytes=chunk_budget_bytes, grad_in_place=grad_in_place,
-            sparse_grad=sparse_grad, subcenters=subcenters, impl=impl, sms=sms,
+            sparse_grad=sparse_grad, subcenters=subcenters, impl=impl, sms=sms, fused_update=fused_update,
+            compute_dtype=compute_dtype, traffic=traffic, l2_bytes=l2,
         )
     from shardfc.tools.plan.replay import fake_world
 
@@ -195,14 +217,18 @@ def plan(
         head_options["sparse_grad"] = True
     if subcenters > 1:
         head_options["subcenters"] = subcenters
-    with fake_world(world_size), _planned_sms(impl, sms):
-        evaluate = _Evaluator(dim, world_size, DTYPES[dtype], optimizer, weight_decay, grad_in_place, head_options)
+    with fake_world(world_size), _planned_device(impl, sms, l2, compute_dtype):
+        evaluate = _Evaluator(dim, world_size, DTYPES[dtype], optimizer, weight_decay, grad_in_place, head_options,
+                              fused_update)
         result = dict(evaluate(num_classes, batch))
+        if traffic:
+            result["traffic"] = evaluate.traffic(num_classes, batch, l2)
         result.update(
             num_classes=num_classes, dim=dim, batch=batch, world_size=world_size, dtype=dtype, optimizer=optimizer,
             sample_rate=float(sample_rate), chunk_size=chunk_size, margin=type(margin).__name__,
             weight_decay=weight_decay, memory_model=memory_model, grad_in_place=grad_in_place, sparse_grad=sparse_grad,
-            subcenters=subcenters, impl=impl, sms=sms if impl != "torch" else None,
+            subcenters=subcenters, impl=impl, sms=sms if impl != "torch" else None, fused_update=fused_update,
+            compute_dtype=compute_dtype or dtype, l2_bytes=l2 if impl != "torch" or traffic else None,
         )
         if budget is not None:
             one = evaluate(1, batch)["total"]
@@ -219,30 +245,46 @@ def plan(
 
 
 @contextlib.contextmanager
-def _planned_sms(impl: str, sms: int):
-    """The device the replay stands for, for the plan's duration: the GPU launchers' SM count, or
-    the CPU's fp32 matmuls for the torch path."""
+def _planned_device(impl: str, sms: int, l2: int, compute_dtype: Optional[str]):
+    """The device the replay stands for, for the plan's duration: the GPU launchers' SM count and
+    L2 (which sizes their chunks), or the CPU's fp32 matmuls for the torch path; and the compute
+    dtype autocast would set (the meta device has no autocast)."""
     from unittest import mock
 
-    if impl == "torch":  # the CPU's step: its fp32 matmuls of 16-bit operands copy them first
-        from shardfc.head import kernels
+    from shardfc.head import function
 
-        with mock.patch.object(kernels, "MM_F32_META", "cpu"):
-            yield
-        return
-    from shardfc.head.fused import autotune
+    with contextlib.ExitStack() as stack:
+        if compute_dtype is not None:
+            stack.enter_context(mock.patch.object(function, "META_COMPUTE_DTYPE", DTYPES[compute_dtype]))
+        if impl == "torch":  # the CPU's step: its fp32 matmuls of 16-bit operands copy them first
+            from shardfc.head import kernels
 
-    with mock.patch.object(autotune, "META_SMS", sms):
+            stack.enter_context(mock.patch.object(kernels, "MM_F32_META", "cpu"))
+        else:
+            from shardfc.head.fused import autotune, chunks
+
+            stack.enter_context(mock.patch.object(autotune, "META_SMS", sms))
+            stack.enter_context(mock.patch.object(chunks, "META_L2_BYTES", l2))
         yield
 
 
 class _Evaluator:
     """``(C, B) -> parts and totals`` by one replay each, remembered."""
 
-    def __init__(self, dim, world_size, dtype, optimizer, weight_decay, grad_in_place, head_options):
+    def __init__(self, dim, world_size, dtype, optimizer, weight_decay, grad_in_place, head_options, fused_update=False):
         self.args = (dim, world_size, dtype, optimizer, weight_decay, grad_in_place)
         self.head_options = head_options
+        self.fused_update = fused_update
         self.seen: Dict[tuple, Dict[str, Any]] = {}
+
+    def traffic(self, num_classes: int, batch: int, l2: int) -> Dict[str, Any]:
+        """The step's HBM bytes kernel by kernel (one more replay, counted: :mod:`.traffic`)."""
+        from shardfc.tools.plan.replay import replay_step
+
+        dim, world_size = self.args[:2]
+        r = replay_step(num_classes, dim, batch, world_size, *self.args[2:], fused_update=self.fused_update,
+                        traffic_l2=l2, **self.head_options)
+        return r.traffic
 
     def __call__(self, num_classes: int, batch: int) -> Dict[str, Any]:
         key = (num_classes, batch)
@@ -255,7 +297,8 @@ class _Evaluator:
         from shardfc.tools.plan.replay import replay_step
 
         dim, world_size, dtype, optimizer, weight_decay, kept = self.args
-        r = replay_step(num_classes, dim, batch, world_size, dtype, optimizer, weight_decay, kept, **self.head_options)
+        r = replay_step(num_classes, dim, batch, world_size, dtype, optimizer, weight_decay, kept,
+                        fused_update=self.fused_update, **self.head_options)
         sparse = self.head_options.get("sparse_grad", False)
         gradients = r.gradients if kept and not sparse else r.step_parts["gradients"]
         parts = dict(weights=r.weights, gradients=gradients, optimizer_state=r.optimizer_state,
@@ -341,19 +384,20 @@ _UNITS = {
 }
 
 
-def parse_bytes(value: Union[int, float, str]) -> int:
-    """``16GiB``, ``16G`` (binary), ``16GB`` (decimal), ``1.5e9``, ``123`` -> bytes (positive)."""
+def parse_bytes(value: Union[int, float, str], name: str = "budget") -> int:
+    """``16GiB``, ``16G`` (binary), ``16GB`` (decimal), ``1.5e9``, ``123`` -> bytes (positive);
+    errors name the argument ``name``."""
     if isinstance(value, bool):
-        raise ValueError(f"budget must be a byte count such as 16GiB, got {value!r}")
+        raise ValueError(f"{name} must be a byte count such as 16GiB, got {value!r}")
     if isinstance(value, (int, float)):
         number = float(value)
     else:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
         if not match or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"budget must be a byte count such as 16GiB, 500MB or 1e9, got {value!r}")
+            raise ValueError(f"{name} must be a byte count such as 16GiB, 500MB or 1e9, got {value!r}")
         number = float(match.group(1)) * _UNITS[match.group(2).lower()]
     if not math.isfinite(number) or number < 1:
-        raise ValueError(f"budget must be at least 1 byte, got {value!r}")
+        raise ValueError(f"{name} must be at least 1 byte, got {value!r}")
     return int(number)
 
 
@@ -444,6 +488,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--sms", type=int, default=132,
                    help="with --head-impl triton/gemm: the GPU's SM count (default 132, an H100 SXM), which sizes "
                         "the forward's partial statistics")
+    p.add_argument("--fused-update", action="store_true",
+                   help="with --head-impl triton/gemm and SGD: the optimizer's step applied in the backward "
+                        "(head_optimizer(..., fused_update=True)): no .grad")
+    p.add_argument("--compute-dtype", choices=tuple(DTYPES), default=None,
+                   help="the matmuls' dtype as autocast sets it (bfloat16 with --dtype float32: the trainer's --amp); "
+                        "default: --dtype")
+    p.add_argument("--bytes", dest="traffic", action="store_true",
+                   help="also print the HBM bytes each kernel of the step reads and writes (an L2 model of --l2), "
+                        "their sum and each GEMM's shape")
+    p.add_argument("--l2", dest="l2_bytes", default="50MiB",
+                   help="the GPU's L2 (default 50MiB, an H100's): sizes the GPU paths' chunks and the --bytes model")
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     try:
         args = p.parse_args(argv)
@@ -454,12 +509,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             args.classes, args.dim, args.batch, args.world_size, args.dtype, args.optimizer, args.sample_rate,
             args.chunk_size, args.budget, margin=args.margin, weight_decay=args.weight_decay,
             memory_model=args.memory_model, grad_in_place=args.grad_in_place, sparse_grad=args.sparse_grad,
-            subcenters=args.subcenters, impl=args.impl, sms=args.sms,
+            subcenters=args.subcenters, impl=args.impl, sms=args.sms, fused_update=args.fused_update,
+            compute_dtype=args.compute_dtype, traffic=args.traffic, l2_bytes=args.l2_bytes,
         )
     except ValueError as e:
         print(f"shardfc plan: error: {e}", file=sys.stderr)
         return 2
     print(format_plan(result))
+    if "traffic" in result:
+        from shardfc.tools.plan.traffic import format_traffic
+
+        print()
+        print(format_traffic(result["traffic"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -193,7 +193,16 @@ class _MetaStep(LiveTensorBytes):
     :func:`_policy` and remembers the output shapes of operators on meta tensors. It counts only
     while :attr:`tracking` (the warm-up runs under it too)."""
 
+    #: a :class:`~shardfc.tools.plan.traffic.TrafficCounter` told of every operator (``--bytes``)
+    observer = None
+
     def call(self, func, args, kwargs):
+        out = self._call(func, args, kwargs)
+        if self.observer is not None and self.tracking:
+            self.observer.op(func, args, kwargs, out)
+        return out
+
+    def _call(self, func, args, kwargs):
         if func.namespace == "c10d" or func.is_view:  # the fake group's calls; views are cheap
             return self._run(func, args, kwargs)
         tensors: list = []
@@ -310,6 +319,7 @@ class Replay:
     optimizer_state: int
     n_local: int
     local_batch: int
+    traffic: Optional[Dict[str, Any]] = None  # with ``traffic_l2``: .traffic.summarise's dict
 
 
 def _nbytes(t: Optional[torch.Tensor]) -> int:
@@ -318,10 +328,14 @@ def _nbytes(t: Optional[torch.Tensor]) -> int:
 
 def replay_step(
     num_classes: int, dim: int, batch: int, world_size: int, dtype: torch.dtype, optimizer: str,
-    weight_decay: float, grads_kept: bool, **head_options,
+    weight_decay: float, grads_kept: bool, fused_update: bool = False, traffic_l2: Optional[int] = None,
+    **head_options,
 ) -> Replay:
     """Replay one step (after a warm-up that creates the gradients and the optimizer state) inside
-    :func:`fake_world`. ``head_options`` go to the head (margin, chunk_size, sample_rate, ...)."""
+    :func:`fake_world`. ``head_options`` go to the head (margin, chunk_size, sample_rate, ...);
+    ``fused_update``: :func:`~shardfc.head.partial_fc.head_optimizer`'s; ``traffic_l2``: also count
+    the step's HBM bytes kernel by kernel behind an L2 of that many bytes (:mod:`.traffic`)."""
+    from shardfc.head.fused import traffic as fused_traffic
     from shardfc.head.partial_fc import RowSparseSGD, head_optimizer
     from shardfc.tools.bench.runner import train_step
 
@@ -337,14 +351,20 @@ def replay_step(
         stack.enter_context(fused_as_on_cuda())
     with stack:
         opt = head_optimizer(head, name, lr=LR, momentum=MOMENTUM if optimizer == "sgd" else 0.0,
-                             weight_decay=weight_decay)
+                             weight_decay=weight_decay, fused_update=fused_update)
     if gpu and isinstance(opt, RowSparseSGD):
         opt.fused = True  # as on a CUDA GPU, where the automatic choice is its fused kernel
     params = list(head.parameters())
     grad_serials: List[Optional[int]] = []
     mode = _MetaStep()
     mode.tracking = False
+    counter = None
+    if traffic_l2 is not None:
+        from shardfc.tools.plan.traffic import TrafficCounter
+
+        counter = mode.observer = TrafficCounter(traffic_l2, active=lambda: mode.tracking)
     sparse = getattr(head, "sparse_grad", False)
+    no_grad = sparse or fused_update  # a fused update leaves no .grad: the step frees none, makes none
     if sparse:  # the compact gradients a sparse_grad backward hands the head are the step's gradients
         keep = head._keep_row_grad
 
@@ -353,13 +373,14 @@ def replay_step(
             keep(shard, rows, grad)
 
         head._keep_row_grad = keep_and_note
-    with fused_as_on_cuda() if gpu else contextlib.nullcontext(), mode:
+    recording = fused_traffic.recording(counter.kernel) if counter is not None else contextlib.nullcontext()
+    with fused_as_on_cuda() if gpu else contextlib.nullcontext(), recording, mode:
         # warm-up: the state a step rests on (a kept .grad, the optimizer's buffers); a sparse_grad
         # head keeps no .grad between steps
         for p in params:
             p.grad = torch.zeros_like(p)
         opt.step()
-        opt.zero_grad(set_to_none=not grads_kept or sparse)
+        opt.zero_grad(set_to_none=not grads_kept or no_grad)
         x = torch.empty(local_batch, dim, device=META, dtype=dtype, requires_grad=True)
         labels = torch.zeros(local_batch, dtype=torch.int64)  # checked on the CPU, then moved
         def note_grad(p) -> None:
@@ -368,7 +389,7 @@ def replay_step(
 
         hooks = [p.register_post_accumulate_grad_hook(note_grad) for p in params]
         mode.tracking = True
-        train_step(head, opt, x, labels, set_to_none=not grads_kept)
+        train_step(head, opt, x, labels, set_to_none=not grads_kept or no_grad)
         mode.tracking = False
         for h in hooks:
             h.remove()
@@ -380,6 +401,11 @@ def replay_step(
             return "communication" if serial in mode.communication else "activations"
 
         parts = mode.peak_by(part)
+        traffic = None
+        if counter is not None:
+            from shardfc.tools.plan.traffic import summarise
+
+            traffic = summarise(counter.finish())
     state = sum(_nbytes(t) for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
     return Replay(
         step_peak=mode.peak,
@@ -389,6 +415,7 @@ def replay_step(
         optimizer_state=state,
         n_local=sum(p.shape[0] for p in params) // getattr(head, "subcenters", 1),  # classes, not centre rows
         local_batch=local_batch,
+        traffic=traffic,
     )
 
 

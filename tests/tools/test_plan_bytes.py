@@ -1,0 +1,157 @@
+"""``shardfc plan --bytes``: a step's HBM bytes kernel by kernel (:mod:`shardfc.tools.plan.traffic`).
+
+The L2 model on hand-made sequences (hits, evictions credited to their writer, freed blocks reused
+with no write-back, regions larger than L2 streaming, gathers reading only their rows), then the
+headline workload of issue 31 on the meta device: one rank, B = 1024, D = 512, 1M classes, ArcFace,
+bf16 compute over fp32 centres, SGD momentum 0.9 and weight decay, the GPU path with the update in
+the backward — at most 16 GB a step, and no torch operator touching an ``[n, D]``-sized tensor."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from shardfc.tools.plan import main, plan
+from shardfc.tools.plan.replay import _MetaStep
+from shardfc.tools.plan.traffic import TrafficCounter
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the GPU path's replay needs Triton")
+MiB = 2**20
+
+
+def _meta(*shape, dtype=torch.float32):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _count(l2: int, body):
+    counter = TrafficCounter(l2)
+    mode = _MetaStep()
+    mode.observer = counter
+    with mode:
+        body()
+    return counter.finish()
+
+
+def test_a_region_read_twice_costs_hbm_once_and_a_larger_one_streams():
+    a, b = _meta(256, 1024), _meta(4096, 1024)  # 1 MiB, 16 MiB
+
+    def body():
+        a.sum()
+        a.sum()
+        b.sum()
+        b.sum()
+
+    step = _count(4 * MiB, body)
+    reads = [x.read for x in step.launches]
+    assert reads == [MiB, 0, 16 * MiB, 16 * MiB]
+    assert [x.from_l2 for x in step.launches] == [0, MiB, 0, 0]
+
+
+def test_dirty_data_is_written_back_when_evicted_credited_to_its_writer():
+    a = _meta(256, 1024)
+    keep = []
+
+    def body():
+        keep.append(a * 2)  # 1 MiB written, stays alive
+        for _ in range(4):
+            _meta(256, 1024).sum()  # 4 MiB of reads push it out of a 2 MiB L2
+
+    step = _count(2 * MiB, body)
+    writer = step.launches[0]
+    assert writer.kernel == "mul" and writer.written == MiB
+
+
+def test_a_freed_block_taken_by_the_next_tensor_of_its_size_is_never_written_back():
+    a = _meta(512, 512)
+
+    def body():
+        for _ in range(5):
+            p = a * 2  # the loop's block of products: written, read, freed before the next
+            p.sum()
+            del p
+
+    step = _count(4 * MiB, body)
+    # only the last block, dirty in L2 when the step ends, is written back
+    assert sum(x.written for x in step.launches if x.kernel == "mul") == MiB
+    assert sum(x.read for x in step.launches if x.kernel == "sum") == 0  # every read from L2
+
+
+def test_the_block_alive_when_the_next_is_made_is_written_back():
+    """Two blocks alternate when the old one is still referenced: with an L2 of one block, each
+    write evicts the other's dirty lines."""
+    a = _meta(512, 512)
+
+    def body():
+        p = a * 2
+        for _ in range(4):
+            q = a * 2
+            p.sum()
+            p = q
+
+    step = _count(MiB + 4096, body)
+    assert sum(x.written for x in step.launches if x.kernel == "mul") >= 3 * MiB
+
+
+def test_a_gather_reads_the_rows_it_returns_and_a_scatter_the_rows_it_writes():
+    w = _meta(100_000, 64)  # 25 MB
+    idx = torch.empty(10, dtype=torch.int64, device="meta")
+    src = _meta(10, 64)
+
+    def body():
+        w.index_select(0, idx)
+        w.index_add_(0, idx, src)
+
+    step = _count(50 * MiB, body)
+    gather, scatter = step.launches
+    assert gather.read == 10 * 64 * 4 + 80 and gather.largest == 10 * 64 * 4
+    assert scatter.largest == 10 * 64 * 4 and scatter.read <= 2 * (10 * 64 * 4) + 80
+
+
+HEADLINE = dict(num_classes=1_000_000, dim=512, batch=1024, world_size=1, dtype="float32", optimizer="sgd",
+                weight_decay=5e-4, impl="triton", compute_dtype="bfloat16", traffic=True)
+
+
+@needs_triton
+def test_the_headline_step_with_the_update_in_the_backward_moves_at_most_16_GB():
+    r = plan(**HEADLINE, fused_update=True)
+    t = r["traffic"]
+    assert t["hbm_bytes"] <= 16e9, t["hbm_bytes"]
+    n, D = HEADLINE["num_classes"], HEADLINE["dim"]
+    assert t["largest_torch_region"] < n * D * 2 // 16  # no torch operator near the [n, D] weight or its gradient
+    kernels = {k["kernel"] for k in t["kernels"] if k["fused"]}
+    assert {"operand_rows", "lse_forward", "backward_epilogue", "weight_update"} <= kernels
+    assert "weight_grad" not in kernels and not any(k["kernel"] == "_fused_sgd_" for k in t["kernels"])
+    # the weight and its momentum, fp32, read and written once: the floor of the update's bytes
+    update = next(k for k in t["kernels"] if k["kernel"] == "weight_update")
+    assert update["read"] >= 2 * n * D * 4 and update["written"] >= 2 * n * D * 4
+    # the chunks' products and H stay in L2: written there and overwritten by the next chunk's
+    B = HEADLINE["batch"]
+    written = {k["kernel"]: k["written"] for k in t["kernels"] if k["kernel"] == "backward_epilogue"}
+    assert written["backward_epilogue"] < 0.01 * B * n * 2
+    assert sum(k["written"] for k in t["kernels"] if k["kernel"] == "mm") < 0.01 * n * D * 4
+    # the three GEMM shapes, over the chunks
+    gemms = {k["shape"] for k in t["kernels"] if k["kernel"] in ("mm", "addmm") and k["launches"] > 1}
+    assert len(gemms) == 3
+
+
+@needs_triton
+def test_the_unfused_step_clears_and_reads_the_gradient_and_moves_more():
+    fused = plan(**HEADLINE, fused_update=True)["traffic"]
+    unfused = plan(**HEADLINE)["traffic"]
+    n, D = HEADLINE["num_classes"], HEADLINE["dim"]
+    assert unfused["largest_torch_region"] >= n * D * 4  # the optimizer and zero_grad over the [n, D] .grad
+    assert unfused["hbm_bytes"] >= fused["hbm_bytes"] + 2 * n * D * 4
+
+
+@needs_triton
+def test_cli_prints_the_table_and_refuses_a_fused_update_it_cannot_replay(capsys):
+    assert main(["--classes", "20000", "--dim", "64", "--batch", "256", "--head-impl", "gemm", "--fused-update",
+                 "--bytes", "--l2", "4MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "HBM bytes a step" in out and "weight_update (fused)" in out and "L2 model of 4.00 MiB" in out
+    assert main(["--classes", "1000", "--dim", "64", "--batch", "64", "--fused-update"]) == 2
+    assert "fused_update needs impl 'triton' or 'gemm'" in capsys.readouterr().err
+    assert main(["--classes", "1000", "--dim", "64", "--batch", "64", "--bytes", "--l2", "lots"]) == 2
+    assert "l2_bytes must be a byte count" in capsys.readouterr().err
