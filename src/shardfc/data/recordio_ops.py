@@ -113,13 +113,9 @@ def pack(
     with _staged(finals) as tmps:
         fmt = encode if encode != "auto" else ("jpeg" if resize else None)
         order = sorted(range(len(samples)), key=lambda i: samples[i][1])  # stable: keeps path order per class
-        first = [0] * num_classes
-        end = [0] * num_classes
-        sizes: Counter = Counter()
-        first_size: Optional[Tuple[int, int]] = None
         skipped: List[Tuple[str, str]] = []
-        key = 1
-        with RecordIOWriter(tmps[0], tmps[1]) as writer:
+
+        def images():
             for i in _progress(order, len(order), "pack"):
                 path, label = samples[i]
                 if not os.path.isfile(path):
@@ -135,25 +131,13 @@ def pack(
                     img = img.resize((resize[1], resize[0]), Image.BILINEAR)
                 if fmt is not None:
                     data = _encode(img, fmt, quality)
-                h_w = (img.size[1], img.size[0])
-                sizes[h_w] += 1
-                first_size = first_size or h_w
-                writer.write(key, pack_header(IRHeader(0, float(label), key, 0), data))
-                if end[label] == 0:
-                    first[label] = key
-                end[label] = key + 1
-                key += 1
-            if key == 1:
-                raise CommandError(f"no decodable images in {src!r} ({len(skipped)} undecodable)")
-            a = key  # identity records: keys a .. a + num_classes - 1
-            writer.write(0, pack_header(IRHeader(0, [a, a + num_classes], 0, 0)))
-            next_start = 1
-            for c in range(num_classes):
-                start, stop = (first[c], end[c]) if end[c] else (next_start, next_start)
-                next_start = stop
-                writer.write(a + c, pack_header(IRHeader(0, [start, stop], 0, 0)))
-        assert first_size is not None
-        write_property(tmps[2], num_classes, *first_size)
+                yield label, data, (img.size[1], img.size[0])
+
+        try:
+            key, sizes, first_size = write_insightface(tmps[0], tmps[1], tmps[2], images(), num_classes)
+        except ValueError:
+            raise CommandError(f"no decodable images in {src!r} ({len(skipped)} undecodable)") from None
+        key += 1
         if classes is not None:
             with open(tmps[3], "w", encoding="utf-8") as f:
                 f.writelines(name + "\n" for name in classes)
@@ -177,6 +161,39 @@ def pack(
     for p, r in skipped:
         print(f"skipped undecodable image {p}: {r}", file=sys.stderr)
     return summary
+
+
+def write_insightface(rec: str, idx: str, prop: str, images: Iterable[Tuple[int, bytes, Tuple[int, int]]],
+                      num_classes: int) -> Tuple[int, Counter, Tuple[int, int]]:
+    """Write ``(label, encoded image, (height, width))`` in label order (each label's images
+    together) as insightface's layout: images at keys ``1..N``, then the header at key 0 and one
+    identity record per class, and ``prop`` (``property``). Returns ``(N, sizes, first size)``;
+    ValueError when ``images`` is empty."""
+    first = [0] * num_classes
+    end = [0] * num_classes
+    sizes: Counter = Counter()
+    first_size: Optional[Tuple[int, int]] = None
+    key = 1
+    with RecordIOWriter(rec, idx) as writer:
+        for label, data, h_w in images:
+            sizes[h_w] += 1
+            first_size = first_size or h_w
+            writer.write(key, pack_header(IRHeader(0, float(label), key, 0), data))
+            if end[label] == 0:
+                first[label] = key
+            end[label] = key + 1
+            key += 1
+        if first_size is None:
+            raise ValueError("no images to write")
+        a = key  # identity records: keys a .. a + num_classes - 1
+        writer.write(0, pack_header(IRHeader(0, [a, a + num_classes], 0, 0)))
+        next_start = 1
+        for c in range(num_classes):
+            start, stop = (first[c], end[c]) if end[c] else (next_start, next_start)
+            next_start = stop
+            writer.write(a + c, pack_header(IRHeader(0, [start, stop], 0, 0)))
+    write_property(prop, num_classes, *first_size)
+    return key - 1, sizes, first_size
 
 
 # ----------------------------------------------------------------- inspect
