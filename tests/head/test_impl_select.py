@@ -589,6 +589,7 @@ def test_the_heads_workload_key_tells_apart_every_workload_the_choice_may_differ
         "subcenters": key(subcenters=2),
         "margin": key(margin=margins_.CosFace(64.0, 0.35)),
         "label smoothing": key(label_smoothing=0.1),
+        "inter-class filter": key(interclass_filter_threshold=0.3),
         "shards": key(devices=["cpu", "cpu"]),
     }
     assert [name for name, k in variants.items() if k == base] == []
