@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from shardfc.parallel.context import DistContext
+from shardfc.train import data as data_module
 from shardfc.train import loop
 from shardfc.train import step as step_module
 from shardfc.train.config import TrainConfig
@@ -231,3 +232,33 @@ def test_a_recording_clock_synchronises_the_gpu_at_each_lap_and_an_idle_one_neve
         clock.lap("forward")
         clock.end_step("optimizer")
         assert synced == expected, device
+
+
+def test_the_data_path_charges_the_loader_and_the_copy_to_their_phases(monkeypatch):
+    fake = _FakeTime()
+    monkeypatch.setattr("shardfc.train.phases.time.perf_counter", fake)
+    collate, to_device = data_module.collate_keyed, data_module.to_device
+
+    def slow_collate(batch):  # the loader: decoding and collating (0 workers: in this process)
+        fake.now += 1.0
+        return collate(batch)
+
+    def slow_copy(*args, **kwargs):  # the copy to the device and the normalisation there
+        fake.now += 2.0
+        return to_device(*args, **kwargs)
+
+    monkeypatch.setattr(data_module, "collate_keyed", slow_collate)
+    monkeypatch.setattr(data_module, "to_device", slow_copy)
+    cfg = TrainConfig(dataset="synthetic", image_size=[16, 16], synthetic_identities=4, synthetic_images_per_identity=2,
+                      num_workers=0, random_erasing=0.5)
+    dataset = data_module.train_dataset(cfg, (16, 16))
+    shards = data_module.rank_batches(cfg, dataset, 4, DistContext())
+    clock = PhaseClock("cpu", enabled=True)
+    stream = data_module.micro_batches(dataset, shards, RunState(batches_per_epoch=len(shards)), cfg, DistContext(),
+                                       clock=clock)
+    for _ in range(3):
+        clock.begin_step()
+        next(stream)
+        clock.end_step()
+    stream.close()
+    assert clock.steps == [{"loader wait": 1.0, "h2d": 2.0}] * 3
