@@ -114,8 +114,8 @@ def test_a_torch_save_file_is_not_taken_for_an_export(tmp_path: Path):
 ALLOWED = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"), ("collections", "OrderedDict")}
 STORAGES = {"DoubleStorage", "FloatStorage", "HalfStorage", "BFloat16Storage", "LongStorage", "IntStorage",
             "ShortStorage", "CharStorage", "ByteStorage", "BoolStorage"}
-#: Modules any pickle can name besides those the reader allows (the builtins, under both spellings).
-#: (the name a pickle uses, the module it stands for): protocol 2's Python 2 names too.
+#: Modules any pickle can name besides those the reader allows, as (the name a pickle uses, the
+#: module it stands for): protocol 2's Python 2 spellings too.
 ALWAYS_REACHABLE = (("builtins", "builtins"), ("__builtin__", "builtins"), ("copy_reg", "copyreg"), ("os", "os"),
                     ("posix", "posix"), ("subprocess", "subprocess"), ("sys", "sys"), ("pickle", "pickle"))
 
@@ -162,7 +162,7 @@ def test_every_reachable_global_outside_the_allow_list_is_refused_before_use(exp
     assert dangerous <= reachable and len(reachable) > 5000  # the walk reaches what it should
     accepted, wrong = [], []
     with zipfile.ZipFile(path) as archive:
-        unpickler = _ExportUnpickler(b"", archive, "model/")
+        unpickler = _ExportUnpickler(b"", archive, "")
         for module, name in sorted(reachable):
             try:
                 found = unpickler.find_class(module, name)
