@@ -107,3 +107,110 @@ def test_a_torch_save_file_is_not_taken_for_an_export(tmp_path: Path):
     assert not is_torchscript(tmp_path / "weights.pt") and not is_torchscript(tmp_path)
     with pytest.raises(CheckpointError, match="not a TorchScript file"):
         read_exported(tmp_path / "weights.pt")
+
+
+# The allow-list, spelled out here rather than read from the reader: a change to the reader's
+# list must be a change to this one too.
+ALLOWED = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"), ("collections", "OrderedDict")}
+STORAGES = {"DoubleStorage", "FloatStorage", "HalfStorage", "BFloat16Storage", "LongStorage", "IntStorage",
+            "ShortStorage", "CharStorage", "ByteStorage", "BoolStorage"}
+#: Modules any pickle can name besides those the reader allows, as (the name a pickle uses, the
+#: module it stands for): protocol 2's Python 2 spellings too.
+ALWAYS_REACHABLE = (("builtins", "builtins"), ("__builtin__", "builtins"), ("copy_reg", "copyreg"), ("os", "os"),
+                    ("posix", "posix"), ("subprocess", "subprocess"), ("sys", "sys"), ("pickle", "pickle"))
+
+
+def _allowed(module: str, name: str) -> bool:
+    if (module, name) in ALLOWED or module == "__torch__" or module.startswith("__torch__."):
+        return True
+    return module == "torch" and (name in STORAGES or isinstance(getattr(torch, name, None), torch.dtype))
+
+
+def _reachable() -> set:
+    """(module, name) for every name of the modules the reader allows (torch, torch._utils,
+    collections), of the modules those hold as attributes (torch.os, torch._utils.sys, ...), and of
+    :data:`ALWAYS_REACHABLE`; each also dotted from the allowed module (``torch``, ``os.system``),
+    as a protocol-4 pickle can name it."""
+    import collections
+    import importlib
+    import types
+
+    import torch._utils
+
+    names = set()
+    for root in (torch, torch._utils, collections):
+        for attr in dir(root):
+            names.add((root.__name__, attr))
+            value = getattr(root, attr, None)
+            if isinstance(value, types.ModuleType):
+                names.update((value.__name__, inner) for inner in dir(value))
+                names.update((root.__name__, f"{attr}.{inner}") for inner in dir(value))
+    for spelled, module in ALWAYS_REACHABLE:
+        names.update((spelled, attr) for attr in dir(importlib.import_module(module)))
+    names.add(("torch", "__torch__"))  # not a TorchScript class: its module is torch
+    names.add(("__torch__evil", "x"))  # the __torch__ prefix is a package, not a string prefix
+    return names
+
+
+def test_every_reachable_global_outside_the_allow_list_is_refused_before_use(exported):
+    from shardfc.checkpoint.exported import _ExportUnpickler, _Refused
+
+    _, path = exported
+    reachable = _reachable()
+    dangerous = {("builtins", "getattr"), ("builtins", "eval"), ("os", "system"), ("torch", "save"), ("torch", "load"),
+                 ("torch", "os.system"), ("torch._utils", "sys"), ("collections", "_sys"), ("torch", "_C")}
+    assert dangerous <= reachable and len(reachable) > 5000  # the walk reaches what it should
+    accepted, wrong = [], []
+    with zipfile.ZipFile(path) as archive:
+        unpickler = _ExportUnpickler(b"", archive, "")
+        for module, name in sorted(reachable):
+            try:
+                found = unpickler.find_class(module, name)
+            except _Refused as e:
+                if str(e) != f"{module}.{name}":
+                    wrong.append((module, name, str(e)))
+                continue
+            accepted.append((module, name, found))
+    assert wrong == []
+    assert [(m, n) for m, n, _ in accepted if not _allowed(m, n)] == []
+    # A storage type or dtype stands for its dtype: inert data, nothing to call.
+    dtypes = [(n, found) for m, n, found in accepted if m == "torch"]
+    assert [n for n, found in dtypes if callable(found) or not isinstance(getattr(found, "dtype", None), torch.dtype)] == []
+    assert len(dtypes) > 20  # the dtypes and storages themselves still resolve
+
+
+class _Op:
+    """Protocol 2 opcodes for the crafted pickles below."""
+
+    @staticmethod
+    def getattr(obj: bytes, attr: str) -> bytes:  # memo 0 holds builtins.getattr
+        return b"h\x00" + obj + _text(attr) + b"\x86R"
+
+    @staticmethod
+    def call(fn: bytes, *args: str) -> bytes:
+        return fn + b"(" + b"".join(_text(a) for a in args) + b"tR"
+
+
+def _exploits(marker: Path) -> dict:
+    """Pickles that run a command (touching ``marker``) if their first global were allowed."""
+    getattr_ = b"cbuiltins\ngetattr\nq\x000"
+    # _rebuild_tensor_v2 is the reader's own function: its module globals hold torch, which holds os.
+    module_globals = _Op.getattr(b"ctorch._utils\n_rebuild_tensor_v2\n", "__globals__")
+    torch_module = _Op.call(_Op.getattr(module_globals, "get"), "torch")
+    system = _Op.getattr(_Op.getattr(torch_module, "os"), "system")
+    return {
+        "builtins.getattr": b"\x80\x02" + getattr_ + _Op.call(system, f"touch {marker}") + b".",
+        "torch.save": b"\x80\x02" + _Op.call(b"ctorch\nsave\n", "payload", str(marker)) + b".",
+        "posix.system": b"\x80\x02" + _Op.call(b"cposix\nsystem\n", f"touch {marker}") + b".",
+        "builtins.exec": b"\x80\x02" + _Op.call(b"cbuiltins\nexec\n", f"open({str(marker)!r}, 'w')") + b".",
+    }
+
+
+@pytest.mark.parametrize("name", ["builtins.getattr", "torch.save", "posix.system", "builtins.exec"])
+def test_crafted_exports_that_would_run_code_are_refused_and_nothing_runs(exported, tmp_path: Path, name):
+    _, path = exported
+    marker = tmp_path / "ran"
+    crafted = _with_data_pkl(path, tmp_path / "crafted.pt", _exploits(marker)[name])
+    with pytest.raises(CheckpointError, match=rf"names the global {name}, .* it was not called"):
+        read_exported(crafted)
+    assert not marker.exists()

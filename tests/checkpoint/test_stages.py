@@ -131,3 +131,38 @@ def test_bad_stage_parts_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"stage_parts\[0\]\.optimizer names parameters that are not the stage's"):
         save_checkpoint(tmp_path, 1, common={}, per_rank=None, stage_parts=[stray, parts[1]], **HEAD)
     assert not list(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_a_replica_differing_in_any_parameter_or_its_optimizer_state_is_found():
+    model, names, opt = _trained("tiny")
+    parts = _parts(model, names, opt, TINY)
+    infos = [prepare_part(p, "part")[0] for p in parts]
+    tried = 0
+    for part in parts:
+        params = [n for g in part.optimizer["param_groups"] for n in g["params"]]
+        assert len(params) >= 2  # so that "the last one" is not also "the first one"
+        for name in params:
+            bumped = {**part.model, name: part.model[name] + 1e-7 * part.model[name].abs().max()}
+            momentum = dict(part.optimizer["state"][name], momentum_buffer=part.optimizer["state"][name]["momentum_buffer"]
+                            * (1 + 1e-6))
+            optimizer = {**part.optimizer, "state": {**part.optimizer["state"], name: momentum}}
+            for changed in (StagePart(**{**vars(part), "model": bumped, "writes": False}),
+                            StagePart(**{**vars(part), "optimizer": optimizer, "writes": False})):
+                replica = prepare_part(changed, "part")[0]
+                with pytest.raises(ValueError, match=f"hold stage {part.index} with different parameters"):
+                    check_parts([infos, [replica]])
+                tried += 1
+    assert tried == 2 * len(names)
+
+
+def test_stage_files_with_other_optimizer_hyperparameters_are_refused(tmp_path):
+    model, names, opt = _trained("tiny")
+    parts = _parts(model, names, opt, TINY)
+    groups = [dict(g, lr=0.2) for g in parts[1].optimizer["param_groups"]]  # stage 0's say 0.1
+    parts[1] = StagePart(**{**vars(parts[1]), "optimizer": {**parts[1].optimizer, "param_groups": groups}})
+    path = save_checkpoint(tmp_path, 1, common={}, per_rank=None, stage_parts=parts, **HEAD)
+    meta = ck.verify_checkpoint(path)
+    with pytest.raises(ck.CheckpointError, match=r"backbone_stage1\.pt's parameter group 0 has other hyperparameters"):
+        read_stage_state(path, meta)
+    keys = list(cut_stages(model, TINY)[0].state_dict())
+    assert list(read_stage_state(path, meta, keys, [n for n in names if n in keys])[0]) == keys  # stage 0 alone reads

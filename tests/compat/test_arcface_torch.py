@@ -4,6 +4,7 @@ ranks, its margins read from arcface_torch's modules, and its checkpoints in arc
 
 from __future__ import annotations
 
+import math
 import os
 from types import SimpleNamespace
 
@@ -42,6 +43,33 @@ def _same(a: M.Margin, b: M.Margin) -> bool:
 ])
 def test_margins_read_from_arcface_torch_modules(given, expected):
     assert _same(margin_from_arcface_torch(given), expected)
+
+
+def _arcface_torch_arcface(s: float, m: float, easy_margin: bool) -> SimpleNamespace:
+    """An object with the attributes of arcface_torch's ArcFace module (losses.py)."""
+    return SimpleNamespace(scale=s, cos_m=math.cos(m), sin_m=math.sin(m), theta=math.cos(math.pi - m),
+                           sinmm=math.sin(math.pi - m) * m, easy_margin=easy_margin)
+
+
+def _arcface_torch_target(module: SimpleNamespace, cos: torch.Tensor) -> torch.Tensor:
+    """arcface_torch's ArcFace.forward on the target logits, as its source computes it."""
+    sin = torch.sqrt(1.0 - cos * cos)
+    cos_theta_m = cos * module.cos_m - sin * module.sin_m
+    if module.easy_margin:
+        final = torch.where(cos > 0, cos_theta_m, cos)
+    else:
+        final = torch.where(cos > module.theta, cos_theta_m, cos - module.sinmm)
+    return final * module.scale
+
+
+@pytest.mark.parametrize("easy_margin", [False, True])
+def test_arcface_torch_arcface_targets_with_and_without_easy_margin(easy_margin):
+    module = _arcface_torch_arcface(32.0, 0.5, easy_margin)
+    cos = torch.linspace(-0.99, 0.99, 199, dtype=torch.float64)
+    margin = margin_from_arcface_torch(module)
+    torch.testing.assert_close(margin.target(cos)[0], _arcface_torch_target(module, cos), rtol=1e-12, atol=1e-10)
+    other = _arcface_torch_target(_arcface_torch_arcface(32.0, 0.5, not easy_margin), cos)
+    assert not torch.allclose(margin.target(cos)[0], other)  # the two differ on these cosines
 
 
 def test_margin_errors():
@@ -96,14 +124,44 @@ def _rank(rank, world, out_dir):
         module(xs, y[lo:hi]).backward()
         outs.append((xs.grad, module.weight.grad))
     same_sampled = all(torch.equal(a, b) for a, b in zip(*outs)) and outs[0][1].abs().sum() > 0
-    return errs, shape_ok, loaded, same_sampled
+
+    # arcface_torch's ignored samples: label -1 (every third sample, as [B_r, 1] int64) adds no loss and
+    # no gradient, and the mean is over the other samples, as the reference's ignore_index=-1
+    ignored = y.clone()
+    ignored[::3] = -1
+    pfc = PartialFC_V2(combined(64.0, 1.0, 0.5, 0.0), D, C)
+    xr = x[lo:hi].float().requires_grad_()
+    loss = pfc(xr, ignored[lo:hi].view(-1, 1))
+    loss.backward()
+    W = init_rows(0, C, D, 0).double().requires_grad_()
+    xd = x.clone().requires_grad_()
+    ref = shardfc.reference_loss(xd, W, ignored, M.ArcFace(64.0, 0.5))
+    ref.backward()
+    errs.update({
+        "ignored loss": rel(loss.detach(), ref.detach()),
+        "ignored grad_w": rel(pfc.weight.grad, W.grad[start:stop]),
+        "ignored grad_x": rel(xr.grad, world * xd.grad[lo:hi]),
+    })
+    ignored_rows_zero = not xr.grad[(ignored[lo:hi] == -1)].any()
+
+    # a label outside [0, C) on rank 0 only: a ValueError on every rank
+    bad = y[lo:hi].clone().view(-1, 1)
+    if rank == 0:
+        bad[0] = C
+    try:
+        pfc(x[lo:hi].float(), bad)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return errs, shape_ok, loaded, same_sampled, ignored_rows_zero, refused
 
 
 @pytest.mark.parametrize("world", sorted(SIZES))
 def test_matches_the_dense_reference_and_round_trips_checkpoints(world, tmp_path):
     results = spawn(_rank, world, str(tmp_path), backend="gloo")
-    for rank, (errs, shape_ok, loaded, same_sampled) in enumerate(results):
-        assert shape_ok and loaded and same_sampled, (world, rank)
+    for rank, (errs, shape_ok, loaded, same_sampled, ignored_rows_zero, refused) in enumerate(results):
+        assert shape_ok and loaded and same_sampled and ignored_rows_zero, (world, rank)
+        assert f"= {C} is outside [0, num_classes={C})" in refused, (world, rank, refused)
         for key, err in errs.items():
             assert err < 1e-5, (world, rank, key, err)
     joined = read_arcface_head(sorted(tmp_path.glob("checkpoint_gpu_*.pt")))

@@ -136,3 +136,32 @@ def test_grow_1000_to_1300_while_moving_from_2_to_3_ranks(tmp_path: Path):
     grown = spawn(_grow_on_three, 3, str(path), backend="gloo")
     assert [r for r, _ in grown] == class_ranges(C_NEW, 3)
     assert_grown(before, {k: torch.cat([rows[k] for _, rows in grown]) for k in before}, C_OLD, new_rows)
+
+
+def test_grow_keeps_the_state_that_is_not_per_row():
+    """Partial FC's sample step, AdaFace's running norm statistics, the optimizer's scalar step and
+    hyper-parameters: kept by an in-place grow and by :func:`grown_state` loaded into a new head (the
+    fine-tuning path)."""
+    C, n = 20, 7
+
+    def build(classes):
+        return ShardedMarginHead(D, classes, margin=M.AdaFace(momentum=0.5), sample_rate=0.5, sample_seed=3, init_seed=5)
+
+    head = build(C)
+    opt = torch.optim.AdamW(head.parameters(), lr=0.1)
+    train(head, opt, range(3), C)
+    opt.param_groups[0]["lr"] = 0.0123
+    stats, step = head.margin.state(), opt.state[head.weight]["step"].clone()
+    assert head.sample_step == 3 and int(step) == 3
+    assert stats != build(C).margin.state()  # trained away from the initial values, so a reset shows
+
+    state = grown_state(head.sharded_state(opt), C + n, range(C + n), lambda r: torch.zeros(len(r), D))
+    fresh = build(C + n)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    fresh.load_sharded_state(state, fresh_opt)
+    head.grow(n, torch.zeros(n, D), opt)
+    for grown, grown_opt in ((fresh, fresh_opt), (head, opt)):
+        assert grown.sample_step == 3
+        assert grown.margin.state() == stats
+        assert torch.equal(grown_opt.state[grown.weight]["step"], step)
+        assert grown_opt.param_groups[0]["lr"] == 0.0123

@@ -565,3 +565,34 @@ def test_the_heads_workload_key_holds_what_can_change_the_choice(monkeypatch):
         key(fused_update="yes")
     with pytest.raises(TypeError, match="sampling must be True or False, got 1"):
         key(sampling=1)
+
+
+def test_the_heads_workload_key_tells_apart_every_workload_the_choice_may_differ_on():
+    import shardfc
+    from shardfc import margins as margins_
+    from shardfc.head import module as M
+
+    def key(batch=6, compute=torch.float32, weights=torch.float32, **head_kw):
+        kw = dict(embedding_dim=8, num_classes=37)
+        kw.update(head_kw)
+        head = shardfc.ShardedMarginHead(**kw)
+        return M.workload_key(head, batch, compute, weights, torch.device("cpu"), True)
+
+    base = key()
+    variants = {
+        "compute dtype": key(compute=torch.bfloat16),
+        "compute fp16": key(compute=torch.float16),
+        "weight dtype": key(weights=torch.bfloat16),
+        "batch": key(batch=12),
+        "classes": key(num_classes=100),
+        "dim": key(embedding_dim=16),
+        "subcenters": key(subcenters=2),
+        "margin": key(margin=margins_.CosFace(64.0, 0.35)),
+        "label smoothing": key(label_smoothing=0.1),
+        "inter-class filter": key(interclass_filter_threshold=0.3),
+        "shards": key(devices=["cpu", "cpu"]),
+    }
+    assert [name for name, k in variants.items() if k == base] == []
+    assert len(set(variants.values())) == len(variants)
+    # counts are bucketed to powers of two: batches of 5..8 and 33..64 classes are one workload
+    assert key(batch=5) == key(batch=8) == base and key(num_classes=64) == base != key(num_classes=65)

@@ -253,6 +253,10 @@ def test_auto_chunk_size_is_exact_and_bounded():
     head = shardfc.ShardedMarginHead(D, C, margin=M.ArcFace(), chunk_size="auto", chunk_budget_bytes=8 * B * 3, dtype=torch.float64)
     assert head._chunk_for(B) == 3
     _compare(head, x, y, M.ArcFace())
+    # a budget below one class's logits for the batch: one class a chunk, never an empty chunk
+    tiny = shardfc.ShardedMarginHead(D, C, margin=M.ArcFace(), chunk_size="auto", chunk_budget_bytes=8, dtype=torch.float64)
+    assert tiny._chunk_for(B) == 1 and tiny._chunk_for(10**9) == 1
+    _compare(tiny, x, y, M.ArcFace())
     with pytest.raises(ValueError, match="chunk_size must be a positive integer, got 'big'"):
         shardfc.ShardedMarginHead(D, C, chunk_size="big")
 

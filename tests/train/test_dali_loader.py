@@ -1,5 +1,6 @@
 """``--loader dali``: the same batches as the torch loader (labels exact, pixels within the JPEG
-decoders' tolerance) from folders and both RecordIO layouts and under the P x K sampler, every
+decoders' tolerance) from folders and both RecordIO layouts, at non-square sizes in both orientations
+and under the P x K sampler, every
 record once per epoch over 1-3 ranks, a killed 2-rank run resumed bit for bit, a 2-stage pipeline
 run bit-identical to its torch-loader twin, ``auto`` on the CPU, and bad input as a clear error.
 
@@ -76,7 +77,7 @@ def _config(data_root: Path, layout: str, **overrides) -> TrainConfig:
 
 
 def _stream(cfg: TrainConfig, batches: int, channels_last: bool = False):
-    dataset = train_dataset(cfg, (16, 16))
+    dataset = train_dataset(cfg, tuple(cfg.image_size))
     shards = rank_batches(cfg, dataset, 4, DistContext())  # cfg.sampler's batches of 4, as the trainer's
     state = RunState(batches_per_epoch=len(shards))
     stream = micro_batches(dataset, shards, state, cfg, DistContext(), channels_last=channels_last)
@@ -106,6 +107,32 @@ def test_dali_gives_the_torch_loaders_batches(data, layout, caplog):
     levels = torch.cat([(xd - x).abs().flatten() for (x, _, _), (xd, _, _) in zip(torch_batches, dali_batches)]) * 255 / 2
     assert float(levels.mean()) < 0.05  # 28 of the 30 images decode exactly alike
     assert float(levels.max()) > 0.5  # the two resized ones do differ: the bound is not vacuous
+
+
+@pytest.fixture(scope="module")
+def odd_sizes(tmp_path_factory) -> Path:
+    """A JPEG folder of smooth images (a coarse random grid, upscaled: resizing it is well conditioned,
+    so DALI and PIL agree closely) at tall, wide and odd sizes."""
+    root = tmp_path_factory.mktemp("dali_sizes") / "folder"
+    rng = np.random.default_rng(1)
+    sizes = [(300, 140), (140, 300), (41, 29), (29, 41), (256, 128), (128, 256), (97, 97), (63, 200)]  # (H, W)
+    for i, (h, w) in enumerate(sizes):
+        path = root / f"id{i % 2}" / f"{i}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        coarse = Image.fromarray(rng.integers(0, 256, (5, 4, 3), dtype=np.uint8))
+        coarse.resize((w, h), Image.BICUBIC).save(path, quality=95)
+    return root
+
+
+@pytest.mark.parametrize("size", [(256, 128), (128, 256), (37, 23), (23, 37)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_dali_resizes_to_non_square_sizes_as_the_torch_loader(odd_sizes, size):
+    # H x W as the run's image_size says, in both orientations: a transposed resize would give
+    # W x H batches (or, for a square source, the other axis stretched), and flips along the wrong axis differ.
+    cfg = _config(odd_sizes, "folder", image_size=list(size), num_workers=0)
+    torch_batches = _stream(cfg, 3)  # 8 images in batches of 4: the epoch's 2 and one of the next
+    dali_batches = _stream(dataclasses.replace(cfg, loader="dali", num_workers=1), 3)
+    assert torch_batches[0][0].shape == (4, 3, *size)
+    _assert_same_batches(torch_batches, dali_batches)
 
 
 def test_pk_sampler_batches_are_the_torch_loaders(data, tmp_path, caplog):

@@ -1,19 +1,25 @@
-"""``shardfc train --init-from`` and a resume whose dataset gained identities, end to end."""
+"""``shardfc train --init-from`` and a resume whose dataset gained identities, end to end; imprinted sub-centres."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from shardfc import ShardedMarginHead
 from shardfc import checkpoint as ckpt
+from shardfc.head.module import init_rows
 from shardfc.models import build_backbone
+from shardfc.parallel.context import DistContext
 from shardfc.train import cli as train_cli
 from shardfc.train import cli_export
 from shardfc.train.arcface_import import import_arcface
-from shardfc.train.config import ConfigError
+from shardfc.train.config import ConfigError, TrainConfig
+from shardfc.train.fine_tune import new_head_rows
 from shardfc.train.loop import load_parts
 
 from .tiny import tiny_config
@@ -118,3 +124,36 @@ def test_fine_tune_from_an_exported_model(tmp_path: Path):
     with pytest.raises(ConfigError, match=r"init_from=.*model\.pt' was exported from backbone='tiny', embedding_dim=16; "
                                           r"this run has backbone='tiny', embedding_dim=32"):
         train_cli.run(dataclasses.replace(cfg, output_dir=str(tmp_path / "wide"), embedding_dim=32))
+
+
+class _Embedded(torch.utils.data.Dataset):
+    """Images that are their own embeddings (under an identity backbone), labels in ``samples``."""
+
+    def __init__(self, x: torch.Tensor, labels: list):
+        self.x, self.samples = x, [(f"{i}.jpg", y) for i, y in enumerate(labels)]
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        return self.x[index], self.samples[index][1]
+
+
+def test_imprinted_subcentres_are_the_imprint_plus_each_centres_own_random_row():
+    K, D, C, kept, seed = 3, 8, 6, 2, 7
+    labels = [2, 3, 3, 4, 2, 4, 0, 1, 3]  # classes 2..4 have images, 5 none; 0 and 1 are kept rows
+    x = torch.randn(len(labels), D, generator=torch.Generator().manual_seed(0))
+    run = SimpleNamespace(ctx=DistContext(), dataset=_Embedded(x, labels), amp_dtype=None, channels_last=False,
+                          parts=SimpleNamespace(head=ShardedMarginHead(D, C, subcenters=K), module=torch.nn.Identity()))
+    cfg = TrainConfig(head_init="imprint", seed=seed, eval_batch_size=4, num_workers=0)
+    rows = new_head_rows(run, cfg, kept)(range(kept, C))
+    assert rows.shape == (C - kept, K, D)
+    random = init_rows(kept * K, C * K, D, seed).view(C - kept, K, D)
+    for c in range(kept, C):
+        own = x[[i for i, y in enumerate(labels) if y == c]].double()
+        if len(own):
+            imprint = F.normalize(F.normalize(own, dim=1).sum(0), dim=0)
+            torch.testing.assert_close(rows[c - kept].double(), imprint + random[c - kept].double(), rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(rows[c - kept], random[c - kept])  # no image: the random centres
+        assert len({tuple(centre.tolist()) for centre in rows[c - kept]}) == K  # K different centres

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from shardfc.parallel.context import DistContext
+from shardfc.train import data as data_module
 from shardfc.train import loop
+from shardfc.train import step as step_module
+from shardfc.train.config import TrainConfig
 from shardfc.train.loop import train
 from shardfc.train.phases import PHASES, PhaseClock, format_phases, summarize_phases
 from shardfc.train.profile import profile_path
+from shardfc.train.state import RunState
 
 from .tiny import tiny_config
 
@@ -146,3 +153,112 @@ def test_the_loop_reads_no_tensor_back_between_its_log_points(tmp_path, monkeypa
         assert set(step) == set(PHASES) and min(step.values()) >= 0
     log = (Path(tmp_path) / "train.log").read_text()
     assert "where a step's time went" in log and "| outside the data path and the bare step |" in log
+
+
+class _Takes(torch.autograd.Function):
+    """The identity, taking ``forward_s`` of the fake clock forward and ``backward_s`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, fake, forward_s, backward_s):
+        ctx.fake, ctx.backward_s = fake, backward_s
+        fake.now += forward_s
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.fake.now += ctx.backward_s
+        return grad, None, None, None
+
+
+def test_each_part_of_a_step_is_charged_to_its_own_phase(monkeypatch):
+    """train_step on parts that each take a known time (powers of two, so that any time charged to
+    another phase shows): zero_grad, the loader, the backbone's forward and backward, the head's
+    forward and backward, the optimizers' step, over 2 micro-batches."""
+    fake = _FakeTime()
+    monkeypatch.setattr("shardfc.train.phases.time.perf_counter", fake)
+
+    class Optimizer:
+        def zero_grad(self, set_to_none=True):
+            fake.now += 2.0 ** -10
+
+    class Part(torch.nn.Module):
+        def __init__(self, forward_s, backward_s):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+            self.times = forward_s, backward_s
+
+        def forward(self, x, labels=None):
+            out = _Takes.apply(x * self.w, fake, *self.times)
+            return out.sum() if labels is not None else out
+
+    def stream():
+        while True:
+            fake.now += 2.0 ** -6
+            yield torch.ones(4, 3), torch.zeros(4, dtype=torch.int64), []
+
+    def apply_gradients(*args, **kwargs):
+        fake.now += 2.0 ** 4
+
+    monkeypatch.setattr(step_module, "apply_gradients", apply_gradients)
+    parts = SimpleNamespace(opt_backbone=Optimizer(), opt_head=Optimizer(), backbone=Part(2.0 ** -3, 2.0 ** 2),
+                            head=Part(2.0 ** -1, 2.0 ** 1), triplet=None, scaler=SimpleNamespace(scale=lambda loss: loss))
+    cfg = TrainConfig(grad_accum=2)
+    clock = PhaseClock("cpu", enabled=True)
+    clock.begin_step()
+    step_module.train_step(parts, stream(), RunState(), cfg, DistContext(), contextlib.nullcontext, clock)
+    clock.end_step()
+    assert clock.steps == [{
+        "optimizer": 2 * 2.0 ** -10 + 2.0 ** 4,  # zero_grad of both optimizers, then their step
+        "loader wait": 2 * 2.0 ** -6,
+        "forward": 2 * 2.0 ** -3,
+        "head": 2 * (2.0 ** -1 + 2.0 ** 1),  # the loss's forward, and its backward down to the embeddings
+        "backward": 2 * 2.0 ** 2,
+    }]
+
+
+def test_a_recording_clock_synchronises_the_gpu_at_each_lap_and_an_idle_one_never(monkeypatch):
+    # so that a phase is charged its kernels' time, not their launch's; and no --profile, no sync
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    for device, expected in (("cuda:1", [torch.device("cuda:1")] * 3), ("cpu", [])):
+        synced.clear()
+        clock = PhaseClock(device)
+        clock.begin_step()
+        clock.lap("forward")
+        clock.end_step("optimizer")
+        assert synced == []
+        clock.enabled = True
+        clock.begin_step()
+        clock.lap("forward")
+        clock.end_step("optimizer")
+        assert synced == expected, device
+
+
+def test_the_data_path_charges_the_loader_and_the_copy_to_their_phases(monkeypatch):
+    fake = _FakeTime()
+    monkeypatch.setattr("shardfc.train.phases.time.perf_counter", fake)
+    collate, to_device = data_module.collate_keyed, data_module.to_device
+
+    def slow_collate(batch):  # the loader: decoding and collating (0 workers: in this process)
+        fake.now += 1.0
+        return collate(batch)
+
+    def slow_copy(*args, **kwargs):  # the copy to the device and the normalisation there
+        fake.now += 2.0
+        return to_device(*args, **kwargs)
+
+    monkeypatch.setattr(data_module, "collate_keyed", slow_collate)
+    monkeypatch.setattr(data_module, "to_device", slow_copy)
+    cfg = TrainConfig(dataset="synthetic", image_size=[16, 16], synthetic_identities=4, synthetic_images_per_identity=2,
+                      num_workers=0, random_erasing=0.5)
+    dataset = data_module.train_dataset(cfg, (16, 16))
+    shards = data_module.rank_batches(cfg, dataset, 4, DistContext())
+    clock = PhaseClock("cpu", enabled=True)
+    stream = data_module.micro_batches(dataset, shards, RunState(batches_per_epoch=len(shards)), cfg, DistContext(),
+                                       clock=clock)
+    for _ in range(3):
+        clock.begin_step()
+        next(stream)
+        clock.end_step()
+    stream.close()
+    assert clock.steps == [{"loader wait": 1.0, "h2d": 2.0}] * 3
