@@ -97,7 +97,7 @@ TABLE: Dict[str, Any] = {
     "image_size": Reaches(dict(image_size=[20, 20]), lambda s, b: s["input_size"] == (20, 20)),
     "synthetic_identities": Other("data"), "synthetic_images_per_identity": Other("data"),
     "num_workers": Other("data"), "loader": Other("data"), "drop_last": Other("data"), "sampler": Other("data"),
-    "pk_instances": Other("data"), "random_erasing": Other("data"),
+    "pk_instances": Other("data"), "random_erasing": Other("data"), "flip_prob": Other("data"),
     # ---- model
     "backbone": Reaches(dict(backbone="mobilefacenet", image_size=[]),
                         lambda s, b: s["input_size"] == (112, 112) and "stem.0.0.weight" in s["keys"]),
@@ -141,6 +141,9 @@ TABLE: Dict[str, Any] = {
                          lambda s, b: s["opt_backbone"]["type"] == "AdamW" and s["opt_head"]["type"] == "AdamW"),
     "lr": Reaches(dict(lr=0.2), _groups(BOTH, initial_lr=0.2)),
     "momentum": Reaches(dict(momentum=0.5), _groups(BOTH, momentum=0.5)),
+    "head_momentum": Reaches(dict(head_momentum=0.0),
+                             lambda s, b: s["opt_head"]["group"].get("momentum") == 0.0
+                             and s["opt_backbone"]["group"].get("momentum") == 0.9),
     "weight_decay": Reaches(dict(weight_decay=1e-3), _groups(BOTH, weight_decay=1e-3)),
     "nesterov": Reaches(dict(nesterov=True), _groups(BOTH, nesterov=True)),
     "betas": Reaches(dict(optimizer="adamw", betas=[0.8, 0.9]), _groups(BOTH, betas=(0.8, 0.9))),

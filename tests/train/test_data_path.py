@@ -234,3 +234,29 @@ def test_on_cuda_each_batch_is_prepared_on_the_side_stream_and_waited_for_by_its
         ("prepare", 2, "side"), ("record", 2, "side"), ("wait", 1, "main"), ("out", 1),
         ("wait", 2, "main"), ("out", 2),
     ]
+
+
+@pytest.mark.parametrize("dataset", ["folder", "synthetic"])
+def test_flip_prob_reaches_the_training_images(tmp_path, dataset):
+    """--flip-prob 0 (glyphs: a mirrored character is another) never mirrors; the default mirrors
+    about half the images, the same ones as before the option existed."""
+    root = _faces(tmp_path, identities=2, per=8)
+    options = dict(dataset=dataset, data_root=str(root) if dataset == "folder" else "", synthetic_identities=4,
+                   synthetic_images_per_identity=4)
+    plain = train_dataset(TrainConfig(**options, flip_prob=0.0), (16, 16))
+
+    def flipped(cfg):
+        ds = train_dataset(cfg, (16, 16))
+        if dataset == "folder":
+            return [ds.transform.draw_flip(ds.augmentation_generator(i, 0)) for i in range(len(ds))]
+        flips = []
+        for i in range(len(ds)):
+            x, x0 = ds[i][0], plain[i][0]
+            assert torch.equal(x, x0) or torch.equal(x, x0.flip(-1))
+            flips.append(not torch.equal(x, x0))
+        return flips
+
+    never = flipped(TrainConfig(**options, flip_prob=0.0))
+    default = flipped(TrainConfig(**options))
+    assert not any(never) and 0 < sum(default) < len(default)
+    assert all(flipped(TrainConfig(**options, flip_prob=1.0)))

@@ -60,7 +60,8 @@ class SyntheticIdentities(Dataset):
         color_cast: per-channel offset drawn from ``[-color_cast, color_cast]``.
         illumination: amplitude of a random smooth lighting field.
         noise_std: std of additive Gaussian pixel noise.
-        random_flip: mirror each sample with probability 1/2.
+        random_flip: mirror samples at random (False: never).
+        flip_prob: the probability of that mirror (default 1/2).
 
     The defaults are tuned at 32x32 (200 identities x 20 images, 1000 held-out
     pairs): cosine similarity on raw pixels verifies at about 61% and an
@@ -85,6 +86,7 @@ class SyntheticIdentities(Dataset):
         illumination: float = 0.7,
         noise_std: float = 0.35,
         random_flip: bool = True,
+        flip_prob: float = 0.5,
     ) -> None:
         if num_identities < 1:
             raise ValueError(f"num_identities must be >= 1, got {num_identities!r}")
@@ -113,7 +115,10 @@ class SyntheticIdentities(Dataset):
         self.color_cast = float(color_cast)
         self.illumination = float(illumination)
         self.noise_std = float(noise_std)
+        if not 0.0 <= flip_prob <= 1.0:
+            raise ValueError(f"flip_prob must be a probability in [0, 1], got {flip_prob!r}")
         self.random_flip = bool(random_flip)
+        self.flip_prob = float(flip_prob)
         self.max_shift = float(max_shift)
         self._pad = int(round(max_shift * min(self.image_size)))
         h, w = self.image_size
@@ -208,7 +213,7 @@ class SyntheticIdentities(Dataset):
         x.add_(proto[:, dy : dy + h, dx : dx + w], alpha=contrast)
         x.add_(light, alpha=self.illumination)
         x.add_(torch.tensor(cast).view(3, 1, 1))
-        if self.random_flip and u[4] < 0.5:
+        if self.random_flip and u[4] < self.flip_prob:
             x = x.flip(-1)
         return x.clamp_(-1.0, 1.0)
 

@@ -198,8 +198,9 @@ def build_head_optimizer(cfg: TrainConfig, head: ShardedMarginHead, device: torc
                          amp_dtype: Optional[torch.dtype]) -> torch.optim.Optimizer:
     """The head's optimizer (row-sparse under Partial FC or a bf16/fp16 head), its rounding, and
     whether the head's backward applies its step (:func:`~shardfc.train.head_update.fused_head_update`)."""
+    momentum = cfg.head_momentum if cfg.head_momentum >= 0 else cfg.momentum
     return head_optimizer(
-        head, cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+        head, cfg.optimizer, lr=cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay,
         nesterov=cfg.nesterov, betas=tuple(cfg.betas), eps=cfg.eps,
         rounding=cfg.head_rounding, rounding_seed=cfg.seed, fused_update=fused_head_update(cfg, device, amp_dtype),
     )

@@ -101,6 +101,8 @@ class TrainConfig:
     """K of sampler='pk': images per identity in a global batch (batch_size * ranks must be a multiple)."""
     random_erasing: float = 0.0
     """Probability of erasing a random rectangle of each training image (re-ID augmentation, 0.5 in the strong baseline); 0: off."""
+    flip_prob: float = 0.5
+    """Probability of mirroring each training image (faces and people: 0.5, as arcface_torch; 0 for data whose mirror is another identity, such as glyphs)."""
 
     # ------------------------------------------------------------------ model
     backbone: str = "tiny"
@@ -173,6 +175,8 @@ class TrainConfig:
     """Peak learning rate (reached after warmup_steps)."""
     momentum: float = 0.9
     """SGD momentum."""
+    head_momentum: float = -1.0
+    """SGD momentum of the head alone; negative: momentum's. 0 with head_dtype bfloat16 keeps 2·D bytes per class at rest (no momentum buffer): the cheapest head shardfc plan knows."""
     weight_decay: float = 5e-4
     """Weight decay (SGD: L2 added to the gradient; AdamW: decoupled)."""
     nesterov: bool = False
@@ -285,7 +289,8 @@ class TrainConfig:
         """Keyword arguments of :func:`shardfc.models.build_backbone` for ``self.backbone`` beyond the
         embedding width, for inputs of ``image_size`` ``(H, W)``: every strategy's backbone, a pipeline's
         probe and an export rebuild it from these."""
-        kwargs: Dict[str, Any] = {"input_size": tuple(int(x) for x in image_size)} if self.backbone == "tiny" else {}
+        sized = self.backbone in ("tiny", "glyphnet")  # built for the run's image size
+        kwargs: Dict[str, Any] = {"input_size": tuple(int(x) for x in image_size)} if sized else {}
         if self.neck != "auto":
             kwargs["neck"] = self.neck
         return kwargs
@@ -352,6 +357,11 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError(f"momentum must be in [0, 1), got {self.momentum!r}")
+        if not self.head_momentum < 1.0:
+            raise ConfigError(f"head_momentum must be in [0, 1), or negative for momentum's, got {self.head_momentum!r}")
+        if self.head_momentum >= 0 and self.optimizer != "sgd":
+            raise ConfigError(f"head_momentum applies to optimizer='sgd', got optimizer={self.optimizer!r} "
+                              f"(head_momentum={self.head_momentum!r})")
         if not 0.0 < self.sample_rate <= 1.0:
             raise ConfigError(f"sample_rate must be in (0, 1], got {self.sample_rate!r}")
         _validate_reid(self)
@@ -544,6 +554,8 @@ def _validate_reid(cfg: TrainConfig) -> None:
         raise ConfigError(f"pk_instances must be >= 2 (an identity needs a positive pair), got {cfg.pk_instances!r}")
     if not 0.0 <= cfg.random_erasing <= 1.0:
         raise ConfigError(f"random_erasing must be a probability in [0, 1], got {cfg.random_erasing!r}")
+    if not 0.0 <= cfg.flip_prob <= 1.0:
+        raise ConfigError(f"flip_prob must be a probability in [0, 1], got {cfg.flip_prob!r}")
 
 
 def _choice(cfg: TrainConfig, name: str, choices: Sequence[str]) -> None:
@@ -566,13 +578,13 @@ def _at_least(cfg: TrainConfig, name: str, low: int) -> None:
 SECTIONS: Dict[str, Tuple[str, ...]] = {
     "data": ("dataset", "data_root", "list_file", "image_size", "synthetic_identities",
              "synthetic_images_per_identity", "num_workers", "loader", "drop_last", "sampler", "pk_instances",
-             "random_erasing"),
+             "random_erasing", "flip_prob"),
     "model": ("backbone", "embedding_dim", "neck"),
     "head": ("margin", "scale", "m", "m1", "m2", "m3", "easy_margin", "sphereface_lambda", "adaface_h",
              "adaface_momentum", "magface_l_a", "magface_u_a", "magface_l_m", "magface_u_m", "magface_lambda_g",
              "subcenters", "interclass_filter_threshold", "sample_rate", "chunk_size", "head_impl",
              "label_smoothing", "head_dtype", "head_rounding", "sparse_grad", "triplet_weight", "triplet_margin", "triplet_soft"),
-    "optim": ("optimizer", "lr", "momentum", "weight_decay", "nesterov", "betas", "eps", "grad_clip", "head_grad_clip",
+    "optim": ("optimizer", "lr", "momentum", "head_momentum", "weight_decay", "nesterov", "betas", "eps", "grad_clip", "head_grad_clip",
               "head_update", "grad_accum"),
     "schedule": ("batch_size", "max_steps", "epochs", "scheduler", "poly_power", "warmup_steps"),
     "run": ("strategy", "pipeline_stages", "pipeline_schedule", "micro_batches", "split_points", "micro_batch_stats",

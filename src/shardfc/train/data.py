@@ -29,15 +29,16 @@ def train_dataset(cfg: TrainConfig, image_size: Tuple[int, int]) -> Dataset:
     from shardfc.data.recordio import RecordIODataset
 
     if cfg.dataset == "folder":
-        dataset = ImageFolderDataset(cfg.data_root, image_size, train=True, seed=cfg.seed)
+        dataset = ImageFolderDataset(cfg.data_root, image_size, train=True, flip_prob=cfg.flip_prob, seed=cfg.seed)
     elif cfg.dataset == "recordio":
-        dataset = RecordIODataset(cfg.data_root, image_size, train=True, seed=cfg.seed)
+        dataset = RecordIODataset(cfg.data_root, image_size, train=True, flip_prob=cfg.flip_prob, seed=cfg.seed)
     elif cfg.dataset == "market1501":
         from shardfc.data.market1501 import Market1501TrainDataset
 
-        dataset = Market1501TrainDataset(cfg.data_root, image_size, train=True, seed=cfg.seed)
+        dataset = Market1501TrainDataset(cfg.data_root, image_size, train=True, flip_prob=cfg.flip_prob, seed=cfg.seed)
     else:
-        dataset = ListFileDataset(cfg.list_file, cfg.data_root or None, image_size, train=True, seed=cfg.seed)
+        dataset = ListFileDataset(cfg.list_file, cfg.data_root or None, image_size, train=True, flip_prob=cfg.flip_prob,
+                                  seed=cfg.seed)
     dataset.log_corrupt = False  # named by rank 0, once over all workers and ranks (reporting.py)
     # Decode and augment in uint8: the workers ship a quarter of the bytes, and the float conversion
     # and normalisation run on the training device (prefetch.to_device), with the same result.

@@ -42,7 +42,8 @@ def synthetic_dataset(cfg: TrainConfig, image_size: Tuple[int, int]):
     from shardfc.data import SyntheticIdentities
 
     return SyntheticIdentities(
-        cfg.synthetic_identities, cfg.synthetic_images_per_identity, tuple(image_size), seed=cfg.seed
+        cfg.synthetic_identities, cfg.synthetic_images_per_identity, tuple(image_size), seed=cfg.seed,
+        flip_prob=cfg.flip_prob,
     )
 
 
