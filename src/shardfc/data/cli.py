@@ -11,6 +11,8 @@
 * ``shuffle PATH OUT``: the images in a random order, without header and
   identity records (im2rec layout), records copied unchanged.
 * ``verify PATH``: decodes every image; lists bad records; exit status 1 if any.
+* ``glyphs OUT``: a face-recognition-shaped set of glyph identities from the machine's CJK fonts
+  (:mod:`shardfc.data.glyphs`): ``train.rec`` and three verification ``.bin`` sets.
 
 ``PATH`` is a folder holding ``train.rec``/``train.idx`` or a ``.rec`` file.
 Progress bars go to stderr when it is a terminal and tqdm is installed.
@@ -53,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Make, inspect, shuffle and verify insightface / MXNet RecordIO datasets (train.rec, train.idx, property).",
         allow_abbrev=False,
     )
-    sub = p.add_subparsers(dest="action", metavar="{pack,inspect,shuffle,verify}")
+    sub = p.add_subparsers(dest="action", metavar="{pack,inspect,shuffle,verify,glyphs}")
     sub.required = True
 
     pk = sub.add_parser("pack", help="image folder or list file -> train.rec/train.idx/property", allow_abbrev=False,
@@ -83,6 +85,33 @@ def build_parser() -> argparse.ArgumentParser:
     vf = sub.add_parser("verify", help="decode every image; exit status 1 if any record is bad", allow_abbrev=False)
     vf.add_argument("path", metavar="PATH", help="folder with train.rec/train.idx, or a .rec file")
     vf.add_argument("--json", action="store_true", help="print one JSON object")
+
+    from shardfc.data.glyphs import GlyphOptions
+
+    d = GlyphOptions()
+    gl = sub.add_parser("glyphs", help="glyph identities from the system's CJK fonts -> train.rec + 3 .bin sets",
+                        allow_abbrev=False,
+                        description="Build a face-recognition-shaped data set from the CJK fonts on this machine: an "
+                        "identity is a character, its images the distinct drawings of it by different typefaces, "
+                        "augmented; OUT gets train.rec/train.idx/property/classes.txt and three verification sets "
+                        "(glyphs_unseen.bin: unseen characters; glyphs_hard.bin: the same with each negative the most "
+                        "similar character under one face; glyphs_faces.bin: training characters drawn by held-out "
+                        "typeface families), 10 folds each as LFW. Seeded: the same fonts give the same bytes.")
+    gl.add_argument("out", metavar="OUT", help="output folder (created)")
+    gl.add_argument("--fonts", nargs="+", metavar="DIR", help="font folders (default: the system's)")
+    gl.add_argument("--image-size", type=int, default=d.image_size, help=f"square side in pixels (default {d.image_size})")
+    gl.add_argument("--channels", type=int, choices=(1, 3), default=d.channels, help="1: grayscale PNG (default), 3: RGB")
+    gl.add_argument("--min-faces", type=int, default=d.min_faces,
+                    help=f"distinct drawings a character needs to be an identity (default {d.min_faces})")
+    gl.add_argument("--identities", type=int, default=d.identities, help=f"training identities (default {d.identities})")
+    gl.add_argument("--unseen-identities", type=int, default=d.unseen_identities,
+                    help=f"characters kept out of training for the unseen and hard sets (default {d.unseen_identities})")
+    gl.add_argument("--holdout-faces", type=int, default=d.holdout_faces,
+                    help=f"typeface families kept out of training for glyphs_faces.bin (default {d.holdout_faces})")
+    gl.add_argument("--copies", type=int, default=d.copies, help=f"augmented images per training drawing (default {d.copies})")
+    gl.add_argument("--pairs", type=int, default=d.pairs, help=f"pairs per verification set (default {d.pairs}, as LFW)")
+    gl.add_argument("--seed", type=int, default=d.seed, help=f"seed of every choice and augmentation (default {d.seed})")
+    gl.add_argument("--force", action="store_true", help="replace an existing set in OUT")
     return p
 
 
@@ -119,6 +148,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2, message already printed)
         return int(e.code or 0)
+    if args.action == "glyphs":
+        return _glyphs(args)
     where = args.path if hasattr(args, "path") else args.src
     if not os.path.exists(where):
         what = "SRC" if args.action == "pack" else "PATH"
@@ -152,6 +183,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (CommandError, FileNotFoundError, ValueError) as e:
         print(f"shardfc data {args.action}: error: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _glyphs(args) -> int:
+    from shardfc.data.glyphs import GlyphError, GlyphOptions, build
+
+    options = GlyphOptions(image_size=args.image_size, channels=args.channels, min_faces=args.min_faces,
+                           identities=args.identities, unseen_identities=args.unseen_identities,
+                           holdout_faces=args.holdout_faces, copies=args.copies, pairs=args.pairs, seed=args.seed)
+    try:
+        build(args.out, options, font_dirs=args.fonts, force=args.force)
+    except (GlyphError, CommandError) as e:
+        print(f"shardfc data glyphs: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -13,6 +13,7 @@ from typing import Any, Callable
 from torch import nn
 
 from shardfc.models.arcface_mbf import ArcfaceMobileFaceNet, mbf, mbf_large
+from shardfc.models.glyphnet import GlyphNet, glyphnet
 from shardfc.models.iresnet import IResNet, iresnet18, iresnet34, iresnet50, iresnet100
 from shardfc.models.mobilefacenet import MobileFaceNet, mobilefacenet
 from shardfc.models.resnet import ReIDResNet, resnet50
@@ -22,6 +23,7 @@ __all__ = [
     "BACKBONES",
     "WITH_FEATURES",
     "ArcfaceMobileFaceNet",
+    "GlyphNet",
     "IResNet",
     "MobileFaceNet",
     "ReIDResNet",
@@ -31,6 +33,7 @@ __all__ = [
 ]
 
 BACKBONES: dict[str, Callable[..., nn.Module]] = {
+    "glyphnet": glyphnet,
     "iresnet18": iresnet18,
     "iresnet34": iresnet34,
     "iresnet50": iresnet50,
@@ -49,6 +52,7 @@ WITH_FEATURES: tuple[str, ...] = ("resnet50", "tiny")
 # Default (H, W) per backbone; tiny's can be overridden via its ``input_size`` kwarg,
 # in which case the built model's ``input_size`` attribute is authoritative.
 _INPUT_SIZES: dict[str, tuple[int, int]] = {
+    "glyphnet": (32, 32),
     "iresnet18": (112, 112),
     "iresnet34": (112, 112),
     "iresnet50": (112, 112),

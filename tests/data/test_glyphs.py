@@ -1,0 +1,184 @@
+"""``shardfc data glyphs``: glyph identities from the machine's CJK fonts (:mod:`shardfc.data.glyphs`).
+
+The builder's promises on the real fonts (CI installs them with scripts/install_glyph_fonts.sh;
+elsewhere these tests skip without them, unless SHARDFC_REQUIRE_FONTS=1): coverage from the
+character map (no box drawings), identical drawings of a character counted once, training and
+verification identities disjoint, the build reproducible byte for byte, the .bin sets in
+insightface's format; a font file that cannot be read is skipped with a warning naming it; no fonts
+is a one-line error naming the packages. Then a short training run on a ≈500-identity set must
+verify unseen characters well above chance."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from shardfc.data import cli as data_cli
+from shardfc.data import glyphs
+from shardfc.data.glyphs import GlyphError, GlyphOptions, build, family_key, font_files, read_faces
+from shardfc.evaluation.verification import load_bin
+
+FACES = read_faces(font_files()) if os.environ.get("SHARDFC_SKIP_FONTS") != "1" else []
+needs_fonts = pytest.mark.skipif(
+    len(FACES) < 8 and os.environ.get("SHARDFC_REQUIRE_FONTS") != "1",
+    reason="needs CJK fonts (scripts/install_glyph_fonts.sh)",
+)
+SMALL = GlyphOptions(identities=40, unseen_identities=30, min_faces=6, copies=1, pairs=200, holdout_faces=1, seed=3)
+
+
+@pytest.fixture(scope="module")
+def small_set(tmp_path_factory):
+    out = tmp_path_factory.mktemp("glyphs") / "set"
+    return out, build(str(out), GlyphOptions(**vars(SMALL)), log=open(os.devnull, "w"))
+
+
+@needs_fonts
+def test_the_set_is_insightface_shaped_with_three_bins(small_set):
+    out, summary = small_set
+    from shardfc.data.recordio import RecordIODataset
+
+    ds = RecordIODataset(out, (32, 32))
+    assert ds.num_classes == SMALL.identities == summary["identities"] and len(ds) == summary["images"]
+    names = (out / "classes.txt").read_text(encoding="utf-8").split("\n")[:-1]
+    assert len(names) == SMALL.identities and all(len(n) == 1 and 0x4E00 <= ord(n) <= 0x9FFF for n in names)
+    for name in ("glyphs_unseen.bin", "glyphs_hard.bin", "glyphs_faces.bin"):
+        images, issame = load_bin(out / name, (32, 32))
+        assert images.shape == (2 * SMALL.pairs, 3, 32, 32) and int(issame.sum()) == SMALL.pairs // 2
+        fold = SMALL.pairs // 10  # each fold: its positives, then its negatives (LFW's order)
+        assert issame[:fold].tolist() == [True] * (fold // 2) + [False] * (fold // 2)
+
+
+@needs_fonts
+def test_training_and_verification_identities_are_disjoint(small_set):
+    out, summary = small_set
+    train = set((out / "classes.txt").read_text(encoding="utf-8").split())
+    unseen = set(summary["unseen_characters"])
+    assert len(unseen) == SMALL.unseen_identities and not train & unseen
+    held = [f for f in summary["faces"] if f["held_out"]]
+    assert held and all(f["family"] in summary["held_out_families"] for f in held)
+    assert all(not f["held_out"] for f in summary["faces"] if f["family"] not in summary["held_out_families"])
+
+
+@needs_fonts
+def test_the_build_is_reproducible_byte_for_byte(small_set, tmp_path):
+    out, _ = small_set
+    again = tmp_path / "again"
+    build(str(again), GlyphOptions(**vars(SMALL)), log=open(os.devnull, "w"))
+    for name in sorted(os.listdir(out)):
+        assert (out / name).read_bytes() == (again / name).read_bytes(), name
+    other = tmp_path / "other"
+    build(str(other), GlyphOptions(**{**vars(SMALL), "seed": 4}), log=open(os.devnull, "w"))
+    assert (other / "train.rec").read_bytes() != (out / "train.rec").read_bytes()
+
+
+@needs_fonts
+def test_coverage_comes_from_the_character_map_and_identical_drawings_count_once():
+    faces = [f for f, _ in FACES]
+    covered = [c for _, c in FACES]
+    # a character some faces lack (IPA Mincho has no 說) and a common one
+    chars = ["說", "人"]
+    got = glyphs._draw_all(faces, chars, covered, 32)
+    for ch in chars:
+        drawn = [fi for fi, _ in got.by_char[ch]]
+        assert all(ord(ch) in covered[fi] for fi in drawn)  # never a face whose map lacks it (its box)
+        arrays = [a.tobytes() for _, a in got.by_char[ch]]
+        assert len(set(arrays)) == len(arrays)  # distinct drawings only
+        assert all((a < 128).any() for _, a in got.by_char[ch])  # ink, not a blank
+    lacking = [fi for fi, c in enumerate(covered) if ord("說") not in c]
+    if lacking:
+        assert not set(lacking) & {fi for fi, _ in got.by_char["說"]}
+    # the drawings a face shares with an earlier one were dropped and counted
+    total = sum(len(v) for v in got.by_char.values()) + sum(got.same.values())
+    assert total == sum(got.drawn.values())
+
+
+def test_family_keys_join_regional_weight_mono_and_proportional_variants():
+    assert family_key("Noto Sans CJK SC") == family_key("Noto Sans Mono CJK JP") == "Noto Sans CJK"
+    assert family_key("AR PL UKai TW MBE") == "AR PL UKai" != family_key("AR PL UMing CN")
+    assert family_key("IPAPGothic") == family_key("IPAGothic") == "IPAGothic"
+    assert family_key("VL PGothic") == family_key("VL Gothic")
+    assert family_key("Bold") == "Bold"  # nothing left: the name itself
+
+
+@needs_fonts
+def test_an_unreadable_font_is_skipped_with_a_warning_naming_it(tmp_path):
+    fonts = tmp_path / "fonts"
+    fonts.mkdir()
+    real = sorted({f.path for f, _ in FACES})[:3]
+    for i, path in enumerate(real):
+        os.symlink(path, fonts / f"{i}{os.path.splitext(path)[1]}")
+    (fonts / "broken.ttf").write_bytes(b"not a font at all")
+    warned = []
+    faces = read_faces(font_files([str(fonts)]), warn=warned.append)
+    assert len(faces) >= 3
+    assert len(warned) == 1 and "broken.ttf" in warned[0]
+
+
+def test_no_fonts_is_one_line_naming_the_packages(tmp_path, capsys):
+    empty = tmp_path / "none"
+    empty.mkdir()
+    with pytest.raises(GlyphError, match="fonts-noto-cjk"):
+        build(str(tmp_path / "out"), GlyphOptions(), font_dirs=[str(empty)])
+    assert data_cli.main(["glyphs", str(tmp_path / "out"), "--fonts", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "apt-get install fonts-noto-cjk" in err
+    assert data_cli.main(["glyphs", str(tmp_path / "out"), "--fonts", str(tmp_path / "missing")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("min_faces", 1, "at least 2"), ("pairs", 610, "multiple of 20"), ("channels", 2, r"1 \(grayscale\) or 3"),
+    ("identities", 0, "positive integer"), ("image_size", 4, "8..512"), ("holdout_faces", -1, ">= 0"),
+])
+def test_bad_options_name_the_option(field, value, words):
+    with pytest.raises(GlyphError, match=f"{field}.*{words}"):
+        GlyphOptions(**{field: value}).check()
+
+
+@needs_fonts
+def test_too_many_identities_asked_is_a_clear_error(tmp_path):
+    with pytest.raises(GlyphError, match="fewer than the .* identities asked for"):
+        build(str(tmp_path / "x"), GlyphOptions(identities=30000, unseen_identities=1000), log=open(os.devnull, "w"))
+
+
+def test_augmentation_is_seeded_and_varies():
+    from PIL import Image, ImageDraw
+
+    img = Image.new("L", (64, 64), 255)
+    ImageDraw.Draw(img).rectangle((20, 10, 44, 54), fill=0)
+    a = np.asarray(glyphs.augment(img, 32, np.random.default_rng(1)))
+    b = np.asarray(glyphs.augment(img, 32, np.random.default_rng(1)))
+    c = np.asarray(glyphs.augment(img, 32, np.random.default_rng(2)))
+    assert a.shape == (32, 32) and (a == b).all() and (a != c).any()
+    assert (a < 128).sum() > 50  # the ink survives
+
+
+@needs_fonts
+def test_a_short_training_run_verifies_unseen_characters_well_above_chance(tmp_path):
+    """≈500 identities, 3 epochs of the glyphs preset on one process: not a timed test, a floor."""
+    from shardfc.train.config import parse_config
+    from shardfc.train.loop import train
+
+    out = tmp_path / "set"
+    build(str(out), GlyphOptions(identities=500, unseen_identities=200, min_faces=8, copies=1, pairs=1000, seed=0),
+          log=open(os.devnull, "w"))
+    cfg, _ = parse_config([
+        "--preset", "glyphs", "--data-root", str(out), "--nproc", "1", "--epochs", "3", "--warmup-steps", "50",
+        "--eval-every", "0", "--ckpt-every", "0", "--no-progress", "--output-dir", str(tmp_path / "run"),
+    ])
+    summary = train(cfg)
+    metrics = summary["metrics"]
+    assert set(metrics) == {"glyphs_unseen", "glyphs_hard", "glyphs_faces"}
+    acc = {k: v["accuracy"] if isinstance(v, dict) else v for k, v in metrics.items()}
+    assert acc["glyphs_unseen"] >= 0.75, acc  # chance is 0.5
+    assert acc["glyphs_faces"] >= 0.75, acc
+
+
+def test_the_install_script_installs_the_packages_the_error_names():
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parents[2] / "scripts" / "install_glyph_fonts.sh").read_text()
+    listed = script.split("PACKAGES=(", 1)[1].split(")", 1)[0].split()
+    assert tuple(listed) == glyphs.FONT_PACKAGES
