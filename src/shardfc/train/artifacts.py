@@ -92,19 +92,22 @@ def saved_config(common: Dict[str, Any], where: Path) -> TrainConfig:
     return cfg
 
 
-_UNSET = object()
+def check_saved_config(cfg: TrainConfig) -> None:
+    """:meth:`TrainConfig.validate` of a saved config, on a copy whose loader is 'torch': a checkpoint
+    is read without its training data, so whether its data loader is installed here does not matter."""
+    dataclasses.replace(cfg, loader="torch").validate()
 
 
-def check_saved_config(cfg: TrainConfig, image_size: Any = _UNSET) -> None:
-    """:meth:`TrainConfig.validate` of a saved config (on a copy: it reads no data, so its loader is
-    not asked for), with ``image_size`` the input size its checkpoint records, if given."""
-    probe = dataclasses.replace(cfg, loader="torch", image_size=list(cfg.image_size))
-    if image_size is not _UNSET:
-        if not (isinstance(image_size, list) and len(image_size) == 2
-                and all(type(v) is int for v in image_size)):
-            raise ConfigError(f"image_size must be two ints 'H W', got {short_repr(image_size)}")
-        probe.image_size = list(image_size)
-    probe.validate()
+def _input_size(meta: Dict[str, Any], folder: Path) -> Tuple[int, int]:
+    """The ``(H, W)`` a checkpoint records, checked by the rule of ``--image-size``."""
+    size = meta["fingerprint"].get("image_size")
+    try:
+        if not (isinstance(size, list) and len(size) == 2 and all(type(v) is int for v in size)):
+            raise ConfigError(f"image_size must be two ints 'H W', got {short_repr(size)}")
+        dataclasses.replace(TrainConfig(), image_size=list(size)).validate()
+    except ConfigError as e:
+        raise ckpt.CheckpointError(f"{folder / ckpt.META_FILE}: the recorded input size is invalid: {e}") from None
+    return size[0], size[1]
 
 
 def load_backbone(
@@ -122,19 +125,15 @@ def load_backbone(
     if "backbone" not in common and "backbone_stages" not in meta:
         raise ckpt.CheckpointError(f"{folder} was not saved by 'shardfc train' (no backbone in common.pt)")
     cfg = saved_config(common, folder)
-    try:
-        check_saved_config(cfg, meta["fingerprint"].get("image_size", "missing"))
-    except ConfigError as e:
-        raise ckpt.CheckpointError(f"{folder / ckpt.META_FILE}: the recorded input size is invalid: {e}") from None
-    h, w = meta["fingerprint"]["image_size"]
+    h, w = _input_size(meta, folder)
     from shardfc.train.build import backbone_kwargs  # build imports the training stack; only needed here
 
-    model = build_backbone(cfg.backbone, cfg.embedding_dim, **backbone_kwargs(cfg, (int(h), int(w))))
+    model = build_backbone(cfg.backbone, cfg.embedding_dim, **backbone_kwargs(cfg, (h, w)))
     if "backbone" in common:
         _load_strict(model, common["backbone"], folder / ckpt.COMMON_FILE)
     else:
         load_stages_streaming(model, folder, meta, trust_pickle=trust_pickle)
-    return TrainedBackbone(model.to(device).eval(), cfg, (int(h), int(w)), folder)
+    return TrainedBackbone(model.to(device).eval(), cfg, (h, w), folder)
 
 
 def _load_strict(model: nn.Module, state: Any, where: Path, whole: bool = True) -> None:
