@@ -452,12 +452,12 @@ def _member_offset(path: Path, suffix: str) -> int:
     return info.header_offset + 30 + name_len + extra_len
 
 
-@pytest.mark.parametrize("damage", ["crc", "cut"])
+@pytest.mark.parametrize("damage", ["crc of a storage", "crc of data.pkl", "cut"])
 def test_a_damaged_export_is_one_line(exported: Path, tmp_path: Path, damage: str):
     data = bytearray(exported.read_bytes())
     crafted = tmp_path / "damaged.pt"
-    if damage == "crc":
-        data[_member_offset(exported, "/data/0")] ^= 0xFF
+    if damage.startswith("crc"):
+        data[_member_offset(exported, "/data/0" if "storage" in damage else "/data.pkl") + 1] ^= 0xFF
     else:
         del data[len(data) // 2: len(data) // 2 + 64]  # a cut in the middle: the directory no longer points right
     crafted.write_bytes(bytes(data))
