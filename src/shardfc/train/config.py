@@ -89,7 +89,7 @@ class TrainConfig:
     list_file: str = ""
     """The 'path label' list file of the 'list' dataset."""
     image_size: List[int] = field(default_factory=list)
-    """Input size 'H W' of the backbone; empty: the backbone's default (112x112 faces, 256x128 re-ID, 32x32 tiny)."""
+    """Input size 'H W' of the backbone, each side at most 4096; empty: the backbone's default (112x112 faces, 256x128 re-ID, 32x32 tiny)."""
     synthetic_identities: int = 1000
     """Number of identities (classes) of the synthetic dataset."""
     synthetic_images_per_identity: int = 20
@@ -111,7 +111,7 @@ class TrainConfig:
     backbone: str = "tiny"
     """Backbone name: iresnet18/34/50/100, mobilefacenet, mbf/mbf_large (arcface_torch's), resnet50 (re-ID) or tiny (CPU demos)."""
     embedding_dim: int = 128
-    """Width of the embeddings the backbone produces and the head classifies."""
+    """Width of the embeddings the backbone produces and the head classifies (at most 65536)."""
     neck: str = "auto"
     """resnet50 only: 'bnneck' (a BatchNorm1d between the pooled feature and the embedding; the triplet loss reads the feature before it) or 'none'; 'auto': the backbone's own (bnneck for resnet50)."""
 
