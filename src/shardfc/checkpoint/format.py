@@ -325,8 +325,9 @@ def _check_names(meta: dict[str, Any], meta_path: Path) -> None:
                 held[n] = fname
         if not all(isinstance(n, str) for n in recorded) or len(set(recorded)) != len(recorded) \
                 or set(held) != set(recorded):
+            known = set(map(str, recorded))
             none = [n for n in recorded if n not in held][:5]
-            extra = [n for n in held if n not in set(recorded)][:5]
+            extra = [n for n in held if n not in known][:5]
             raise CheckpointError(
                 f"{meta_path}: the stage files' {what} do not partition the recorded ones: held by no file "
                 f"{short_repr(none)}, not recorded {short_repr(extra)}"

@@ -93,7 +93,7 @@ def load_file(
     if entry is None:
         raise CheckpointError(f"{path / META_FILE} does not list {fname}")
     check_file(fpath, entry, check_hash=verify)
-    return load_pt(fpath, map_location, trust_pickle=trust_pickle, meta=meta, mmap=mmap)
+    return load_pt(fpath, map_location, trust_pickle=trust_pickle, meta=meta, mmap=mmap, follow_symlinks=False)
 
 
 def load_common(

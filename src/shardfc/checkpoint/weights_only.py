@@ -100,10 +100,10 @@ def check_stored(archive: zipfile.ZipFile, path: Path, names: Any = None) -> Non
                                   f"extends past the end of the file")
 
 
-def _check_zip(path: Path) -> None:
+def _check_zip(path: Path, follow_symlinks: bool) -> None:
     """:func:`check_stored` over a ``torch.save`` file (a legacy, non-zip one is read as torch reads it)."""
     try:
-        with open_regular(path, follow_symlinks=True) as f:
+        with open_regular(path, follow_symlinks=follow_symlinks) as f:
             if not zipfile.is_zipfile(f):
                 return
             with zipfile.ZipFile(f) as archive:
@@ -112,17 +112,19 @@ def _check_zip(path: Path) -> None:
         raise CheckpointError(f"cannot read checkpoint file {path}: {error_line(e)}") from None
 
 
-def load_pt(path: Path, map_location: Any, *, trust_pickle: bool, meta: Mapping[str, Any], mmap: bool = False) -> Any:
+def load_pt(path: Path, map_location: Any, *, trust_pickle: bool, meta: Mapping[str, Any], mmap: bool = False,
+            follow_symlinks: bool = True) -> Any:
     """``torch.load(path, weights_only=True)``; a file that needs full unpickling is refused with a
     CheckpointError saying why and how to opt in, or, with ``trust_pickle``, read anyway.
 
     Only a regular file is read (a FIFO or a device would never end), and only one whose zip
     members are stored (:func:`check_stored`). ``mmap``: map the file instead of reading it
-    (tensors are paged in as they are used)."""
-    regular_file(path, follow_symlinks=True)
-    _check_zip(path)
+    (tensors are paged in as they are used). ``follow_symlinks``: False for a file a ``meta.json``
+    names, which must be the checkpoint folder's own (a file the user names may be a link)."""
+    regular_file(path, follow_symlinks=follow_symlinks)
+    _check_zip(path, follow_symlinks)
     try:
-        return _torch_load(path, map_location, True, mmap)
+        return _torch_load(path, map_location, True, mmap, follow_symlinks)
     except CheckpointError:
         raise
     except pickle.UnpicklingError as e:
@@ -147,16 +149,16 @@ def load_pt(path: Path, map_location: Any, *, trust_pickle: bool, meta: Mapping[
         ) from None
     logger.warning("loading %s with full unpickling (trust_pickle=True): it needs %s", path, reason)
     try:
-        return _torch_load(path, map_location, False, mmap)
+        return _torch_load(path, map_location, False, mmap, follow_symlinks)
     except CheckpointError:
         raise
     except Exception as e:
         raise CheckpointError(f"cannot read checkpoint file {path}: {error_line(e)}") from None
 
 
-def _torch_load(path: Path, map_location: Any, weights_only: bool, mmap: bool) -> Any:
+def _torch_load(path: Path, map_location: Any, weights_only: bool, mmap: bool, follow_symlinks: bool) -> Any:
     """torch.load of regular file ``path``: mapped by name, else from a file opened without blocking."""
     if mmap:
         return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True)
-    with open_regular(path, follow_symlinks=True) as f:
+    with open_regular(path, follow_symlinks=follow_symlinks) as f:
         return torch.load(f, map_location=map_location, weights_only=weights_only)
