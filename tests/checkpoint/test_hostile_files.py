@@ -182,7 +182,7 @@ def _bounded(fn, *, seconds: float = 5.0, megabytes: float = 100.0):
 
 
 @pytest.mark.parametrize("name", ["/etc/passwd", "../../../etc/passwd", "../other/common.pt", "sub/head_0.pt",
-                                  "notes.txt", "/dev/zero"])
+                                  "notes.txt", "/dev/zero", "common.pt\n", "./common.pt"])
 def test_a_meta_json_naming_a_path_or_a_foreign_name_is_refused(tmp_path: Path, name: str):
     path = _train_checkpoint(tmp_path)
     size = os.path.getsize("/etc/passwd")
@@ -431,6 +431,17 @@ def test_the_recorded_input_size_is_validated(tmp_path: Path, capsys, image_size
 
     _edit_meta(path, change)
     _every_command(capsys, path, tmp_path, "meta.json", "image_size")
+
+
+def test_a_saved_config_value_with_a_huge_repr_is_refused_fast(tmp_path: Path, capsys):
+    """A format-1 ``config`` dict (read as it is, not from JSON) holding nested shared tuples."""
+    path = _train_checkpoint(tmp_path / "run")
+    common = torch.load(path / ck.COMMON_FILE, weights_only=True)
+    del common["config_json"]
+    common["config"] = {"backbone": _shared_tuples(40)}
+    _rewrite(path, ck.COMMON_FILE, common)
+    error = _bounded(lambda: load_backbone(path), megabytes=50)
+    assert "common.pt: the saved config's 'backbone' is" in str(error) and len(str(error)) < 600
 
 
 @pytest.mark.parametrize("config_json", ["{not json", "[1, 2]"])

@@ -101,7 +101,7 @@ COMMON_FILE = "common.pt"
 STEP_DIR_RE = re.compile(r"^step_(\d+)$")
 #: The names of the files shardfc writes into a checkpoint folder (besides ``meta.json``): a
 #: ``meta.json`` naming anything else (a path, ``..``, another file) is refused.
-FILE_NAME_RE = re.compile(r"^(common|head_\d+|rank_\d+|backbone_stage\d+)\.pt$")
+FILE_NAME_RE = re.compile(r"(common|head_\d+|rank_\d+|backbone_stage\d+)\.pt")
 #: The largest ``meta.json`` read (it lists file names, class ranges and stage keys: kilobytes).
 META_MAX_BYTES = 64 << 20
 _SCRATCH_DIR_RE = re.compile(r"^\.(tmp|old|del)-step_\d+-[0-9a-f]+$")
@@ -302,7 +302,7 @@ def _check_names(meta: dict[str, Any], meta_path: Path) -> None:
     ``..``), and a per-stage backbone's files partition its keys and parameters: each in exactly one
     file (a key in none would stay at its initialisation, one in two would be loaded twice)."""
     for name in list(meta["files"]) + list((meta.get("backbone_stages") or {}).get("files", {})):
-        if not (isinstance(name, str) and FILE_NAME_RE.match(name)):
+        if not (isinstance(name, str) and FILE_NAME_RE.fullmatch(name)):
             raise CheckpointError(
                 f"{meta_path} lists the file {short_repr(name)}, which is not a name shardfc writes (common.pt, "
                 "head_<r>.pt, rank_<r>.pt, backbone_stage<i>.pt, directly in the checkpoint folder)"

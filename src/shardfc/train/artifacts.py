@@ -84,12 +84,27 @@ def saved_config(common: Dict[str, Any], where: Path) -> TrainConfig:
     if not isinstance(raw, dict):
         raise ckpt.CheckpointError(f"{source}: its config is a {type(raw).__name__}, not a dict of fields")
     known = {f.name for f in dataclasses.fields(TrainConfig)}
+    for key, value in raw.items():
+        if key in known and not _flag_value(value):
+            raise ckpt.CheckpointError(f"{source}: the saved config's {key!r} is {short_repr(value)}, not a value "
+                                       "a flag takes")
     try:
         cfg = config_from_mapping({k: v for k, v in raw.items() if k in known}, source=str(source))
         check_saved_config(cfg)
     except ConfigError as e:
         raise ckpt.CheckpointError(f"{source}: the saved config is invalid: {e}") from None
     return cfg
+
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _flag_value(value: Any) -> bool:
+    """Whether ``value`` is what a config field holds (a scalar, or a short list of them): anything
+    else is refused before a message could quote it (a crafted structure's repr has no end)."""
+    if isinstance(value, (list, tuple)):
+        return len(value) <= 1024 and all(type(v) in _SCALARS for v in value)
+    return type(value) in _SCALARS
 
 
 def check_saved_config(cfg: TrainConfig) -> None:

@@ -247,7 +247,7 @@ def init_from(run, path: Path, cfg: TrainConfig) -> None:
     except (RuntimeError, KeyError) as e:
         raise ConfigError(
             f"init_from={str(path)!r}: its backbone does not fit backbone={cfg.backbone!r}, embedding_dim="
-            f"{cfg.embedding_dim} ({str(e).splitlines()[0]}); the checkpoint's config: {config}"
+            f"{cfg.embedding_dim} ({str(e).splitlines()[0][:300]}); the checkpoint's config: {short_repr(config, 2000)}"
         ) from None
     if parts.head is not None:
         state = head_state_for(run, cfg, loaded, plan, with_optimizer=False)
