@@ -331,6 +331,36 @@ def test_a_deflated_record_of_a_pt_file_is_refused_before_inflating(tmp_path: Pa
     assert "compressed" in str(error)
 
 
+@pytest.mark.parametrize("kind", ["deflated", "fifo"])
+def test_import_arcface_refuses_a_deflated_or_endless_pt_in_one_line(tmp_path: Path, capsys, kind: str):
+    from shardfc.train import cli_import
+
+    backbone = tmp_path / "backbone.pth"
+    if kind == "fifo":
+        os.mkfifo(backbone)
+    else:
+        torch.save(_model().state_dict(), tmp_path / "plain.pth")
+        _zip_with(tmp_path / "plain.pth", backbone, {"/data/0": _bomb()}, compress={"/data/0"})
+    rc = cli_import.main(["--backbone", str(backbone), "--network", "tiny", "--num-classes", "4",
+                          "--out", str(tmp_path / "run")])
+    _one_line(capsys, rc, "backbone.pth", *(["compressed"] if kind == "deflated" else []))  # a FIFO: "not found"
+
+
+def test_eval_of_a_crafted_bin_is_one_line(tmp_path: Path, capsys):
+    import io
+
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(png, format="PNG")
+    crafted = tmp_path / "crafted.bin"
+    crafted.write_bytes(pickle.dumps(([png.getvalue()] * 200_000, [True] * 100_000)))
+    path = _train_checkpoint(tmp_path / "run")
+    capsys.readouterr()
+    rc = cli_eval.main(["--checkpoint", str(path), "--bin", str(crafted), "--device", "cpu"])
+    _one_line(capsys, rc, "crafted.bin", "same encoded image")
+
+
 def _shared_tuples(depth: int):
     t: tuple = ()
     for _ in range(depth):
