@@ -248,6 +248,54 @@ def test_train_resuming_from_a_fifo_stops_with_one_line(tmp_path: Path):
     assert "common.pt" in lines[0] and "not a regular file" in lines[0]
 
 
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    """A checkpoint of one step of a real ``shardfc train`` run (4 identities, one process)."""
+    from shardfc.train import cli as train_cli
+
+    out = tmp_path_factory.mktemp("trained") / "run"
+    train_cli.run(_tiny_run(out, max_steps=1))
+    return out
+
+
+def _tiny_run(out: Path, **fields) -> TrainConfig:
+    """A run of a second: 4 synthetic identities at 16 x 16, one process, no evaluation."""
+    return TrainConfig(synthetic_identities=4, synthetic_images_per_identity=5, image_size=SIZE, embedding_dim=DIM,
+                       batch_size=8, warmup_steps=0, eval_every=0, ckpt_every=0, output_dir=str(out), progress=False,
+                       nproc=1, **fields)
+
+
+def _tamper_common(change):
+    def tamper(path: Path) -> None:
+        common = torch.load(path / ck.COMMON_FILE, weights_only=True)
+        change(common)
+        _rewrite(path, ck.COMMON_FILE, common)
+
+    return tamper
+
+
+@pytest.mark.parametrize("tamper, needle", [
+    (_tamper_common(lambda c: c.pop("state")), "common.pt"),
+    (_tamper_common(lambda c: c.__setitem__("state", [1, 2])), "common.pt"),
+    (_tamper_common(lambda c: c.__setitem__("world_size", "two")), "common.pt"),
+    (_tamper_common(lambda c: c["backbone"].__setitem__(next(iter(c["backbone"])), torch.zeros(1))), "step_00000001"),
+    (_tamper_common(lambda c: c.__setitem__("schedulers", [{"nonsense": 1}])), "common.pt"),
+])
+def test_resuming_from_a_checkpoint_holding_other_state_is_one_error(trained_run: Path, tmp_path: Path, tamper, needle):
+    import shutil
+
+    from shardfc.train import cli as train_cli
+
+    out = tmp_path / "run"
+    shutil.copytree(trained_run, out)
+    path = out / "checkpoints" / "step_00000001"
+    tamper(path)
+    cfg = _tiny_run(out, max_steps=2, resume=str(path))
+    with pytest.raises(train_cli.USER_ERRORS) as info:
+        train_cli.run(cfg)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
 # --------------------------------------------------------------------------- 2. no silent remapping
 
 
