@@ -23,7 +23,7 @@ from typing import Any, BinaryIO, Optional
 
 import torch
 
-from shardfc.checkpoint.format import CheckpointError, is_scratch_dir, scratch_dir_name
+from shardfc.checkpoint.format import CheckpointError, is_scratch_dir, open_regular, regular_file, scratch_dir_name
 
 logger = logging.getLogger("shardfc.checkpoint")
 
@@ -48,8 +48,10 @@ class _HashingWriter:
 
 
 def sha256_file(path: Path) -> str:
+    """The sha256 of regular file ``path`` (anything else is refused: see
+    :func:`~shardfc.checkpoint.format.open_regular`)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while chunk := f.read(_HASH_CHUNK):
             h.update(chunk)
     return h.hexdigest()
@@ -90,11 +92,9 @@ def fsync_dir(path: Path) -> None:
 
 
 def check_file(path: Path, entry: Mapping[str, Any], check_hash: bool) -> None:
-    """Raise CheckpointError unless ``path`` has the size (and sha256) recorded in meta.json."""
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path} is missing") from None
+    """Raise CheckpointError unless ``path`` is a regular file (not a symlink, FIFO or device: checked
+    with ``lstat`` first) with the size (and sha256) recorded in meta.json."""
+    size = regular_file(path).st_size
     expected = entry.get("size")
     if size != expected:
         raise CheckpointError(

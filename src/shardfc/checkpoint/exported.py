@@ -27,13 +27,15 @@ import json
 import pickle
 import sys
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
 
-from shardfc.checkpoint.format import CheckpointError
+from shardfc.checkpoint.format import CheckpointError, open_regular, short_repr
+from shardfc.checkpoint.weights_only import check_stored, error_line
 
 __all__ = ["EXPORT_METADATA", "Exported", "Scripted", "is_torchscript", "read_exported"]
 
@@ -42,6 +44,13 @@ EXPORT_METADATA = "shardfc.json"
 
 #: Keys an error lists before a count of the rest.
 _SHOWN = 5
+
+#: The largest ``data.pkl`` read: it pickles the module tree (names, flags, one entry per tensor:
+#: tens of kilobytes for the largest backbone; the tensors' bytes are apart). The unpickler is the
+#: pure-Python one, so this also bounds its time (a few seconds of no-op opcodes).
+MAX_PICKLE_BYTES = 4 << 20
+#: The largest ``shardfc.json`` read (a few hundred bytes).
+MAX_METADATA_BYTES = 1 << 20
 
 
 class Scripted:
@@ -145,16 +154,18 @@ class _ExportUnpickler(pickle._Unpickler):
         """A storage ``('storage', dtype, key, location, numel)`` as a flat tensor of its dtype, read once per key."""
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageDtype)
                 and isinstance(pid[2], str) and isinstance(pid[4], int)):
-            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r:.200}")
+            raise pickle.UnpicklingError(f"unexpected persistent id {short_repr(pid)}")
         _, kind, key, _, numel = pid
         if key not in self._storages:
             try:
-                raw = self._archive.read(f"{self._prefix}data/{key}")
+                info = self._archive.getinfo(f"{self._prefix}data/{key}")
             except KeyError:
-                raise pickle.UnpicklingError(f"storage {key!r} is not in the archive") from None
+                raise pickle.UnpicklingError(f"storage {short_repr(key)} is not in the archive") from None
             size = torch.tensor([], dtype=kind.dtype).element_size()
-            if len(raw) != numel * size:
-                raise pickle.UnpicklingError(f"storage {key!r} has {len(raw)} bytes for {numel} x {kind.dtype}")
+            if info.file_size != numel * size:  # stored (check_stored): its size on disk, before reading it
+                raise pickle.UnpicklingError(
+                    f"storage {short_repr(key)} has {info.file_size} bytes for {numel} x {kind.dtype}")
+            raw = self._archive.read(info)
             self._storages[key] = torch.frombuffer(bytearray(raw), dtype=kind.dtype) if raw else torch.empty(
                 0, dtype=kind.dtype)
         return self._storages[key]
@@ -215,16 +226,32 @@ def _archive_prefix(names: List[str]) -> str:
 
 def is_torchscript(path: Path) -> bool:
     """Whether ``path`` is a TorchScript file (a zip with ``data.pkl`` and ``constants.pkl``; a
-    ``torch.save`` file has no ``constants.pkl``). Reads only the zip's listing.
+    ``torch.save`` file has no ``constants.pkl``). Reads only the zip's listing, of a regular file
+    (a FIFO or a device is not one, and is not opened).
 
     Args:
         path: the file (a folder or a missing path is not one).
     """
     path = Path(path)
-    if not path.is_file() or not zipfile.is_zipfile(path):
+    if not path.is_file():
         return False
-    with zipfile.ZipFile(path) as archive:
-        return bool(_archive_prefix(archive.namelist()))
+    try:
+        with open_regular(path, "model file", follow_symlinks=True) as f:
+            if not zipfile.is_zipfile(f):
+                return False
+            with zipfile.ZipFile(f) as archive:
+                return bool(_archive_prefix(archive.namelist()))
+    except (CheckpointError, zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return False
+
+
+def _member(archive: zipfile.ZipFile, name: str, limit: int, path: Path) -> bytes:
+    """Member ``name`` of the archive, refused (before reading it) above ``limit`` bytes."""
+    info = archive.getinfo(name)
+    if info.file_size > limit:
+        raise CheckpointError(f"refusing to read {path}: its {name} has {info.file_size} bytes, more than the "
+                              f"{limit >> 10} KiB a `shardfc export` file holds there")
+    return archive.read(info)
 
 
 def _tensors(root: Any) -> Dict[str, torch.Tensor]:
@@ -260,24 +287,51 @@ def read_exported(path: Path) -> Exported:
     if not is_torchscript(path):
         raise CheckpointError(f"{path} is not a TorchScript file (a zip with data.pkl and constants.pkl), as "
                               "`shardfc export` writes")
-    with zipfile.ZipFile(path) as archive:
-        prefix = _archive_prefix(archive.namelist())
-        order = archive.read(f"{prefix}byteorder").decode().strip() if f"{prefix}byteorder" in archive.namelist() \
-            else "little"
-        if order != sys.byteorder:
-            raise CheckpointError(f"{path} was written on a {order}-endian machine; this one is {sys.byteorder}-endian")
-        try:
-            root = _ExportUnpickler(archive.read(f"{prefix}data.pkl"), archive, prefix).load()
-        except _Refused as e:
-            raise CheckpointError(
-                f"refusing to read {path}: its data.pkl names the global {e}, which a `shardfc export` file never "
-                "holds (only tensors and TorchScript modules); it was not called. shardfc reads exported models "
-                "without running them: export the model again with `shardfc export`, or start from its checkpoint"
-            ) from None
-        except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from None
-        meta_name = f"{prefix}extra/{EXPORT_METADATA}"
-        metadata = json.loads(archive.read(meta_name)) if meta_name in archive.namelist() else {}
+    try:
+        with open_regular(path, "model file", follow_symlinks=True) as f, zipfile.ZipFile(f) as archive:
+            root, metadata = _read_archive(archive, path)
+    except CheckpointError:
+        raise
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, KeyError, zlib.error) as e:
+        raise CheckpointError(f"cannot read {path}: the archive is damaged ({error_line(e)})") from None
     if not isinstance(root, Scripted):
         raise CheckpointError(f"{path}: its data.pkl holds a {type(root).__name__}, not a TorchScript module")
     return Exported(path, metadata, _tensors(root))
+
+
+def _read_archive(archive: zipfile.ZipFile, path: Path) -> Tuple[Any, dict]:
+    """The unpickled module tree and the ``shardfc.json`` of an open TorchScript archive."""
+    names = archive.namelist()
+    prefix = _archive_prefix(names)
+    # What is read must be stored as torch writes it (its code/ folder, never read, is deflated).
+    check_stored(archive, path, lambda name: not name.startswith(f"{prefix}code/"))
+    order = _member(archive, f"{prefix}byteorder", 64, path).decode("ascii", "replace").strip() \
+        if f"{prefix}byteorder" in names else "little"
+    if order != sys.byteorder:
+        raise CheckpointError(f"{path} was written on a {short_repr(order)}-endian machine; this one is "
+                              f"{sys.byteorder}-endian")
+    data = _member(archive, f"{prefix}data.pkl", MAX_PICKLE_BYTES, path)
+    try:
+        root = _ExportUnpickler(data, archive, prefix).load()
+    except _Refused as e:
+        raise CheckpointError(
+            f"refusing to read {path}: its data.pkl names the global {str(e)[:200]}, which a `shardfc export` "
+            "file never holds (only tensors and TorchScript modules); it was not called. shardfc reads exported models "
+            "without running them: export the model again with `shardfc export`, or start from its checkpoint"
+        ) from None
+    except CheckpointError:
+        raise
+    except (zipfile.BadZipFile, zlib.error, OSError) as e:  # a storage member damaged
+        raise CheckpointError(f"cannot read {path}: the archive is damaged ({error_line(e)})") from None
+    except Exception as e:  # a malformed pickle fails in many ways (IndexError, KeyError, RecursionError, ...)
+        raise CheckpointError(f"cannot read {path}: its data.pkl is malformed ({error_line(e)})") from None
+    meta_name = f"{prefix}extra/{EXPORT_METADATA}"
+    metadata: Any = {}
+    if meta_name in names:
+        try:
+            metadata = json.loads(_member(archive, meta_name, MAX_METADATA_BYTES, path))
+        except (ValueError, RecursionError) as e:
+            raise CheckpointError(f"cannot read {path}: its {EXPORT_METADATA} is not JSON ({str(e)[:200]})") from None
+        if not isinstance(metadata, dict):
+            raise CheckpointError(f"{path}: its {EXPORT_METADATA} holds a {type(metadata).__name__}, not an object")
+    return root, metadata

@@ -51,6 +51,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import reprlib
+import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -78,6 +80,11 @@ __all__ = [
     "tensor_specs",
     "build_meta",
     "read_meta",
+    "regular_file",
+    "short_repr",
+    "open_regular",
+    "FILE_NAME_RE",
+    "META_MAX_BYTES",
 ]
 
 FORMAT_NAME = "shardfc-checkpoint"
@@ -92,11 +99,50 @@ COMMON_FILE = "common.pt"
 
 #: The name of a checkpoint directory: ``step_`` and the step in decimal (zero-padded when written).
 STEP_DIR_RE = re.compile(r"^step_(\d+)$")
+#: The names of the files shardfc writes into a checkpoint folder (besides ``meta.json``): a
+#: ``meta.json`` naming anything else (a path, ``..``, another file) is refused.
+FILE_NAME_RE = re.compile(r"(common|head_\d+|rank_\d+|backbone_stage\d+)\.pt")
+#: The largest ``meta.json`` read (it lists file names, class ranges and stage keys: kilobytes).
+META_MAX_BYTES = 64 << 20
 _SCRATCH_DIR_RE = re.compile(r"^\.(tmp|old|del)-step_\d+-[0-9a-f]+$")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, truncated, corrupt, inconsistent or unsafe to read, or a save failed on another rank."""
+
+
+def regular_file(path: "str | os.PathLike[str]", what: str = "checkpoint file", *,
+                 follow_symlinks: bool = False) -> os.stat_result:
+    """``os.lstat(path)`` of a regular file; anything else (missing, a symlink, a FIFO, a device, a
+    folder) is a CheckpointError naming it, before anything opens, stats through or hashes it (a
+    FIFO or ``/dev/zero`` would never end a read). ``follow_symlinks``: a file the user names
+    himself (not one a ``meta.json`` names) may be a symlink to a regular file."""
+    try:
+        st = os.stat(path) if follow_symlinks else os.lstat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} {path} is missing") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot stat {what} {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode) else \
+            "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device or socket"
+        raise CheckpointError(f"refusing to read {what} {path}: it is {kind}, not a regular file")
+    return st
+
+
+def open_regular(path: "str | os.PathLike[str]", what: str = "checkpoint file", *, follow_symlinks: bool = False):
+    """``path`` opened for reading in binary, if it is a regular file (:func:`regular_file`; opened
+    without following a symlink and without blocking on a FIFO swapped in since, then checked again)."""
+    regular_file(path, what, follow_symlinks=follow_symlinks)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (0 if follow_symlinks else getattr(os, "O_NOFOLLOW", 0))
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        raise CheckpointError(f"cannot open {what} {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"refusing to read {what} {path}: it is not a regular file")
+    return os.fdopen(fd, "rb")
 
 
 def head_file(rank: int) -> str:
@@ -223,12 +269,17 @@ def read_meta(path: "str | os.PathLike[str]") -> dict[str, Any]:
     """
     path = Path(path)
     meta_path = path / META_FILE
+    if not os.path.lexists(meta_path):
+        raise CheckpointError(f"{path} is not a checkpoint: {meta_path} is missing")
+    with open_regular(meta_path, "checkpoint meta file") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > META_MAX_BYTES:
+            raise CheckpointError(f"{meta_path} is larger than {META_MAX_BYTES >> 20} MiB: not a shardfc meta file")
+        text = f.read(size + 1)
     try:
-        meta = json.loads(meta_path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is not a checkpoint: {meta_path} is missing") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot parse {meta_path}: {e}") from e
+        meta = json.loads(text)
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"cannot parse {meta_path}: {str(e)[:200]}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{meta_path} is not a {FORMAT_NAME} meta file")
     version = meta.get("format_version")
@@ -239,10 +290,64 @@ def read_meta(path: "str | os.PathLike[str]") -> dict[str, Any]:
         )
     if not _well_formed(meta):
         raise CheckpointError(f"{meta_path} is malformed or does not list all of its files")
+    _check_names(meta, meta_path)
     step = parse_step_dir(path.name)
     if step is not None and step != meta["step"]:
         raise CheckpointError(f"{meta_path} records step={meta['step']} but the directory is {path.name}")
     return meta
+
+
+def _check_names(meta: dict[str, Any], meta_path: Path) -> None:
+    """Every file ``meta.json`` names is one shardfc writes, directly in the folder (no path, no
+    ``..``), and a per-stage backbone's files partition its keys and parameters: each in exactly one
+    file (a key in none would stay at its initialisation, one in two would be loaded twice)."""
+    for name in list(meta["files"]) + list((meta.get("backbone_stages") or {}).get("files", {})):
+        if not (isinstance(name, str) and FILE_NAME_RE.fullmatch(name)):
+            raise CheckpointError(
+                f"{meta_path} lists the file {short_repr(name)}, which is not a name shardfc writes (common.pt, "
+                "head_<r>.pt, rank_<r>.pt, backbone_stage<i>.pt, directly in the checkpoint folder)"
+            )
+    stages = meta.get("backbone_stages")
+    if stages is None:
+        return
+    for what in ("keys", "params"):
+        recorded = stages[what]
+        held: dict[Any, str] = {}
+        for fname, entry in stages["files"].items():
+            names = entry.get(what, [])
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise CheckpointError(f"{meta_path}: backbone_stages {fname} {what} is not a list of names")
+            for n in names:
+                if n in held:
+                    raise CheckpointError(
+                        f"{meta_path}: backbone_stages lists {what[:-1]} {short_repr(n)} in both {held[n]} and {fname}"
+                    )
+                held[n] = fname
+        if not all(isinstance(n, str) for n in recorded) or len(set(recorded)) != len(recorded) \
+                or set(held) != set(recorded):
+            known = set(map(str, recorded))
+            none = [n for n in recorded if n not in held][:5]
+            extra = [n for n in held if n not in known][:5]
+            raise CheckpointError(
+                f"{meta_path}: the stage files' {what} do not partition the recorded ones: held by no file "
+                f"{short_repr(none)}, not recorded {short_repr(extra)}"
+            )
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxtuple, _REPR.maxset = 3, 4, 4, 4, 4
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong = 80, 80, 40
+
+
+def short_repr(value: Any, limit: int = 200) -> str:
+    """A repr of ``value`` for an error message, built in bounded time and memory whatever it is (a
+    few items per container, three levels deep: a pickle's nested shared tuples have a repr of
+    astronomical length), at most ``limit`` characters."""
+    try:
+        text = _REPR.repr(value)
+    except Exception:  # a placeholder or an object whose repr fails
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _well_formed(meta: dict[str, Any]) -> bool:

@@ -11,7 +11,15 @@ from typing import Any, Optional
 import torch
 
 from shardfc.checkpoint.durable import check_file
-from shardfc.checkpoint.format import COMMON_FILE, META_FILE, CheckpointError, head_file, rank_file, read_meta
+from shardfc.checkpoint.format import (
+    COMMON_FILE,
+    META_FILE,
+    CheckpointError,
+    head_file,
+    rank_file,
+    read_meta,
+    short_repr,
+)
 from shardfc.checkpoint.validation import check_class_range, check_str_keys, json_roundtrip
 from shardfc.checkpoint.weights_only import load_pt
 from shardfc.checks import check_int
@@ -85,7 +93,7 @@ def load_file(
     if entry is None:
         raise CheckpointError(f"{path / META_FILE} does not list {fname}")
     check_file(fpath, entry, check_hash=verify)
-    return load_pt(fpath, map_location, trust_pickle=trust_pickle, meta=meta, mmap=mmap)
+    return load_pt(fpath, map_location, trust_pickle=trust_pickle, meta=meta, mmap=mmap, follow_symlinks=False)
 
 
 def load_common(
@@ -109,23 +117,41 @@ def load_common(
     return common, meta
 
 
-def _objects_equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a.cpu(), b.cpu())
-        )
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(_objects_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_objects_equal(x, y) for x, y in zip(a, b))
-    try:
-        return bool(a == b)
-    except Exception:  # e.g. numpy arrays: ambiguous truth value
-        return False
+#: The most values :func:`objects_equal` visits: saved extras and parameter groups hold a few dozen;
+#: a crafted file's shared subtrees can stand for 2^40 of them.
+COMPARE_BUDGET = 100_000
+
+
+def objects_equal(a: Any, b: Any, where: str = "the saved values", budget: int = COMPARE_BUDGET) -> bool:
+    """Whether saved structures ``a`` and ``b`` (tensors, plain data) are equal, visiting at most
+    ``budget`` values: beyond that a CheckpointError naming ``where`` (a crafted file's shared
+    subtrees would otherwise make the comparison endless)."""
+    stack = [(a, b)]
+    visited = 0
+    while stack:
+        a, b = stack.pop()
+        visited += 1
+        if visited > budget:
+            raise CheckpointError(f"{where} are too large to compare (more than {budget} values)")
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                    and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())):
+                return False
+        elif isinstance(a, Mapping) and isinstance(b, Mapping):
+            if a.keys() != b.keys():
+                return False
+            stack.extend((a[k], b[k]) for k in a)
+        elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            if type(a) is not type(b) or len(a) != len(b):
+                return False
+            stack.extend(zip(a, b))
+        else:
+            try:
+                if not bool(a == b):
+                    return False
+            except Exception:  # e.g. numpy arrays: ambiguous truth value
+                return False
+    return True
 
 
 def _check_fingerprint(saved: Mapping[str, Any], current: Mapping[str, Any], path: Path) -> None:
@@ -239,18 +265,29 @@ def _load_head_rows(
         head = load_file(path, fname, meta, map_location, verify, trust_pickle)
         if not (isinstance(head, dict) and {"class_range", "tensors", "extras"} <= head.keys()):
             raise CheckpointError(f"{path / fname} is not a head shard file")
+        if not (isinstance(head["class_range"], (tuple, list)) and isinstance(head["tensors"], dict)
+                and isinstance(head["extras"], dict)):
+            raise CheckpointError(f"{path / fname} is not a head shard file")
         if tuple(head["class_range"]) != (saved[i].start, saved[i].stop):
             raise CheckpointError(
-                f"{path / fname} holds class_range={tuple(head['class_range'])} but meta.json records "
+                f"{path / fname} holds class_range={short_repr(head['class_range'])} but meta.json records "
                 f"{(saved[i].start, saved[i].stop)}"
             )
         if set(head["tensors"]) != names:
             raise CheckpointError(
-                f"{path / fname} holds tensors {sorted(head['tensors'])}, meta.json lists {sorted(names)}"
+                f"{path / fname} holds tensors {short_repr(sorted(map(str, head['tensors'])))}, meta.json lists "
+                f"{short_repr(sorted(names))}"
             )
         lo = max(class_range.start, saved[i].start) - saved[i].start
         hi = max(min(class_range.stop, saved[i].stop) - saved[i].start, lo)
         for name, t in head["tensors"].items():
+            row_shape = meta["head_tensors"][name].get("row_shape") if isinstance(meta["head_tensors"][name], dict) \
+                else None
+            if not isinstance(t, torch.Tensor) or t.dim() < 1 or list(t.shape[1:]) != row_shape:
+                raise CheckpointError(
+                    f"{path / fname}: {name!r} is not a tensor of rows {row_shape} as meta.json records (got "
+                    f"{short_repr(list(t.shape) if isinstance(t, torch.Tensor) else t)})"
+                )
             if t.shape[0] != len(saved[i]):
                 raise CheckpointError(
                     f"{path / fname}: tensor {name!r} has {t.shape[0]} rows, its class range has {len(saved[i])}"
@@ -260,10 +297,10 @@ def _load_head_rows(
                 whole[name] = t
         if extras is None:
             extras, extras_from = head["extras"], i
-        elif not _objects_equal(extras, head["extras"]):
+        elif not objects_equal(extras, head["extras"], f"the head extras of {path / fname}"):
             raise CheckpointError(
                 f"head extras differ between saved shards {extras_from} and {i} of {path}: "
-                f"{extras!r} vs {head['extras']!r}"
+                f"{short_repr(extras)} vs {short_repr(head['extras'])}"
             )
 
     tensors: dict[str, torch.Tensor] = {}

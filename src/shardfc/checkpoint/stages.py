@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 
 from shardfc.checkpoint.format import CheckpointError, stage_file
-from shardfc.checkpoint.load import _objects_equal, load_file
+from shardfc.checkpoint.load import load_file, objects_equal
 from shardfc.checkpoint.validation import check_str_keys, compact_cpu
 from shardfc.checkpoint.weights_only import check_plain
 from shardfc.checks import check_int
@@ -243,8 +243,10 @@ def read_stage_state(
         if want_keys.isdisjoint(entry["keys"]) and want_params.isdisjoint(entry["params"]):
             continue  # another stage's file: not even opened
         part = load_file(path, fname, meta, "cpu", verify, trust_pickle, mmap=True)
-        if not (isinstance(part, dict) and set(part) == {"model", "optimizer"}
-                and list(part["model"]) == list(entry["keys"])):
+        if not (isinstance(part, dict) and set(part) == {"model", "optimizer"} and isinstance(part["model"], dict)
+                and list(part["model"]) == list(entry["keys"])
+                and all(isinstance(t, torch.Tensor) for t in part["model"].values())
+                and _optimizer_shaped(part["optimizer"])):
             raise CheckpointError(f"{path / fname} does not hold the stage part meta.json describes")
         model.update((k, part["model"][k]) for k in entry["keys"] if k in want_keys)
         saved = part["optimizer"]
@@ -257,6 +259,13 @@ def read_stage_state(
     return ordered, {"state": state, "param_groups": groups}
 
 
+def _optimizer_shaped(saved: Any) -> bool:
+    """Whether ``saved`` has the shape of an optimizer state by name (what :func:`_merge_groups` reads)."""
+    return (isinstance(saved, dict) and isinstance(saved.get("state"), dict)
+            and isinstance(saved.get("param_groups"), list)
+            and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved["param_groups"]))
+
+
 def _merge_groups(groups: list[dict[str, Any]], saved: list[dict[str, Any]], wanted: set, where: Path) -> None:
     """Group ``j`` of the whole optimizer: every stage's group ``j``, the same hyperparameters."""
     if groups and len(saved) != len(groups):
@@ -266,7 +275,7 @@ def _merge_groups(groups: list[dict[str, Any]], saved: list[dict[str, Any]], wan
         if j == len(groups):
             groups.append(dict(g, params=mine))
             continue
-        if not _objects_equal({k: v for k, v in g.items() if k != "params"},
-                              {k: v for k, v in groups[j].items() if k != "params"}):
+        if not objects_equal({k: v for k, v in g.items() if k != "params"},
+                             {k: v for k, v in groups[j].items() if k != "params"}, f"the parameter groups of {where}"):
             raise CheckpointError(f"{where}'s parameter group {j} has other hyperparameters than another stage's")
         groups[j]["params"] += mine

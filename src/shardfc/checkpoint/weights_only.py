@@ -15,8 +15,10 @@ it read with full unpickling, for checkpoints whose origin you trust.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import re
+import zipfile
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,9 +26,9 @@ from typing import Any
 
 import torch
 
-from shardfc.checkpoint.format import FORMAT_VERSION, CheckpointError
+from shardfc.checkpoint.format import FORMAT_VERSION, CheckpointError, open_regular, regular_file, short_repr
 
-__all__ = ["PLAIN_TYPES", "check_plain", "load_pt"]
+__all__ = ["PLAIN_TYPES", "check_plain", "load_pt", "check_stored", "error_line"]
 
 logger = logging.getLogger("shardfc.checkpoint")
 
@@ -72,19 +74,65 @@ def _refusal_reason(error: BaseException) -> str:
     return f"the global {m.group(1)}" if m else "objects"
 
 
-def load_pt(path: Path, map_location: Any, *, trust_pickle: bool, meta: Mapping[str, Any], mmap: bool = False) -> Any:
+def error_line(error: BaseException, limit: int = 300) -> str:
+    """``Type: message`` of ``error`` on one line of at most ``limit`` characters (for a CheckpointError's text)."""
+    text = " ".join(str(error).split())
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(error).__name__}: {text}"
+
+
+def check_stored(archive: zipfile.ZipFile, path: Path, names: Any = None) -> None:
+    """Refuse a zip (``torch.save`` or ``torch.jit.save``) whose members ``names`` (None: all) are
+    compressed or extend past the file: both writers store tensors and pickles uncompressed, so a
+    member never holds more bytes than the file does (a deflated one could inflate a kilobyte to
+    gigabytes before any size check)."""
+    end = os.fstat(archive.fp.fileno()).st_size if hasattr(archive.fp, "fileno") else None
+    for info in archive.infolist():
+        if names is not None and not names(info.filename):
+            continue
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            raise CheckpointError(
+                f"refusing to read {path}: its member {short_repr(info.filename)} is compressed "
+                f"({info.compress_size} bytes inflating to {info.file_size}); torch writes tensors and pickles stored"
+            )
+        if end is not None and info.header_offset + info.file_size > end:
+            raise CheckpointError(f"{path} is truncated or corrupt: member {short_repr(info.filename)} "
+                                  f"extends past the end of the file")
+
+
+def _check_zip(path: Path, follow_symlinks: bool) -> None:
+    """:func:`check_stored` over a ``torch.save`` file (a legacy, non-zip one is read as torch reads it)."""
+    try:
+        with open_regular(path, follow_symlinks=follow_symlinks) as f:
+            if not zipfile.is_zipfile(f):
+                return
+            with zipfile.ZipFile(f) as archive:
+                check_stored(archive, path)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        raise CheckpointError(f"cannot read checkpoint file {path}: {error_line(e)}") from None
+
+
+def load_pt(path: Path, map_location: Any, *, trust_pickle: bool, meta: Mapping[str, Any], mmap: bool = False,
+            follow_symlinks: bool = True) -> Any:
     """``torch.load(path, weights_only=True)``; a file that needs full unpickling is refused with a
     CheckpointError saying why and how to opt in, or, with ``trust_pickle``, read anyway.
 
-    ``mmap``: map the file instead of reading it (tensors are paged in as they are used)."""
+    Only a regular file is read (a FIFO or a device would never end), and only one whose zip
+    members are stored (:func:`check_stored`). ``mmap``: map the file instead of reading it
+    (tensors are paged in as they are used). ``follow_symlinks``: False for a file a ``meta.json``
+    names, which must be the checkpoint folder's own (a file the user names may be a link)."""
+    regular_file(path, follow_symlinks=follow_symlinks)
+    _check_zip(path, follow_symlinks)
     try:
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        return _torch_load(path, map_location, True, mmap, follow_symlinks)
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as e:
         if "weights only" not in str(e).lower():
-            raise CheckpointError(f"cannot read checkpoint file {path}: {type(e).__name__}: {e}") from e
+            raise CheckpointError(f"cannot read checkpoint file {path}: {error_line(e)}") from None
         reason = _refusal_reason(e)
     except Exception as e:
-        raise CheckpointError(f"cannot read checkpoint file {path}: {type(e).__name__}: {e}") from e
+        raise CheckpointError(f"cannot read checkpoint file {path}: {error_line(e)}") from None
     if not trust_pickle:
         version = meta.get("format_version")
         if version is not None and version < FORMAT_VERSION:
@@ -101,6 +149,16 @@ def load_pt(path: Path, map_location: Any, *, trust_pickle: bool, meta: Mapping[
         ) from None
     logger.warning("loading %s with full unpickling (trust_pickle=True): it needs %s", path, reason)
     try:
-        return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
+        return _torch_load(path, map_location, False, mmap, follow_symlinks)
+    except CheckpointError:
+        raise
     except Exception as e:
-        raise CheckpointError(f"cannot read checkpoint file {path}: {type(e).__name__}: {e}") from e
+        raise CheckpointError(f"cannot read checkpoint file {path}: {error_line(e)}") from None
+
+
+def _torch_load(path: Path, map_location: Any, weights_only: bool, mmap: bool, follow_symlinks: bool) -> Any:
+    """torch.load of regular file ``path``: mapped by name, else from a file opened without blocking."""
+    if mmap:
+        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True)
+    with open_regular(path, follow_symlinks=follow_symlinks) as f:
+        return torch.load(f, map_location=map_location, weights_only=weights_only)

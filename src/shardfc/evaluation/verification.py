@@ -121,6 +121,7 @@ def load_bin(
         raise ValueError(
             f"{path!r}: {len(bins)} images for {len(issame)} pairs; expected exactly 2 images per pair"
         )
+    _check_decoded_size(path, bins, image_size)
     h, w = image_size
     images = torch.empty(len(bins), 3, h, w, dtype=torch.float32)
     for i, data in enumerate(bins):
@@ -128,6 +129,32 @@ def load_bin(
             data = data.encode("latin-1")
         images[i] = image_to_tensor(decode_image(data, name=f"{path}[{i}]"), image_size)
     return images, issame
+
+
+#: The decoded images of a ``.bin`` may take at most this many times its size on disk (float32
+#: ``[3, H, W]`` each): an insightface set of JPEGs at 112 x 112 takes about 30 times, a crafted one
+#: that names one image 200,000 times (a pickle memo reference is a few bytes) would take 60,000.
+MAX_DECODED_RATIO = 1024
+#: ... or this many bytes, whichever is more (a small set of tiny PNGs).
+MIN_DECODED_CAP = 64 << 20
+
+
+def _check_decoded_size(path: str, bins: Sequence[object], image_size: Tuple[int, int]) -> None:
+    """Refuse a ``.bin`` whose images would decode to more than :data:`MAX_DECODED_RATIO` times its size
+    (and more than :data:`MIN_DECODED_CAP`), or that holds one image object more than once (real sets
+    hold each image once), before decoding."""
+    distinct = len({id(b) for b in bins}) if isinstance(bins, (list, tuple)) else len(bins)
+    if distinct != len(bins):
+        raise ValueError(f"{path!r} refers to the same encoded image more than once ({len(bins)} images, "
+                         f"{distinct} distinct): not an insightface verification set")
+    h, w = image_size
+    decoded = len(bins) * 3 * h * w * 4
+    on_disk = os.path.getsize(path)
+    if decoded > max(MAX_DECODED_RATIO * on_disk, MIN_DECODED_CAP):
+        raise ValueError(
+            f"{path!r} ({on_disk} bytes) holds {len(bins)} images, {decoded / 2**30:.1f} GiB decoded at {h} x {w}: "
+            f"more than {MAX_DECODED_RATIO} times its size, which encoded images never are"
+        )
 
 
 # --------------------------------------------------------------------- metrics

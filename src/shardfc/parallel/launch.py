@@ -126,6 +126,9 @@ def _collect(queue, procs, results: dict, failures: dict) -> None:
             continue
         pending.discard(rank)
         if ok:
+            # Not a file: the bytes this launcher's own child wrote into an inherited pipe, which
+            # multiprocessing has just unpickled in full to deliver them (queue.get). The result of
+            # ``fn`` may be any object, so weights_only=True would refuse results and protect nothing.
             results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         else:
             failures[rank] = payload

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from shardfc import checkpoint as ckpt
+from shardfc.checkpoint.format import short_repr
 from shardfc.data import IMG_EXTENSIONS
 from shardfc.models import build_backbone
 from shardfc.train.config import ConfigError, TrainConfig, config_from_mapping
@@ -62,16 +63,66 @@ class TrainedBackbone:
 def saved_config(common: Dict[str, Any], where: Path) -> TrainConfig:
     """The :class:`TrainConfig` a run stored in its ``common.pt`` (JSON text; a dict in format 1).
 
-    Fields this shardfc does not know are dropped, missing ones take their defaults.
+    Fields this shardfc does not know are dropped, missing ones take their defaults; the result is
+    validated by the rules of the command line (:meth:`TrainConfig.validate`), before anything is built.
+
+    Raises:
+        CheckpointError: no config, or one that is not JSON of a dict, of the wrong types or invalid,
+            naming ``common.pt`` and the field.
     """
+    source = where / ckpt.COMMON_FILE
+    raw = None
     if isinstance(common.get("config_json"), str):
-        raw = json.loads(common["config_json"])
+        try:
+            raw = json.loads(common["config_json"])
+        except (ValueError, RecursionError) as e:
+            raise ckpt.CheckpointError(f"{source}: its config_json is not JSON ({str(e)[:200]})") from None
     elif isinstance(common.get("config"), dict):  # checkpoint format 1
         raw = common["config"]
-    else:
+    if raw is None:
         raise ckpt.CheckpointError(f"{where} was not saved by 'shardfc train' (no config in common.pt)")
+    if not isinstance(raw, dict):
+        raise ckpt.CheckpointError(f"{source}: its config is a {type(raw).__name__}, not a dict of fields")
     known = {f.name for f in dataclasses.fields(TrainConfig)}
-    return config_from_mapping({k: v for k, v in raw.items() if k in known}, source=str(where / ckpt.COMMON_FILE))
+    for key, value in raw.items():
+        if key in known and not _flag_value(value):
+            raise ckpt.CheckpointError(f"{source}: the saved config's {key!r} is {short_repr(value)}, not a value "
+                                       "a flag takes")
+    try:
+        cfg = config_from_mapping({k: v for k, v in raw.items() if k in known}, source=str(source))
+        check_saved_config(cfg)
+    except ConfigError as e:
+        raise ckpt.CheckpointError(f"{source}: the saved config is invalid: {e}") from None
+    return cfg
+
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _flag_value(value: Any) -> bool:
+    """Whether ``value`` is what a config field holds (a scalar, or a short list of them): anything
+    else is refused before a message could quote it (a crafted structure's repr has no end)."""
+    if isinstance(value, (list, tuple)):
+        return len(value) <= 1024 and all(type(v) in _SCALARS for v in value)
+    return type(value) in _SCALARS
+
+
+def check_saved_config(cfg: TrainConfig) -> None:
+    """:meth:`TrainConfig.validate` of a saved config, on a copy whose loader is 'torch': a checkpoint
+    is read without its training data, so whether its data loader is installed here does not matter."""
+    dataclasses.replace(cfg, loader="torch").validate()
+
+
+def _input_size(meta: Dict[str, Any], folder: Path) -> Tuple[int, int]:
+    """The ``(H, W)`` a checkpoint records, checked by the rule of ``--image-size``."""
+    size = meta["fingerprint"].get("image_size")
+    try:
+        if not (isinstance(size, list) and len(size) == 2 and all(type(v) is int for v in size)):
+            raise ConfigError(f"image_size must be two ints 'H W', got {short_repr(size)}")
+        dataclasses.replace(TrainConfig(), image_size=list(size)).validate()
+    except ConfigError as e:
+        raise ckpt.CheckpointError(f"{folder / ckpt.META_FILE}: the recorded input size is invalid: {e}") from None
+    return size[0], size[1]
 
 
 def load_backbone(
@@ -89,15 +140,31 @@ def load_backbone(
     if "backbone" not in common and "backbone_stages" not in meta:
         raise ckpt.CheckpointError(f"{folder} was not saved by 'shardfc train' (no backbone in common.pt)")
     cfg = saved_config(common, folder)
-    h, w = meta["fingerprint"]["image_size"]
+    h, w = _input_size(meta, folder)
     from shardfc.train.build import backbone_kwargs  # build imports the training stack; only needed here
 
-    model = build_backbone(cfg.backbone, cfg.embedding_dim, **backbone_kwargs(cfg, (int(h), int(w))))
+    model = build_backbone(cfg.backbone, cfg.embedding_dim, **backbone_kwargs(cfg, (h, w)))
     if "backbone" in common:
-        model.load_state_dict(common["backbone"])
+        _load_strict(model, common["backbone"], folder / ckpt.COMMON_FILE)
     else:
         load_stages_streaming(model, folder, meta, trust_pickle=trust_pickle)
-    return TrainedBackbone(model.to(device).eval(), cfg, (int(h), int(w)), folder)
+    return TrainedBackbone(model.to(device).eval(), cfg, (h, w), folder)
+
+
+def _load_strict(model: nn.Module, state: Any, where: Path, whole: bool = True) -> None:
+    """``model.load_state_dict(state)``: every key of ``state`` the model's, each of its shape, and
+    (``whole``) every key of the model in it; a mismatch is a CheckpointError naming the file ``where``."""
+    try:
+        result = model.load_state_dict(state, strict=whole)
+    except (RuntimeError, TypeError, AttributeError, KeyError, ValueError) as e:
+        detail = " ".join(str(e).split())
+        raise ckpt.CheckpointError(
+            f"{where} does not hold the weights of this {type(model).__name__}: "
+            f"{detail if len(detail) <= 300 else detail[:297] + '...'}"
+        ) from None
+    if result.unexpected_keys:
+        raise ckpt.CheckpointError(f"{where} holds keys this {type(model).__name__} does not have: "
+                                   f"{short_repr(result.unexpected_keys)}")
 
 
 def load_stages_streaming(model: nn.Module, folder: Path, meta: Dict[str, Any], *, trust_pickle: bool = False) -> None:
@@ -107,10 +174,16 @@ def load_stages_streaming(model: nn.Module, folder: Path, meta: Dict[str, Any], 
     expected = list(model.state_dict())
     if sorted(meta["backbone_stages"]["keys"]) != sorted(expected):
         raise ckpt.CheckpointError(f"{folder}'s stage files do not hold the keys of a {type(model).__name__}")
-    for entry in meta["backbone_stages"]["files"].values():
+    # read_meta checked that the files' keys partition the recorded ones: each file fills its keys
+    # (strictly: all of them, each of its shape), and together they fill the whole model.
+    filled: set = set()
+    for fname, entry in meta["backbone_stages"]["files"].items():
         part, _ = ckpt.read_stage_state(folder, meta, entry["keys"], [], trust_pickle=trust_pickle)
-        model.load_state_dict(part, strict=False)
+        _load_strict(model, part, folder / fname, whole=False)
+        filled.update(part)
         del part  # unmaps the file
+    if filled != set(expected):
+        raise ckpt.CheckpointError(f"{folder}'s stage files leave {sorted(set(expected) - filled)[:5]} unfilled")
 
 
 def list_images(folder: "str | os.PathLike[str]") -> List[Path]:

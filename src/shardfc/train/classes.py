@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from shardfc.checkpoint.format import CheckpointError, open_regular
 from shardfc.train.config import ConfigError
 
 __all__ = ["ClassPlan", "plan_classes", "fresh_plan", "read_renames", "rename", "SHOWN"]
@@ -70,16 +71,23 @@ def read_renames(path: "str | Path") -> Dict[str, str]:
     """``{old name: new name}`` from a renames file: one ``old<TAB>new`` per line (a name may hold
     spaces, not tabs); blank lines and lines starting with ``#`` are skipped.
 
+    A name may not be both renamed and a new name (a swap ``A -> B, B -> A``, a cycle or a chain
+    ``A -> B, B -> C``): applied again on the next resume, as passing the same file again is meant
+    to be harmless, such renames would move the names again while the rows stay, so identities
+    would trade rows silently. They are refused; rename through unused names over several runs.
+
     Raises:
-        ConfigError: the file is missing, a line is not two tab-separated names, or a name is
-            renamed twice (naming the file and the line).
+        ConfigError: the file is missing or not a regular file, a line is not two tab-separated
+            names, a name is renamed twice, or names chain, swap or cycle (naming the file and the line).
     """
     where = f"rename_classes={str(path)!r}"
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"{where}: cannot read it ({e.strerror or e})") from None
+        with open_regular(path, "renames file", follow_symlinks=True) as f:
+            text = f.read().decode("utf-8")
+    except (CheckpointError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where}: cannot read it ({e})") from None
     renames: Dict[str, str] = {}
+    lines: Dict[str, int] = {}
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
@@ -89,6 +97,16 @@ def read_renames(path: "str | Path") -> Dict[str, str]:
         if parts[0] in renames:
             raise ConfigError(f"{where}, line {number}: {parts[0]!r} is renamed twice")
         renames[parts[0]] = parts[1]
+        lines[parts[0]] = lines[parts[1]] = number
+    targets = set(renames.values())
+    for old, new in renames.items():
+        if old in targets or new in renames:
+            name = old if old in targets else new
+            raise ConfigError(
+                f"{where}, line {lines[name]}: {name!r} is both renamed and a new name (a swap, cycle or chain of "
+                "renames): passed again on a later resume it would rename again while the rows stay, so identities "
+                "would trade rows. Rename in separate runs through names no class has"
+            )
     return renames
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import json
 import os
 import sys
@@ -49,14 +50,21 @@ def _check_writable(path: Path, force: bool) -> None:
 
 
 def export_torchscript(model: torch.nn.Module, example: torch.Tensor, out: Path, metadata: dict) -> float:
-    """Trace ``model`` to ``out`` (written atomically); returns the max |difference| after reloading."""
+    """Trace ``model`` to ``out`` (written atomically); returns the max |difference| after reloading.
+
+    The bytes reloaded are the bytes written, kept in memory: ``out`` is not read back by its name
+    (in a shared folder another user could swap the file in between, and loading TorchScript runs it)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # torch marks jit as deprecated; trace still works
         traced = torch.jit.trace(model, example)
+        buffer = io.BytesIO()
+        torch.jit.save(traced, buffer, _extra_files={"shardfc.json": json.dumps(metadata)})
+        data = buffer.getvalue()
         tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        torch.jit.save(traced, str(tmp), _extra_files={"shardfc.json": json.dumps(metadata)})
+        with open(tmp, "xb") as f:
+            f.write(data)
         os.replace(tmp, out)
-        reloaded = torch.jit.load(str(out), map_location="cpu")
+        reloaded = torch.jit.load(io.BytesIO(data), map_location="cpu")
     probe = torch.randn(3, *example.shape[1:], generator=torch.Generator().manual_seed(0)).clamp(-1, 1)
     with torch.no_grad():
         return float((reloaded(probe) - model(probe)).abs().max())

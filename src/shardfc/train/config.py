@@ -48,6 +48,11 @@ class ConfigError(ValueError):
     """A configuration value, key, file or flag is invalid; the message names it."""
 
 
+#: The widest embedding and the largest input side a config may ask for (the head is [classes, dim],
+#: the first activations [batch, C, H, W]: a saved config naming 2^25 would allocate gigabytes).
+MAX_EMBEDDING_DIM = 1 << 16
+MAX_IMAGE_SIDE = 4096
+
 #: Values of ``TrainConfig.strategy`` (what each does: :mod:`shardfc.train.strategy`).
 STRATEGIES = ("ddp", "dp", "horovod", "pipeline")
 
@@ -84,7 +89,7 @@ class TrainConfig:
     list_file: str = ""
     """The 'path label' list file of the 'list' dataset."""
     image_size: List[int] = field(default_factory=list)
-    """Input size 'H W' of the backbone; empty: the backbone's default (112x112 faces, 256x128 re-ID, 32x32 tiny)."""
+    """Input size 'H W' of the backbone, each side at most 4096; empty: the backbone's default (112x112 faces, 256x128 re-ID, 32x32 tiny)."""
     synthetic_identities: int = 1000
     """Number of identities (classes) of the synthetic dataset."""
     synthetic_images_per_identity: int = 20
@@ -108,7 +113,7 @@ class TrainConfig:
     backbone: str = "tiny"
     """Backbone name: iresnet18/34/50/100, mobilefacenet, mbf/mbf_large (arcface_torch's), resnet50 (re-ID) or tiny (CPU demos)."""
     embedding_dim: int = 128
-    """Width of the embeddings the backbone produces and the head classifies."""
+    """Width of the embeddings the backbone produces and the head classifies (at most 65536)."""
     neck: str = "auto"
     """resnet50 only: 'bnneck' (a BatchNorm1d between the pooled feature and the embedding; the triplet loss reads the feature before it) or 'none'; 'auto': the backbone's own (bnneck for resnet50)."""
 
@@ -387,8 +392,12 @@ class TrainConfig:
             )
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
-        if self.image_size and (len(self.image_size) != 2 or min(self.image_size) < 1):
-            raise ConfigError(f"image_size must be empty or two positive ints 'H W', got {self.image_size!r}")
+        if self.image_size and (len(self.image_size) != 2 or min(self.image_size) < 1
+                                or max(self.image_size) > MAX_IMAGE_SIDE):
+            raise ConfigError(f"image_size must be empty or two ints 'H W' in [1, {MAX_IMAGE_SIDE}], "
+                              f"got {self.image_size!r}")
+        if self.embedding_dim > MAX_EMBEDDING_DIM:
+            raise ConfigError(f"embedding_dim must be <= {MAX_EMBEDDING_DIM}, got {self.embedding_dim!r}")
         if self.max_steps == 0 and self.epochs == 0:
             raise ConfigError("max_steps and epochs are both 0: set one of them to say how long to train")
         if self.margin == "sphereface" and self.m >= 0 and (self.m != int(self.m) or self.m < 1):

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from shardfc import checkpoint as ckpt
 from shardfc.checkpoint.exported import is_torchscript, read_exported
-from shardfc.checkpoint.format import read_meta
+from shardfc.checkpoint.format import read_meta, short_repr
 from shardfc.data.relabel import RelabelledDataset
 from shardfc.head.grow import grown_state
 from shardfc.head.imprint import imprint_centres
@@ -57,10 +57,25 @@ def resolve_init_from(path: str) -> Path:
 
 
 def saved_classes(path: Path, trust_pickle: bool) -> Tuple[Optional[list], int, dict]:
-    """``(class names or None, class count, common dict)`` of checkpoint ``path``."""
+    """``(class names or None, class count, common dict)`` of checkpoint ``path``.
+
+    Raises:
+        CheckpointError: ``class_names`` is not a list of distinct strings, one per class (a string
+            ``"ABCD"`` is not four names).
+    """
     common, meta = ckpt.load_common(path, trust_pickle=trust_pickle)
     names = common.get("class_names")
-    return (list(names) if names is not None else None), int(meta["num_classes"]), common
+    count = int(meta["num_classes"])
+    if names is not None:
+        where = path / ckpt.COMMON_FILE
+        if not (isinstance(names, (list, tuple)) and all(type(n) is str for n in names)):
+            raise ckpt.CheckpointError(f"{where}: class_names must be a list of strings, got {short_repr(names)}")
+        if len(names) != count or len(set(names)) != len(names):
+            raise ckpt.CheckpointError(
+                f"{where}: class_names must be {count} distinct names (one per class), got {len(names)} "
+                f"({len(names) - len(set(names))} repeated)"
+            )
+    return (list(names) if names is not None else None), count, common
 
 
 def plan_run_classes(cfg: TrainConfig, dataset: Dataset, path: Path, init: bool) -> Tuple[Dataset, ClassPlan]:
@@ -232,7 +247,7 @@ def init_from(run, path: Path, cfg: TrainConfig) -> None:
     except (RuntimeError, KeyError) as e:
         raise ConfigError(
             f"init_from={str(path)!r}: its backbone does not fit backbone={cfg.backbone!r}, embedding_dim="
-            f"{cfg.embedding_dim} ({str(e).splitlines()[0]}); the checkpoint's config: {config}"
+            f"{cfg.embedding_dim} ({str(e).splitlines()[0][:300]}); the checkpoint's config: {short_repr(config, 2000)}"
         ) from None
     if parts.head is not None:
         state = head_state_for(run, cfg, loaded, plan, with_optimizer=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -16,7 +17,8 @@ import torch
 
 from shardfc import checkpoint as ckpt
 from shardfc.checkpoint import step_of
-from shardfc.checkpoint.format import read_meta
+from shardfc.checkpoint.format import rank_file, read_meta
+from shardfc.checkpoint.weights_only import error_line
 from shardfc.parallel.context import DistContext
 from shardfc.seeding import seed_all
 from shardfc.train.build import Run, rank_seed
@@ -172,7 +174,9 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
     except ValueError as e:  # another model or class count: say how to get going
         raise ConfigError(f"cannot resume: {e}. Train it in a new --output-dir (or pass --resume none there)") from e
     common = loaded.common
-    if not restore_backbone(run, loaded, cfg) and ctx.is_main:  # an imported run (shardfc import-arcface)
+    with _reading(path):
+        held_optimizer = restore_backbone(run, loaded, cfg)
+    if not held_optimizer and ctx.is_main:  # an imported run (shardfc import-arcface)
         logger.info("%s holds no backbone optimizer state (imported from %s): it starts fresh",
                     path, common.get("imported_from", "elsewhere"))
     if parts.head is not None:
@@ -182,22 +186,26 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
         if head_state is None:
             fresh_rows(run, cfg)
         else:
-            parts.head.load_sharded_state(head_state, parts.opt_head)
+            with _reading(path):
+                parts.head.load_sharded_state(head_state, parts.opt_head)
     if plan.kept != num_classes and ctx.is_main:
         logger.info("head: %s; new rows: %s", plan.note, cfg.head_init)
-    for s, saved in zip(parts.schedulers, common.get("schedulers", [])):
-        s.load_state_dict(saved)
-    if parts.scaler.is_enabled() and common.get("scaler"):
-        parts.scaler.load_state_dict(common["scaler"])
-
-    state = RunState(**common["state"])
+    with _reading(path / ckpt.COMMON_FILE):
+        for s, saved in zip(parts.schedulers, common.get("schedulers", [])):
+            s.load_state_dict(saved)
+        if parts.scaler.is_enabled() and common.get("scaler"):
+            parts.scaler.load_state_dict(common["scaler"])
+        state = RunState(**common["state"])
+        saved_world, saved_batch = int(common["world_size"]), common["batch_size"]
     apply_schedule(parts, cfg, total_steps, state.step)
-    saved_world, data_ctx = common["world_size"], run.data_ctx
-    if saved_world == data_ctx.world_size and _same_layout(loaded.per_rank, run):
-        set_rng_state(loaded.per_rank["rng"])
-    else:
+    data_ctx = run.data_ctx
+    with _reading(path / rank_file(run.ctx.rank)):
+        own_rng = saved_world == data_ctx.world_size and _same_layout(loaded.per_rank, run)
+        if own_rng:
+            set_rng_state(loaded.per_rank["rng"])
+    if not own_rng:
         seed_all(rank_seed(cfg.seed, data_ctx.rank, state.step))
-    if saved_world != data_ctx.world_size or common["batch_size"] != cfg.batch_size:
+    if saved_world != data_ctx.world_size or saved_batch != cfg.batch_size:
         # Another partition of the data: continue at the same fraction of the epoch.
         fraction = state.batch_in_epoch / max(state.batches_per_epoch, 1)
         state.batch_in_epoch = min(round(fraction * batches_per_epoch), batches_per_epoch)
@@ -206,12 +214,25 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
                 "resuming with %d rank(s) x batch %d (saved with %d x %s): continuing epoch %d at %.0f%%",
                 data_ctx.world_size, cfg.batch_size, saved_world,
                 # an imported arcface_torch run records no batch size
-                "?" if common["batch_size"] is None else common["batch_size"], state.epoch, 100 * fraction,
+                "?" if saved_batch is None else saved_batch, state.epoch, 100 * fraction,
             )
     state.batches_per_epoch = batches_per_epoch
     if ctx.is_main:
         logger.info("restored step %d (epoch %d) from %s", state.step, state.epoch, path)
     return state
+
+
+@contextlib.contextmanager
+def _reading(where: Path):
+    """Turn what a crafted or foreign checkpoint makes a state loader raise (a key missing, a value of
+    another type or shape) into one CheckpointError naming ``where``; shardfc's own errors pass."""
+    try:
+        yield
+    except (ckpt.CheckpointError, ConfigError):
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
+        raise ckpt.CheckpointError(f"cannot resume from {where}: it does not hold what this run saves "
+                                   f"({error_line(e)})") from None
 
 
 def _pipeline_layout(run: Run) -> Optional[list]:

@@ -1,0 +1,580 @@
+"""Crafted files through every reader: none loads the wrong data, hangs, or exhausts memory.
+
+Each case is a small file crafted here (a checkpoint folder, an exported model, a ``.pt`` record, a
+``.bin`` set, a renames file) and ends, within seconds and without inflating anything, in one
+CheckpointError / ConfigError / ValueError naming the file, or (through a command) in one line on
+stderr and exit 2. A reader added to shardfc joins these cases (issue 33).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import time
+import tracemalloc
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardfc import checkpoint as ck
+from shardfc.checkpoint import CheckpointError, StagePart, save_checkpoint
+from shardfc.checkpoint.exported import read_exported
+from shardfc.checkpoint.format import short_repr
+from shardfc.checkpoint.load import objects_equal
+from shardfc.checkpoint.weights_only import load_pt
+from shardfc.models import build_backbone
+from shardfc.parallel.model_split import stages as cut_stages
+from shardfc.train import cli_embed, cli_eval, cli_export
+from shardfc.train.artifacts import load_backbone
+from shardfc.train.classes import read_renames, rename
+from shardfc.train.config import ConfigError, TrainConfig
+from shardfc.train.fine_tune import resolve_init_from, saved_classes
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+DIM, SIZE = 8, [16, 16]
+NAMES = ["ann", "bob", "cy", "dee"]
+
+
+@pytest.fixture(autouse=True)
+def _no_hang():
+    """A regression that hangs (a FIFO read, an endless comparison) fails here instead of stalling CI."""
+    def stop(signum, frame):
+        raise TimeoutError("a hostile file made the reader hang")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(20)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+# --------------------------------------------------------------------------- crafting
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_backbone("tiny", DIM, input_size=tuple(SIZE))
+
+
+def _config(**fields) -> str:
+    return json.dumps(dataclasses.asdict(TrainConfig(backbone="tiny", embedding_dim=DIM, image_size=SIZE)) | fields)
+
+
+def _train_checkpoint(root: Path, *, staged: bool = False, **common) -> Path:
+    """A checkpoint as ``shardfc train`` writes one (its backbone whole in common.pt, or per stage)."""
+    model = _model()
+    parts = None
+    if staged:
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        parts = []
+        for i, stage in enumerate(cut_stages(model, ["body"])):
+            mine = [n for n, p in stage.named_parameters() if p.requires_grad]
+            parts.append(StagePart(i, stage.state_dict(), {"state": {}, "param_groups": [{"lr": 0.1, "params": mine}]},
+                                   list(model.state_dict()), names))
+    base = {"config_json": _config(), "class_names": NAMES, "state": {}}
+    if not staged:
+        base["backbone"] = model.state_dict()
+    return save_checkpoint(
+        root, 1, common=base | common, per_rank=None, head_tensors={"weight": torch.randn(4, DIM)},
+        class_range=range(4), num_classes=4, stage_parts=parts,
+        fingerprint={"backbone": "tiny", "embedding_dim": DIM, "image_size": SIZE},
+    )
+
+
+def _edit_meta(path: Path, change) -> None:
+    meta = json.loads((path / ck.META_FILE).read_text())
+    change(meta)
+    (path / ck.META_FILE).write_text(json.dumps(meta))
+
+
+def _rewrite(path: Path, fname: str, obj=None, data: bytes | None = None) -> None:
+    """Replace ``path/fname`` (torch.save of ``obj``, or ``data``) and record its size and hash in meta.json,
+    as a crafted checkpoint would."""
+    target = path / fname
+    if data is None:
+        torch.save(obj, target)
+        data = target.read_bytes()
+    else:
+        target.write_bytes(data)
+
+    def change(meta):
+        meta["files"][fname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    _edit_meta(path, change)
+
+
+def _one_line(capsys, rc: int, *needles: str) -> str:
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def _every_command(capsys, path: Path, tmp_path: Path, *needles: str) -> None:
+    """eval, export and embed each refuse ``path`` in one line naming ``needles``, exit 2."""
+    images = tmp_path / "images"
+    images.mkdir(exist_ok=True)
+    from PIL import Image
+
+    Image.new("RGB", (16, 16)).save(images / "a.png")
+    capsys.readouterr()
+    commands = [
+        lambda: cli_eval.main(["--checkpoint", str(path), "--synthetic-pairs", "4", "--device", "cpu"]),
+        lambda: cli_export.main(["--checkpoint", str(path), "--out", str(tmp_path / "m.pt"), "--force"]),
+        lambda: cli_embed.main(["--checkpoint", str(path), "--images", str(images), "--out", str(tmp_path / "e.npy"),
+                                "--device", "cpu", "--force"]),
+    ]
+    for command in commands:
+        _one_line(capsys, command(), *needles)
+
+
+def _zip_with(path: Path, out: Path, replace: dict, compress: dict = ()) -> Path:
+    """A copy of zip ``path`` with members (by name suffix) replaced, some deflated."""
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            for suffix, new in replace.items():
+                if info.filename.endswith(suffix):
+                    data = new
+            kind = zipfile.ZIP_DEFLATED if any(info.filename.endswith(s) for s in compress) else zipfile.ZIP_STORED
+            dst.writestr(zipfile.ZipInfo(info.filename), data, compress_type=kind)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("export") / "model.pt"
+    cli_export.export_torchscript(_model().eval(), torch.zeros(2, 3, *SIZE), out,
+                                  {"backbone": "tiny", "embedding_dim": DIM})
+    return out
+
+
+def _bounded(fn, *, seconds: float = 5.0, megabytes: float = 100.0):
+    """``fn()``'s exception, raised within ``seconds`` and ``megabytes`` of Python allocations."""
+    tracemalloc.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises((CheckpointError, ConfigError, ValueError)) as info:
+            fn()
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    assert time.monotonic() - start < seconds
+    assert peak < megabytes * 2**20, f"{peak / 2**20:.0f} MB"
+    assert "\n" not in str(info.value)
+    return info.value
+
+
+# --------------------------------------------------------------------------- 1. inside the folder, regular files only
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../../../etc/passwd", "../other/common.pt", "sub/head_0.pt",
+                                  "notes.txt", "/dev/zero", "common.pt\n", "./common.pt"])
+def test_a_meta_json_naming_a_path_or_a_foreign_name_is_refused(tmp_path: Path, name: str):
+    path = _train_checkpoint(tmp_path)
+    size = os.path.getsize("/etc/passwd")
+    _edit_meta(path, lambda m: m["files"].__setitem__(name, {"size": 0}))
+    with pytest.raises(CheckpointError, match=r"lists the file .* not a name shardfc writes") as info:
+        ck.verify_checkpoint(path)
+    assert f"{size} bytes" not in str(info.value)  # nothing outside the folder was even stat'ed
+
+
+@pytest.mark.parametrize("name", ["/dev/zero", "../../../etc/passwd", "../step_2/backbone_stage0.pt"])
+def test_stage_files_naming_a_path_are_refused_by_every_command(tmp_path: Path, capsys, name: str):
+    path = _train_checkpoint(tmp_path / "run", staged=True)
+
+    def change(meta):
+        files = meta["backbone_stages"]["files"]
+        files[name] = files.pop("backbone_stage0.pt")
+        meta["files"][name] = meta["files"].pop("backbone_stage0.pt")
+
+    _edit_meta(path, change)
+    _every_command(capsys, path, tmp_path, "not a name shardfc writes")
+    with pytest.raises(CheckpointError, match="not a name shardfc writes"):
+        resolve_init_from(str(path))
+
+
+@pytest.mark.parametrize("kind", ["symlink to another run", "symlink to /dev/zero", "fifo", "folder"])
+@pytest.mark.parametrize("fname", ["head_0.pt", "common.pt", "meta.json"])
+def test_an_entry_that_is_not_a_regular_file_is_refused_before_it_is_read(tmp_path: Path, kind: str, fname: str):
+    other = _train_checkpoint(tmp_path / "other")
+    path = _train_checkpoint(tmp_path / "run")
+    (path / fname).unlink()
+    if kind == "symlink to another run":
+        (path / fname).symlink_to(other / fname)  # same bytes, same hash: only lstat tells
+    elif kind == "symlink to /dev/zero":
+        (path / fname).symlink_to("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(path / fname)
+    else:
+        (path / fname).mkdir()
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match=rf"refusing to read .*{fname}.*not a regular file") as info:
+        ck.load_checkpoint(path, class_range=range(4), num_classes=4)
+    assert "\n" not in str(info.value) and time.monotonic() - start < 5
+    assert ck.latest_checkpoint(tmp_path / "run") is None  # skipped, not hashed forever
+
+
+def test_train_resuming_from_a_fifo_stops_with_one_line(tmp_path: Path):
+    """The hash of a FIFO never returned, and the run then ignored SIGTERM: it is now refused at once."""
+    out = tmp_path / "run"
+    path = _train_checkpoint(out / "checkpoints")
+    (path / ck.COMMON_FILE).unlink()
+    os.mkfifo(path / ck.COMMON_FILE)
+    cmd = [sys.executable, "-m", "shardfc", "train", "--output-dir", str(out), "--resume", str(path), "--nproc", "1",
+           "--image-size", "16", "16", "--embedding-dim", str(DIM), "--synthetic-identities", "4", "--max-steps", "1"]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(SRC)), stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # the old behaviour: still hashing, deaf to SIGTERM
+        _, err = proc.communicate(timeout=10)
+        pytest.fail(f"train hung on a FIFO common.pt: {err[-500:]}")
+    lines = [line for line in err.splitlines() if "error" in line]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "common.pt" in lines[0] and "not a regular file" in lines[0]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    """A checkpoint of one step of a real ``shardfc train`` run (4 identities, one process)."""
+    from shardfc.train import cli as train_cli
+
+    out = tmp_path_factory.mktemp("trained") / "run"
+    train_cli.run(_tiny_run(out, max_steps=1))
+    return out
+
+
+def _tiny_run(out: Path, **fields) -> TrainConfig:
+    """A run of a second: 4 synthetic identities at 16 x 16, one process, no evaluation."""
+    return TrainConfig(synthetic_identities=4, synthetic_images_per_identity=5, image_size=SIZE, embedding_dim=DIM,
+                       batch_size=8, warmup_steps=0, eval_every=0, ckpt_every=0, output_dir=str(out), progress=False,
+                       nproc=1, **fields)
+
+
+def _tamper_common(change):
+    def tamper(path: Path) -> None:
+        common = torch.load(path / ck.COMMON_FILE, weights_only=True)
+        change(common)
+        _rewrite(path, ck.COMMON_FILE, common)
+
+    return tamper
+
+
+@pytest.mark.parametrize("tamper, needle", [
+    (_tamper_common(lambda c: c.pop("state")), "common.pt"),
+    (_tamper_common(lambda c: c.__setitem__("state", [1, 2])), "common.pt"),
+    (_tamper_common(lambda c: c.__setitem__("world_size", "two")), "common.pt"),
+    (_tamper_common(lambda c: c["backbone"].__setitem__(next(iter(c["backbone"])), torch.zeros(1))), "step_00000001"),
+    (_tamper_common(lambda c: c.__setitem__("schedulers", [{"nonsense": 1}])), "common.pt"),
+])
+def test_resuming_from_a_checkpoint_holding_other_state_is_one_error(trained_run: Path, tmp_path: Path, tamper, needle):
+    import shutil
+
+    from shardfc.train import cli as train_cli
+
+    out = tmp_path / "run"
+    shutil.copytree(trained_run, out)
+    path = out / "checkpoints" / "step_00000001"
+    tamper(path)
+    cfg = _tiny_run(out, max_steps=2, resume=str(path))
+    with pytest.raises(train_cli.USER_ERRORS) as info:
+        train_cli.run(cfg)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+# --------------------------------------------------------------------------- 2. no silent remapping
+
+
+def test_a_key_in_no_stage_file_or_in_two_is_refused(tmp_path: Path, capsys):
+    path = _train_checkpoint(tmp_path / "a", staged=True)
+    _edit_meta(path, lambda m: m["backbone_stages"]["files"]["backbone_stage1.pt"]["keys"].remove("fc.weight")
+               if "fc.weight" in m["backbone_stages"]["files"]["backbone_stage1.pt"]["keys"] else
+               m["backbone_stages"]["files"]["backbone_stage0.pt"]["keys"].remove("fc.weight"))
+    _every_command(capsys, path, tmp_path, "do not partition", "fc.weight")
+
+    path = _train_checkpoint(tmp_path / "b", staged=True)
+
+    def twice(meta):
+        files = meta["backbone_stages"]["files"]
+        files["backbone_stage1.pt"]["keys"].append(files["backbone_stage0.pt"]["keys"][0])
+
+    _edit_meta(path, twice)
+    with pytest.raises(CheckpointError, match=r"lists key '.*' in both backbone_stage0\.pt and backbone_stage1\.pt"):
+        load_backbone(path)
+
+
+def test_a_stage_part_missing_a_key_or_of_another_shape_is_refused(tmp_path: Path, capsys):
+    path = _train_checkpoint(tmp_path / "run", staged=True)
+    part = torch.load(path / "backbone_stage1.pt", weights_only=True)
+    key = next(k for k, v in part["model"].items() if v.dim() == 2)
+    part["model"][key] = torch.zeros(3, 3)  # the meta still lists it: a shape torch would refuse with a traceback
+    _rewrite(path, "backbone_stage1.pt", part)
+    _every_command(capsys, path, tmp_path, "backbone_stage1.pt", "does not hold the weights")
+
+
+def test_common_backbone_of_another_shape_is_one_line(tmp_path: Path, capsys):
+    path = _train_checkpoint(tmp_path / "run")
+    common = torch.load(path / ck.COMMON_FILE, weights_only=True)
+    key = next(iter(common["backbone"]))
+    common["backbone"][key] = torch.zeros(1)
+    _rewrite(path, ck.COMMON_FILE, common)
+    _every_command(capsys, path, tmp_path, "common.pt", "does not hold the weights")
+
+
+@pytest.mark.parametrize("text", ["ann\tbob\nbob\tann\n", "ann\tbob\nbob\tcy\ncy\tann\n", "ann\tbob\nbob\tcy\n"])
+def test_renames_that_swap_cycle_or_chain_are_refused(tmp_path: Path, text: str):
+    f = tmp_path / "renames.tsv"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=r"line \d: '\w+' is both renamed and a new name"):
+        read_renames(f)
+
+
+def test_renames_passed_again_change_nothing(tmp_path: Path):
+    f = tmp_path / "renames.tsv"
+    f.write_text("ann\tanna\nbob\trobert\n")
+    once = rename(NAMES, read_renames(f))
+    assert once == ["anna", "robert", "cy", "dee"]
+    assert rename(once, read_renames(f)) == once  # the next resume, the same file
+
+
+@pytest.mark.parametrize("names", ["ABCD", ["a", "a", "b", "c"], ["a", "b", "c"], ["a", "b", "c", 4]])
+def test_class_names_must_be_distinct_strings_one_per_class(tmp_path: Path, names):
+    path = _train_checkpoint(tmp_path, class_names=names)
+    with pytest.raises(CheckpointError, match=r"common\.pt: class_names must be"):
+        saved_classes(path, trust_pickle=False)
+
+
+# --------------------------------------------------------------------------- 3. bounded work
+
+
+def _bomb(size: int = 32 << 20) -> bytes:
+    return bytes(size)
+
+
+def test_a_deflated_member_of_an_exported_model_is_refused_before_inflating(exported: Path, tmp_path: Path):
+    crafted = _zip_with(exported, tmp_path / "bomb.pt", {"/data/0": _bomb()}, compress={"/data/0"})
+    assert crafted.stat().st_size < 1 << 20
+    error = _bounded(lambda: read_exported(crafted), megabytes=8)
+    assert "compressed" in str(error) and "bomb.pt" in str(error)
+
+
+def test_a_deflated_record_of_a_pt_file_is_refused_before_inflating(tmp_path: Path):
+    torch.save({"w": torch.zeros(4)}, tmp_path / "plain.pt")
+    crafted = _zip_with(tmp_path / "plain.pt", tmp_path / "bomb.pt", {"/data/0": _bomb()}, compress={"/data/0"})
+    error = _bounded(lambda: load_pt(crafted, "cpu", trust_pickle=False, meta={}), megabytes=8)
+    assert "compressed" in str(error)
+
+
+@pytest.mark.parametrize("kind", ["deflated", "fifo"])
+def test_import_arcface_refuses_a_deflated_or_endless_pt_in_one_line(tmp_path: Path, capsys, kind: str):
+    from shardfc.train import cli_import
+
+    backbone = tmp_path / "backbone.pth"
+    if kind == "fifo":
+        os.mkfifo(backbone)
+    else:
+        torch.save(_model().state_dict(), tmp_path / "plain.pth")
+        _zip_with(tmp_path / "plain.pth", backbone, {"/data/0": _bomb()}, compress={"/data/0"})
+    rc = cli_import.main(["--backbone", str(backbone), "--network", "tiny", "--num-classes", "4",
+                          "--out", str(tmp_path / "run")])
+    _one_line(capsys, rc, "backbone.pth", *(["compressed"] if kind == "deflated" else []))  # a FIFO: "not found"
+
+
+def test_eval_of_a_crafted_bin_is_one_line(tmp_path: Path, capsys):
+    import io
+
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(png, format="PNG")
+    crafted = tmp_path / "crafted.bin"
+    crafted.write_bytes(pickle.dumps(([png.getvalue()] * 200_000, [True] * 100_000)))
+    path = _train_checkpoint(tmp_path / "run")
+    capsys.readouterr()
+    rc = cli_eval.main(["--checkpoint", str(path), "--bin", str(crafted), "--device", "cpu"])
+    _one_line(capsys, rc, "crafted.bin", "same encoded image")
+
+
+def _shared_tuples(depth: int):
+    t: tuple = ()
+    for _ in range(depth):
+        t = (t, t)
+    return t
+
+
+def test_nested_shared_tuples_have_a_bounded_repr_and_comparison():
+    deep = _shared_tuples(60)  # 2^60 leaves, 60 objects
+    start = time.monotonic()
+    assert len(short_repr(deep)) <= 200
+    with pytest.raises(CheckpointError, match="too large to compare"):
+        objects_equal({"x": deep}, {"x": _shared_tuples(60)}, "the extras")
+    assert time.monotonic() - start < 5
+
+
+def test_head_shards_whose_extras_share_2_40_leaves_are_compared_in_bounded_time(tmp_path: Path):
+    path = _train_checkpoint(tmp_path)
+    for r, (a, b) in enumerate([(0, 2), (2, 4)]):
+        _rewrite(path, f"head_{r}.pt", {"class_range": (a, b), "tensors": {"weight": torch.zeros(b - a, DIM)},
+                                        "extras": {"x": _shared_tuples(40)}})
+
+    def two_shards(meta):
+        meta["class_ranges"], meta["world_size"] = [[0, 2], [2, 4]], 2
+
+    _edit_meta(path, two_shards)
+    _bounded(lambda: ck.load_checkpoint(path, class_range=range(4), num_classes=4), megabytes=50)
+
+
+class _Marker:
+    pass
+
+
+def test_an_exported_pickle_with_a_huge_repr_fails_fast(exported: Path, tmp_path: Path):
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            return _shared_tuples(40) if isinstance(obj, _Marker) else None
+
+    import io
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump(_Marker())
+    crafted = _zip_with(exported, tmp_path / "repr.pt", {"/data.pkl": buf.getvalue()})
+    assert "unexpected persistent id" in str(_bounded(lambda: read_exported(crafted)))
+
+
+def test_an_exported_pickle_of_millions_of_opcodes_is_refused_by_its_size(exported: Path, tmp_path: Path):
+    crafted = _zip_with(exported, tmp_path / "noops.pt", {"/data.pkl": b"\x80\x02" + b"N0" * (20 << 20) + b"N."})
+    assert "data.pkl has" in str(_bounded(lambda: read_exported(crafted), megabytes=200))
+
+
+def test_a_bin_naming_one_image_many_times_is_refused_before_decoding(tmp_path: Path):
+    import io
+
+    from PIL import Image
+
+    from shardfc.evaluation import load_bin
+
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(png, format="PNG")
+    one = png.getvalue()
+    path = tmp_path / "crafted.bin"
+    path.write_bytes(pickle.dumps(([one] * 200_000, [True] * 100_000)))
+    assert path.stat().st_size < 1 << 20
+    assert "same encoded image" in str(_bounded(lambda: load_bin(path), megabytes=100))
+    distinct = tmp_path / "tiny.bin"  # tiny distinct PNGs: more than 1024 times the file decoded
+    pngs = []
+    for i in range(4000):
+        png = io.BytesIO()
+        Image.new("RGB", (1, 1), (i % 256, i // 256, 0)).save(png, format="PNG")
+        pngs.append(png.getvalue())
+    distinct.write_bytes(pickle.dumps((pngs, [True] * 2000)))
+    assert "times its size" in str(_bounded(lambda: load_bin(distinct), megabytes=100))
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"embedding_dim": 1 << 25}, "embedding_dim must be <= 65536"),
+    ({"embedding_dim": -5}, "embedding_dim must be >= 1"),
+    ({"image_size": [30000, 30000]}, "image_size must be empty or two ints"),
+    ({"backbone": 7}, "backbone must be"),
+])
+def test_a_saved_config_is_validated_before_anything_is_built(tmp_path: Path, capsys, fields, message):
+    path = _train_checkpoint(tmp_path / "run", config_json=_config(**fields))
+    error = _bounded(lambda: load_backbone(path), megabytes=50)
+    assert "common.pt" in str(error) and message in str(error)
+    _every_command(capsys, path, tmp_path, "common.pt", message)
+
+
+@pytest.mark.parametrize("image_size", [None, [30000, 30000], [16], "16x16", [16.0, 16]])
+def test_the_recorded_input_size_is_validated(tmp_path: Path, capsys, image_size):
+    path = _train_checkpoint(tmp_path / "run")
+
+    def change(meta):
+        if image_size is None:
+            del meta["fingerprint"]["image_size"]
+        else:
+            meta["fingerprint"]["image_size"] = image_size
+
+    _edit_meta(path, change)
+    _every_command(capsys, path, tmp_path, "meta.json", "image_size")
+
+
+def test_a_saved_config_value_with_a_huge_repr_is_refused_fast(tmp_path: Path, capsys):
+    """A format-1 ``config`` dict (read as it is, not from JSON) holding nested shared tuples."""
+    path = _train_checkpoint(tmp_path / "run")
+    common = torch.load(path / ck.COMMON_FILE, weights_only=True)
+    del common["config_json"]
+    common["config"] = {"backbone": _shared_tuples(40)}
+    _rewrite(path, ck.COMMON_FILE, common)
+    error = _bounded(lambda: load_backbone(path), megabytes=50)
+    assert "common.pt: the saved config's 'backbone' is" in str(error) and len(str(error)) < 600
+
+
+@pytest.mark.parametrize("config_json", ["{not json", "[1, 2]"])
+def test_a_config_that_is_not_a_json_object_is_one_line(tmp_path: Path, capsys, config_json):
+    path = _train_checkpoint(tmp_path / "run", config_json=config_json)
+    _every_command(capsys, path, tmp_path, "common.pt", "config")
+
+
+# --------------------------------------------------------------------------- 4. one line naming the file
+
+
+def _member_offset(path: Path, suffix: str) -> int:
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith(suffix))
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        header = f.read(30)
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return info.header_offset + 30 + name_len + extra_len
+
+
+@pytest.mark.parametrize("damage", ["crc of a storage", "crc of data.pkl", "cut"])
+def test_a_damaged_export_is_one_line(exported: Path, tmp_path: Path, damage: str):
+    data = bytearray(exported.read_bytes())
+    crafted = tmp_path / "damaged.pt"
+    if damage.startswith("crc"):
+        data[_member_offset(exported, "/data/0" if "storage" in damage else "/data.pkl") + 1] ^= 0xFF
+    else:
+        del data[len(data) // 2: len(data) // 2 + 64]  # a cut in the middle: the directory no longer points right
+    crafted.write_bytes(bytes(data))
+    error = _bounded(lambda: read_exported(crafted))
+    assert "damaged.pt: the archive is damaged" in str(error)
+
+
+@pytest.mark.parametrize("metadata, message", [(b"{oops", "is not JSON"), (b"[1, 2]", "holds a list")])
+def test_an_invalid_shardfc_json_names_the_file(exported: Path, tmp_path: Path, metadata, message):
+    crafted = _zip_with(exported, tmp_path / "meta.pt", {"/extra/shardfc.json": metadata})
+    error = _bounded(lambda: read_exported(crafted))
+    assert "meta.pt" in str(error) and "shardfc.json" in str(error) and message in str(error)
+
+
+def test_a_pickle_setitem_on_an_empty_stack_is_one_line(exported: Path, tmp_path: Path):
+    crafted = _zip_with(exported, tmp_path / "setitem.pt", {"/data.pkl": b"\x80\x02K\x01s."})
+    assert "malformed" in str(_bounded(lambda: read_exported(crafted)))
+
+
+def test_init_from_an_export_with_a_huge_member_is_refused(exported: Path, tmp_path: Path):
+    crafted = _zip_with(exported, tmp_path / "bomb.pt", {"/data/0": _bomb(8 << 20)}, compress={"/data/0"})
+    assert resolve_init_from(str(crafted)) == crafted  # recognised by its listing only
+    assert "compressed" in str(_bounded(lambda: read_exported(crafted), megabytes=8))
+
+
+def test_export_checks_the_bytes_it_wrote_not_the_file_by_name(tmp_path: Path, monkeypatch):
+    loaded = []
+    real = torch.jit.load
+    monkeypatch.setattr(torch.jit, "load", lambda f, *a, **k: loaded.append(f) or real(f, *a, **k))
+    cli_export.export_torchscript(_model().eval(), torch.zeros(2, 3, *SIZE), tmp_path / "m.pt", {})
+    assert loaded and not any(isinstance(f, (str, os.PathLike)) for f in loaded)
