@@ -157,12 +157,12 @@ def test_augmentation_is_seeded_and_varies():
 
 @needs_fonts
 def test_a_short_training_run_verifies_unseen_characters_well_above_chance(tmp_path):
-    """≈500 identities, 3 epochs of the glyphs preset on one process: not a timed test, a floor."""
+    """300 identities, 3 epochs of the glyphs preset on one process (≈ 1 minute): a floor, not a timing."""
     from shardfc.train.config import parse_config
     from shardfc.train.loop import train
 
     out = tmp_path / "set"
-    build(str(out), GlyphOptions(identities=500, unseen_identities=200, min_faces=8, copies=1, pairs=1000, seed=0),
+    build(str(out), GlyphOptions(identities=300, unseen_identities=150, min_faces=8, copies=1, pairs=600, seed=0),
           log=open(os.devnull, "w"))
     cfg, _ = parse_config([
         "--preset", "glyphs", "--data-root", str(out), "--nproc", "1", "--epochs", "3", "--warmup-steps", "50",
@@ -172,8 +172,8 @@ def test_a_short_training_run_verifies_unseen_characters_well_above_chance(tmp_p
     metrics = summary["metrics"]
     assert set(metrics) == {"glyphs_unseen", "glyphs_hard", "glyphs_faces"}
     acc = {k: v["accuracy"] if isinstance(v, dict) else v for k, v in metrics.items()}
-    assert acc["glyphs_unseen"] >= 0.75, acc  # chance is 0.5
-    assert acc["glyphs_faces"] >= 0.75, acc
+    # measured 92% / 82% / 94% here; chance is 50%
+    assert acc["glyphs_unseen"] >= 0.80 and acc["glyphs_faces"] >= 0.80 and acc["glyphs_hard"] >= 0.65, acc
 
 
 def test_the_install_script_installs_the_packages_the_error_names():
