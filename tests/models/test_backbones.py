@@ -8,7 +8,7 @@ from torch import nn
 
 from shardfc.models import BACKBONES, build_backbone, input_size
 
-NAMES = ["iresnet18", "iresnet34", "iresnet50", "iresnet100", "mbf", "mbf_large", "mobilefacenet", "resnet50", "tiny"]
+NAMES = ["glyphnet", "iresnet18", "iresnet34", "iresnet50", "iresnet100", "mbf", "mbf_large", "mobilefacenet", "resnet50", "tiny"]
 
 
 def _params(model: nn.Module) -> int:
@@ -36,6 +36,7 @@ def test_input_sizes() -> None:
     assert input_size("mobilefacenet") == (112, 112)
     assert input_size("resnet50") == (256, 128)
     assert input_size("tiny") == (32, 32)
+    assert input_size("glyphnet") == (32, 32)
 
 
 def _insightface_iresnet_params(blocks, embedding_dim=512):
@@ -154,3 +155,16 @@ def test_tiny_trains() -> None:
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.7 * losses[0]
+
+
+def test_glyphnet_keeps_the_layout_and_takes_its_input_size() -> None:
+    """GlyphNet flattens its 4x4 map (where the strokes are matters for a character), so its linear
+    layer follows the input size: width·4 channels x ceil(H/8) x ceil(W/8)."""
+    model = build_backbone("glyphnet", embedding_dim=32, input_size=(40, 24)).eval()
+    assert model.input_size == (40, 24) and model.fc.in_features == 64 * 5 * 3
+    x = torch.randn(2, 3, 40, 24)
+    with torch.no_grad():
+        assert model(x).shape == (2, 32)
+        # a mirrored input is another input: no pooling makes the embedding mirror-invariant
+        assert not torch.allclose(model(x), model(x.flip(-1)), atol=1e-3)
+    assert 250_000 < _params(build_backbone("glyphnet", embedding_dim=128)) < 300_000
