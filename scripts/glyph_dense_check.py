@@ -116,6 +116,32 @@ def _dense(data_root: str, steps: int, batch: int, seed: int, dim: int, classes:
     return losses
 
 
+def plot(result: dict, path: str) -> None:
+    """The three loss curves and the two relative differences, step by step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d, s, n = (np.asarray(result[k]) for k in ("dense", "sharded", "dense_nudged"))
+    steps = np.arange(1, len(d) + 1)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    ax.plot(steps, d, label="dense, 1 process (F.cross_entropy)", lw=1.2)
+    ax.plot(steps, s, label="sharded, 2 ranks", lw=1, ls="--")
+    ax.plot(steps, n, label=f"dense, one weight x (1 + {result['nudge']:g})", lw=0.8, alpha=0.7)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.legend(fontsize=8)
+    floor = 1e-9
+    bx.semilogy(steps, np.maximum(np.abs(s - d) / np.abs(d), floor), label="sharded vs dense", lw=1)
+    bx.semilogy(steps, np.maximum(np.abs(n - d) / np.abs(d), floor), label="nudged dense vs dense", lw=1, alpha=0.8)
+    bx.set_xlabel("step")
+    bx.set_ylabel("relative loss difference")
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None) -> int:
     from shardfc.data.recordio import RecordIODataset
     from shardfc.parallel.launch import spawn
@@ -127,6 +153,7 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="glyph_dense_check.json")
+    p.add_argument("--plot", default=None, help="also draw the curves (PNG)")
     args = p.parse_args(argv)
     classes = RecordIODataset(args.data_root, (32, 32)).num_classes
     world = 2
@@ -145,6 +172,8 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")
+    if args.plot:
+        plot(result, args.plot)
     print(f"{args.steps} steps, {classes} classes: loss {d[0]:.4f} -> {d[-1]:.4f} (dense), "
           f"{s[0]:.4f} -> {s[-1]:.4f} (sharded, 2 ranks)")
     print("relative difference at step " + ", ".join(
