@@ -45,7 +45,10 @@ def last_metrics(run: str) -> Dict[str, float]:
     with open(os.path.join(run, "metrics.csv"), newline="") as f:
         for row in csv.DictReader(f):
             if row["name"].startswith("val/") or row["name"] == "train/loss":
-                values[row["name"]] = float(row["value"])
+                try:
+                    values[row["name"]] = float(row["value"])
+                except ValueError:  # 'n/a': a FAR the set's negatives cannot measure
+                    values.pop(row["name"], None)
     return values
 
 
@@ -63,6 +66,8 @@ def main(argv=None) -> int:
     p.add_argument("--runs", default="shardfc_runs/glyph_accuracy", help="folder of the run folders")
     p.add_argument("--out", default="glyph_accuracy.json")
     p.add_argument("--plot", default=None)
+    p.add_argument("--seeds-for", action="append", default=[], metavar="ROW=SEEDS",
+                   help="other seeds for one row, e.g. 'ArcFace (m = 0.5)=0,1,2' (repeatable)")
     p.add_argument("--rerun", action="store_true")
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -70,9 +75,15 @@ def main(argv=None) -> int:
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         p.error(f"unknown rows {unknown}; rows are {list(ROWS)}")
+    row_seeds = {name: seeds for name in rows}
+    for item in args.seeds_for:
+        name, _, values = item.rpartition("=")
+        if name not in ROWS:
+            p.error(f"--seeds-for: unknown row {name!r}")
+        row_seeds[name] = [int(v) for v in values.split(",")]
     results = []
     for name in rows:
-        for seed in seeds:
+        for seed in row_seeds[name]:
             slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
             run = os.path.join(args.runs, f"{slug}_seed{seed}")
             cmd = [sys.executable, "-m", "shardfc", "train", "--preset", "glyphs", "--data-root", args.data_root,
@@ -84,7 +95,9 @@ def main(argv=None) -> int:
             if not done:
                 shutil.rmtree(run, ignore_errors=True)  # an unfinished run starts over
                 print(f"[glyph_accuracy] {name}, seed {seed}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
-                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                if done.returncode:
+                    sys.exit(f"[glyph_accuracy] {name}, seed {seed} failed ({done.returncode}):\n{done.stderr[-3000:]}")
             m = last_metrics(run)
             results.append(dict(row=name, seed=seed, flags=ROWS[name], run=run, wall_s=round(time.time() - t0, 1),
                                 loss=m.get("train/loss"), curve=loss_curve(run),
@@ -95,7 +108,7 @@ def main(argv=None) -> int:
     table = summarise(results)
     with open(args.out, "w") as f:
         json.dump(dict(machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-                       python=platform.python_version(), epochs=args.epochs, seeds=seeds, data_root=args.data_root,
+                       python=platform.python_version(), epochs=args.epochs, seeds=row_seeds, data_root=args.data_root,
                        runs=results, table=table), f, indent=1)
         f.write("\n")
     print(markdown(table))
