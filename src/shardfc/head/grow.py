@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from shardfc.head.layout import class_ranges
+from shardfc.head.layout import class_ranges, init_rows
 
 if TYPE_CHECKING:
     from shardfc.head.module import ShardedMarginHead
@@ -90,8 +90,6 @@ def grown_state(
 
 def _random_rows(head: "ShardedMarginHead") -> Callable[[range], Tensor]:
     """The head's own seeded ``N(0, 0.01²)`` rows of classes ``r`` (the same for any sharding)."""
-    from shardfc.head.module import init_rows
-
     K, D = head.subcenters, head.embedding_dim
 
     def rows(r: range) -> Tensor:

@@ -10,10 +10,17 @@ Example: ``class_ranges(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(
 
 from __future__ import annotations
 
-from shardfc.checks import check_positive_int
-from shardfc.parallel.partition import split_evenly
+from typing import Optional, Union
 
-__all__ = ["class_ranges", "class_range"]
+import torch
+from torch import Tensor
+
+from shardfc.checks import check_positive_int
+from shardfc.head.sampling import sampling_generator
+from shardfc.parallel.partition import split_evenly
+from shardfc.seeding import mix_seed
+
+__all__ = ["class_ranges", "class_range", "init_rows", "INIT_BLOCK", "INIT_STD"]
 
 
 def class_range(num_classes: int, num_shards: int, index: int) -> range:
@@ -50,3 +57,33 @@ def class_ranges(num_classes: int, num_shards: int) -> list[range]:
     check_positive_int("num_classes", num_classes)
     check_positive_int("num_shards", num_shards)
     return [class_range(num_classes, num_shards, i) for i in range(num_shards)]
+
+
+#: Weights are initialised in blocks of this many classes, each from its own seeded generator,
+#: so the logical weight matrix is the same whatever the number of shards.
+INIT_BLOCK = 4096
+INIT_STD = 0.01
+
+
+def init_rows(start: int, stop: int, dim: int, seed: int, device: Optional[Union[str, torch.device, int]] = None) -> Tensor:
+    """Rows ``[start, stop)`` of the logical ``N(0, 0.01²)`` weight matrix for ``seed`` (fp32).
+
+    Each block of :data:`INIT_BLOCK` rows is drawn whole from its own generator, seeded by ``(seed,
+    block)``, so any sharding gets the same rows. ``device``: a CUDA device draws them there, with a
+    generator on that device (:func:`~shardfc.head.sampling.sampling_generator`): no pass of the
+    host's generator over millions of rows and no copy of them to the GPU, but other values than
+    the CPU's (CUDA's Philox stream, not the CPU's Mersenne Twister), the same for any sharding on
+    GPUs of one model. Any other device (default: the CPU) gets the CPU's draw, the values of every
+    earlier release, on the CPU.
+    """
+    device = torch.device("cpu") if device is None else torch.device(device)
+    on = device if device.type == "cuda" else torch.device("cpu")
+    out = torch.empty(stop - start, dim, device=on)
+    first, last = start // INIT_BLOCK, (stop - 1) // INIT_BLOCK if stop > start else -1
+    for block in range(first, last + 1):
+        g = sampling_generator(on, mix_seed(seed, block))
+        rows = torch.randn(INIT_BLOCK, dim, generator=g, device=on) * INIT_STD
+        b0 = block * INIT_BLOCK
+        lo, hi = max(start, b0), min(stop, b0 + INIT_BLOCK)
+        out[lo - start : hi - start] = rows[lo - b0 : hi - b0]
+    return out

@@ -47,8 +47,11 @@ from shardfc.head.function import (
     stats_dtype_for,
 )
 from shardfc.head.fused import CANDIDATES, check_impl, resolve_impl, triton_unavailable
+from shardfc.head.grow import grow_head
 from shardfc.head.kernels import ShardConfig
-from shardfc.head.layout import class_ranges
+from shardfc.head.layout import INIT_BLOCK as INIT_BLOCK  # re-exported: the rows' home is .layout
+from shardfc.head.layout import INIT_STD as INIT_STD
+from shardfc.head.layout import class_ranges, init_rows
 from shardfc.head.normalize import l2_normalize
 from shardfc.head.sampling import (
     RowGrad,
@@ -81,36 +84,6 @@ _log = logging.getLogger("shardfc.head")
 AUTO_TIMED_CLASSES = 1 << 17
 
 DeviceLike = Union[str, torch.device, int]
-
-#: Weights are initialised in blocks of this many classes, each from its own seeded generator,
-#: so the logical weight matrix is the same whatever the number of shards.
-INIT_BLOCK = 4096
-INIT_STD = 0.01
-
-
-def init_rows(start: int, stop: int, dim: int, seed: int, device: Optional[DeviceLike] = None) -> Tensor:
-    """Rows ``[start, stop)`` of the logical ``N(0, 0.01²)`` weight matrix for ``seed`` (fp32).
-
-    Each block of :data:`INIT_BLOCK` rows is drawn whole from its own generator, seeded by ``(seed,
-    block)``, so any sharding gets the same rows. ``device``: a CUDA device draws them there, with a
-    generator on that device (:func:`~shardfc.head.sampling.sampling_generator`): no pass of the
-    host's generator over millions of rows and no copy of them to the GPU, but other values than
-    the CPU's (CUDA's Philox stream, not the CPU's Mersenne Twister), the same for any sharding on
-    GPUs of one model. Any other device (default: the CPU) gets the CPU's draw, the values of every
-    earlier release, on the CPU.
-    """
-    device = torch.device("cpu") if device is None else torch.device(device)
-    on = device if device.type == "cuda" else torch.device("cpu")
-    out = torch.empty(stop - start, dim, device=on)
-    first, last = start // INIT_BLOCK, (stop - 1) // INIT_BLOCK if stop > start else -1
-    for block in range(first, last + 1):
-        g = sampling_generator(on, mix_seed(seed, block))
-        rows = torch.randn(INIT_BLOCK, dim, generator=g, device=on) * INIT_STD
-        b0 = block * INIT_BLOCK
-        lo, hi = max(start, b0), min(stop, b0 + INIT_BLOCK)
-        out[lo - start : hi - start] = rows[lo - b0 : hi - b0]
-    return out
-
 
 class ShardedMarginHead(nn.Module):
     """Exact margin softmax cross-entropy over ``num_classes`` classes sharded by class.
@@ -423,11 +396,18 @@ class ShardedMarginHead(nn.Module):
             out += [g for _, g in parts]
         return out
 
-    def _keep_row_grad(self, shard: int, rows: Tensor, grad: Tensor) -> None:
-        """The sink of a sparse_grad backward: keep shard ``shard``'s compact gradient of ``rows``."""
+    def keep_row_grad(self, shard: int, rows: Tensor, grad: Tensor) -> None:
+        """The sink of a sparse_grad backward (public so that ``shardfc plan`` can watch it): keep shard ``shard``'s compact gradient of ``rows``."""
         while len(self._row_grads) <= shard:
             self._row_grads.append([])
         self._row_grads[shard].append((rows, grad))
+
+    def forget_sampled_rows(self) -> None:
+        """Forget the rows the forwards since the last step used and the compact gradients their
+        backwards left (:attr:`sampled_rows`, ``sparse_grad``): what loading a state or replacing the
+        shards' rows does, since they name rows of the old weights."""
+        self._pending_rows = None
+        self._row_grads = []
 
     def _record_rows(self, rows: List[Optional[Tensor]]) -> None:
         """Note the rows of each shard a forward used, for the optimizer (only when autograd records).
@@ -512,7 +492,7 @@ class ShardedMarginHead(nn.Module):
         if sampling:
             rows, local_labels, num_classes = self._sample_classes(all_labels, local_labels)
             if self.sparse_grad:
-                sink = lambda shard, grad: self._keep_row_grad(shard, rows[shard], grad)  # noqa: E731
+                sink = lambda shard, grad: self.keep_row_grad(shard, rows[shard], grad)  # noqa: E731
         else:
             self._record_rows([None] * len(weights))
         config = ShardConfig(
@@ -731,8 +711,6 @@ class ShardedMarginHead(nn.Module):
                 of new class ids giving those rows, or None for the seeded random rows.
             optimizer: the head's optimizer, whose parameters and per-row state grow with it.
         """
-        from shardfc.head.grow import grow_head
-
         return grow_head(self, n, rows, optimizer)
 
     # ------------------------------------------------------------------ predict
