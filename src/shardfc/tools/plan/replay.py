@@ -37,7 +37,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from shardfc.tools.bench.memory import LiveTensorBytes, _tensors
+from shardfc.tools.bench.memory import LiveTensorBytes, tensors_in
 
 aten = torch.ops.aten
 META = torch.device("meta")
@@ -230,7 +230,7 @@ class _MetaStep(LiveTensorBytes):
         try:
             return func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as error:
-            if not any(t.device.type == "meta" for t in _tensors((args, kwargs))):
+            if not any(t.device.type == "meta" for t in tensors_in((args, kwargs))):
                 raise
             out = _policy(func, args, kwargs)
             if out is NotImplemented:
