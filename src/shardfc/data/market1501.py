@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import List, Tuple
 
-from shardfc.data.folder import IMG_EXTENSIONS, PathLike, _FileImageDataset
+from shardfc.data.folder import IMG_EXTENSIONS, FileImageDataset, PathLike
 from shardfc.evaluation.reid import JUNK_PID, parse_market1501_name
 
 __all__ = ["DISTRACTOR_PID", "Market1501TrainDataset"]
@@ -22,7 +22,7 @@ __all__ = ["DISTRACTOR_PID", "Market1501TrainDataset"]
 DISTRACTOR_PID = 0
 
 
-class Market1501TrainDataset(_FileImageDataset):
+class Market1501TrainDataset(FileImageDataset):
     """``root/<split>/<pid>_c<camera>...jpg`` -> ``(image, label)`` with labels ``0 .. N-1``.
 
     Corrupt images are skipped and counted like the other file datasets (:mod:`shardfc.data.folder`).

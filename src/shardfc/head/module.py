@@ -43,6 +43,7 @@ from shardfc.head.function import (
     ShardedLossPlan,
     compute_dtype_for,
     local_labels_for_range,
+    shard_kernels,
     sharded_cross_entropy,
     stats_dtype_for,
 )
@@ -596,8 +597,6 @@ class ShardedMarginHead(nn.Module):
         slice, which has no autotuner. torch has none either: its forward (``[B, slice]`` logits)
         and backward both run ``k`` times over the slice.
         """
-        from shardfc.head.function import _shard_kernels
-
         a, w = a.detach(), w.detach()
         n = (w.shape[0] if rows is None else rows.numel()) // cfg.subcenters
         k = max(1, math.ceil(n / AUTO_TIMED_CLASSES))
@@ -605,7 +604,7 @@ class ShardedMarginHead(nn.Module):
         target_rows = torch.zeros_like(a, dtype=cfg.stats_dtype) if cfg.filter_threshold is not None else None
         norm = torch.linalg.vector_norm(a.to(cfg.stats_dtype), dim=1) if cfg.margin.needs_norm else None
         coef = torch.full((a.shape[0],), 1.0 / max(a.shape[0], 1), dtype=cfg.stats_dtype, device=a.device)
-        forward, backward = _shard_kernels(cfg)
+        forward, backward = shard_kernels(cfg)
         fused = cfg.impl != "torch"
         # the fused forward picks its code by cfg.impl when called: the slice's statistics come from
         # gemm's (no autotuner), so the only fused-kernel forward of the timing is the whole shard's
