@@ -10,7 +10,7 @@ Example: ``class_ranges(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -20,7 +20,13 @@ from shardfc.head.sampling import sampling_generator
 from shardfc.parallel.partition import split_evenly
 from shardfc.seeding import mix_seed
 
-__all__ = ["class_ranges", "class_range", "init_rows", "INIT_BLOCK", "INIT_STD"]
+__all__ = ["class_ranges", "class_range", "overlap", "init_rows", "seeded_rows", "INIT_BLOCK", "INIT_STD"]
+
+
+def overlap(a: range, b: range) -> range:
+    """The ids ranges ``a`` and ``b`` (step 1) share, as a range (empty, at ``a``'s or ``b``'s start, when none)."""
+    lo = max(a.start, b.start)
+    return range(lo, max(lo, min(a.stop, b.stop)))
 
 
 def class_range(num_classes: int, num_shards: int, index: int) -> range:
@@ -87,3 +93,16 @@ def init_rows(start: int, stop: int, dim: int, seed: int, device: Optional[Union
         lo, hi = max(start, b0), min(stop, b0 + INIT_BLOCK)
         out[lo - start : hi - start] = rows[lo - b0 : hi - b0]
     return out
+
+
+def seeded_rows(seed: int, subcenters: int, dim: int) -> Callable[[range], Tensor]:
+    """``rows(r)``: the seeded ``N(0, 0.01²)`` rows of classes ``r`` (:func:`init_rows`; the same for
+    any sharding), ``[len(r), D]``, or ``[len(r), K, D]`` with ``K`` sub-centres per class."""
+    K, D = subcenters, dim
+
+    def rows(r: range) -> Tensor:
+        out = init_rows(r.start * K, r.stop * K, D, seed)
+        return out if K == 1 else out.view(len(r), K, D)
+
+    return rows
+

@@ -18,10 +18,10 @@ from torch.utils.data import DataLoader, Subset
 
 from shardfc import checkpoint as ckpt
 from shardfc.checkpoint.exported import is_torchscript, read_exported
-from shardfc.checkpoint.format import read_meta, short_repr
+from shardfc.checkpoint.format import short_repr
 from shardfc.head.grow import grown_state
 from shardfc.head.imprint import imprint_centres
-from shardfc.head.module import init_rows
+from shardfc.head.layout import overlap, seeded_rows
 from shardfc.parallel.context import DistContext
 from shardfc.train.build import autocast_factory
 from shardfc.train.classes import ClassPlan, plan_run_classes, saved_classes  # the last two re-exported from there
@@ -41,34 +41,14 @@ def resolve_init_from(path: str) -> Path:
     p = Path(path).expanduser()
     if p.is_file() and is_torchscript(p):
         return p
-    if (p / ckpt.META_FILE).is_file():
-        ckpt.verify_checkpoint(p)
-        return p
-    for root in (p / "checkpoints", p):
-        if root.is_dir():
-            found = ckpt.latest_checkpoint(root)
-            if found is not None:
-                return found
+    found = ckpt.checkpoint_at(p)
+    if found is not None:
+        return found
     raise ConfigError(
         f"init_from={path!r}: no shardfc checkpoint or exported model there (a step_* folder with meta.json, a run "
         "folder holding checkpoints/step_*, or a `shardfc export` TorchScript file; convert an arcface_torch model "
         "with `shardfc import-arcface` first)"
     )
-
-
-def _overlap(a: range, b: range) -> range:
-    lo = max(a.start, b.start)
-    return range(lo, max(lo, min(a.stop, b.stop)))
-
-
-def _random_rows(cfg: TrainConfig, head) -> Callable[[range], torch.Tensor]:
-    K, D = head.subcenters, head.embedding_dim
-
-    def rows(r: range) -> torch.Tensor:
-        out = init_rows(r.start * K, r.stop * K, D, cfg.seed)
-        return out if K == 1 else out.view(len(r), K, D)
-
-    return rows
 
 
 @torch.no_grad()
@@ -102,10 +82,10 @@ def new_head_rows(run, cfg: TrainConfig, kept: int) -> Callable[[range], torch.T
     its random row); with sub-centres each centre is the imprint plus its own random row, so they differ.
     """
     head = run.parts.head
-    random_rows = _random_rows(cfg, head)
+    random_rows = seeded_rows(cfg.seed, head.subcenters, head.embedding_dim)
     if cfg.head_init != "imprint":
         return random_rows
-    wanted = _overlap(head.class_range, range(kept, head.num_classes))
+    wanted = overlap(head.class_range, range(kept, head.num_classes))
     got = imprint_centres(_embeddings(run, cfg, kept), wanted, head.embedding_dim,
                           context=run.ctx if run.ctx.distributed else None, device=run.ctx.device)
     centres, empty = got.centres.cpu(), (got.counts == 0).cpu()
@@ -131,8 +111,8 @@ def load_kept(run, cfg: TrainConfig, path: Path, plan: ClassPlan, fingerprint: O
     range, so any saved sharding: the resharding path); no head rows when the plan keeps none.
     ``mmap``: map the common file (a pipeline stage takes its part of a backbone saved whole)."""
     head = run.parts.head
-    old = _overlap(head.class_range, range(plan.kept)) if head is not None and plan.kept else range(0)
-    saved_count = int(read_meta(path)["num_classes"])
+    old = overlap(head.class_range, range(plan.kept)) if head is not None and plan.kept else range(0)
+    saved_count = ckpt.saved_num_classes(path)
     return ckpt.load_checkpoint(path, class_range=old, num_classes=saved_count, fingerprint=fingerprint,
                                 map_location="cpu", rank=run.ctx.rank, trust_pickle=cfg.trust_checkpoint, mmap=mmap)
 
