@@ -301,21 +301,27 @@ class TrainConfig:
         return kwargs
 
     def margin_params(self) -> Dict[str, Any]:
-        """Keyword arguments of :func:`shardfc.head.margins.build_margin` for ``self.margin``."""
+        """Keyword arguments of :func:`shardfc.head.margins.build_margin` for ``self.margin``; a
+        negative ``m`` takes the margin class's own default (the defaults live there, once)."""
+        from shardfc.head.margins import MARGINS  # imports torch: only when a margin is built
+
         name = self.margin
+        if self.m < 0 and name in ("arcface", "cosface", "sphereface", "adaface"):
+            m = inspect.signature(MARGINS[name]).parameters["margin"].default
+        else:
+            m = int(self.m) if name == "sphereface" else self.m
         if name == "arcface":
-            return {"scale": self.scale, "margin": 0.5 if self.m < 0 else self.m, "easy_margin": self.easy_margin}
+            return {"scale": self.scale, "margin": m, "easy_margin": self.easy_margin}
         if name == "cosface":
-            return {"scale": self.scale, "margin": 0.35 if self.m < 0 else self.m}
+            return {"scale": self.scale, "margin": m}
         if name == "sphereface":
-            return {"margin": 4 if self.m < 0 else int(self.m), "lambda_": self.sphereface_lambda}
+            return {"margin": m, "lambda_": self.sphereface_lambda}
         if name == "combined":
             return {"scale": self.scale, "m1": self.m1, "m2": self.m2, "m3": self.m3}
         if name == "normsoftmax":
             return {"scale": self.scale}
         if name == "adaface":
-            return {"scale": self.scale, "margin": 0.4 if self.m < 0 else self.m, "h": self.adaface_h,
-                    "momentum": self.adaface_momentum}
+            return {"scale": self.scale, "margin": m, "h": self.adaface_h, "momentum": self.adaface_momentum}
         if name == "magface":
             return {"scale": self.scale, "l_a": self.magface_l_a, "u_a": self.magface_u_a, "l_m": self.magface_l_m,
                     "u_m": self.magface_u_m, "lambda_g": self.magface_lambda_g}
