@@ -21,10 +21,13 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PRIVATE_ALLOWED: Dict[Tuple[str, str, str], str] = {}
 
 #: Packages that must not import from the packages named (the lower layer does not know the upper).
+_ABOVE = ("shardfc.train", "shardfc.tools", "shardfc.compat")
 LAYERS: Dict[str, Tuple[str, ...]] = {
-    "shardfc.data": ("shardfc.train", "shardfc.evaluation", "shardfc.tools"),
-    "shardfc.head": ("shardfc.train", "shardfc.tools", "shardfc.checkpoint"),
-    "shardfc.parallel": ("shardfc.train", "shardfc.tools", "shardfc.head"),
+    "shardfc.data": _ABOVE + ("shardfc.evaluation", "shardfc.head", "shardfc.parallel", "shardfc.checkpoint"),
+    "shardfc.head": _ABOVE + ("shardfc.evaluation", "shardfc.data", "shardfc.checkpoint"),
+    "shardfc.parallel": _ABOVE + ("shardfc.evaluation", "shardfc.data", "shardfc.head", "shardfc.checkpoint"),
+    "shardfc.checkpoint": _ABOVE + ("shardfc.evaluation", "shardfc.data", "shardfc.head"),
+    "shardfc.evaluation": _ABOVE,
 }
 
 
