@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from shardfc.checks import check_positive_int, check_probability
+from shardfc.checks import check_positive_int
 from shardfc.head import impl_select
 from shardfc.head import margins as _margins
 from shardfc.head import sharded_state as _state
@@ -68,6 +68,7 @@ from shardfc.head.validation import (
     check_batch_and_exchange_sizes,
     check_batch_deferred,
     check_embeddings,
+    check_head_options,
     check_validate,
     defers,
     raise_or_exchange_sizes,
@@ -205,7 +206,10 @@ class ShardedMarginHead(nn.Module):
         if not isinstance(margin, _margins.Margin):
             raise TypeError(f"margin must be a shardfc.head.margins.Margin, got {margin!r}")
         self.margin = margin
-        self.label_smoothing = check_probability("label_smoothing", label_smoothing, low_open=False, high_open=False)
+        options = check_head_options(sample_rate=sample_rate, sparse_grad=sparse_grad, subcenters=subcenters,
+                                     label_smoothing=label_smoothing,
+                                     interclass_filter_threshold=interclass_filter_threshold)
+        self.label_smoothing = options.label_smoothing
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
         if 0 <= ignore_index < num_classes:
@@ -219,32 +223,17 @@ class ShardedMarginHead(nn.Module):
         else:
             self.chunk_size = None if chunk_size is None else check_positive_int("chunk_size", chunk_size)
         self.chunk_budget_bytes = check_positive_int("chunk_budget_bytes", chunk_budget_bytes)
-        self.sample_rate = check_probability("sample_rate", sample_rate, low_open=True, high_open=False)
+        self.sample_rate = options.sample_rate
         self.sample_seed = int(sample_seed)
         self.sample_step = 0
         # Per shard, the rows each forward since the optimizer's last step used (None: every row).
         self._pending_rows: Optional[List[Optional[List[Tensor]]]] = None
-        if not isinstance(sparse_grad, bool):
-            raise TypeError(f"sparse_grad must be True or False, got {sparse_grad!r}")
-        if sparse_grad and self.sample_rate >= 1.0:
-            raise ValueError(f"sparse_grad=True needs Partial FC (sample_rate < 1), got sample_rate={sample_rate!r}")
         self.sparse_grad = sparse_grad
         # Per shard, the compact (rows, gradient) pairs the backwards since the last step left (sparse_grad).
         self._row_grads: List[List[Tuple[Tensor, Tensor]]] = []
         self.weight_grad_in_place = bool(weight_grad_in_place)
-        self.subcenters = check_positive_int("subcenters", subcenters)
-        if self.subcenters > 255:  # the arg-max centre is kept as uint8
-            raise ValueError(f"subcenters must be <= 255, got {subcenters!r}")
-        if interclass_filter_threshold is not None:
-            interclass_filter_threshold = check_probability(
-                "interclass_filter_threshold", interclass_filter_threshold, low_open=True, high_open=False
-            )
-            if self.label_smoothing > 0:
-                raise ValueError(
-                    f"interclass_filter_threshold={interclass_filter_threshold} removes classes from the softmax, "
-                    f"so label_smoothing={label_smoothing} (spread over all classes) is undefined with it; use one"
-                )
-        self.interclass_filter_threshold = interclass_filter_threshold
+        self.subcenters = options.subcenters
+        self.interclass_filter_threshold = options.interclass_filter_threshold
         self.impl = check_impl(impl)
         self.validate = check_validate(validate)
         # A deferred value check still to read (validate="deferred"), and the forwards counted for its message.

@@ -60,6 +60,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import torch
 
 from shardfc.checks import check_positive_int, chunk_size_arg
+from shardfc.head.validation import check_head_options
 from shardfc.tools.plan.traffic import format_traffic
 from shardfc.tools.plan.units import format_bytes, parse_bytes
 
@@ -160,7 +161,6 @@ def plan(
     check_positive_int("dim", dim)
     check_positive_int("batch", batch)
     check_positive_int("world_size", world_size)
-    check_positive_int("subcenters", subcenters)
     check_positive_int("sms", sms)
     if impl not in PLAN_IMPLS:
         raise ValueError(f"impl must be one of {', '.join(PLAN_IMPLS)}, got {impl!r}")
@@ -170,8 +170,10 @@ def plan(
     dtype = _dtype_name(dtype)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
-    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not (0 < sample_rate <= 1):
-        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+    try:  # the head's own checks; the plan raises ValueError for every bad argument
+        check_head_options(sample_rate=sample_rate, sparse_grad=sparse_grad, subcenters=subcenters)
+    except TypeError as e:
+        raise ValueError(str(e)) from None
     if chunk_size == "auto":
         check_positive_int("chunk_budget_bytes", chunk_budget_bytes)
     elif chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
@@ -183,10 +185,6 @@ def plan(
         raise ValueError(f"weight_decay must be a number >= 0, got {weight_decay!r}")
     if not isinstance(grad_in_place, bool):
         raise ValueError(f"grad_in_place must be True or False, got {grad_in_place!r}")
-    if not isinstance(sparse_grad, bool):
-        raise ValueError(f"sparse_grad must be True or False, got {sparse_grad!r}")
-    if sparse_grad and sample_rate >= 1:
-        raise ValueError(f"sparse_grad needs Partial FC (sample_rate < 1), got sample_rate={sample_rate!r}")
     budget = None if budget_bytes is None else parse_bytes(budget_bytes)
     if not isinstance(fused_update, bool):
         raise ValueError(f"fused_update must be True or False, got {fused_update!r}")
