@@ -13,7 +13,7 @@ The head and the trainer need six operations, and nothing else::
 torch.distributed process group (the counted functions of :mod:`shardfc.parallel.collectives`),
 :class:`HorovodCommunicator` over Horovod's global process set (``horovod.torch``, counted the same
 way). A :class:`~shardfc.parallel.context.DistContext` carries one; code below it never names a
-backend. Both record into :func:`~shardfc.parallel.collectives.count_comm` under the name of the
+backend. Both record into :func:`~shardfc.parallel.counting.count_comm` under the name of the
 operation asked for, with the same byte convention (the gathered output, the reduce-scatter input,
 the all-reduced tensor, the pickled objects).
 

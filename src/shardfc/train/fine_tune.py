@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Subset
 from shardfc import checkpoint as ckpt
 from shardfc.checkpoint.exported import is_torchscript, read_exported
 from shardfc.checkpoint.format import short_repr
+from shardfc.data.labels import dataset_labels
 from shardfc.head.grow import grown_state
 from shardfc.head.imprint import imprint_centres
 from shardfc.head.layout import overlap, seeded_rows
@@ -54,7 +55,6 @@ def resolve_init_from(path: str) -> Path:
 @torch.no_grad()
 def _embeddings(run, cfg: TrainConfig, wanted_from: int):
     """This rank's share of the images of classes ``>= wanted_from``, through the backbone in eval mode."""
-    from shardfc.train.identity_sampler import dataset_labels
     from shardfc.train.prefetch import to_device
 
     ctx: DistContext = run.ctx
