@@ -6,6 +6,11 @@ hold one extra class, so shard sizes differ by at most one. When
 ``num_classes < num_shards`` the later ranks get empty ranges.
 
 Example: ``class_ranges(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]``.
+
+The initial rows of those classes live here too: :func:`init_rows` draws any range of the logical
+weight matrix the same for any sharding (the head, growing it, fine-tuning's new classes and the
+baselines all draw from it), :func:`seeded_rows` shapes them per class, and :func:`overlap` is the
+part of a class range a shard holds.
 """
 
 from __future__ import annotations
