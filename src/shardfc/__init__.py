@@ -16,8 +16,7 @@ Where things live (docs/architecture.md has the picture): ``shardfc.head`` the m
 import sys as _sys
 
 from shardfc.head import ShardedMarginHead, head_optimizer, margins, partial_fc, reference_loss
-
-__version__ = "0.1.0"
+from shardfc.version import __version__
 
 __all__ = ["ShardedMarginHead", "head_optimizer", "margins", "reference_loss", "__version__"]
 

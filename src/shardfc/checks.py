@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, List, Sequence, Union
 
-__all__ = ["check_int", "check_names", "check_positive_int", "check_probability", "chunk_size_arg"]
+__all__ = ["check_int", "check_names", "check_positive_int", "check_probability", "check_real", "chunk_size_arg"]
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:
@@ -32,6 +33,20 @@ def check_probability(name: str, value: Any, *, low_open: bool, high_open: bool)
         interval = ("(" if low_open else "[") + "0, 1" + (")" if high_open else "]")
         raise ValueError(f"{name} must be in {interval}, got {value!r}")
     return float(value)
+
+
+def check_real(name: str, value, *, positive: bool = False, nonnegative: bool = False) -> float:
+    """``value`` as a finite float (bool is rejected), ``> 0`` or ``>= 0`` when asked."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    if nonnegative and value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return value
 
 
 def check_names(what: str, value: Union[str, Sequence[str]], choices: Sequence[str]) -> List[str]:

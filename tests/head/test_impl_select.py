@@ -550,7 +550,7 @@ def test_the_heads_workload_key_holds_what_can_change_the_choice(monkeypatch):
     assert key(fused_update=True) != base
     # a dense forward (evaluation) does the same work whatever the training's sampling says
     assert key(sample_rate=0.25, sampling=False) == key(sampling=False) != base
-    for module, attr, value in ((shardfc, "__version__", "99.0"), (torch, "__version__", "99.0+stub")):
+    for module, attr, value in ((shardfc.version, "__version__", "99.0"), (torch, "__version__", "99.0+stub")):
         with monkeypatch.context() as m:
             m.setattr(module, attr, value)
             assert key() != base, attr

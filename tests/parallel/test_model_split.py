@@ -489,7 +489,7 @@ def test_stages_and_activations_move_with_a_second_device_stubbed(pipelined: boo
     forward fails; the output ends on the last stage's device."""
     from shardfc.parallel import model_split
 
-    monkeypatch.setattr(model_split, "_check_devices", lambda devices, n, what: tuple(map(torch.device, devices)))
+    monkeypatch.setattr(model_split, "check_devices", lambda devices, n, what: tuple(map(torch.device, devices)))
     split = split_model(_plain(), ["cpu", "meta"], ["act1"])
     assert {p.device.type for p in split.stages[0].parameters()} == {"cpu"}
     assert {p.device.type for p in split.stages[1].parameters()} == {"meta"}

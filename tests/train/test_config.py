@@ -240,3 +240,18 @@ def test_new_losses_flags_reach_the_margin_and_the_head():
 def test_new_losses_bad_values_name_the_flag(argv, match):
     with pytest.raises(ConfigError, match=match):
         parse_config(argv)
+
+
+def test_the_margin_fields_default_to_the_margin_classes_defaults():
+    """The margins own their defaults: a flag left alone builds the margin its class builds by default
+    (the scale excepted: shardfc train's 32 is its own)."""
+    import inspect
+
+    from shardfc.head.margins import MARGINS
+
+    for name in ("arcface", "cosface", "sphereface", "combined", "adaface", "magface", "normsoftmax", "softmax"):
+        given = TrainConfig(margin=name).margin_params()
+        defaults = {k: p.default for k, p in inspect.signature(MARGINS[name]).parameters.items()}
+        given.pop("scale", None)
+        defaults.pop("scale", None)
+        assert given == defaults, name

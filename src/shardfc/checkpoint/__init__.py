@@ -14,13 +14,13 @@ slices it needs (:mod:`shardfc.checkpoint.stages`).
     stages.py       a backbone saved per pipeline stage, read back by the keys a layout needs
     save.py         save_checkpoint (collective over the group)
     load.py         load_checkpoint, load_common, verify_checkpoint (no collectives)
-    discovery.py    find_checkpoints, latest_checkpoint, resolve_resume
+    discovery.py    find_checkpoints, latest_checkpoint, checkpoint_at (a checkpoint or run folder), resolve_resume
 
 The on-disk format is described in :mod:`shardfc.checkpoint.format`, the atomicity of a save in
 :mod:`shardfc.checkpoint.durable`.
 """
 
-from shardfc.checkpoint.discovery import find_checkpoints, latest_checkpoint, resolve_resume
+from shardfc.checkpoint.discovery import checkpoint_at, find_checkpoints, latest_checkpoint, resolve_resume
 from shardfc.checkpoint.format import (
     COMMON_FILE,
     FORMAT_NAME,
@@ -28,6 +28,7 @@ from shardfc.checkpoint.format import (
     META_FILE,
     CheckpointError,
     parse_step_dir,
+    saved_num_classes,
     step_dir_name,
     step_dirs,
     step_of,
@@ -49,6 +50,8 @@ __all__ = [
     "load_common",
     "find_checkpoints",
     "latest_checkpoint",
+    "checkpoint_at",
+    "saved_num_classes",
     "verify_checkpoint",
     "resolve_resume",
     "step_dir_name",

@@ -10,7 +10,7 @@ from typing import Optional
 from shardfc.checkpoint.format import META_FILE, CheckpointError, step_dirs
 from shardfc.checkpoint.load import verify_checkpoint
 
-__all__ = ["find_checkpoints", "latest_checkpoint", "resolve_resume"]
+__all__ = ["checkpoint_at", "find_checkpoints", "latest_checkpoint", "resolve_resume"]
 
 logger = logging.getLogger("shardfc.checkpoint")
 
@@ -36,6 +36,23 @@ def latest_checkpoint(root: str | os.PathLike[str], *, check_hashes: bool = True
             logger.warning("skipping invalid checkpoint %s: %s", path, e)
             continue
         return path
+    return None
+
+
+def checkpoint_at(path: str | os.PathLike[str], *, check_hashes: bool = True) -> Optional[Path]:
+    """The checkpoint ``path`` names, or None: the folder itself when it holds ``meta.json``
+    (verified, its hashes only with ``check_hashes``; an incomplete one raises
+    :class:`CheckpointError`), else the newest complete one in a run folder (``path/checkpoints``,
+    as ``shardfc train`` writes) or a checkpoint root (``path``). What ``--init-from`` and
+    ``--checkpoint`` accept."""
+    p = Path(path).expanduser()
+    if (p / META_FILE).is_file():
+        verify_checkpoint(p, check_hashes=check_hashes)
+        return p
+    for root in (p / "checkpoints", p):
+        found = latest_checkpoint(root) if root.is_dir() else None
+        if found is not None:
+            return found
     return None
 
 

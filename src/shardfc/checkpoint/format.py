@@ -61,6 +61,7 @@ from typing import Any, Optional
 import torch
 
 __all__ = [
+    "saved_num_classes",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "READABLE_VERSIONS",
@@ -258,6 +259,11 @@ def build_meta(
     if backbone_stages is not None:
         meta["backbone_stages"] = backbone_stages
     return meta
+
+
+def saved_num_classes(path: "str | os.PathLike[str]") -> int:
+    """The class count of checkpoint ``path``'s head, from its ``meta.json`` (:func:`read_meta`)."""
+    return int(read_meta(path)["num_classes"])
 
 
 def read_meta(path: "str | os.PathLike[str]") -> dict[str, Any]:

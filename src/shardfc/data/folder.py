@@ -61,7 +61,7 @@ def _is_image(name: str) -> bool:
     return not name.startswith(".") and os.path.splitext(name)[1].lower() in IMG_EXTENSIONS
 
 
-class _FileImageDataset(Dataset):
+class FileImageDataset(Dataset):
     """Shared decoding, transform and corrupt-image handling (see module docstring)."""
 
     samples: List[Tuple[str, int]]
@@ -160,7 +160,7 @@ class _FileImageDataset(Dataset):
         return f"{type(self).__name__}(samples={len(self.samples)}, num_classes={self.num_classes})"
 
 
-class ImageFolderDataset(_FileImageDataset):
+class ImageFolderDataset(FileImageDataset):
     """One sub-folder per identity: ``root/<identity>/**/<image>``.
 
     Labels are the index of the identity folder in sorted name order, over all
@@ -221,7 +221,7 @@ class ImageFolderDataset(_FileImageDataset):
         return list(self.classes)
 
 
-class ListFileDataset(_FileImageDataset):
+class ListFileDataset(FileImageDataset):
     """Images listed in an insightface-style text file, one ``path label`` per line.
 
     ``path`` may contain spaces (the label is the last whitespace-separated

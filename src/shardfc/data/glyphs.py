@@ -314,7 +314,7 @@ def build(out: str, options: GlyphOptions, font_dirs: Optional[Sequence[str]] = 
           force: bool = False) -> dict:
     """Write the glyph set to ``out`` (see the module docstring); returns the summary written to
     ``glyphs.json``."""
-    from shardfc.data.recordio_ops import _check_out, _staged, write_insightface
+    from shardfc.data.recordio_ops import check_outputs, staged_outputs, write_insightface
 
     options.check()
     log = log or sys.stderr
@@ -371,7 +371,7 @@ def build(out: str, options: GlyphOptions, font_dirs: Optional[Sequence[str]] = 
              "glyphs_faces.bin", "glyphs.json"]
     os.makedirs(out, exist_ok=True)
     finals = [os.path.join(out, n) for n in names]
-    _check_out(finals, force)
+    check_outputs(finals, force)
     renderers: Dict[int, _Renderer] = {}
 
     def hires(ch: str, fi: int) -> Image.Image:
@@ -394,7 +394,7 @@ def build(out: str, options: GlyphOptions, font_dirs: Optional[Sequence[str]] = 
     def pair_image(ch: str, fi: int, k: int) -> bytes:
         return encode_png(augment(hires(ch, fi), o.image_size, _rng(o.seed, ch, fi, k, purpose=1)), o.channels)
 
-    with _staged(finals) as tmps:
+    with staged_outputs(finals) as tmps:
         n_images, _, _ = write_insightface(tmps[0], tmps[1], tmps[2], train_images(), len(train_chars))
         with open(tmps[3], "w", encoding="utf-8") as f:
             f.writelines(ch + "\n" for ch in train_chars)

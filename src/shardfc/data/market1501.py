@@ -5,24 +5,48 @@ flat folder, ``bounding_box_train/``, the person and camera in each name: ``0002
 is person 2 from camera 1. The person ids are relabelled ``0 .. N-1`` in increasing id order;
 junk crops (id ``-1``) and distractors (id ``0``, background) carry no identity and are left out,
 as every re-ID codebase does. Query and gallery (``query/``, ``bounding_box_test/``) are read by
-:mod:`shardfc.evaluation.reid`.
+:mod:`shardfc.evaluation.reid`; the names are parsed here (:func:`parse_market1501_name`), for both.
 """
 
 from __future__ import annotations
 
 import os
-from typing import List, Tuple
+import re
+from typing import List, Tuple, Union
 
-from shardfc.data.folder import IMG_EXTENSIONS, PathLike, _FileImageDataset
-from shardfc.evaluation.reid import JUNK_PID, parse_market1501_name
+from shardfc.data.folder import IMG_EXTENSIONS, FileImageDataset, PathLike
 
-__all__ = ["DISTRACTOR_PID", "Market1501TrainDataset"]
+__all__ = ["DISTRACTOR_PID", "JUNK_PID", "Market1501TrainDataset", "parse_market1501_name"]
+
+#: Person id of Market-1501 junk images (excluded from every gallery ranking).
+JUNK_PID = -1
+
+_MARKET_NAME = re.compile(r"^(-?\d+)_c(\d+)")
 
 #: Person id of Market-1501 distractors (background crops).
 DISTRACTOR_PID = 0
 
 
-class Market1501TrainDataset(_FileImageDataset):
+def parse_market1501_name(filename: Union[str, "os.PathLike[str]"]) -> Tuple[int, int]:
+    """``"0002_c1s1_000451_03.jpg" -> (2, 1)``: person id and camera id.
+
+    Works on a bare name or a path, and on DukeMTMC-reID names
+    (``0001_c2_f0046182.jpg``). Person id ``-1`` marks junk images and ``0``
+    distractors; camera ids are returned as written (1-based for Market).
+
+    Raises:
+        ValueError: the name does not start with ``<pid>_c<camera>``.
+    """
+    name = os.path.basename(os.fspath(filename))
+    m = _MARKET_NAME.match(name)
+    if m is None:
+        raise ValueError(
+            f"cannot parse person/camera id from {name!r}: expected a Market-1501 name like '0002_c1s1_000451_03.jpg'"
+        )
+    return int(m.group(1)), int(m.group(2))
+
+
+class Market1501TrainDataset(FileImageDataset):
     """``root/<split>/<pid>_c<camera>...jpg`` -> ``(image, label)`` with labels ``0 .. N-1``.
 
     Corrupt images are skipped and counted like the other file datasets (:mod:`shardfc.data.folder`).

@@ -55,7 +55,7 @@ from typing import Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, U
 import numpy as np
 import torch
 
-from shardfc.data.folder import _FileImageDataset  # the shared decode / skip-and-count policy
+from shardfc.data.folder import FileImageDataset  # the shared decode / skip-and-count policy
 from shardfc.data.transforms import decode_image
 
 __all__ = [
@@ -139,7 +139,7 @@ def unpack_header(payload: bytes, name: str = "<record>") -> Tuple[IRHeader, byt
     return IRHeader(flag, label, id_, id2), payload[rest:]
 
 
-def _first_label(header: IRHeader) -> float:
+def first_label(header: IRHeader) -> float:
     return float(header.label[0]) if header.flag > 0 else float(header.label)
 
 
@@ -560,14 +560,14 @@ def write_property(path: PathLike, num_classes: int, height: int, width: int) ->
         f.write(f"{int(num_classes)},{int(height)},{int(width)}\n")
 
 
-def _class_id(reader: RecordIOReader, key: int, value: float) -> int:
+def class_id(reader: RecordIOReader, key: int, value: float) -> int:
     if not (value >= 0 and float(value).is_integer()):
         raise ValueError(f"{reader.name(key)}: label {value!r} is not a class id (a non-negative integer)")
     return int(value)
 
 
 # ----------------------------------------------------------------- dataset
-class RecordIODataset(_FileImageDataset):
+class RecordIODataset(FileImageDataset):
     """Images of an insightface / MXNet RecordIO dataset, as ``(tensor [3, H, W], class id)``.
 
     Same interface and corrupt-image policy as
@@ -638,7 +638,7 @@ class RecordIODataset(_FileImageDataset):
         for i in np.argsort(offsets, kind="stable").tolist():
             key = int(keys[i])
             header = self.reader._read_header_at(int(offsets[i]), key)
-            labels[i] = _class_id(self.reader, key, _first_label(header))
+            labels[i] = class_id(self.reader, key, first_label(header))
         return labels
 
     def __len__(self) -> int:

@@ -19,9 +19,9 @@ from shardfc.data.recordio import (
     RecordIODataset,
     RecordIOReader,
     RecordIOWriter,
-    _class_id,
-    _first_label,
+    class_id,
     detect_layout,
+    first_label,
     pack_header,
     read_property,
     resolve_recordio_paths,
@@ -57,14 +57,14 @@ def _encode(img: Image.Image, fmt: str, quality: int) -> bytes:
     return buf.getvalue()
 
 
-def _check_out(paths: List[str], force: bool) -> None:
+def check_outputs(paths: List[str], force: bool) -> None:
     existing = [p for p in paths if os.path.exists(p)]
     if existing and not force:
         raise CommandError(f"{existing[0]!r} exists (use --force to replace it)")
 
 
 @contextlib.contextmanager
-def _staged(finals: List[str]) -> Iterator[List[str]]:
+def staged_outputs(finals: List[str]) -> Iterator[List[str]]:
     """Yields ``<final>.part`` names to write; on success renames them over ``finals``, on error deletes them.
 
     So an interrupted or failed run never leaves a half-written train.rec that looks complete.
@@ -109,8 +109,8 @@ def pack(
     os.makedirs(out, exist_ok=True)
     names = ["train.rec", "train.idx", "property"] + (["classes.txt"] if classes is not None else [])
     finals = [os.path.join(out, n) for n in names]
-    _check_out(finals[:2], force)
-    with _staged(finals) as tmps:
+    check_outputs(finals[:2], force)
+    with staged_outputs(finals) as tmps:
         fmt = encode if encode != "auto" else ("jpeg" if resize else None)
         order = sorted(range(len(samples)), key=lambda i: samples[i][1])  # stable: keeps path order per class
         skipped: List[Tuple[str, str]] = []
@@ -247,9 +247,9 @@ def shuffle(path: str, out: str, seed: int = 0, force: bool = False, log=None) -
     if os.path.abspath(rec) == os.path.abspath(ds.rec_path):
         raise CommandError(f"OUT {out!r} would overwrite the input {ds.rec_path!r}")
     copy_property = ds.property is not None and os.path.abspath(prop) != os.path.abspath(ds.property_path)
-    _check_out([rec, idx] + ([prop] if copy_property else []), force)
+    check_outputs([rec, idx] + ([prop] if copy_property else []), force)
     perm = np.random.default_rng(seed).permutation(len(ds))
-    with _staged([rec, idx] + ([prop] if copy_property else [])) as tmps:
+    with staged_outputs([rec, idx] + ([prop] if copy_property else [])) as tmps:
         with RecordIOWriter(tmps[0], tmps[1]) as writer:
             for new_key, i in enumerate(_progress(perm.tolist(), len(perm), "shuffle")):
                 writer.write(new_key, ds.reader.read(int(ds.keys[i])))
@@ -274,7 +274,7 @@ def verify(path: str) -> dict:
     for key in _progress(layout.image_keys.tolist(), len(layout.image_keys), "verify"):
         try:
             header, image = unpack_header(reader.read(key), reader.name(key))
-            max_label = max(max_label, _class_id(reader, key, _first_label(header)))
+            max_label = max(max_label, class_id(reader, key, first_label(header)))
             decode_image(image, name=reader.name(key))
         except CorruptImageError as e:
             bad.append({"key": key, "reason": f"undecodable image: {e.reason}"})

@@ -8,6 +8,8 @@ from typing import Any, List, Sequence
 import numpy as np
 from torch.utils.data import Dataset
 
+from shardfc.data.labels import dataset_labels
+
 __all__ = ["RelabelledDataset"]
 
 
@@ -45,8 +47,6 @@ class RelabelledDataset(Dataset):
     @property
     def labels(self) -> np.ndarray:
         """The class id of every index, without decoding an image (for the P x K sampler)."""
-        from shardfc.train.identity_sampler import dataset_labels
-
         return self.label_map[dataset_labels(self.base)]
 
     def __getattr__(self, name: str) -> Any:  # transform, corrupt counters, sample_name, ...

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset
 from shardfc.data.transforms import decode_image, image_to_tensor, pil_to_tensor
 from shardfc.evaluation.alignment import align_face
 from shardfc.evaluation.far import far_measurable
-from shardfc.evaluation.verification import _far_key, embed_batches, tar_at_far
+from shardfc.evaluation.verification import embed_batches, far_key, tar_at_far
 
 __all__ = [
     "IJB_TARGETS",
@@ -217,7 +217,7 @@ def ijb_metrics(scores: np.ndarray, labels: np.ndarray, fars: Sequence[float] = 
     negatives = int(np.count_nonzero(~same))
     out["num_negative_pairs"] = float(negatives)
     for far in fars:
-        key = _far_key(far)
+        key = far_key(far)
         out[f"tar@far={key}"] = tar_at_nearest_far(fpr, tpr, far) if far_measurable(negatives, far) else float("nan")
         out[f"exact_tar@far={key}"] = tar_at_far(np.asarray(scores, dtype=np.float64), same, far)[0]
     return out

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -29,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from shardfc.data.folder import IMG_EXTENSIONS
+from shardfc.data.market1501 import JUNK_PID, parse_market1501_name
 from shardfc.data.transforms import decode_image, image_to_tensor
 from shardfc.evaluation.verification import embed_batches
 
@@ -43,31 +43,7 @@ __all__ = [
 
 logger = logging.getLogger("shardfc.evaluation")
 
-#: Person id of Market-1501 junk images (excluded from every gallery ranking).
-JUNK_PID = -1
-
-_MARKET_NAME = re.compile(r"^(-?\d+)_c(\d+)")
-
 ArrayLike = Union[torch.Tensor, np.ndarray, Sequence[float]]
-
-
-def parse_market1501_name(filename: Union[str, "os.PathLike[str]"]) -> Tuple[int, int]:
-    """``"0002_c1s1_000451_03.jpg" -> (2, 1)``: person id and camera id.
-
-    Works on a bare name or a path, and on DukeMTMC-reID names
-    (``0001_c2_f0046182.jpg``). Person id ``-1`` marks junk images and ``0``
-    distractors; camera ids are returned as written (1-based for Market).
-
-    Raises:
-        ValueError: the name does not start with ``<pid>_c<camera>``.
-    """
-    name = os.path.basename(os.fspath(filename))
-    m = _MARKET_NAME.match(name)
-    if m is None:
-        raise ValueError(
-            f"cannot parse person/camera id from {name!r}: expected a Market-1501 name like '0002_c1s1_000451_03.jpg'"
-        )
-    return int(m.group(1)), int(m.group(2))
 
 
 def _as_tensor(x: ArrayLike, name: str, dtype: torch.dtype) -> torch.Tensor:

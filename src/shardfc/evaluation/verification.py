@@ -196,7 +196,7 @@ def best_threshold(scores: np.ndarray, issame: np.ndarray) -> Tuple[float, float
     return thr, float(correct[k]) / n
 
 
-def _far_key(far: float) -> str:
+def far_key(far: float) -> str:
     """``1e-3 -> "1e-3"``, ``5e-4 -> "5e-4"``, ``0.015 -> "1.5e-2"``."""
     mantissa, exponent = f"{far:e}".split("e")
     mantissa = mantissa.rstrip("0").rstrip(".")
@@ -269,7 +269,7 @@ def verification_metrics(
     for far in far_targets:
         if not 0.0 < far < 1.0:
             raise ValueError(f"far target must be in (0, 1), got {far!r}")
-    keyed = [(_far_key(far), far) for far in far_targets]
+    keyed = [(far_key(far), far) for far in far_targets]
     out = insightface_metrics(normalized_squared_distances(a, b), same, nfolds, keyed)
 
     eps = 1e-12  # zero embeddings get similarity 0 rather than NaN

@@ -24,7 +24,8 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
-from shardfc.head.margins import Margin, _check_real, _sin_from_cos
+from shardfc.checks import check_real
+from shardfc.head.margin_base import Margin, sin_from_cos
 
 __all__ = ["AdaFace", "MagFace"]
 
@@ -49,10 +50,10 @@ class AdaFace(Margin):
     STD_EPS = 1e-3
 
     def __init__(self, scale: float = 64.0, margin: float = 0.4, h: float = 0.333, momentum: float = 0.01):
-        self.s = _check_real("scale", scale, positive=True)
-        self.m = _check_real("margin", margin, nonnegative=True)
-        self.h = _check_real("h", h, nonnegative=True)
-        self.momentum = _check_real("momentum", momentum, nonnegative=True)
+        self.s = check_real("scale", scale, positive=True)
+        self.m = check_real("margin", margin, nonnegative=True)
+        self.h = check_real("h", h, nonnegative=True)
+        self.momentum = check_real("momentum", momentum, nonnegative=True)
         if self.momentum > 1:
             raise ValueError(f"momentum must be in [0, 1], got {momentum!r}")
         self._stats: Tensor = torch.tensor([20.0, 100.0], dtype=torch.float64)  # mean, std; moves to the norms' device
@@ -133,7 +134,7 @@ class AdaFace(Margin):
         inside = (angle > 0) & (angle < math.pi)
         value = torch.cos(angle.clamp(0.0, math.pi)) - self.m * (1.0 + q)
         # d cos(θ − m·ẑ)/d cos θ = sin(θ − m·ẑ)/sin θ; 0 where the angle is clipped.
-        grad = torch.where(inside, torch.sin(angle) / _sin_from_cos(c), torch.zeros_like(c))
+        grad = torch.where(inside, torch.sin(angle) / sin_from_cos(c), torch.zeros_like(c))
         return self.s * value, self.s * grad, torch.zeros_like(c)
 
 
@@ -155,18 +156,18 @@ class MagFace(Margin):
         u_m: float = 0.8,
         lambda_g: float = 35.0,
     ):
-        self.s = _check_real("scale", scale, positive=True)
-        self.l_a = _check_real("l_a", l_a, positive=True)
-        self.u_a = _check_real("u_a", u_a, positive=True)
+        self.s = check_real("scale", scale, positive=True)
+        self.l_a = check_real("l_a", l_a, positive=True)
+        self.u_a = check_real("u_a", u_a, positive=True)
         if self.u_a <= self.l_a:
             raise ValueError(f"u_a must be > l_a={l_a!r}, got {u_a!r}")
-        self.l_m = _check_real("l_m", l_m, nonnegative=True)
-        self.u_m = _check_real("u_m", u_m, nonnegative=True)
+        self.l_m = check_real("l_m", l_m, nonnegative=True)
+        self.u_m = check_real("u_m", u_m, nonnegative=True)
         if self.u_m < self.l_m:
             raise ValueError(f"u_m must be >= l_m={l_m!r}, got {u_m!r}")
         if self.u_m >= math.pi / 2:
             raise ValueError(f"u_m must be < pi/2, got {u_m!r}")
-        self.lambda_g = _check_real("lambda_g", lambda_g, nonnegative=True)
+        self.lambda_g = check_real("lambda_g", lambda_g, nonnegative=True)
 
     @property
     def scale(self) -> float:
@@ -191,7 +192,7 @@ class MagFace(Margin):
         m = self.margin_of(norm)
         dm = da * (self.u_m - self.l_m) / (self.u_a - self.l_a)
         c = raw.clamp(-1.0, 1.0)
-        sin = _sin_from_cos(c)
+        sin = sin_from_cos(c)
         cos_m, sin_m = torch.cos(m), torch.sin(m)
         value = c * cos_m - sin * sin_m
         d_raw = cos_m + c * sin_m / sin

@@ -59,7 +59,7 @@ class ShardedLossPlan:
         return None if self.rows is None else self.rows[shard]
 
 
-def _shard_kernels(cfg: ShardConfig):
+def shard_kernels(cfg: ShardConfig):
     """``(shard_forward, shard_backward)`` of the implementation the plan resolved: the torch
     reference (:mod:`shardfc.head.kernels`) or the fused Triton kernels (:mod:`shardfc.head.fused`),
     (``impl="triton"`` or ``"gemm"``), which take and return the same things."""
@@ -105,7 +105,7 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
             target_rows = None
             if cfg.filter_threshold is not None:
                 target_rows = gather_target_centres(plan, embeds, weights, local_labels, home)
-            forward_shard = _shard_kernels(cfg)[0]
+            forward_shard = shard_kernels(cfg)[0]
             norms, stats, targets_on = [], [], []
             for i, (a, w, lab) in enumerate(zip(embeds, weights, local_labels)):
                 if feature_norms is not None:
@@ -171,7 +171,7 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
             plan.comm.all_reduce_(coef, "sum")
             coef = coef / plan.world_size
         coef = torch.where(valid, coef, torch.zeros_like(coef))
-        backward_shard = _shard_kernels(cfg)[1]
+        backward_shard = shard_kernels(cfg)[1]
         grads_a: List[Tensor] = []
         grads_w: List[Tensor] = []
         grad_norms = None

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from shardfc.head.layout import class_ranges
+from shardfc.head.layout import class_ranges, overlap, seeded_rows
 
 if TYPE_CHECKING:
     from shardfc.head.module import ShardedMarginHead
@@ -38,10 +38,6 @@ __all__ = ["grown_state", "grow_head", "NewRows"]
 #: (what a sharded caller gives: it is asked only for its own), or None for the head's seeded
 #: random rows.
 NewRows = Union[Tensor, Callable[[range], Tensor], None]
-
-
-def _overlap(a: range, b: range) -> range:
-    return range(max(a.start, b.start), max(min(a.stop, b.stop), max(a.start, b.start)))
 
 
 def grown_state(
@@ -69,7 +65,7 @@ def grown_state(
     C = int(old["num_classes"])
     if num_classes < C:
         raise ValueError(f"num_classes={num_classes} is smaller than the head's {C} classes: a head only grows")
-    kept, added = _overlap(class_range, range(C)), _overlap(class_range, range(C, num_classes))
+    kept, added = overlap(class_range, range(C)), overlap(class_range, range(C, num_classes))
     tensors = old["tensors"]
     weight = tensors["weight"]
     if weight.shape[0] != len(kept):
@@ -88,22 +84,9 @@ def grown_state(
     return {"num_classes": num_classes, "class_range": class_range, "tensors": out, "extras": dict(old.get("extras", {}))}
 
 
-def _random_rows(head: "ShardedMarginHead") -> Callable[[range], Tensor]:
-    """The head's own seeded ``N(0, 0.01²)`` rows of classes ``r`` (the same for any sharding)."""
-    from shardfc.head.module import init_rows
-
-    K, D = head.subcenters, head.embedding_dim
-
-    def rows(r: range) -> Tensor:
-        out = init_rows(r.start * K, r.stop * K, D, head.init_seed)
-        return out if K == 1 else out.view(len(r), K, D)
-
-    return rows
-
-
 def _rows_function(head: "ShardedMarginHead", rows: NewRows, first: int, n: int) -> Callable[[range], Tensor]:
     if rows is None:
-        return _random_rows(head)
+        return seeded_rows(head.init_seed, head.subcenters, head.embedding_dim)
     if callable(rows):
         return rows
     K, D = head.subcenters, head.embedding_dim
@@ -126,7 +109,7 @@ def _old_rows_of(head: "ShardedMarginHead", mine: Mapping[str, Any], wanted: ran
     pieces: Dict[str, list] = {k: [] for k in tensors}
     for j, r in enumerate(old_ranges):
         sizes = [len(r) if i == j else 0 for i in range(head.world_size)]
-        part = _overlap(wanted, r)
+        part = overlap(wanted, r)
         for key, t in tensors.items():
             send = t if j == head.rank else t[:0]
             block = head.ctx.all_gather_rows(send.to(head.ctx.comm_device), sizes)
@@ -171,7 +154,7 @@ def grow_head(
     mine = head.sharded_state(optimizer)
     shards = len(head.devices)
     new_range = class_ranges(total, head.world_size)[head.rank] if head.distributed else range(total)
-    old_part = _old_rows_of(head, mine, _overlap(new_range, range(C)))
+    old_part = _old_rows_of(head, mine, overlap(new_range, range(C)))
     old = {"num_classes": C, "tensors": old_part, "extras": mine["extras"]}
     state = grown_state(old, total, new_range, new_rows)
 

@@ -46,6 +46,7 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Seq
 
 import torch
 
+from shardfc import version
 from shardfc.checks import check_int, check_names, check_positive_int
 from shardfc.head.fused import CANDIDATES, IMPLS
 
@@ -132,12 +133,10 @@ def environment_fields(device: Union[torch.device, str, None] = None) -> Dict[st
     """The machine's part of a workload key: GPU name (``"cpu"`` off CUDA), shardfc, torch, CUDA and
     Triton versions (``None`` when absent). A new release of any of them may change which
     implementation is fastest (new kernels, new tiles, a new compiler), so it times again."""
-    import shardfc  # here, not at the top: shardfc's __init__ imports the head, which imports this module
-
     device = torch.device("cuda" if device is None and torch.cuda.is_available() else (device or "cpu"))
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     return {
-        "gpu": gpu, "shardfc": shardfc.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
+        "gpu": gpu, "shardfc": version.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
         "triton": _triton_version(),
     }
 

@@ -19,17 +19,20 @@ Usage::
 References: ArcFace (Deng et al., CVPR 2019), CosFace (Wang et al., CVPR 2018), AM-Softmax
 (Wang et al., IEEE SPL 2018), SphereFace (Liu et al., CVPR 2017), NormFace (Wang et al., 2017).
 AdaFace (Kim et al., CVPR 2022) and MagFace (Meng et al., CVPR 2021), whose margins depend on the
-feature norm before normalisation, live in :mod:`shardfc.head.adaptive_margins` and are exported here.
+feature norm before normalisation, live in :mod:`shardfc.head.adaptive_margins` and are exported here;
+the interface they all implement, :class:`Margin`, lives in :mod:`shardfc.head.margin_base`.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional, Tuple
 
 import torch
-from torch import Tensor
+
+from shardfc.checks import check_real
+from shardfc.head.adaptive_margins import AdaFace, MagFace
+from shardfc.head.margin_base import Margin, sin_from_cos
 
 __all__ = [
     "Margin",
@@ -45,70 +48,6 @@ __all__ = [
     "build_margin",
     "MARGINS",
 ]
-
-TargetLogit = Tuple[Tensor, Tensor, Optional[Tensor]]
-
-
-def _check_real(name: str, value, *, positive: bool = False, nonnegative: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    if positive and value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-    if nonnegative and value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-    return value
-
-
-def _sin_from_cos(c: Tensor) -> Tensor:
-    """sin θ for θ = arccos c, kept away from 0 so that d/dc arccos stays finite at |c| = 1."""
-    eps = torch.finfo(c.dtype).eps
-    return torch.sqrt(torch.clamp(1.0 - c * c, min=eps))
-
-
-class Margin:
-    """Base class. Subclasses set the normalisation flags and implement :meth:`target`."""
-
-    #: L2-normalise the embedding before the product.
-    normalize_embeddings: bool = True
-    #: L2-normalise the class centres before the product.
-    normalize_weights: bool = True
-    #: :meth:`target` needs the embedding norm.
-    needs_norm: bool = False
-    #: That norm is the feature norm *before* normalisation (AdaFace, MagFace): the head passes it
-    #: through the sharded loss as an input of its own, and gradients flow back to it.
-    uses_feature_norm: bool = False
-
-    @property
-    def scale(self) -> float:
-        """Multiplier of the non-target products."""
-        raise NotImplementedError
-
-    def target(self, raw: Tensor, norm: Optional[Tensor] = None) -> TargetLogit:
-        """Target logits for target products ``raw`` ``[N]``: ``(value, d value/d raw, d value/d norm)``."""
-        raise NotImplementedError
-
-    def regularizer(self, norm: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
-        """A per-sample term added to the loss, a function of the feature norm: ``(value, d/d norm)``
-        (MagFace), or None."""
-        return None
-
-    def _params(self) -> dict:
-        """The hyper-parameters (what repr, == and hash compare; running state excluded)."""
-        return dict(vars(self))
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in self._params().items())
-        return f"{type(self).__name__}({fields})"
-
-    def __eq__(self, other) -> bool:
-        return type(self) is type(other) and self._params() == other._params()
-
-    def __hash__(self) -> int:
-        return hash((type(self).__name__, tuple(sorted(self._params().items()))))
-
 
 class Softmax(Margin):
     """Plain softmax: logits ``x · wᵀ``; nothing normalised, no margin."""
@@ -128,7 +67,7 @@ class NormSoftmax(Margin):
     """NormFace: ``s · cos θ`` for every class, no margin."""
 
     def __init__(self, scale: float = 64.0):
-        self.s = _check_real("scale", scale, positive=True)
+        self.s = check_real("scale", scale, positive=True)
 
     @property
     def scale(self) -> float:
@@ -142,8 +81,8 @@ class CosFace(Margin):
     """CosFace / AM-Softmax: target ``s · (cos θ − m)``."""
 
     def __init__(self, scale: float = 64.0, margin: float = 0.35):
-        self.s = _check_real("scale", scale, positive=True)
-        self.m = _check_real("margin", margin, nonnegative=True)
+        self.s = check_real("scale", scale, positive=True)
+        self.m = check_real("margin", margin, nonnegative=True)
 
     @property
     def scale(self) -> float:
@@ -166,8 +105,8 @@ class ArcFace(Margin):
     """
 
     def __init__(self, scale: float = 64.0, margin: float = 0.5, easy_margin: bool = False):
-        self.s = _check_real("scale", scale, positive=True)
-        self.m = _check_real("margin", margin, nonnegative=True)
+        self.s = check_real("scale", scale, positive=True)
+        self.m = check_real("margin", margin, nonnegative=True)
         if self.m >= math.pi:
             raise ValueError(f"margin must be < pi, got {margin!r}")
         if not isinstance(easy_margin, bool):
@@ -181,7 +120,7 @@ class ArcFace(Margin):
     def target(self, raw, norm=None):
         s, m = self.s, self.m
         c = raw.clamp(-1.0, 1.0)
-        sin = _sin_from_cos(c)
+        sin = sin_from_cos(c)
         value = c * math.cos(m) - sin * math.sin(m)
         grad = math.cos(m) + c * math.sin(m) / sin
         if self.easy_margin:
@@ -203,10 +142,10 @@ class Combined(Margin):
     """
 
     def __init__(self, scale: float = 64.0, m1: float = 1.0, m2: float = 0.5, m3: float = 0.0):
-        self.s = _check_real("scale", scale, positive=True)
-        self.m1 = _check_real("m1", m1, positive=True)
-        self.m2 = _check_real("m2", m2)
-        self.m3 = _check_real("m3", m3)
+        self.s = check_real("scale", scale, positive=True)
+        self.m1 = check_real("m1", m1, positive=True)
+        self.m2 = check_real("m2", m2)
+        self.m3 = check_real("m3", m3)
 
     @property
     def scale(self) -> float:
@@ -217,7 +156,7 @@ class Combined(Margin):
         theta = torch.acos(c)
         angle = self.m1 * theta + self.m2
         value = torch.cos(angle) - self.m3
-        grad = self.m1 * torch.sin(angle) / _sin_from_cos(c)
+        grad = self.m1 * torch.sin(angle) / sin_from_cos(c)
         return self.s * value, self.s * grad, None
 
 
@@ -240,7 +179,7 @@ class SphereFace(Margin):
         if float(margin) != int(margin) or int(margin) < 1:
             raise ValueError(f"margin must be an integer >= 1, got {margin!r}")
         self.m = int(margin)
-        self.lambda_ = _check_real("lambda_", lambda_, nonnegative=True)
+        self.lambda_ = check_real("lambda_", lambda_, nonnegative=True)
 
     @property
     def scale(self) -> float:
@@ -267,8 +206,6 @@ class SphereFace(Margin):
         # z = ‖x‖·h(raw/‖x‖): ∂z/∂raw = h'(c), ∂z/∂‖x‖ = h(c) − c·h'(c).
         return norm * h, dh, h - c * dh
 
-
-from shardfc.head.adaptive_margins import AdaFace, MagFace  # noqa: E402  (they subclass Margin)
 
 MARGINS = {
     "softmax": Softmax,

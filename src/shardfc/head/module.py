@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from shardfc.checks import check_positive_int, check_probability
+from shardfc.checks import check_positive_int
 from shardfc.head import impl_select
 from shardfc.head import margins as _margins
 from shardfc.head import sharded_state as _state
@@ -43,12 +43,16 @@ from shardfc.head.function import (
     ShardedLossPlan,
     compute_dtype_for,
     local_labels_for_range,
+    shard_kernels,
     sharded_cross_entropy,
     stats_dtype_for,
 )
 from shardfc.head.fused import CANDIDATES, check_impl, resolve_impl, triton_unavailable
+from shardfc.head.grow import grow_head
 from shardfc.head.kernels import ShardConfig
-from shardfc.head.layout import class_ranges
+from shardfc.head.layout import INIT_BLOCK as INIT_BLOCK  # re-exported: the rows' home is .layout
+from shardfc.head.layout import INIT_STD as INIT_STD
+from shardfc.head.layout import class_ranges, init_rows
 from shardfc.head.normalize import l2_normalize
 from shardfc.head.sampling import (
     RowGrad,
@@ -64,6 +68,7 @@ from shardfc.head.validation import (
     check_batch_and_exchange_sizes,
     check_batch_deferred,
     check_embeddings,
+    check_head_options,
     check_validate,
     defers,
     raise_or_exchange_sizes,
@@ -81,36 +86,6 @@ _log = logging.getLogger("shardfc.head")
 AUTO_TIMED_CLASSES = 1 << 17
 
 DeviceLike = Union[str, torch.device, int]
-
-#: Weights are initialised in blocks of this many classes, each from its own seeded generator,
-#: so the logical weight matrix is the same whatever the number of shards.
-INIT_BLOCK = 4096
-INIT_STD = 0.01
-
-
-def init_rows(start: int, stop: int, dim: int, seed: int, device: Optional[DeviceLike] = None) -> Tensor:
-    """Rows ``[start, stop)`` of the logical ``N(0, 0.01²)`` weight matrix for ``seed`` (fp32).
-
-    Each block of :data:`INIT_BLOCK` rows is drawn whole from its own generator, seeded by ``(seed,
-    block)``, so any sharding gets the same rows. ``device``: a CUDA device draws them there, with a
-    generator on that device (:func:`~shardfc.head.sampling.sampling_generator`): no pass of the
-    host's generator over millions of rows and no copy of them to the GPU, but other values than
-    the CPU's (CUDA's Philox stream, not the CPU's Mersenne Twister), the same for any sharding on
-    GPUs of one model. Any other device (default: the CPU) gets the CPU's draw, the values of every
-    earlier release, on the CPU.
-    """
-    device = torch.device("cpu") if device is None else torch.device(device)
-    on = device if device.type == "cuda" else torch.device("cpu")
-    out = torch.empty(stop - start, dim, device=on)
-    first, last = start // INIT_BLOCK, (stop - 1) // INIT_BLOCK if stop > start else -1
-    for block in range(first, last + 1):
-        g = sampling_generator(on, mix_seed(seed, block))
-        rows = torch.randn(INIT_BLOCK, dim, generator=g, device=on) * INIT_STD
-        b0 = block * INIT_BLOCK
-        lo, hi = max(start, b0), min(stop, b0 + INIT_BLOCK)
-        out[lo - start : hi - start] = rows[lo - b0 : hi - b0]
-    return out
-
 
 class ShardedMarginHead(nn.Module):
     """Exact margin softmax cross-entropy over ``num_classes`` classes sharded by class.
@@ -231,7 +206,10 @@ class ShardedMarginHead(nn.Module):
         if not isinstance(margin, _margins.Margin):
             raise TypeError(f"margin must be a shardfc.head.margins.Margin, got {margin!r}")
         self.margin = margin
-        self.label_smoothing = check_probability("label_smoothing", label_smoothing, low_open=False, high_open=False)
+        options = check_head_options(sample_rate=sample_rate, sparse_grad=sparse_grad, subcenters=subcenters,
+                                     label_smoothing=label_smoothing,
+                                     interclass_filter_threshold=interclass_filter_threshold)
+        self.label_smoothing = options.label_smoothing
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
         if 0 <= ignore_index < num_classes:
@@ -245,32 +223,17 @@ class ShardedMarginHead(nn.Module):
         else:
             self.chunk_size = None if chunk_size is None else check_positive_int("chunk_size", chunk_size)
         self.chunk_budget_bytes = check_positive_int("chunk_budget_bytes", chunk_budget_bytes)
-        self.sample_rate = check_probability("sample_rate", sample_rate, low_open=True, high_open=False)
+        self.sample_rate = options.sample_rate
         self.sample_seed = int(sample_seed)
         self.sample_step = 0
         # Per shard, the rows each forward since the optimizer's last step used (None: every row).
         self._pending_rows: Optional[List[Optional[List[Tensor]]]] = None
-        if not isinstance(sparse_grad, bool):
-            raise TypeError(f"sparse_grad must be True or False, got {sparse_grad!r}")
-        if sparse_grad and self.sample_rate >= 1.0:
-            raise ValueError(f"sparse_grad=True needs Partial FC (sample_rate < 1), got sample_rate={sample_rate!r}")
         self.sparse_grad = sparse_grad
         # Per shard, the compact (rows, gradient) pairs the backwards since the last step left (sparse_grad).
         self._row_grads: List[List[Tuple[Tensor, Tensor]]] = []
         self.weight_grad_in_place = bool(weight_grad_in_place)
-        self.subcenters = check_positive_int("subcenters", subcenters)
-        if self.subcenters > 255:  # the arg-max centre is kept as uint8
-            raise ValueError(f"subcenters must be <= 255, got {subcenters!r}")
-        if interclass_filter_threshold is not None:
-            interclass_filter_threshold = check_probability(
-                "interclass_filter_threshold", interclass_filter_threshold, low_open=True, high_open=False
-            )
-            if self.label_smoothing > 0:
-                raise ValueError(
-                    f"interclass_filter_threshold={interclass_filter_threshold} removes classes from the softmax, "
-                    f"so label_smoothing={label_smoothing} (spread over all classes) is undefined with it; use one"
-                )
-        self.interclass_filter_threshold = interclass_filter_threshold
+        self.subcenters = options.subcenters
+        self.interclass_filter_threshold = options.interclass_filter_threshold
         self.impl = check_impl(impl)
         self.validate = check_validate(validate)
         # A deferred value check still to read (validate="deferred"), and the forwards counted for its message.
@@ -423,11 +386,18 @@ class ShardedMarginHead(nn.Module):
             out += [g for _, g in parts]
         return out
 
-    def _keep_row_grad(self, shard: int, rows: Tensor, grad: Tensor) -> None:
-        """The sink of a sparse_grad backward: keep shard ``shard``'s compact gradient of ``rows``."""
+    def keep_row_grad(self, shard: int, rows: Tensor, grad: Tensor) -> None:
+        """The sink of a sparse_grad backward (public so that ``shardfc plan`` can watch it): keep shard ``shard``'s compact gradient of ``rows``."""
         while len(self._row_grads) <= shard:
             self._row_grads.append([])
         self._row_grads[shard].append((rows, grad))
+
+    def forget_sampled_rows(self) -> None:
+        """Forget the rows the forwards since the last step used and the compact gradients their
+        backwards left (:attr:`sampled_rows`, ``sparse_grad``): what loading a state or replacing the
+        shards' rows does, since they name rows of the old weights."""
+        self._pending_rows = None
+        self._row_grads = []
 
     def _record_rows(self, rows: List[Optional[Tensor]]) -> None:
         """Note the rows of each shard a forward used, for the optimizer (only when autograd records).
@@ -512,7 +482,7 @@ class ShardedMarginHead(nn.Module):
         if sampling:
             rows, local_labels, num_classes = self._sample_classes(all_labels, local_labels)
             if self.sparse_grad:
-                sink = lambda shard, grad: self._keep_row_grad(shard, rows[shard], grad)  # noqa: E731
+                sink = lambda shard, grad: self.keep_row_grad(shard, rows[shard], grad)  # noqa: E731
         else:
             self._record_rows([None] * len(weights))
         config = ShardConfig(
@@ -616,8 +586,6 @@ class ShardedMarginHead(nn.Module):
         slice, which has no autotuner. torch has none either: its forward (``[B, slice]`` logits)
         and backward both run ``k`` times over the slice.
         """
-        from shardfc.head.function import _shard_kernels
-
         a, w = a.detach(), w.detach()
         n = (w.shape[0] if rows is None else rows.numel()) // cfg.subcenters
         k = max(1, math.ceil(n / AUTO_TIMED_CLASSES))
@@ -625,7 +593,7 @@ class ShardedMarginHead(nn.Module):
         target_rows = torch.zeros_like(a, dtype=cfg.stats_dtype) if cfg.filter_threshold is not None else None
         norm = torch.linalg.vector_norm(a.to(cfg.stats_dtype), dim=1) if cfg.margin.needs_norm else None
         coef = torch.full((a.shape[0],), 1.0 / max(a.shape[0], 1), dtype=cfg.stats_dtype, device=a.device)
-        forward, backward = _shard_kernels(cfg)
+        forward, backward = shard_kernels(cfg)
         fused = cfg.impl != "torch"
         # the fused forward picks its code by cfg.impl when called: the slice's statistics come from
         # gemm's (no autotuner), so the only fused-kernel forward of the timing is the whole shard's
@@ -731,8 +699,6 @@ class ShardedMarginHead(nn.Module):
                 of new class ids giving those rows, or None for the seeded random rows.
             optimizer: the head's optimizer, whose parameters and per-row state grow with it.
         """
-        from shardfc.head.grow import grow_head
-
         return grow_head(self, n, rows, optimizer)
 
     # ------------------------------------------------------------------ predict

@@ -89,8 +89,7 @@ def load_sharded_state(
         margin_state = {k[len("margin."):]: v for k, v in extras.items() if k.startswith("margin.")}
         if margin_state:
             head.margin.load_state(margin_state)
-    head._pending_rows = None
-    head._row_grads = []
+    head.forget_sampled_rows()
     if optimizer is not None:
         opt_tensors = {_optimizer_key(k): v for k, v in tensors.items() if k.startswith("optimizer.")}
         opt_extras = {_optimizer_key(k): v for k, v in extras.items() if k.startswith("optimizer.")}

@@ -93,7 +93,7 @@ def drop_subcenters(head, counts: Tensor) -> None:
     else:
         head.weight = kept[0]
     head.subcenters = 1
-    head._pending_rows = None
+    head.forget_sampled_rows()
 
 
 @torch.no_grad()

@@ -18,11 +18,12 @@ shapes and devices are checked on the host, at once, in every mode.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from shardfc.checks import check_positive_int, check_probability
 from shardfc.parallel.context import DistContext
 
 _KINDS = {None: 0, ValueError: 1, TypeError: 2}
@@ -169,6 +170,52 @@ def check_batch_and_exchange_sizes(
     return raise_or_exchange_sizes(error, local_batch, ctx, flags, describe)
 
 
+class HeadOptions(NamedTuple):
+    """The head's options :func:`check_head_options` checked, as the head keeps them."""
+
+    sample_rate: float
+    sparse_grad: bool
+    subcenters: int
+    label_smoothing: float
+    interclass_filter_threshold: Optional[float]
+
+
+def check_head_options(
+    *,
+    sample_rate: Any = 1.0,
+    sparse_grad: Any = False,
+    subcenters: Any = 1,
+    label_smoothing: Any = 0.0,
+    interclass_filter_threshold: Any = None,
+) -> HeadOptions:
+    """The head's options that constrain each other, checked in one place for every caller that takes
+    them (:class:`~shardfc.head.module.ShardedMarginHead`, ``shardfc train``'s config, ``shardfc
+    plan``): Partial FC's rate in ``(0, 1]``, ``sparse_grad`` only with sampling, ``1..255``
+    sub-centres (the arg-max centre is kept as uint8), label smoothing in ``[0, 1]``, the inter-class
+    filter's threshold in ``(0, 1]`` (None: off) and not with label smoothing. Raises TypeError or
+    ValueError naming the argument and its value (as given)."""
+    given_smoothing, given_rate = label_smoothing, sample_rate
+    label_smoothing = check_probability("label_smoothing", label_smoothing, low_open=False, high_open=False)
+    sample_rate = check_probability("sample_rate", sample_rate, low_open=True, high_open=False)
+    if not isinstance(sparse_grad, bool):
+        raise TypeError(f"sparse_grad must be True or False, got {sparse_grad!r}")
+    if sparse_grad and sample_rate >= 1.0:
+        raise ValueError(f"sparse_grad needs Partial FC (sample_rate < 1), got sample_rate={given_rate!r}")
+    checked = check_positive_int("subcenters", subcenters)
+    if checked > 255:  # the arg-max centre is kept as uint8
+        raise ValueError(f"subcenters must be <= 255, got {subcenters!r}")
+    if interclass_filter_threshold is not None:
+        interclass_filter_threshold = check_probability(
+            "interclass_filter_threshold", interclass_filter_threshold, low_open=True, high_open=False
+        )
+        if label_smoothing > 0:
+            raise ValueError(
+                f"interclass_filter_threshold={interclass_filter_threshold} removes classes from the softmax, "
+                f"so label_smoothing={given_smoothing} (spread over all classes) is undefined with it; use one"
+            )
+    return HeadOptions(sample_rate, sparse_grad, checked, label_smoothing, interclass_filter_threshold)
+
+
 #: How a head reads its value checks (``validate=``): ``"immediate"`` in the forward that runs them
 #: (one host sync in one process), ``"deferred"`` at the next forward, ``"auto"`` deferred on CUDA.
 VALIDATE_MODES = ("auto", "immediate", "deferred")
@@ -262,6 +309,8 @@ def check_batch_deferred(
 
 
 __all__ = [
+    "HeadOptions",
+    "check_head_options",
     "check_embeddings",
     "check_labels",
     "raise_or_exchange_sizes",

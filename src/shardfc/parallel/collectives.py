@@ -5,66 +5,29 @@ by callers that were themselves given no group). Rows are gathered along dim 0 w
 per-rank sizes: gloo's all-gather needs equal sizes, so rows are padded to the largest local size
 and unpadded after; reduce-scatter uses the list form, which accepts unequal sizes on gloo and NCCL.
 
-Communication accounting (:func:`count_comm`): each call adds the bytes of its full-size buffer:
-the gathered output of an all-gather, the input of a reduce-scatter, the tensor of an all-reduce.
-That is the volume a rank moves through the collective (the backend may split it into ring steps).
+Communication accounting (:func:`~shardfc.parallel.counting.count_comm`, re-exported here): each
+call adds the bytes of its full-size buffer: the gathered output of an all-gather, the input of a
+reduce-scatter, the tensor of an all-reduce. That is the volume a rank moves through the collective
+(the backend may split it into ring steps).
 """
 
 from __future__ import annotations
 
-import contextlib
 import pickle
-from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from shardfc.parallel.counting import CommCounter, count_comm, record_comm, record_comm_bytes
 
-@dataclass
-class CommCounter:
-    """Bytes and calls per collective kind, counted at the call sites."""
-
-    bytes: Dict[str, int] = field(default_factory=dict)
-    calls: Dict[str, int] = field(default_factory=dict)
-
-    def add(self, kind: str, nbytes: int) -> None:
-        self.bytes[kind] = self.bytes.get(kind, 0) + int(nbytes)
-        self.calls[kind] = self.calls.get(kind, 0) + 1
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes.values())
-
-
-_COUNTERS: List[CommCounter] = []
-
-
-@contextlib.contextmanager
-def count_comm() -> Iterator[CommCounter]:
-    """Count the bytes of every collective this module issues inside the ``with`` block."""
-    counter = CommCounter()
-    _COUNTERS.append(counter)
-    try:
-        yield counter
-    finally:
-        _COUNTERS.remove(counter)
-
-
-def _record(kind: str, t: Tensor) -> None:
-    _record_bytes(kind, t.numel() * t.element_size())
-
-
-def _record_bytes(kind: str, nbytes: int) -> None:
-    for c in _COUNTERS:
-        c.add(kind, nbytes)
-
-
-def record_comm_bytes(kind: str, nbytes: int) -> None:
-    """Count ``nbytes`` of a collective issued outside this module (DDP's gradient buckets,
-    Horovod's gradient all-reduces) in every active :func:`count_comm`, by the same convention."""
-    _record_bytes(kind, nbytes)
+__all__ = [  # CommCounter, count_comm, record_comm_bytes: re-exported from their home, .counting
+    "CommCounter", "all_gather_object", "all_gather_rows", "all_reduce", "barrier", "broadcast_from_root",
+    "broadcast_object", "comm_device", "count_comm", "gather_rows_forward_reduce_scatter_backward",
+    "gather_to_root", "group_rank", "group_size", "record_comm", "record_comm_bytes", "reduce_scatter_rows",
+    "scatter_from_root",
+]
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -84,7 +47,7 @@ def comm_device(group: Optional[dist.ProcessGroup]) -> torch.device:
 
 def all_reduce(t: Tensor, op: dist.ReduceOp.RedOpType, group: Optional[dist.ProcessGroup]) -> Tensor:
     """In-place all-reduce; returns ``t``."""
-    _record("all_reduce", t)
+    record_comm("all_reduce", t)
     dist.all_reduce(t, op=op, group=group)
     return t
 
@@ -104,7 +67,7 @@ def all_gather_rows(x: Tensor, sizes: Sequence[int], group: Optional[dist.Proces
         padded[: x.shape[0]] = x
         x = padded
     out = x.new_empty((world * width,) + tuple(x.shape[1:]))
-    _record("all_gather", out)
+    record_comm("all_gather", out)
     _all_gather_single(out, x, group=group)
     if all(s == width for s in sizes):
         return out
@@ -116,7 +79,7 @@ def reduce_scatter_rows(x: Tensor, sizes: Sequence[int], group: Optional[dist.Pr
     """Sum ``x`` (all ranks' rows, in rank order) over ranks; return this rank's rows."""
     rank = group_rank(group)
     x = x.contiguous()
-    _record("reduce_scatter", x)
+    record_comm("reduce_scatter", x)
     out = x.new_empty((sizes[rank],) + tuple(x.shape[1:]))
     if len(set(sizes)) == 1:
         _reduce_scatter_single(out, x, group=group)
@@ -132,10 +95,10 @@ def gather_to_root(x: Tensor, group: Optional[dist.ProcessGroup]) -> Optional[Li
     if group_rank(group) == 0:
         out = [torch.empty_like(x) for _ in range(world)]
         for t in out:
-            _record("gather", t)
+            record_comm("gather", t)
         dist.gather(x, out, dst=root, group=group)
         return out
-    _record("gather", x)
+    record_comm("gather", x)
     dist.gather(x, None, dst=root, group=group)
     return None
 
@@ -143,14 +106,14 @@ def gather_to_root(x: Tensor, group: Optional[dist.ProcessGroup]) -> Optional[Li
 def scatter_from_root(parts: Optional[List[Tensor]], like: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
     """Rank r receives ``parts[r]`` from the group's rank 0 (shaped like ``like``)."""
     out = torch.empty_like(like)
-    _record("scatter", out)
+    record_comm("scatter", out)
     dist.scatter(out, [p.contiguous() for p in parts] if parts is not None else None, src=_global_rank(group, 0), group=group)
     return out
 
 
 def broadcast_from_root(t: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
     """In-place broadcast from the group's rank 0; returns ``t``."""
-    _record("broadcast", t)
+    record_comm("broadcast", t)
     dist.broadcast(t, src=_global_rank(group, 0), group=group)
     return t
 
@@ -161,7 +124,7 @@ def _global_rank(group: Optional[dist.ProcessGroup], rank: int) -> int:
 
 def all_gather_object(obj: Any, group: Optional[dist.ProcessGroup]) -> List[Any]:
     """Every rank's picklable ``obj``, in rank order (counted as the pickled bytes of this rank's)."""
-    _record_bytes("all_gather_object", len(pickle.dumps(obj)) * group_size(group))
+    record_comm_bytes("all_gather_object", len(pickle.dumps(obj)) * group_size(group))
     out: List[Any] = [None] * group_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
@@ -170,7 +133,7 @@ def all_gather_object(obj: Any, group: Optional[dist.ProcessGroup]) -> List[Any]
 def broadcast_object(obj: Any, group: Optional[dist.ProcessGroup]) -> Any:
     """The group's rank 0's picklable ``obj`` on every rank."""
     if group_rank(group) == 0:
-        _record_bytes("broadcast_object", len(pickle.dumps(obj)))
+        record_comm_bytes("broadcast_object", len(pickle.dumps(obj)))
     box = [obj]
     dist.broadcast_object_list(box, src=_global_rank(group, 0), group=group)
     return box[0]
@@ -178,8 +141,21 @@ def broadcast_object(obj: Any, group: Optional[dist.ProcessGroup]) -> Any:
 
 def barrier(group: Optional[dist.ProcessGroup]) -> None:
     """Wait until every rank of ``group`` gets here (moves no payload)."""
-    _record_bytes("barrier", 0)
+    record_comm_bytes("barrier", 0)
     dist.barrier(group=group)
+
+
+class _GroupRows:
+    """A process group seen through the two row collectives (what a communicator offers)."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup]):
+        self.group = group
+
+    def all_gather_rows(self, x: Tensor, sizes: Sequence[int]) -> Tensor:
+        return all_gather_rows(x, sizes, self.group)
+
+    def reduce_scatter_rows(self, x: Tensor, sizes: Sequence[int]) -> Tensor:
+        return reduce_scatter_rows(x, sizes, self.group)
 
 
 class _GatherRowsForwardReduceScatterBackward(torch.autograd.Function):
@@ -211,7 +187,5 @@ def gather_rows_forward_reduce_scatter_backward(
     """
     comm = group
     if not (hasattr(comm, "all_gather_rows") and hasattr(comm, "reduce_scatter_rows")):
-        from shardfc.parallel.comm import TorchDistCommunicator  # comm imports this module
-
-        comm = TorchDistCommunicator(group)
+        comm = _GroupRows(group)
     return _GatherRowsForwardReduceScatterBackward.apply(x, list(sizes), comm, grad_scale)

@@ -13,7 +13,7 @@ The head and the trainer need six operations, and nothing else::
 torch.distributed process group (the counted functions of :mod:`shardfc.parallel.collectives`),
 :class:`HorovodCommunicator` over Horovod's global process set (``horovod.torch``, counted the same
 way). A :class:`~shardfc.parallel.context.DistContext` carries one; code below it never names a
-backend. Both record into :func:`~shardfc.parallel.collectives.count_comm` under the name of the
+backend. Both record into :func:`~shardfc.parallel.counting.count_comm` under the name of the
 operation asked for, with the same byte convention (the gathered output, the reduce-scatter input,
 the all-reduced tensor, the pickled objects).
 
@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from shardfc.parallel import collectives
+from shardfc.parallel.counting import record_comm, record_comm_bytes
 from shardfc.parallel.partition import split_evenly
 
 #: How to get Horovod, for error messages.
@@ -218,13 +219,13 @@ class HorovodCommunicator(Communicator):
         if x.shape[0] != sizes[self.rank]:
             raise ValueError(f"rank {self.rank} has {x.shape[0]} rows but sizes says {sizes[self.rank]}")
         wire = _to_wire(x.contiguous())
-        collectives._record_bytes("all_gather", sum(sizes) * _row_bytes(wire))
+        record_comm_bytes("all_gather", sum(sizes) * _row_bytes(wire))
         hvd = self.hvd
         return hvd.synchronize(hvd.allgather_async(wire)).to(x.dtype)
 
     def reduce_scatter_rows(self, x: Tensor, sizes: Sequence[int]) -> Tensor:
         wire = _to_wire(x.contiguous())
-        collectives._record("reduce_scatter", wire)
+        record_comm("reduce_scatter", wire)
         hvd = self.hvd
         lo = sum(sizes[: self.rank])
         if min(sizes) > 0 and list(sizes) == _horovod_split(x.shape[0], self.world_size):
@@ -237,23 +238,23 @@ class HorovodCommunicator(Communicator):
         hvd = self.hvd
         hvd_op = {"sum": hvd.Sum, "max": hvd.Max}[reduce_op_name(op)]
         wire = _to_wire(t.contiguous())
-        collectives._record("all_reduce", wire)
+        record_comm("all_reduce", wire)
         # Out of place and copied back: ``t`` may be a view (a slice of flags), which Horovod's
         # in-place op would not see as its own buffer. These tensors are small.
         t.copy_(hvd.synchronize(hvd.allreduce_async(wire, op=hvd_op)))
         return t
 
     def all_gather_object(self, obj: Any) -> List[Any]:
-        collectives._record_bytes("all_gather_object", len(pickle.dumps(obj)) * self.world_size)
+        record_comm_bytes("all_gather_object", len(pickle.dumps(obj)) * self.world_size)
         return list(self.hvd.allgather_object(obj, name=self._GATHER_NAME))
 
     def broadcast_object(self, obj: Any) -> Any:
         if self.rank == 0:
-            collectives._record_bytes("broadcast_object", len(pickle.dumps(obj)))
+            record_comm_bytes("broadcast_object", len(pickle.dumps(obj)))
         return self.hvd.broadcast_object(obj, root_rank=0, name=self._BROADCAST_NAME)
 
     def barrier(self) -> None:
-        collectives._record_bytes("barrier", 0)
+        record_comm_bytes("barrier", 0)
         self.hvd.barrier()
 
 

@@ -186,7 +186,7 @@ def _block_segments(model: nn.Module, decl: Segments) -> dict[str, nn.Sequential
     return out
 
 
-def _units(model: nn.Module, decl: Segments) -> list[_Unit]:
+def split_units(model: nn.Module, decl: Segments) -> list[_Unit]:
     blocky = _block_segments(model, decl)
     units: list[_Unit] = []
     for i, (name, items) in enumerate(decl):
@@ -207,7 +207,7 @@ def available_split_points(model: nn.Module, blocks: bool = False) -> tuple[str,
     decl = model_segments(model)
     if not blocks:
         return tuple(name for name, _ in decl[:-1])
-    return tuple(u.point for u in _units(model, decl)[:-1])
+    return tuple(u.point for u in split_units(model, decl)[:-1])
 
 
 def _check_split_points(model: nn.Module, decl: Segments, split_points: Sequence[str]) -> tuple[list[int], list[_Unit]]:
@@ -219,7 +219,7 @@ def _check_split_points(model: nn.Module, decl: Segments, split_points: Sequence
             f"split_points must be a sequence of segment names (e.g. ['layer2']), got {split_points!r}"
         )
     points = list(split_points)
-    units = _units(model, decl)
+    units = split_units(model, decl)
     fine = [u.point for u in units[:-1]]
     valid = [name for name, _ in decl[:-1]]
     last = decl[-1][0]
@@ -351,7 +351,7 @@ def _resolve_device(value: DeviceLike, where: str) -> torch.device:
     return dev
 
 
-def _check_devices(devices: Sequence[DeviceLike], n_stages: int, why: str) -> tuple[torch.device, ...]:
+def check_devices(devices: Sequence[DeviceLike], n_stages: int, why: str) -> tuple[torch.device, ...]:
     if isinstance(devices, (str, bytes, int, torch.device)) or not isinstance(devices, Iterable):
         raise TypeError(f"devices must be a sequence with one device per stage (e.g. ['cuda:0', 'cuda:1']), got {devices!r}")
     devs = list(devices)
@@ -394,7 +394,7 @@ class SplitModel(nn.Module):
         for i, s in enumerate(stage_list):
             if not isinstance(s, nn.Module):
                 raise TypeError(f"stages[{i}] must be an nn.Module, got {type(s).__name__}")
-        devs = _check_devices(devices, len(stage_list), "len(stages)")
+        devs = check_devices(devices, len(stage_list), "len(stages)")
         _check_not_shared(stage_list, devs)
         for s, d in zip(stage_list, devs):
             s.to(d)
@@ -441,14 +441,14 @@ def split_model(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     stage_list = stages(model, split_points)
     points = tuple(split_points)
-    _check_devices(devices, len(stage_list), f"len(split_points) + 1 (split_points={list(points)})")
+    check_devices(devices, len(stage_list), f"len(split_points) + 1 (split_points={list(points)})")
     split = SplitModel(stage_list, devices)
     split.split_points = points
     return split
 
 
 # --------------------------------------------------------------------------- pipelining
-def _check_split_size(value: object) -> int:
+def check_split_size(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
         raise ValueError(f"split_size must be a positive int (rows per micro-batch), got {value!r}")
     return int(value)
@@ -549,7 +549,7 @@ class PipelinedModel(nn.Module):
 
     @split_size.setter
     def split_size(self, value: int) -> None:
-        self._split_size = _check_split_size(value)
+        self._split_size = check_split_size(value)
 
     @property
     def stages(self) -> nn.ModuleList:

@@ -30,7 +30,7 @@ from torch import nn
 
 from shardfc.checks import check_int, check_positive_int
 from shardfc.parallel.context import DistContext
-from shardfc.parallel.model_split import _units, batch_stats_module, model_segments
+from shardfc.parallel.model_split import batch_stats_module, model_segments, split_units
 from shardfc.parallel.partition import linear_partition
 
 __all__ = [
@@ -137,7 +137,7 @@ def balanced_split_points(model: nn.Module, stages: int) -> List[str]:
     memory and compute. Works on a model built on the meta device.
     """
     decl = model_segments(model)
-    units = _units(model, decl)
+    units = split_units(model, decl)
     check_stage_count(stages, len(units) - 1)
     children = dict(model.named_children())
 

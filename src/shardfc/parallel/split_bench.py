@@ -41,8 +41,8 @@ from torch import nn
 from ..models import build_backbone, input_size
 from .model_split import (
     PipelinedModel,
-    _check_devices,
-    _check_split_size,
+    check_devices,
+    check_split_size,
     model_segments,
     split_model,
     stages,
@@ -173,7 +173,7 @@ def time_split_sweep(
     _check_int("warmup", warmup, 0)
     if isinstance(split_sizes, (int, str)):
         raise ValueError(f"split_sizes must be a sequence of positive ints, got {split_sizes!r}")
-    sizes = [_check_split_size(s) for s in split_sizes]
+    sizes = [check_split_size(s) for s in split_sizes]
     for size in sizes:
         if train and (size == 1 or batch % size == 1):
             raise ValueError(
@@ -182,7 +182,7 @@ def time_split_sweep(
             )
     if isinstance(devices, (str, torch.device)):
         raise ValueError(f"devices must be a sequence, one device per stage, got {devices!r}")
-    devs = _check_devices(devices, len(devices), "len(devices)")
+    devs = check_devices(devices, len(devices), "len(devices)")
     if image_size is None:
         hw = input_size(model_name)
     elif isinstance(image_size, int):

@@ -36,13 +36,9 @@ def resolve_checkpoint(path: "str | os.PathLike[str]") -> Path:
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"--checkpoint {str(path)!r} does not exist")
-    if (p / "meta.json").is_file():
-        ckpt.verify_checkpoint(p, check_hashes=False)
-        return p
-    for root in (p / "checkpoints", p):
-        found = ckpt.latest_checkpoint(root) if root.is_dir() else None
-        if found is not None:
-            return found
+    found = ckpt.checkpoint_at(p, check_hashes=False)
+    if found is not None:
+        return found
     raise FileNotFoundError(f"--checkpoint {str(path)!r} is neither a checkpoint nor a folder holding complete ones")
 
 

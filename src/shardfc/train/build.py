@@ -30,7 +30,7 @@ from shardfc.parallel.context import DistContext
 from shardfc.parallel.pipeline import PipelineLayout
 from shardfc.seeding import mix_seed, seed_all
 from shardfc.train import cpu
-from shardfc.train.classes import ClassPlan
+from shardfc.train.classes import ClassPlan, plan_run_classes
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.data import rank_batches, train_dataset
 from shardfc.train.head_update import fused_head_update
@@ -314,8 +314,6 @@ def build_run(cfg: TrainConfig, ctx: DistContext, clock=None, classes_from: Opti
     dataset = train_dataset(cfg, image_size)
     class_plan = None
     if classes_from is not None:
-        from shardfc.train.fine_tune import plan_run_classes
-
         dataset, class_plan = plan_run_classes(cfg, dataset, *classes_from)
     mark("dataset")
     layout = pipeline_layout(cfg, ctx) if cfg.strategy == "pipeline" else None

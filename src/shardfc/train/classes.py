@@ -14,14 +14,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+from torch.utils.data import Dataset
 
-from shardfc.checkpoint.format import CheckpointError, open_regular
-from shardfc.train.config import ConfigError
+from shardfc import checkpoint as ckpt
+from shardfc.checkpoint.exported import is_torchscript
+from shardfc.checkpoint.format import CheckpointError, open_regular, short_repr
+from shardfc.data.relabel import RelabelledDataset
+from shardfc.train.config import ConfigError, TrainConfig
 
-__all__ = ["ClassPlan", "plan_classes", "fresh_plan", "read_renames", "rename", "SHOWN"]
+__all__ = ["ClassPlan", "plan_classes", "plan_run_classes", "fresh_plan", "read_renames", "rename", "saved_classes",
+           "SHOWN"]
 
 #: Offending names an error shows (then a count of the rest).
 SHOWN = 5
@@ -199,3 +204,46 @@ def plan_classes(
     if vanished:
         note += f", {len(vanished)} kept without images ({_shown(vanished)})"
     return ClassPlan(names, None if identity else label_map, saved_classes, added, vanished, note)
+
+
+def saved_classes(path: Path, trust_pickle: bool) -> Tuple[Optional[list], int, dict]:
+    """``(class names or None, class count, common dict)`` of checkpoint ``path``.
+
+    Raises:
+        CheckpointError: ``class_names`` is not a list of distinct strings, one per class (a string
+            ``"ABCD"`` is not four names).
+    """
+    common, meta = ckpt.load_common(path, trust_pickle=trust_pickle)
+    names = common.get("class_names")
+    count = int(meta["num_classes"])
+    if names is not None:
+        where = path / ckpt.COMMON_FILE
+        if not (isinstance(names, (list, tuple)) and all(type(n) is str for n in names)):
+            raise CheckpointError(f"{where}: class_names must be a list of strings, got {short_repr(names)}")
+        if len(names) != count or len(set(names)) != len(names):
+            raise CheckpointError(
+                f"{where}: class_names must be {count} distinct names (one per class), got {len(names)} "
+                f"({len(names) - len(set(names))} repeated)"
+            )
+    return (list(names) if names is not None else None), count, common
+
+
+def plan_run_classes(cfg: TrainConfig, dataset: Dataset, path: Path, init: bool) -> Tuple[Dataset, ClassPlan]:
+    """The run's class plan against checkpoint ``path`` and its dataset, relabelled when the plan
+    moves labels (a grown or reordered identity set). An exported model (no head) gives a fresh head."""
+    dataset_names = getattr(dataset, "class_names", None)
+    if dataset_names is None:
+        dataset_names = [str(i) for i in range(dataset.num_classes)]
+    if is_torchscript(path):
+        return dataset, fresh_plan(dataset_names, "an exported model holds no head")
+    names, count, _ = saved_classes(path, cfg.trust_checkpoint)
+    if cfg.rename_classes:  # renamed identities keep their rows under their new names
+        if names is None:
+            raise ConfigError(f"rename_classes={cfg.rename_classes!r}: checkpoint {path} records no class names to rename")
+        names = rename(names, read_renames(cfg.rename_classes), source=f"checkpoint {path}")
+    plan = plan_classes(names, count, dataset_names, init=init, on_missing=cfg.on_missing_classes,
+                        source=f"checkpoint {path}")
+    if plan.label_map is not None or plan.num_classes != dataset.num_classes:
+        dataset = RelabelledDataset(dataset, plan.label_map if plan.label_map is not None
+                                    else np.arange(dataset.num_classes), plan.names)
+    return dataset, plan

@@ -21,7 +21,7 @@ from typing import List, Optional
 import torch
 
 from shardfc import checkpoint as ckpt
-from shardfc.checkpoint.format import read_meta
+from shardfc.checkpoint.format import saved_num_classes
 from shardfc.train.artifacts import add_checkpoint_args, load_backbone
 from shardfc.train.config import ConfigError
 
@@ -85,7 +85,7 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, out: Path) -> Non
 def export_fc(folder: Path, out: Path, *, trust_pickle: bool = False) -> torch.Size:
     """Write the class centres of checkpoint ``folder`` (every saved shard's rows, in class order)
     to ``out`` as one tensor; returns its shape."""
-    num_classes = read_meta(folder)["num_classes"]
+    num_classes = saved_num_classes(folder)
     loaded = ckpt.load_checkpoint(
         folder, class_range=range(num_classes), num_classes=num_classes, rank=0, trust_pickle=trust_pickle
     )

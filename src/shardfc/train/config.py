@@ -301,21 +301,27 @@ class TrainConfig:
         return kwargs
 
     def margin_params(self) -> Dict[str, Any]:
-        """Keyword arguments of :func:`shardfc.head.margins.build_margin` for ``self.margin``."""
+        """Keyword arguments of :func:`shardfc.head.margins.build_margin` for ``self.margin``; a
+        negative ``m`` takes the margin class's own default (the defaults live there, once)."""
+        from shardfc.head.margins import MARGINS  # imports torch: only when a margin is built
+
         name = self.margin
+        if self.m < 0 and name in ("arcface", "cosface", "sphereface", "adaface"):
+            m = inspect.signature(MARGINS[name]).parameters["margin"].default
+        else:
+            m = int(self.m) if name == "sphereface" else self.m
         if name == "arcface":
-            return {"scale": self.scale, "margin": 0.5 if self.m < 0 else self.m, "easy_margin": self.easy_margin}
+            return {"scale": self.scale, "margin": m, "easy_margin": self.easy_margin}
         if name == "cosface":
-            return {"scale": self.scale, "margin": 0.35 if self.m < 0 else self.m}
+            return {"scale": self.scale, "margin": m}
         if name == "sphereface":
-            return {"margin": 4 if self.m < 0 else int(self.m), "lambda_": self.sphereface_lambda}
+            return {"margin": m, "lambda_": self.sphereface_lambda}
         if name == "combined":
             return {"scale": self.scale, "m1": self.m1, "m2": self.m2, "m3": self.m3}
         if name == "normsoftmax":
             return {"scale": self.scale}
         if name == "adaface":
-            return {"scale": self.scale, "margin": 0.4 if self.m < 0 else self.m, "h": self.adaface_h,
-                    "momentum": self.adaface_momentum}
+            return {"scale": self.scale, "margin": m, "h": self.adaface_h, "momentum": self.adaface_momentum}
         if name == "magface":
             return {"scale": self.scale, "l_a": self.magface_l_a, "u_a": self.magface_u_a, "l_m": self.magface_l_m,
                     "u_m": self.magface_u_m, "lambda_g": self.magface_lambda_g}
@@ -367,29 +373,26 @@ class TrainConfig:
         if self.head_momentum >= 0 and self.optimizer != "sgd":
             raise ConfigError(f"head_momentum applies to optimizer='sgd', got optimizer={self.optimizer!r} "
                               f"(head_momentum={self.head_momentum!r})")
-        if not 0.0 < self.sample_rate <= 1.0:
-            raise ConfigError(f"sample_rate must be in (0, 1], got {self.sample_rate!r}")
         _validate_reid(self)
         _choice(self, "head_dtype", ("float32", "bfloat16", "float16"))
         _choice(self, "head_rounding", ("nearest", "stochastic"))
-        if self.sparse_grad and self.sample_rate >= 1.0:
-            raise ConfigError(f"sparse_grad needs Partial FC: set sample_rate < 1 (got {self.sample_rate!r})")
         if self.sparse_grad and self.amp == "fp16":
             raise ConfigError("sparse_grad does not work with amp='fp16' (the loss scaler unscales .grad only): "
                               "use --amp bf16 or none")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
-        if self.subcenters > 255:
-            raise ConfigError(f"subcenters must be <= 255, got {self.subcenters!r}")
         if not 0.0 <= self.interclass_filter_threshold <= 1.0:
             raise ConfigError(
                 f"interclass_filter_threshold must be in (0, 1] (0: off), got {self.interclass_filter_threshold!r}"
             )
-        if self.interclass_filter_threshold > 0 and self.label_smoothing > 0:
-            raise ConfigError(
-                f"interclass_filter_threshold={self.interclass_filter_threshold!r} removes classes from the softmax, "
-                f"so label_smoothing={self.label_smoothing!r} (over all classes) is undefined with it: use one"
-            )
+        from shardfc.head.validation import check_head_options  # the head's own checks, once
+
+        try:
+            check_head_options(sample_rate=self.sample_rate, sparse_grad=self.sparse_grad, subcenters=self.subcenters,
+                               label_smoothing=self.label_smoothing,
+                               interclass_filter_threshold=self.interclass_filter_threshold or None)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e)) from None
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
         if self.image_size and (len(self.image_size) != 2 or min(self.image_size) < 1

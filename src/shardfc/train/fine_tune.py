@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Subset
 
 from shardfc import checkpoint as ckpt
 from shardfc.checkpoint.exported import is_torchscript, read_exported
-from shardfc.checkpoint.format import read_meta, short_repr
-from shardfc.data.relabel import RelabelledDataset
+from shardfc.checkpoint.format import short_repr
+from shardfc.data.labels import dataset_labels
 from shardfc.head.grow import grown_state
 from shardfc.head.imprint import imprint_centres
-from shardfc.head.module import init_rows
+from shardfc.head.layout import overlap, seeded_rows
 from shardfc.parallel.context import DistContext
-from shardfc.train.classes import ClassPlan, fresh_plan, plan_classes, read_renames, rename
+from shardfc.train.build import autocast_factory
+from shardfc.train.classes import ClassPlan, plan_run_classes, saved_classes  # the last two re-exported from there
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.pipeline_train import restore_backbone
 
@@ -41,14 +42,9 @@ def resolve_init_from(path: str) -> Path:
     p = Path(path).expanduser()
     if p.is_file() and is_torchscript(p):
         return p
-    if (p / ckpt.META_FILE).is_file():
-        ckpt.verify_checkpoint(p)
-        return p
-    for root in (p / "checkpoints", p):
-        if root.is_dir():
-            found = ckpt.latest_checkpoint(root)
-            if found is not None:
-                return found
+    found = ckpt.checkpoint_at(p)
+    if found is not None:
+        return found
     raise ConfigError(
         f"init_from={path!r}: no shardfc checkpoint or exported model there (a step_* folder with meta.json, a run "
         "folder holding checkpoints/step_*, or a `shardfc export` TorchScript file; convert an arcface_torch model "
@@ -56,69 +52,9 @@ def resolve_init_from(path: str) -> Path:
     )
 
 
-def saved_classes(path: Path, trust_pickle: bool) -> Tuple[Optional[list], int, dict]:
-    """``(class names or None, class count, common dict)`` of checkpoint ``path``.
-
-    Raises:
-        CheckpointError: ``class_names`` is not a list of distinct strings, one per class (a string
-            ``"ABCD"`` is not four names).
-    """
-    common, meta = ckpt.load_common(path, trust_pickle=trust_pickle)
-    names = common.get("class_names")
-    count = int(meta["num_classes"])
-    if names is not None:
-        where = path / ckpt.COMMON_FILE
-        if not (isinstance(names, (list, tuple)) and all(type(n) is str for n in names)):
-            raise ckpt.CheckpointError(f"{where}: class_names must be a list of strings, got {short_repr(names)}")
-        if len(names) != count or len(set(names)) != len(names):
-            raise ckpt.CheckpointError(
-                f"{where}: class_names must be {count} distinct names (one per class), got {len(names)} "
-                f"({len(names) - len(set(names))} repeated)"
-            )
-    return (list(names) if names is not None else None), count, common
-
-
-def plan_run_classes(cfg: TrainConfig, dataset: Dataset, path: Path, init: bool) -> Tuple[Dataset, ClassPlan]:
-    """The run's class plan against checkpoint ``path`` and its dataset, relabelled when the plan
-    moves labels (a grown or reordered identity set). An exported model (no head) gives a fresh head."""
-    dataset_names = getattr(dataset, "class_names", None)
-    if dataset_names is None:
-        dataset_names = [str(i) for i in range(dataset.num_classes)]
-    if is_torchscript(path):
-        return dataset, fresh_plan(dataset_names, "an exported model holds no head")
-    names, count, _ = saved_classes(path, cfg.trust_checkpoint)
-    if cfg.rename_classes:  # renamed identities keep their rows under their new names
-        if names is None:
-            raise ConfigError(f"rename_classes={cfg.rename_classes!r}: checkpoint {path} records no class names to rename")
-        names = rename(names, read_renames(cfg.rename_classes), source=f"checkpoint {path}")
-    plan = plan_classes(names, count, dataset_names, init=init, on_missing=cfg.on_missing_classes,
-                        source=f"checkpoint {path}")
-    if plan.label_map is not None or plan.num_classes != dataset.num_classes:
-        dataset = RelabelledDataset(dataset, plan.label_map if plan.label_map is not None
-                                    else np.arange(dataset.num_classes), plan.names)
-    return dataset, plan
-
-
-def _overlap(a: range, b: range) -> range:
-    lo = max(a.start, b.start)
-    return range(lo, max(lo, min(a.stop, b.stop)))
-
-
-def _random_rows(cfg: TrainConfig, head) -> Callable[[range], torch.Tensor]:
-    K, D = head.subcenters, head.embedding_dim
-
-    def rows(r: range) -> torch.Tensor:
-        out = init_rows(r.start * K, r.stop * K, D, cfg.seed)
-        return out if K == 1 else out.view(len(r), K, D)
-
-    return rows
-
-
 @torch.no_grad()
 def _embeddings(run, cfg: TrainConfig, wanted_from: int):
     """This rank's share of the images of classes ``>= wanted_from``, through the backbone in eval mode."""
-    from shardfc.train.build import autocast_factory
-    from shardfc.train.identity_sampler import dataset_labels
     from shardfc.train.prefetch import to_device
 
     ctx: DistContext = run.ctx
@@ -146,10 +82,10 @@ def new_head_rows(run, cfg: TrainConfig, kept: int) -> Callable[[range], torch.T
     its random row); with sub-centres each centre is the imprint plus its own random row, so they differ.
     """
     head = run.parts.head
-    random_rows = _random_rows(cfg, head)
+    random_rows = seeded_rows(cfg.seed, head.subcenters, head.embedding_dim)
     if cfg.head_init != "imprint":
         return random_rows
-    wanted = _overlap(head.class_range, range(kept, head.num_classes))
+    wanted = overlap(head.class_range, range(kept, head.num_classes))
     got = imprint_centres(_embeddings(run, cfg, kept), wanted, head.embedding_dim,
                           context=run.ctx if run.ctx.distributed else None, device=run.ctx.device)
     centres, empty = got.centres.cpu(), (got.counts == 0).cpu()
@@ -175,8 +111,8 @@ def load_kept(run, cfg: TrainConfig, path: Path, plan: ClassPlan, fingerprint: O
     range, so any saved sharding: the resharding path); no head rows when the plan keeps none.
     ``mmap``: map the common file (a pipeline stage takes its part of a backbone saved whole)."""
     head = run.parts.head
-    old = _overlap(head.class_range, range(plan.kept)) if head is not None and plan.kept else range(0)
-    saved_count = int(read_meta(path)["num_classes"])
+    old = overlap(head.class_range, range(plan.kept)) if head is not None and plan.kept else range(0)
+    saved_count = ckpt.saved_num_classes(path)
     return ckpt.load_checkpoint(path, class_range=old, num_classes=saved_count, fingerprint=fingerprint,
                                 map_location="cpu", rank=run.ctx.rank, trust_pickle=cfg.trust_checkpoint, mmap=mmap)
 

@@ -30,24 +30,13 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Sampler
 
+from shardfc.data.labels import dataset_labels
 from shardfc.seeding import mix_seed
 from shardfc.train.config import ConfigError
 
 __all__ = ["IdentityBatches", "dataset_labels", "pk_epoch"]
-
-
-def dataset_labels(dataset: Dataset) -> np.ndarray:
-    """The class of every index of a training dataset, without decoding an image."""
-    inner = getattr(dataset, "inner", dataset)
-    if hasattr(inner, "labels"):  # RecordIODataset
-        return np.asarray(inner.labels, dtype=np.int64)
-    if hasattr(inner, "samples"):  # folder, list and Market-1501 datasets
-        return np.fromiter((label for _, label in inner.samples), dtype=np.int64, count=len(inner.samples))
-    if hasattr(inner, "images_per_identity"):  # SyntheticIdentities: index = identity * per + k
-        return np.arange(len(inner), dtype=np.int64) // inner.images_per_identity
-    raise TypeError(f"cannot read the labels of {type(inner).__name__} without loading its images")
 
 
 def _chunks_per_identity(counts: np.ndarray, k: int, p: int) -> tuple[np.ndarray, int]:

@@ -17,7 +17,7 @@ import torch
 
 from shardfc import checkpoint as ckpt
 from shardfc.checkpoint import step_of
-from shardfc.checkpoint.format import rank_file, read_meta
+from shardfc.checkpoint.format import rank_file, saved_num_classes
 from shardfc.checkpoint.weights_only import error_line
 from shardfc.parallel.context import DistContext
 from shardfc.seeding import seed_all
@@ -169,7 +169,7 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
     # holds no head rows: it reads the common state only.
     plan = run.classes if run.classes is not None else ClassPlan(list(map(str, range(num_classes))), None, num_classes)
     try:
-        loaded = load_kept(run, cfg, path, plan, fingerprint(cfg, int(read_meta(path)["num_classes"]), image_size),
+        loaded = load_kept(run, cfg, path, plan, fingerprint(cfg, saved_num_classes(path), image_size),
                            mmap=run.pipeline is not None)  # a stage takes its part of a backbone saved whole
     except ValueError as e:  # another model or class count: say how to get going
         raise ConfigError(f"cannot resume: {e}. Train it in a new --output-dir (or pass --resume none there)") from e

@@ -1,4 +1,4 @@
-"""How a run spreads over processes and devices: ``--strategy ddp | dp | horovod``.
+"""How a run spreads over processes and devices: ``--strategy ddp | dp | horovod | pipeline``.
 
     ddp      one process per rank (spawned with --nproc, or torchrun's): the backbone in
              DistributedDataParallel, one class shard of the head per rank (torch.distributed)

@@ -31,16 +31,16 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _tensors(x) -> Iterator[torch.Tensor]:
+def tensors_in(x) -> Iterator[torch.Tensor]:
     """The tensors in an operator's arguments or results (tuples, lists, dicts of them)."""
     if isinstance(x, torch.Tensor):
         yield x
     elif isinstance(x, (tuple, list)):
         for v in x:
-            yield from _tensors(v)
+            yield from tensors_in(v)
     elif isinstance(x, dict):
         for v in x.values():
-            yield from _tensors(v)
+            yield from tensors_in(v)
 
 
 _ALIASING: Dict[Any, bool] = {}
@@ -104,8 +104,8 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def _record(self, func, inputs, out) -> None:
         # An operator whose schema says no result aliases an argument returns new storages only.
-        arg_keys = {_storage_key(t) for t in _tensors(inputs)} if _may_alias(func) else ()
-        for t in _tensors(out):
+        arg_keys = {_storage_key(t) for t in tensors_in(inputs)} if _may_alias(func) else ()
+        for t in tensors_in(out):
             storage = t.untyped_storage()
             key = storage._cdata
             serial = self._serials.get(key)
@@ -114,7 +114,7 @@ class LiveTensorBytes(TorchDispatchMode):
             elif key not in arg_keys:  # a new storage
                 self._track(key, storage)
         if func.namespace == "c10d":
-            for t in _tensors((inputs, out)):
+            for t in tensors_in((inputs, out)):
                 serial = self._serials.get(_storage_key(t))
                 if serial is not None:
                     self.communication.add(serial)
@@ -196,4 +196,4 @@ class PeakMemory:
         return mode.peak
 
 
-__all__ = ["LiveTensorBytes", "PeakMemory"]
+__all__ = ["LiveTensorBytes", "PeakMemory", "tensors_in"]

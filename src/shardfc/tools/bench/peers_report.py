@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional
 
 from shardfc.head.margins import build_margin
 from shardfc.tools.bench.peers import ROW_FIELDS
-from shardfc.tools.bench.recipes_report import _pyplot, _save
+from shardfc.tools.bench.recipes_report import pyplot, save_png
 from shardfc.tools.bench.report import MEASURES
 
 #: bar colour per row group
@@ -81,7 +81,7 @@ def write_json(result: Dict[str, Any], path: str) -> None:
 def plot(result: Dict[str, Any], path: str) -> None:
     """Two panels, one bar per row: step ms (with the ratio to the floor) and extra memory.
     A row that did not run keeps its place, marked 'n/a'."""
-    plt = _pyplot()
+    plt = pyplot()
     rows = result["rows"]
     labels = ["\n".join(textwrap.wrap(r["label"], 14)) for r in rows]
     xs = list(range(len(rows)))
@@ -113,7 +113,7 @@ def plot(result: Dict[str, Any], path: str) -> None:
     axes[0].legend(handles=[Patch(color=c, label=g) for g, c in COLOURS.items()], fontsize="small")
     fig.suptitle("\n".join(textwrap.fill(h, 140) for h in header(result)[:2]), fontsize="x-small")
     fig.tight_layout()
-    _save(fig, path)
+    save_png(fig, path)
     plt.close(fig)
 
 

@@ -93,7 +93,7 @@ def write_json(path: str, meta: Dict[str, Any], rows: Optional[Sequence[Dict[str
         f.write("\n")
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,7 +102,7 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: str) -> None:
+def save_png(fig, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, format="png", dpi=110)
 
@@ -110,7 +110,7 @@ def _save(fig, path: str) -> None:
 def plot_recipes(rows: Sequence[Dict[str, Any]], path: str, meta: Optional[Dict[str, Any]] = None) -> None:
     """Three panels, one above the other, one bar per row: time per step (± std), peak RSS per process, comm bytes per step.
     A row that did not run keeps its place, marked 'n/a'."""
-    plt = _pyplot()
+    plt = pyplot()
     labels = [f"{r['recipe']}\n{r['precision']}" for r in rows]
     xs = range(len(rows))
     fig, axes = plt.subplots(3, 1, figsize=(max(8, 0.9 * len(rows)), 11), sharex=True)
@@ -140,7 +140,7 @@ def plot_recipes(rows: Sequence[Dict[str, Any]], path: str, meta: Optional[Dict[
     if head:
         fig.suptitle("\n".join(textwrap.fill(h, 150) for h in head), fontsize="x-small")
     fig.tight_layout()
-    _save(fig, path)
+    save_png(fig, path)
     plt.close(fig)
 
 
@@ -149,7 +149,7 @@ def plot_split_sweep(rows: Sequence[Dict[str, Any]], path: str, note: str = "") 
     split-without-pipelining times as horizontal bands, as in PyTorch's model-parallel tutorial."""
     import statistics
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     piped = [r for r in rows if r["config"] == "pipelined"]
     if piped:
@@ -169,7 +169,7 @@ def plot_split_sweep(rows: Sequence[Dict[str, Any]], path: str, note: str = "") 
                  f"{first['steps']} steps" + (f"\n{note}" if note else ""), fontsize="small")
     ax.legend(fontsize="small")
     fig.tight_layout()
-    _save(fig, path)
+    save_png(fig, path)
     plt.close(fig)
 
 

@@ -54,14 +54,15 @@ import argparse
 import contextlib
 import importlib.util
 import json
-import math
-import re
 import sys
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 
 from shardfc.checks import check_positive_int, chunk_size_arg
+from shardfc.head.validation import check_head_options
+from shardfc.tools.plan.traffic import format_traffic
+from shardfc.tools.plan.units import format_bytes, parse_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 OPTIMIZERS = ("sgd", "sgd_nomomentum", "adamw")
@@ -160,7 +161,6 @@ def plan(
     check_positive_int("dim", dim)
     check_positive_int("batch", batch)
     check_positive_int("world_size", world_size)
-    check_positive_int("subcenters", subcenters)
     check_positive_int("sms", sms)
     if impl not in PLAN_IMPLS:
         raise ValueError(f"impl must be one of {', '.join(PLAN_IMPLS)}, got {impl!r}")
@@ -170,8 +170,10 @@ def plan(
     dtype = _dtype_name(dtype)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
-    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not (0 < sample_rate <= 1):
-        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+    try:  # the head's own checks; the plan raises ValueError for every bad argument
+        check_head_options(sample_rate=sample_rate, sparse_grad=sparse_grad, subcenters=subcenters)
+    except TypeError as e:
+        raise ValueError(str(e)) from None
     if chunk_size == "auto":
         check_positive_int("chunk_budget_bytes", chunk_budget_bytes)
     elif chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
@@ -183,10 +185,6 @@ def plan(
         raise ValueError(f"weight_decay must be a number >= 0, got {weight_decay!r}")
     if not isinstance(grad_in_place, bool):
         raise ValueError(f"grad_in_place must be True or False, got {grad_in_place!r}")
-    if not isinstance(sparse_grad, bool):
-        raise ValueError(f"sparse_grad must be True or False, got {sparse_grad!r}")
-    if sparse_grad and sample_rate >= 1:
-        raise ValueError(f"sparse_grad needs Partial FC (sample_rate < 1), got sample_rate={sample_rate!r}")
     budget = None if budget_bytes is None else parse_bytes(budget_bytes)
     if not isinstance(fused_update, bool):
         raise ValueError(f"fused_update must be True or False, got {fused_update!r}")
@@ -374,40 +372,6 @@ def _largest(total: Callable[[int], int], budget: int, low: int, cap: int = 1 <<
     return lo
 
 
-# --------------------------------------------------------------------------- bytes
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1024, "kib": 1024, "kb": 1000,
-    "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
-    "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
-    "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
-}
-
-
-def parse_bytes(value: Union[int, float, str], name: str = "budget") -> int:
-    """``16GiB``, ``16G`` (binary), ``16GB`` (decimal), ``1.5e9``, ``123`` -> bytes (positive);
-    errors name the argument ``name``."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be a byte count such as 16GiB, got {value!r}")
-    if isinstance(value, (int, float)):
-        number = float(value)
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
-        if not match or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"{name} must be a byte count such as 16GiB, 500MB or 1e9, got {value!r}")
-        number = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if not math.isfinite(number) or number < 1:
-        raise ValueError(f"{name} must be at least 1 byte, got {value!r}")
-    return int(number)
-
-
-def format_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:,.2f} {unit}"
-    return f"{int(n)} B"
-
-
 # --------------------------------------------------------------------------- output and CLI
 def format_plan(result: Dict[str, Any]) -> str:
     """A readable table of :func:`plan`'s result."""
@@ -517,8 +481,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     print(format_plan(result))
     if "traffic" in result:
-        from shardfc.tools.plan.traffic import format_traffic
-
         print()
         print(format_traffic(result["traffic"]))
     if args.json:

@@ -37,7 +37,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from shardfc.tools.bench.memory import LiveTensorBytes, _tensors
+from shardfc.tools.bench.memory import LiveTensorBytes, tensors_in
 
 aten = torch.ops.aten
 META = torch.device("meta")
@@ -230,7 +230,7 @@ class _MetaStep(LiveTensorBytes):
         try:
             return func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as error:
-            if not any(t.device.type == "meta" for t in _tensors((args, kwargs))):
+            if not any(t.device.type == "meta" for t in tensors_in((args, kwargs))):
                 raise
             out = _policy(func, args, kwargs)
             if out is NotImplemented:
@@ -366,13 +366,13 @@ def replay_step(
     sparse = getattr(head, "sparse_grad", False)
     no_grad = sparse or fused_update  # a fused update leaves no .grad: the step frees none, makes none
     if sparse:  # the compact gradients a sparse_grad backward hands the head are the step's gradients
-        keep = head._keep_row_grad
+        keep = head.keep_row_grad
 
         def keep_and_note(shard, rows, grad):
             grad_serials.append(mode.serial_of(grad))
             keep(shard, rows, grad)
 
-        head._keep_row_grad = keep_and_note
+        head.keep_row_grad = keep_and_note
     recording = fused_traffic.recording(counter.kernel) if counter is not None else contextlib.nullcontext()
     with fused_as_on_cuda() if gpu else contextlib.nullcontext(), recording, mode:
         # warm-up: the state a step rests on (a kept .grad, the optimizer's buffers); a sparse_grad

@@ -38,7 +38,8 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 
 import torch
 
-from shardfc.tools.bench.memory import _tensors
+from shardfc.tools.bench.memory import tensors_in
+from shardfc.tools.plan.units import format_bytes
 
 aten = torch.ops.aten
 
@@ -216,7 +217,7 @@ class TrafficCounter:
         if not self.active() or func.is_view:
             return
         name = func.overloadpacket.__name__
-        for t in _tensors(out):  # a storage the operator made takes a freed block of its size
+        for t in tensors_in(out):  # a storage the operator made takes a freed block of its size
             self._serial(t, new=True)
         if name in _NO_TRAFFIC:
             return
@@ -224,15 +225,15 @@ class TrafficCounter:
         launch = Launch(name, False)
         if name in _GEMMS:
             launch.flops, launch.shape = _gemm(name, args)
-        outs = list(_tensors(out)) + list(_tensors(_mutated(func, args, kwargs)))
+        outs = list(tensors_in(out)) + list(tensors_in(_mutated(func, args, kwargs)))
         if name in _GATHERS:
             got = sum(_nbytes(t) for t in outs)
-            src, rest = args[0], [t for t in _tensors((args[1:], kwargs))]
+            src, rest = args[0], [t for t in tensors_in((args[1:], kwargs))]
             self._read(launch, src, ("gather", self._resolve(tuple(rest))), got)
             for t in rest:
                 self._read_view(launch, t)
         elif name in _SCATTERS:
-            dest, rest = args[0], [t for t in _tensors((args[1:], kwargs))]
+            dest, rest = args[0], [t for t in tensors_in((args[1:], kwargs))]
             touched = _scattered_bytes(name, dest, args)
             part = ("scatter", self._resolve(tuple(rest)))
             if name != "index_fill_":
@@ -245,7 +246,7 @@ class TrafficCounter:
             self._read_view(launch, args[1])
         elif name not in _WRITE_ONLY:
             seen = set()
-            for t in _tensors((args, kwargs)):
+            for t in tensors_in((args, kwargs)):
                 if id(t) not in seen:
                     seen.add(id(t))
                     self._read_view(launch, t)
@@ -330,8 +331,6 @@ def _gemm(name: str, args) -> Tuple[float, str]:
 
 def format_traffic(traffic: Dict[str, Any]) -> str:
     """The table ``shardfc plan --bytes`` prints: one row per kernel (GEMMs per shape)."""
-    from shardfc.tools.plan import format_bytes
-
     lines = [
         f"HBM traffic of one step (rank 0; L2 model of {format_bytes(traffic['l2_bytes'])}; time on paper at "
         f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s and {MATMUL_FLOPS_PER_S / 1e12:.0f} TFLOP/s, launch overheads left out):",
