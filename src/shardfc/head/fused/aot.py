@@ -63,7 +63,8 @@ DIM = 512
 # FLOAT_ARGS an ``fp32`` scalar (Python floats), anything else an ``i32`` (Python ints below 2**31).
 # A pointer typed COMPUTE_PTR points at the compute dtype (the ``COMPUTE`` flag of the build).
 
-FLOAT_ARGS = {"scale", "threshold", "eps_over_c", "one_minus_eps", "unit", "lr", "momentum", "weight_decay"}
+FLOAT_ARGS = {"scale", "threshold", "eps_over_c", "one_minus_eps", "unit", "lr", "momentum", "weight_decay", "decay",
+              "beta1_hi", "beta1_lo", "beta2_hi", "beta2_lo", "one_minus_beta1", "one_minus_beta2", "eps"}
 COMPUTE_PTR = "*COMPUTE"
 _DTYPES = {tl.bfloat16: "bf16", tl.float16: "fp16", tl.float32: "fp32"}
 
@@ -224,6 +225,10 @@ register(epilogue.weight_grad_kernel, _ROWS,
 register(epilogue.weight_update_kernel, [triton.Config(dict(zip(("BR", "BD"), chunks.UPDATE_TILES)), num_warps=4, num_stages=3)],
          dict(HAS_ROWS=False, NORM_W=True, W_HAT=True, MOMENTUM=True, NESTEROV=False, EMULATE_RTNE=False),
          types={"rows_ptr": "*i64", "w_ptr": "*bf16", "slot_ptr": "*i32"})
+# AdamW's (the same gradient; fp32 centres and moments, the per-row fp64 step count).
+register(epilogue.adamw_update_kernel, [triton.Config(dict(zip(("BR", "BD"), chunks.UPDATE_TILES)), num_warps=4, num_stages=3)],
+         dict(HAS_ROWS=False, NORM_W=True, W_HAT=True, EMULATE_RTNE=False),
+         types={"rows_ptr": "*i64", "w_ptr": "*bf16", "slot_ptr": "*i32", "step_ptr": "*fp64"})
 
 #: Option paths beyond each kernel's default: flags overlaid on it (a kernel gets the keys it takes;
 #: a variant that changes none of a kernel's flags is not built for it).

@@ -44,8 +44,9 @@ column, where the margin's derivative replaces ``s``, is added exactly from ``[B
 from __future__ import annotations
 
 import functools
+import struct
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import triton
@@ -86,11 +87,18 @@ INTERPRETER_TILES = (16, 16)
 
 @dataclass
 class RowUpdate:
-    """The optimizer's step the backward applies to each scored row as it forms its gradient:
-    SGD (weight decay, momentum, Nesterov; no dampening) on ``param`` (the shard's weight, updated
-    in place at the weight rows) with ``momentum_buffer`` (same shape; None without momentum),
-    rounded once to nearest into their dtypes — what :class:`shardfc.head.partial_fc.RowSparseSGD`
-    does with the gradient (:func:`shardfc.head.partial_fc.head_optimizer`, ``fused_update``)."""
+    """The optimizer's step the backward applies to each scored row as it forms its gradient, on
+    ``param`` (the shard's weight, updated in place at the weight rows), rounded once to nearest
+    into the dtypes of the weight and its state:
+
+    * SGD (weight decay, momentum, Nesterov; no dampening) with ``momentum_buffer`` (same shape;
+      None without momentum) — what :class:`shardfc.head.partial_fc.RowSparseSGD` does with the
+      gradient;
+    * AdamW (``exp_avg`` set, :meth:`adamw`): decoupled weight decay, the moments ``exp_avg`` and
+      ``exp_avg_sq`` (same shape) and the per-row step count ``row_step`` (fp64 ``[rows]``) for
+      the bias corrections — :class:`shardfc.head.partial_fc.RowSparseAdamW`'s step.
+
+    (:func:`shardfc.head.partial_fc.head_optimizer`, ``fused_update``.)"""
 
     param: Tensor
     momentum_buffer: Optional[Tensor]
@@ -98,6 +106,28 @@ class RowUpdate:
     momentum: float
     weight_decay: float
     nesterov: bool
+    exp_avg: Optional[Tensor] = None
+    exp_avg_sq: Optional[Tensor] = None
+    row_step: Optional[Tensor] = None
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    @classmethod
+    def adamw(cls, param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, row_step: Tensor, lr: float,
+              betas: Tuple[float, float], eps: float, weight_decay: float) -> "RowUpdate":
+        """AdamW's step (see the class)."""
+        return cls(param, None, lr, 0.0, weight_decay, False, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                   row_step=row_step, betas=(float(betas[0]), float(betas[1])), eps=float(eps))
+
+    @property
+    def is_adamw(self) -> bool:
+        return self.exp_avg is not None
+
+    def state(self) -> List[Tensor]:
+        """The ``[rows, D]`` tensors the step rewrites at each updated row: the weight and its
+        momentum, or its two moments."""
+        extra = (self.exp_avg, self.exp_avg_sq) if self.is_adamw else (self.momentum_buffer,)
+        return [t for t in (self.param, *extra) if t is not None]
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,8 +163,8 @@ def _row_bytes(update: Optional[RowUpdate], grad_w: Tensor) -> int:
     """Bytes per row the backward's row kernel streams besides ``H`` and the operand row."""
     if update is None:
         return grad_w.shape[-1] * grad_w.element_size()
-    state = [t for t in (update.param, update.momentum_buffer) if t is not None]
-    return sum(t.shape[-1] * t.element_size() for t in state)
+    step = update.row_step.element_size() if update.row_step is not None else 0
+    return step + sum(t.shape[-1] * t.element_size() for t in update.state())
 
 
 def _tiles(which):
@@ -336,17 +366,8 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
             _note_rows(update, h, w_read, None if w_hat else rows, inv, rows, grad_w, ch.r0, n_rows, accumulate, scatter,
                        slot if update is not None else None)
         elif update is not None:
-            p, buf = update.param, update.momentum_buffer
-            UR, UD = _tiles(UPDATE_TILES)
-            epilogue.weight_update_kernel[(triton.cdiv(n_rows, UR),)](
-                h, w_read, rows if rows is not None else scratch, inv if inv is not None else scratch, hscale,
-                slot, t_sum, p, buf if buf is not None else p,
-                n_rows, ch.r0, D, h.stride(0), w_read.stride(0), t_sum.stride(0), p.stride(0),
-                buf.stride(0) if buf is not None else 0,
-                float(update.lr), float(update.momentum), float(update.weight_decay),
-                HAS_ROWS=rows is not None, NORM_W=normalize, W_HAT=w_hat, MOMENTUM=buf is not None,
-                NESTEROV=bool(update.nesterov), EMULATE_RTNE=emulate_rtne(p), BR=UR, BD=UD,
-            )
+            _update_launch(update, h, w_read, rows, inv, hscale, slot, t_sum, n_rows, ch.r0, D, normalize, w_hat,
+                           scratch)
         else:
             epilogue.weight_grad_kernel[(triton.cdiv(n_rows, BR),)](
                 h, w_read, rows if rows is not None else scratch, inv if inv is not None else scratch, grad_w,
@@ -366,6 +387,45 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
     return grad_a
 
 
+def _update_launch(update: RowUpdate, h: Tensor, w_read: Tensor, rows: Optional[Tensor], inv: Optional[Tensor],
+                   hscale: Tensor, slot: Tensor, t_sum: Tensor, n_rows: int, r0: int, D: int, normalize: bool,
+                   w_hat: bool, scratch: Tensor) -> None:
+    """One chunk's fused update: :func:`epilogue.weight_update_kernel` (SGD) or
+    :func:`epilogue.adamw_update_kernel` on its ``n_rows`` scored rows from ``r0``."""
+    p = update.param
+    UR, UD = _tiles(UPDATE_TILES)
+    grid = (triton.cdiv(n_rows, UR),)
+    common = (h, w_read, rows if rows is not None else scratch, inv if inv is not None else scratch, hscale, slot, t_sum, p)
+    flags = dict(HAS_ROWS=rows is not None, NORM_W=normalize, W_HAT=w_hat, EMULATE_RTNE=emulate_rtne(p), BR=UR, BD=UD)
+    if update.is_adamw:
+        m, v, step = update.exp_avg, update.exp_avg_sq, update.row_step
+        (b1_hi, b1_lo), (b2_hi, b2_lo) = (_split(b) for b in update.betas)
+        epilogue.adamw_update_kernel[grid](
+            *common, m, v, step, n_rows, r0, D, h.stride(0), w_read.stride(0), t_sum.stride(0), p.stride(0),
+            m.stride(0), v.stride(0), float(update.lr), 1.0 - update.lr * update.weight_decay, b1_hi, b1_lo,
+            b2_hi, b2_lo, 1.0 - update.betas[0], 1.0 - update.betas[1], float(update.eps), **flags,
+        )
+        return
+    buf = update.momentum_buffer
+    epilogue.weight_update_kernel[grid](
+        *common, buf if buf is not None else p, n_rows, r0, D, h.stride(0), w_read.stride(0), t_sum.stride(0),
+        p.stride(0), buf.stride(0) if buf is not None else 0,
+        float(update.lr), float(update.momentum), float(update.weight_decay),
+        MOMENTUM=buf is not None, NESTEROV=bool(update.nesterov), **flags,
+    )
+
+
+def _split(x: float) -> Tuple[float, float]:
+    """``(hi, lo)``: ``hi`` the fp32 nearest ``x``, ``lo`` the fp32 nearest ``x − hi``, so that
+    ``hi + lo`` in fp64 is ``x`` to 2⁻⁴⁸ relative (a kernel's fp32 scalar arguments carrying an fp64)."""
+    hi = _fp32(x)
+    return hi, _fp32(x - hi)
+
+
+def _fp32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def _note_rows(update: Optional[RowUpdate], h: Tensor, w_read: Tensor, read_rows: Optional[Tensor],
                inv: Optional[Tensor], rows: Optional[Tensor], grad_w: Tensor, r0: int, n: int, accumulate: bool,
                scatter: bool, slot: Optional[Tensor]) -> None:
@@ -374,8 +434,12 @@ def _note_rows(update: Optional[RowUpdate], h: Tensor, w_read: Tensor, read_rows
     adds (``t_sum``, at most ``B`` rows over the whole step) are left out."""
     reads = [span(h[:n]), gathered(w_read, read_rows, r0, n)] + rows_of(inv, r0, n) + rows_of(rows, r0, n)
     if update is not None:
-        state = [gathered(t, rows, r0, n) for t in (update.param, update.momentum_buffer) if t is not None]
-        note("weight_update", reads + state + rows_of(slot, r0, n), state)
+        state = [gathered(t, rows, r0, n) for t in update.state()]
+        if update.row_step is not None:
+            step = update.row_step
+            state.append(span(step[r0:r0 + n]) if rows is None
+                         else Region(step, ("rows", rows, rows.storage_offset() + r0, n), n * step.element_size()))
+        note("adamw_update" if update.is_adamw else "weight_update", reads + state + rows_of(slot, r0, n), state)
         return
     out = gathered(grad_w, rows if scatter else None, r0, n)
     note("weight_grad", reads + ([out] if accumulate else []), [out])
