@@ -465,6 +465,22 @@ def optimizer_rows(
     return tensors, extras
 
 
+def _adamw_step_form(optimizer: torch.optim.Optimizer, tensors: Mapping[str, Tensor],
+                      extras: Mapping[str, Any]) -> Tuple[Mapping[str, Tensor], Mapping[str, Any]]:
+    """``(tensors, extras)`` with a row-sparse AdamW's per-row step count made torch AdamW's scalar
+    ``step`` when ``optimizer`` is torch's (see :func:`load_optimizer_rows`)."""
+    if not isinstance(optimizer, torch.optim.AdamW) or "row_step" not in tensors or "step" in extras:
+        return tensors, extras
+    counts = tensors["row_step"].cpu()  # the saved rows: host tensors, no device to wait for
+    if counts.numel() and not bool((counts == counts[0]).all()):
+        raise ValueError(
+            "the saved AdamW state has a step count per row that differs between rows (Partial FC's row-sparse "
+            "AdamW), but this optimizer is torch's AdamW, which keeps one count; load it into the row-sparse "
+            "AdamW (sample_rate < 1, or head_optimizer(..., fused_update=True))")
+    step = torch.tensor(float(counts[0]) if counts.numel() else 0.0)
+    return {k: v for k, v in tensors.items() if k != "row_step"}, dict(extras, step=step)
+
+
 def load_optimizer_rows(
     optimizer: torch.optim.Optimizer,
     params: Sequence[Tensor],
@@ -479,7 +495,13 @@ def load_optimizer_rows(
     to their parameter's device; a non-row tensor (AdamW's step) stays on the CPU as torch keeps it.
     The param groups' hyper-parameters are restored when ``extras`` holds them. Without any state
     (saved before the first step), the parameters' state is cleared.
+
+    AdamW's step count crosses between its two forms: the row-sparse AdamW's per-row ``row_step``
+    (what a head with ``fused_update=True`` keeps even without Partial FC) becomes ``torch.optim.AdamW``'s
+    scalar ``step`` when every row has the same count, and is refused with the reason otherwise; the
+    other way, :class:`RowSparseAdamW` takes a scalar ``step`` as every row's count at its next step.
     """
+    tensors, extras = _adamw_step_form(optimizer, tensors, extras)
     groups = extras.get("param_groups")
     if groups is not None:
         if len(groups) != len(optimizer.param_groups):
