@@ -398,3 +398,29 @@ def test_the_trainers_step_with_the_fused_update(monkeypatch, optimizer):
         assert parts.head.last_update == ("fused" if mode == "fused" else None)
         heads[mode] = parts.head.weight.detach().double().cpu()
     assert _rel(heads["fused"], heads["optimizer"]) < 1e-5
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_an_empty_batch_between_steps(optimizer):
+    """A step with no samples: the fused update still applies the step with a zero gradient
+    (decay, momentum, AdamW's moments and step count), as the optimizer does on the zero
+    ``.grad`` of the unfused path; the next step reads the operand that update wrote."""
+    results = []
+    for fused in (False, True):
+        head, opt = _make(fused, optimizer=optimizer)
+        for step in range(3):
+            opt.zero_grad()
+            x, y = _inputs(step)
+            if step == 1:
+                x, y = x[:0], y[:0]
+            head(x.to(DEVICE).requires_grad_(), y.to(DEVICE)).backward()
+            opt.step()
+        assert head.last_update == ("fused" if fused else None)
+        results.append((head.weight.detach().double().cpu(), _state(head, opt, optimizer)[0]))
+    (w_ref, st_ref), (w, st) = results
+    assert _rel(w, w_ref) < 1e-5
+    if optimizer == "adamw":
+        _assert_adam_state(st, st_ref, 1e-5)
+        assert torch.equal(st["row_step"], torch.full((C,), 3.0, dtype=torch.float64))
+    else:
+        assert _rel(st, st_ref) < 1e-5
