@@ -6,7 +6,9 @@
 * ``step``: the step as ``shardfc bench`` times it (zero_grad kept, forward, backward, SGD momentum)
   and as the trainer runs it (plus ``clip_head_grad_`` at the default ``grad_clip`` 5), per impl,
   beside the three bf16 matmuls of the same shapes, and Partial FC r = 0.1 with bf16 centres and the
-  row-sparse update; median of ``--steps`` after ``--warmup``, CUDA-synchronised, peak memory above rest;
+  row-sparse update; the SGD and AdamW steps fused into the backward (AdamW also after it), and the
+  fused SGD step with the operand made by each forward instead of written by the last update;
+  median of ``--steps`` after ``--warmup``, CUDA-synchronised, peak memory above rest;
 * ``profile``: one step under ``torch.profiler`` (kernel count, the ten slowest kernels), under
   ``torch.cuda.set_sync_debug_mode("warn")`` (each host synchronisation, with the line that caused it)
   and under ``set_sync_debug_mode("error")`` (a sync raises: the step must pass, issue 31), that one
@@ -242,6 +244,22 @@ def l2_share(share: Optional[float]):
         chunks.CHUNK_L2_SHARE = before
 
 
+@contextlib.contextmanager
+def fresh_operand(on: bool):
+    """Inside the block (``on``), a fused update keeps no operand for the next step: every forward
+    makes it in its pass over W, as before the update wrote it (the comparison row)."""
+    if not on:
+        yield
+        return
+    from shardfc.head.fused import chunks  # needs Triton: only the fused rows ask
+
+    before, chunks.NextOperand.keep = chunks.NextOperand.keep, lambda self, *args: None
+    try:
+        yield
+    finally:
+        chunks.NextOperand.keep = before
+
+
 def step_part(args, device: torch.device) -> Dict[str, Any]:
     C, B, D = args.classes, args.batch, args.dim
     rows: List[Dict[str, Any]] = []
@@ -260,6 +278,13 @@ def step_part(args, device: torch.device) -> Dict[str, Any]:
         # which the working set overflowed (≈2.6x fewer chunks and launches, more HBM traffic).
         variants.append((f"{impl}: fused SGD step, former chunks (32 MiB of products)", impl, False,
                          {"l2_share": FORMER_L2_SHARE}, torch.float32, True))
+        # The operand the update writes for the next step, against the forward's pass over W.
+        variants.append((f"{impl}: fused SGD step, operand made by each forward", impl, False,
+                         {"fresh_operand": True}, torch.float32, True))
+        variants.append((f"{impl}: AdamW step fused into the backward", impl, False, {"optimizer": "adamw"},
+                         torch.float32, True))
+        variants.append((f"{impl}: AdamW, the optimizer after the backward", impl, False, {"optimizer": "adamw"},
+                         torch.float32, False))
         variants.append((f"{impl}: Partial FC r=0.1, bf16 centres, sparse_grad", impl, False,
                          {"sample_rate": 0.1, "sparse_grad": True}, torch.bfloat16, False))
         variants.append((f"{impl}: Partial FC r=0.1, bf16 centres, fused update", impl, False,
@@ -270,9 +295,11 @@ def step_part(args, device: torch.device) -> Dict[str, Any]:
         stack = contextlib.ExitStack()
         try:
             stack.enter_context(l2_share(options.pop("l2_share", None)))
+            stack.enter_context(fresh_operand(options.pop("fresh_operand", False)))
+            name_opt = options.pop("optimizer", "sgd")
             head, ctx = make_head(D, C, device, impl, dtype=wdt, **options)
-            opt = shardfc.head_optimizer(head, "sgd", lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY,
-                                         fused_update=fused)
+            kw = dict(momentum=MOMENTUM) if name_opt == "sgd" else {}
+            opt = shardfc.head_optimizer(head, name_opt, lr=LR, weight_decay=WEIGHT_DECAY, fused_update=fused, **kw)
             step = head_step(head, opt, ctx, device, args.dtype, clip)
             ms, peak, times = time_steps(step, batches, device, args.warmup, args.steps)
             row.update(ms=ms, times_ms=times, peak_above_rest=peak, ran=head.last_impl, status="ok",

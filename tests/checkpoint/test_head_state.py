@@ -162,3 +162,39 @@ def test_devices_checkpoint_into_process_group_and_back(tmp_path: Path) -> None:
                                  other_opt)
         assert_same(logical(other, other_opt), trained)
         assert other.sample_step == 5
+
+
+def test_adamw_step_counts_cross_between_the_row_sparse_and_torchs_forms() -> None:
+    """A dense head's row-sparse AdamW (what fused_update=True builds even without Partial FC)
+    keeps a count per row, all equal: torch's AdamW takes it as its scalar step, and the next step
+    is the same as the row-sparse one's. Counts that differ (Partial FC) are refused with the
+    reason, and the row-sparse AdamW takes torch's scalar step back."""
+    from shardfc.head.partial_fc import RowSparseAdamW
+
+    head = make_head(["cpu", "cpu"], sample_rate=1.0)
+    opt = RowSparseAdamW(head.parameters(), lr=0.01)
+    train(head, opt, range(2))
+    state = head.sharded_state(opt)
+    other = make_head(["cpu"], sample_rate=1.0)
+    other_opt = head_optimizer(other, "adamw", lr=0.01)
+    assert isinstance(other_opt, torch.optim.AdamW)
+    other.load_sharded_state(state, other_opt)
+    assert torch.equal(other_opt.state[other.shard_weights[0]]["step"], torch.tensor(2.0))
+    train(head, opt, range(2, 3))
+    train(other, other_opt, range(2, 3))
+    torch.testing.assert_close(logical(other, other_opt)["weight"], logical(head, opt)["weight"], rtol=1e-12, atol=1e-14)
+    # and back: torch's scalar step becomes every row's count
+    back = make_head(["cpu"], sample_rate=1.0)
+    back_opt = RowSparseAdamW(back.parameters(), lr=0.01)
+    back.load_sharded_state(other.sharded_state(other_opt), back_opt)
+    train(back, back_opt, range(3, 4))
+    train(head, opt, range(3, 4))
+    assert torch.equal(back_opt.state[back.shard_weights[0]]["row_step"], torch.full((C,), 4.0, dtype=torch.float64))
+    torch.testing.assert_close(logical(back, back_opt)["weight"], logical(head, opt)["weight"], rtol=1e-12, atol=1e-14)
+
+    sampled = make_head(["cpu"], sample_rate=0.3)
+    sampled_opt = head_optimizer(sampled, "adamw", lr=0.01)
+    train(sampled, sampled_opt, range(2))
+    dense = make_head(["cpu"], sample_rate=1.0)
+    with pytest.raises(ValueError, match=r"a step count per row that differs between rows .* torch's AdamW"):
+        dense.load_sharded_state(sampled.sharded_state(sampled_opt), head_optimizer(dense, "adamw", lr=0.01))

@@ -121,11 +121,14 @@ def test_the_headline_step_with_the_update_in_the_backward_moves_at_most_16_GB()
     n, D = HEADLINE["num_classes"], HEADLINE["dim"]
     assert t["largest_torch_region"] < n * D * 2 // 16  # no torch operator near the [n, D] weight or its gradient
     kernels = {k["kernel"] for k in t["kernels"] if k["fused"]}
-    assert {"operand_rows", "lse_forward", "backward_epilogue", "weight_update"} <= kernels
+    assert {"lse_forward", "backward_epilogue", "weight_update"} <= kernels
     assert "weight_grad" not in kernels and not any(k["kernel"] == "_fused_sgd_" for k in t["kernels"])
-    # the weight and its momentum, fp32, read and written once: the floor of the update's bytes
+    # the steady state: the forward uses the operand the last step's update wrote, no pass over W
+    assert "operand_rows" not in kernels
+    # the weight and its momentum, fp32, read and written once: the floor of the update's bytes;
+    # and the next step's bf16 operand and its norms written
     update = next(k for k in t["kernels"] if k["kernel"] == "weight_update")
-    assert update["read"] >= 2 * n * D * 4 and update["written"] >= 2 * n * D * 4
+    assert update["read"] >= 2 * n * D * 4 and update["written"] >= 2 * n * D * 4 + n * D * 2 + n * 4
     # the chunks' products and H stay in L2: written there and overwritten by the next chunk's
     B = HEADLINE["batch"]
     written = {k["kernel"]: k["written"] for k in t["kernels"] if k["kernel"] == "backward_epilogue"}
@@ -146,11 +149,51 @@ def test_the_unfused_step_clears_and_reads_the_gradient_and_moves_more():
 
 
 @needs_triton
+def test_the_operand_written_by_the_update_saves_the_pass_over_w():
+    """The headline step reusing the operand the previous step's update wrote, against the same
+    step making it (the first step, or a head that keeps none): the pass over W (read the fp32
+    rows, write the bf16 operand) leaves; the update's extra writes (the operand and its norms)
+    cost less than it; the step's memory (resting plus peak) is the same."""
+    from shardfc.head.fused import chunks
+
+    kept = plan(**HEADLINE, fused_update=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(chunks.NextOperand, "keep", lambda self, *a: None)
+        fresh = plan(**HEADLINE, fused_update=True)
+    n, D = HEADLINE["num_classes"], HEADLINE["dim"]
+    passes = [k for k in fresh["traffic"]["kernels"] if k["kernel"] == "operand_rows"]
+    assert len(passes) == 1 and passes[0]["read"] >= n * D * 4
+    assert kept["traffic"]["hbm_bytes"] <= fresh["traffic"]["hbm_bytes"] - n * D * 4
+    assert kept["step_peak"] == fresh["step_peak"]
+
+
+@needs_triton
+def test_the_adamw_update_in_the_backward():
+    """AdamW fused into the backward: its kernel reads and writes the weight and both moments once
+    (and each row's step count), no torch operator touches an ``[n, D]`` tensor, and the step moves
+    the gradient's write, clear and reads (≥ 3 × 2 GB) less than with torch's fused AdamW after the
+    backward."""
+    adamw = dict(HEADLINE, optimizer="adamw")
+    fused = plan(**adamw, fused_update=True)["traffic"]
+    unfused = plan(**adamw)["traffic"]
+    n, D = HEADLINE["num_classes"], HEADLINE["dim"]
+    kernels = {k["kernel"]: k for k in fused["kernels"]}
+    assert "adamw_update" in kernels and "weight_grad" not in kernels and "_fused_adamw_" not in kernels
+    update = kernels["adamw_update"]
+    assert update["read"] >= 3 * n * D * 4 + n * 8 and update["written"] >= 3 * n * D * 4 + n * 8
+    assert fused["largest_torch_region"] < n * D * 2 // 16
+    assert unfused["hbm_bytes"] >= fused["hbm_bytes"] + 3 * n * D * 4
+
+
+@needs_triton
 def test_cli_prints_the_table_and_refuses_a_fused_update_it_cannot_replay(capsys):
     assert main(["--classes", "20000", "--dim", "64", "--batch", "256", "--head-impl", "gemm", "--fused-update",
                  "--bytes", "--l2", "4MiB"]) == 0
     out = capsys.readouterr().out
     assert "HBM bytes a step" in out and "weight_update (fused)" in out and "L2 model of 4.00 MiB" in out
+    assert main(["--classes", "20000", "--dim", "64", "--batch", "256", "--head-impl", "gemm", "--fused-update",
+                 "--optimizer", "adamw", "--bytes"]) == 0
+    assert "adamw_update (fused)" in capsys.readouterr().out
     assert main(["--classes", "1000", "--dim", "64", "--batch", "64", "--fused-update"]) == 2
     assert "fused_update needs impl 'triton' or 'gemm'" in capsys.readouterr().err
     assert main(["--classes", "1000", "--dim", "64", "--batch", "64", "--bytes", "--l2", "lots"]) == 2

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from shardfc.head.partial_fc import RowSparseSGD
+from shardfc.head.partial_fc import RowSparseAdamW, RowSparseSGD
 from shardfc.parallel.context import DistContext
 from shardfc.train.build import build_parts
 from shardfc.train.config import ConfigError, TrainConfig, parse_config
@@ -18,7 +18,6 @@ BASE = TrainConfig(image_size=[16, 16], embedding_dim=8, synthetic_identities=10
 
 
 @pytest.mark.parametrize("change,why", [
-    (dict(optimizer="adamw"), "optimizer='adamw' (the fused update is SGD's)"),
     (dict(grad_accum=2), "grad_accum=2 (several backward passes add into one step's gradient)"),
     (dict(head_grad_clip=5.0), "head_grad_clip=5.0 (clipping reads the stored gradient)"),
     (dict(amp="fp16"), "amp='fp16'"),
@@ -66,13 +65,22 @@ def test_fused_decision(monkeypatch):
     assert fused_head_update(cfg, torch.device("cuda"), None) is False
 
 
-def test_the_fused_optimizer_is_built_for_the_run(monkeypatch):
-    """Where the run qualifies, the head's optimizer is the row-sparse SGD with its step fused
-    into the head's backward (faked here on the CPU: the decision is what is tested)."""
+@pytest.mark.parametrize("optimizer,cls", [("sgd", RowSparseSGD), ("adamw", RowSparseAdamW)])
+def test_the_fused_optimizer_is_built_for_the_run(monkeypatch, optimizer, cls):
+    """Where the run qualifies, the head's optimizer is the row-sparse SGD or AdamW with its step
+    fused into the head's backward (faked here on the CPU: the decision is what is tested)."""
     import shardfc.train.build as build
 
     monkeypatch.setattr(build, "fused_head_update", lambda cfg, device, amp: True)
-    cfg = dataclasses.replace(BASE, device="cpu").validate()
+    cfg = dataclasses.replace(BASE, device="cpu", optimizer=optimizer).validate()
     parts = build_parts(cfg, DistContext(), 10, (16, 16), total_steps=4, amp_dtype=None)
-    assert isinstance(parts.opt_head, RowSparseSGD) and parts.opt_head.fused_update
+    assert isinstance(parts.opt_head, cls) and parts.opt_head.fused_update
     assert parts.head._fused_optimizer() is parts.opt_head
+
+
+def test_auto_fuses_adamw_too():
+    """AdamW's step is fused like SGD's: 'auto' picks it on CUDA, 'fused' is accepted."""
+    cfg = dataclasses.replace(BASE, optimizer="adamw").validate()
+    assert cfg.head_update_not_fusable("cuda") is None
+    assert fused_head_update(cfg, torch.device("cuda"), torch.bfloat16) is True
+    dataclasses.replace(cfg, head_update="fused").validate()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -54,6 +54,10 @@ class ShardedLossPlan:
     #: scored rows as their gradient is formed (:class:`shardfc.head.fused.chunks.RowUpdate`; the
     #: weight then gets no gradient at all), or None for an ordinary gradient.
     row_update: Optional[Callable[[int], Optional[object]]] = None
+    #: The fused impls only: per shard, the operand the last step's fused update wrote for this
+    #: one (:class:`shardfc.head.fused.chunks.NextOperand`), which the forward reuses while it
+    #: stands for the weight and the backward's fused update rewrites.
+    next_operands: Optional[List[Any]] = None
 
     def rows_of(self, shard: int) -> Optional[Tensor]:
         return None if self.rows is None else self.rows[shard]
@@ -116,6 +120,8 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
                 targets = None if target_rows is None else target_rows.to(a.device)
                 targets_on.append(targets)
                 extra = {} if targets is None else {"target_rows": targets}
+                if plan.next_operands is not None and cfg.impl in ("triton", "gemm"):
+                    extra["next_operand"] = plan.next_operands[i]
                 with _autocast_off(a.device.type):
                     stats.append(forward_shard(a, w, lab, norm, cfg, rows=plan.rows_of(i), **extra))
 
@@ -182,6 +188,8 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
             sparse = rows is not None and plan.row_grad_sink is not None
             out = _existing_grad(w) if plan.weight_grad_in_place and not sparse else None
             extra = {} if updates[i] is None else {"update": updates[i]}
+            if plan.next_operands is not None and cfg.impl in ("triton", "gemm"):
+                extra["next_operand"] = plan.next_operands[i]
             with _autocast_off(dev.type):
                 ga, gw, gn = backward_shard(
                     a, w, lab, norm, stats, row_max.to(dev), sum_exp.to(dev), coef.to(dev), cfg, out,

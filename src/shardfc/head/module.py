@@ -246,6 +246,8 @@ class ShardedMarginHead(nn.Module):
         #: (``step()``, from the stored gradient); None before the first or without a fused optimizer.
         self.last_update: Optional[str] = None
         self._fused_optimizer = None  # a weak reference to the optimizer whose step the backward applies
+        # Per shard, the operand a fused update wrote for the next forward (release_next_operands).
+        self._next_operands: Optional[list] = None
         self.init_seed = int(init_seed)
         dtype = torch.float32 if dtype is None else dtype
 
@@ -323,6 +325,27 @@ class ShardedMarginHead(nn.Module):
                       else f"by the optimizer's step from .grad ({why})")
         self.last_update = last
         return None if why is not None else (lambda shard: opt.backward_update(weights[shard]))
+
+    def _next_operands_for(self, impl: str, n_shards: int) -> Optional[list]:
+        """The plan's ``next_operands``: with a fused update on the fused impls, per shard, the
+        operand the last step's update wrote for this forward (:class:`~shardfc.head.fused.chunks.NextOperand`)."""
+        if impl not in ("triton", "gemm") or not self._fuses_update():
+            self.release_next_operands()
+            return None
+        if self._next_operands is None or len(self._next_operands) != n_shards:
+            from shardfc.head.fused.chunks import NextOperand
+
+            self._next_operands = [NextOperand() for _ in range(n_shards)]
+        return self._next_operands
+
+    def release_next_operands(self) -> None:
+        """Free the operand (the scored rows in the compute dtype, ``2·n·D`` bytes in bf16, and their
+        norms) that a fused update keeps for the next forward, which then makes it again from the
+        weights. Needed only after writing the weights through ``.data`` (which torch's version
+        counter does not see) while a fused optimizer is attached, or to free the memory."""
+        for kept in self._next_operands or ():
+            kept.clear()
+        self._next_operands = None
 
     @property
     def shard_weights(self) -> List[nn.Parameter]:
@@ -508,6 +531,7 @@ class ShardedMarginHead(nn.Module):
             rows=rows,
             row_grad_sink=sink,
             row_update=self._row_update_hook(impl, compute_dtype, weights),
+            next_operands=self._next_operands_for(impl, len(weights)),
         )
         losses = sharded_cross_entropy(plan, valid, local_labels, embeds, weights, feature_norms)
         return reduce_losses(losses, valid, sizes, self.rank, self.reduction)

@@ -99,12 +99,19 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
 
     def fused_update_unavailable(self, p: Tensor) -> Optional[str]:
         """Why a backward cannot apply this optimizer's step to ``p`` (None when it can)."""
-        return "this optimizer has no fused update (SGD only)"
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            return "Triton is not installed (pip install 'shardfc[gpu]')"
+        from shardfc.head.fused.optimizer import fusable
+
+        group = next((g for g in self.param_groups if any(q is p for q in g["params"])), self.defaults)
+        return fusable(p, group["rounding"])
 
     def backward_update(self, p: Tensor):
         """The step a head's backward applies to ``p`` while it forms ``p``'s gradient (a
-        :class:`shardfc.head.fused.chunks.RowUpdate`: this step's learning rate, momentum buffer
-        and hyper-parameters), or None when ``fused_update`` is off or ``p`` does not qualify (the
+        :class:`shardfc.head.fused.chunks.RowUpdate`: this step's learning rate, the optimizer's
+        state of ``p`` and its hyper-parameters), or None when ``fused_update`` is off or ``p`` does not qualify (the
         gradient is then stored and :meth:`step` updates ``p`` as usual). :meth:`step` skips a
         parameter updated this way. A second backward into the same parameter before ``step()``
         (gradient accumulation) is an error: its first update is already applied."""
@@ -252,16 +259,6 @@ class RowSparseSGD(_RowSparseOptimizer):
             state["momentum_buffer"] = torch.zeros_like(p)
         return state["momentum_buffer"]
 
-    def fused_update_unavailable(self, p: Tensor) -> Optional[str]:
-        import importlib.util
-
-        if importlib.util.find_spec("triton") is None:
-            return "Triton is not installed (pip install 'shardfc[gpu]')"
-        from shardfc.head.fused.optimizer import fusable
-
-        group = next((g for g in self.param_groups if any(q is p for q in g["params"])), self.defaults)
-        return fusable(p, group["rounding"])
-
     def _row_update(self, p: Tensor, group: dict):
         from shardfc.head.fused.chunks import RowUpdate
 
@@ -308,13 +305,30 @@ class RowSparseAdamW(_RowSparseOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, sampled_rows, rounding, rounding_seed)
 
-    def _update(self, p: Tensor, idx, g: Tensor, group: dict, rnd) -> None:
-        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    def _adam_state(self, p: Tensor) -> dict:
+        """``p``'s state: the moments (zero, in ``p``'s dtype) and the per-row step count (fp64
+        zeros) made at its first step. A state loaded from ``torch.optim.AdamW`` (a scalar ``step``,
+        the same for every row, as a dense head trained without Partial FC keeps it) gets its
+        per-row count from it."""
         state = self.state[p]
         if not state:
             state["exp_avg"] = torch.zeros_like(p)
             state["exp_avg_sq"] = torch.zeros_like(p)
-            state["row_step"] = torch.zeros(p.shape[0], dtype=torch.float64, device=p.device)
+        if "row_step" not in state:
+            step = state.pop("step", 0.0)
+            state["row_step"] = torch.zeros(p.shape[0], dtype=torch.float64, device=p.device).add_(step)
+        return state
+
+    def _row_update(self, p: Tensor, group: dict):
+        from shardfc.head.fused.chunks import RowUpdate
+
+        state = self._adam_state(p)
+        return RowUpdate.adamw(p, state["exp_avg"], state["exp_avg_sq"], state["row_step"], group["lr"],
+                               group["betas"], group["eps"], group["weight_decay"])
+
+    def _update(self, p: Tensor, idx, g: Tensor, group: dict, rnd) -> None:
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        state = self._adam_state(p)
         cd = update_dtype(p.dtype)
         g = g.to(cd)
         w = p[idx].to(cd) * (1 - lr * wd)
@@ -350,7 +364,7 @@ def head_optimizer(
     sampling): its state stays in that dtype and each update is computed in fp32 and rounded back
     once, to ``rounding`` (``"nearest"`` or ``"stochastic"``, seeded by ``rounding_seed``).
 
-    ``fused_update=True`` (SGD only): the head's backward applies this optimizer's step to each
+    ``fused_update=True`` (SGD and AdamW): the head's backward applies this optimizer's step to each
     weight row as it forms the row's gradient (the GPU implementations, ``impl="triton"`` /
     ``"gemm"``), so the ``[n, D]`` gradient is never written, cleared or read again and ``step()``
     has nothing left to do for the head. Then the head's weights get no ``.grad``: nothing can
@@ -359,7 +373,10 @@ def head_optimizer(
     the head, fp16 loss scaling or gradient hooks. Where the backward cannot apply it (the torch
     implementation, fp16 compute, stochastic rounding), the step runs as usual in ``step()``;
     ``head.last_update`` says which ran. The update is the optimizer's own (the same rows, the
-    same fp32 arithmetic, one rounding), equal to the unfused path to fp32 rounding.
+    same fp32 arithmetic, one rounding), equal to the unfused path to fp32 rounding. The optimizer
+    is then the row-sparse one (:class:`RowSparseSGD`, :class:`RowSparseAdamW`: for AdamW a step
+    count per row, equal for every row without Partial FC) even for an fp32 head without sampling,
+    where ``fused_update=False`` returns torch's: the same update.
     """
     key = str(name).lower()
     if key not in ("sgd", "adamw"):
@@ -367,9 +384,6 @@ def head_optimizer(
     check_rounding(rounding)
     if not isinstance(fused_update, bool):
         raise TypeError(f"fused_update must be True or False, got {fused_update!r}")
-    if fused_update and key != "sgd":
-        raise ValueError(f"fused_update=True needs the 'sgd' optimizer (its step is fused into the backward), "
-                         f"got {name!r}")
     sparse = getattr(head, "sample_rate", 1.0) < 1.0
     params = list(head.parameters())
     low = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
@@ -377,20 +391,22 @@ def head_optimizer(
     # On CUDA torch's fused kernels update all of a shard in one pass (the unfused SGD over
     # 1M x 512 fp32 rows took 8.4 ms of a 57 ms step on an H100); the state they keep is the same.
     fused = fused_optimizer_ok(params)
+    attach = getattr(head, "fuse_optimizer_update", None)
+    if fused_update and attach is None:
+        raise TypeError(f"fused_update=True needs a ShardedMarginHead, got {type(head).__name__}")
     if key == "sgd":
-        if sparse or low or fused_update:
-            opt = RowSparseSGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, **own)
-            if fused_update:
-                opt.fused_update = True
-                attach = getattr(head, "fuse_optimizer_update", None)
-                if attach is None:
-                    raise TypeError(f"fused_update=True needs a ShardedMarginHead, got {type(head).__name__}")
-                attach(opt)
-            return opt
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, fused=fused)
-    if sparse or low:
-        return RowSparseAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **own)
-    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
+        if not (sparse or low or fused_update):
+            return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
+                                   fused=fused)
+        opt = RowSparseSGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, **own)
+    else:
+        if not (sparse or low or fused_update):
+            return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
+        opt = RowSparseAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **own)
+    if fused_update:
+        opt.fused_update = True
+        attach(opt)
+    return opt
 
 
 def fused_optimizer_ok(params: Sequence[Tensor]) -> Optional[bool]:
@@ -449,6 +465,22 @@ def optimizer_rows(
     return tensors, extras
 
 
+def _adamw_step_form(optimizer: torch.optim.Optimizer, tensors: Mapping[str, Tensor],
+                      extras: Mapping[str, Any]) -> Tuple[Mapping[str, Tensor], Mapping[str, Any]]:
+    """``(tensors, extras)`` with a row-sparse AdamW's per-row step count made torch AdamW's scalar
+    ``step`` when ``optimizer`` is torch's (see :func:`load_optimizer_rows`)."""
+    if not isinstance(optimizer, torch.optim.AdamW) or "row_step" not in tensors or "step" in extras:
+        return tensors, extras
+    counts = tensors["row_step"].cpu()  # the saved rows: host tensors, no device to wait for
+    if counts.numel() and not bool((counts == counts[0]).all()):
+        raise ValueError(
+            "the saved AdamW state has a step count per row that differs between rows (Partial FC's row-sparse "
+            "AdamW), but this optimizer is torch's AdamW, which keeps one count; load it into the row-sparse "
+            "AdamW (sample_rate < 1, or head_optimizer(..., fused_update=True))")
+    step = torch.tensor(float(counts[0]) if counts.numel() else 0.0)
+    return {k: v for k, v in tensors.items() if k != "row_step"}, dict(extras, step=step)
+
+
 def load_optimizer_rows(
     optimizer: torch.optim.Optimizer,
     params: Sequence[Tensor],
@@ -463,7 +495,13 @@ def load_optimizer_rows(
     to their parameter's device; a non-row tensor (AdamW's step) stays on the CPU as torch keeps it.
     The param groups' hyper-parameters are restored when ``extras`` holds them. Without any state
     (saved before the first step), the parameters' state is cleared.
+
+    AdamW's step count crosses between its two forms: the row-sparse AdamW's per-row ``row_step``
+    (what a head with ``fused_update=True`` keeps even without Partial FC) becomes ``torch.optim.AdamW``'s
+    scalar ``step`` when every row has the same count, and is refused with the reason otherwise; the
+    other way, :class:`RowSparseAdamW` takes a scalar ``step`` as every row's count at its next step.
     """
+    tensors, extras = _adamw_step_form(optimizer, tensors, extras)
     groups = extras.get("param_groups")
     if groups is not None:
         if len(groups) != len(optimizer.param_groups):

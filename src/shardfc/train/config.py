@@ -195,7 +195,7 @@ class TrainConfig:
     head_grad_clip: float = 0.0
     """Clip the head's gradient by its global norm over all shards to this value; 0 (default): the head is not clipped. Set it to grad_clip for what grad_clip did before 0.2. Needs the head's gradient stored (head_update 'optimizer')."""
     head_update: str = "auto"
-    """Who applies the head's optimizer step: 'fused' (the head's backward, row by row as it forms the gradient, which is then never stored: no [n, D] gradient written, cleared or read; SGD on CUDA with head_impl triton/gemm, grad_accum 1, no fp16 loss scaling, no head_grad_clip, nearest rounding, one micro-batch per pipeline step), 'optimizer' (the gradient stored, then the optimizer's step) or 'auto' (fused where all that holds, else optimizer)."""
+    """Who applies the head's optimizer step: 'fused' (the head's backward, row by row as it forms the gradient, which is then never stored: no [n, D] gradient written, cleared or read; SGD or AdamW on CUDA with head_impl triton/gemm, grad_accum 1, no fp16 loss scaling, no head_grad_clip, nearest rounding, one micro-batch per pipeline step), 'optimizer' (the gradient stored, then the optimizer's step) or 'auto' (fused where all that holds, else optimizer)."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step (the step's batch is grad_accum * batch_size * nproc)."""
 
@@ -445,8 +445,6 @@ class TrainConfig:
         """Why the head's backward cannot apply its optimizer's step in this run (None when it can):
         the conditions of ``head_update='fused'`` that the configuration decides (``device_type``:
         the run's device, when known)."""
-        if self.optimizer != "sgd":
-            return f"optimizer={self.optimizer!r} (the fused update is SGD's)"
         if self.grad_accum > 1:
             return f"grad_accum={self.grad_accum} (several backward passes add into one step's gradient)"
         if self.strategy == "pipeline" and self.micro_batches > 1:

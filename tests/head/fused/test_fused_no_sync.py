@@ -62,12 +62,15 @@ def test_a_fused_head_step_reads_nothing_back_to_the_host(impl, config):
     head.check_pending()
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("config", ["plain", "partial_fc"])
-def test_a_step_with_the_sgd_update_fused_reads_nothing_back(config):
+def test_a_step_with_the_update_fused_reads_nothing_back(config, optimizer):
     """The update applied in the backward (``head_optimizer(..., fused_update=True)``) and the
-    optimizer's ``step()`` after it: its target rows are summed by a scatter, not a unique."""
+    optimizer's ``step()`` after it: its target rows are summed by a scatter, not a unique; AdamW's
+    betas reach the kernel as fp32 arguments, its step counts are read and written there."""
     head = shardfc.ShardedMarginHead(D, C, impl="triton", validate="deferred", device=DEVICE, **CONFIGS[config])
-    opt = shardfc.head_optimizer(head, "sgd", lr=0.1, momentum=0.9, weight_decay=5e-4, fused_update=True)
+    kw = dict(momentum=0.9) if optimizer == "sgd" else {}
+    opt = shardfc.head_optimizer(head, optimizer, lr=0.1, weight_decay=5e-4, fused_update=True, **kw)
     batches = [_batch(seed) for seed in range(2)]
 
     def step(batch):

@@ -63,7 +63,8 @@ DIM = 512
 # FLOAT_ARGS an ``fp32`` scalar (Python floats), anything else an ``i32`` (Python ints below 2**31).
 # A pointer typed COMPUTE_PTR points at the compute dtype (the ``COMPUTE`` flag of the build).
 
-FLOAT_ARGS = {"scale", "threshold", "eps_over_c", "one_minus_eps", "unit", "lr", "momentum", "weight_decay"}
+FLOAT_ARGS = {"scale", "threshold", "eps_over_c", "one_minus_eps", "unit", "lr", "momentum", "weight_decay", "decay",
+              "beta1_hi", "beta1_lo", "beta2_hi", "beta2_lo", "one_minus_beta1", "one_minus_beta2", "eps"}
 COMPUTE_PTR = "*COMPUTE"
 _DTYPES = {tl.bfloat16: "bf16", tl.float16: "fp16", tl.float32: "fp32"}
 
@@ -220,10 +221,16 @@ register(epilogue.weight_grad_kernel, _ROWS,
          dict(HAS_ROWS=False, NORM_W=True, W_HAT=True, ACCUMULATE=True, SCATTER=False, EMULATE_RTNE=False),
          types={"rows_ptr": "*i64", "w_ptr": "*bf16"})
 # The update fused into it (head_optimizer(..., fused_update=True)): fp32 centres and momentum,
-# the gradient formed from H and the bf16 operand as above, never stored.
+# the gradient formed from H and the bf16 operand as above, never stored; every row scored, so it
+# also writes the next step's bf16 operand rows and norms (NEXT).
 register(epilogue.weight_update_kernel, [triton.Config(dict(zip(("BR", "BD"), chunks.UPDATE_TILES)), num_warps=4, num_stages=3)],
-         dict(HAS_ROWS=False, NORM_W=True, W_HAT=True, MOMENTUM=True, NESTEROV=False, EMULATE_RTNE=False),
-         types={"rows_ptr": "*i64", "w_ptr": "*bf16", "slot_ptr": "*i32"})
+         dict(HAS_ROWS=False, NORM_W=True, W_HAT=True, MOMENTUM=True, NESTEROV=False, NEXT=True, EMULATE_RTNE=False,
+              EMULATE_OP=False),
+         types={"rows_ptr": "*i64", "w_ptr": "*bf16", "slot_ptr": "*i32", "op_ptr": "*bf16"})
+# AdamW's (the same gradient; fp32 centres and moments, the per-row fp64 step count).
+register(epilogue.adamw_update_kernel, [triton.Config(dict(zip(("BR", "BD"), chunks.ADAMW_UPDATE_TILES)), num_warps=4, num_stages=3)],
+         dict(HAS_ROWS=False, NORM_W=True, W_HAT=True, NEXT=True, EMULATE_RTNE=False, EMULATE_OP=False),
+         types={"rows_ptr": "*i64", "w_ptr": "*bf16", "slot_ptr": "*i32", "step_ptr": "*fp64", "op_ptr": "*bf16"})
 
 #: Option paths beyond each kernel's default: flags overlaid on it (a kernel gets the keys it takes;
 #: a variant that changes none of a kernel's flags is not built for it).
@@ -234,12 +241,12 @@ VARIANTS: Dict[str, dict] = {
     "raw-centres": dict(NORM_W=False, W_HAT=False, SCALE=False),
     # A shard above chunks.OPERAND_BYTES: the step's pass computes the norms only, each chunk
     # makes its operand from them, and the weight gradient reads the fp32 rows.
-    "large-shard-norms": dict(WRITE=False, W_HAT=False, FILTER=False),
+    "large-shard-norms": dict(WRITE=False, W_HAT=False, FILTER=False, NEXT=False),
     "large-shard-chunk-operand": dict(COMPUTE_INV=False),
     "fp32-ieee": dict(COMPUTE=tl.float32, DOT=tl.float32, PRECISION="ieee"),
     "sgd-dense-grad+nesterov": dict(G_AT_IDX=True, NESTEROV=True),
     "sgd-all-rows-no-momentum": dict(HAS_IDX=False, MOMENTUM=False),
-    "fused-update-rows+nesterov": dict(HAS_ROWS=True, NESTEROV=True),
+    "fused-update-rows+nesterov": dict(HAS_ROWS=True, NESTEROV=True, NEXT=False),
 }
 
 

@@ -44,8 +44,10 @@ column, where the margin's derivative replaces ``s``, is added exactly from ``[B
 from __future__ import annotations
 
 import functools
+import struct
+import weakref
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import triton
@@ -81,16 +83,26 @@ ROW_TILES = (32, 128)
 #: ... of the fused update, which keeps five tiles alive (H, the row, its momentum, the target
 #: terms, the gradient): half as wide, so a thread holds ~130 registers, not ~250.
 UPDATE_TILES = (32, 64)
+#: ... of AdamW's, which keeps two moments besides: half as many rows (under Triton 3.9, 32×64 with
+#: the next step's operand spills 8 bytes at 168 registers; 16×64 takes 96, none spilled).
+ADAMW_UPDATE_TILES = (16, 64)
 INTERPRETER_TILES = (16, 16)
 
 
 @dataclass
 class RowUpdate:
-    """The optimizer's step the backward applies to each scored row as it forms its gradient:
-    SGD (weight decay, momentum, Nesterov; no dampening) on ``param`` (the shard's weight, updated
-    in place at the weight rows) with ``momentum_buffer`` (same shape; None without momentum),
-    rounded once to nearest into their dtypes — what :class:`shardfc.head.partial_fc.RowSparseSGD`
-    does with the gradient (:func:`shardfc.head.partial_fc.head_optimizer`, ``fused_update``)."""
+    """The optimizer's step the backward applies to each scored row as it forms its gradient, on
+    ``param`` (the shard's weight, updated in place at the weight rows), rounded once to nearest
+    into the dtypes of the weight and its state:
+
+    * SGD (weight decay, momentum, Nesterov; no dampening) with ``momentum_buffer`` (same shape;
+      None without momentum) — what :class:`shardfc.head.partial_fc.RowSparseSGD` does with the
+      gradient;
+    * AdamW (``exp_avg`` set, :meth:`adamw`): decoupled weight decay, the moments ``exp_avg`` and
+      ``exp_avg_sq`` (same shape) and the per-row step count ``row_step`` (fp64 ``[rows]``) for
+      the bias corrections — :class:`shardfc.head.partial_fc.RowSparseAdamW`'s step.
+
+    (:func:`shardfc.head.partial_fc.head_optimizer`, ``fused_update``.)"""
 
     param: Tensor
     momentum_buffer: Optional[Tensor]
@@ -98,6 +110,28 @@ class RowUpdate:
     momentum: float
     weight_decay: float
     nesterov: bool
+    exp_avg: Optional[Tensor] = None
+    exp_avg_sq: Optional[Tensor] = None
+    row_step: Optional[Tensor] = None
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    @classmethod
+    def adamw(cls, param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, row_step: Tensor, lr: float,
+              betas: Tuple[float, float], eps: float, weight_decay: float) -> "RowUpdate":
+        """AdamW's step (see the class)."""
+        return cls(param, None, lr, 0.0, weight_decay, False, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                   row_step=row_step, betas=(float(betas[0]), float(betas[1])), eps=float(eps))
+
+    @property
+    def is_adamw(self) -> bool:
+        return self.exp_avg is not None
+
+    def state(self) -> List[Tensor]:
+        """The ``[rows, D]`` tensors the step rewrites at each updated row: the weight and its
+        momentum, or its two moments."""
+        extra = (self.exp_avg, self.exp_avg_sq) if self.is_adamw else (self.momentum_buffer,)
+        return [t for t in (self.param, *extra) if t is not None]
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,8 +167,8 @@ def _row_bytes(update: Optional[RowUpdate], grad_w: Tensor) -> int:
     """Bytes per row the backward's row kernel streams besides ``H`` and the operand row."""
     if update is None:
         return grad_w.shape[-1] * grad_w.element_size()
-    state = [t for t in (update.param, update.momentum_buffer) if t is not None]
-    return sum(t.shape[-1] * t.element_size() for t in state)
+    step = update.row_step.element_size() if update.row_step is not None else 0
+    return step + sum(t.shape[-1] * t.element_size() for t in update.state())
 
 
 def _tiles(which):
@@ -189,6 +223,62 @@ def scored_rows(w: Tensor, rows: Optional[Tensor], n_rows: int, dtype: torch.dty
     if n_rows and (write or need_inv):
         _operand_launch(w, rows, inv, out, 0, n_rows, need_inv, normalize, write)
     return out, inv
+
+
+class NextOperand:
+    """One shard's :func:`scored_rows` result for the next step, written by this step's fused update
+    (:func:`backward` with ``next_operand``), so that the next forward skips the pass over ``W``.
+
+    It stands for the weight exactly as the update left it, so :meth:`take` hands it out only while
+    nothing else has changed the weight: the same tensor (held weakly), ``data_ptr``, ``_version``,
+    shape and dtype, and the same compute dtype, normalisation and need for the norms. Any in-place
+    torch operation on the weight (``load_state_dict``, ``grow``, a torch optimizer's step, the
+    row-sparse optimizers, whose Triton kernel bumps the version too) changes ``_version``, and
+    the next forward makes a fresh operand. Writes through ``.data`` (or another kernel that does
+    not bump the version) bypass the check: call :meth:`clear` after them
+    (:meth:`shardfc.ShardedMarginHead.release_next_operands`). Held between steps, it keeps the
+    operand's memory (``2·n·D`` bytes in bf16) allocated, which every step allocates anyway."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def __getstate__(self) -> dict:  # a copy or a pickle of the head makes its operand again
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self._weight = None
+        self._key: Optional[tuple] = None
+        self.operand: Optional[Tensor] = None
+        self.inv: Optional[Tensor] = None
+
+    @staticmethod
+    def _key_of(w: Tensor, dtype: torch.dtype, normalize: bool, need_inv: bool) -> tuple:
+        return (w.data_ptr(), w._version, tuple(w.shape), w.dtype, dtype, bool(normalize), bool(need_inv))
+
+    def keep(self, w: Tensor, operand: Tensor, inv: Optional[Tensor], dtype: torch.dtype, normalize: bool,
+             need_inv: bool) -> None:
+        """``(operand, inv)`` are now what :func:`scored_rows` would make from ``w`` as it is."""
+        self._weight = weakref.ref(w)
+        self._key = self._key_of(w, dtype, normalize, need_inv)
+        self.operand, self.inv = operand, inv
+
+    def take(self, w: Tensor, dtype: torch.dtype, normalize: bool,
+             need_inv: bool) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+        """``(operand, inv)`` for ``w`` as it is now, or None (and forgotten) when anything differs."""
+        if self._weight is None:
+            return None
+        if self._weight() is not w or self._key != self._key_of(w, dtype, normalize, need_inv):
+            self.clear()
+            return None
+        return self.operand, self.inv
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it holds (the operand and the norms)."""
+        return sum(t.untyped_storage().nbytes() for t in (self.operand, self.inv) if t is not None)
 
 
 def operand_rows(w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor], r0: int, n_rows: int,
@@ -269,7 +359,8 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
              row_max: Tensor, inv_sum: Tensor, coef: Tensor, grad_w: Tensor, *, n_cls: int, K: int,
              scale: float, threshold: float, eps_over_c: float, one_minus_eps: float,
              normalize: bool, accumulate: bool, scatter: bool, a_exact: Optional[Tensor] = None,
-             operand: Optional[Tensor] = None, update: Optional[RowUpdate] = None) -> Tensor:
+             operand: Optional[Tensor] = None, update: Optional[RowUpdate] = None,
+             next_operand: bool = False) -> Tensor:
     """The shard's ``dJ/da`` (fp32 ``[B, D]``); ``dJ/dW`` written into ``grad_w`` (added with
     ``accumulate``; at the weight rows with ``scatter``, else at the scored rows) — or, with
     ``update``, applied to the weight by the optimizer's step row by row and never stored
@@ -279,7 +370,15 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
     per-sample weights of the objective (0 for ignored samples); ``tval``/``tdraw``/``tsub``/``on``
     the margin's target value and derivative, the target's sub-centre, and whether the label is
     on this shard; ``a_exact``: the embeddings before the cast (the target rows' gradient uses
-    them; default ``a``); ``operand``: the step's :func:`scored_rows` operand (None: per chunk)."""
+    them; default ``a``); ``operand``: the step's :func:`scored_rows` operand (None: per chunk).
+    ``next_operand`` (with ``update``, every row scored and ``operand``): the update also writes
+    the updated rows' operand and ``1/‖w‖`` over ``operand`` and ``inv``, chunk by chunk — the next
+    step's, as :func:`scored_rows` would make them from the new weights (:class:`NextOperand`).
+    In place is safe: a chunk's operand rows and norms are read by its own GEMMs and kernels only,
+    all before its update, and the target rows' terms are formed before the loop."""
+    if next_operand and (update is None or rows is not None or operand is None or (inv is None) == normalize):
+        raise ValueError("next_operand needs the fused update, every row scored, the step's operand and the "
+                         "norms exactly when the rows are normalised")
     a_exact = a if a_exact is None else a_exact
     B, D, dev = a.shape[0], a.shape[1], a.device
     cd = a.dtype
@@ -334,19 +433,10 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
         w_read = operand if w_hat else w
         if shapes_only(h):
             _note_rows(update, h, w_read, None if w_hat else rows, inv, rows, grad_w, ch.r0, n_rows, accumulate, scatter,
-                       slot if update is not None else None)
+                       slot if update is not None else None, operand if next_operand else None)
         elif update is not None:
-            p, buf = update.param, update.momentum_buffer
-            UR, UD = _tiles(UPDATE_TILES)
-            epilogue.weight_update_kernel[(triton.cdiv(n_rows, UR),)](
-                h, w_read, rows if rows is not None else scratch, inv if inv is not None else scratch, hscale,
-                slot, t_sum, p, buf if buf is not None else p,
-                n_rows, ch.r0, D, h.stride(0), w_read.stride(0), t_sum.stride(0), p.stride(0),
-                buf.stride(0) if buf is not None else 0,
-                float(update.lr), float(update.momentum), float(update.weight_decay),
-                HAS_ROWS=rows is not None, NORM_W=normalize, W_HAT=w_hat, MOMENTUM=buf is not None,
-                NESTEROV=bool(update.nesterov), EMULATE_RTNE=emulate_rtne(p), BR=UR, BD=UD,
-            )
+            _update_launch(update, h, w_read, rows, inv, hscale, slot, t_sum, n_rows, ch.r0, D, normalize, w_hat,
+                           scratch, operand if next_operand else None)
         else:
             epilogue.weight_grad_kernel[(triton.cdiv(n_rows, BR),)](
                 h, w_read, rows if rows is not None else scratch, inv if inv is not None else scratch, grad_w,
@@ -366,16 +456,65 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
     return grad_a
 
 
+def _update_launch(update: RowUpdate, h: Tensor, w_read: Tensor, rows: Optional[Tensor], inv: Optional[Tensor],
+                   hscale: Tensor, slot: Tensor, t_sum: Tensor, n_rows: int, r0: int, D: int, normalize: bool,
+                   w_hat: bool, scratch: Tensor, next_op: Optional[Tensor]) -> None:
+    """One chunk's fused update: :func:`epilogue.weight_update_kernel` (SGD) or
+    :func:`epilogue.adamw_update_kernel` on its ``n_rows`` scored rows from ``r0``; ``next_op``: the
+    step's operand, which the kernel overwrites with the next step's rows (and ``inv``)."""
+    p = update.param
+    UR, UD = _tiles(ADAMW_UPDATE_TILES if update.is_adamw else UPDATE_TILES)
+    grid = (triton.cdiv(n_rows, UR),)
+    common = (h, w_read, rows if rows is not None else scratch, inv if inv is not None else scratch, hscale, slot, t_sum, p)
+    op = next_op if next_op is not None else p
+    flags = dict(HAS_ROWS=rows is not None, NORM_W=normalize, W_HAT=w_hat, NEXT=next_op is not None,
+                 EMULATE_RTNE=emulate_rtne(p), EMULATE_OP=emulate_rtne(op), BR=UR, BD=UD)
+    if update.is_adamw:
+        m, v, step = update.exp_avg, update.exp_avg_sq, update.row_step
+        (b1_hi, b1_lo), (b2_hi, b2_lo) = (_split(b) for b in update.betas)
+        epilogue.adamw_update_kernel[grid](
+            *common, m, v, step, op, n_rows, r0, D, h.stride(0), w_read.stride(0), t_sum.stride(0), p.stride(0),
+            m.stride(0), v.stride(0), op.stride(0), float(update.lr), 1.0 - update.lr * update.weight_decay,
+            b1_hi, b1_lo, b2_hi, b2_lo, 1.0 - update.betas[0], 1.0 - update.betas[1], float(update.eps), **flags,
+        )
+        return
+    buf = update.momentum_buffer
+    epilogue.weight_update_kernel[grid](
+        *common, buf if buf is not None else p, op, n_rows, r0, D, h.stride(0), w_read.stride(0), t_sum.stride(0),
+        p.stride(0), buf.stride(0) if buf is not None else 0, op.stride(0),
+        float(update.lr), float(update.momentum), float(update.weight_decay),
+        MOMENTUM=buf is not None, NESTEROV=bool(update.nesterov), **flags,
+    )
+
+
+def _split(x: float) -> Tuple[float, float]:
+    """``(hi, lo)``: ``hi`` the fp32 nearest ``x``, ``lo`` the fp32 nearest ``x − hi``, so that
+    ``hi + lo`` in fp64 is ``x`` to 2⁻⁴⁸ relative (a kernel's fp32 scalar arguments carrying an fp64)."""
+    hi = _fp32(x)
+    return hi, _fp32(x - hi)
+
+
+def _fp32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def _note_rows(update: Optional[RowUpdate], h: Tensor, w_read: Tensor, read_rows: Optional[Tensor],
                inv: Optional[Tensor], rows: Optional[Tensor], grad_w: Tensor, r0: int, n: int, accumulate: bool,
-               scatter: bool, slot: Optional[Tensor]) -> None:
+               scatter: bool, slot: Optional[Tensor], next_op: Optional[Tensor] = None) -> None:
     """What :func:`epilogue.weight_update_kernel` or :func:`epilogue.weight_grad_kernel` would read
     and write for one chunk's ``n`` rows (``shardfc plan --bytes``). The target terms the update
-    adds (``t_sum``, at most ``B`` rows over the whole step) are left out."""
+    adds (``t_sum``, at most ``B`` rows over the whole step) are left out; so is the second read of
+    the rows it has just written, for ``next_op`` (the next step's operand rows and norms, which
+    it writes), from L1/L2."""
     reads = [span(h[:n]), gathered(w_read, read_rows, r0, n)] + rows_of(inv, r0, n) + rows_of(rows, r0, n)
     if update is not None:
-        state = [gathered(t, rows, r0, n) for t in (update.param, update.momentum_buffer) if t is not None]
-        note("weight_update", reads + state + rows_of(slot, r0, n), state)
+        state = [gathered(t, rows, r0, n) for t in update.state()]
+        if update.row_step is not None:
+            step = update.row_step
+            state.append(span(step[r0:r0 + n]) if rows is None
+                         else Region(step, ("rows", rows, rows.storage_offset() + r0, n), n * step.element_size()))
+        nxt = rows_of(next_op, r0, n) + rows_of(inv, r0, n) if next_op is not None else []
+        note("adamw_update" if update.is_adamw else "weight_update", reads + state + rows_of(slot, r0, n), state + nxt)
         return
     out = gathered(grad_w, rows if scatter else None, r0, n)
     note("weight_grad", reads + ([out] if accumulate else []), [out])

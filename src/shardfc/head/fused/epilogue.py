@@ -22,9 +22,10 @@ once each, so their speed is a bandwidth figure that follows from their byte cou
 * :func:`weight_grad_kernel`: the rows' weight gradient from the GEMM's ``H = Eᵀ·x`` (fp32): the
   normalisation backward ``dJ/dw = inv·H − inv³·(w·H)·w`` and one write per row — new, Partial FC's
   compact rows, or added into ``.grad`` (at the sampled rows);
-* :func:`weight_update_kernel`: the same gradient, never stored: the optimizer's step applied to
-  each row as it is formed (``head_optimizer(..., fused_update=True)``), so the ``[n, D]`` gradient
-  is not written, cleared or read again.
+* :func:`weight_update_kernel` (SGD) and :func:`adamw_update_kernel` (AdamW): the same gradient,
+  never stored: the optimizer's step applied to each row as it is formed
+  (``head_optimizer(..., fused_update=True)``), so the ``[n, D]`` gradient is not written, cleared
+  or read again. Both form it with :func:`_update_grad_tile`, one description of it.
 """
 
 from __future__ import annotations
@@ -255,11 +256,66 @@ def weight_grad_kernel(
 
 
 @triton.jit
+def _target_terms(slot_ptr, t_ptr, scored, r_mask, stride_t):
+    """The block's rows of the target column's terms: ``(has_t, t_rows)``, whether a row is some
+    sample's target (``slot[scored] ≥ 0``) and the pointers to its row of ``t`` (the summed target
+    terms of the samples whose label it is; :func:`.chunks._target_slots`)."""
+    slot = tl.load(slot_ptr + scored, mask=r_mask, other=-1)
+    has_t = slot >= 0
+    t_rows = t_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None] * stride_t
+    return has_t, t_rows
+
+
+@triton.jit
+def _update_grad_tile(h_rows, w_rows, t_rows, has_t, offs_d, mask, inv, proj, hscale, NORM_W: tl.constexpr):
+    """One ``[BR, BD]`` tile of the rows' whole gradient for a fused update: :func:`_grad_tile`
+    plus the target column's terms at the rows that are targets."""
+    g = _grad_tile(h_rows, w_rows, offs_d, mask, inv, proj, hscale, NORM_W)
+    return g + tl.load(t_rows + offs_d[None, :], mask=mask & has_t[:, None], other=0.0)
+
+
+@triton.jit
+def _stored_row(p_rows, offs_d, mask, w, sq, p_ptr, EMULATE_RTNE: tl.constexpr, NEXT: tl.constexpr):
+    """Store a tile of the updated rows into the weight; ``NEXT``: also add the squares of the
+    values as stored (rounded to the weight's dtype) to ``sq``, the rows' squared norms."""
+    w = tiles.stored(w, p_ptr, EMULATE_RTNE)
+    tl.store(p_rows + offs_d[None, :], w, mask=mask)
+    if NEXT:
+        wf = tl.where(mask, w.to(tl.float32), 0.0)
+        sq += tl.sum(wf * wf, axis=1)
+    return sq
+
+
+@triton.jit
+def _next_operand(p_rows, op_ptr, inv_ptr, scored, r_mask, sq, D, stride_o, NORM_W: tl.constexpr,
+                  EMULATE_OP: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    """The next step's operand of the rows just updated, as :func:`operand_rows_kernel` would make
+    it from them: ``1/‖w‖`` from their squared norms ``sq`` stored at ``inv[scored]`` and the rows
+    times it (``NORM_W``; else the rows as they are) in the operand's dtype at ``op[scored]`` — a
+    second pass over rows this program has just written, from L1/L2. Nothing of this step reads
+    these operand rows or norms again (the chunk's GEMMs and this kernel's first passes have)."""
+    if NORM_W:
+        norm = tl.sqrt(sq)
+        inv = tl.where(norm >= tiles.NORM_EPS, 1.0 / tl.maximum(norm, tiles.NORM_EPS), 0.0)
+        tl.store(inv_ptr + scored, inv, mask=r_mask)
+    tl.debug_barrier()  # the rows' stores before their reads, whichever threads held them
+    o_rows = op_ptr + scored[:, None] * stride_o
+    for d0 in range(0, D, BD):
+        offs_d = d0 + tl.arange(0, BD)
+        mask = r_mask[:, None] & (offs_d < D)[None, :]
+        w = tl.load(p_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        if NORM_W:
+            w = w * inv[:, None]
+        tl.store(o_rows + offs_d[None, :], tiles.stored(w, op_ptr, EMULATE_OP), mask=mask)
+
+
+@triton.jit
 def weight_update_kernel(
-    h_ptr, w_ptr, rows_ptr, inv_ptr, hscale_ptr, slot_ptr, t_ptr, p_ptr, buf_ptr,
-    n_rows, r0, D, stride_h, stride_w, stride_t, stride_p, stride_b, lr, momentum, weight_decay,
+    h_ptr, w_ptr, rows_ptr, inv_ptr, hscale_ptr, slot_ptr, t_ptr, p_ptr, buf_ptr, op_ptr,
+    n_rows, r0, D, stride_h, stride_w, stride_t, stride_p, stride_b, stride_o, lr, momentum, weight_decay,
     HAS_ROWS: tl.constexpr, NORM_W: tl.constexpr, W_HAT: tl.constexpr, MOMENTUM: tl.constexpr,
-    NESTEROV: tl.constexpr, EMULATE_RTNE: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+    NESTEROV: tl.constexpr, NEXT: tl.constexpr, EMULATE_RTNE: tl.constexpr, EMULATE_OP: tl.constexpr,
+    BR: tl.constexpr, BD: tl.constexpr,
 ):
     """The optimizer's step on rows ``r0 .. r0 + n_rows`` of the shard's scored rows, from their
     gradient as :func:`weight_grad_kernel` forms it, which is never stored: plus the target
@@ -267,19 +323,19 @@ def weight_update_kernel(
     samples whose label is that row), SGD with weight decay, momentum and Nesterov in fp32, the
     weight row ``p[wrow]`` and its momentum ``buf[wrow]`` rounded once (to nearest) into their
     dtype — :class:`shardfc.head.partial_fc.RowSparseSGD`'s update. With ``NORM_W`` and not
-    ``W_HAT``, ``w_ptr`` is ``p``: each tile is read for the gradient before it is written."""
+    ``W_HAT``, ``w_ptr`` is ``p``: each tile is read for the gradient before it is written.
+    ``NEXT`` (every row scored, the step's operand in ``op``): the updated rows' operand and
+    ``1/‖w‖`` for the next step written over this step's (:func:`_next_operand`)."""
     r_mask, scored, wrow, hscale, h_rows, w_rows, inv, proj = _gradient_rows(
         h_ptr, w_ptr, rows_ptr, inv_ptr, hscale_ptr, n_rows, r0, D, stride_h, stride_w, HAS_ROWS, NORM_W, W_HAT, BR, BD)
-    slot = tl.load(slot_ptr + scored, mask=r_mask, other=-1)
-    has_t = slot >= 0
-    t_rows = t_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None] * stride_t
+    has_t, t_rows = _target_terms(slot_ptr, t_ptr, scored, r_mask, stride_t)
     p_rows = p_ptr + wrow[:, None] * stride_p
     b_rows = buf_ptr + wrow[:, None] * stride_b
+    sq = tl.zeros([BR], dtype=tl.float32)
     for d0 in range(0, D, BD):
         offs_d = d0 + tl.arange(0, BD)
         mask = r_mask[:, None] & (offs_d < D)[None, :]
-        g = _grad_tile(h_rows, w_rows, offs_d, mask, inv, proj, hscale, NORM_W)
-        g += tl.load(t_rows + offs_d[None, :], mask=mask & has_t[:, None], other=0.0)
+        g = _update_grad_tile(h_rows, w_rows, t_rows, has_t, offs_d, mask, inv, proj, hscale, NORM_W)
         w = tl.load(p_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
         g = g + weight_decay * w
         if MOMENTUM:
@@ -289,4 +345,78 @@ def weight_update_kernel(
                 g = g + momentum * b
             else:
                 g = b
-        tl.store(p_rows + offs_d[None, :], tiles.stored(w - lr * g, p_ptr, EMULATE_RTNE), mask=mask)
+        sq = _stored_row(p_rows, offs_d, mask, w - lr * g, sq, p_ptr, EMULATE_RTNE, NEXT)
+    if NEXT:
+        _next_operand(p_rows, op_ptr, inv_ptr, scored, r_mask, sq, D, stride_o, NORM_W, EMULATE_OP, BR, BD)
+
+
+#: Bits of a row's step count :func:`_powers` reads: every count an fp64 holds exactly.
+STEP_BITS: tl.constexpr = tl.constexpr(53)
+
+
+@triton.jit
+def _powers(beta1, beta2, t):
+    """``(beta1 ** t, beta2 ** t)`` per row in fp64, for the integer-valued fp64 step counts ``t``
+    (below ``2 ** STEP_BITS``): by squaring, one bit of ``t`` per iteration — what ``b ** t`` in
+    fp64 gives, to fp64's rounding."""
+    e = t.to(tl.int64)
+    pow1 = t * 0.0 + 1.0
+    pow2 = pow1
+    for _ in range(STEP_BITS):
+        odd = (e & 1) != 0
+        pow1 = tl.where(odd, pow1 * beta1, pow1)
+        pow2 = tl.where(odd, pow2 * beta2, pow2)
+        beta1 = beta1 * beta1
+        beta2 = beta2 * beta2
+        e = e >> 1
+    return pow1, pow2
+
+
+@triton.jit
+def adamw_update_kernel(
+    h_ptr, w_ptr, rows_ptr, inv_ptr, hscale_ptr, slot_ptr, t_ptr, p_ptr, m_ptr, v_ptr, step_ptr, op_ptr,
+    n_rows, r0, D, stride_h, stride_w, stride_t, stride_p, stride_m, stride_v, stride_o,
+    lr, decay, beta1_hi, beta1_lo, beta2_hi, beta2_lo, one_minus_beta1, one_minus_beta2, eps,
+    HAS_ROWS: tl.constexpr, NORM_W: tl.constexpr, W_HAT: tl.constexpr, NEXT: tl.constexpr,
+    EMULATE_RTNE: tl.constexpr, EMULATE_OP: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+):
+    """AdamW's step on rows ``r0 .. r0 + n_rows`` of the shard's scored rows, from the gradient
+    :func:`weight_update_kernel` forms (never stored): :class:`shardfc.head.partial_fc.RowSparseAdamW`'s
+    update, in fp32 — the weight row decayed by ``decay = 1 − lr·wd`` (decoupled), the moments
+    ``m ← m + (1−β₁)(g − m)`` and ``v ← β₂·v + (1−β₂)·g²``, the row's own step count
+    ``step[wrow]`` (fp64) advanced by one and its bias corrections ``1 − β₁ᵗ``, ``√(1 − β₂ᵗ)``
+    computed in fp64 and rounded to fp32 as the optimizer does, then
+    ``w ← w − (lr / (1 − β₁ᵗ))·m / (√v / √(1 − β₂ᵗ) + eps)``; the row, ``m`` and ``v`` rounded once
+    (to nearest) into their dtype. Triton passes Python floats as fp32, so each β comes as two fp32
+    halves (``hi + lo``), exact to 2⁻⁴⁸ in fp64; ``beta2_hi`` is also β₂ in fp32. With ``NORM_W``
+    and not ``W_HAT``, ``w_ptr`` is ``p``: each tile is read for the gradient before it is written.
+    ``NEXT``: the next step's operand, as :func:`weight_update_kernel`'s."""
+    r_mask, scored, wrow, hscale, h_rows, w_rows, inv, proj = _gradient_rows(
+        h_ptr, w_ptr, rows_ptr, inv_ptr, hscale_ptr, n_rows, r0, D, stride_h, stride_w, HAS_ROWS, NORM_W, W_HAT, BR, BD)
+    has_t, t_rows = _target_terms(slot_ptr, t_ptr, scored, r_mask, stride_t)
+    t = tl.load(step_ptr + wrow, mask=r_mask, other=0.0) + 1.0
+    tl.store(step_ptr + wrow, t, mask=r_mask)
+    pow1, pow2 = _powers(tl.cast(beta1_hi, tl.float64) + tl.cast(beta1_lo, tl.float64),
+                         tl.cast(beta2_hi, tl.float64) + tl.cast(beta2_lo, tl.float64), t)
+    step_size = tl.div_rn(tl.full([BR], 1.0, tl.float32), (1.0 - pow1).to(tl.float32)) * lr
+    bias2_sqrt = tl.sqrt(1.0 - pow2).to(tl.float32)  # fp64: correctly rounded
+    p_rows = p_ptr + wrow[:, None] * stride_p
+    m_rows = m_ptr + wrow[:, None] * stride_m
+    v_rows = v_ptr + wrow[:, None] * stride_v
+    sq = tl.zeros([BR], dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        offs_d = d0 + tl.arange(0, BD)
+        mask = r_mask[:, None] & (offs_d < D)[None, :]
+        g = _update_grad_tile(h_rows, w_rows, t_rows, has_t, offs_d, mask, inv, proj, hscale, NORM_W)
+        w = tl.load(p_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32) * decay
+        m = tl.load(m_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        m = m + one_minus_beta1 * (g - m)
+        v = tl.load(v_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        v = v * beta2_hi + one_minus_beta2 * g * g
+        tl.store(m_rows + offs_d[None, :], tiles.stored(m, m_ptr, EMULATE_RTNE), mask=mask)
+        tl.store(v_rows + offs_d[None, :], tiles.stored(v, v_ptr, EMULATE_RTNE), mask=mask)
+        denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt[:, None]) + eps
+        sq = _stored_row(p_rows, offs_d, mask, w - tl.div_rn(step_size[:, None] * m, denom), sq, p_ptr,
+                         EMULATE_RTNE, NEXT)
+    if NEXT:
+        _next_operand(p_rows, op_ptr, inv_ptr, scored, r_mask, sq, D, stride_o, NORM_W, EMULATE_OP, BR, BD)

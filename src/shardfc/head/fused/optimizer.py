@@ -83,3 +83,6 @@ def row_sgd_(p: Tensor, buf: Optional[Tensor], grad: Tensor, idx: Optional[Tenso
             HAS_IDX=idx is not None, G_AT_IDX=grad_at_idx, MOMENTUM=buf is not None, NESTEROV=bool(nesterov),
             BR=BR, BD=BD,
         )
+    # An in-place update, as torch's optimizers' are: autograd's version counter says so (a head's
+    # kept operand for the next step, chunks.NextOperand, is keyed on it).
+    torch.autograd.graph.increment_version(p)

@@ -105,8 +105,11 @@ def shard_forward(
     cfg: ShardConfig,
     target_rows: Optional[Tensor] = None,
     rows: Optional[Tensor] = None,
+    next_operand: Optional[chunks.NextOperand] = None,
 ) -> FusedShardStats:
-    """The fused counterpart of :func:`shardfc.head.kernels.shard_forward` (same arguments)."""
+    """The fused counterpart of :func:`shardfc.head.kernels.shard_forward` (same arguments).
+    ``next_operand``: the shard's :class:`.chunks.NextOperand`, whose operand (written by the last
+    step's fused update) replaces the pass over ``W`` while it still stands for ``W``."""
     a_k, w, n_cls, K = _common(a, w, cfg, rows)
     B, dev, sd = a.shape[0], a.device, cfg.stats_dtype
     smooth = cfg.label_smoothing > 0
@@ -125,8 +128,15 @@ def shard_forward(
     tr = target_rows.to(torch.float32).contiguous() if target_rows is not None else None
     rows = rows.contiguous() if rows is not None else None
     scale, threshold = float(cfg.margin.scale), float(cfg.filter_threshold or 0.0)
+    need_inv = normalize or tr is not None
     with _on(dev):
-        operand, inv = chunks.scored_rows(w, rows, n_cls * K, cfg.compute_dtype, normalize, normalize or tr is not None)
+        kept = None
+        if next_operand is not None and rows is None:
+            kept = next_operand.take(w, cfg.compute_dtype, normalize, need_inv)
+        if kept is not None:
+            operand, inv = kept
+        else:
+            operand, inv = chunks.scored_rows(w, rows, n_cls * K, cfg.compute_dtype, normalize, need_inv)
         if cfg.impl == "gemm":
             pmax, psum, plsum = chunks.forward_stats(a_k, w, rows, inv, tr, tcol, tval, n_cls, K, scale, threshold,
                                                      normalize, smooth, operand)
@@ -191,12 +201,15 @@ def shard_backward(
     feature_norms: bool = False,
     rows: Optional[Tensor] = None,
     update: Optional[chunks.RowUpdate] = None,
+    next_operand: Optional[chunks.NextOperand] = None,
 ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """The counterpart of :func:`shardfc.head.kernels.shard_backward` (same arguments and results:
     ``grad_a``, the weight gradient unless added into ``grad_w_out``, ``grad_norm``), for both
     ``impl="triton"`` and ``impl="gemm"``: cuBLAS GEMMs over class chunks with Triton epilogues
     (:mod:`.chunks`). ``update``: the optimizer's step, applied to ``w``'s scored rows in place
-    as their gradient is formed; the weight gradient is then never stored (None is returned)."""
+    as their gradient is formed; the weight gradient is then never stored (None is returned).
+    ``next_operand``: with ``update``, every row scored and the step's operand, the update writes
+    the next step's operand over this one's and keeps it there (:class:`.chunks.NextOperand`)."""
     a_in = a
     a, w, n_cls, K = _common(a, w, cfg, rows)
     if update is not None and w.data_ptr() != update.param.data_ptr():
@@ -211,6 +224,11 @@ def shard_backward(
     coef = coef.to(torch.float32).contiguous()
     row_max = global_max.to(torch.float32).contiguous()
     inv_sum = global_sum.to(torch.float32).reciprocal().contiguous()
+    normalize = cfg.margin.normalize_weights
+    write_next = (next_operand is not None and update is not None and rows is None and stats.operand is not None
+                  and (stats.inv is not None) == normalize)
+    if next_operand is not None and not write_next:
+        next_operand.clear()  # what it holds no longer matches the weight this backward updates
     if n_cls > 0:
         with _on(dev):
             grad_a = chunks.backward(
@@ -221,8 +239,10 @@ def shard_backward(
                 scale=float(cfg.margin.scale), threshold=float(cfg.filter_threshold or 0.0),
                 eps_over_c=eps / C, one_minus_eps=1.0 - eps, normalize=cfg.margin.normalize_weights,
                 accumulate=accumulate, scatter=accumulate and rows is not None, a_exact=a_in,
-                operand=stats.operand, update=update,
+                operand=stats.operand, update=update, next_operand=write_next,
             )
+        if write_next:
+            next_operand.keep(w, stats.operand, stats.inv, cfg.compute_dtype, normalize, target_rows is not None or normalize)
     else:
         grad_a = torch.zeros(B, D, dtype=torch.float32, device=dev)
         if grad_w is not None and not accumulate:

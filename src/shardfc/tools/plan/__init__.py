@@ -37,7 +37,8 @@ path's chunk of products, its operand rows and fp32 GEMM outputs) and launch not
 optimizer is the one a CUDA run builds (:func:`.replay.fused_as_on_cuda`): torch's ``fused=True``
 SGD/AdamW for fp32 centres without sampling (updates in place, no temporaries), the row-sparse
 SGD's fused kernel (Partial FC, bf16/fp16 centres); the row-sparse AdamW, which has no fused
-kernel, as it runs. The forwards' partial statistics (``[B, splits]`` fp32) follow the SM count
+kernel of its own, as it runs. With ``fused_update`` the step is the backward's (SGD's or AdamW's
+update kernel) and ``step()`` has nothing left to do for the head. The forwards' partial statistics (``[B, splits]`` fp32) follow the SM count
 ``sms`` (default 132, an H100 SXM). The torch path keeps torch's unfused optimizers, as it runs off
 CUDA (with weight decay or AdamW, temporaries of a gradient's size).
 
@@ -140,8 +141,8 @@ def plan(
             ``impl="auto"`` chooses between on a CUDA GPU; need Triton installed; ``chunk_size`` is
             then ignored, as the head ignores it).
         sms: the GPU's streaming multiprocessors, for the GPU paths (see the module docstring).
-        fused_update: :func:`~shardfc.head.partial_fc.head_optimizer`'s (SGD: the step applied in the
-            backward, no ``.grad``; the GPU paths only).
+        fused_update: :func:`~shardfc.head.partial_fc.head_optimizer`'s (SGD or AdamW: the step applied
+            in the backward, no ``.grad``; the GPU paths only).
         compute_dtype: the matmuls' dtype, as autocast sets it (``"bfloat16"`` with ``float32``
             weights: the trainer's ``--amp``); None: ``dtype``.
         traffic: also count the step's HBM bytes kernel by kernel (:mod:`.traffic`): the result's
@@ -188,9 +189,9 @@ def plan(
     budget = None if budget_bytes is None else parse_bytes(budget_bytes)
     if not isinstance(fused_update, bool):
         raise ValueError(f"fused_update must be True or False, got {fused_update!r}")
-    if fused_update and (impl == "torch" or optimizer == "adamw"):
-        raise ValueError(f"fused_update needs impl 'triton' or 'gemm' and optimizer 'sgd' or 'sgd_nomomentum' (the "
-                         f"update the GPU backward applies), got impl={impl!r}, optimizer={optimizer!r}")
+    if fused_update and impl == "torch":
+        raise ValueError(f"fused_update needs impl 'triton' or 'gemm' (the update the GPU backward applies), "
+                         f"got impl={impl!r}")
     if compute_dtype is not None:
         compute_dtype = _dtype_name(compute_dtype)
     if not isinstance(traffic, bool):
@@ -453,7 +454,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="with --head-impl triton/gemm: the GPU's SM count (default 132, an H100 SXM), which sizes "
                         "the forward's partial statistics")
     p.add_argument("--fused-update", action="store_true",
-                   help="with --head-impl triton/gemm and SGD: the optimizer's step applied in the backward "
+                   help="with --head-impl triton/gemm: the optimizer's step (SGD or AdamW) applied in the backward "
                         "(head_optimizer(..., fused_update=True)): no .grad")
     p.add_argument("--compute-dtype", choices=tuple(DTYPES), default=None,
                    help="the matmuls' dtype as autocast sets it (bfloat16 with --dtype float32: the trainer's --amp); "

@@ -383,6 +383,11 @@ def replay_step(
         opt.zero_grad(set_to_none=not grads_kept or no_grad)
         x = torch.empty(local_batch, dim, device=META, dtype=dtype, requires_grad=True)
         labels = torch.zeros(local_batch, dtype=torch.int64)  # checked on the CPU, then moved
+        if gpu and fused_update:
+            # The steady state: a step whose forward uses the operand the previous step's fused
+            # update wrote (chunks.NextOperand, held between steps), not a first step's pass over W.
+            train_step(head, opt, x, labels, set_to_none=True)
+            x.grad = None
         def note_grad(p) -> None:
             if p.grad is not None:  # a sparse_grad head's weights get none
                 grad_serials.append(mode.serial_of(p.grad))
@@ -401,6 +406,10 @@ def replay_step(
             return "communication" if serial in mode.communication else "activations"
 
         parts = mode.peak_by(part)
+        # What the head keeps between steps for the next forward is alive through the step: on top
+        # of what the step allocates (as the first step, which allocates it, would count it).
+        held = sum(k.nbytes for k in getattr(head, "_next_operands", None) or ())
+        parts["activations"] = parts.get("activations", 0) + held
         traffic = None
         if counter is not None:
             from shardfc.tools.plan.traffic import summarise
@@ -408,7 +417,7 @@ def replay_step(
             traffic = summarise(counter.finish())
     state = sum(_nbytes(t) for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
     return Replay(
-        step_peak=mode.peak,
+        step_peak=mode.peak + held,
         step_parts={k: parts.get(k, 0) for k in ("gradients", "activations", "communication")},
         weights=sum(_nbytes(p) for p in params),
         gradients=sum(_nbytes(p.grad) for p in params) if grads_kept else 0,
