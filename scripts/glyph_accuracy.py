@@ -22,7 +22,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from typing import Dict, List
 
 ROWS: Dict[str, List[str]] = {
@@ -50,6 +49,15 @@ def last_metrics(run: str) -> Dict[str, float]:
                 except ValueError:  # 'n/a': a FAR the set's negatives cannot measure
                     values.pop(row["name"], None)
     return values
+
+
+def train_seconds(run: str) -> float:
+    """The run's own wall time, from its train.log ("done: step N in X s")."""
+    import re
+
+    with open(os.path.join(run, "train.log"), encoding="utf-8") as f:
+        found = re.findall(r"done: step \d+ in ([0-9.]+) s", f.read())
+    return float(found[-1]) if found else float("nan")
 
 
 def loss_curve(run: str) -> List[List[float]]:
@@ -91,7 +99,6 @@ def main(argv=None) -> int:
                    "--output-dir", run, *ROWS[name]]
             done = os.path.exists(os.path.join(run, "metrics.csv")) and any(
                 k.startswith("val/") for k in last_metrics(run)) and not args.rerun
-            t0 = time.time()
             if not done:
                 shutil.rmtree(run, ignore_errors=True)  # an unfinished run starts over
                 print(f"[glyph_accuracy] {name}, seed {seed}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
@@ -99,7 +106,7 @@ def main(argv=None) -> int:
                 if done.returncode:
                     sys.exit(f"[glyph_accuracy] {name}, seed {seed} failed ({done.returncode}):\n{done.stderr[-3000:]}")
             m = last_metrics(run)
-            results.append(dict(row=name, seed=seed, flags=ROWS[name], run=run, wall_s=round(time.time() - t0, 1),
+            results.append(dict(row=name, seed=seed, flags=ROWS[name], run=run, train_s=train_seconds(run),
                                 loss=m.get("train/loss"), curve=loss_curve(run),
                                 **{f"{s}/{k}": m.get(f"val/{s}/{k}") for s in SETS
                                    for k in ("accuracy", "accuracy_std", "tar@far=1e-3")}))
@@ -161,7 +168,7 @@ def plot(results, table, path: str) -> None:
     ax.set_xlabel("verification accuracy (%), mean ± half-range over seeds")
     lo = min(r["glyphs_hard/accuracy"][0] for r in table)
     ax.set_xlim(max(50, lo - 5), 100)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower left")
     for r in results:
         if r["seed"] == results[0]["seed"]:
             steps, losses = zip(*r["curve"]) if r["curve"] else ((), ())
