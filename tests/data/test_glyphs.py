@@ -5,7 +5,7 @@ elsewhere these tests skip without them, unless SHARDFC_REQUIRE_FONTS=1): covera
 character map (no box drawings), identical drawings of a character counted once, training and
 verification identities disjoint, the build reproducible byte for byte, the .bin sets in
 insightface's format; a font file that cannot be read is skipped with a warning naming it; no fonts
-is a one-line error naming the packages. Then a short training run on a ≈500-identity set must
+is a one-line error naming the packages. Then a short training run on a 200-identity set must
 verify unseen characters well above chance."""
 
 from __future__ import annotations
@@ -157,12 +157,12 @@ def test_augmentation_is_seeded_and_varies():
 
 @needs_fonts
 def test_a_short_training_run_verifies_unseen_characters_well_above_chance(tmp_path):
-    """300 identities, 3 epochs of the glyphs preset on one process (≈ 1 minute): a floor, not a timing."""
+    """200 identities, 3 epochs of the glyphs preset on one process (≈ 20 s): a floor, not a timing."""
     from shardfc.train.config import parse_config
     from shardfc.train.loop import train
 
     out = tmp_path / "set"
-    build(str(out), GlyphOptions(identities=300, unseen_identities=150, min_faces=8, copies=1, pairs=600, seed=0),
+    build(str(out), GlyphOptions(identities=200, unseen_identities=100, min_faces=8, copies=1, pairs=400, seed=0),
           log=open(os.devnull, "w"))
     cfg, _ = parse_config([
         "--preset", "glyphs", "--data-root", str(out), "--nproc", "1", "--epochs", "3", "--warmup-steps", "50",
@@ -172,7 +172,7 @@ def test_a_short_training_run_verifies_unseen_characters_well_above_chance(tmp_p
     metrics = summary["metrics"]
     assert set(metrics) == {"glyphs_unseen", "glyphs_hard", "glyphs_faces"}
     acc = {k: v["accuracy"] if isinstance(v, dict) else v for k, v in metrics.items()}
-    # measured 92% / 82% / 94% here; chance is 50%
+    # measured 86% / 80% / 90% here (seeded: the same on every run of this machine); chance is 50%
     assert acc["glyphs_unseen"] >= 0.80 and acc["glyphs_faces"] >= 0.80 and acc["glyphs_hard"] >= 0.65, acc
 
 

@@ -151,15 +151,10 @@ def test_fused_update_equals_the_optimizers_step(case):
             assert _rel(a, b) < tol
 
 
+#: SGD's cases without its own options (Nesterov, momentum), plus AdamW's
 ADAMW_CASES = {
-    "arcface": dict(),
     "no_decay_odd_betas": dict(opt_kw=dict(weight_decay=0.0, betas=(0.5, 0.95), eps=1e-3)),
-    "partial_fc": dict(sample_rate=0.5),
-    "partial_fc_sparse_grad": dict(sample_rate=0.5, sparse_grad=True),
-    "subcenters_smoothing": dict(subcenters=2, label_smoothing=0.1),
-    "raw_centres_gemm": dict(margin="softmax", impl="gemm"),
-    "filter": dict(interclass_filter_threshold=0.3, margin="cosface"),
-    "bf16_autocast": dict(autocast=torch.bfloat16),
+    **{k: v for k, v in CASES.items() if "opt_kw" not in v},
 }
 
 
