@@ -168,7 +168,7 @@ def plot(results, table, path: str) -> None:
     ax.set_xlabel("verification accuracy (%), mean ± half-range over seeds")
     lo = min(r["glyphs_hard/accuracy"][0] for r in table)
     ax.set_xlim(max(50, lo - 5), 100)
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3)
     for r in results:
         if r["seed"] == results[0]["seed"]:
             steps, losses = zip(*r["curve"]) if r["curve"] else ((), ())
