@@ -29,6 +29,7 @@ from shardfc import checkpoint as ck
 from shardfc.checkpoint import CheckpointError, StagePart, save_checkpoint
 from shardfc.checkpoint.exported import read_exported
 from shardfc.checkpoint.format import short_repr
+from shardfc.data.glyphs import GlyphError, GlyphOptions, build, font_files
 from shardfc.checkpoint.load import objects_equal
 from shardfc.checkpoint.weights_only import load_pt
 from shardfc.models import build_backbone
@@ -578,3 +579,15 @@ def test_export_checks_the_bytes_it_wrote_not_the_file_by_name(tmp_path: Path, m
     monkeypatch.setattr(torch.jit, "load", lambda f, *a, **k: loaded.append(f) or real(f, *a, **k))
     cli_export.export_torchscript(_model().eval(), torch.zeros(2, 3, *SIZE), tmp_path / "m.pt", {})
     assert loaded and not any(isinstance(f, (str, os.PathLike)) for f in loaded)
+
+
+def test_a_fifo_or_a_link_loop_named_like_a_font_is_never_opened(tmp_path):
+    """``shardfc data glyphs --fonts DIR``: only regular files are read, so a FIFO named like a font
+    cannot hang the build and a link loop cannot fail it."""
+    fonts = tmp_path / "fonts"
+    fonts.mkdir()
+    os.mkfifo(fonts / "pipe.ttf")
+    os.symlink("loop.otf", fonts / "loop.otf")
+    assert font_files([str(fonts)]) == []
+    with pytest.raises(GlyphError, match="no CJK font found"):
+        build(str(tmp_path / "out"), GlyphOptions(), font_dirs=[str(fonts)])

@@ -183,14 +183,3 @@ def test_the_install_script_installs_the_packages_the_error_names():
     listed = script.split("PACKAGES=(", 1)[1].split(")", 1)[0].split()
     assert tuple(listed) == glyphs.FONT_PACKAGES
 
-
-def test_a_fifo_or_a_link_loop_named_like_a_font_is_never_opened(tmp_path):
-    """A user's --fonts folder is a file a user brings (docs/testing.md's hostile files): only regular
-    files are read, so a FIFO cannot hang the build and a link loop cannot fail it."""
-    fonts = tmp_path / "fonts"
-    fonts.mkdir()
-    os.mkfifo(fonts / "pipe.ttf")
-    os.symlink("loop.otf", fonts / "loop.otf")
-    assert font_files([str(fonts)]) == []
-    with pytest.raises(GlyphError, match="no CJK font found"):
-        build(str(tmp_path / "out"), GlyphOptions(), font_dirs=[str(fonts)])
