@@ -29,9 +29,9 @@ from shardfc import checkpoint as ck
 from shardfc.checkpoint import CheckpointError, StagePart, save_checkpoint
 from shardfc.checkpoint.exported import read_exported
 from shardfc.checkpoint.format import short_repr
-from shardfc.data.glyphs import GlyphError, GlyphOptions, build, font_files
 from shardfc.checkpoint.load import objects_equal
 from shardfc.checkpoint.weights_only import load_pt
+from shardfc.data.glyphs import GlyphError, GlyphOptions, build, font_files
 from shardfc.models import build_backbone
 from shardfc.parallel.model_split import stages as cut_stages
 from shardfc.train import cli_embed, cli_eval, cli_export
