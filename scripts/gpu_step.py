@@ -4,7 +4,7 @@
   float64 reference (:func:`shardfc.reference_loss`), in fp32 and under bf16 autocast, with the CPU
   tests' tolerances (fp32: :data:`FP32_RTOL`; bf16: at most twice the torch path's error plus 2e-3);
 * ``step``: the step as ``shardfc bench`` times it (zero_grad kept, forward, backward, SGD momentum)
-  and as the trainer runs it (plus ``clip_head_grad_`` at the default ``grad_clip`` 5), per impl,
+  and as the trainer runs it (plus the head clipped at 5, in the update and by a pass), per impl,
   beside the three bf16 matmuls of the same shapes, and Partial FC r = 0.1 with bf16 centres and the
   row-sparse update; the SGD and AdamW steps fused into the backward (AdamW also after it), and the
   fused SGD step with the operand made by each forward instead of written by the last update;
@@ -44,7 +44,7 @@ from shardfc.parallel.context import DistContext
 
 IMPLS = ("torch", "triton", "gemm")
 FP32_RTOL = 1e-4
-GRAD_CLIP = 5.0  # the trainer's default --grad-clip
+GRAD_CLIP = 5.0  # the head clip the rows time (--head-grad-clip 5, the former default)
 LR, MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 5e-4
 #: chunks.CHUNK_L2_SHARE that gives the former chunks (32 MiB of bf16 products at B = 1024, D = 512:
 #: 16,384 classes, whose working set with the operand rows and H is 1.6x an H100's L2)
@@ -197,17 +197,29 @@ def time_steps(step: Callable[[Any, Any], Any], batches, device: torch.device, w
     return statistics.median(times), (max(peaks) if peaks else None), times
 
 
-def head_step(head, opt, ctx, device, dtype: str, clip: bool):
-    from shardfc.train.step import clip_head_grad_
+def head_step(head, opt, ctx, device, dtype: str, clip):
+    """One head step; ``clip``: False (none), True or "in step" (as ``shardfc train
+    --head-grad-clip`` does: the norm from the weight-gradient pass, the factor applied by the
+    optimizer as its ``grad_scale``) or "pass" (a reduction over ``.grad``, then ``mul_``)."""
+    from shardfc.train.step import clip_head_grad_, grads_divided_by, head_clip_factor, scales_in_step
+
+    in_step = clip in (True, "in step") and scales_in_step(opt)
+    if in_step:
+        head.measure_weight_grad_norm()
 
     def step(x, y):
         opt.zero_grad(set_to_none=False)
         with autocast(device, dtype):
             loss = head(x, y)
         loss.backward()
-        if clip:
-            clip_head_grad_(head, GRAD_CLIP, ctx)
-        opt.step()
+        if in_step:
+            _, coef = head_clip_factor(head, GRAD_CLIP, ctx)
+            with grads_divided_by(opt, coef.reciprocal()):
+                opt.step()
+        else:
+            if clip:
+                clip_head_grad_(head, GRAD_CLIP, ctx)
+            opt.step()
         x.grad = None
         return loss
 
@@ -271,7 +283,10 @@ def step_part(args, device: torch.device) -> Dict[str, Any]:
     variants = []
     for impl in IMPLS:
         variants.append((f"{impl}: bench step", impl, False, {}, torch.float32, False))
-        variants.append((f"{impl}: head clipped (clip_head_grad_ 5.0)", impl, True, {}, torch.float32, False))
+        variants.append((f"{impl}: head clipped 5.0, norm from the backward, clip in the update", impl, "in step", {},
+                         torch.float32, False))
+        variants.append((f"{impl}: head clipped 5.0 by a pass (reduction + mul_)", impl, "pass", {}, torch.float32,
+                         False))
     for impl in ("triton", "gemm"):
         variants.append((f"{impl}: SGD step fused into the backward", impl, False, {}, torch.float32, True))
         # Issue 31 item 5: chunks sized for L2 (the default) against the former 32 MiB of products,

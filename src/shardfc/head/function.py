@@ -58,6 +58,10 @@ class ShardedLossPlan:
     #: one (:class:`shardfc.head.fused.chunks.NextOperand`), which the forward reuses while it
     #: stands for the weight and the backward's fused update rewrites.
     next_operands: Optional[List[Any]] = None
+    #: The fused impls only, with a stored gradient: called as ``sink(shard index, squared norm)``
+    #: with the sum of squares (fp32 ``[1]``) of the weight-gradient rows the backward stored for
+    #: that shard, summed by the weight-gradient pass itself (the head's clipping norm).
+    grad_sq_sink: Optional[Callable[[int, Tensor], None]] = None
 
     def rows_of(self, shard: int) -> Optional[Tensor]:
         return None if self.rows is None else self.rows[shard]
@@ -190,6 +194,9 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
             extra = {} if updates[i] is None else {"update": updates[i]}
             if plan.next_operands is not None and cfg.impl in ("triton", "gemm"):
                 extra["next_operand"] = plan.next_operands[i]
+            grad_sq = None
+            if plan.grad_sq_sink is not None and updates[i] is None and cfg.impl in ("triton", "gemm"):
+                extra["grad_sq"] = grad_sq = torch.zeros(1, dtype=torch.float32, device=dev)
             with _autocast_off(dev.type):
                 ga, gw, gn = backward_shard(
                     a, w, lab, norm, stats, row_max.to(dev), sum_exp.to(dev), coef.to(dev), cfg, out,
@@ -201,6 +208,8 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
                     gw = None
                 else:  # no .grad to add into: autograd gets the dense gradient it expects
                     gw = torch.zeros_like(w).index_add_(0, rows, gw)
+            if grad_sq is not None:
+                plan.grad_sq_sink(i, grad_sq)
             grads_a.append(ga)
             grads_w.append(gw)
             if gn is not None:

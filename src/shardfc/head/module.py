@@ -248,6 +248,11 @@ class ShardedMarginHead(nn.Module):
         self._fused_optimizer = None  # a weak reference to the optimizer whose step the backward applies
         # Per shard, the operand a fused update wrote for the next forward (release_next_operands).
         self._next_operands: Optional[list] = None
+        # measure_weight_grad_norm: whether the backward reports its gradient's sum of squares, the
+        # reports since the last take, and the training forwards since then.
+        self._grad_sq_on = False
+        self._grad_sq: List[Tensor] = []
+        self._grad_sq_forwards = 0
         self.init_seed = int(init_seed)
         dtype = torch.float32 if dtype is None else dtype
 
@@ -337,6 +342,37 @@ class ShardedMarginHead(nn.Module):
 
             self._next_operands = [NextOperand() for _ in range(n_shards)]
         return self._next_operands
+
+    def measure_weight_grad_norm(self, on: bool = True) -> None:
+        """Have the backward of the GPU implementations (``impl`` ``"triton"`` / ``"gemm"``) sum
+        the squares of the weight gradient as it stores it, for :meth:`take_weight_grad_sq_norm`:
+        a head clipped by its norm then needs no pass over its ``[n, D]`` gradient to find it.
+        ``shardfc train --head-grad-clip`` turns it on."""
+        self._grad_sq_on = bool(on)
+        self._grad_sq, self._grad_sq_forwards = [], 0
+
+    def take_weight_grad_sq_norm(self) -> Optional[Tensor]:
+        """The squared norm (fp32 scalar, on this process's first device) of the weight gradient this
+        process's shards hold — the stored ``.grad`` rows and, with ``sparse_grad``, the compact rows —
+        as the backward of the one training forward since the last call summed it while storing it;
+        None when it cannot say: :meth:`measure_weight_grad_norm` off, not one training forward and
+        backward since the last call (gradient accumulation), the torch implementation, a fused
+        optimizer update (nothing stored). Exact when the gradient was zero or None before that
+        backward, as after ``zero_grad()``. Resets the count either way; no host sync."""
+        reports, forwards = self._grad_sq, self._grad_sq_forwards
+        self._grad_sq, self._grad_sq_forwards = [], 0
+        if not self._grad_sq_on or forwards != 1 or len(reports) != len(self.shard_weights):
+            return None
+        home = self.devices[0]
+        return torch.stack([r.to(home).reshape(()) for r in reports]).sum()
+
+    def _grad_sq_sink(self):
+        """The plan's ``grad_sq_sink`` for this forward (None when nothing is measured)."""
+        if not (self._grad_sq_on and torch.is_grad_enabled()):
+            return None
+        self._grad_sq_forwards += 1
+        # Only the first forward's reports are kept: a second makes the take None anyway.
+        return lambda shard, sq: self._grad_sq.append(sq) if self._grad_sq_forwards == 1 else None
 
     def release_next_operands(self) -> None:
         """Free the operand (the scored rows in the compute dtype, ``2·n·D`` bytes in bf16, and their
@@ -484,6 +520,7 @@ class ShardedMarginHead(nn.Module):
 
         weights = self.shard_weights
         sampling = self.training and self.sample_rate < 1.0
+        grad_sq_sink = self._grad_sq_sink()  # counts this forward, whatever runs below
         if sum(sizes) == 0:  # nothing anywhere: a zero loss still connected to the parameters
             # Under sampling no row took part; otherwise the (zero) gradient is dense as usual.
             self._record_rows([w.new_empty(0, dtype=torch.int64) if sampling else None for w in weights])
@@ -532,6 +569,7 @@ class ShardedMarginHead(nn.Module):
             row_grad_sink=sink,
             row_update=self._row_update_hook(impl, compute_dtype, weights),
             next_operands=self._next_operands_for(impl, len(weights)),
+            grad_sq_sink=grad_sq_sink,
         )
         losses = sharded_cross_entropy(plan, valid, local_labels, embeds, weights, feature_norms)
         return reduce_losses(losses, valid, sizes, self.rank, self.reduction)

@@ -77,7 +77,14 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
     parameters), a block of rows at a time, and rounded once into the parameter's and the state's
     dtype: to nearest, or with ``rounding="stochastic"`` unbiased at random (bf16/fp16 only), from
     a generator seeded by ``(rounding_seed, step, parameter)``.
+
+    Like torch's fused optimizers, a ``grad_scale`` attribute (a one-element tensor) set before
+    :meth:`step` divides every gradient it reads by it, inside the update (``shardfc train`` clips
+    the head that way: no pass of its own over the gradient); the caller removes it afterwards.
     """
+
+    #: :meth:`step` honours a ``grad_scale`` attribute (see the class).
+    accepts_grad_scale = True
 
     def __init__(self, params: Iterable, defaults: dict, sampled_rows: Optional[SampledRows],
                  rounding: str, rounding_seed: int):
@@ -157,6 +164,11 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
         """Update ``p`` with a fused kernel and return True, or return False (the blocks do it)."""
         return False
 
+    def _grad_scale_on(self, device: torch.device) -> Optional[Tensor]:
+        """The ``grad_scale`` set for this step (see the class), as fp32 on ``device``; None without one."""
+        scale = getattr(self, "grad_scale", None)
+        return None if scale is None else scale.to(device, torch.float32).reshape(1)
+
     def _rounder(self, group: dict, index: int, device: torch.device):
         """``round(x, dtype)`` for this step and parameter."""
         mode = group["rounding"]
@@ -178,8 +190,10 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
                 if self._fused_update(p, rows_of.get(p), group):
                     continue
                 rnd = self._rounder(group, index, p.device)
+                scale = self._grad_scale_on(p.device)
                 for idx, source, at in self._blocks(p, rows_of.get(p)):
-                    self._update(p, idx, source[at], group, rnd)
+                    g = source[at]
+                    self._update(p, idx, g if scale is None else g.to(update_dtype(p.dtype)) / scale, group, rnd)
             group["rounding_step"] += 1
         return loss
 
@@ -247,7 +261,8 @@ class RowSparseSGD(_RowSparseOptimizer):
             idx, grad, at_idx = entry, p.grad, True  # rows of the dense .grad (None: every row)
         buf = self._momentum_buffer(p, group)
         row_sgd_(p, buf, grad.contiguous(), None if idx is None else idx.contiguous(), at_idx,
-                 group["lr"], group["momentum"], group["weight_decay"], group["nesterov"])
+                 group["lr"], group["momentum"], group["weight_decay"], group["nesterov"],
+                 grad_scale=self._grad_scale_on(p.device))
         return True
 
     def _momentum_buffer(self, p: Tensor, group: dict) -> Optional[Tensor]:

@@ -130,6 +130,8 @@ def build_model(
         module = backbone = prepare_backbone(cfg, ctx.device, stage.module, pipeline_stage=True)
         placement = stage_head_placement(layout)
     head = build_head(cfg, num_classes, placement) if placement is not None else None
+    if head is not None and cfg.head_grad_clip > 0:
+        head.measure_weight_grad_norm()  # the clip's norm from the weight-gradient pass (GPU impls)
     trainable = [p for p in module.parameters() if p.requires_grad]
     opt_backbone = wrap_backbone_optimizer(cfg, ctx, backbone, backbone_optimizer(cfg, trainable))
     opt_head = build_head_optimizer(cfg, head, ctx.device, amp_dtype) if head is not None else None

@@ -118,13 +118,22 @@ def apply_gradients(parts: Parts, grad_clip: float, ctx: DistContext, pipeline: 
             torch.nn.utils.clip_grad_norm_(params, grad_clip)
         else:
             clip_stage_grads_(params, grad_clip, pipeline)
+    head_scale = None
     if head_grad_clip > 0 and parts.head is not None:
-        clip_head_grad_(parts.head, head_grad_clip, ctx if pipeline is None else pipeline.layout.replica_ctx)
+        head_ctx = ctx if pipeline is None else pipeline.layout.replica_ctx
+        # A loss scaler sets grad_scale on torch's fused optimizers itself: then the clip's own mul_.
+        in_step = parts.opt_head is not None and not parts.scaler.is_enabled() and scales_in_step(parts.opt_head)
+        _, coef = head_clip_factor(parts.head, head_grad_clip, head_ctx)
+        if in_step:
+            head_scale = coef.reciprocal()
+        else:
+            scale_head_grad_(parts.head, coef)
     if not frozen:
         with parts.opt_backbone.skip_synchronize() if horovod else contextlib.nullcontext():
             parts.scaler.step(parts.opt_backbone)
     if parts.opt_head is not None:
-        parts.scaler.step(parts.opt_head)
+        with grads_divided_by(parts.opt_head, head_scale):
+            parts.scaler.step(parts.opt_head)
     parts.scaler.update()
     for s in parts.schedulers:
         s.step()
@@ -138,25 +147,67 @@ def head_grads(head: nn.Module) -> list:
 
 
 def clip_head_grad_(head: nn.Module, max_norm: float, ctx: DistContext) -> torch.Tensor:
-    """Clip the head's gradient by its norm over *all* shards; returns that global norm.
+    """Clip the head's gradient by its norm over *all* shards, in place; returns that global norm
+    (:func:`head_clip_factor`, then :func:`scale_head_grad_`)."""
+    total, coef = head_clip_factor(head, max_norm, ctx)
+    scale_head_grad_(head, coef)
+    return total
 
-    Each rank holds different rows, so the local norm is only a part: the squared norms are
-    summed over the group first, and every rank scales its rows by the same factor.
-    """
-    grads = head_grads(head)
-    sq = torch.zeros((), device=ctx.device, dtype=torch.float32)
-    for g in grads:  # the shards may sit on several devices (dp)
-        # One reduction pass in fp32, no temporary: g.float().pow(2) made a copy of the whole
-        # gradient (2 GB at 1M classes, D = 512), measured on an H200 as the trainer step's extra peak.
-        # (fp64 gradients reduce in fp64: vector_norm refuses to narrow)
-        acc = torch.promote_types(g.dtype, torch.float32)
-        sq += torch.linalg.vector_norm(g.detach(), dtype=acc).square().to(sq.device, torch.float32)
+
+def head_clip_factor(head: nn.Module, max_norm: float, ctx: DistContext) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(global norm, factor)`` of the head's gradient: the norm over *all* shards and
+    ``min(1, max_norm / norm)``, the same on every rank (no host sync).
+
+    Each rank holds different rows, so its norm is only a part: the squared norms are summed over
+    the group. A rank's part comes from the weight-gradient pass itself when the head measured it
+    (:meth:`~shardfc.head.module.ShardedMarginHead.take_weight_grad_sq_norm`: the GPU
+    implementations, one backward since the last step), else from one reduction over the stored
+    gradient."""
+    take = getattr(head, "take_weight_grad_sq_norm", None)
+    measured = take() if take is not None else None
+    if measured is not None:
+        sq = measured.to(ctx.device, torch.float32).reshape(())
+    else:
+        sq = torch.zeros((), device=ctx.device, dtype=torch.float32)
+        for g in head_grads(head):  # the shards may sit on several devices (dp)
+            # One reduction pass in fp32, no temporary: g.float().pow(2) made a copy of the whole
+            # gradient (2 GB at 1M classes, D = 512), measured on an H200 as the trainer step's extra peak.
+            # (fp64 gradients reduce in fp64: vector_norm refuses to narrow)
+            acc = torch.promote_types(g.dtype, torch.float32)
+            sq += torch.linalg.vector_norm(g.detach(), dtype=acc).square().to(sq.device, torch.float32)
     ctx.all_reduce_(sq)
     total = sq.sqrt()
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in grads:
+    return total, (max_norm / (total + 1e-6)).clamp(max=1.0)
+
+
+def scale_head_grad_(head: nn.Module, coef: torch.Tensor) -> None:
+    """Multiply the head's stored gradient by ``coef`` in place (one pass over it)."""
+    for g in head_grads(head):
         g.mul_(coef.to(g.device, g.dtype))
-    return total
+
+
+def scales_in_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` divides the gradients it reads by a ``grad_scale`` attribute:
+    torch's fused SGD / AdamW (``fused=True``) and shardfc's row-sparse optimizers. Clipping then
+    costs no pass of its own over the gradient (:func:`grads_divided_by`)."""
+    return bool(getattr(optimizer, "accepts_grad_scale", False) or getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+@contextlib.contextmanager
+def grads_divided_by(optimizer: torch.optim.Optimizer, scale: Optional[torch.Tensor]):
+    """While open, ``optimizer.step()`` divides every gradient by ``scale`` (a tensor; None: nothing
+    changes) as it reads it: the ``grad_scale`` attribute torch's fused optimizers read (as a loss
+    scaler sets it), removed on the way out."""
+    if scale is None:
+        yield
+        return
+    if not scales_in_step(optimizer):
+        raise TypeError(f"{type(optimizer).__name__} does not read a grad_scale in its step")
+    optimizer.grad_scale = scale.reshape(())
+    try:
+        yield
+    finally:
+        del optimizer.grad_scale
 
 
 def _agree_on_overflow(parts: Parts, ctx: DistContext) -> None:

@@ -199,7 +199,7 @@ register(forward.lse_forward_kernel, _FORWARD_CONFIGS, {**_FORWARD, "HAS_ROWS": 
 # optimizer.row_sgd_ launches BR=32, BD=128 (4 warps, 3 stages); the default path is Partial FC's:
 # sampled rows (idx), their gradient rows in order, momentum.
 register(optimizer.row_sgd_kernel, [triton.Config({"BR": 32, "BD": 128}, num_warps=4, num_stages=3)],
-         dict(HAS_IDX=True, G_AT_IDX=False, MOMENTUM=True, NESTEROV=False), types={"idx_ptr": "*i64"})
+         dict(HAS_IDX=True, G_AT_IDX=False, MOMENTUM=True, NESTEROV=False, GSCALE=False), types={"idx_ptr": "*i64"})
 
 # The GEMM path's epilogues (chunks.py launches them at EPILOGUE_TILES / ROW_TILES, 4 warps, 3
 # stages): elementwise kernels, so their builds must show no tensor-core instruction at all. The
@@ -218,7 +218,7 @@ register(epilogue.forward_epilogue_kernel, _BLOCK, dict(K=1, FILTER=False, SMOOT
 register(epilogue.backward_epilogue_kernel, _BLOCK, dict(K=1, FILTER=False, SMOOTH=False, EMULATE_RTNE=False),
          types={"p_ptr": "*bf16", "tcol_ptr": "*i32"}, pick=_pick_block)
 register(epilogue.weight_grad_kernel, _ROWS,
-         dict(HAS_ROWS=False, NORM_W=True, W_HAT=True, ACCUMULATE=True, SCATTER=False, EMULATE_RTNE=False),
+         dict(HAS_ROWS=False, NORM_W=True, W_HAT=True, ACCUMULATE=True, SCATTER=False, SQ=False, EMULATE_RTNE=False),
          types={"rows_ptr": "*i64", "w_ptr": "*bf16"})
 # The update fused into it (head_optimizer(..., fused_update=True)): fp32 centres and momentum,
 # the gradient formed from H and the bf16 operand as above, never stored; every row scored, so it
@@ -247,6 +247,8 @@ VARIANTS: Dict[str, dict] = {
     "sgd-dense-grad+nesterov": dict(G_AT_IDX=True, NESTEROV=True),
     "sgd-all-rows-no-momentum": dict(HAS_IDX=False, MOMENTUM=False),
     "fused-update-rows+nesterov": dict(HAS_ROWS=True, NESTEROV=True, NEXT=False),
+    # --head-grad-clip: the norm summed by the weight-gradient pass, the clip applied by the update.
+    "head-grad-clip": dict(SQ=True, GSCALE=True),
 }
 
 

@@ -360,7 +360,7 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
              scale: float, threshold: float, eps_over_c: float, one_minus_eps: float,
              normalize: bool, accumulate: bool, scatter: bool, a_exact: Optional[Tensor] = None,
              operand: Optional[Tensor] = None, update: Optional[RowUpdate] = None,
-             next_operand: bool = False) -> Tensor:
+             next_operand: bool = False, grad_sq: Optional[Tensor] = None) -> Tensor:
     """The shard's ``dJ/da`` (fp32 ``[B, D]``); ``dJ/dW`` written into ``grad_w`` (added with
     ``accumulate``; at the weight rows with ``scatter``, else at the scored rows) — or, with
     ``update``, applied to the weight by the optimizer's step row by row and never stored
@@ -375,7 +375,13 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
     the updated rows' operand and ``1/‖w‖`` over ``operand`` and ``inv``, chunk by chunk — the next
     step's, as :func:`scored_rows` would make them from the new weights (:class:`NextOperand`).
     In place is safe: a chunk's operand rows and norms are read by its own GEMMs and kernels only,
-    all before its update, and the target rows' terms are formed before the loop."""
+    all before its update, and the target rows' terms are formed before the loop.
+    ``grad_sq`` (fp32 ``[1]``, without ``update``): set to the sum of squares of every row of
+    ``grad_w`` this backward writes, as stored (after ``accumulate``'s add and the target rows'),
+    from the weight-gradient pass itself: each of its programs sums its rows' squares, and the
+    ``B`` target rows are corrected after their terms are added — no pass over ``grad_w``."""
+    if grad_sq is not None and update is not None:
+        raise ValueError("grad_sq is the stored gradient's: a fused update stores none")
     if next_operand and (update is None or rows is not None or operand is None or (inv is None) == normalize):
         raise ValueError("next_operand needs the fused update, every row scored, the step's operand and the "
                          "norms exactly when the rows are normalised")
@@ -413,7 +419,12 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
         slot, t_sum = _target_slots(t_scored, h_t, n_cls * K)
 
     grad_a = torch.zeros(B, D, dtype=torch.float32, device=dev)
-    for c0 in range(0, n_cls, per_chunk):
+    # With grad_sq, each weight-gradient program's sum of squares, chunk after chunk.
+    starts = range(0, n_cls, per_chunk)
+    programs = [triton.cdiv((min(c0 + per_chunk, n_cls) - c0) * K, BR) for c0 in starts]
+    sq_parts = torch.zeros(sum(programs), dtype=torch.float32, device=dev) if grad_sq is not None else None
+    sq_at = 0
+    for c0, n_programs in zip(starts, programs):
         c1 = min(c0 + per_chunk, n_cls)
         ch = _Chunk(a, w, rows, inv, tr, c0, c1, K, normalize, operand)
         n_rows = ch.r1 - ch.r0
@@ -438,12 +449,14 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
             _update_launch(update, h, w_read, rows, inv, hscale, slot, t_sum, n_rows, ch.r0, D, normalize, w_hat,
                            scratch, operand if next_operand else None)
         else:
-            epilogue.weight_grad_kernel[(triton.cdiv(n_rows, BR),)](
+            epilogue.weight_grad_kernel[(n_programs,)](
                 h, w_read, rows if rows is not None else scratch, inv if inv is not None else scratch, grad_w,
-                hscale, n_rows, ch.r0, D, h.stride(0), w_read.stride(0), grad_w.stride(0),
+                hscale, sq_parts[sq_at:] if sq_parts is not None else scratch, n_rows, ch.r0, D,
+                h.stride(0), w_read.stride(0), grad_w.stride(0),
                 HAS_ROWS=rows is not None, NORM_W=normalize, W_HAT=w_hat, ACCUMULATE=accumulate, SCATTER=scatter,
-                EMULATE_RTNE=emulate_rtne(grad_w), BR=BR, BD=BD,
+                SQ=sq_parts is not None, EMULATE_RTNE=emulate_rtne(grad_w), BR=BR, BD=BD,
             )
+        sq_at += n_programs
         # Freed before the next chunk allocates its own: the caching allocator then hands it these
         # blocks, whose lines are still in L2, so the dirty products and H are overwritten there
         # instead of being written back to HBM.
@@ -452,8 +465,22 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
     grad_a += grad_a_t
     if update is None:
         # Samples sharing a target add up (index_add); samples elsewhere add zeros to row 0.
-        grad_w.index_add_(0, t_row if scatter else t_scored, h_t.to(grad_w.dtype))
+        at = t_row if scatter else t_scored
+        grad_w.index_add_(0, at, h_t.to(grad_w.dtype))
+        if grad_sq is not None:
+            grad_sq.copy_(sq_parts.sum().reshape(1) + _target_rows_correction(grad_w, at, t_scored, h_t, n_cls * K))
     return grad_a
+
+
+def _target_rows_correction(grad_w: Tensor, at: Tensor, t_scored: Tensor, h_t: Tensor, n_scored: int) -> Tensor:
+    """What adding the target terms ``h_t`` at rows ``at`` of ``grad_w`` (done already) changed in
+    its sum of squares, from those ``B`` rows only: ``Σ ‖G_r‖² − ‖G_r − T_r‖²`` over the distinct
+    rows ``r``, ``T_r`` the sum of the terms added there (counted once, at one sample per row)."""
+    if t_scored.numel() == 0:
+        return torch.zeros(1, dtype=torch.float32, device=grad_w.device)
+    _, t_sum = _target_slots(t_scored, h_t, n_scored)
+    g = grad_w[at].float()
+    return ((g * g).sum() - (g - t_sum).square().sum()).reshape(1)
 
 
 def _update_launch(update: RowUpdate, h: Tensor, w_read: Tensor, rows: Optional[Tensor], inv: Optional[Tensor],

@@ -233,26 +233,35 @@ def _grad_tile(h_rows, w_rows, offs_d, mask, inv, proj, hscale, NORM_W: tl.const
 
 @triton.jit
 def weight_grad_kernel(
-    h_ptr, w_ptr, rows_ptr, inv_ptr, g_ptr, hscale_ptr, n_rows, r0, D, stride_h, stride_w, stride_g,
+    h_ptr, w_ptr, rows_ptr, inv_ptr, g_ptr, hscale_ptr, sq_ptr, n_rows, r0, D, stride_h, stride_w, stride_g,
     HAS_ROWS: tl.constexpr, NORM_W: tl.constexpr, W_HAT: tl.constexpr, ACCUMULATE: tl.constexpr,
-    SCATTER: tl.constexpr, EMULATE_RTNE: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+    SCATTER: tl.constexpr, SQ: tl.constexpr, EMULATE_RTNE: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
 ):
     """``dJ/dw`` of rows ``r0 .. r0 + n_rows`` of the shard's scored rows from ``H`` (fp32,
     ``[n_rows, D]``, in units of ``hscale``): ``hscale·(inv·H − inv³·(w·H)·w)`` (``NORM_W``) or
     ``hscale·H``, written once at the scored row (``SCATTER``: at the weight row, Partial FC's
     dense ``.grad``), added to what is there (``ACCUMULATE``). ``W_HAT``: ``w_ptr`` holds the
     normalised scored rows ``ŵ`` (the step's operand, indexed by scored row), and the projection
-    is ``inv·(ŵ·H)·ŵ``: the fp32 rows are not read again."""
+    is ``inv·(ŵ·H)·ŵ``: the fp32 rows are not read again. ``SQ``: the program also writes the sum
+    of squares of the values it stored at ``sq_ptr[program]`` (the head's clipping norm, from
+    this pass instead of another over the stored gradient)."""
     r_mask, scored, wrow, hscale, h_rows, w_rows, inv, proj = _gradient_rows(
         h_ptr, w_ptr, rows_ptr, inv_ptr, hscale_ptr, n_rows, r0, D, stride_h, stride_w, HAS_ROWS, NORM_W, W_HAT, BR, BD)
     out_rows = g_ptr + (wrow if SCATTER else scored)[:, None] * stride_g
+    sq = tl.zeros([BR], dtype=tl.float32)
     for d0 in range(0, D, BD):
         offs_d = d0 + tl.arange(0, BD)
         mask = r_mask[:, None] & (offs_d < D)[None, :]
         g = _grad_tile(h_rows, w_rows, offs_d, mask, inv, proj, hscale, NORM_W)
         if ACCUMULATE:
             g += tl.load(out_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_rows + offs_d[None, :], tiles.stored(g, g_ptr, EMULATE_RTNE), mask=mask)
+        v = tiles.stored(g, g_ptr, EMULATE_RTNE)
+        tl.store(out_rows + offs_d[None, :], v, mask=mask)
+        if SQ:
+            v32 = tl.where(mask, v.to(tl.float32), 0.0)
+            sq += tl.sum(v32 * v32, axis=1)
+    if SQ:
+        tl.store(sq_ptr + tl.program_id(0), tl.sum(sq, axis=0))
 
 
 @triton.jit

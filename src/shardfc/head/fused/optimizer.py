@@ -23,11 +23,16 @@ from shardfc.head.fused.traffic import gathered, note, rows_of, span
 
 @triton.jit
 def row_sgd_kernel(
-    p_ptr, buf_ptr, g_ptr, idx_ptr, n, D, stride_p, stride_b, stride_g,
+    p_ptr, buf_ptr, g_ptr, idx_ptr, gscale_ptr, n, D, stride_p, stride_b, stride_g,
     lr, momentum, weight_decay,
     HAS_IDX: tl.constexpr, G_AT_IDX: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
-    BR: tl.constexpr, BD: tl.constexpr,
+    GSCALE: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
 ):
+    """``GSCALE``: the gradient is divided by ``gscale_ptr[0]`` as it is read (torch's fused
+    optimizers' ``grad_scale``: here the head's clipping, applied without a pass of its own)."""
+    inv_scale = 1.0
+    if GSCALE:
+        inv_scale = 1.0 / tl.load(gscale_ptr)
     offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
     r_mask = offs_r < n
     row = offs_r.to(tl.int64)
@@ -40,6 +45,8 @@ def row_sgd_kernel(
         at_p = p_ptr + row[:, None] * stride_p + offs_d[None, :]
         w = tl.load(at_p, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + g_row[:, None] * stride_g + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        if GSCALE:
+            g = g * inv_scale
         g = g + weight_decay * w
         if MOMENTUM:
             at_b = buf_ptr + row[:, None] * stride_b + offs_d[None, :]
@@ -64,9 +71,11 @@ def fusable(p: Tensor, rounding: str) -> Optional[str]:
 
 
 def row_sgd_(p: Tensor, buf: Optional[Tensor], grad: Tensor, idx: Optional[Tensor], grad_at_idx: bool,
-             lr: float, momentum: float, weight_decay: float, nesterov: bool) -> None:
+             lr: float, momentum: float, weight_decay: float, nesterov: bool,
+             grad_scale: Optional[Tensor] = None) -> None:
     """Update rows ``idx`` of ``p`` (every row: ``idx`` None) in place; ``grad`` holds row ``i``'s
-    gradient at ``idx[i]`` (``grad_at_idx``) or at ``i``; ``buf``: the momentum buffer (None: none)."""
+    gradient at ``idx[i]`` (``grad_at_idx``) or at ``i``; ``buf``: the momentum buffer (None: none);
+    ``grad_scale`` (a one-element tensor on ``p``'s device): the gradient divided by it."""
     n = p.shape[0] if idx is None else idx.numel()
     if n and shapes_only(p):  # meta: what it would touch, nothing launched (shardfc plan --bytes)
         state = [gathered(t, idx, 0, n) for t in (p, buf) if t is not None]
@@ -77,11 +86,12 @@ def row_sgd_(p: Tensor, buf: Optional[Tensor], grad: Tensor, idx: Optional[Tenso
     BR, BD = (16, 16) if interpreting() else (32, 128)
     with torch.cuda.device(p.device) if p.is_cuda else contextlib.nullcontext():
         row_sgd_kernel[(triton.cdiv(n, BR),)](
-            p, buf if buf is not None else p, grad, idx if idx is not None else p, n, p.shape[1],
+            p, buf if buf is not None else p, grad, idx if idx is not None else p,
+            grad_scale if grad_scale is not None else p, n, p.shape[1],
             p.stride(0), buf.stride(0) if buf is not None else 0, grad.stride(0),
             float(lr), float(momentum), float(weight_decay),
             HAS_IDX=idx is not None, G_AT_IDX=grad_at_idx, MOMENTUM=buf is not None, NESTEROV=bool(nesterov),
-            BR=BR, BD=BD,
+            GSCALE=grad_scale is not None, BR=BR, BD=BD,
         )
     # An in-place update, as torch's optimizers' are: autograd's version counter says so (a head's
     # kept operand for the next step, chunks.NextOperand, is keyed on it).

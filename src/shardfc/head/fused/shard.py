@@ -202,6 +202,7 @@ def shard_backward(
     rows: Optional[Tensor] = None,
     update: Optional[chunks.RowUpdate] = None,
     next_operand: Optional[chunks.NextOperand] = None,
+    grad_sq: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """The counterpart of :func:`shardfc.head.kernels.shard_backward` (same arguments and results:
     ``grad_a``, the weight gradient unless added into ``grad_w_out``, ``grad_norm``), for both
@@ -209,7 +210,9 @@ def shard_backward(
     (:mod:`.chunks`). ``update``: the optimizer's step, applied to ``w``'s scored rows in place
     as their gradient is formed; the weight gradient is then never stored (None is returned).
     ``next_operand``: with ``update``, every row scored and the step's operand, the update writes
-    the next step's operand over this one's and keeps it there (:class:`.chunks.NextOperand`)."""
+    the next step's operand over this one's and keeps it there (:class:`.chunks.NextOperand`).
+    ``grad_sq`` (fp32 ``[1]``, no ``update``): set to the sum of squares of the weight-gradient
+    rows stored, summed by the pass that stores them (:func:`.chunks.backward`)."""
     a_in = a
     a, w, n_cls, K = _common(a, w, cfg, rows)
     if update is not None and w.data_ptr() != update.param.data_ptr():
@@ -239,7 +242,7 @@ def shard_backward(
                 scale=float(cfg.margin.scale), threshold=float(cfg.filter_threshold or 0.0),
                 eps_over_c=eps / C, one_minus_eps=1.0 - eps, normalize=cfg.margin.normalize_weights,
                 accumulate=accumulate, scatter=accumulate and rows is not None, a_exact=a_in,
-                operand=stats.operand, update=update, next_operand=write_next,
+                operand=stats.operand, update=update, next_operand=write_next, grad_sq=grad_sq,
             )
         if write_next:
             next_operand.keep(w, stats.operand, stats.inv, cfg.compute_dtype, normalize, target_rows is not None or normalize)
@@ -247,6 +250,8 @@ def shard_backward(
         grad_a = torch.zeros(B, D, dtype=torch.float32, device=dev)
         if grad_w is not None and not accumulate:
             grad_w.zero_()
+        if grad_sq is not None:  # no rows written (what is stored was there before)
+            grad_sq.zero_()
     # The target's dL/dz, for the norm's gradient (SphereFace, AdaFace, MagFace).
     on = stats.on_shard
     p_t = torch.exp(stats.target - global_max) * coef / global_sum
