@@ -77,7 +77,10 @@ def main(argv=None) -> int:
     p.add_argument("--seeds-for", action="append", default=[], metavar="ROW=SEEDS",
                    help="other seeds for one row, e.g. 'ArcFace (m = 0.5)=0,1,2' (repeatable)")
     p.add_argument("--rerun", action="store_true")
+    p.add_argument("--train-args", default="",
+                   help="more `shardfc train` flags for every run, e.g. '--batch-size 32' (split on spaces)")
     args = p.parse_args(argv)
+    extra = args.train_args.split()
     seeds = [int(s) for s in args.seeds.split(",")]
     rows = [r.strip() for r in args.rows.split(";") if r.strip()]
     unknown = [r for r in rows if r not in ROWS]
@@ -96,7 +99,7 @@ def main(argv=None) -> int:
             run = os.path.join(args.runs, f"{slug}_seed{seed}")
             cmd = [sys.executable, "-m", "shardfc", "train", "--preset", "glyphs", "--data-root", args.data_root,
                    "--seed", str(seed), "--epochs", str(args.epochs), "--no-progress", "--resume", "none",
-                   "--output-dir", run, *ROWS[name]]
+                   "--output-dir", run, *extra, *ROWS[name]]
             done = os.path.exists(os.path.join(run, "metrics.csv")) and any(
                 k.startswith("val/") for k in last_metrics(run)) and not args.rerun
             if not done:
@@ -106,7 +109,7 @@ def main(argv=None) -> int:
                 if done.returncode:
                     sys.exit(f"[glyph_accuracy] {name}, seed {seed} failed ({done.returncode}):\n{done.stderr[-3000:]}")
             m = last_metrics(run)
-            results.append(dict(row=name, seed=seed, flags=ROWS[name], run=run, train_s=train_seconds(run),
+            results.append(dict(row=name, seed=seed, flags=extra + ROWS[name], run=run, train_s=train_seconds(run),
                                 loss=m.get("train/loss"), curve=loss_curve(run),
                                 **{f"{s}/{k}": m.get(f"val/{s}/{k}") for s in SETS
                                    for k in ("accuracy", "accuracy_std", "tar@far=1e-3")}))

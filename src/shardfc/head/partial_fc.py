@@ -192,8 +192,9 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
                 rnd = self._rounder(group, index, p.device)
                 scale = self._grad_scale_on(p.device)
                 for idx, source, at in self._blocks(p, rows_of.get(p)):
-                    g = source[at]
-                    self._update(p, idx, g if scale is None else g.to(update_dtype(p.dtype)) / scale, group, rnd)
+                    # No name holds the block's gathered gradient: it is freed before the next block's.
+                    self._update(p, idx, source[at] if scale is None else source[at].to(update_dtype(p.dtype)) / scale,
+                                 group, rnd)
             group["rounding_step"] += 1
         return loss
 
