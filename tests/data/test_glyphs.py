@@ -11,6 +11,7 @@ verify unseen characters well above chance."""
 from __future__ import annotations
 
 import os
+import struct
 
 import numpy as np
 import pytest
@@ -92,6 +93,57 @@ def test_coverage_comes_from_the_character_map_and_identical_drawings_count_once
     # the drawings a face shares with an earlier one were dropped and counted
     total = sum(len(v) for v in got.by_char.values()) + sum(got.same.values())
     assert total == sum(got.drawn.values())
+
+
+def _cmap_bytes(fmt: int, mapping: dict, platform=(3, 1)) -> bytes:
+    """A ``cmap`` table holding one subtable of ``fmt`` (4 or 12) for ``mapping`` (code -> glyph id),
+    compiled by fontTools."""
+    from fontTools.ttLib import TTFont, newTable
+    from fontTools.ttLib.tables._c_m_a_p import CmapSubtable
+
+    font = TTFont()
+    font.setGlyphOrder([".notdef"] + [f"g{i}" for i in range(1, 700)])
+    sub = CmapSubtable.newSubtable(fmt)
+    sub.platformID, sub.platEncID, sub.language = *platform, 0
+    sub.cmap = {c: font.getGlyphOrder()[g] for c, g in mapping.items()}
+    table = newTable("cmap")
+    table.tableVersion, table.tables = 0, [sub]
+    return table.compile(font)
+
+
+@pytest.mark.parametrize("fmt, platform", [(4, (3, 1)), (12, (3, 10))])
+def test_the_raw_character_map_reader_agrees_with_fonttools(fmt, platform):
+    """:func:`glyphs.cjk_coverage` reads the best Unicode subtable's ranges itself (fontTools' decoding
+    names every glyph on the way: most of a build's time): the characters it finds covered are
+    exactly fontTools' for runs, scattered glyph ids (format 4's glyph array), characters around the
+    CJK block's edges and a character mapped to ``.notdef`` (a box: not covered)."""
+    from fontTools.ttLib import TTFont, newTable
+
+    g = np.random.default_rng(0)
+    mapping = {c: 1 + (c - 0x4DF0) % 300 for c in range(0x4DF0, 0x4E40)}  # a run across the block's start
+    mapping.update({int(c): int(g.integers(1, 699)) for c in g.integers(0x4E00, 0xA010, 400)})  # scattered ids
+    mapping.update({0x41: 5, 0x9FFF: 7, 0xA000: 8, 0x5000: 0})  # ASCII, the block's last, past it, .notdef
+    raw = _cmap_bytes(fmt, mapping, platform)
+    font = TTFont()
+    font.setGlyphOrder([".notdef"] + [f"g{i}" for i in range(1, 700)])
+    table = newTable("cmap")  # fontTools' own reading of the same bytes
+    table.decompile(raw, font)
+    want = {c for c, name in table.getBestCmap().items() if glyphs.CJK_FIRST <= c <= glyphs.CJK_LAST and name != ".notdef"}
+    got = glyphs.cjk_coverage(raw)
+    assert got == want and 0x5000 not in got and 0x9FFF in got and 0xA000 not in got and 0x4DF0 not in got
+    assert len(got) > 300
+    with pytest.raises((struct.error, ValueError)):  # a cut table: the font is skipped, named
+        glyphs.cjk_coverage(raw[: len(raw) // 2])
+
+
+def test_overlapping_ranges_are_left_to_fonttools():
+    """A format 12 table whose groups overlap (against the format; a hostile file could claim the
+    whole block a million times over) is not read by the fast reader: fontTools decodes it."""
+    raw = bytearray(_cmap_bytes(12, {c: 1 + c % 5 for c in range(0x4E00, 0x4E10)}, (3, 10)))
+    offset = struct.unpack_from(">L", raw, 8)[0]
+    struct.pack_into(">L", raw, offset + 12, 2)  # two groups, the second a copy of the first
+    raw[offset + 28 : offset + 40] = raw[offset + 16 : offset + 28]
+    assert glyphs.cjk_coverage(bytes(raw[: offset + 40])) is None
 
 
 def test_family_keys_join_regional_weight_mono_and_proportional_variants():

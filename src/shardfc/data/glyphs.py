@@ -136,6 +136,69 @@ def family_key(name: str) -> str:
     return " ".join(key.split()) or name
 
 
+#: The Unicode subtables a character map is read from, best first (HarfBuzz's order, as fontTools'
+#: ``getBestCmap`` has it).
+CMAP_PREFERENCES = ((3, 10), (0, 6), (0, 4), (3, 1), (0, 3), (0, 2), (0, 1), (0, 0))
+
+
+def cjk_coverage(cmap: bytes, first: int = CJK_FIRST, last: int = CJK_LAST) -> Optional[Set[int]]:
+    """The characters ``first..last`` that the best Unicode subtable of a raw ``cmap`` table maps to
+    a glyph other than ``.notdef``; None when that subtable is neither format 4 nor 12 (the two every
+    CJK font here uses; the caller then decodes it the slow way).
+
+    fontTools' decoding names every glyph of the font on the way (the ``post`` or CFF glyph order:
+    two thirds of a glyph set's build went there); the ranges alone answer "covered or not".
+    A short or damaged table raises (struct.error, ValueError): the caller skips the font."""
+    import struct
+
+    _, n = struct.unpack_from(">HH", cmap, 0)
+    records = [struct.unpack_from(">HHL", cmap, 4 + 8 * i) for i in range(n)]
+    offset = next((o for pref in CMAP_PREFERENCES for p, e, o in records if (p, e) == pref), None)
+    if offset is None:
+        return set()
+    fmt = struct.unpack_from(">H", cmap, offset)[0]
+    covered: Set[int] = set()
+    if fmt == 12:
+        (groups,) = struct.unpack_from(">L", cmap, offset + 12)
+        table = np.frombuffer(cmap, ">u4", count=3 * groups, offset=offset + 16).reshape(-1, 3).astype(np.int64)
+        table = table[(table[:, 1] >= first) & (table[:, 0] <= last)]
+        if not _ordered(table[:, 0], table[:, 1]):
+            return None
+        for start, end, glyph in table:
+            lo, hi = max(int(start), first), min(int(end), last)
+            covered.update(c for c in range(lo, hi + 1) if glyph + (c - start))  # .notdef at most at the start
+        return covered
+    if fmt == 4:
+        (seg_x2,) = struct.unpack_from(">H", cmap, offset + 6)
+        segs = seg_x2 // 2
+        words = np.frombuffer(cmap, ">u2", count=4 * segs + 1, offset=offset + 14).astype(np.int64)
+        end, start = words[:segs], words[segs + 1 : 2 * segs + 1]
+        delta, range_at = words[2 * segs + 1 : 3 * segs + 1], offset + 16 + 6 * segs  # idRangeOffset[0]'s byte
+        range_offset = words[3 * segs + 1 : 4 * segs + 1]
+        inside = np.nonzero((end >= first) & (start <= last) & (start != 0xFFFF))[0]
+        if not _ordered(start[inside], end[inside]):
+            return None
+        for i in inside:
+            for c in range(max(int(start[i]), first), min(int(end[i]), last) + 1):
+                if range_offset[i] == 0:
+                    glyph = (c + int(delta[i])) & 0xFFFF
+                else:  # the glyph array entry idRangeOffset[i] bytes past idRangeOffset[i] itself
+                    at = range_at + 2 * int(i) + int(range_offset[i]) + 2 * (c - int(start[i]))
+                    (glyph,) = struct.unpack_from(">H", cmap, at)
+                    glyph = (glyph + int(delta[i])) & 0xFFFF if glyph else 0
+                if glyph:
+                    covered.add(c)
+        return covered
+    return None
+
+
+def _ordered(starts: np.ndarray, ends: np.ndarray) -> bool:
+    """Ranges as the format requires them: each non-empty and past the one before. Then reading them
+    costs at most one step a character of the block, whatever a (hostile) file claims; fontTools
+    reads any others, as before."""
+    return bool((starts <= ends).all() and (starts[1:] > ends[:-1]).all())
+
+
 def read_faces(paths: Iterable[str], warn=None) -> List[Tuple[Face, Set[int]]]:
     """Each face of each file with the CJK characters its character map covers (faces covering
     none are left out); an unreadable file is skipped with a warning naming it."""
@@ -151,8 +214,9 @@ def read_faces(paths: Iterable[str], warn=None) -> List[Tuple[Face, Set[int]]]:
                 count = 1
             for i in range(count):
                 font = TTFont(path, fontNumber=i, lazy=True)
-                cmap = font.getBestCmap() or {}
-                covered = {c for c in cmap if CJK_FIRST <= c <= CJK_LAST}
+                covered = cjk_coverage(font.reader["cmap"]) if "cmap" in font.reader else set()
+                if covered is None:  # a subtable format the fast reader leaves to fontTools
+                    covered = {c for c in (font.getBestCmap() or {}) if CJK_FIRST <= c <= CJK_LAST}
                 name = font["name"].getDebugName(4) or font["name"].getDebugName(1) or f"{os.path.basename(path)}#{i}"
                 family = font["name"].getDebugName(1) or name
                 font.close()
