@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -38,6 +39,19 @@ if INTERPRET:
 def _interpreter(monkeypatch):
     if INTERPRET:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_finish(session):
+    """test_aot.py's sm_90 build starts now, in a subprocess, when its tests are to run (aot_build.py)."""
+    if HAS_TRITON and any(item.path.name == "test_aot.py" for item in session.items):
+        import aot_build
+
+        aot_build.start()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if "aot_build" in sys.modules:
+        sys.modules["aot_build"].stop()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,11 +10,7 @@ subprocess: this test session runs the kernels under the interpreter, which cann
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
+import aot_build
 import pytest
 import triton
 import triton.language as tl
@@ -24,13 +20,8 @@ from shardfc.head.fused import aot
 
 @pytest.fixture(scope="module")
 def built():
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "shardfc.head.fused.aot", "--variants", "all", "--json"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    """Every build, from the subprocess collection started (aot_build.py)."""
+    return aot_build.result()
 
 
 def _name(b: dict) -> str:
