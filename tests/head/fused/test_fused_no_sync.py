@@ -84,3 +84,37 @@ def test_a_step_with_the_update_fused_reads_nothing_back(config, optimizer):
     assert head.last_update == "fused"
     assert syncs.count == 0, f"{config}:\n{syncs.report()}"
     head.check_pending()
+
+
+@pytest.mark.parametrize("config", ["plain", "partial_fc", "subcenters+partial_fc+sparse_grad"])
+def test_a_step_clipped_with_the_measured_norm_reads_nothing_back(config, monkeypatch):
+    """``--head-grad-clip`` as the trainer runs it: the squared norm summed by the weight-gradient
+    pass and its target-row correction, the clip factor, and the optimizer dividing by it as its
+    ``grad_scale`` — no value read back on the way."""
+    from shardfc.parallel.context import DistContext
+    import shardfc.train.step as step_mod
+    from shardfc.train.step import grads_divided_by, head_clip_factor, scales_in_step
+
+    monkeypatch.setattr(step_mod, "head_grads", None)  # the norm must be the measured one, not a pass
+
+    head = shardfc.ShardedMarginHead(D, C, impl="triton", validate="deferred", device=DEVICE, **CONFIGS[config])
+    head.measure_weight_grad_norm()
+    opt = shardfc.head_optimizer(head, "sgd", lr=0.1, momentum=0.9, weight_decay=5e-4)
+    opt = opt if scales_in_step(opt) else torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9, fused=True)
+    ctx = DistContext(device=DEVICE)
+    batches = [_batch(seed) for seed in range(2)]
+
+    def step(batch):
+        opt.zero_grad(set_to_none=False)
+        _step(head, batch)
+        norm, coef = head_clip_factor(head, 0.01, ctx)
+        with grads_divided_by(opt, coef.reciprocal()):
+            opt.step()
+        return norm
+
+    step(batches[0])
+    with HostSyncCounter() as syncs:
+        norm = step(batches[1])
+    assert syncs.count == 0, f"{config}:\n{syncs.report()}"
+    assert float(norm) > 0.01  # the clip acted (read after the count)
+    head.check_pending()
