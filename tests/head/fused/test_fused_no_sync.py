@@ -91,8 +91,8 @@ def test_a_step_clipped_with_the_measured_norm_reads_nothing_back(config, monkey
     """``--head-grad-clip`` as the trainer runs it: the squared norm summed by the weight-gradient
     pass and its target-row correction, the clip factor, and the optimizer dividing by it as its
     ``grad_scale`` — no value read back on the way."""
-    from shardfc.parallel.context import DistContext
     import shardfc.train.step as step_mod
+    from shardfc.parallel.context import DistContext
     from shardfc.train.step import grads_divided_by, head_clip_factor, scales_in_step
 
     monkeypatch.setattr(step_mod, "head_grads", None)  # the norm must be the measured one, not a pass
