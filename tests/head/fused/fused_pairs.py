@@ -68,3 +68,18 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     if b.numel() == 0:
         return 0.0
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def trainer_steps(parts, cfg, ctx, steps: int = 2) -> None:
+    """``steps`` of ``shardfc train``'s step on built ``parts`` (zero both optimizers, backbone and
+    head forward and backward on a seeded batch of 12 16×16 images, ``apply_gradients``)."""
+    from shardfc.train.step import apply_gradients
+
+    for step in range(steps):
+        parts.opt_backbone.zero_grad()
+        parts.opt_head.zero_grad(set_to_none=False)
+        g = torch.Generator().manual_seed(step)
+        images = torch.randn(12, 3, 16, 16, generator=g).to(DEVICE)
+        labels = torch.randint(0, C, (12,), generator=g).to(DEVICE)
+        parts.head(parts.backbone(images), labels).backward()
+        apply_gradients(parts, cfg.grad_clip, ctx, head_grad_clip=cfg.head_grad_clip)

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from fused_pairs import DEVICE, MARGINS, C, D
+from fused_pairs import DEVICE, MARGINS, C, D, trainer_steps
 
 import shardfc
 from shardfc.head import partial_fc
@@ -372,7 +372,6 @@ def test_the_trainers_step_with_the_fused_update(monkeypatch, optimizer):
     import shardfc.train.build as build
     from shardfc.parallel.context import DistContext
     from shardfc.train.config import TrainConfig
-    from shardfc.train.step import apply_gradients
 
     monkeypatch.setattr(build, "fused_head_update", lambda cfg, device, amp: cfg.head_update == "fused")
     base = TrainConfig(image_size=[16, 16], embedding_dim=D, synthetic_identities=C, head_impl="triton", warmup_steps=1,
@@ -382,14 +381,7 @@ def test_the_trainers_step_with_the_fused_update(monkeypatch, optimizer):
         cfg = dataclasses.replace(base, head_update=mode).validate()
         torch.manual_seed(0)
         parts = build.build_parts(cfg, DistContext(device=DEVICE), C, (16, 16), total_steps=4, amp_dtype=None)
-        for step in range(2):
-            parts.opt_backbone.zero_grad()
-            parts.opt_head.zero_grad(set_to_none=False)
-            g = torch.Generator().manual_seed(step)
-            images = torch.randn(12, 3, 16, 16, generator=g).to(DEVICE)
-            labels = torch.randint(0, C, (12,), generator=g).to(DEVICE)
-            parts.head(parts.backbone(images), labels).backward()
-            apply_gradients(parts, cfg.grad_clip, DistContext(device=DEVICE), head_grad_clip=cfg.head_grad_clip)
+        trainer_steps(parts, cfg, DistContext(device=DEVICE))
         assert parts.head.last_update == ("fused" if mode == "fused" else None)
         heads[mode] = parts.head.weight.detach().double().cpu()
     assert _rel(heads["fused"], heads["optimizer"]) < 1e-5

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from fused_pairs import DEVICE, MARGINS, C, D
+from fused_pairs import DEVICE, MARGINS, C, D, trainer_steps
 
 import shardfc
 from shardfc.head import partial_fc
@@ -146,14 +146,7 @@ def test_the_trainers_clip_reads_the_measured_norm_and_the_update_applies_it(mon
             assert step_mod.scales_in_step(parts.opt_head) == new_path
             take = parts.head.take_weight_grad_sq_norm
             m.setattr(parts.head, "take_weight_grad_sq_norm", lambda: measured.append(take()) or measured[-1])
-            for i in range(2):
-                parts.opt_backbone.zero_grad()
-                parts.opt_head.zero_grad(set_to_none=False)
-                g = torch.Generator().manual_seed(i)
-                images = torch.randn(12, 3, 16, 16, generator=g).to(DEVICE)
-                labels = torch.randint(0, C, (12,), generator=g).to(DEVICE)
-                parts.head(parts.backbone(images), labels).backward()
-                step_mod.apply_gradients(parts, cfg.grad_clip, ctx, head_grad_clip=cfg.head_grad_clip)
+            trainer_steps(parts, cfg, ctx)
             assert not hasattr(parts.opt_head, "grad_scale")  # removed after the step
             return parts.head.weight.detach().double().cpu()
 
