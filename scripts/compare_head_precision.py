@@ -35,7 +35,7 @@ def _read(csv_path: Path):
 
 
 def main() -> None:
-    from shardfc.train import cli as train_cli
+    from shardfc.cli import train as train_cli
     from shardfc.train.config import TrainConfig
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

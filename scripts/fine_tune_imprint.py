@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
+from shardfc.cli import train as train_cli
 from shardfc.data import SyntheticIdentities
 from shardfc.head.imprint import imprint_centres
 from shardfc.models import build_backbone
 from shardfc.parallel.context import DistContext
-from shardfc.train import cli as train_cli
 from shardfc.train.build import build_run
 from shardfc.train.config import TrainConfig
 from shardfc.train.evaluate import build_targets

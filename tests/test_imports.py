@@ -21,8 +21,12 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PRIVATE_ALLOWED: Dict[Tuple[str, str, str], str] = {}
 
 #: Packages that must not import from the packages named (the lower layer does not know the upper).
-_ABOVE = ("shardfc.train", "shardfc.tools", "shardfc.compat")
+_ABOVE = ("shardfc.cli", "shardfc.train", "shardfc.tools", "shardfc.compat")
 LAYERS: Dict[str, Tuple[str, ...]] = {
+    # the command line is the top: the library never imports it
+    "shardfc.train": ("shardfc.cli",),
+    "shardfc.tools": ("shardfc.cli",),
+    "shardfc.compat": ("shardfc.cli",),
     "shardfc.data": _ABOVE + ("shardfc.evaluation", "shardfc.head", "shardfc.parallel", "shardfc.checkpoint"),
     "shardfc.head": _ABOVE + ("shardfc.evaluation", "shardfc.data", "shardfc.checkpoint"),
     "shardfc.parallel": _ABOVE + ("shardfc.evaluation", "shardfc.data", "shardfc.head", "shardfc.checkpoint"),

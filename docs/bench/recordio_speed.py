@@ -35,8 +35,8 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from shardfc.data import ImageFolderDataset
-from shardfc.data.cli import pack
 from shardfc.data.recordio import RecordIODataset
+from shardfc.data.recordio_ops import pack
 
 
 def make_folder(root: str, images: int, classes: int, size: int, seed: int = 0) -> int:

@@ -15,6 +15,7 @@ Where things live (docs/architecture.md has the picture): ``shardfc.head`` the m
 
 import sys as _sys
 
+from shardfc import _moved
 from shardfc.head import ShardedMarginHead, head_optimizer, margins, partial_fc, reference_loss
 from shardfc.version import __version__
 
@@ -25,6 +26,8 @@ __all__ = ["ShardedMarginHead", "head_optimizer", "margins", "reference_loss", "
 # ``shardfc.head_optimizer`` / ``shardfc.head.partial_fc``).
 _sys.modules[__name__ + ".margins"] = margins
 _sys.modules[__name__ + ".partial_fc"] = partial_fc
+# Modules that moved in 0.3 (train/ by concept, shardfc.cli): their old names for one release.
+_moved.install()
 
 
 def __getattr__(name):  # baselines import lazily: they are not needed to train

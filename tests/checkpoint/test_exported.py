@@ -13,8 +13,8 @@ import torch
 
 from shardfc.checkpoint import CheckpointError
 from shardfc.checkpoint.exported import is_torchscript, read_exported
+from shardfc.cli.export import export_torchscript
 from shardfc.models import build_backbone
-from shardfc.train.cli_export import export_torchscript
 
 
 @pytest.fixture(scope="module")

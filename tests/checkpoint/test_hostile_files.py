@@ -31,10 +31,12 @@ from shardfc.checkpoint.exported import read_exported
 from shardfc.checkpoint.format import short_repr
 from shardfc.checkpoint.load import objects_equal
 from shardfc.checkpoint.weights_only import load_pt
+from shardfc.cli import embed as cli_embed
+from shardfc.cli import eval as cli_eval
+from shardfc.cli import export as cli_export
 from shardfc.data.glyphs import GlyphError, GlyphOptions, build, font_files
 from shardfc.models import build_backbone
 from shardfc.parallel.model_split import stages as cut_stages
-from shardfc.train import cli_embed, cli_eval, cli_export
 from shardfc.train.artifacts import load_backbone
 from shardfc.train.classes import read_renames, rename
 from shardfc.train.config import ConfigError, TrainConfig
@@ -252,7 +254,7 @@ def test_train_resuming_from_a_fifo_stops_with_one_line(tmp_path: Path):
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> Path:
     """A checkpoint of one step of a real ``shardfc train`` run (4 identities, one process)."""
-    from shardfc.train import cli as train_cli
+    from shardfc.cli import train as train_cli
 
     out = tmp_path_factory.mktemp("trained") / "run"
     train_cli.run(_tiny_run(out, max_steps=1))
@@ -285,7 +287,7 @@ def _tamper_common(change):
 def test_resuming_from_a_checkpoint_holding_other_state_is_one_error(trained_run: Path, tmp_path: Path, tamper, needle):
     import shutil
 
-    from shardfc.train import cli as train_cli
+    from shardfc.cli import train as train_cli
 
     out = tmp_path / "run"
     shutil.copytree(trained_run, out)
@@ -382,7 +384,7 @@ def test_a_deflated_record_of_a_pt_file_is_refused_before_inflating(tmp_path: Pa
 
 @pytest.mark.parametrize("kind", ["deflated", "fifo"])
 def test_import_arcface_refuses_a_deflated_or_endless_pt_in_one_line(tmp_path: Path, capsys, kind: str):
-    from shardfc.train import cli_import
+    from shardfc.cli import import_arcface as cli_import
 
     backbone = tmp_path / "backbone.pth"
     if kind == "fifo":

@@ -16,7 +16,7 @@ import struct
 import numpy as np
 import pytest
 
-from shardfc.data import cli as data_cli
+from shardfc.cli import data as data_cli
 from shardfc.data import glyphs
 from shardfc.data.glyphs import GlyphError, GlyphOptions, build, family_key, font_files, read_faces
 from shardfc.evaluation.verification import load_bin

@@ -14,8 +14,8 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from shardfc import cli as top_cli
+from shardfc.cli import data as data_cli
 from shardfc.data import ImageFolderDataset, image_to_tensor
-from shardfc.data import cli as data_cli
 from shardfc.data.recordio import (
     RECORDIO_MAGIC,
     IRHeader,

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
+from shardfc.cli.bench import main
 from shardfc.tools.bench import VARIANTS
-from shardfc.tools.bench.cli import main
 
 #: the shared run: W ranks, global batch B (W divides it: every rank holds B/W rows, as the plan
 #: assumes), width D, C classes, chunk size and Partial FC rate

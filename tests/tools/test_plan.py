@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 import shardfc.head.function as head_function
+from shardfc.cli.plan import main
 from shardfc.tools import plan as plan_module
-from shardfc.tools.plan import PARTS, main, parse_bytes, plan
+from shardfc.tools.plan import PARTS, parse_bytes, plan
 from shardfc.tools.plan import replay as replay_module
 
 

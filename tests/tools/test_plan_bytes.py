@@ -13,7 +13,8 @@ import importlib.util
 import pytest
 import torch
 
-from shardfc.tools.plan import main, plan
+from shardfc.cli.plan import main
+from shardfc.tools.plan import plan
 from shardfc.tools.plan.replay import _MetaStep
 from shardfc.tools.plan.traffic import TrafficCounter
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardfc.train import cli as train_cli
+from shardfc.cli import train as train_cli
 
 from .tiny import tiny_config
 

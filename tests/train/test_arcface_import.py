@@ -13,9 +13,11 @@ import torch
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 
 from shardfc import checkpoint as ckpt
+from shardfc.cli import eval as cli_eval
+from shardfc.cli import export as cli_export
+from shardfc.cli import import_arcface as cli_import
+from shardfc.cli import train as train_cli
 from shardfc.models import build_backbone
-from shardfc.train import cli as train_cli
-from shardfc.train import cli_eval, cli_export, cli_import
 from shardfc.train.arcface_import import arcface_class_range, import_arcface, load_arcface_backbone
 from shardfc.train.artifacts import load_backbone
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from shardfc.train import cli as train_cli
+from shardfc.cli import train as train_cli
 from shardfc.train.config import (
     SECTIONS,
     ConfigError,

@@ -21,12 +21,12 @@ import torch
 from PIL import Image
 
 from shardfc.checkpoint import latest_checkpoint, read_stage_state, verify_checkpoint
-from shardfc.data import cli as data_cli
+from shardfc.cli import data as data_cli
+from shardfc.cli import train as train_cli
 from shardfc.data.recordio import RecordIODataset, RecordIOReader
 from shardfc.data.transforms import CorruptImageError, decode_image, pil_to_tensor
 from shardfc.parallel.context import DistContext
 from shardfc.parallel.launch import WorkerError
-from shardfc.train import cli as train_cli
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.dali_loader import DaliBatches, choose_loader, dali_to_torch
 from shardfc.train.data import EpochKeys, ShardBatches, micro_batches, rank_batches, train_dataset

@@ -12,11 +12,11 @@ import torch.nn.functional as F
 
 from shardfc import ShardedMarginHead
 from shardfc import checkpoint as ckpt
+from shardfc.cli import export as cli_export
+from shardfc.cli import train as train_cli
 from shardfc.head.module import init_rows
 from shardfc.models import build_backbone
 from shardfc.parallel.context import DistContext
-from shardfc.train import cli as train_cli
-from shardfc.train import cli_export
 from shardfc.train.arcface_import import import_arcface
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.fine_tune import new_head_rows

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardfc.train import cli as train_cli
+from shardfc.cli import train as train_cli
 from shardfc.train.config import ConfigError
 
 from .tiny import tiny_config

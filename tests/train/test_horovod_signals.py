@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from shardfc.train import cli as train_cli
+from shardfc.cli import train as train_cli
 
 from .procs import (
     TINY_FLAGS,

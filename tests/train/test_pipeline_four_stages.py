@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from shardfc.checkpoint import read_stage_state, verify_checkpoint
+from shardfc.cli import export as cli_export
+from shardfc.cli import train as train_cli
 from shardfc.evaluation import evaluate_verification
-from shardfc.train import cli as train_cli
-from shardfc.train import cli_export
 from shardfc.train.artifacts import load_backbone
 from shardfc.train.evaluate import LazyPairs
 

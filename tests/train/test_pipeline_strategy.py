@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardfc.train import cli as train_cli
+from shardfc.cli import train as train_cli
 from shardfc.train.config import ConfigError, parse_config
 from shardfc.train.strategy import check_launch
 

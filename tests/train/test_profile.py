@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardfc.cli import train as train_cli
 from shardfc.models import build_backbone
 from shardfc.parallel.collectives import count_comm
-from shardfc.train import cli as train_cli
 from shardfc.train.profile import count_horovod_gradients, profile_path
 
 from .tiny import STEPS, tiny_config

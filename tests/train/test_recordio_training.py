@@ -7,7 +7,7 @@ import pickle
 
 from PIL import Image
 
-from shardfc.data import cli as data_cli
+from shardfc.cli import data as data_cli
 from shardfc.data.recordio import RecordIODataset
 from shardfc.train.config import parse_config
 from shardfc.train.loop import train

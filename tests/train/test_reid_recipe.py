@@ -16,10 +16,10 @@ import pytest
 import torch
 from PIL import Image
 
+from shardfc.cli import train as train_cli
 from shardfc.data import SyntheticIdentities
 from shardfc.evaluation import evaluate_reid, load_reid_split
 from shardfc.models import build_backbone
-from shardfc.train import cli as train_cli
 from shardfc.train.config import parse_config
 
 SIZE = (32, 16)

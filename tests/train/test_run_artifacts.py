@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from shardfc.train import cli_eval
+from shardfc.cli import eval as cli_eval
 from shardfc.train.config import absolute_paths
 from shardfc.train.loop import train
 from shardfc.train.runlog import truncate_metrics

@@ -11,7 +11,7 @@ import os
 import re
 import signal
 
-from shardfc.train import cli as train_cli
+from shardfc.cli import train as train_cli
 
 from .procs import (
     TINY_FLAGS,

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from shardfc.checkpoint import find_checkpoints
-from shardfc.train import cli as train_cli
+from shardfc.cli import train as train_cli
 from shardfc.train import strategy as strategy_module
 from shardfc.train.config import ConfigError, TrainConfig, parse_config, to_toml
 from shardfc.train.loop import load_parts, train

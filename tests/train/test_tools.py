@@ -15,7 +15,9 @@ import pytest
 import torch
 from PIL import Image
 
-from shardfc.train import cli_embed, cli_eval, cli_export
+from shardfc.cli import embed as cli_embed
+from shardfc.cli import eval as cli_eval
+from shardfc.cli import export as cli_export
 from shardfc.train.artifacts import load_backbone
 
 from .legacy import rewrite_file

@@ -9,8 +9,8 @@ import signal
 import pytest
 import torch
 
+from shardfc.cli import train as train_cli
 from shardfc.parallel.torchrun import SHARE_STORE_ENV
-from shardfc.train import cli as train_cli
 from shardfc.train.stopping import CRASH_ENV
 
 from .procs import (

@@ -18,9 +18,9 @@ import torch
 from PIL import Image
 
 from shardfc.checkpoint import CheckpointError, find_checkpoints
+from shardfc.cli import train as train_cli
 from shardfc.parallel.context import DistContext
 from shardfc.parallel.launch import spawn
-from shardfc.train import cli as train_cli
 from shardfc.train.build import build_parts, resolve_amp_dtype
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.data import ShardBatches

@@ -1,5 +1,5 @@
 """The actions of ``shardfc data`` as functions: pack an image folder or list into RecordIO,
-inspect, shuffle and verify a RecordIO dataset (the command line is :mod:`shardfc.data.cli`)."""
+inspect, shuffle and verify a RecordIO dataset (the command line is :mod:`shardfc.cli.data`)."""
 
 from __future__ import annotations
 

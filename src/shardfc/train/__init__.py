@@ -27,7 +27,7 @@
     from shardfc.train import TrainConfig, train
     summary = train(TrainConfig(max_steps=100, nproc=1))   # in this process, no process group
 
-``shardfc.train.cli.run(cfg)`` picks the launch (spawned processes, torchrun, horovodrun, or
+``shardfc.cli.train.run(cfg)`` picks the launch (spawned processes, torchrun, horovodrun, or
 in-process) the way the command line does.
 """
 

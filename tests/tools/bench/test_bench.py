@@ -11,8 +11,8 @@ from dataclasses import asdict
 import pytest
 import torch.distributed as dist
 
+from shardfc.cli.bench import main
 from shardfc.tools.bench import FIELDS, VARIANTS, local_batch_sizes, run_bench, runner
-from shardfc.tools.bench.cli import main
 from shardfc.tools.bench.memory import LiveTensorBytes
 from shardfc.tools.bench.report import MEASURES, markdown_table
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from shardfc.tools.bench import cli as bench_cli
+from shardfc.cli import bench as bench_cli
 
 TINY = ["--synthetic-identities", "8", "--synthetic-images-per-identity", "4", "--image-size", "16", "16",
         "--embedding-dim", "8", "--batch-size", "4", "--synthetic-val-pairs", "0", "--threads", "1"]
@@ -58,7 +58,7 @@ def test_bench_trainer_loader_column_rates_the_torch_loader_and_dali(tmp_path, c
     import numpy as np
     from PIL import Image
 
-    from shardfc.data import cli as data_cli
+    from shardfc.cli import data as data_cli
 
     rng = np.random.default_rng(0)
     for k in range(24):

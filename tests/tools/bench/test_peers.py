@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from shardfc import cli as shardfc_cli
+from shardfc.cli import bench_peers as peers_cli
 from shardfc.head import margins as M
 from shardfc.head.module import ShardedMarginHead
 from shardfc.head.reference import reference_loss
-from shardfc.tools.bench import peers, peers_cli
+from shardfc.tools.bench import peers
 from shardfc.tools.bench.peers import NEEDS_CUDA, ROW_FIELDS, SYSTEMS, run_peers
 
 #: the tiny workload every test here runs

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardfc.cli.bench import main as bench_main
 from shardfc.parallel.split_bench import FIELDS as SPLIT_FIELDS
 from shardfc.tools.bench import recipes
-from shardfc.tools.bench.cli import main as bench_main
 from shardfc.tools.bench.recipes import RECIPES, ROW_FIELDS, Recipe, Workload, measure, run_recipe
 
 TINY = ["--backbone", "tiny", "--image-size", "16", "16", "--batch-size", "8", "--classes", "24",

@@ -12,7 +12,7 @@ shard (see :mod:`.replay`). Every rank is assumed to hold rank 0's ``⌈B/W⌉``
 
 The package is two files by concept: :mod:`.replay` runs a step on the meta device; this one is
 what a user calls — :func:`plan` (arguments checked, replays memoised, the budget searches over
-``C`` and ``B``), its table and its CLI, which share one result dict and read best together.
+``C`` and ``B``) and its table, which share one result dict; the command line is :mod:`shardfc.cli.plan`.
 
 Parts (per rank, bytes): ``weights``, ``optimizer_state`` and, when kept, ``gradients`` are the
 state the step rests on (``resting``); at the step's peak, ``gradients`` (when not kept: the
@@ -51,18 +51,14 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.util
-import json
-import sys
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, Optional, Union
 
 import torch
 
-from shardfc.checks import check_positive_int, chunk_size_arg
+from shardfc.checks import check_positive_int
 from shardfc.head.validation import check_head_options
-from shardfc.tools.plan.traffic import format_traffic
 from shardfc.tools.plan.units import format_bytes, parse_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -373,7 +369,7 @@ def _largest(total: Callable[[int], int], budget: int, low: int, cap: int = 1 <<
     return lo
 
 
-# --------------------------------------------------------------------------- output and CLI
+# --------------------------------------------------------------------------- output
 def format_plan(result: Dict[str, Any]) -> str:
     """A readable table of :func:`plan`'s result."""
     r = result
@@ -424,71 +420,4 @@ def format_plan(result: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="shardfc plan", description="Per-rank memory of the sharded head, and the largest C and B that fit a budget.")
-    p.add_argument("--classes", type=int, required=True, help="number of classes C")
-    p.add_argument("--dim", type=int, required=True, help="embedding width D")
-    p.add_argument("--batch", type=int, required=True, help="GLOBAL batch B")
-    p.add_argument("--world-size", type=int, default=1, help="ranks W (default 1)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
-    p.add_argument("--sample-rate", type=float, default=1.0, help="Partial FC rate in (0, 1] (default 1)")
-    p.add_argument("--chunk-size", type=chunk_size_arg, default=None, help="classes per chunk, or 'auto' (default: none)")
-    p.add_argument("--budget", default=None, help="bytes per rank, e.g. 16GiB, 500MB, 1e9")
-    p.add_argument("--margin", default="arcface", help="margin name (default arcface)")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--memory-model", choices=MEMORY_MODELS, default="allocated",
-                   help="allocated: every tensor counts from its creation (the only model)")
-    p.add_argument("--grads-kept", dest="grad_in_place", action=argparse.BooleanOptionalAction, default=True,
-                   help="--grads-kept (default): the head's gradient stays allocated between steps "
-                        "(zero_grad(set_to_none=False)) and the step adds into it in place; --no-grads-kept: "
-                        "zero_grad(set_to_none=True), the step allocates the [n, D] gradient")
-    p.add_argument("--sparse-grad", action="store_true",
-                   help="Partial FC's row-sparse weight gradient (the sampled rows only; needs --sample-rate < 1)")
-    p.add_argument("--subcenters", type=int, default=1,
-                   help="Sub-center ArcFace: K centres (weight rows) per class (default 1)")
-    p.add_argument("--head-impl", dest="impl", choices=PLAN_IMPLS, default="torch",
-                   help="the head's implementation to replay: torch (default; the CPU's), triton or gemm (the GPU "
-                        "paths impl=auto chooses between on a CUDA GPU; need Triton installed)")
-    p.add_argument("--sms", type=int, default=132,
-                   help="with --head-impl triton/gemm: the GPU's SM count (default 132, an H100 SXM), which sizes "
-                        "the forward's partial statistics")
-    p.add_argument("--fused-update", action="store_true",
-                   help="with --head-impl triton/gemm: the optimizer's step (SGD or AdamW) applied in the backward "
-                        "(head_optimizer(..., fused_update=True)): no .grad")
-    p.add_argument("--compute-dtype", choices=tuple(DTYPES), default=None,
-                   help="the matmuls' dtype as autocast sets it (bfloat16 with --dtype float32: the trainer's --amp); "
-                        "default: --dtype")
-    p.add_argument("--bytes", dest="traffic", action="store_true",
-                   help="also print the HBM bytes each kernel of the step reads and writes (an L2 model of --l2), "
-                        "their sum and each GEMM's shape")
-    p.add_argument("--l2", dest="l2_bytes", default="50MiB",
-                   help="the GPU's L2 (default 50MiB, an H100's): sizes the GPU paths' chunks and the --bytes model")
-    p.add_argument("--json", metavar="PATH", help="also write the result as JSON")
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
-    try:
-        result = plan(
-            args.classes, args.dim, args.batch, args.world_size, args.dtype, args.optimizer, args.sample_rate,
-            args.chunk_size, args.budget, margin=args.margin, weight_decay=args.weight_decay,
-            memory_model=args.memory_model, grad_in_place=args.grad_in_place, sparse_grad=args.sparse_grad,
-            subcenters=args.subcenters, impl=args.impl, sms=args.sms, fused_update=args.fused_update,
-            compute_dtype=args.compute_dtype, traffic=args.traffic, l2_bytes=args.l2_bytes,
-        )
-    except ValueError as e:
-        print(f"shardfc plan: error: {e}", file=sys.stderr)
-        return 2
-    print(format_plan(result))
-    if "traffic" in result:
-        print()
-        print(format_traffic(result["traffic"]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
-    return 0
-
-
-__all__ = ["plan", "parse_bytes", "format_bytes", "format_plan", "main", "PARTS", "OPTIMIZERS", "PLAN_IMPLS"]
+__all__ = ["plan", "parse_bytes", "format_bytes", "format_plan", "PARTS", "OPTIMIZERS", "PLAN_IMPLS"]

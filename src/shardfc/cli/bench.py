@@ -6,10 +6,10 @@ Example (CPU, 2 ranks)::
         --variants naive,replicated,sharded,chunked,partial --steps 3 --json out.json --plot out.png
 
 ``shardfc bench --recipes`` / ``--split-sweep`` compare whole training recipes instead (DDP, DataParallel,
-Horovod, pipeline; see :mod:`shardfc.tools.bench.recipes_cli`); ``shardfc bench --trainer`` measures
+Horovod, pipeline; see :mod:`shardfc.cli.bench_recipes`); ``shardfc bench --trainer`` measures
 ``shardfc train``'s step against its ceiling (:mod:`shardfc.tools.bench.trainer`). ``shardfc bench --peers`` puts
 the head beside the matmul floor, plain torch, Cut Cross-Entropy and Liger in one process
-(:mod:`shardfc.tools.bench.peers_cli`).
+(:mod:`shardfc.cli.bench_peers`).
 
 Prints a Markdown table on stdout and progress on stderr. ``--json`` writes a list with one object
 per variant holding exactly ``variant, step_time_s, peak_bytes_per_rank, balance,
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--peers" in argv:  # the head beside its peers in one process: options of its own
-        from shardfc.tools.bench import peers_cli
+        from shardfc.cli import bench_peers as peers_cli
 
         return peers_cli.main(argv)
     if "--trainer" in argv:  # the trainer against its ceiling; the other arguments are `shardfc train` flags
@@ -82,7 +82,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return trainer.main(argv)
     if "--recipes" in argv or "--split-sweep" in argv:  # the training-recipe comparison has its own options
-        from shardfc.tools.bench import recipes_cli
+        from shardfc.cli import bench_recipes as recipes_cli
 
         return recipes_cli.main(argv)
     parser = build_parser()
