@@ -89,7 +89,7 @@ REQUIRE_DALI = "SHARDFC_REQUIRE_DALI"
 @pytest.fixture(scope="session")
 def dali() -> None:
     """Skips the test when NVIDIA DALI is missing (fails with SHARDFC_REQUIRE_DALI=1)."""
-    from shardfc.train.dali_loader import dali_missing
+    from shardfc.train.loader.dali_loader import dali_missing
 
     skip_unless_installed(dali_missing(), REQUIRE_DALI)
 

@@ -29,6 +29,11 @@ MOVED: Dict[str, str] = {
     "shardfc.tools.bench.recipes_cli": "shardfc.cli.bench_recipes",
     "shardfc.tools.bench.peers_cli": "shardfc.cli.bench_peers",
     "shardfc.tools.demo": "shardfc.cli.demo",
+    # train/ by concept: the training data
+    "shardfc.train.data": "shardfc.train.loader.data",
+    "shardfc.train.dali_loader": "shardfc.train.loader.dali_loader",
+    "shardfc.train.prefetch": "shardfc.train.loader.prefetch",
+    "shardfc.train.identity_sampler": "shardfc.train.loader.identity_sampler",
 }
 
 

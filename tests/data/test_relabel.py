@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import Dataset
 
 from shardfc.data.relabel import RelabelledDataset
-from shardfc.train.identity_sampler import dataset_labels
+from shardfc.train.loader.identity_sampler import dataset_labels
 
 
 class _Folder(Dataset):

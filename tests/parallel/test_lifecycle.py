@@ -18,7 +18,7 @@ from shardfc.parallel import lifecycle
 from shardfc.parallel.context import DistContext
 from shardfc.parallel.launch import spawn
 from shardfc.train.config import TrainConfig
-from shardfc.train.data import ShardBatches, micro_batches
+from shardfc.train.loader.data import ShardBatches, micro_batches
 from shardfc.train.state import RunState
 from shardfc.train.stopping import agreed_stop_signal
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from shardfc.parallel.context import DistContext
-from shardfc.train import data as data_module
 from shardfc.train import loop
 from shardfc.train import step as step_module
 from shardfc.train.config import TrainConfig
+from shardfc.train.loader import data as data_module
 from shardfc.train.loop import train
 from shardfc.train.phases import PHASES, PhaseClock, format_phases, summarize_phases
 from shardfc.train.profile import profile_path
@@ -97,7 +97,7 @@ def test_the_head_phase_ends_when_the_backward_reaches_the_embeddings(monkeypatc
 #: Tensor methods that read a value back to the host (a GPU sync when the tensor is on a GPU).
 _READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__format__", "__repr__", "nonzero", "cpu", "numpy")
 #: Code that reads host tensors by design: the data on its way in, the (host) stop flag.
-_HOST_SIDE = ("shardfc/data/", "shardfc/train/data.py", "shardfc/train/stopping.py")
+_HOST_SIDE = ("shardfc/data/", "shardfc/train/loader/data.py", "shardfc/train/stopping.py")
 
 
 def test_the_loop_reads_no_tensor_back_between_its_log_points(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ from torch.utils.data import Dataset
 
 from shardfc.parallel.context import DistContext
 from shardfc.parallel.pipeline import PipelineLayout
-from shardfc.train.data import ShardBatches
+from shardfc.train.loader.data import ShardBatches
 from shardfc.train.pipeline_train import stage_stream
 from shardfc.train.state import RunState
 

@@ -12,7 +12,7 @@ from shardfc.head.triplet import BatchHardTripletLoss
 from shardfc.models import build_backbone
 from shardfc.parallel.context import DistContext
 from shardfc.train.config import TrainConfig
-from shardfc.train.data import micro_batches, rank_batches
+from shardfc.train.loader.data import micro_batches, rank_batches
 from shardfc.train.state import Parts, RunState
 from shardfc.train.step import micro_batch_loss
 

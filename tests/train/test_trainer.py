@@ -23,7 +23,7 @@ from shardfc.parallel.context import DistContext
 from shardfc.parallel.launch import spawn
 from shardfc.train.build import build_parts, resolve_amp_dtype
 from shardfc.train.config import ConfigError, TrainConfig
-from shardfc.train.data import ShardBatches
+from shardfc.train.loader.data import ShardBatches
 from shardfc.train.loop import load_parts, train
 from shardfc.train.step import apply_gradients, clip_head_grad_
 

@@ -1,6 +1,6 @@
 """The class of every index of a dataset, read without decoding an image.
 
-What the P x K identity sampler (:mod:`shardfc.train.identity_sampler`), a relabelled dataset
+What the P x K identity sampler (:mod:`shardfc.train.loader.identity_sampler`), a relabelled dataset
 (:class:`~shardfc.data.relabel.RelabelledDataset`) and imprinting read.
 """
 

@@ -32,8 +32,8 @@ from shardfc.seeding import mix_seed, seed_all
 from shardfc.train import cpu
 from shardfc.train.classes import ClassPlan, plan_run_classes
 from shardfc.train.config import ConfigError, TrainConfig
-from shardfc.train.data import rank_batches, train_dataset
 from shardfc.train.head_update import fused_head_update
+from shardfc.train.loader.data import rank_batches, train_dataset
 from shardfc.train.pipeline_train import (
     PipelinePlan,
     cut_stage,

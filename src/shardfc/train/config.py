@@ -335,7 +335,7 @@ class TrainConfig:
         if self.loader == "dali" and self.dataset not in ("recordio", "folder"):
             raise ConfigError(f"loader='dali' reads the 'recordio' and 'folder' datasets, not dataset={self.dataset!r}")
         if self.loader == "dali":
-            from shardfc.train.dali_loader import dali_missing
+            from shardfc.train.loader.dali_loader import dali_missing
 
             if dali_missing() is not None:
                 raise ConfigError(f"loader='dali': {dali_missing()}")

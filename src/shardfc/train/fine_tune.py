@@ -55,7 +55,7 @@ def resolve_init_from(path: str) -> Path:
 @torch.no_grad()
 def _embeddings(run, cfg: TrainConfig, wanted_from: int):
     """This rank's share of the images of classes ``>= wanted_from``, through the backbone in eval mode."""
-    from shardfc.train.prefetch import to_device
+    from shardfc.train.loader.prefetch import to_device
 
     ctx: DistContext = run.ctx
     labels = dataset_labels(run.dataset)

@@ -28,9 +28,9 @@ from shardfc.seeding import seed_all
 from shardfc.train.build import autocast_factory, build_run, rank_seed, run_context
 from shardfc.train.config import TrainConfig, absolute_paths, to_toml
 from shardfc.train.cpu import apply_threads
-from shardfc.train.data import micro_batches
 from shardfc.train.evaluate import build_targets
 from shardfc.train.fine_tune import init_from, resolve_init_from
+from shardfc.train.loader.data import micro_batches
 from shardfc.train.memory_phases import MemoryPhases
 from shardfc.train.phases import OFF, PhaseClock, format_phases, summarize_phases
 from shardfc.train.pipeline_train import evaluate_through_pipeline, pipeline_step, stage_stream

@@ -207,12 +207,12 @@ def pipeline_plan(cfg: TrainConfig, ctx: DistContext, layout: PipelineLayout, st
 def stage_stream(dataset, batches, state, cfg: TrainConfig, data_ctx: DistContext, layout: PipelineLayout,
                  clock=None):
     """This stage's data: the first stage reads and decodes its replica's batches
-    (:func:`shardfc.train.data.micro_batches`); every other stage walks the same batch order
+    (:func:`shardfc.train.loader.data.micro_batches`); every other stage walks the same batch order
     without loading anything (it gets activations from the pipeline, and the last stage the labels
     from the first), yielding each batch's row count and advancing ``state`` exactly alike.
     ``clock`` (``--profile``'s :class:`~shardfc.train.phases.PhaseClock`): the first stage's loader
     wait and copies are charged to their own phases, not to the pipeline schedule they run inside."""
-    from shardfc.train.data import micro_batches
+    from shardfc.train.loader.data import micro_batches
     from shardfc.train.phases import OFF
 
     if layout.is_first:

@@ -15,7 +15,7 @@ What it runs, after building the run as ``shardfc train`` does (:func:`~shardfc.
 2. **train**: ``--warmup`` then ``--steps`` steps of the loop's own step
    (:func:`~shardfc.train.loop.trainer_step`: the stop agreement, :func:`~shardfc.train.step.train_step`,
    the counters and a report at each log point, logged to nowhere) on the real stream
-   (:func:`~shardfc.train.data.micro_batches`: loader workers, prefetcher, device-side
+   (:func:`~shardfc.train.loader.data.micro_batches`: loader workers, prefetcher, device-side
    normalisation), with the GPU's utilisation sampled meanwhile (NVML through ``pynvml``; "n/a" on
    the CPU or without it);
 3. **ceiling**: the bare step (:func:`~shardfc.train.step.train_step`) on one batch of random
@@ -123,7 +123,7 @@ def bench_trainer(cfg, steps: int = 20, warmup: int = 3, progress: bool = True) 
     from shardfc.train.build import autocast_factory, build_run, run_context
     from shardfc.train.config import ConfigError
     from shardfc.train.cpu import apply_threads
-    from shardfc.train.data import micro_batches
+    from shardfc.train.loader.data import micro_batches
     from shardfc.train.loop import trainer_step
     from shardfc.train.phases import PhaseClock, summarize_phases
     from shardfc.train.profile import StartupClock
@@ -274,7 +274,7 @@ def loader_variants(cfg) -> List[Tuple[str, int]]:
     """The loader column's ``(loader, workers)``: for the image datasets ('recordio', 'folder') the
     torch loader with 0, 2 and N workers (N: ``num_workers``, else the cores) and DALI with N threads
     when it is installed; nothing for the others (the synthetic set renders, it does not decode)."""
-    from shardfc.train.dali_loader import dali_missing
+    from shardfc.train.loader.dali_loader import dali_missing
 
     if cfg.dataset not in ("recordio", "folder"):
         return []
@@ -289,7 +289,7 @@ def _decode_where(loader: str, device: torch.device) -> str:
 
 def _loader_rate(cfg, run, ctx, skip: int, timed: int) -> float:
     """Images/s of ``cfg``'s loader alone (to the device, normalised), past its first ``skip`` batches."""
-    from shardfc.train.data import micro_batches
+    from shardfc.train.loader.data import micro_batches
     from shardfc.train.state import RunState
 
     stream = micro_batches(run.dataset, run.batches, RunState(batches_per_epoch=len(run.batches)), cfg, ctx,

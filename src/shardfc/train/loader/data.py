@@ -13,10 +13,10 @@ from shardfc.parallel.context import DistContext
 from shardfc.parallel.lifecycle import ignore_stop_signals
 from shardfc.seeding import mix_seed
 from shardfc.train.config import ConfigError, TrainConfig
-from shardfc.train.dali_loader import DaliBatches, choose_loader
 from shardfc.train.evaluate import synthetic_dataset
+from shardfc.train.loader.dali_loader import DaliBatches, choose_loader
+from shardfc.train.loader.prefetch import DevicePrefetcher, to_device
 from shardfc.train.phases import OFF, PhaseClock
-from shardfc.train.prefetch import DevicePrefetcher, to_device
 from shardfc.train.state import RunState
 
 logger = logging.getLogger("shardfc.train")
@@ -182,7 +182,7 @@ def rank_batches(cfg: TrainConfig, dataset: Dataset, batch_size: int, ctx: DistC
     """This rank's resumable batches: a shuffled pass (sampler 'random') or P x K identities ('pk',
     always full batches). ``drop_last`` overrides ``cfg.drop_last``."""
     if cfg.sampler == "pk":
-        from shardfc.train.identity_sampler import IdentityBatches, dataset_labels
+        from shardfc.train.loader.identity_sampler import IdentityBatches, dataset_labels
 
         return IdentityBatches(dataset_labels(dataset), batch_size, cfg.pk_instances, ctx.rank, ctx.world_size, cfg.seed)
     drop_last = cfg.drop_last if drop_last is None else drop_last
@@ -206,8 +206,8 @@ def micro_batches(dataset: Dataset, batches: Sampler, state: RunState, cfg: Trai
 
     One DataLoader iterator serves the whole run (:class:`EpochKeys`), with persistent workers; or,
     with ``cfg.loader`` 'dali' (or 'auto' on CUDA with DALI installed), one DALI pipeline decodes the
-    same keys (:mod:`~shardfc.train.dali_loader`).
-    Its batches go through a :class:`~shardfc.train.prefetch.DevicePrefetcher`: pinned, copied to
+    same keys (:mod:`~shardfc.train.loader.dali_loader`).
+    Its batches go through a :class:`~shardfc.train.loader.prefetch.DevicePrefetcher`: pinned, copied to
     the device on a side stream with ``ahead`` batches in flight (CUDA), uint8 images converted and
     normalised there, then erased (the rectangles are drawn on the host from the batch's place).
     ``channels_last``: images in that memory format (a channels_last backbone's input).

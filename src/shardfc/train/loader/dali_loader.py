@@ -1,7 +1,7 @@
 """``--loader dali``: NVIDIA DALI decodes the training images (on the GPU on CUDA), in the trainer's order.
 
 The order is the trainer's, not a DALI reader's. The batches come from the same batch sampler and
-:class:`~shardfc.train.data.EpochKeys` as the torch loader's; for each batch this module reads the
+:class:`~shardfc.train.loader.data.EpochKeys` as the torch loader's; for each batch this module reads the
 encoded images (a RecordIO record by its ``.idx`` offset through the dataset's own reader, or a
 folder's file), draws each image's flip from the dataset's per-(seed, epoch, index) generator
 (:meth:`~shardfc.data.transforms.ImageTransform.draw_flip`) and hands both to a DALI pipeline
@@ -10,7 +10,7 @@ GPU, on CUDA; libjpeg-turbo on the CPU otherwise), resizes to the run's size (bi
 flips and lays the batch out as the step wants it: HWC, which is a channels_last NCHW view once in
 torch, or CHW. The uint8 batch is copied once, into a torch tensor on the training device (on the
 prefetcher's side stream on CUDA), and normalised there by the same
-:func:`~shardfc.train.prefetch.to_device` as the torch loader's batches.
+:func:`~shardfc.train.loader.prefetch.to_device` as the torch loader's batches.
 
 Why not DALI's own ``fn.readers.mxnet``: it counts insightface's header and identity records as
 images (its decoder then stops mid-epoch), its shuffle is a buffer rather than a permutation, its
@@ -96,7 +96,7 @@ class DaliBatches:
     Args:
         dataset: a 'recordio' or 'folder' training dataset (``read_image_bytes``, ``label_of``,
             ``augmentation_generator``, ``transform``, ``image_size``).
-        keys: the batches, as :class:`~shardfc.train.data.EpochKeys` yields them.
+        keys: the batches, as :class:`~shardfc.train.loader.data.EpochKeys` yields them.
         device: the training device: CUDA decodes on the GPU, anything else on the CPU.
         threads: DALI's CPU threads (``num_workers``; at least 1).
         max_batch: the largest batch ``keys`` yields.

@@ -28,14 +28,14 @@ from shardfc.data.transforms import CorruptImageError, decode_image, pil_to_tens
 from shardfc.parallel.context import DistContext
 from shardfc.parallel.launch import WorkerError
 from shardfc.train.config import ConfigError, TrainConfig
-from shardfc.train.dali_loader import DaliBatches, choose_loader, dali_to_torch
-from shardfc.train.data import EpochKeys, ShardBatches, micro_batches, rank_batches, train_dataset
+from shardfc.train.loader.dali_loader import DaliBatches, choose_loader, dali_to_torch
+from shardfc.train.loader.data import EpochKeys, ShardBatches, micro_batches, rank_batches, train_dataset
 from shardfc.train.state import RunState
 from shardfc.train.stopping import CRASH_ENV
 
-from .test_pipeline_strategy import _losses
-from .test_reproducible_resume import _weights
-from .tiny import tiny_config
+from ..test_pipeline_strategy import _losses
+from ..test_reproducible_resume import _weights
+from ..tiny import tiny_config
 
 pytestmark = pytest.mark.usefixtures("dali")
 
@@ -305,7 +305,7 @@ def test_bad_input_before_the_first_batch(data, tmp_path, monkeypatch):
         _stream(_config(few, "insightface", loader="dali"), 1)
     with pytest.raises(ConfigError, match="loader='dali' reads the 'recordio' and 'folder' datasets"):
         TrainConfig(loader="dali").validate()
-    monkeypatch.setattr("shardfc.train.dali_loader.importlib.util.find_spec", lambda name: None)
+    monkeypatch.setattr("shardfc.train.loader.dali_loader.importlib.util.find_spec", lambda name: None)
     with pytest.raises(ConfigError, match=r"NVIDIA DALI is not installed: pip install 'shardfc\[dali\]'"):
         _config(data["folder"], "folder", loader="dali").validate()
     assert choose_loader("auto", "recordio", torch.device("cuda")) == "torch"  # auto without DALI

@@ -18,8 +18,8 @@ from shardfc.data import ImageFolderDataset
 from shardfc.data.transforms import random_erase_
 from shardfc.parallel.context import DistContext
 from shardfc.train.config import TrainConfig
-from shardfc.train.data import EpochKeys, ShardBatches, erasing_generator, micro_batches, train_dataset
-from shardfc.train.prefetch import DevicePrefetcher, to_device
+from shardfc.train.loader.data import EpochKeys, ShardBatches, erasing_generator, micro_batches, train_dataset
+from shardfc.train.loader.prefetch import DevicePrefetcher, to_device
 from shardfc.train.state import RunState
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from shardfc.train.config import ConfigError
-from shardfc.train.identity_sampler import IdentityBatches, dataset_labels
+from shardfc.train.loader.identity_sampler import IdentityBatches, dataset_labels
 
 K = 4
 
