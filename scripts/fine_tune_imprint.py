@@ -30,9 +30,9 @@ from shardfc.head.imprint import imprint_centres
 from shardfc.models import build_backbone
 from shardfc.parallel.context import DistContext
 from shardfc.train.build import build_run
+from shardfc.train.checkpointing.fine_tune import init_from, resolve_init_from
 from shardfc.train.config import TrainConfig
 from shardfc.train.evaluate import build_targets
-from shardfc.train.fine_tune import init_from, resolve_init_from
 from shardfc.train.loop import load_parts
 
 SIZE, DIM = 32, 64

@@ -34,6 +34,12 @@ MOVED: Dict[str, str] = {
     "shardfc.train.dali_loader": "shardfc.train.loader.dali_loader",
     "shardfc.train.prefetch": "shardfc.train.loader.prefetch",
     "shardfc.train.identity_sampler": "shardfc.train.loader.identity_sampler",
+    # train/ by concept: what a run saves and starts from
+    "shardfc.train.resume": "shardfc.train.checkpointing.resume",
+    "shardfc.train.classes": "shardfc.train.checkpointing.classes",
+    "shardfc.train.fine_tune": "shardfc.train.checkpointing.fine_tune",
+    "shardfc.train.arcface_import": "shardfc.train.checkpointing.arcface_import",
+    "shardfc.train.artifacts": "shardfc.train.checkpointing.artifacts",
 }
 
 

@@ -37,10 +37,10 @@ from shardfc.cli import export as cli_export
 from shardfc.data.glyphs import GlyphError, GlyphOptions, build, font_files
 from shardfc.models import build_backbone
 from shardfc.parallel.model_split import stages as cut_stages
-from shardfc.train.artifacts import load_backbone
-from shardfc.train.classes import read_renames, rename
+from shardfc.train.checkpointing.artifacts import load_backbone
+from shardfc.train.checkpointing.classes import read_renames, rename
+from shardfc.train.checkpointing.fine_tune import resolve_init_from, saved_classes
 from shardfc.train.config import ConfigError, TrainConfig
-from shardfc.train.fine_tune import resolve_init_from, saved_classes
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 DIM, SIZE = 8, [16, 16]

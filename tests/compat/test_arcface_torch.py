@@ -16,7 +16,7 @@ from shardfc import margins as M
 from shardfc.compat.arcface_torch import PartialFC_V2, margin_from_arcface_torch
 from shardfc.head.module import init_rows
 from shardfc.parallel.launch import spawn
-from shardfc.train.arcface_import import arcface_class_range, read_arcface_head
+from shardfc.train.checkpointing.arcface_import import arcface_class_range, read_arcface_head
 
 C, D = 23, 16
 SIZES = {1: [7], 2: [5, 3], 3: [4, 0, 6]}

@@ -18,7 +18,7 @@ from PIL import Image
 from shardfc.cli import embed as cli_embed
 from shardfc.cli import eval as cli_eval
 from shardfc.cli import export as cli_export
-from shardfc.train.artifacts import load_backbone
+from shardfc.train.checkpointing.artifacts import load_backbone
 
 from .legacy import rewrite_file
 

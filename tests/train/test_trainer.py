@@ -229,7 +229,7 @@ def test_checkpoint_of_another_model_or_lost_classes_is_refused(run2, tmp_path):
     other_model = _copy_run(cfg, tmp_path / "a", nproc=1, embedding_dim=32)
     with pytest.raises(ConfigError, match=r"embedding_dim: checkpoint=16, this run=32.*new --output-dir"):
         train(other_model)
-    # fewer identities than the checkpoint's (more would grow the head: tests/train/test_fine_tune.py)
+    # fewer identities than the checkpoint's (more would grow the head: tests/train/checkpointing/test_fine_tune.py)
     lost_classes = _copy_run(cfg, tmp_path / "b", nproc=1, synthetic_identities=20)
     with pytest.raises(ConfigError, match=r"4 of .* 24 classes are not in the dataset.*on-missing-classes"):
         train(lost_classes)
@@ -276,7 +276,7 @@ def test_format_1_checkpoint_resumes_only_when_trusted(run2, tmp_path):
 def test_rng_state_is_plain_data_and_restores_every_generator(tmp_path):
     import random
 
-    from shardfc.train.resume import rng_state, set_rng_state
+    from shardfc.train.checkpointing.resume import rng_state, set_rng_state
 
     def draws():
         return random.random(), float(np.random.rand()), float(torch.rand(()))

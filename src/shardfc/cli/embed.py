@@ -21,7 +21,7 @@ import torch
 from shardfc import checkpoint as ckpt
 from shardfc.data import CorruptImageError, decode_image, image_to_tensor
 from shardfc.evaluation.verification import embed_batches
-from shardfc.train.artifacts import add_checkpoint_args, list_images, load_backbone, pick_device
+from shardfc.train.checkpointing.artifacts import add_checkpoint_args, list_images, load_backbone, pick_device
 from shardfc.train.config import ConfigError
 
 __all__ = ["main"]

@@ -14,7 +14,7 @@ from typing import List, Optional
 from shardfc import checkpoint as ckpt
 from shardfc.checkpoint.format import read_meta
 from shardfc.models import BACKBONES
-from shardfc.train.arcface_import import import_arcface
+from shardfc.train.checkpointing.arcface_import import import_arcface
 
 __all__ = ["main"]
 

@@ -30,7 +30,7 @@ from shardfc.parallel.context import DistContext
 from shardfc.parallel.pipeline import PipelineLayout
 from shardfc.seeding import mix_seed, seed_all
 from shardfc.train import cpu
-from shardfc.train.classes import ClassPlan, plan_run_classes
+from shardfc.train.checkpointing.classes import ClassPlan, plan_run_classes
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.head_update import fused_head_update
 from shardfc.train.loader.data import rank_batches, train_dataset
@@ -308,7 +308,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, clock=None, classes_from: Opti
 
     ``clock``: a :class:`~shardfc.train.profile.StartupClock` that gets a mark per phase (``--profile``).
     ``classes_from``: ``(checkpoint, is --init-from)`` the run starts from: its recorded class names
-    decide the head's classes and the dataset's labels (:mod:`~shardfc.train.classes`).
+    decide the head's classes and the dataset's labels (:mod:`~shardfc.train.checkpointing.classes`).
     """
     mark = clock.mark if clock is not None else (lambda name: None)
     amp_dtype = resolve_amp_dtype(cfg, ctx.device)

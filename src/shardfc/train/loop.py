@@ -8,7 +8,7 @@ the backbone's averaging gives it exact gradients). Under the pipeline strategy 
 stage of one replica instead, and the head only on the last stage
 (:mod:`~shardfc.train.pipeline_train`). What a step does is in
 :mod:`~shardfc.train.step`; building in :mod:`~shardfc.train.build`; checkpoints in
-:mod:`~shardfc.train.resume`.
+:mod:`~shardfc.train.checkpointing.resume`.
 """
 
 from __future__ import annotations
@@ -26,17 +26,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from shardfc.parallel.lifecycle import record_stop_signals, signal_name
 from shardfc.seeding import seed_all
 from shardfc.train.build import autocast_factory, build_run, rank_seed, run_context
+from shardfc.train.checkpointing.fine_tune import init_from, resolve_init_from
+from shardfc.train.checkpointing.resume import restore, resume_path, save, step_of
 from shardfc.train.config import TrainConfig, absolute_paths, to_toml
 from shardfc.train.cpu import apply_threads
 from shardfc.train.evaluate import build_targets
-from shardfc.train.fine_tune import init_from, resolve_init_from
 from shardfc.train.loader.data import micro_batches
 from shardfc.train.memory_phases import MemoryPhases
 from shardfc.train.phases import OFF, PhaseClock, format_phases, summarize_phases
 from shardfc.train.pipeline_train import evaluate_through_pipeline, pipeline_step, stage_stream
 from shardfc.train.profile import StartupClock, StepProfiler, count_ddp_traffic, profile_path
 from shardfc.train.reporting import ReportWindow, evaluate_targets, log_setup, report
-from shardfc.train.resume import restore, resume_path, save, step_of
 from shardfc.train.runlog import RunLog
 from shardfc.train.state import Parts, RunState
 from shardfc.train.step import apply_gradients, train_step
@@ -271,7 +271,7 @@ def _evaluate(run, targets, step: int, runlog: RunLog, autocast, record: bool = 
 
 
 def _restore(run, path: Path, cfg: TrainConfig) -> RunState:
-    """:func:`~shardfc.train.resume.restore`, then what the strategy synchronises after one."""
+    """:func:`~shardfc.train.checkpointing.resume.restore`, then what the strategy synchronises after one."""
     state = restore(run, path, cfg)
     sync_after_restore(run.ctx, run.parts)
     return state

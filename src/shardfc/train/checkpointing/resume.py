@@ -22,9 +22,9 @@ from shardfc.checkpoint.weights_only import error_line
 from shardfc.parallel.context import DistContext
 from shardfc.seeding import seed_all
 from shardfc.train.build import Run, rank_seed
-from shardfc.train.classes import ClassPlan
+from shardfc.train.checkpointing.classes import ClassPlan
+from shardfc.train.checkpointing.fine_tune import fresh_rows, head_state_for, load_kept
 from shardfc.train.config import ConfigError, TrainConfig
-from shardfc.train.fine_tune import fresh_rows, head_state_for, load_kept
 from shardfc.train.pipeline_train import restore_backbone, stage_part, stage_scaler_state
 from shardfc.train.schedule import apply_schedule
 from shardfc.train.state import RunState
@@ -85,7 +85,7 @@ def _common(
         "state": dataclasses.asdict(state),
         "world_size": run.data_ctx.world_size,  # the ranks the data was partitioned over
         "batch_size": cfg.batch_size,
-        # Text, read back by shardfc.train.artifacts.saved_config: the file stays plain data.
+        # Text, read back by shardfc.train.checkpointing.artifacts.saved_config: the file stays plain data.
         "config_json": json.dumps(dataclasses.asdict(cfg)),
         # Which identity each head row is: a grown or reordered dataset keeps every identity's row.
         "class_names": run.classes.names if run.classes is not None else getattr(run.dataset, "class_names", None),

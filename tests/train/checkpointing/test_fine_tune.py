@@ -17,12 +17,12 @@ from shardfc.cli import train as train_cli
 from shardfc.head.module import init_rows
 from shardfc.models import build_backbone
 from shardfc.parallel.context import DistContext
-from shardfc.train.arcface_import import import_arcface
+from shardfc.train.checkpointing.arcface_import import import_arcface
+from shardfc.train.checkpointing.fine_tune import new_head_rows
 from shardfc.train.config import ConfigError, TrainConfig
-from shardfc.train.fine_tune import new_head_rows
 from shardfc.train.loop import load_parts
 
-from .tiny import tiny_config
+from ..tiny import tiny_config
 
 
 def test_fine_tune_from_an_import_arcface_backbone(tmp_path: Path):
@@ -75,7 +75,7 @@ def test_resume_with_more_identities_keeps_every_row_and_imprints_the_new_ones(t
 
     # An identity renamed since (its images now under another name): refused, then given its row by
     # --rename-classes; the relabelled dataset trains row 5 with the renamed identity's images.
-    from shardfc.train.fine_tune import plan_run_classes
+    from shardfc.train.checkpointing.fine_tune import plan_run_classes
 
     class Renamed(SyntheticIdentities):  # identity 5 renamed, and the identities listed in reverse
         @property

@@ -11,7 +11,7 @@ import torch
 
 from shardfc.data import ImageFolderDataset
 from shardfc.data.relabel import RelabelledDataset
-from shardfc.train.classes import plan_classes
+from shardfc.train.checkpointing.classes import plan_classes
 from shardfc.train.config import ConfigError
 
 
@@ -93,7 +93,7 @@ def test_duplicate_names_are_refused():
 
 
 def test_renamed_identities_keep_their_rows_under_their_new_names(tmp_path: Path):
-    from shardfc.train.classes import read_renames, rename
+    from shardfc.train.checkpointing.classes import read_renames, rename
 
     renames_file = tmp_path / "renames.tsv"
     renames_file.write_text("# old\tnew\nbob\trobert smith\n\n", encoding="utf-8")
@@ -116,7 +116,7 @@ def test_renamed_identities_keep_their_rows_under_their_new_names(tmp_path: Path
     ("a\t\n", r"line 1: expected"),
 ])
 def test_a_bad_renames_file_is_refused_naming_the_line(tmp_path: Path, text, message):
-    from shardfc.train.classes import read_renames
+    from shardfc.train.checkpointing.classes import read_renames
 
     f = tmp_path / "renames.tsv"
     f.write_text(text, encoding="utf-8")

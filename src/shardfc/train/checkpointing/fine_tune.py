@@ -1,7 +1,7 @@
 """Starting a run from a trained model on another class set (``--init-from``), and the rows of
 classes a checkpoint has none for (``--head-init``): random or imprinted, sharded, in one pass.
 
-The class bookkeeping (which identity keeps which row) is :mod:`~shardfc.train.classes`'; the
+The class bookkeeping (which identity keeps which row) is :mod:`~shardfc.train.checkpointing.classes`'; the
 head's growth is :func:`shardfc.head.grow.grown_state`; the imprinting is
 :func:`shardfc.head.imprint.imprint_centres`. This module joins them to a run.
 """
@@ -25,7 +25,11 @@ from shardfc.head.imprint import imprint_centres
 from shardfc.head.layout import overlap, seeded_rows
 from shardfc.parallel.context import DistContext
 from shardfc.train.build import autocast_factory
-from shardfc.train.classes import ClassPlan, plan_run_classes, saved_classes  # the last two re-exported from there
+from shardfc.train.checkpointing.classes import (  # the last two re-exported from there
+    ClassPlan,
+    plan_run_classes,
+    saved_classes,
+)
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.pipeline_train import restore_backbone
 

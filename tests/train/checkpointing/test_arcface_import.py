@@ -18,10 +18,10 @@ from shardfc.cli import export as cli_export
 from shardfc.cli import import_arcface as cli_import
 from shardfc.cli import train as train_cli
 from shardfc.models import build_backbone
-from shardfc.train.arcface_import import arcface_class_range, import_arcface, load_arcface_backbone
-from shardfc.train.artifacts import load_backbone
+from shardfc.train.checkpointing.arcface_import import arcface_class_range, import_arcface, load_arcface_backbone
+from shardfc.train.checkpointing.artifacts import load_backbone
 
-from .tiny import tiny_config
+from ..tiny import tiny_config
 
 
 def _bn(sd, prefix, c, g):

@@ -12,7 +12,7 @@ from PIL import Image
 from shardfc.checkpoint import latest_checkpoint
 from shardfc.train.loop import train
 
-from .tiny import tiny_config
+from ..tiny import tiny_config
 
 
 def _faces(root: Path) -> Path:

@@ -32,8 +32,8 @@ import torch
 from shardfc import checkpoint as ckpt
 from shardfc.checkpoint.weights_only import load_pt
 from shardfc.models import build_backbone, input_size
+from shardfc.train.checkpointing.resume import checkpoint_root, fingerprint
 from shardfc.train.config import TrainConfig
-from shardfc.train.resume import checkpoint_root, fingerprint
 
 __all__ = ["arcface_class_range", "load_arcface_backbone", "ArcfaceHead", "read_arcface_head", "import_arcface"]
 

@@ -20,7 +20,7 @@ from shardfc.train.config import absolute_paths
 from shardfc.train.loop import train
 from shardfc.train.runlog import truncate_metrics
 
-from .tiny import tiny_config
+from ..tiny import tiny_config
 
 
 def _market(root: Path) -> None:
