@@ -32,8 +32,8 @@ from shardfc.parallel.context import DistContext
 from shardfc.train.build import build_run
 from shardfc.train.checkpointing.fine_tune import init_from, resolve_init_from
 from shardfc.train.config import TrainConfig
-from shardfc.train.evaluate import build_targets
 from shardfc.train.loop import load_parts
+from shardfc.train.observe.evaluate import build_targets
 
 SIZE, DIM = 32, 64
 COMMON = dict(backbone="tiny", image_size=[SIZE, SIZE], embedding_dim=DIM, batch_size=64, nproc=1, progress=False,

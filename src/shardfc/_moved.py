@@ -40,6 +40,13 @@ MOVED: Dict[str, str] = {
     "shardfc.train.fine_tune": "shardfc.train.checkpointing.fine_tune",
     "shardfc.train.arcface_import": "shardfc.train.checkpointing.arcface_import",
     "shardfc.train.artifacts": "shardfc.train.checkpointing.artifacts",
+    # train/ by concept: what a run tells and measures
+    "shardfc.train.reporting": "shardfc.train.observe.reporting",
+    "shardfc.train.runlog": "shardfc.train.observe.runlog",
+    "shardfc.train.evaluate": "shardfc.train.observe.evaluate",
+    "shardfc.train.phases": "shardfc.train.observe.phases",
+    "shardfc.train.profile": "shardfc.train.observe.profile",
+    "shardfc.train.memory_phases": "shardfc.train.observe.memory_phases",
 }
 
 

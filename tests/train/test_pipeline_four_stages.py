@@ -21,7 +21,7 @@ from shardfc.cli import export as cli_export
 from shardfc.cli import train as train_cli
 from shardfc.evaluation import evaluate_verification
 from shardfc.train.checkpointing.artifacts import load_backbone
-from shardfc.train.evaluate import LazyPairs
+from shardfc.train.observe.evaluate import LazyPairs
 
 from .tiny import tiny_config
 

@@ -69,7 +69,7 @@ def test_pipeline_trains_the_ddp_curve(ddp_and_pipeline):
 def test_pipeline_profile_counts_the_stage_to_stage_traffic(ddp_and_pipeline):
     _, _, pipe, _ = ddp_and_pipeline
     from shardfc.models import build_backbone
-    from shardfc.train.profile import profile_path
+    from shardfc.train.observe.profile import profile_path
 
     body = build_backbone("tiny", 16, input_size=(16, 16)).body
     boundary = 8 * body(torch.zeros(1, 3, 16, 16)).numel() * 4  # a replica's 8 rows at the cut, fp32

@@ -9,8 +9,8 @@ import torch
 
 from shardfc.parallel.context import DistContext
 from shardfc.train.config import TrainConfig
-from shardfc.train.evaluate import build_targets
 from shardfc.train.loader.data import micro_batches, rank_batches, train_dataset
+from shardfc.train.observe.evaluate import build_targets
 from shardfc.train.state import RunState
 
 

@@ -20,8 +20,8 @@ from shardfc import checkpoint as ckpt
 from shardfc.evaluation.far import why_undefined
 from shardfc.train.checkpointing.artifacts import add_checkpoint_args, load_backbone, pick_device
 from shardfc.train.config import ConfigError
-from shardfc.train.evaluate import IJBOptions, build_targets, run_targets
-from shardfc.train.runlog import NOT_AVAILABLE, format_metrics
+from shardfc.train.observe.evaluate import IJBOptions, build_targets, run_targets
+from shardfc.train.observe.runlog import NOT_AVAILABLE, format_metrics
 
 __all__ = ["main", "json_report"]
 

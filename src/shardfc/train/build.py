@@ -306,7 +306,7 @@ class Run:
 def build_run(cfg: TrainConfig, ctx: DistContext, clock=None, classes_from: Optional[Tuple[Path, bool]] = None) -> Run:
     """Data, batches, schedule length and parts; the backbone initialisation is the same on every rank.
 
-    ``clock``: a :class:`~shardfc.train.profile.StartupClock` that gets a mark per phase (``--profile``).
+    ``clock``: a :class:`~shardfc.train.observe.profile.StartupClock` that gets a mark per phase (``--profile``).
     ``classes_from``: ``(checkpoint, is --init-from)`` the run starts from: its recorded class names
     decide the head's classes and the dataset's labels (:mod:`~shardfc.train.checkpointing.classes`).
     """

@@ -30,14 +30,14 @@ from shardfc.train.checkpointing.fine_tune import init_from, resolve_init_from
 from shardfc.train.checkpointing.resume import restore, resume_path, save, step_of
 from shardfc.train.config import TrainConfig, absolute_paths, to_toml
 from shardfc.train.cpu import apply_threads
-from shardfc.train.evaluate import build_targets
 from shardfc.train.loader.data import micro_batches
-from shardfc.train.memory_phases import MemoryPhases
-from shardfc.train.phases import OFF, PhaseClock, format_phases, summarize_phases
+from shardfc.train.observe.evaluate import build_targets
+from shardfc.train.observe.memory_phases import MemoryPhases
+from shardfc.train.observe.phases import OFF, PhaseClock, format_phases, summarize_phases
+from shardfc.train.observe.profile import StartupClock, StepProfiler, count_ddp_traffic, profile_path
+from shardfc.train.observe.reporting import ReportWindow, evaluate_targets, log_setup, report
+from shardfc.train.observe.runlog import RunLog
 from shardfc.train.pipeline_train import evaluate_through_pipeline, pipeline_step, stage_stream
-from shardfc.train.profile import StartupClock, StepProfiler, count_ddp_traffic, profile_path
-from shardfc.train.reporting import ReportWindow, evaluate_targets, log_setup, report
-from shardfc.train.runlog import RunLog
 from shardfc.train.state import Parts, RunState
 from shardfc.train.step import apply_gradients, train_step
 from shardfc.train.stopping import StopAgreement, crash_if_asked
@@ -199,7 +199,7 @@ def trainer_step(run, batches, state: RunState, cfg: TrainConfig, autocast, stop
     report it at a log point. Returns the agreed stop signal (0: a step was trained).
 
     :func:`train` calls it, and ``shardfc bench --trainer`` times it: the bench measures the loop's own
-    step. ``clock`` splits it into phases (:mod:`~shardfc.train.phases`); ``profiler`` (``--profile``)
+    step. ``clock`` splits it into phases (:mod:`~shardfc.train.observe.phases`); ``profiler`` (``--profile``)
     times the optimizer step within it.
     """
     ctx, parts = run.ctx, run.parts

@@ -210,10 +210,10 @@ def stage_stream(dataset, batches, state, cfg: TrainConfig, data_ctx: DistContex
     (:func:`shardfc.train.loader.data.micro_batches`); every other stage walks the same batch order
     without loading anything (it gets activations from the pipeline, and the last stage the labels
     from the first), yielding each batch's row count and advancing ``state`` exactly alike.
-    ``clock`` (``--profile``'s :class:`~shardfc.train.phases.PhaseClock`): the first stage's loader
+    ``clock`` (``--profile``'s :class:`~shardfc.train.observe.phases.PhaseClock`): the first stage's loader
     wait and copies are charged to their own phases, not to the pipeline schedule they run inside."""
     from shardfc.train.loader.data import micro_batches
-    from shardfc.train.phases import OFF
+    from shardfc.train.observe.phases import OFF
 
     if layout.is_first:
         return micro_batches(dataset, batches, state, cfg, data_ctx, clock=clock or OFF)

@@ -11,9 +11,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardfc.parallel.context import DistContext
 from shardfc.train.config import TrainConfig
-from shardfc.train.phases import OFF, PhaseClock
+from shardfc.train.observe.phases import OFF, PhaseClock
+from shardfc.train.observe.profile import count_horovod_gradients
 from shardfc.train.pipeline_train import PipelinePlan, clip_stage_grads_
-from shardfc.train.profile import count_horovod_gradients
 from shardfc.train.state import Parts, RunState
 from shardfc.train.strategy import is_horovod_optimizer
 
@@ -23,7 +23,7 @@ def train_step(
     clock: PhaseClock = OFF, frozen: bool = False,
 ) -> Tuple[torch.Tensor, List[Tuple[str, str]]]:
     """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, (name, reason) of the
-    corrupt images skipped). ``clock``: where the step's time goes (:mod:`~shardfc.train.phases`).
+    corrupt images skipped). ``clock``: where the step's time goes (:mod:`~shardfc.train.observe.phases`).
     ``frozen``: the backbone runs without autograd (head-only warm-up), so it gets no gradient and its
     optimizer moves nothing."""
     # set_to_none=True is torch's default; Horovod's DistributedOptimizer.zero_grad() takes no argument.

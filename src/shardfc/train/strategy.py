@@ -222,7 +222,7 @@ def signal_deadline_note() -> Optional[str]:
     if not launched_by_horovodrun():
         return None
     return (f"horovodrun kills its workers {HOROVODRUN_GRACE_S} s after passing a stop signal on, and the "
-            "checkpoint comes first (metrics.csv holds every value: shardfc.train.runlog.plot_metrics draws it)")
+            "checkpoint comes first (metrics.csv holds every value: shardfc.train.observe.runlog.plot_metrics draws it)")
 
 
 def is_horovod_optimizer(opt: torch.optim.Optimizer) -> bool:

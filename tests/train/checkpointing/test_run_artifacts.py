@@ -18,7 +18,7 @@ from PIL import Image
 from shardfc.cli import eval as cli_eval
 from shardfc.train.config import absolute_paths
 from shardfc.train.loop import train
-from shardfc.train.runlog import truncate_metrics
+from shardfc.train.observe.runlog import truncate_metrics
 
 from ..tiny import tiny_config
 
@@ -130,7 +130,7 @@ def _name_on_two_ranks(rank: int, world: int) -> list:
     import torch
 
     from shardfc.parallel.context import DistContext
-    from shardfc.train.reporting import _name_corrupt_images
+    from shardfc.train.observe.reporting import _name_corrupt_images
 
     lines: list = []
     handler = logging.Handler()

@@ -3,7 +3,7 @@
 A recipe is a launcher and a strategy of ``shardfc train`` (:data:`RECIPES`, a small registry:
 a new strategy is one entry). Every recipe runs the real CLI as a subprocess, with ``--profile``,
 its own output folder and its output in a log file; the numbers are read back from the
-``profile/rank<R>.json`` files the trainer writes (:mod:`shardfc.train.profile`). Each recipe runs
+``profile/rank<R>.json`` files the trainer writes (:mod:`shardfc.train.observe.profile`). Each recipe runs
 once per precision: ``fp32`` and ``amp`` (``--amp fp16`` with loss scaling on CUDA, ``--amp bf16`` on
 the CPU, where fp16 autocast falls back to bf16 anyway).
 

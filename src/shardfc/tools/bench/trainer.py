@@ -11,7 +11,7 @@ process (one device: the rates are per GPU, or per CPU process)::
 What it runs, after building the run as ``shardfc train`` does (:func:`~shardfc.train.build.build_run`):
 
 1. **start-up**: from the start of the build to the end of the first real step, phase by phase
-   (:class:`~shardfc.train.profile.StartupClock`, what ``--profile`` logs);
+   (:class:`~shardfc.train.observe.profile.StartupClock`, what ``--profile`` logs);
 2. **train**: ``--warmup`` then ``--steps`` steps of the loop's own step
    (:func:`~shardfc.train.loop.trainer_step`: the stop agreement, :func:`~shardfc.train.step.train_step`,
    the counters and a report at each log point, logged to nowhere) on the real stream
@@ -23,7 +23,7 @@ What it runs, after building the run as ``shardfc train`` does (:func:`~shardfc.
    its steps alternate with the train steps in up to 5 blocks, so that a drifting load (a shared
    machine) weighs on both alike;
 4. **phases**: ``--steps`` more train steps split into the phases of
-   :mod:`~shardfc.train.phases` (loader wait, h2d, forward, head, backward, optimizer,
+   :mod:`~shardfc.train.observe.phases` (loader wait, h2d, forward, head, backward, optimizer,
    logging/metrics, stop agreement), each followed by a ceiling step split alike; apart from the
    timed blocks, since on a GPU each phase's end synchronises the device;
 5. **loader only**: the same stream drained without training, the batches already queued by the
@@ -125,10 +125,10 @@ def bench_trainer(cfg, steps: int = 20, warmup: int = 3, progress: bool = True) 
     from shardfc.train.cpu import apply_threads
     from shardfc.train.loader.data import micro_batches
     from shardfc.train.loop import trainer_step
-    from shardfc.train.phases import PhaseClock, summarize_phases
-    from shardfc.train.profile import StartupClock
-    from shardfc.train.reporting import ReportWindow
-    from shardfc.train.runlog import RunLog
+    from shardfc.train.observe.phases import PhaseClock, summarize_phases
+    from shardfc.train.observe.profile import StartupClock
+    from shardfc.train.observe.reporting import ReportWindow
+    from shardfc.train.observe.runlog import RunLog
     from shardfc.train.state import RunState
     from shardfc.train.step import train_step
     from shardfc.train.stopping import StopAgreement
@@ -315,7 +315,7 @@ def _drain_rate(stream, device: torch.device, skip: int, timed: int) -> float:
 
 def format_report(r: Dict[str, Any]) -> str:
     """The figures as a Markdown table, with what was measured above it, and the step's phases."""
-    from shardfc.train.phases import format_phases
+    from shardfc.train.observe.phases import format_phases
 
     c = r["config"]
     load = r["load_average"]

@@ -13,10 +13,10 @@ from shardfc.parallel.context import DistContext
 from shardfc.parallel.lifecycle import ignore_stop_signals
 from shardfc.seeding import mix_seed
 from shardfc.train.config import ConfigError, TrainConfig
-from shardfc.train.evaluate import synthetic_dataset
 from shardfc.train.loader.dali_loader import DaliBatches, choose_loader
 from shardfc.train.loader.prefetch import DevicePrefetcher, to_device
-from shardfc.train.phases import OFF, PhaseClock
+from shardfc.train.observe.evaluate import synthetic_dataset
+from shardfc.train.observe.phases import OFF, PhaseClock
 from shardfc.train.state import RunState
 
 logger = logging.getLogger("shardfc.train")
@@ -211,7 +211,7 @@ def micro_batches(dataset: Dataset, batches: Sampler, state: RunState, cfg: Trai
     the device on a side stream with ``ahead`` batches in flight (CUDA), uint8 images converted and
     normalised there, then erased (the rectangles are drawn on the host from the batch's place).
     ``channels_last``: images in that memory format (a channels_last backbone's input).
-    ``clock``: ``prepare`` is the step's ``h2d`` phase (:mod:`~shardfc.train.phases`).
+    ``clock``: ``prepare`` is the step's ``h2d`` phase (:mod:`~shardfc.train.observe.phases`).
     """
     keys = EpochKeys(batches, state.epoch, state.batch_in_epoch)
     to_tensor = None

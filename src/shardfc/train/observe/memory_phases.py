@@ -14,7 +14,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from shardfc.train.profile import peak_rss_bytes
+from shardfc.train.observe.profile import peak_rss_bytes
 from shardfc.train.state import Parts
 
 __all__ = ["MemoryPhases", "backbone_state_bytes"]

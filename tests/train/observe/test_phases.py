@@ -17,11 +17,11 @@ from shardfc.train import step as step_module
 from shardfc.train.config import TrainConfig
 from shardfc.train.loader import data as data_module
 from shardfc.train.loop import train
-from shardfc.train.phases import PHASES, PhaseClock, format_phases, summarize_phases
-from shardfc.train.profile import profile_path
+from shardfc.train.observe.phases import PHASES, PhaseClock, format_phases, summarize_phases
+from shardfc.train.observe.profile import profile_path
 from shardfc.train.state import RunState
 
-from .tiny import tiny_config
+from ..tiny import tiny_config
 
 
 class _FakeTime:
@@ -34,7 +34,7 @@ class _FakeTime:
 
 def test_the_clock_charges_each_phase_the_time_since_the_previous_lap(monkeypatch):
     fake = _FakeTime()
-    monkeypatch.setattr("shardfc.train.phases.time.perf_counter", fake)
+    monkeypatch.setattr("shardfc.train.observe.phases.time.perf_counter", fake)
     clock = PhaseClock("cpu")
     clock.begin_step()
     fake.now = 5.0
@@ -68,7 +68,7 @@ def test_the_clock_charges_each_phase_the_time_since_the_previous_lap(monkeypatc
 
 def test_the_head_phase_ends_when_the_backward_reaches_the_embeddings(monkeypatch):
     fake = _FakeTime()
-    monkeypatch.setattr("shardfc.train.phases.time.perf_counter", fake)
+    monkeypatch.setattr("shardfc.train.observe.phases.time.perf_counter", fake)
     clock = PhaseClock("cpu", enabled=True)
     x = torch.ones(3, requires_grad=True)
     clock.begin_step()
@@ -175,7 +175,7 @@ def test_each_part_of_a_step_is_charged_to_its_own_phase(monkeypatch):
     another phase shows): zero_grad, the loader, the backbone's forward and backward, the head's
     forward and backward, the optimizers' step, over 2 micro-batches."""
     fake = _FakeTime()
-    monkeypatch.setattr("shardfc.train.phases.time.perf_counter", fake)
+    monkeypatch.setattr("shardfc.train.observe.phases.time.perf_counter", fake)
 
     class Optimizer:
         def zero_grad(self, set_to_none=True):
@@ -236,7 +236,7 @@ def test_a_recording_clock_synchronises_the_gpu_at_each_lap_and_an_idle_one_neve
 
 def test_the_data_path_charges_the_loader_and_the_copy_to_their_phases(monkeypatch):
     fake = _FakeTime()
-    monkeypatch.setattr("shardfc.train.phases.time.perf_counter", fake)
+    monkeypatch.setattr("shardfc.train.observe.phases.time.perf_counter", fake)
     collate, to_device = data_module.collate_keyed, data_module.to_device
 
     def slow_collate(batch):  # the loader: decoding and collating (0 workers: in this process)

@@ -22,7 +22,7 @@ all-reduce or broadcast). Besides the head's counted collectives that includes
 bytes by kind (``comm_bytes_by_kind`` their sums over the run).
 
 Per step too, where its time went (``step_phases_s``: seconds by phase, the loop's whole step from
-its stop agreement to its log line; :mod:`~shardfc.train.phases`); rank 0 logs their means as a table
+its stop agreement to its log line; :mod:`~shardfc.train.observe.phases`); rank 0 logs their means as a table
 at the end of the run.
 
 Per process: the peak resident set size (``ru_maxrss``, the whole life of the process, imports
@@ -47,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from shardfc.parallel.collectives import count_comm, record_comm_bytes
 from shardfc.parallel.comm import launched_by_horovodrun
 from shardfc.parallel.launch import launched_by_torchrun
-from shardfc.train.phases import PhaseClock
+from shardfc.train.observe.phases import PhaseClock
 
 __all__ = ["StartupClock", "StepProfiler", "count_ddp_traffic", "count_horovod_gradients", "peak_rss_bytes",
            "profile_path"]

@@ -11,8 +11,8 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 
 from shardfc.parallel.context import DistContext
-from shardfc.train.evaluate import run_targets
-from shardfc.train.runlog import RunLog, format_metrics
+from shardfc.train.observe.evaluate import run_targets
+from shardfc.train.observe.runlog import RunLog, format_metrics
 from shardfc.train.schedule import current_lr
 from shardfc.train.state import Parts, RunState
 

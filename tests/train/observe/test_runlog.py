@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 from shardfc.evaluation.verification import verification_metrics
-from shardfc.train.runlog import RunLog, format_metrics, plot_metrics, read_series
+from shardfc.train.observe.runlog import RunLog, format_metrics, plot_metrics, read_series
 
 
 def test_plot_metrics_draws_the_scalars_the_trainer_writes(tmp_path):

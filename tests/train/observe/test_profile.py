@@ -13,9 +13,9 @@ import torch
 from shardfc.cli import train as train_cli
 from shardfc.models import build_backbone
 from shardfc.parallel.collectives import count_comm
-from shardfc.train.profile import count_horovod_gradients, profile_path
+from shardfc.train.observe.profile import count_horovod_gradients, profile_path
 
-from .tiny import STEPS, tiny_config
+from ..tiny import STEPS, tiny_config
 
 FIELDS = {
     "rank", "world_size", "strategy", "launcher", "device", "amp", "backbone", "step_s", "samples", "comm_bytes",
