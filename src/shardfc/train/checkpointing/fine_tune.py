@@ -24,14 +24,14 @@ from shardfc.head.grow import grown_state
 from shardfc.head.imprint import imprint_centres
 from shardfc.head.layout import overlap, seeded_rows
 from shardfc.parallel.context import DistContext
-from shardfc.train.build import autocast_factory
+from shardfc.train.build.factory import autocast_factory
+from shardfc.train.build.pipeline_train import restore_backbone
 from shardfc.train.checkpointing.classes import (  # the last two re-exported from there
     ClassPlan,
     plan_run_classes,
     saved_classes,
 )
 from shardfc.train.config import ConfigError, TrainConfig
-from shardfc.train.pipeline_train import restore_backbone
 
 __all__ = ["resolve_init_from", "saved_classes", "plan_run_classes", "new_head_rows", "load_kept", "head_state_for",
            "fresh_rows", "init_from"]

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from shardfc.cli import train as train_cli
+from shardfc.train.build.strategy import check_launch
 from shardfc.train.config import ConfigError, parse_config
-from shardfc.train.strategy import check_launch
 
-from .tiny import STEPS, tiny_config
+from ..tiny import STEPS, tiny_config
 
 RTOL = 1e-4
 

@@ -22,11 +22,11 @@ import torch
 
 from shardfc.checkpoint import find_checkpoints
 from shardfc.cli import train as train_cli
-from shardfc.train import strategy as strategy_module
+from shardfc.train.build import strategy as strategy_module
 from shardfc.train.config import ConfigError, TrainConfig, parse_config, to_toml
 from shardfc.train.loop import load_parts, train
 
-from .tiny import STEPS, tiny_config
+from ..tiny import STEPS, tiny_config
 
 RTOL = 1e-4
 
@@ -228,7 +228,7 @@ def test_horovod_outside_horovodrun_is_a_world_of_one(horovodrun, tmp_path):
     config = tmp_path / "one.toml"
     config.write_text(to_toml(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[3] / "src"), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-m", "shardfc", "train", "--config", str(config)],
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]

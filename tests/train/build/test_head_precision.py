@@ -13,7 +13,7 @@ import torch
 from shardfc.cli import train as train_cli
 from shardfc.train.config import ConfigError
 
-from .tiny import tiny_config
+from ..tiny import tiny_config
 
 
 def _head(out: Path) -> dict:

@@ -10,11 +10,11 @@ from torch.utils.data import Dataset
 
 from shardfc.parallel.context import DistContext
 from shardfc.parallel.pipeline import PipelineLayout
+from shardfc.train.build.pipeline_train import stage_stream
 from shardfc.train.loader.data import ShardBatches
-from shardfc.train.pipeline_train import stage_stream
 from shardfc.train.state import RunState
 
-from .tiny import tiny_config
+from ..tiny import tiny_config
 
 
 class Counting(Dataset):

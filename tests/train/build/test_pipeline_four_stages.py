@@ -23,7 +23,7 @@ from shardfc.evaluation import evaluate_verification
 from shardfc.train.checkpointing.artifacts import load_backbone
 from shardfc.train.observe.evaluate import LazyPairs
 
-from .tiny import tiny_config
+from ..tiny import tiny_config
 
 
 def _tensors(value, prefix=""):

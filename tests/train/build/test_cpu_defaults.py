@@ -7,12 +7,12 @@ import logging
 import pytest
 import torch
 
-from shardfc.train import cpu
-from shardfc.train.build import resolve_amp_dtype
+from shardfc.train.build import cpu
+from shardfc.train.build.factory import resolve_amp_dtype
 from shardfc.train.config import ConfigError, TrainConfig, parse_config
 from shardfc.train.loop import train
 
-from .tiny import tiny_config
+from ..tiny import tiny_config
 
 CPU = torch.device("cpu")
 EMULATED = (False, "torch CPU capability AVX2, no avx512_bf16/amx_bf16/bf16 among the CPU flags")
