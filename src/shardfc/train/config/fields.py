@@ -1,45 +1,24 @@
-"""``TrainConfig``: every knob of ``shardfc train``, loadable from TOML and overridable by CLI flags.
+"""``TrainConfig``: every knob of ``shardfc train``, its default, its help text and the rules its values obey.
 
-Values are resolved in this order, later ones winning::
-
-    TrainConfig defaults  <  --preset NAME (src/shardfc/presets/NAME.toml)  <  --config PATH  <  --flags
-
-A TOML file may list the fields flat or under tables named after their section (``[data]``,
-``[model]``, ``[head]``, ``[optim]``, ``[schedule]``, ``[run]``, ``[eval]``). Every field is a flag
-``--field-name`` (booleans also ``--no-field-name``; lists take several values, ``--betas 0.9 0.95``).
-Unknown keys and flags are errors that name the closest valid one. Each field's help text is its
-attribute docstring below, so the dataclass is the single source of truth for ``--help``.
-
-(Longer than the other modules on purpose: the ~60 fields and their docstrings are the CLI's
-documentation, and splitting them would split ``--help`` from the parser that reads it.)
+Each field's help text is its attribute docstring below, so the dataclass is the single source of truth for
+``--help`` (:mod:`.sections` reads them); :meth:`TrainConfig.validate` checks ranges and combinations.
 """
 
 from __future__ import annotations
 
-import argparse
-import ast
 import dataclasses
 import difflib
 import inspect
 import os
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 __all__ = [
     "ConfigError",
     "STRATEGIES",
     "TrainConfig",
-    "SECTIONS",
-    "field_help",
-    "load_toml",
-    "config_from_mapping",
-    "available_presets",
-    "preset_path",
-    "build_parser",
-    "parse_config",
-    "to_toml",
+    "FIELDS",
     "absolute_paths",
 ]
 
@@ -62,19 +41,6 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 #: Other names of a margin, accepted as the Python API accepts them (shardfc.margins.build_margin).
 MARGIN_ALIASES = {"amsoftmax": "cosface"}
 
-#: Flags users reach for that mean one of ours: suggested before any spelling match, which could
-#: propose a flag of another meaning (--learning-rate is not --sample-rate).
-FLAG_SYNONYMS = {
-    "--learning-rate": "--lr", "--learning_rate": "--lr", "--base-lr": "--lr",
-    "--wd": "--weight-decay", "--bs": "--batch-size", "--batch": "--batch-size",
-    "--steps": "--max-steps", "--num-epochs": "--epochs", "--workers": "--num-workers",
-    "--s": "--scale", "--out": "--output-dir", "--output": "--output-dir",
-}
-
-#: More names of a field's flag, unambiguous under torchrun, whose parser takes any abbreviation of
-#: its own options out of the script's arguments ('--m' could be '--max-restarts', '--nproc'
-#: '--nproc-per-node'). Under torchrun, ``--`` before the flags of ``shardfc train`` also protects them.
-FLAG_ALIASES: Dict[str, Tuple[str, ...]] = {"m": ("--margin-m",), "nproc": ("--num-procs",)}
 
 
 @dataclass
@@ -475,7 +441,7 @@ class TrainConfig:
                 f"for pipeline_stages={self.pipeline_stages} (raise --micro-batches, or --pipeline-schedule gpipe)"
             )
         for name in PIPELINE_REFUSES:
-            value, default = getattr(self, name), _FIELDS[name].default
+            value, default = getattr(self, name), FIELDS[name].default
             if value != default:
                 raise ConfigError(
                     f"{name}={value!r} is not supported by strategy='pipeline' (its last stage hands the head the "
@@ -582,291 +548,5 @@ def _at_least(cfg: TrainConfig, name: str, low: int) -> None:
         raise ConfigError(f"{name} must be >= {low}, got {value!r}")
 
 
-# ---------------------------------------------------------------------- field metadata
-
-#: Section of each field: groups ``--help`` and the optional TOML tables.
-SECTIONS: Dict[str, Tuple[str, ...]] = {
-    "data": ("dataset", "data_root", "list_file", "image_size", "synthetic_identities",
-             "synthetic_images_per_identity", "num_workers", "loader", "drop_last", "sampler", "pk_instances",
-             "random_erasing", "flip_prob"),
-    "model": ("backbone", "embedding_dim", "neck"),
-    "head": ("margin", "scale", "m", "m1", "m2", "m3", "easy_margin", "sphereface_lambda", "adaface_h",
-             "adaface_momentum", "magface_l_a", "magface_u_a", "magface_l_m", "magface_u_m", "magface_lambda_g",
-             "subcenters", "interclass_filter_threshold", "sample_rate", "chunk_size", "head_impl",
-             "label_smoothing", "head_dtype", "head_rounding", "sparse_grad", "triplet_weight", "triplet_margin", "triplet_soft"),
-    "optim": ("optimizer", "lr", "momentum", "head_momentum", "weight_decay", "nesterov", "betas", "eps", "grad_clip", "head_grad_clip",
-              "head_update", "grad_accum"),
-    "schedule": ("batch_size", "max_steps", "epochs", "scheduler", "poly_power", "warmup_steps"),
-    "run": ("strategy", "pipeline_stages", "pipeline_schedule", "micro_batches", "split_points", "micro_batch_stats",
-            "amp", "channels_last", "compile", "seed", "nproc", "device", "threads", "output_dir", "resume", "log_every", "progress",
-            "profile", "eval_every", "ckpt_every", "keep_last", "save_on_signal", "pg_timeout", "trust_checkpoint"),
-    "eval": ("val_bins", "reid_root", "synthetic_val_pairs", "eval_batch_size", "eval_flip"),
-    "classes": ("init_from", "head_init", "head_warmup_steps", "backbone_lr_mult", "on_missing_classes",
-                "rename_classes"),
-}
-_SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
-_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-assert set(_SECTION_OF) == set(_FIELDS), "every TrainConfig field needs a section"
-
-#: Field name -> (scalar type, is a list).
-_TYPES: Dict[str, Tuple[type, bool]] = {
-    "image_size": (int, True),
-    "betas": (float, True),
-    "val_bins": (str, True),
-    "split_points": (str, True),
-}
-for _f in dataclasses.fields(TrainConfig):
-    if _f.name not in _TYPES:
-        _TYPES[_f.name] = ({"str": str, "int": int, "float": float, "bool": bool}[str(_f.type)], False)
-
-
-def _attribute_docstrings(cls: type) -> Dict[str, str]:
-    """``{field: docstring}`` from the string literal that follows each annotated attribute."""
-    try:
-        tree = ast.parse(inspect.getsource(cls))
-    except (OSError, TypeError):  # no source (e.g. a zipped install): help without descriptions
-        return {}
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-_DOCS = _attribute_docstrings(TrainConfig)
-
-
-def field_help(name: str) -> str:
-    """The help text (attribute docstring) of field ``name``."""
-    return _DOCS.get(name, "")
-
-
-def _closest(name: str, candidates) -> str:
-    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _type_name(name: str) -> str:
-    scalar, is_list = _TYPES[name]
-    return f"a list of {scalar.__name__}" if is_list else scalar.__name__
-
-
-def _coerce(name: str, value: Any, where: str) -> Any:
-    """``value`` as field ``name``'s type (ints are accepted for floats, never bools for numbers)."""
-    scalar, is_list = _TYPES[name]
-
-    def one(v: Any) -> Any:
-        if scalar is float and isinstance(v, int) and not isinstance(v, bool):
-            return float(v)
-        if isinstance(v, scalar) and not (scalar in (int, float) and isinstance(v, bool)):
-            return v
-        raise ConfigError(f"{where}{name} must be {_type_name(name)}, got {value!r} ({type(value).__name__})")
-
-    if is_list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}{name} must be {_type_name(name)}, got {value!r} ({type(value).__name__})")
-        return [one(v) for v in value]
-    return one(value)
-
-
-# ---------------------------------------------------------------------- TOML
-
-
-def load_toml(path: "str | os.PathLike[str]") -> Dict[str, Any]:
-    """Parse a TOML file into a dict; errors name the file."""
-    try:
-        import tomllib  # Python >= 3.11
-    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-        try:
-            import tomli as tomllib  # type: ignore[no-redef]
-        except ModuleNotFoundError:
-            raise ConfigError(f"reading {path} needs Python >= 3.11 or the 'tomli' package (pip install tomli)") from None
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(path)!r} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from e
-
-
-def _flatten(data: Mapping[str, Any], source: str) -> Dict[str, Any]:
-    """Flat ``{field: value}`` from a TOML mapping with optional section tables."""
-    flat: Dict[str, Any] = {}
-    where = f"{source}: " if source else ""
-    for key, value in data.items():
-        if key in SECTIONS and isinstance(value, Mapping):
-            for sub, subvalue in value.items():
-                if sub in _FIELDS and _SECTION_OF[sub] != key:
-                    raise ConfigError(f"{where}key {sub!r} belongs in [{_SECTION_OF[sub]}], not [{key}]")
-                if sub not in _FIELDS:
-                    raise ConfigError(f"{where}unknown key {key}.{sub}{_closest(sub, SECTIONS[key] or _FIELDS)}")
-                flat[sub] = subvalue
-        elif key in _FIELDS:
-            if isinstance(value, Mapping):
-                raise ConfigError(
-                    f"{where}[{key}] is a table, but {key!r} is a field ({_type_name(key)}): write '{key} = ...' "
-                    f"at the top or under [{_SECTION_OF[key]}]; the tables are {', '.join(f'[{s}]' for s in SECTIONS)}"
-                )
-            flat[key] = value
-        else:
-            raise ConfigError(f"{where}unknown key {key!r}{_closest(key, list(_FIELDS) + list(SECTIONS))}")
-    return flat
-
-
-def config_from_mapping(
-    data: Mapping[str, Any], base: Optional[TrainConfig] = None, source: str = ""
-) -> TrainConfig:
-    """``base`` (default: the defaults) updated with ``data`` (flat or sectioned), type-checked.
-
-    Range checks are left to :meth:`TrainConfig.validate`, run once everything is merged.
-    """
-    where = f"{source}: " if source else ""
-    updates = {k: _coerce(k, v, where) for k, v in _flatten(data, source).items()}
-    return dataclasses.replace(base or TrainConfig(), **updates)
-
-
-def to_toml(cfg: TrainConfig) -> str:
-    """``cfg`` as a sectioned TOML document that :func:`config_from_mapping` reads back."""
-
-    def fmt(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        return "[" + ", ".join(fmt(x) for x in v) + "]"
-
-    lines = []
-    for section, names in SECTIONS.items():
-        lines.append(f"[{section}]")
-        lines += [f"{name} = {fmt(getattr(cfg, name))}" for name in names]
-        lines.append("")
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------- presets
-
-
-def available_presets() -> List[str]:
-    """Names of the bundled presets (``src/shardfc/presets/*.toml``)."""
-    folder = resources.files("shardfc") / "presets"
-    return sorted(p.name[: -len(".toml")] for p in folder.iterdir() if p.name.endswith(".toml"))
-
-
-def preset_path(name: str) -> Path:
-    """Path of bundled preset ``name``; an unknown name names the closest one."""
-    names = available_presets()
-    if name not in names:
-        raise ConfigError(f"unknown preset {name!r}; available: {', '.join(names)}{_closest(name, names)}")
-    return Path(str(resources.files("shardfc") / "presets" / f"{name}.toml"))
-
-
-# ---------------------------------------------------------------------- command line
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _scalar_parser(name: str, scalar: type):
-    def parse(text: str) -> Any:
-        try:
-            return scalar(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be {scalar.__name__}, got {text!r}") from None
-
-    parse.__name__ = scalar.__name__
-    return parse
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises :class:`ConfigError` instead of exiting, so callers choose how to report."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise ConfigError(message)
-
-
-def build_parser(prog: str = "shardfc train") -> argparse.ArgumentParser:
-    """The ``shardfc train`` parser: --preset, --config, and one flag per field (all default to unset)."""
-    parser = _Parser(
-        prog=prog,
-        usage=f"{prog} [--preset NAME] [--config PATH] [--print-config] [--FIELD VALUE ...]",
-        allow_abbrev=False,  # '--lr' must never silently match '--lr-something'
-        description="Train an embedding backbone with a class-sharded margin head. With no arguments: the "
-        "synthetic demo on 2 CPU processes. Under torchrun the launcher's processes join one group.",
-        epilog=f"presets: {', '.join(available_presets())}. Values: defaults < --preset < --config < flags.",
-    )
-    parser.add_argument("--preset", metavar="NAME", help="start from a bundled preset")
-    parser.add_argument("--config", metavar="PATH", help="TOML file with field values (flat or in [section] tables)")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
-    defaults = TrainConfig()
-    for section, names in SECTIONS.items():
-        group = parser.add_argument_group(section)
-        for name in names:
-            scalar, is_list = _TYPES[name]
-            default = getattr(defaults, name)
-            helptext = f"{field_help(name)} (default: {default!r})".replace("%", "%%")
-            kwargs: Dict[str, Any] = dict(dest=name, default=argparse.SUPPRESS, help=helptext)
-            if scalar is bool:
-                kwargs["action"] = argparse.BooleanOptionalAction
-            else:
-                kwargs["type"] = _scalar_parser(name, scalar)
-                kwargs["metavar"] = {int: "N", float: "X", str: "PATH" if is_list else "TEXT"}[scalar]
-                if is_list:
-                    kwargs["nargs"] = "*"
-            group.add_argument(_flag(name), *FLAG_ALIASES.get(name, ()), **kwargs)
-    return parser
-
-
-def parse_config(argv: Sequence[str]) -> Tuple[TrainConfig, argparse.Namespace]:
-    """Resolve defaults, --preset, --config and flags into a validated :class:`TrainConfig`.
-
-    Returns the config and the parsed namespace (for ``--print-config``).
-    """
-    argv = list(argv)
-    if argv[:1] == ["--"]:  # `torchrun ... -m shardfc train -- FLAGS`: the separator that shields FLAGS from torchrun
-        argv = argv[1:]
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        first = unknown[0]
-        flags = [o for a in parser._actions for o in a.option_strings]
-        flag = first.split("=", 1)[0]
-        if flag in FLAG_SYNONYMS:
-            hint = f"; did you mean {FLAG_SYNONYMS[flag]!r}?"
-        else:
-            hint = _closest(flag, flags) if first.startswith("-") else ""
-        raise ConfigError(f"unknown argument {first!r}{hint}")
-    cfg = TrainConfig()
-    if args.preset:
-        cfg = config_from_mapping(load_toml(preset_path(args.preset)), cfg, f"preset {args.preset}")
-    if args.config:
-        cfg = config_from_mapping(load_toml(args.config), cfg, args.config)
-    overrides = {k: v for k, v in vars(args).items() if k in _FIELDS}
-    cfg = dataclasses.replace(cfg, **overrides)
-    if "data_root" in overrides and "dataset" not in overrides and cfg.dataset in ("synthetic", "folder", "recordio", "market1501"):
-        # --data-root alone never means the synthetic demo: a release folder (train.rec) or a folder of identities.
-        root = Path(cfg.data_root)
-        if root.suffix == ".rec" or (root / "train.rec").is_file():
-            cfg.dataset = "recordio"
-        elif (root / "bounding_box_train").is_dir():
-            cfg.dataset = "market1501"
-        else:
-            cfg.dataset = "folder"
-    if cfg.dataset == "market1501" and "data_root" in overrides and "reid_root" not in overrides:
-        # The release holds query/ and bounding_box_test/ beside bounding_box_train/: evaluate there.
-        cfg.reid_root = cfg.data_root
-    if cfg.output_dir == DEFAULT_OUTPUT_DIR and (args.preset or cfg.dataset != "synthetic"):
-        # A first real run must not resume (and append to) the synthetic demo's folder.
-        cfg.output_dir = f"shardfc_runs/{args.preset or cfg.dataset}"
-    return cfg.validate(), args
+#: Each field's :class:`dataclasses.Field`, by name.
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
