@@ -1,4 +1,4 @@
-"""The modules' names before 0.3 (``shardfc._moved``): each imports its new home's module object, warns
+"""The modules' names before train/ was arranged by concept (``shardfc._moved``): each imports its new home's module object, warns
 once naming the new path, and pickles written under the old name load; nothing runs an old name with
 ``python -m`` (an alias is no file). The only test that imports the old paths."""
 

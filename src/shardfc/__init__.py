@@ -26,7 +26,7 @@ __all__ = ["ShardedMarginHead", "head_optimizer", "margins", "reference_loss", "
 # ``shardfc.head_optimizer`` / ``shardfc.head.partial_fc``).
 _sys.modules[__name__ + ".margins"] = margins
 _sys.modules[__name__ + ".partial_fc"] = partial_fc
-# Modules that moved in 0.3 (train/ by concept, shardfc.cli): their old names for one release.
+# Modules that moved (train/ by concept, every command in shardfc.cli): their old names for one release.
 _moved.install()
 
 

@@ -1,4 +1,4 @@
-"""Modules that moved in 0.3 (``train/`` by concept, every command's module in :mod:`shardfc.cli`),
+"""Modules that moved when ``train/`` was arranged by concept and every command went to :mod:`shardfc.cli`,
 still importable under their old names for one release.
 
 Importing an old name imports the module's new home, registers that same module object under the

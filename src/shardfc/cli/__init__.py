@@ -15,7 +15,7 @@ parse their arguments and call the library, whose implementation stays in its ow
     plan.py            shardfc plan (shardfc.tools.plan)
     demo.py            shardfc demo: a sharded head on 2 spawned CPU processes
 
-``shardfc torchrun`` is :mod:`shardfc.parallel.torchrun`. The modules' names before 0.3
+``shardfc torchrun`` is :mod:`shardfc.parallel.torchrun`. The modules' names before this layout
 (``shardfc.train.cli``, ``shardfc.data.cli``, ...) import these for one release (:mod:`shardfc._moved`).
 """
 

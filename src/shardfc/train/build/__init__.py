@@ -7,7 +7,7 @@
     head_update.py     who applies the head's optimizer step: its backward (fused) or step()
     cpu.py             CPU defaults: threads per process, whether bf16 is native
 
-Before 0.3 the factory was the module ``shardfc.train.build``: its names are read from here for one
+Before this layout the factory was the module ``shardfc.train.build``: its names are read from here for one
 release, with a :class:`DeprecationWarning` naming :mod:`shardfc.train.build.factory` (a monkeypatch
 must patch ``shardfc.train.build.factory``, the module that uses them).
 """

@@ -16,7 +16,7 @@ its attribute docstring, so the dataclass is the single source of truth for ``--
     flags.py     the flag parser (build_parser) and the resolution of it all (parse_config)
 
 The package answers every public name of its modules, as the single module ``shardfc.train.config``
-did before 0.3.
+did before it was split.
 """
 
 from shardfc.train.config.fields import (
