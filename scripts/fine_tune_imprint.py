@@ -29,7 +29,7 @@ from shardfc.data import SyntheticIdentities
 from shardfc.head.imprint import imprint_centres
 from shardfc.models import build_backbone
 from shardfc.parallel.context import DistContext
-from shardfc.train.build.factory import build_run
+from shardfc.train.builder.factory import build_run
 from shardfc.train.checkpointing.fine_tune import init_from, resolve_init_from
 from shardfc.train.config import TrainConfig
 from shardfc.train.loop import load_parts

@@ -95,17 +95,3 @@ def test_nothing_runs_an_old_path_with_python_m():
             found += [f"{path}: {m.group(0)}" for m in pattern.finditer(text)]
     assert not found, found
 
-
-def test_the_factory_s_names_read_from_its_old_module_path_warn_once():
-    import shardfc.train.build as old
-    from shardfc.train.build import factory
-
-    vars(old).pop("build_run", None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        from shardfc.train.build import build_run
-        assert old.build_run is build_run is factory.build_run
-    assert [str(w.message) for w in caught] == [
-        "shardfc.train.build.build_run moved to shardfc.train.build.factory.build_run; the old name goes in the next release"]
-    with pytest.raises(AttributeError):
-        old.no_such_name

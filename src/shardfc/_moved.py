@@ -48,10 +48,11 @@ MOVED: Dict[str, str] = {
     "shardfc.train.profile": "shardfc.train.observe.profile",
     "shardfc.train.memory_phases": "shardfc.train.observe.memory_phases",
     # train/ by concept: building a run (the factory, strategies, pipeline, precision)
-    "shardfc.train.strategy": "shardfc.train.build.strategy",
-    "shardfc.train.pipeline_train": "shardfc.train.build.pipeline_train",
-    "shardfc.train.head_update": "shardfc.train.build.head_update",
-    "shardfc.train.cpu": "shardfc.train.build.cpu",
+    "shardfc.train.build": "shardfc.train.builder.factory",
+    "shardfc.train.strategy": "shardfc.train.builder.strategy",
+    "shardfc.train.pipeline_train": "shardfc.train.builder.pipeline_train",
+    "shardfc.train.head_update": "shardfc.train.builder.head_update",
+    "shardfc.train.cpu": "shardfc.train.builder.cpu",
 }
 
 

@@ -8,7 +8,7 @@ import torch
 
 from shardfc.models import build_backbone
 from shardfc.parallel.context import DistContext
-from shardfc.train.build.factory import build_run, resolve_amp_dtype, use_channels_last
+from shardfc.train.builder.factory import build_run, resolve_amp_dtype, use_channels_last
 from shardfc.train.config import ConfigError, TrainConfig, parse_config
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU

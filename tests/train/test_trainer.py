@@ -21,7 +21,7 @@ from shardfc.checkpoint import CheckpointError, find_checkpoints
 from shardfc.cli import train as train_cli
 from shardfc.parallel.context import DistContext
 from shardfc.parallel.launch import spawn
-from shardfc.train.build.factory import build_parts, resolve_amp_dtype
+from shardfc.train.builder.factory import build_parts, resolve_amp_dtype
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.loader.data import ShardBatches
 from shardfc.train.loop import load_parts, train
@@ -188,7 +188,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank():
 
 
 def test_fp16_on_cpu_falls_back_to_bf16_with_a_message(tmp_path, caplog, monkeypatch):
-    from shardfc.train.build import cpu
+    from shardfc.train.builder import cpu
 
     monkeypatch.setattr(cpu, "bf16_support", lambda: (True, "a CPU with native bf16"))  # see test_cpu_defaults.py
     with caplog.at_level(logging.WARNING, logger="shardfc.train"):

@@ -30,7 +30,7 @@ from shardfc import checkpoint as ckpt
 from shardfc.parallel.launch import StoppedBySignal, WorkerError, init_from_env, launched_by_torchrun, spawn
 from shardfc.parallel.lifecycle import die_with_parent, exit_code
 from shardfc.parallel.torchrun import warn_if_restarts_unsafe
-from shardfc.train.build.strategy import check_launch, horovod_module
+from shardfc.train.builder.strategy import check_launch, horovod_module
 from shardfc.train.config import ConfigError, TrainConfig, absolute_paths, parse_config, to_toml
 from shardfc.train.loop import train
 

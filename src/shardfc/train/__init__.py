@@ -6,7 +6,7 @@
     schedule.py    warm-up + poly / cosine decay
     stopping.py    the stop-signal agreement of all ranks
     config/        TrainConfig: its fields and rules, their sections, TOML + presets, the flag parser
-    build/         a run from its config: the one factory, the strategies (ddp / dp / horovod / pipeline),
+    builder/       a run from its config: the one factory, the strategies (ddp / dp / horovod / pipeline),
                    the pipeline's stage and schedule, who applies the head's step, the CPU set-up
     loader/        the training data: the stream, P x K identity batches, --loader dali, prefetch to the device
     checkpointing/ save and resume, class plans, --init-from (fine-tuning), arcface_torch import, run artifacts

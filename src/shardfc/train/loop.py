@@ -1,13 +1,13 @@
 """The training loop of ``shardfc train``, read top to bottom in :func:`train`: build, resume, loop, save.
 
 One process per rank (ddp, horovod) or one process for all GPUs (dp): see
-:mod:`~shardfc.train.build.strategy`. Every rank holds a replica of the backbone (in DDP, or with
+:mod:`~shardfc.train.builder.strategy`. Every rank holds a replica of the backbone (in DDP, or with
 Horovod's averaging optimizer, when there are several ranks) and one class shard of the
 :class:`~shardfc.ShardedMarginHead` (never in DDP: its embedding gradient is already scaled so that
 the backbone's averaging gives it exact gradients). Under the pipeline strategy a rank holds one
 stage of one replica instead, and the head only on the last stage
-(:mod:`~shardfc.train.build.pipeline_train`). What a step does is in
-:mod:`~shardfc.train.step`; building in :mod:`~shardfc.train.build.factory`; checkpoints in
+(:mod:`~shardfc.train.builder.pipeline_train`). What a step does is in
+:mod:`~shardfc.train.step`; building in :mod:`~shardfc.train.builder.factory`; checkpoints in
 :mod:`~shardfc.train.checkpointing.resume`.
 """
 
@@ -25,10 +25,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardfc.parallel.lifecycle import record_stop_signals, signal_name
 from shardfc.seeding import seed_all
-from shardfc.train.build.cpu import apply_threads
-from shardfc.train.build.factory import autocast_factory, build_run, rank_seed, run_context
-from shardfc.train.build.pipeline_train import evaluate_through_pipeline, pipeline_step, stage_stream
-from shardfc.train.build.strategy import signal_deadline_note, sync_after_restore
+from shardfc.train.builder.cpu import apply_threads
+from shardfc.train.builder.factory import autocast_factory, build_run, rank_seed, run_context
+from shardfc.train.builder.pipeline_train import evaluate_through_pipeline, pipeline_step, stage_stream
+from shardfc.train.builder.strategy import signal_deadline_note, sync_after_restore
 from shardfc.train.checkpointing.fine_tune import init_from, resolve_init_from
 from shardfc.train.checkpointing.resume import restore, resume_path, save, step_of
 from shardfc.train.config import TrainConfig, absolute_paths, to_toml

@@ -10,8 +10,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardfc.parallel.context import DistContext
-from shardfc.train.build.pipeline_train import PipelinePlan, clip_stage_grads_
-from shardfc.train.build.strategy import is_horovod_optimizer
+from shardfc.train.builder.pipeline_train import PipelinePlan, clip_stage_grads_
+from shardfc.train.builder.strategy import is_horovod_optimizer
 from shardfc.train.config import TrainConfig
 from shardfc.train.observe.phases import OFF, PhaseClock
 from shardfc.train.observe.profile import count_horovod_gradients

@@ -369,7 +369,7 @@ def test_the_trainers_step_with_the_fused_update(monkeypatch, optimizer):
     device: the interpreter, or the GPU)."""
     import dataclasses
 
-    import shardfc.train.build.factory as build
+    import shardfc.train.builder.factory as build
     from shardfc.parallel.context import DistContext
     from shardfc.train.config import TrainConfig
 

@@ -119,7 +119,7 @@ def test_the_trainers_clip_reads_the_measured_norm_and_the_update_applies_it(mon
     on the CPU; the row-sparse one under Partial FC) — no reduction or ``mul_`` over the stored
     gradient — and train the head exactly as the clip by a reduction and a ``mul_`` does."""
 
-    import shardfc.train.build.factory as build
+    import shardfc.train.builder.factory as build
     import shardfc.train.step as step_mod
     from shardfc.parallel.context import DistContext
     from shardfc.train.config import TrainConfig

@@ -13,7 +13,7 @@ TINY = ["--synthetic-identities", "8", "--synthetic-images-per-identity", "4", "
 
 
 def test_bench_trainer_prints_both_rates_their_ratio_the_loader_and_the_startup(tmp_path, capsys, monkeypatch):
-    import shardfc.train.build.factory as build
+    import shardfc.train.builder.factory as build
 
     built, factory = [], build.build_model  # what it times is built by the trainer's one builder
     monkeypatch.setattr(build, "build_model", lambda cfg, *a, **k: built.append(cfg) or factory(cfg, *a, **k))

@@ -170,7 +170,7 @@ def test_data_root_alone_means_the_folder_dataset_in_its_own_run_folder(tmp_path
 
 def test_every_rank_must_hold_a_class(tmp_path):
     from shardfc.parallel.context import DistContext
-    from shardfc.train.build.factory import build_run
+    from shardfc.train.builder.factory import build_run
 
     cfg = TrainConfig(synthetic_identities=3, synthetic_images_per_identity=4, backbone="tiny", embedding_dim=8,
                       image_size=[16, 16], output_dir=str(tmp_path)).validate()

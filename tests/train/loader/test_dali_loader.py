@@ -33,7 +33,7 @@ from shardfc.train.loader.data import EpochKeys, ShardBatches, micro_batches, ra
 from shardfc.train.state import RunState
 from shardfc.train.stopping import CRASH_ENV
 
-from ..build.test_pipeline_strategy import _losses
+from ..builder.test_pipeline_strategy import _losses
 from ..checkpointing.test_reproducible_resume import _weights
 from ..tiny import tiny_config
 

@@ -174,7 +174,7 @@ def launcher_missing(recipe: Recipe) -> Optional[str]:
 def train_refuses(argv: Sequence[str]) -> Optional[str]:
     """Why ``shardfc train argv`` would stop before training, or None: the config checks the CLI
     runs first (flags and values this build accepts), then whether this machine can run the strategy."""
-    from shardfc.train.build.strategy import dp_devices
+    from shardfc.train.builder.strategy import dp_devices
     from shardfc.train.config import ConfigError, parse_config
 
     try:
@@ -193,7 +193,7 @@ def train_refuses(argv: Sequence[str]) -> Optional[str]:
 def check_workload(work: Workload, work_dir: Path) -> None:
     """A ValueError naming what is wrong with the workload itself, raised once before anything runs."""
     from shardfc.models import input_size
-    from shardfc.train.build.factory import resolve_image_size
+    from shardfc.train.builder.factory import resolve_image_size
     from shardfc.train.config import parse_config
 
     input_size(work.backbone)  # names the valid backbones

@@ -8,7 +8,7 @@ process (one device: the rates are per GPU, or per CPU process)::
     shardfc bench --trainer --dataset recordio --data-root DIR --backbone iresnet50 --batch-size 128 \\
         --num-workers 8
 
-What it runs, after building the run as ``shardfc train`` does (:func:`~shardfc.train.build.factory.build_run`):
+What it runs, after building the run as ``shardfc train`` does (:func:`~shardfc.train.builder.factory.build_run`):
 
 1. **start-up**: from the start of the build to the end of the first real step, phase by phase
    (:class:`~shardfc.train.observe.profile.StartupClock`, what ``--profile`` logs);
@@ -120,8 +120,8 @@ def _timed(device: torch.device, steps: int, step) -> float:
 def bench_trainer(cfg, steps: int = 20, warmup: int = 3, progress: bool = True) -> Dict[str, Any]:
     """Measure start-up, the real train step, the loader alone and the bare-step ceiling of ``cfg``
     in this process; returns the figures (:func:`format_report` prints them)."""
-    from shardfc.train.build.cpu import apply_threads
-    from shardfc.train.build.factory import autocast_factory, build_run, run_context
+    from shardfc.train.builder.cpu import apply_threads
+    from shardfc.train.builder.factory import autocast_factory, build_run, run_context
     from shardfc.train.config import ConfigError
     from shardfc.train.loader.data import micro_batches
     from shardfc.train.loop import trainer_step

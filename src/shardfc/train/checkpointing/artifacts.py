@@ -137,7 +137,7 @@ def load_backbone(
         raise ckpt.CheckpointError(f"{folder} was not saved by 'shardfc train' (no backbone in common.pt)")
     cfg = saved_config(common, folder)
     h, w = _input_size(meta, folder)
-    from shardfc.train.build.factory import backbone_kwargs  # build imports the training stack; only needed here
+    from shardfc.train.builder.factory import backbone_kwargs  # build imports the training stack; only needed here
 
     model = build_backbone(cfg.backbone, cfg.embedding_dim, **backbone_kwargs(cfg, (h, w)))
     if "backbone" in common:

@@ -24,8 +24,8 @@ from shardfc.head.grow import grown_state
 from shardfc.head.imprint import imprint_centres
 from shardfc.head.layout import overlap, seeded_rows
 from shardfc.parallel.context import DistContext
-from shardfc.train.build.factory import autocast_factory
-from shardfc.train.build.pipeline_train import restore_backbone
+from shardfc.train.builder.factory import autocast_factory
+from shardfc.train.builder.pipeline_train import restore_backbone
 from shardfc.train.checkpointing.classes import (  # the last two re-exported from there
     ClassPlan,
     plan_run_classes,

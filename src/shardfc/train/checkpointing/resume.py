@@ -21,8 +21,8 @@ from shardfc.checkpoint.format import rank_file, saved_num_classes
 from shardfc.checkpoint.weights_only import error_line
 from shardfc.parallel.context import DistContext
 from shardfc.seeding import seed_all
-from shardfc.train.build.factory import Run, rank_seed
-from shardfc.train.build.pipeline_train import restore_backbone, stage_part, stage_scaler_state
+from shardfc.train.builder.factory import Run, rank_seed
+from shardfc.train.builder.pipeline_train import restore_backbone, stage_part, stage_scaler_state
 from shardfc.train.checkpointing.classes import ClassPlan
 from shardfc.train.checkpointing.fine_tune import fresh_rows, head_state_for, load_kept
 from shardfc.train.config import ConfigError, TrainConfig

@@ -32,7 +32,7 @@ class ConfigError(ValueError):
 MAX_EMBEDDING_DIM = 1 << 16
 MAX_IMAGE_SIDE = 4096
 
-#: Values of ``TrainConfig.strategy`` (what each does: :mod:`shardfc.train.build.strategy`).
+#: Values of ``TrainConfig.strategy`` (what each does: :mod:`shardfc.train.builder.strategy`).
 STRATEGIES = ("ddp", "dp", "horovod", "pipeline")
 
 #: Values of ``TrainConfig.pipeline_schedule`` (torch.distributed.pipelining's schedules).
@@ -458,7 +458,7 @@ DEFAULT_OUTPUT_DIR = "shardfc_runs/synthetic"
 
 #: The fields strategy 'pipeline' refuses at any value but their default (the triplet loss's), each
 #: with a one-line error naming it; every other field reaches the pipeline's parts as it reaches
-#: ddp's (one builder: :func:`shardfc.train.build.factory.build_model`; tests/train/build/test_builder.py).
+#: ddp's (one builder: :func:`shardfc.train.builder.factory.build_model`; tests/train/builder/test_builder.py).
 PIPELINE_REFUSES = ("triplet_weight", "triplet_margin", "triplet_soft")
 
 #: The fields that name files or folders (``val_bins`` is a list of them).

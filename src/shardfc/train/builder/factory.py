@@ -3,9 +3,9 @@
 :func:`build_model` is the one builder of every strategy: each option of the config reaches the
 backbone (or, under ``--strategy pipeline``, this rank's stage of it), the head, the optimizers, the
 schedules, the scaler and the triplet loss the same way, and the strategy is applied from outside
-(:mod:`~shardfc.train.build.strategy`'s wrappers; :mod:`~shardfc.train.build.pipeline_train`'s stage cut and
+(:mod:`~shardfc.train.builder.strategy`'s wrappers; :mod:`~shardfc.train.builder.pipeline_train`'s stage cut and
 schedule). A field a strategy cannot honour is refused by :meth:`TrainConfig.validate`, naming it;
-``tests/train/build/test_builder.py`` goes over every field under every strategy.
+``tests/train/builder/test_builder.py`` goes over every field under every strategy.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from shardfc.models import input_size as default_input_size
 from shardfc.parallel.context import DistContext
 from shardfc.parallel.pipeline import PipelineLayout
 from shardfc.seeding import mix_seed, seed_all
-from shardfc.train.build import cpu
-from shardfc.train.build.head_update import fused_head_update
-from shardfc.train.build.pipeline_train import (
+from shardfc.train.builder import cpu
+from shardfc.train.builder.head_update import fused_head_update
+from shardfc.train.builder.pipeline_train import (
     PipelinePlan,
     cut_stage,
     keep_boundaries_contiguous,
@@ -39,13 +39,13 @@ from shardfc.train.build.pipeline_train import (
     pipeline_plan,
     stage_head_placement,
 )
-from shardfc.train.build.strategy import (
+from shardfc.train.builder.strategy import (
     head_placement,
     loader_batch_size,
     wrap_backbone,
     wrap_backbone_optimizer,
 )
-from shardfc.train.build.strategy import (
+from shardfc.train.builder.strategy import (
     run_context as strategy_context,
 )
 from shardfc.train.checkpointing.classes import ClassPlan, plan_run_classes
@@ -110,10 +110,10 @@ def build_model(
     ``seed`` of its initialisation), the head's (:func:`build_head`), the optimizers'
     (:func:`backbone_optimizer`, :func:`build_head_optimizer`: ``backbone_lr_mult``, rounding,
     ``head_update``), the schedules', the scaler's and the triplet loss's. What differs by strategy is
-    applied to the result: :func:`~shardfc.train.build.strategy.wrap_backbone` and
-    :func:`~shardfc.train.build.strategy.wrap_backbone_optimizer` (DDP, DataParallel, Horovod), where the
-    head's shards live, and the pipeline's stage cut (:func:`~shardfc.train.build.pipeline_train.cut_stage`)
-    and schedule (:func:`~shardfc.train.build.pipeline_train.pipeline_plan`).
+    applied to the result: :func:`~shardfc.train.builder.strategy.wrap_backbone` and
+    :func:`~shardfc.train.builder.strategy.wrap_backbone_optimizer` (DDP, DataParallel, Horovod), where the
+    head's shards live, and the pipeline's stage cut (:func:`~shardfc.train.builder.pipeline_train.cut_stage`)
+    and schedule (:func:`~shardfc.train.builder.pipeline_train.pipeline_plan`).
     """
     seed_all(cfg.seed)  # the backbone's initialisation: the same on every rank, under every strategy
 
@@ -152,7 +152,7 @@ def prepare_backbone(cfg: TrainConfig, device: torch.device, module: torch.nn.Mo
                      pipeline_stage: bool = False) -> torch.nn.Module:
     """``module`` (the whole backbone, or a pipeline stage of it, on ``device``) as the run trains it:
     in channels_last where :func:`use_channels_last` says (a stage's input and output stay NCHW:
-    :func:`~shardfc.train.build.pipeline_train.keep_boundaries_contiguous`), compiled in place with ``cfg.compile``."""
+    :func:`~shardfc.train.builder.pipeline_train.keep_boundaries_contiguous`), compiled in place with ``cfg.compile``."""
     if use_channels_last(cfg, device, module):
         module = module.to(memory_format=torch.channels_last)
         if pipeline_stage:
@@ -199,7 +199,7 @@ def backbone_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
 def build_head_optimizer(cfg: TrainConfig, head: ShardedMarginHead, device: torch.device,
                          amp_dtype: Optional[torch.dtype]) -> torch.optim.Optimizer:
     """The head's optimizer (row-sparse under Partial FC or a bf16/fp16 head), its rounding, and
-    whether the head's backward applies its step (:func:`~shardfc.train.build.head_update.fused_head_update`)."""
+    whether the head's backward applies its step (:func:`~shardfc.train.builder.head_update.fused_head_update`)."""
     momentum = cfg.head_momentum if cfg.head_momentum >= 0 else cfg.momentum
     return head_optimizer(
         head, cfg.optimizer, lr=cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay,

@@ -10,7 +10,7 @@ from torch.utils.data import Dataset
 
 from shardfc.parallel.context import DistContext
 from shardfc.parallel.pipeline import PipelineLayout
-from shardfc.train.build.pipeline_train import stage_stream
+from shardfc.train.builder.pipeline_train import stage_stream
 from shardfc.train.loader.data import ShardBatches
 from shardfc.train.state import RunState
 

@@ -22,7 +22,7 @@ import torch
 
 from shardfc.checkpoint import find_checkpoints
 from shardfc.cli import train as train_cli
-from shardfc.train.build import strategy as strategy_module
+from shardfc.train.builder import strategy as strategy_module
 from shardfc.train.config import ConfigError, TrainConfig, parse_config, to_toml
 from shardfc.train.loop import load_parts, train
 

@@ -3,7 +3,7 @@ parts, or is refused for that strategy by a one-line ConfigError naming it, or i
 (its category says what reads it). A field added without an entry in :data:`TABLE` fails
 :func:`test_every_field_is_classified`.
 
-How the parts are built, cheaply (``shardfc.train.build.factory.build_model``, the factory ``build_run``
+How the parts are built, cheaply (``shardfc.train.builder.factory.build_model``, the factory ``build_run``
 calls, without a dataset): ddp and pipeline in one spawned world of 2 ranks (ddp: DDP over both;
 pipeline: 2 stages x 1 replica, the layout made once); dp in this process over two CPU "devices"
 (its code path; dp itself is refused without two GPUs, checked too); horovod in one subprocess
@@ -163,7 +163,7 @@ TABLE: Dict[str, Any] = {
     "warmup_steps": Reaches(dict(warmup_steps=4), lambda s, b: s["schedule"][0][0] == pytest.approx(0.2)),
     # ---- run
     "strategy": Other("layout"),
-    "pipeline_stages": Other("layout"),  # the layout's (tests/train/build/test_pipeline_four_stages.py: 4 stages)
+    "pipeline_stages": Other("layout"),  # the layout's (tests/train/builder/test_pipeline_four_stages.py: 4 stages)
     "pipeline_schedule": Reaches(dict(pipeline_schedule="gpipe"), lambda s, b: s["plan"]["schedule"] == "ScheduleGPipe",
                                  **PIPE_ONLY),
     "micro_batches": Reaches(dict(micro_batches=4), lambda s, b: s["plan"]["micro_batches"] == 4, **PIPE_ONLY),
@@ -220,7 +220,7 @@ def probes(strategy: str) -> Dict[str, Dict[str, Any]]:
 
 def _channels_last_anywhere(cfg: TrainConfig, device, backbone: nn.Module) -> bool:
     """``use_channels_last`` as on CUDA, on any device (the CPU runs channels_last convolutions too)."""
-    from shardfc.train.build.factory import channels_last_wanted
+    from shardfc.train.builder.factory import channels_last_wanted
 
     return channels_last_wanted(cfg, backbone)
 
@@ -278,7 +278,7 @@ def summarize(parts, plan) -> dict:
 def build_summary(cfg: TrainConfig, ctx: DistContext, layout=None) -> dict:
     """Build ``cfg``'s parts as ``build_run`` does (without a dataset) and summarise them; ``{"error": ...}``
     when the build refuses the config."""
-    from shardfc.train.build.factory import build_model, resolve_amp_dtype, resolve_image_size
+    from shardfc.train.builder.factory import build_model, resolve_amp_dtype, resolve_image_size
 
     try:
         cfg = cfg.validate()
@@ -303,8 +303,8 @@ def merge_stages(per_rank: List[dict]) -> dict:
 def _world_worker(rank: int, world: int, ddp_probes: dict, pipe_probes: dict) -> dict:
     """Every probe built under ddp (DDP over the 2 ranks) and pipeline (2 stages, one layout), and one
     pipeline step of a channels_last stage and of the contiguous one."""
-    import shardfc.train.build.factory as build
-    from shardfc.train.build.pipeline_train import pipeline_layout
+    import shardfc.train.builder.factory as build
+    from shardfc.train.builder.pipeline_train import pipeline_layout
 
     build.use_channels_last = _channels_last_anywhere
     ctx = DistContext.resolve()
@@ -348,8 +348,8 @@ def ddp_and_pipeline() -> dict:
 
 
 def _horovod_worker(horovod_probes: dict) -> dict:
-    import shardfc.train.build.factory as build
-    from shardfc.train.build.factory import run_context
+    import shardfc.train.builder.factory as build
+    from shardfc.train.builder.factory import run_context
 
     build.use_channels_last = _channels_last_anywhere
     ctx = run_context(config("horovod", device="cpu"), None)  # hvd.init(): a world of one outside horovodrun
@@ -360,9 +360,9 @@ def _summaries(strategy: str, request, monkeypatch) -> dict:
     if strategy in ("ddp", "pipeline"):
         return request.getfixturevalue("ddp_and_pipeline")["summaries"][strategy]
     if strategy == "dp":
-        import shardfc.train.build.factory as build
-        import shardfc.train.build.strategy as strategy_module
-        from shardfc.train.build.factory import run_context
+        import shardfc.train.builder.factory as build
+        import shardfc.train.builder.strategy as strategy_module
+        from shardfc.train.builder.factory import run_context
 
         if torch.cuda.device_count() < 2:  # the strategy itself: refused here, saying why
             with pytest.raises(ConfigError, match=r"strategy='dp' replicates the backbone over CUDA devices"):

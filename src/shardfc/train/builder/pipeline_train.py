@@ -1,6 +1,6 @@
 """``--strategy pipeline`` in the trainer: cut a stage, schedule it, step it, evaluate through it, save it per stage.
 
-The parts are built by the one builder of every strategy (:func:`shardfc.train.build.factory.build_model`);
+The parts are built by the one builder of every strategy (:func:`shardfc.train.builder.factory.build_model`);
 what is the pipeline's own is applied from here. Each rank cuts only its stage
 (:func:`cut_stage`, :func:`shardfc.parallel.stage_build.build_stage`): the backbone is built on
 the meta device, and the stage's modules get real storage with exactly the values the whole
@@ -158,7 +158,7 @@ def cut_stage(
 
 
 def keep_boundaries_contiguous(module: nn.Module) -> None:
-    """A channels_last stage (:func:`shardfc.train.build.factory.use_channels_last`) whose input and output
+    """A channels_last stage (:func:`shardfc.train.builder.factory.use_channels_last`) whose input and output
     stay NCHW: the pipeline's buffers and its checks of what crosses a stage (strides included)
     are contiguous, so the stage converts its input to channels_last itself and hands on a
     contiguous output (a copy each way, as ddp's loader converts its batches)."""

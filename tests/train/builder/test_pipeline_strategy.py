@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from shardfc.cli import train as train_cli
-from shardfc.train.build.strategy import check_launch
+from shardfc.train.builder.strategy import check_launch
 from shardfc.train.config import ConfigError, parse_config
 
 from ..tiny import STEPS, tiny_config

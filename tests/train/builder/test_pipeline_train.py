@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from shardfc.parallel import pipeline_forward
-from shardfc.train.build.pipeline_train import evaluate_through_pipeline
+from shardfc.train.builder.pipeline_train import evaluate_through_pipeline
 
 
 def test_a_failed_evaluation_on_stage_0_still_stops_the_other_stages(monkeypatch):

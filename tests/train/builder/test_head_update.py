@@ -10,8 +10,8 @@ import torch
 
 from shardfc.head.partial_fc import RowSparseAdamW, RowSparseSGD
 from shardfc.parallel.context import DistContext
-from shardfc.train.build.factory import build_parts
-from shardfc.train.build.head_update import fused_head_update
+from shardfc.train.builder.factory import build_parts
+from shardfc.train.builder.head_update import fused_head_update
 from shardfc.train.config import ConfigError, TrainConfig, parse_config
 
 BASE = TrainConfig(image_size=[16, 16], embedding_dim=8, synthetic_identities=10, grad_accum=1, device="cuda")
@@ -69,7 +69,7 @@ def test_fused_decision(monkeypatch):
 def test_the_fused_optimizer_is_built_for_the_run(monkeypatch, optimizer, cls):
     """Where the run qualifies, the head's optimizer is the row-sparse SGD or AdamW with its step
     fused into the head's backward (faked here on the CPU: the decision is what is tested)."""
-    import shardfc.train.build.factory as build
+    import shardfc.train.builder.factory as build
 
     monkeypatch.setattr(build, "fused_head_update", lambda cfg, device, amp: True)
     cfg = dataclasses.replace(BASE, device="cpu", optimizer=optimizer).validate()

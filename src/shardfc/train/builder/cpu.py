@@ -40,7 +40,7 @@ def local_processes(strategy: str, world_size: int, env: Mapping[str, str] = os.
     if env.get("LOCAL_WORLD_SIZE", "").isdigit():
         return max(1, int(env["LOCAL_WORLD_SIZE"]))
     if strategy == "horovod":
-        from shardfc.train.build.strategy import horovod_module
+        from shardfc.train.builder.strategy import horovod_module
 
         return max(1, horovod_module().local_size())
     return 1 if strategy == "dp" else max(1, world_size)

@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-from shardfc.train.build import cpu
-from shardfc.train.build.factory import resolve_amp_dtype
+from shardfc.train.builder import cpu
+from shardfc.train.builder.factory import resolve_amp_dtype
 from shardfc.train.config import ConfigError, TrainConfig, parse_config
 from shardfc.train.loop import train
 

@@ -9,12 +9,12 @@
     pipeline one process per rank (as ddp), ``nproc = pipeline_stages x R``: the backbone cut into
              stages (torch.distributed.pipelining, GPipe or 1F1B), each stage's gradients averaged
              over its R replicas, the head sharded over the last stage's R ranks
-             (:mod:`~shardfc.train.build.pipeline_train`, :mod:`~shardfc.parallel.pipeline`)
+             (:mod:`~shardfc.train.builder.pipeline_train`, :mod:`~shardfc.parallel.pipeline`)
 
 Every strategy trains the same model on the same global batch with the same loss: the head is
 exact in all four layouts, and its embedding gradient is scaled by the world size for the
 averaging data-parallel backbone (DDP and Horovod's DistributedOptimizer both average; under dp
-there is one process and nothing to scale). :mod:`~shardfc.train.build.factory`, :mod:`~shardfc.train.loop`
+there is one process and nothing to scale). :mod:`~shardfc.train.builder.factory`, :mod:`~shardfc.train.loop`
 and :mod:`~shardfc.train.step` ask this module the few questions whose answers differ: the run's
 :class:`DistContext`, how the backbone and its optimizer are wrapped, where the head's shards live,
 how big one process's loader batch is, and what to synchronise after a restore.
@@ -52,7 +52,7 @@ def check_launch(cfg: TrainConfig) -> None:
         if launched_by_horovodrun():
             raise ConfigError("strategy='pipeline' runs over torch.distributed: launch it with --nproc or torchrun")
         if not launched_by_torchrun():  # else the world size is checked when the ranks form the layout
-            from shardfc.train.build.pipeline_train import check_pipeline_config
+            from shardfc.train.builder.pipeline_train import check_pipeline_config
 
             check_pipeline_config(cfg, cfg.nproc)
     elif cfg.strategy == "horovod":
