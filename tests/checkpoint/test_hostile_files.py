@@ -593,3 +593,80 @@ def test_a_fifo_or_a_link_loop_named_like_a_font_is_never_opened(tmp_path):
     assert font_files([str(fonts)]) == []
     with pytest.raises(GlyphError, match="no CJK font found"):
         build(str(tmp_path / "out"), GlyphOptions(), font_dirs=[str(fonts)])
+
+
+def _tiny_cjk_font(path: Path, cmap_format: int) -> None:
+    """A valid TrueType font of one glyph mapped from U+4E00, its character map one subtable of
+    ``cmap_format`` (4 or 12), written by fontTools."""
+    from fontTools.fontBuilder import FontBuilder
+    from fontTools.pens.ttGlyphPen import TTGlyphPen
+    from fontTools.ttLib.tables._c_m_a_p import CmapSubtable
+
+    fb = FontBuilder(1000, isTTF=True)
+    fb.setupGlyphOrder([".notdef", "yi"])
+    fb.setupCharacterMap({0x4E00: "yi"})
+    pen = TTGlyphPen(None)
+    pen.moveTo((100, 400)), pen.lineTo((900, 400)), pen.lineTo((900, 500)), pen.lineTo((100, 500)), pen.closePath()
+    fb.setupGlyf({".notdef": TTGlyphPen(None).glyph(), "yi": pen.glyph()})
+    fb.setupHorizontalMetrics({".notdef": (500, 0), "yi": (1000, 100)})
+    fb.setupHorizontalHeader(ascent=880, descent=-120)
+    fb.setupNameTable({"familyName": "Hostile", "styleName": "Regular"})
+    fb.setupOS2()
+    fb.setupPost()
+    sub = CmapSubtable.newSubtable(cmap_format)
+    sub.platformID, sub.platEncID, sub.language, sub.cmap = 3, (10 if cmap_format == 12 else 1), 0, {0x4E00: "yi"}
+    fb.font["cmap"].tables = [sub]
+    fb.save(str(path))
+
+
+def _cmap_entry(data: bytes) -> int:
+    """Where a one-font file's table directory describes its ``cmap``."""
+    (n,) = struct.unpack_from(">H", data, 4)
+    entry = next((12 + 16 * i for i in range(n) if data[12 + 16 * i : 16 + 16 * i] == b"cmap"), None)
+    assert entry is not None, "no cmap"
+    return entry
+
+
+def _cmap_subtable_at(data: bytes) -> int:
+    """The file offset of the first subtable of a one-font file's ``cmap``."""
+    offset = struct.unpack_from(">L", data, _cmap_entry(data) + 8)[0]
+    return offset + struct.unpack_from(">L", data, offset + 8)[0]
+
+
+@pytest.mark.parametrize("damage", ["format 12: 2^32 - 1 groups", "format 12: groups claiming the block over and over",
+                                    "format 4: 32767 segments", "format 13"])
+def test_a_font_whose_character_map_lies_is_skipped_with_a_warning(tmp_path: Path, damage: str):
+    """``shardfc data glyphs --fonts DIR`` reads each face's character map itself (the raw ranges):
+    a map that claims more than the file holds, ranges that overlap (a million groups each claiming
+    the whole CJK block would never finish), or a format it does not read is a warning naming the
+    file and the face is skipped — fast, under the alarm; the well-formed font beside it still counts."""
+    from shardfc.data.glyphs import read_faces
+
+    fonts = tmp_path / "fonts"
+    fonts.mkdir()
+    fmt = 4 if "format 4" in damage else 12
+    _tiny_cjk_font(fonts / "good.ttf", fmt)
+    data = bytearray((fonts / "good.ttf").read_bytes())
+    at = _cmap_subtable_at(bytes(data))
+    if damage.startswith("format 12: 2^32"):
+        struct.pack_into(">L", data, at + 12, 0xFFFFFFFF)
+    elif damage.startswith("format 12: groups"):
+        n = 100_000
+        groups = struct.pack(">LLL", 0x4E00, 0x9FFF, 1) * n
+        data = data[: at + 12] + struct.pack(">L", n) + groups  # the map runs to the end of the file
+        entry = _cmap_entry(bytes(data))
+        struct.pack_into(">L", data, entry + 12, len(data) - struct.unpack_from(">L", data, entry + 8)[0])
+    elif damage.startswith("format 4"):
+        struct.pack_into(">H", data, at + 6, 0xFFFE)
+    else:
+        struct.pack_into(">H", data, at, 13)
+    (fonts / "liar.ttf").write_bytes(bytes(data))
+    assert len(read_faces([str(fonts / "good.ttf")])) == 1
+    warned: list = []
+    start = time.monotonic()
+    faces = read_faces(font_files([str(fonts)]), warn=warned.append)
+    assert time.monotonic() - start < 5
+    assert [f.path for f, _ in faces] == [str(fonts / "good.ttf")]
+    assert len(warned) == 1 and "liar.ttf" in warned[0], warned
+    if "over and over" in damage:  # the map is whole: its ranges are what is refused
+        assert "overlapping or unsorted ranges" in warned[0], warned

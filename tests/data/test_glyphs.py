@@ -136,14 +136,19 @@ def test_the_raw_character_map_reader_agrees_with_fonttools(fmt, platform):
         glyphs.cjk_coverage(raw[: len(raw) // 2])
 
 
-def test_overlapping_ranges_are_left_to_fonttools():
+def test_overlapping_ranges_or_another_format_are_refused():
     """A format 12 table whose groups overlap (against the format; a hostile file could claim the
-    whole block a million times over) is not read by the fast reader: fontTools decodes it."""
+    whole block a million times over, which no reader would finish) is refused, as is a subtable of
+    another format: the font is then skipped, named (tests/checkpoint/test_hostile_files.py)."""
     raw = bytearray(_cmap_bytes(12, {c: 1 + c % 5 for c in range(0x4E00, 0x4E10)}, (3, 10)))
     offset = struct.unpack_from(">L", raw, 8)[0]
     struct.pack_into(">L", raw, offset + 12, 2)  # two groups, the second a copy of the first
     raw[offset + 28 : offset + 40] = raw[offset + 16 : offset + 28]
-    assert glyphs.cjk_coverage(bytes(raw[: offset + 40])) is None
+    with pytest.raises(ValueError, match="overlapping or unsorted ranges"):
+        glyphs.cjk_coverage(bytes(raw[: offset + 40]))
+    struct.pack_into(">H", raw, offset, 13)  # format 13: many characters to one glyph
+    with pytest.raises(ValueError, match="format 13 subtable"):
+        glyphs.cjk_coverage(bytes(raw))
 
 
 def test_family_keys_join_regional_weight_mono_and_proportional_variants():

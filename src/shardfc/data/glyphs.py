@@ -141,14 +141,16 @@ def family_key(name: str) -> str:
 CMAP_PREFERENCES = ((3, 10), (0, 6), (0, 4), (3, 1), (0, 3), (0, 2), (0, 1), (0, 0))
 
 
-def cjk_coverage(cmap: bytes, first: int = CJK_FIRST, last: int = CJK_LAST) -> Optional[Set[int]]:
+def cjk_coverage(cmap: bytes, first: int = CJK_FIRST, last: int = CJK_LAST) -> Set[int]:
     """The characters ``first..last`` that the best Unicode subtable of a raw ``cmap`` table maps to
-    a glyph other than ``.notdef``; None when that subtable is neither format 4 nor 12 (the two every
-    CJK font here uses; the caller then decodes it the slow way).
+    a glyph other than ``.notdef``.
 
     fontTools' decoding names every glyph of the font on the way (the ``post`` or CFF glyph order:
-    two thirds of a glyph set's build went there); the ranges alone answer "covered or not".
-    A short or damaged table raises (struct.error, ValueError): the caller skips the font."""
+    two thirds of a glyph set's build went there); the ranges alone answer "covered or not". Only
+    formats 4 and 12 are read (every CJK font here uses one of them), and only ranges as the formats
+    require them (sorted, not overlapping), so the work is bounded by the block's size whatever a
+    file claims. A short, damaged, out-of-format or other-format table raises (struct.error,
+    ValueError): the caller skips the font, naming it."""
     import struct
 
     _, n = struct.unpack_from(">HH", cmap, 0)
@@ -162,8 +164,7 @@ def cjk_coverage(cmap: bytes, first: int = CJK_FIRST, last: int = CJK_LAST) -> O
         (groups,) = struct.unpack_from(">L", cmap, offset + 12)
         table = np.frombuffer(cmap, ">u4", count=3 * groups, offset=offset + 16).reshape(-1, 3).astype(np.int64)
         table = table[(table[:, 1] >= first) & (table[:, 0] <= last)]
-        if not _ordered(table[:, 0], table[:, 1]):
-            return None
+        _check_ordered(table[:, 0], table[:, 1], fmt)
         for start, end, glyph in table:
             lo, hi = max(int(start), first), min(int(end), last)
             covered.update(c for c in range(lo, hi + 1) if glyph + (c - start))  # .notdef at most at the start
@@ -176,8 +177,7 @@ def cjk_coverage(cmap: bytes, first: int = CJK_FIRST, last: int = CJK_LAST) -> O
         delta, range_at = words[2 * segs + 1 : 3 * segs + 1], offset + 16 + 6 * segs  # idRangeOffset[0]'s byte
         range_offset = words[3 * segs + 1 : 4 * segs + 1]
         inside = np.nonzero((end >= first) & (start <= last) & (start != 0xFFFF))[0]
-        if not _ordered(start[inside], end[inside]):
-            return None
+        _check_ordered(start[inside], end[inside], fmt)
         for i in inside:
             for c in range(max(int(start[i]), first), min(int(end[i]), last) + 1):
                 if range_offset[i] == 0:
@@ -189,14 +189,15 @@ def cjk_coverage(cmap: bytes, first: int = CJK_FIRST, last: int = CJK_LAST) -> O
                 if glyph:
                     covered.add(c)
         return covered
-    return None
+    raise ValueError(f"its Unicode character map is a format {fmt} subtable (only formats 4 and 12 are read)")
 
 
-def _ordered(starts: np.ndarray, ends: np.ndarray) -> bool:
-    """Ranges as the format requires them: each non-empty and past the one before. Then reading them
-    costs at most one step a character of the block, whatever a (hostile) file claims; fontTools
-    reads any others, as before."""
-    return bool((starts <= ends).all() and (starts[1:] > ends[:-1]).all())
+def _check_ordered(starts: np.ndarray, ends: np.ndarray, fmt: int) -> None:
+    """Ranges as the format requires them — each non-empty and past the one before — or ValueError:
+    reading them then costs at most one step a character of the block, whatever a (hostile) file
+    claims (a million groups each claiming the whole block would not end)."""
+    if not ((starts <= ends).all() and (starts[1:] > ends[:-1]).all()):
+        raise ValueError(f"its format {fmt} character map has overlapping or unsorted ranges")
 
 
 def read_faces(paths: Iterable[str], warn=None) -> List[Tuple[Face, Set[int]]]:
@@ -215,8 +216,6 @@ def read_faces(paths: Iterable[str], warn=None) -> List[Tuple[Face, Set[int]]]:
             for i in range(count):
                 font = TTFont(path, fontNumber=i, lazy=True)
                 covered = cjk_coverage(font.reader["cmap"]) if "cmap" in font.reader else set()
-                if covered is None:  # a subtable format the fast reader leaves to fontTools
-                    covered = {c for c in (font.getBestCmap() or {}) if CJK_FIRST <= c <= CJK_LAST}
                 name = font["name"].getDebugName(4) or font["name"].getDebugName(1) or f"{os.path.basename(path)}#{i}"
                 family = font["name"].getDebugName(1) or name
                 font.close()
