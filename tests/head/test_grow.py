@@ -34,7 +34,9 @@ def train(head, opt, steps, C, seed=0):
 
 
 def logical(head, opt) -> dict:
-    """This process's rows of the weight and of every per-row optimizer tensor, in class order."""
+    """This process's rows of the weight and of every per-row optimizer tensor, in class order
+    (caught up first: what every reader of all rows sees)."""
+    head.catch_up()
     out = {"weight": torch.cat([w.detach().cpu() for w in head.shard_weights])}
     for key, value in opt.state[head.shard_weights[0]].items():
         if isinstance(value, torch.Tensor) and value.dim() >= 1:

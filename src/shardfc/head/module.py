@@ -246,6 +246,8 @@ class ShardedMarginHead(nn.Module):
         #: (``step()``, from the stored gradient); None before the first or without a fused optimizer.
         self.last_update: Optional[str] = None
         self._fused_optimizer = None  # a weak reference to the optimizer whose step the backward applies
+        self._idle_rows_optimizer = None  # a weak reference to the optimizer that catches idle rows up
+        self._pending_versions: Tuple[int, ...] = ()  # the shards' autograd versions when _pending_rows began
         # Per shard, the operand a fused update wrote for the next forward (release_next_operands).
         self._next_operands: Optional[list] = None
         # measure_weight_grad_norm: whether the backward reports its gradient's sum of squares, the
@@ -300,6 +302,51 @@ class ShardedMarginHead(nn.Module):
         this), whenever the forward runs a GPU implementation; else ``optimizer.step()`` does as usual.
         Held weakly: the head does not keep the optimizer alive."""
         self._fused_optimizer = weakref.ref(optimizer)
+
+    def keep_rows_current_by(self, optimizer) -> None:
+        """Have every read of the shards' rows first bring them up to date through ``optimizer``'s
+        ``catch_up_`` (a row-sparse optimizer with ``idle_rows="exact"``, which calls this itself
+        when it is built with ``sampled_rows=head.take_sampled_rows``): the training forward its
+        sampled rows before they are scored, and every row for an evaluation forward,
+        :meth:`predict`, :meth:`state_dict`, :meth:`sharded_state` and so :meth:`grow`. Held weakly.
+        Code that reads ``head.weight`` itself calls :meth:`catch_up` first."""
+        self._idle_rows_optimizer = weakref.ref(optimizer)
+
+    @torch.no_grad()
+    def catch_up(self, rows: Optional[Sequence[Optional[Tensor]]] = None) -> None:
+        """Bring the shards' rows (per shard, ``rows[i]``; None: every row) to the dense optimizer's
+        state after the steps they sat out (see :meth:`keep_rows_current_by`); nothing without such
+        an optimizer, or when nothing is behind. No host read."""
+        opt = self._idle_rows_optimizer() if self._idle_rows_optimizer is not None else None
+        if opt is None:
+            return
+        changed = False
+        for i, w in enumerate(self.shard_weights):
+            changed |= opt.catch_up_(w, None if rows is None else rows[i])
+        if changed and rows is None:  # every row rewritten: an operand kept for the next forward is stale
+            self.release_next_operands()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # The rows as the dense optimizer would have them; the keys arcface_torch's PartialFC_V2 has
+        # ("weight"), so a checkpoint loads either way; the Partial FC step counter rides in the
+        # state dict's metadata, which torch keeps and ignores.
+        self.catch_up()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        metadata = getattr(destination, "_metadata", None)
+        if metadata is not None:
+            metadata.setdefault(prefix[:-1], {})["sample_step"] = int(self.sample_step)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        step = local_metadata.get("sample_step") if isinstance(local_metadata, Mapping) else None
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            self.sample_step = step
+        self.forget_sampled_rows()  # they named rows of the weights just replaced
+        opt = self._idle_rows_optimizer() if self._idle_rows_optimizer is not None else None
+        if opt is not None:
+            opt.rows_are_current()  # the loaded rows are what they are now: nothing of theirs is behind
 
     def _update_optimizer(self):
         """The optimizer whose step the backward applies, if one is attached and still alive."""
@@ -463,7 +510,12 @@ class ShardedMarginHead(nn.Module):
         A micro-batch's rows are appended, not united: the union waits for :attr:`sampled_rows`."""
         if not torch.is_grad_enabled():
             return
-        if self._pending_rows is None:
+        versions = tuple(w._version for w in self.shard_weights)
+        if self._pending_rows is None or versions != self._pending_versions:
+            # A new step. Weights changed in place since the rows were noted (a torch optimizer's step:
+            # arcface_torch's route, where nothing takes them): the gradient they belonged to is
+            # spent, so they go, instead of one more tensor a step kept forever.
+            self._pending_versions = versions
             self._pending_rows = [None if r is None else [r] for r in rows]
         else:
             self._pending_rows = [None if a is None or b is None else a + [b] for a, b in zip(self._pending_rows, rows)]
@@ -545,6 +597,7 @@ class ShardedMarginHead(nn.Module):
                 sink = lambda shard, grad: self.keep_row_grad(shard, rows[shard], grad)  # noqa: E731
         else:
             self._record_rows([None] * len(weights))
+        self.catch_up(rows)  # the rows about to be scored, as the dense optimizer's run would score them
         config = ShardConfig(
             margin=self.margin,
             num_classes=num_classes,
@@ -740,6 +793,9 @@ class ShardedMarginHead(nn.Module):
         (see :func:`shardfc.head.sharded_state.sharded_state`). Reads a deferred input check first
         (:meth:`check_pending`): a state trained on a bad batch is not handed out silently."""
         self.check_pending()
+        self.catch_up()
+        if optimizer is not None and hasattr(optimizer, "catch_up_all_"):
+            optimizer.catch_up_all_()  # its own rows too, if this head is not the one attached to it
         return _state.sharded_state(self, optimizer)
 
     def load_sharded_state(self, state: Mapping[str, Any], optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -777,6 +833,7 @@ class ShardedMarginHead(nn.Module):
             error = ValueError(f"k must be an int in [1, num_classes={self.num_classes}], got {k!r}")
         local_batch = embeddings.shape[0] if error is None else 0
         sizes = self._exchange(error, local_batch)
+        self.catch_up()
         home = embeddings.device
         x = self._prepare_embeddings(embeddings)
         embeds = self._global_embeddings(x, sizes, autograd=False)

@@ -383,10 +383,11 @@ def replay_step(
         opt.zero_grad(set_to_none=not grads_kept or no_grad)
         x = torch.empty(local_batch, dim, device=META, dtype=dtype, requires_grad=True)
         labels = torch.zeros(local_batch, dtype=torch.int64)  # checked on the CPU, then moved
-        if gpu and fused_update:
+        if (gpu and fused_update) or getattr(head, "sample_rate", 1.0) < 1.0:
             # The steady state: a step whose forward uses the operand the previous step's fused
-            # update wrote (chunks.NextOperand, held between steps), not a first step's pass over W.
-            train_step(head, opt, x, labels, set_to_none=True)
+            # update wrote (chunks.NextOperand, held between steps), not a first step's pass over W;
+            # under Partial FC, one whose forward catches up rows that sat a step out (catch_up).
+            train_step(head, opt, x, labels, set_to_none=not grads_kept or no_grad)
             x.grad = None
         def note_grad(p) -> None:
             if p.grad is not None:  # a sparse_grad head's weights get none
@@ -416,6 +417,7 @@ def replay_step(
 
             traffic = summarise(counter.finish())
     state = sum(_nbytes(t) for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+    state += getattr(opt, "idle_state_bound", 0)  # catch_up's stamps and step tables, at their largest
     return Replay(
         step_peak=mode.peak + held,
         step_parts={k: parts.get(k, 0) for k in ("gradients", "activations", "communication")},
