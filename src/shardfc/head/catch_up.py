@@ -80,7 +80,7 @@ def sgd_idle_matrix(lr: float, momentum: float, weight_decay: float, nesterov: b
     return ((1.0 - lr * lam, -lr * mu), (lam, mu))
 
 
-def adamw_exact_steps(lr: float, betas: Tuple[float, float], bound: float = ADAMW_DROPPED_BOUND) -> Optional[int]:
+def adamw_exact_steps(lr: float, betas: Tuple[float, float], bound: Optional[float] = None) -> Optional[int]:
     """The idle AdamW steps to iterate so that every later idle step's moment term, summed, moves a
     weight element by at most ``bound`` (None: no such count, iterate them all).
 
@@ -88,11 +88,12 @@ def adamw_exact_steps(lr: float, betas: Tuple[float, float], bound: float = ADAM
     β1²/β2))`` (Cauchy–Schwarz over the gradients), an idle step ``j`` scales ``|m|/√v`` by
     ``ρ^j``, ``ρ = β1/√β2``, and the bias corrections' ratio ``√(1 − β2^t)/(1 − β1^t)`` is at most
     ``1/(1 − β1)``; ``ε`` only shrinks the term. So the terms after ``J`` steps sum to at most
-    ``lr·K/(1 − β1)·ρ^(J+1)/(1 − ρ)``.
+    ``lr·K/(1 − β1)·ρ^(J+1)/(1 − ρ)``. ``bound``: :data:`ADAMW_DROPPED_BOUND` by default.
     """
+    bound = ADAMW_DROPPED_BOUND if bound is None else float(bound)
     b1, b2 = float(betas[0]), float(betas[1])
     if lr <= 0 or b1 == 0.0:
-        return 0  # no moment term at all after the first idle step's zero-gradient m = 0 ... or no lr
+        return 0  # no moment term: no learning rate, or β1 = 0 (an idle step's m is then 0)
     if b2 <= 0.0 or b1 * b1 >= b2:
         return None
     rho = b1 / math.sqrt(b2)
