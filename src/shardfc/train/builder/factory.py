@@ -205,6 +205,7 @@ def build_head_optimizer(cfg: TrainConfig, head: ShardedMarginHead, device: torc
         head, cfg.optimizer, lr=cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay,
         nesterov=cfg.nesterov, betas=tuple(cfg.betas), eps=cfg.eps,
         rounding=cfg.head_rounding, rounding_seed=cfg.seed, fused_update=fused_head_update(cfg, device, amp_dtype),
+        idle_rows=cfg.head_idle_rows,
     )
 
 

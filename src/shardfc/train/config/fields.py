@@ -138,6 +138,8 @@ class TrainConfig:
     """How a bf16/fp16 head's fp32 update is rounded back: nearest or stochastic (unbiased, seeded by --seed)."""
     sparse_grad: bool = False
     """Partial FC: keep only the sampled rows' weight gradient (no [n_local, D] gradient); needs sample_rate < 1 and amp != fp16."""
+    head_idle_rows: str = "exact"
+    """Partial FC: exact (a row a step did not sample is brought to where the dense optimizer would have it, momentum, weight decay, AdamW's moments, when next read: trains as a dense optimizer, at the row-sparse cost plus 4 bytes a row) or lazy (it waits, unchanged, for its next sample; cost 3.6 / 6.1 points of hard-pair accuracy at sample_rate 0.1 / 0.05 in docs/accuracy.md)."""
 
     # ------------------------------------------------------------------ optim
     optimizer: str = "sgd"
@@ -342,6 +344,7 @@ class TrainConfig:
         _validate_reid(self)
         _choice(self, "head_dtype", ("float32", "bfloat16", "float16"))
         _choice(self, "head_rounding", ("nearest", "stochastic"))
+        _choice(self, "head_idle_rows", ("exact", "lazy"))
         if self.sparse_grad and self.amp == "fp16":
             raise ConfigError("sparse_grad does not work with amp='fp16' (the loss scaler unscales .grad only): "
                               "use --amp bf16 or none")

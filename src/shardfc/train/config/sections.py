@@ -22,7 +22,7 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
     "head": ("margin", "scale", "m", "m1", "m2", "m3", "easy_margin", "sphereface_lambda", "adaface_h",
              "adaface_momentum", "magface_l_a", "magface_u_a", "magface_l_m", "magface_u_m", "magface_lambda_g",
              "subcenters", "interclass_filter_threshold", "sample_rate", "chunk_size", "head_impl",
-             "label_smoothing", "head_dtype", "head_rounding", "sparse_grad", "triplet_weight", "triplet_margin", "triplet_soft"),
+             "label_smoothing", "head_dtype", "head_rounding", "sparse_grad", "head_idle_rows", "triplet_weight", "triplet_margin", "triplet_soft"),
     "optim": ("optimizer", "lr", "momentum", "head_momentum", "weight_decay", "nesterov", "betas", "eps", "grad_clip", "head_grad_clip",
               "head_update", "grad_accum"),
     "schedule": ("batch_size", "max_steps", "epochs", "scheduler", "poly_power", "warmup_steps"),
