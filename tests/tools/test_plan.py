@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import shardfc.head.function as head_function
 from shardfc.cli.plan import main
+from shardfc.head import catch_up
 from shardfc.tools import plan as plan_module
 from shardfc.tools.plan import PARTS, parse_bytes, plan
 from shardfc.tools.plan import replay as replay_module
@@ -177,7 +178,11 @@ def test_parts_add_up(cfg, grads_kept):
     assert parts["weights"] == nd
     sparse = cfg.get("sample_rate", 1.0) < 1.0
     state = {"sgd": nd, "sgd_nomomentum": 0, "adamw": 2 * nd + (8 * n if sparse else 4)}  # + per-row / scalar step
-    assert parts["optimizer_state"] == state[cfg.get("optimizer", "sgd")]
+    name = cfg.get("optimizer", "sgd")
+    if sparse:  # the exact idle-row update: a 4-byte stamp a row and a step table at its longest
+        entry = 8 if name == "adamw" else 4
+        state[name] += 4 * n + (catch_up.FULL_CATCH_UP_EVERY + 2) * entry * 8
+    assert parts["optimizer_state"] == state[name]
     if grads_kept:  # the [n, D] .grad rests like the weights; the step adds into it
         assert parts["gradients"] == nd
         assert r["resting"] == parts["weights"] + parts["gradients"] + parts["optimizer_state"]
@@ -330,8 +335,10 @@ def test_subcenters_count_classes_and_cost_k_rows_each():
     one, three = plan(**base), plan(**base, subcenters=3)
     assert three["n_local"] == one["n_local"] == 3_000 and three["n_sampled"] == one["n_sampled"]
     assert three["parts"]["weights"] == 3 * one["parts"]["weights"] == 3 * 3_000 * 32 * 4
-    assert three["parts"]["optimizer_state"] == 3 * one["parts"]["optimizer_state"]
-    assert three["bytes_per_class"] == 3 * one["bytes_per_class"]
+    table = (catch_up.FULL_CATCH_UP_EVERY + 2) * catch_up.SGDClock.ENTRY * 8  # the idle-row table: one a shard
+    assert three["parts"]["optimizer_state"] - table == 3 * (one["parts"]["optimizer_state"] - table)
+    assert three["parts"]["optimizer_state"] - table == 3 * 3_000 * (32 * 4 + 4)  # momentum and a stamp a row
+    assert three["bytes_per_class"] == pytest.approx(3 * one["bytes_per_class"] - 2 * table / 3_000)
     # the compact gradient: K rows per sampled class
     assert three["parts"]["gradients"] == 3 * one["parts"]["gradients"] == 3 * one["n_sampled"] * 32 * 4
     out = io.StringIO()

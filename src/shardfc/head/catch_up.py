@@ -131,6 +131,9 @@ class IdleClock:
 
     #: fp64 numbers in one table entry (subclasses)
     ENTRY = 0
+    #: A catch-up walks the rows ``kernels.SAMPLED_BLOCK // BLOCK_SHARE`` at a time (subclasses: by
+    #: how many ``[block, D]`` fp32 transients a block needs).
+    BLOCK_SHARE = 4
 
     @property
     def nbytes(self) -> int:
@@ -163,7 +166,8 @@ class IdleClock:
             return
         from shardfc.head import kernels  # read at each call: the block the forward uses now
 
-        block = max(1, kernels.SAMPLED_BLOCK)
+        # A block's transients (a few [block, D] fp32 copies) stay below the forward's own block.
+        block = max(1, kernels.SAMPLED_BLOCK // self.BLOCK_SHARE)
         total = p.shape[0] if rows is None else rows.numel()
         for b0 in range(0, total, block):
             idx = slice(b0, b0 + block) if rows is None else rows[b0 : b0 + block]
@@ -219,8 +223,8 @@ class SGDClock(IdleClock):
         new_w = q[:, 0, 0:1] * w
         if buf is not None:
             b = buf[idx].to(cd)
-            new_w.add_(q[:, 0, 1:2] * b)
-            buf[idx] = rnd(b.mul_(q[:, 1, 1:2]).add_(q[:, 1, 0:1] * w), buf.dtype)
+            new_w.addcmul_(q[:, 0, 1:2], b)
+            buf[idx] = rnd(b.mul_(q[:, 1, 1:2]).addcmul_(q[:, 1, 0:1], w), buf.dtype)
             del b
         del w
         p.data[idx] = rnd(new_w, p.dtype)
@@ -231,6 +235,7 @@ class AdamWClock(IdleClock):
     and the prefix sums of ``log(1 − lr·wd)``, ``log β1``, ``log β2`` (for the closed-form tail)."""
 
     COLUMNS = ENTRY = 8  # lr, wd, b1, b2, eps, Σ log(1 − lr·wd), Σ log β1, Σ log β2
+    BLOCK_SHARE = 16  # the loop's state (w, m, v) and its step's temporaries
 
     def __init__(self, p: Tensor):
         super().__init__(p)

@@ -283,9 +283,8 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
                     scale = self._grad_scale_on(p.device)
                     for idx, source, at in self._blocks(p, entry):
                         # No name holds the block's gathered gradient: it is freed before the next block's.
-                        g = source[at] if scale is None else source[at].to(update_dtype(p.dtype)) / scale
-                        self._update(p, idx, g, group, rnd)
-                        del g
+                        self._update(p, idx, source[at] if scale is None else
+                                     source[at].to(update_dtype(p.dtype)) / scale, group, rnd)
                 self._advance(p, group, rows)
             group["rounding_step"] += 1
         return loss
