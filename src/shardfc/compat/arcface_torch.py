@@ -28,7 +28,13 @@ Partial FC (``sample_rate < 1``): each rank scores its positive classes and unif
 ``max(⌈r·n_local⌉, B)`` classes in all (``B`` the global batch: every positive fits, with no host
 read; arcface_torch: ``⌊r·n_local⌋``, or only the positives when they outnumber it, found with a
 ``torch.unique`` each step), and the weight gradient is dense with zeros outside them, as a plain
-``torch.optim.SGD`` over the weight expects.
+``torch.optim.SGD`` over the weight expects (the rows each forward sampled are let go at the
+next step: nothing piles up). ``state_dict()`` keeps arcface_torch's one key, ``weight``,
+and carries the sampling step in the state dict's metadata (which torch keeps and arcface_torch
+ignores), so a resume from ``checkpoint_gpu_<rank>.pt`` draws the negatives the run would have drawn.
+With shardfc's own optimizer instead (``shardfc.head_optimizer(fc, "sgd", ...)``: it steps the
+sampled rows only and catches the others up when next read), the run is the same as with the
+dense one, at the row-sparse cost.
 """
 
 from __future__ import annotations

@@ -631,8 +631,8 @@ def _adamw_step_form(optimizer: torch.optim.Optimizer, tensors: Mapping[str, Ten
     counts = tensors["row_step"].cpu()  # the saved rows: host tensors, no device to wait for
     if counts.numel() and not bool((counts == counts[0]).all()):
         raise ValueError(
-            "the saved AdamW state has a step count per row that differs between rows (Partial FC's row-sparse "
-            "AdamW), but this optimizer is torch's AdamW, which keeps one count; load it into the row-sparse "
+            "the saved AdamW state has a step count per row that differs between rows (Partial FC's lazy row-sparse "
+            "AdamW, idle_rows='lazy'), but this optimizer is torch's AdamW, which keeps one count; load it into the row-sparse "
             "AdamW (sample_rate < 1, or head_optimizer(..., fused_update=True))")
     step = torch.tensor(float(counts[0]) if counts.numel() else 0.0)
     return {k: v for k, v in tensors.items() if k != "row_step"}, dict(extras, step=step)

@@ -130,6 +130,8 @@ TABLE: Dict[str, Any] = {
     "head_rounding": Reaches(dict(head_dtype="bfloat16", head_rounding="stochastic"),
                              _groups(("opt_head",), rounding="stochastic")),
     "sparse_grad": Reaches(dict(sample_rate=0.5, sparse_grad=True), _head(sparse_grad=True)),
+    "head_idle_rows": Reaches(dict(sample_rate=0.5, head_idle_rows="lazy"),
+                              lambda s, b: s["opt_head"]["idle_rows"] == "lazy"),
     "triplet_weight": Reaches(dict(triplet_weight=1.0), lambda s, b: s["triplet"] == (0.3, False),
                               refused={"pipeline": f"triplet_weight=1.0 {NO_TRIPLET}"}),
     "triplet_margin": Reaches(dict(triplet_weight=1.0, triplet_margin=0.5), lambda s, b: s["triplet"] == (0.5, False),
@@ -235,7 +237,8 @@ def _optimizer(opt: Optional[torch.optim.Optimizer]) -> Optional[dict]:
     group = {k: (tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in opt.param_groups[0].items()
              if k != "params" and isinstance(v, (bool, int, float, str, list, tuple))}
     base = next(c for c in type(opt).__mro__ if c.__module__.startswith(("torch.optim", "shardfc")))
-    return {"type": base.__name__, "group": group, "fused_update": getattr(opt, "fused_update", False)}
+    return {"type": base.__name__, "group": group, "fused_update": getattr(opt, "fused_update", False),
+            "idle_rows": getattr(opt, "idle_rows", None)}
 
 
 def summarize(parts, plan) -> dict:

@@ -9,6 +9,8 @@ Variants (all with the same margin, dtype and global batch):
 * ``chunked``    the same with ``chunk_size`` (online softmax, logits recomputed in the backward).
 * ``partial``    the same with ``sample_rate`` (Partial FC) and the row-sparse head optimizer; with
   ``sparse_grad`` its weight gradient is the sampled rows' only (no ``[n_local, D]`` ``.grad``).
+* ``partial_lazy`` the same with the lazy update (``idle_rows="lazy"``: idle rows wait, unchanged,
+  for their next sample) instead of the exact one: what the exact catch-up costs, in the same run.
 
 The sharded variants build their optimizer with :func:`shardfc.head.partial_fc.head_optimizer`
 (torch's SGD for an fp32 head without sampling; the row-sparse SGD, fp32 updates rounded once, for
@@ -71,7 +73,7 @@ from shardfc.checks import check_int, check_names
 from shardfc.parallel.partition import split_evenly
 from shardfc.tools.bench.memory import PeakMemory
 
-VARIANTS = ("naive", "replicated", "sharded", "chunked", "partial")
+VARIANTS = ("naive", "replicated", "sharded", "chunked", "partial", "partial_lazy")
 #: the fields of one result, in order (the JSON holds exactly these)
 FIELDS = ("variant", "step_time_s", "peak_bytes_per_rank", "balance", "comm_bytes_per_rank", "floor_ratio")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -140,7 +142,7 @@ def _check_config(world_size, batch, dim, classes, variants, steps, warmup, samp
     build_margin(margin)  # raises a clear ValueError for an unknown name
     if not isinstance(sparse_grad, bool):
         raise ValueError(f"sparse_grad must be True or False, got {sparse_grad!r}")
-    if sparse_grad and (sample_rate >= 1 or "partial" not in names):
+    if sparse_grad and (sample_rate >= 1 or not {"partial", "partial_lazy"} & set(names)):
         raise ValueError(f"sparse_grad applies to the partial variant with sample_rate < 1; got variants {names}, "
                          f"sample_rate={sample_rate!r}")
     return BenchConfig(world_size, batch, dim, classes, tuple(names), steps, warmup, float(sample_rate), chunk_size, dtype,
@@ -248,12 +250,15 @@ def _build(variant: str, cfg: Dict[str, Any], device: torch.device):
 
         head, shape = ReplicatedHead(D, C, **common), (b, C)
         after_backward = head.average_gradients
-    elif variant in ("sharded", "chunked", "partial"):
-        options = {"chunked": dict(chunk_size=cfg["chunk_size"]),
-                   "partial": dict(sample_rate=cfg["sample_rate"], sparse_grad=cfg["sparse_grad"])}.get(variant, {})
+    elif variant in ("sharded", "chunked", "partial", "partial_lazy"):
+        partial = variant.startswith("partial")
+        options = dict(chunk_size=cfg["chunk_size"]) if variant == "chunked" else {}
+        if partial:
+            options = dict(sample_rate=cfg["sample_rate"], sparse_grad=cfg["sparse_grad"])
         head = ShardedMarginHead(D, C, **options, **common)
-        opt = head_optimizer(head, "sgd", lr=LR, momentum=MOMENTUM, weight_decay=0.0)
-        if variant == "partial":
+        opt = head_optimizer(head, "sgd", lr=LR, momentum=MOMENTUM, weight_decay=0.0,
+                             idle_rows="lazy" if variant == "partial_lazy" else "exact")
+        if partial:
             n_local = min(n_local, math.ceil(cfg["sample_rate"] * n_local))
         return head, opt, None, (B, n_local)
     else:  # pragma: no cover - checked in the parent
