@@ -304,6 +304,13 @@ def step_part(args, device: torch.device) -> Dict[str, Any]:
                          {"sample_rate": 0.1, "sparse_grad": True}, torch.bfloat16, False))
         variants.append((f"{impl}: Partial FC r=0.1, bf16 centres, fused update", impl, False,
                          {"sample_rate": 0.1}, torch.bfloat16, True))
+        # Issue 41: the exact catch-up of idle rows (the default above) against the lazy update.
+        variants.append((f"{impl}: Partial FC r=0.1, bf16 centres, sparse_grad, lazy idle rows", impl, False,
+                         {"sample_rate": 0.1, "sparse_grad": True, "idle_rows": "lazy"}, torch.bfloat16, False))
+        variants.append((f"{impl}: Partial FC r=0.1, fp32, fused update", impl, False,
+                         {"sample_rate": 0.1}, torch.float32, True))
+        variants.append((f"{impl}: Partial FC r=0.1, fp32, fused update, lazy idle rows", impl, False,
+                         {"sample_rate": 0.1, "idle_rows": "lazy"}, torch.float32, True))
     for name, impl, clip, options, wdt, fused in variants:
         row: Dict[str, Any] = dict(name=name, impl=impl)
         options = dict(options)
@@ -312,9 +319,11 @@ def step_part(args, device: torch.device) -> Dict[str, Any]:
             stack.enter_context(l2_share(options.pop("l2_share", None)))
             stack.enter_context(fresh_operand(options.pop("fresh_operand", False)))
             name_opt = options.pop("optimizer", "sgd")
+            idle_rows = options.pop("idle_rows", "exact")
             head, ctx = make_head(D, C, device, impl, dtype=wdt, **options)
             kw = dict(momentum=MOMENTUM) if name_opt == "sgd" else {}
-            opt = shardfc.head_optimizer(head, name_opt, lr=LR, weight_decay=WEIGHT_DECAY, fused_update=fused, **kw)
+            opt = shardfc.head_optimizer(head, name_opt, lr=LR, weight_decay=WEIGHT_DECAY, fused_update=fused,
+                                         idle_rows=idle_rows, **kw)
             step = head_step(head, opt, ctx, device, args.dtype, clip)
             ms, peak, times = time_steps(step, batches, device, args.warmup, args.steps)
             row.update(ms=ms, times_ms=times, peak_above_rest=peak, ran=head.last_impl, status="ok",

@@ -98,7 +98,8 @@ def _measured_step_peak(C, D, B, grads_kept=True, optimizer="sgd", dtype="float3
                         **head_options) -> int:
     """Bytes the bench's training step allocates above its resting state (``LiveTensorBytes``), on
     real CPU tensors, W = 1, after a real warm-up step; labels distinct. ``impl="triton"`` runs the
-    fused kernels and the fused row-sparse SGD (their choice on CUDA; here under the interpreter)."""
+    fused kernels, the fused row-sparse SGD and the idle rows' kernel (their choice on CUDA; here
+    under the interpreter)."""
     import torch
 
     from shardfc.head.margins import build_margin
@@ -114,6 +115,8 @@ def _measured_step_peak(C, D, B, grads_kept=True, optimizer="sgd", dtype="float3
     opt = head_optimizer(head, name, lr=0.1, momentum=0.9 if optimizer == "sgd" else 0.0, weight_decay=0.0)
     if impl == "triton" and isinstance(opt, RowSparseSGD):
         opt.fused = True
+    if impl in ("triton", "gemm") and hasattr(opt, "catch_up_kernel"):
+        opt.catch_up_kernel = True  # the idle rows' kernel, as on CUDA
 
     def inputs():
         return torch.randn(B, D, dtype=dtype, requires_grad=True), torch.arange(B) * (C // B)

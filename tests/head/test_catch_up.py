@@ -386,3 +386,14 @@ def test_two_gloo_ranks_then_resharded_to_three(tmp_path: Path):
                          for part in (saved, resumed)]
     for dense, exact in zip(results["dense"], results["exact"]):
         assert_same_run(dense, exact)
+
+
+def test_the_catch_up_kernel_says_why_it_cannot_run():
+    """catch_up_kernel=True where the Triton kernel cannot serve (CPU tensors, no interpreter): a
+    ValueError naming the reason at the first catch-up, never a silent fallback."""
+    head = make_head(61, 0.1)
+    opt = head_optimizer(head, "sgd", **SGD)
+    opt.catch_up_kernel = True
+    train(head, opt, range(1), 4, 61)  # the first step: nothing behind yet
+    with pytest.raises(ValueError, match="catch_up_kernel=True cannot serve this parameter: parameters on cpu"):
+        train(head, opt, range(1, 2), 4, 61)

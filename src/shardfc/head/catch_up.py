@@ -159,10 +159,18 @@ class IdleClock:
             self.table = table
         return self.table
 
-    def catch_up_(self, p: Tensor, states: Tuple[Optional[Tensor], ...], rows: Optional[Tensor], rnd: Rounder) -> None:
-        """Bring ``rows`` (None: every row) of ``p`` and its per-row optimizer ``states`` to now, a
-        block of rows at a time (as many as the forward gathers at once: no higher peak than its)."""
+    def catch_up_(self, p: Tensor, states: Tuple[Optional[Tensor], ...], rows: Optional[Tensor], rnd: Rounder,
+                  kernel: bool = False) -> None:
+        """Bring ``rows`` (None: every row) of ``p`` and its per-row optimizer ``states`` to now: with
+        ``kernel``, in one Triton launch (:mod:`shardfc.head.fused.idle_rows`; rounding to nearest);
+        else in torch, a block of rows at a time (as many as the forward gathers at once: no higher
+        peak than its)."""
         if self.all_current:
+            return
+        if kernel:
+            self._catch_up_kernel(p, states, rows)
+            if rows is None:
+                self.reset()
             return
         from shardfc.head import kernels  # read at each call: the block the forward uses now
 
@@ -178,6 +186,9 @@ class IdleClock:
             self.stamps[rows] = self.length - 1
 
     def _catch_up_block(self, p: Tensor, states: Tuple[Optional[Tensor], ...], idx, rnd: Rounder) -> None:
+        raise NotImplementedError
+
+    def _catch_up_kernel(self, p: Tensor, states: Tuple[Optional[Tensor], ...], rows: Optional[Tensor]) -> None:
         raise NotImplementedError
 
     def mark_current(self, rows: Optional[Tensor]) -> None:
@@ -214,6 +225,11 @@ class SGDClock(IdleClock):
     def reset(self) -> None:
         super().reset()
         _identity(self.table[0])
+
+    def _catch_up_kernel(self, p: Tensor, states: Tuple[Optional[Tensor], ...], rows: Optional[Tensor]) -> None:
+        from shardfc.head.fused.idle_rows import catch_up_sgd_
+
+        catch_up_sgd_(p.data, states[0], rows, self.stamps, self.table, self.length - 1)
 
     def _catch_up_block(self, p: Tensor, states: Tuple[Optional[Tensor], ...], idx, rnd: Rounder) -> None:
         (buf,) = states  # the momentum buffer, or None without momentum
@@ -259,6 +275,13 @@ class AdamWClock(IdleClock):
     def reset(self) -> None:
         super().reset()
         self.exact_steps = 0
+
+    def _catch_up_kernel(self, p: Tensor, states: Tuple[Optional[Tensor], ...], rows: Optional[Tensor]) -> None:
+        from shardfc.head.fused.idle_rows import catch_up_adamw_
+
+        exp_avg, exp_avg_sq, row_step = states
+        catch_up_adamw_(p.data, exp_avg, exp_avg_sq, row_step, rows, self.stamps, self.table, self.length - 1,
+                        self.exact_steps)
 
     def _catch_up_block(self, p: Tensor, states: Tuple[Optional[Tensor], ...], idx, rnd: Rounder) -> None:
         exp_avg, exp_avg_sq, row_step = states

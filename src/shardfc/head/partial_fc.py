@@ -97,6 +97,10 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
         #: next read (:mod:`shardfc.head.catch_up`); "lazy": they stay as they are until sampled.
         self.idle_rows = check_idle_rows(idle_rows)
         self._clocks: Dict[Tensor, IdleClock] = {}  # per parameter with rows behind: what they missed
+        #: Catch idle rows up with one Triton kernel a parameter (:mod:`shardfc.head.fused.idle_rows`):
+        #: None (default) on CUDA when Triton is installed and the parameter qualifies; True always,
+        #: or a ValueError saying why not; False never.
+        self.catch_up_kernel: Optional[bool] = None
         super().__init__(params, dict(defaults, rounding=rounding, rounding_seed=int(rounding_seed), rounding_step=0))
         self.sampled_rows = sampled_rows
         # The head whose take_sampled_rows answers sampled_rows brings the rows it reads up to date
@@ -211,8 +215,26 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
             return False
         index, group = self._group_of(p)
         rnd = self._rounder(group, index, p.device, catch_up=True)
-        self._catch_up_rows(p, clock, rows, rnd)
+        self._catch_up_rows(p, clock, rows, rnd, self._catch_up_by_kernel(p, group))
         return True
+
+    def _catch_up_by_kernel(self, p: Tensor, group: dict) -> bool:
+        """Whether ``p``'s idle rows are caught up by the Triton kernel (see ``catch_up_kernel``)."""
+        if self.catch_up_kernel is False:
+            return False
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            reason = "Triton is not installed (pip install 'shardfc[gpu]')"
+        else:
+            from shardfc.head.fused.optimizer import fusable
+
+            reason = fusable(p, group["rounding"])
+        if reason is not None:
+            if self.catch_up_kernel:
+                raise ValueError(f"catch_up_kernel=True cannot serve this parameter: {reason}")
+            return False
+        return bool(self.catch_up_kernel) or p.is_cuda
 
     def catch_up_all_(self) -> None:
         """Every row of every parameter up to date (what a reader of all rows needs: saving a state)."""
@@ -235,7 +257,7 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
     def _clock_kind(self):
         raise NotImplementedError
 
-    def _catch_up_rows(self, p: Tensor, clock: IdleClock, rows: Optional[Tensor], rnd) -> None:
+    def _catch_up_rows(self, p: Tensor, clock: IdleClock, rows: Optional[Tensor], rnd, kernel: bool) -> None:
         raise NotImplementedError
 
     def _new_clock(self, p: Tensor) -> IdleClock:
@@ -345,9 +367,9 @@ class RowSparseSGD(_RowSparseOptimizer):
     def _record_step(self, clock: IdleClock, group: dict) -> None:
         clock.record(group["lr"], group["momentum"], group["weight_decay"], group["nesterov"])
 
-    def _catch_up_rows(self, p: Tensor, clock: IdleClock, rows: Optional[Tensor], rnd) -> None:
+    def _catch_up_rows(self, p: Tensor, clock: IdleClock, rows: Optional[Tensor], rnd, kernel: bool) -> None:
         group = self._group_of(p)[1]
-        clock.catch_up_(p, (self._momentum_buffer(p, group),), rows, rnd)
+        clock.catch_up_(p, (self._momentum_buffer(p, group),), rows, rnd, kernel)
 
     def _fused_update(self, p: Tensor, entry, group: dict) -> bool:
         if self.fused is False:
@@ -445,9 +467,9 @@ class RowSparseAdamW(_RowSparseOptimizer):
     def _record_step(self, clock: IdleClock, group: dict) -> None:
         clock.record(group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
-    def _catch_up_rows(self, p: Tensor, clock: IdleClock, rows: Optional[Tensor], rnd) -> None:
+    def _catch_up_rows(self, p: Tensor, clock: IdleClock, rows: Optional[Tensor], rnd, kernel: bool) -> None:
         state = self._adam_state(p)
-        clock.catch_up_(p, (state["exp_avg"], state["exp_avg_sq"], state["row_step"]), rows, rnd)
+        clock.catch_up_(p, (state["exp_avg"], state["exp_avg_sq"], state["row_step"]), rows, rnd, kernel)
 
     def _adam_state(self, p: Tensor) -> dict:
         """``p``'s state: the moments (zero, in ``p``'s dtype) and the per-row step count (fp64

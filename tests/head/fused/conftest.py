@@ -26,7 +26,7 @@ if INTERPRET:
     _before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        for _module in ("shardfc.head.fused.shard", "shardfc.head.fused.optimizer"):
+        for _module in ("shardfc.head.fused.shard", "shardfc.head.fused.optimizer", "shardfc.head.fused.idle_rows"):
             importlib.import_module(_module)
     finally:
         if _before is None:

@@ -2,8 +2,8 @@
 backward (``fused_update=True``) and the row-sparse SGD's Triton kernel, on the GPU implementations,
 train as torch's dense optimizer over the whole weight does with the torch implementation: the same
 losses, every row, every state, to fp32 rounding (AdamW: to its normalisation of that rounding).
-The catch-up itself runs before the fused forward, as torch operations on the sampled rows (the
-same code as the torch implementation's); the kernels apply the step as before."""
+The catch-up runs before the fused forward in its own kernel (``shardfc.head.fused.idle_rows``),
+held here to the torch form of the same catch-up as well."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ def _run(impl: str, optimizer: str, dense: bool, **kw):
         opt = partial_fc.head_optimizer(head, optimizer, **OPT_KW[optimizer], **kw)
         if isinstance(opt, partial_fc.RowSparseSGD):
             opt.fused = impl != "torch"  # the row-sparse SGD's own kernel where the backward does not update
+        opt.catch_up_kernel = impl != "torch"  # as on CUDA: the idle rows' kernel
     losses = []
     for step in range(STEPS):
         for group in opt.param_groups:
@@ -69,3 +70,83 @@ def test_the_fused_path_trains_as_the_dense_optimizer(optimizer, fused_update):
     tol = 1e-5 if optimizer == "sgd" else 1e-4
     for a, b in zip(sparse, dense):
         assert _rel(a, b) <= tol
+
+
+def _train_pair(optimizer: str, steps: int, C_: int, opt_kw: dict, dtype=torch.float32, labels_below=None):
+    """The same Partial FC run with the idle rows caught up by the kernel and by torch (4 classes a
+    step of C_): both heads and optimizers."""
+    out = []
+    for kernel in (True, False):
+        torch.manual_seed(0)
+        head = shardfc.ShardedMarginHead(D, C_, margin=copy.deepcopy(MARGINS["cosface"]), impl="torch",
+                                         device=DEVICE, sample_rate=0.01, sample_seed=2, dtype=dtype)
+        opt = partial_fc.head_optimizer(head, optimizer, **opt_kw)
+        opt.catch_up_kernel = kernel
+        last_seen, opt.longest_gap = torch.zeros(C_, dtype=torch.int64), 0
+        for step in range(steps):
+            for group in opt.param_groups:
+                group["lr"] = opt_kw["lr"] * (1 + step % 3) / 3
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(4, D, generator=g).to(dtype)
+            y = torch.randint(0, labels_below or C_, (4,), generator=g)
+            opt.zero_grad(set_to_none=False)
+            head(x.to(DEVICE), y.to(DEVICE)).backward()
+            (rows,) = head.sampled_rows
+            opt.longest_gap = max(opt.longest_gap, int((step - last_seen[rows.cpu()]).max()))
+            last_seen[rows.cpu()] = step
+            opt.step()
+        head.catch_up()
+        out.append((head, opt))
+    return out
+
+
+def _state_of(head, opt):
+    st = opt.state[head.weight]
+    return {"weight": head.weight.detach()} | {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and v.dim()}
+
+
+KERNEL_CASES = {
+    "momentum": ("sgd", dict(OPT_KW["sgd"])),
+    "nesterov": ("sgd", dict(OPT_KW["sgd"], nesterov=True)),
+    "no_momentum": ("sgd", dict(OPT_KW["sgd"], momentum=0.0)),
+    "adamw": ("adamw", dict(OPT_KW["adamw"])),
+}
+
+
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+def test_the_catch_up_kernel_equals_the_torch_catch_up(case):
+    """Over 40 classes, 4 sampled a step, labels among the first 25: gaps of tens of steps and rows
+    never sampled (SGD 40 steps, AdamW 20: the interpreter runs its loop slowly). Weights and every
+    per-row state equal to fp32 rounding."""
+    optimizer, kw = KERNEL_CASES[case]
+    (kh, ko), (th, to) = _train_pair(optimizer, 40 if optimizer == "sgd" else 20, 40, kw, labels_below=25)
+    a, b = _state_of(kh, ko), _state_of(th, to)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert _rel(a[key].double().cpu(), b[key].double().cpu()) <= 1e-5, key
+    assert torch.equal(ko._clocks[kh.weight].stamps, to._clocks[th.weight].stamps) if ko._clocks else True
+
+
+def test_the_adamw_kernel_past_its_iterated_steps(monkeypatch):
+    """A bound loose enough that the kernel stops iterating before the longest gaps: the closed-form
+    tail agrees with the torch form's."""
+    from shardfc.head import catch_up
+
+    monkeypatch.setattr(catch_up, "ADAMW_DROPPED_BOUND", 1e-3)
+    kw = dict(OPT_KW["adamw"], lr=0.01, betas=(0.5, 0.99))
+    assert catch_up.adamw_exact_steps(kw["lr"], kw["betas"]) < 15
+    (kh, ko), (th, to) = _train_pair("adamw", 30, 40, kw, labels_below=20)
+    assert to.longest_gap > catch_up.adamw_exact_steps(kw["lr"], kw["betas"])  # the tail is reached
+    a, b = _state_of(kh, ko), _state_of(th, to)
+    for key in a:
+        assert _rel(a[key].double().cpu(), b[key].double().cpu()) <= 1e-5, key
+
+
+def test_the_sgd_kernel_rounds_bf16_centres_once_to_nearest():
+    (kh, ko), (th, to) = _train_pair("sgd", 25, 60, OPT_KW["sgd"], dtype=torch.bfloat16, labels_below=40)
+    a, b = _state_of(kh, ko), _state_of(th, to)
+    for key in a:
+        assert a[key].dtype == torch.bfloat16
+        diff = (a[key].float() - b[key].float()).abs()
+        ulp = b[key].float().abs().clamp(min=1e-30) * 2**-7
+        assert bool((diff <= ulp).all()), key  # at most one bf16 unit apart (fp32 arithmetic orders)

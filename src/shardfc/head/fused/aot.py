@@ -50,7 +50,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from shardfc.head.fused import autotune, chunks, epilogue, forward, optimizer
+from shardfc.head.fused import autotune, chunks, epilogue, forward, idle_rows, optimizer
 
 #: Shared memory an H100 SM grants one block (227 KB).
 H100_SHARED_BYTES = 232448
@@ -95,6 +95,8 @@ UNHINTED: Dict[str, str] = {
     "n_c": "classes in a chunk: chunks.chunk_classes() (a multiple of 128) except the last chunk's",
     "part0": "the chunk's first column of the forward's partial statistics: any",
     "n_parts": "columns of the forward's partial statistics: any count",
+    "last": "the idle rows' table entry of now: the steps since the table last restarted, any count",
+    "iterate": "AdamW's missed steps iterated at most: adamw_exact_steps(), any count",
     "cls_bucket": "autotune key only (not read by the kernel): n_cls rounded up to a power of two, maybe < 16",
     "batch_bucket": "autotune key only (not read by the kernel): B rounded up to a power of two, maybe < 16",
 }
@@ -200,6 +202,15 @@ register(forward.lse_forward_kernel, _FORWARD_CONFIGS, {**_FORWARD, "HAS_ROWS": 
 # sampled rows (idx), their gradient rows in order, momentum.
 register(optimizer.row_sgd_kernel, [triton.Config({"BR": 32, "BD": 128}, num_warps=4, num_stages=3)],
          dict(HAS_IDX=True, G_AT_IDX=False, MOMENTUM=True, NESTEROV=False, GSCALE=False), types={"idx_ptr": "*i64"})
+
+# idle_rows' catch-ups of Partial FC's sampled rows (shardfc.head.catch_up), as launched: SGD at
+# BR=32, BD=128 with momentum; AdamW one program a row, BD up to 512 (D = 512 on the default path).
+register(idle_rows.catch_up_sgd_kernel, [triton.Config({"BR": 32, "BD": 128}, num_warps=4, num_stages=3)],
+         dict(HAS_IDX=True, MOMENTUM=True, EMULATE_RTNE=False),
+         types={"idx_ptr": "*i64", "stamps_ptr": "*i32", "table_ptr": "*fp64"})
+register(idle_rows.catch_up_adamw_kernel, [triton.Config({"BD": 512}, num_warps=4, num_stages=3)],
+         dict(HAS_IDX=True, EMULATE_RTNE=False),
+         types={"idx_ptr": "*i64", "stamps_ptr": "*i32", "table_ptr": "*fp64", "step_ptr": "*fp64"})
 
 # The GEMM path's epilogues (chunks.py launches them at EPILOGUE_TILES / ROW_TILES, 4 warps, 3
 # stages): elementwise kernels, so their builds must show no tensor-core instruction at all. The

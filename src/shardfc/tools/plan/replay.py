@@ -354,6 +354,8 @@ def replay_step(
                              weight_decay=weight_decay, fused_update=fused_update)
     if gpu and isinstance(opt, RowSparseSGD):
         opt.fused = True  # as on a CUDA GPU, where the automatic choice is its fused kernel
+    if gpu and hasattr(opt, "catch_up_kernel"):
+        opt.catch_up_kernel = True  # the idle rows' kernel, as on a CUDA GPU
     params = list(head.parameters())
     grad_serials: List[Optional[int]] = []
     mode = _MetaStep()
