@@ -312,6 +312,10 @@ class ShardedMarginHead(nn.Module):
         Code that reads ``head.weight`` itself calls :meth:`catch_up` first."""
         self._idle_rows_optimizer = weakref.ref(optimizer)
 
+    def rows_kept_current_by(self, optimizer) -> bool:
+        """``optimizer`` is the one :meth:`keep_rows_current_by` attached (the forwards catch up through it)."""
+        return self._idle_rows_optimizer is not None and self._idle_rows_optimizer() is optimizer
+
     @torch.no_grad()
     def catch_up(self, rows: Optional[Sequence[Optional[Tensor]]] = None) -> None:
         """Bring the shards' rows (per shard, ``rows[i]``; None: every row) to the dense optimizer's

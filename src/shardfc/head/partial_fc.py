@@ -38,6 +38,7 @@ updates below their last bit to a low-precision subtraction.
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -105,9 +106,12 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
         self.sampled_rows = sampled_rows
         # The head whose take_sampled_rows answers sampled_rows brings the rows it reads up to date
         # through this optimizer (its forward, predict, state_dict, checkpoints, grow).
-        attach = getattr(getattr(sampled_rows, "__self__", None), "keep_rows_current_by", None)
+        owner = getattr(sampled_rows, "__self__", None)
+        attach = getattr(owner, "keep_rows_current_by", None)
+        self._head = None  # a weak reference to that head
         if attach is not None:
             attach(self)
+            self._head = weakref.ref(owner)
         #: Let a head's backward apply this optimizer's step to its weights (see
         #: :func:`head_optimizer`'s ``fused_update``); set by ``head_optimizer``.
         self.fused_update = False
@@ -290,6 +294,10 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
         loss = closure() if closure is not None else None
         rows_of = self._take_rows()
         updated, self._updated_in_backward = self._updated_in_backward, set()
+        # The head whose rows these are caught them up in the forwards that sampled them, through
+        # this optimizer (its catch_up is attached here): not again. Otherwise the step does.
+        head = self._head() if self._head is not None else None
+        forward_caught_up = head is not None and head.rows_kept_current_by(self)
         for group in self.param_groups:
             for index, p in enumerate(group["params"]):
                 entry = rows_of.get(p)
@@ -299,7 +307,8 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
                     continue
                 if not isinstance(entry, RowGrad) and p.grad is None:
                     continue  # no gradient: no step at all, as torch's optimizers do
-                self.catch_up_(p, rows)  # the head's forward did already, if one is attached
+                if not forward_caught_up:
+                    self.catch_up_(p, rows)
                 if not self._fused_update(p, entry, group):
                     rnd = self._rounder(group, index, p.device)
                     scale = self._grad_scale_on(p.device)
