@@ -391,3 +391,21 @@ def test_two_gloo_ranks_then_resharded_to_three(tmp_path: Path):
                          {k: torch.cat([r[name][1][k] for r in part]) for k in part[0][name][1]})
                         for name in ("dense", "exact")]
         assert_same_run(dense, exact)
+
+
+def test_a_pickled_or_copied_head_holds_the_caught_up_rows():
+    """torch.save(head) (the whole module) and copy.deepcopy: the rows as the dense run has them,
+    and no tie to the original's optimizer."""
+    import io
+
+    head = make_head(61, 0.1)
+    opt = head_optimizer(head, "sgd", **SGD)
+    train(head, opt, range(6), 4, 61)
+    buf = io.BytesIO()
+    torch.save(head, buf)
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    copied = copy.deepcopy(head)
+    expected = logical(head, opt)["weight"]
+    for other in (loaded, copied):
+        assert torch.equal(other.weight.detach().double(), expected)
+        assert other._idle_rows_optimizer is None

@@ -330,6 +330,14 @@ class ShardedMarginHead(nn.Module):
         if changed and rows is None:  # every row rewritten: an operand kept for the next forward is stale
             self.release_next_operands()
 
+    def __getstate__(self):
+        # A pickled or copied head holds its rows as the dense optimizer would have them, and not
+        # the optimizers attached to this one (weak references: neither picklable nor the copy's).
+        self.catch_up()
+        state = dict(self.__dict__)
+        state["_fused_optimizer"] = state["_idle_rows_optimizer"] = None
+        return state
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # The rows as the dense optimizer would have them; the keys arcface_torch's PartialFC_V2 has
         # ("weight"), so a checkpoint loads either way; the Partial FC step counter rides in the
