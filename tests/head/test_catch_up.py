@@ -103,6 +103,8 @@ OPTIONS = {
     "momentum_0": ("sgd", dict(momentum=0.0)),
     "momentum_no_decay": ("sgd", dict(weight_decay=0.0)),
     "adamw": ("adamw", {}),
+    "adamw_beta1_0": ("adamw", dict(betas=(0.0, 0.99))),  # no first moment: log β1 = -inf in the tail
+    "adamw_unbounded": ("adamw", dict(betas=(0.9, 0.5))),  # β1² ≥ β2: every missed step iterated
 }
 
 
@@ -236,7 +238,10 @@ def test_adamw_exact_steps_bounds_the_dropped_terms():
         tail = lambda j: lr * K / (1 - b1) * rho ** (j + 1) / (1 - rho)  # noqa: E731
         assert tail(J) <= bound and tail(J - 2) > bound
     assert catch_up.adamw_exact_steps(0.1, (0.99, 0.9)) is None  # β1² ≥ β2: no bound, every step iterated
-    assert catch_up.adamw_exact_steps(0.0, (0.9, 0.999)) == 0
+    assert catch_up.adamw_exact_steps(0.1, (0.5, 0.25)) is None  # β1² = β2: ρ = 1
+    assert catch_up.adamw_exact_steps(0.0, (0.9, 0.999)) == 0  # no learning rate
+    assert catch_up.adamw_exact_steps(0.1, (0.0, 0.999)) == 0  # β1 = 0: no moment term once idle
+    assert catch_up.adamw_exact_steps(1e-15, (0.9, 0.999)) == 0  # the first idle term is below the bound
 
 
 def test_adamw_after_the_iterated_steps_stays_within_the_stated_bound(monkeypatch):
@@ -256,11 +261,14 @@ def test_adamw_after_the_iterated_steps_stays_within_the_stated_bound(monkeypatc
 # --------------------------------------------------------------------------- every reader sees caught-up rows
 
 
-def test_every_reader_of_all_rows_sees_the_dense_runs_rows():
-    """Mid-run: an eval forward, predict, state_dict and sharded_state equal the dense run's."""
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_every_reader_of_all_rows_sees_the_dense_runs_rows(name):
+    """Mid-run: an eval forward, predict, state_dict and sharded_state equal the dense run's; and
+    the run goes on equal after them (a full read restarts the step tables)."""
     C, B = 61, 4
+    kw = SGD if name == "sgd" else ADAMW
     heads = [make_head(C, 0.1), make_head(C, 0.1)]
-    opts = [dense_optimizer(heads[0], "sgd", SGD), head_optimizer(heads[1], "sgd", **SGD)]
+    opts = [dense_optimizer(heads[0], name, kw), head_optimizer(heads[1], name, **kw)]
     for head, opt in zip(heads, opts):
         train(head, opt, range(15), B, C)
     x, y = batch(500, 8, C)
@@ -272,13 +280,16 @@ def test_every_reader_of_all_rows_sees_the_dense_runs_rows():
         scores, ids = head.predict(x, k=3)
         head.train()
         state = head.sharded_state(opt)["tensors"]
+        key = "optimizer.momentum_buffer" if name == "sgd" else "optimizer.exp_avg"
         outs.append((loss, scores, ids, head.state_dict()["weight"].clone(), state["weight"].clone(),
-                     state["optimizer.momentum_buffer"].clone()))
+                     state[key].clone()))
     (l0, s0, i0, *t0), (l1, s1, i1, *t1) = outs
     assert math.isclose(l0, l1, rel_tol=1e-5) and torch.equal(i0, i1)
     torch.testing.assert_close(s1, s0, rtol=1e-5, atol=1e-6)
     for a, b in zip(t1, t0):
         assert_rel(a, b, 1e-5)
+    later = [train(head, opt, range(15, 25), B, C) for head, opt in zip(heads, opts)]
+    assert_same_run((later[0], dense_state(heads[0], opts[0])), (later[1], logical(heads[1], opts[1])))
 
 
 def test_a_resume_from_sharded_state_or_state_dicts_continues_the_dense_run():
@@ -335,18 +346,50 @@ def test_a_torch_optimizer_on_a_partial_fc_head_keeps_no_rows_from_steps_gone_by
 # --------------------------------------------------------------------------- bf16 centres
 
 
-def test_bf16_centres_follow_the_dense_run_to_their_rounding():
+@pytest.mark.parametrize("name", ["sgd"])
+def test_bf16_centres_follow_the_dense_run_to_their_rounding(name):
     """bf16 centres and momentum, each catch-up and update rounded once (to nearest) into bf16,
     against the dense fp32 run from the same starting rows: within a few bf16 units in the last
     place of the largest entry (2^-8 relative each), where the lazy update is far off."""
     C, B, steps = 61, 4, range(20)
-    dense, exact, *_ = _pair("sgd", SGD, C, B, steps, 0.1, dtype=torch.bfloat16)
-    _, lazy, *_ = _pair("sgd", SGD, C, B, steps, 0.1, dtype=torch.bfloat16, idle_rows="lazy")
+    kw = SGD if name == "sgd" else ADAMW
+    dense, exact, *_ = _pair(name, kw, C, B, steps, 0.1, dtype=torch.bfloat16)
+    _, lazy, *_ = _pair(name, kw, C, B, steps, 0.1, dtype=torch.bfloat16, idle_rows="lazy")
     scale = dense[1]["weight"].abs().max()
     err = float((exact[1]["weight"] - dense[1]["weight"]).abs().max() / scale)
     lazy_err = float((lazy[1]["weight"] - dense[1]["weight"]).abs().max() / scale)
     assert err <= 8 * 2**-8 and lazy_err > 5 * err
     assert_rel(exact[0], dense[0], 2e-2, "losses")
+
+
+def test_bf16_adamw_catch_up_is_the_fp32_one_rounded_once():
+    """AdamW's bf16 trajectories diverge from any other rounding's by O(lr) per element (it turns a
+    gradient's sign into a step), so bf16 AdamW is held one catch-up at a time: from the same bf16
+    rows, moments and gaps, the bf16 catch-up equals the fp32 one rounded once, to one unit in the
+    last place."""
+    torch.manual_seed(0)
+    n = 9
+    rows = torch.tensor([0, 3, 4, 8])
+    start = {k: v for k, v in dict(w=torch.randn(n, D) * 0.1, m=torch.randn(n, D) * 1e-3,
+                                   v=torch.rand(n, D) * 1e-5).items()}
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        p = start["w"].to(torch.bfloat16).to(dtype)
+        m, v = start["m"].to(torch.bfloat16).to(dtype), start["v"].to(torch.bfloat16).to(dtype)
+        step = torch.full((n,), 3.0, dtype=torch.float64)
+        clock = catch_up.AdamWClock(p)
+        for k in range(12):
+            clock.record(0.05 * (1 + k % 3), (0.9, 0.999), 1e-8, 0.1)
+        clock.stamps.copy_(torch.tensor([0, 5, 0, 11, 2, 12, 7, 9, 1], dtype=torch.int32))
+        clock.catch_up_(p, (m, v, step), rows, lambda x, dt: x.to(dt))
+        out[dtype] = (p, m, v, step)
+    for low, high in zip(out[torch.bfloat16][:3], out[torch.float32][:3]):
+        assert low.dtype == torch.bfloat16
+        rounded = high.to(torch.bfloat16).float()
+        ulp = rounded.abs() * 2**-7
+        assert bool(((low.float() - rounded).abs() <= ulp).all())
+    assert torch.equal(out[torch.bfloat16][3], out[torch.float32][3])
+    assert out[torch.bfloat16][3][rows].tolist() == [15.0, 4.0, 13.0, 14.0]  # 3 + the gaps 12, 1, 10, 11
 
 
 # --------------------------------------------------------------------------- 2 gloo ranks, resharded to 3

@@ -92,15 +92,15 @@ def adamw_exact_steps(lr: float, betas: Tuple[float, float], bound: Optional[flo
     """
     bound = ADAMW_DROPPED_BOUND if bound is None else float(bound)
     b1, b2 = float(betas[0]), float(betas[1])
-    if lr <= 0 or b1 == 0.0:
-        return 0  # no moment term: no learning rate, or β1 = 0 (an idle step's m is then 0)
-    if b2 <= 0.0 or b1 * b1 >= b2:
-        return None
+    if b1 == 0.0:
+        return 0  # an idle step's m is β1·m = 0: no moment term after the first
+    if b1 * b1 >= b2:
+        return None  # ρ ≥ 1 (or no v to divide by): the terms need not shrink
     rho = b1 / math.sqrt(b2)
     k = (1.0 - b1) / math.sqrt((1.0 - b2) * (1.0 - b1 * b1 / b2))
     scale = lr * k / (1.0 - b1) / (1.0 - rho)
-    if scale <= bound:
-        return 0
+    if scale == 0.0:
+        return 0  # no learning rate: no term at all
     return max(0, math.ceil(math.log(bound / scale) / math.log(rho)))
 
 
