@@ -74,6 +74,27 @@ UPDATE_BLOCK = 65536
 _CATCH_UP_DRAWS = 0x1D1E
 
 
+def kernel_serves(choice: Optional[bool], p: Tensor, rounding: str, what: str) -> bool:
+    """Whether a Triton kernel updates ``p``: ``choice`` None (automatic) on CUDA when Triton is
+    installed and ``p`` qualifies (the interpreter is for tests); True always, or a ValueError
+    starting with ``what`` and saying why not; False never."""
+    if choice is False:
+        return False
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        reason = "Triton is not installed (pip install 'shardfc[gpu]')"
+    else:
+        from shardfc.head.fused.optimizer import fusable
+
+        reason = fusable(p, rounding)
+    if reason is not None:
+        if choice:
+            raise ValueError(f"{what} cannot serve this parameter: {reason}")
+        return False
+    return bool(choice) or p.is_cuda
+
+
 class _RowSparseOptimizer(torch.optim.Optimizer):
     """An optimizer that asks ``sampled_rows()`` once per step which rows of each parameter to update.
 
@@ -224,21 +245,7 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
 
     def _catch_up_by_kernel(self, p: Tensor, group: dict) -> bool:
         """Whether ``p``'s idle rows are caught up by the Triton kernel (see ``catch_up_kernel``)."""
-        if self.catch_up_kernel is False:
-            return False
-        import importlib.util
-
-        if importlib.util.find_spec("triton") is None:
-            reason = "Triton is not installed (pip install 'shardfc[gpu]')"
-        else:
-            from shardfc.head.fused.optimizer import fusable
-
-            reason = fusable(p, group["rounding"])
-        if reason is not None:
-            if self.catch_up_kernel:
-                raise ValueError(f"catch_up_kernel=True cannot serve this parameter: {reason}")
-            return False
-        return bool(self.catch_up_kernel) or p.is_cuda
+        return kernel_serves(self.catch_up_kernel, p, group["rounding"], "catch_up_kernel=True")
 
     def catch_up_all_(self) -> None:
         """Every row of every parameter up to date (what a reader of all rows needs: saving a state)."""
@@ -381,22 +388,8 @@ class RowSparseSGD(_RowSparseOptimizer):
         clock.catch_up_(p, (self._momentum_buffer(p, group),), rows, rnd, kernel)
 
     def _fused_update(self, p: Tensor, entry, group: dict) -> bool:
-        if self.fused is False:
+        if not kernel_serves(self.fused, p, group["rounding"], "RowSparseSGD(fused=True)"):
             return False
-        import importlib.util
-
-        if importlib.util.find_spec("triton") is None:
-            reason = "Triton is not installed (pip install 'shardfc[gpu]')"
-        else:
-            from shardfc.head.fused.optimizer import fusable
-
-            reason = fusable(p, group["rounding"])
-        if reason is not None:
-            if self.fused:
-                raise ValueError(f"RowSparseSGD(fused=True) cannot update this parameter: {reason}")
-            return False
-        if self.fused is None and not p.is_cuda:
-            return False  # automatic: CUDA only (the interpreter is for tests)
         from shardfc.head.fused.optimizer import row_sgd_
 
         if isinstance(entry, RowGrad):

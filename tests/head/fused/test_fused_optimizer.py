@@ -72,7 +72,7 @@ def test_untouched_rows_stay_bit_identical():
 def test_fused_true_says_why_not():
     p = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.float64, device=DEVICE))
     p.grad = torch.ones_like(p)
-    with pytest.raises(ValueError, match=r"fused=True\) cannot update this parameter: parameters of torch.float64"):
+    with pytest.raises(ValueError, match=r"fused=True\) cannot serve this parameter: parameters of torch.float64"):
         RowSparseSGD([p], lr=0.1, fused=True).step()
     q = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.bfloat16, device=DEVICE))
     q.grad = torch.ones_like(q)
