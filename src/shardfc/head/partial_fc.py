@@ -111,6 +111,8 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
 
     #: :meth:`step` honours a ``grad_scale`` attribute (see the class).
     accepts_grad_scale = True
+    #: The record of the steps a parameter's idle rows missed (subclasses).
+    CLOCK: type = IdleClock
 
     def __init__(self, params: Iterable, defaults: dict, sampled_rows: Optional[SampledRows],
                  rounding: str, rounding_seed: int, idle_rows: str = "exact"):
@@ -263,16 +265,13 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
         (:data:`~shardfc.head.catch_up.FULL_CATCH_UP_EVERY` entries); 0 when it keeps none."""
         if self.idle_rows != "exact" or self.sampled_rows is None:
             return 0
-        return sum(self._clock_kind().bound_nbytes(p) for g in self.param_groups for p in g["params"])
-
-    def _clock_kind(self):
-        raise NotImplementedError
+        return sum(self.CLOCK.bound_nbytes(p) for g in self.param_groups for p in g["params"])
 
     def _catch_up_rows(self, p: Tensor, clock: IdleClock, rows: Optional[Tensor], rnd, kernel: bool) -> None:
         raise NotImplementedError
 
     def _new_clock(self, p: Tensor) -> IdleClock:
-        raise NotImplementedError
+        return self.CLOCK(p)
 
     def _record_step(self, clock: IdleClock, group: dict) -> None:
         raise NotImplementedError
@@ -350,6 +349,8 @@ class RowSparseSGD(_RowSparseOptimizer):
     always, or a ValueError saying why not; False: never.
     """
 
+    CLOCK = SGDClock
+
     def __init__(
         self,
         params: Iterable,
@@ -373,12 +374,6 @@ class RowSparseSGD(_RowSparseOptimizer):
             raise ValueError("nesterov needs momentum > 0")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
         super().__init__(params, defaults, sampled_rows, rounding, rounding_seed, idle_rows)
-
-    def _new_clock(self, p: Tensor) -> IdleClock:
-        return SGDClock(p)
-
-    def _clock_kind(self):
-        return SGDClock
 
     def _record_step(self, clock: IdleClock, group: dict) -> None:
         clock.record(group["lr"], group["momentum"], group["weight_decay"], group["nesterov"])
@@ -442,6 +437,8 @@ class RowSparseAdamW(_RowSparseOptimizer):
     prefer bf16.
     """
 
+    CLOCK = AdamWClock
+
     def __init__(
         self,
         params: Iterable,
@@ -459,12 +456,6 @@ class RowSparseAdamW(_RowSparseOptimizer):
             raise ValueError(f"invalid AdamW hyper-parameters lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, sampled_rows, rounding, rounding_seed, idle_rows)
-
-    def _new_clock(self, p: Tensor) -> IdleClock:
-        return AdamWClock(p)
-
-    def _clock_kind(self):
-        return AdamWClock
 
     def _record_step(self, clock: IdleClock, group: dict) -> None:
         clock.record(group["lr"], group["betas"], group["eps"], group["weight_decay"])
