@@ -5,10 +5,13 @@ Partial FC (An et al., "Partial FC: Training 10 Million Identities on a Single M
 ICCVW 2021) scores each step against the positive classes of the global batch plus a uniform
 sample of negatives, a fixed ``max(⌈r · n_local⌉, B)`` classes per shard (``B`` the global batch:
 every positive fits, and nothing is read back to the host; :mod:`shardfc.head.sampling`). Its point is that the step touches only those rows — so the optimizer must not
-move the others either: a dense gradient with zero rows would still let momentum and weight
-decay move every row every step. :class:`RowSparseSGD` and :class:`RowSparseAdamW` update exactly
-the rows the head sampled since the last step; every other row and its optimizer state stay
-bit-identical.
+read or write the others either: a dense optimizer would pass over every row's weight, gradient
+and state every step. :class:`RowSparseSGD` and :class:`RowSparseAdamW` update exactly the rows the
+head sampled since the last step, and leave every other row and its state as they are — until
+something reads them: with ``idle_rows="exact"`` (the default) a row is then brought to where the
+dense optimizer (momentum, weight decay, AdamW's moments) would have it after the steps it sat out
+(:mod:`shardfc.head.catch_up`), so the run equals the dense optimizer's; with ``"lazy"`` it stays
+as it was (MXNet's ``lazy_update``), which costs accuracy at small rates.
 
 Build the optimizers like this (the head is never wrapped in DDP)::
 
