@@ -359,12 +359,12 @@ def weight_update_kernel(
         _next_operand(p_rows, op_ptr, inv_ptr, scored, r_mask, sq, D, stride_o, NORM_W, EMULATE_OP, BR, BD)
 
 
-#: Bits of a row's step count :func:`_powers` reads: every count an fp64 holds exactly.
+#: Bits of a row's step count :func:`beta_powers` reads: every count an fp64 holds exactly.
 STEP_BITS: tl.constexpr = tl.constexpr(53)
 
 
 @triton.jit
-def _powers(beta1, beta2, t):
+def beta_powers(beta1, beta2, t):
     """``(beta1 ** t, beta2 ** t)`` per row in fp64, for the integer-valued fp64 step counts ``t``
     (below ``2 ** STEP_BITS``): by squaring, one bit of ``t`` per iteration — what ``b ** t`` in
     fp64 gives, to fp64's rounding."""
@@ -405,7 +405,7 @@ def adamw_update_kernel(
     has_t, t_rows = _target_terms(slot_ptr, t_ptr, scored, r_mask, stride_t)
     t = tl.load(step_ptr + wrow, mask=r_mask, other=0.0) + 1.0
     tl.store(step_ptr + wrow, t, mask=r_mask)
-    pow1, pow2 = _powers(tl.cast(beta1_hi, tl.float64) + tl.cast(beta1_lo, tl.float64),
+    pow1, pow2 = beta_powers(tl.cast(beta1_hi, tl.float64) + tl.cast(beta1_lo, tl.float64),
                          tl.cast(beta2_hi, tl.float64) + tl.cast(beta2_lo, tl.float64), t)
     step_size = tl.div_rn(tl.full([BR], 1.0, tl.float32), (1.0 - pow1).to(tl.float32)) * lr
     bias2_sqrt = tl.sqrt(1.0 - pow2).to(tl.float32)  # fp64: correctly rounded

@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from shardfc.head.fused import interpreting, shapes_only, tiles
-from shardfc.head.fused.epilogue import _powers
+from shardfc.head.fused.epilogue import beta_powers
 from shardfc.head.fused.traffic import gathered, note, rows_of
 
 
@@ -96,7 +96,7 @@ def catch_up_adamw_kernel(
             lr = tl.load(e)
             b1 = tl.load(e + 2)
             b2 = tl.load(e + 3)
-            pow1, pow2 = _powers(b1, b2, t0 + i)
+            pow1, pow2 = beta_powers(b1, b2, t0 + i)
             decay = (1.0 - lr * tl.load(e + 1)).to(tl.float32)
             step_size = (lr / (1.0 - pow1)).to(tl.float32)
             bias2_sqrt = tl.sqrt(1.0 - pow2).to(tl.float32)
