@@ -149,11 +149,6 @@ class IdleClock:
     #: how many ``[block, D]`` fp32 transients a block needs).
     BLOCK_SHARE = 4
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes it holds now: the stamps and the table."""
-        return self.stamps.numel() * 4 + (0 if self.table is None else self.table.numel() * 8)
-
     @classmethod
     def bound_nbytes(cls, p: Tensor) -> int:
         """The most a clock of ``p`` holds: 4 bytes a row, and a table of FULL_CATCH_UP_EVERY + 2 entries."""
@@ -181,7 +176,7 @@ class IdleClock:
         peak than its)."""
         if self.all_current:
             return
-        if kernel:
+        if kernel:  # the kernel stamps the rows it catches up itself
             self._catch_up_kernel(p, states, rows)
             if rows is None:
                 self.reset()
@@ -194,10 +189,7 @@ class IdleClock:
         for b0 in range(0, total, block):
             idx = slice(b0, b0 + block) if rows is None else rows[b0 : b0 + block]
             self._catch_up_block(p, states, idx, rnd)
-        if rows is None:
-            self.reset()
-        else:
-            self.stamps.index_fill_(0, rows, self.length - 1)
+        self.mark_current(rows)
 
     def _catch_up_block(self, p: Tensor, states: Tuple[Optional[Tensor], ...], idx, rnd: Rounder) -> None:
         raise NotImplementedError
@@ -206,7 +198,7 @@ class IdleClock:
         raise NotImplementedError
 
     def mark_current(self, rows: Optional[Tensor]) -> None:
-        """``rows`` (None: all) were updated by the step just recorded."""
+        """``rows`` (None: all) are current now: updated by the step just recorded, or caught up."""
         if rows is None:
             self.reset()
         else:

@@ -312,16 +312,20 @@ class ShardedMarginHead(nn.Module):
         Code that reads ``head.weight`` itself calls :meth:`catch_up` first."""
         self._idle_rows_optimizer = weakref.ref(optimizer)
 
+    def _catch_up_optimizer(self):
+        """The optimizer :meth:`keep_rows_current_by` attached, if still alive."""
+        return self._idle_rows_optimizer() if self._idle_rows_optimizer is not None else None
+
     def rows_kept_current_by(self, optimizer) -> bool:
         """``optimizer`` is the one :meth:`keep_rows_current_by` attached (the forwards catch up through it)."""
-        return self._idle_rows_optimizer is not None and self._idle_rows_optimizer() is optimizer
+        return optimizer is not None and self._catch_up_optimizer() is optimizer
 
     @torch.no_grad()
     def catch_up(self, rows: Optional[Sequence[Optional[Tensor]]] = None) -> None:
         """Bring the shards' rows (per shard, ``rows[i]``; None: every row) to the dense optimizer's
         state after the steps they sat out (see :meth:`keep_rows_current_by`); nothing without such
         an optimizer, or when nothing is behind. No host read."""
-        opt = self._idle_rows_optimizer() if self._idle_rows_optimizer is not None else None
+        opt = self._catch_up_optimizer()
         if opt is None:
             return
         changed = False
@@ -356,7 +360,7 @@ class ShardedMarginHead(nn.Module):
         if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
             self.sample_step = step
         self.forget_sampled_rows()  # they named rows of the weights just replaced
-        opt = self._idle_rows_optimizer() if self._idle_rows_optimizer is not None else None
+        opt = self._catch_up_optimizer()
         if opt is not None:
             opt.rows_are_current()  # the loaded rows are what they are now: nothing of theirs is behind
 
