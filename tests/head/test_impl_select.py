@@ -428,7 +428,7 @@ def test_rank_views_round_trip_through_their_codes():
     seen = set()
     for override in (None, "triton", "gemm", "torch", S.INVALID):
         for runs in (False, True):
-            for cached in range(-1, len(S.CANDIDATES)):
+            for cached in range(-1, len(S.NAMES)):
                 view = S.RankView(override, runs, cached)
                 code = view.encode()
                 assert 0 <= code < S.VIEW_CODES and S.RankView.decode(code) == view
@@ -440,7 +440,7 @@ def test_rank_views_round_trip_through_their_codes():
     with pytest.raises(ValueError, match="override must be one of"):
         S.RankView("cuda")
     with pytest.raises(ValueError, match="cached must be an index"):
-        S.RankView(None, True, 3)
+        S.RankView(None, True, len(S.NAMES))
 
 
 def test_an_override_on_some_ranks_only_is_one_error_naming_them():
@@ -596,3 +596,13 @@ def test_the_heads_workload_key_tells_apart_every_workload_the_choice_may_differ
     assert len(set(variants.values())) == len(variants)
     # counts are bucketed to powers of two: batches of 5..8 and 33..64 classes are one workload
     assert key(batch=5) == key(batch=8) == base and key(num_classes=64) == base != key(num_classes=65)
+
+
+def test_a_cached_choice_at_a_chunk_scale_is_what_the_ranks_settle_on(tmp_path):
+    """A cache entry names an implementation at a chunk scale (what ``impl="auto"`` times): the
+    ranks settle on it by its index in ``NAMES``, and an entry that names neither is no entry."""
+    path = tmp_path / "head_impl.json"
+    path.write_text(json.dumps({"k": {"impl": "gemm@4"}, "old": {"impl": "gemm@3"}}))
+    selector = S.ImplSelector(path=path, sync=lambda: None)
+    assert selector.settle("k", None, True) == "gemm@4"
+    assert selector.settle("old", None, True) is None  # not a name a choice can have: time anew

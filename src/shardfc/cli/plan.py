@@ -10,7 +10,7 @@ from typing import List, Optional
 
 from shardfc.checks import chunk_size_arg
 from shardfc.tools.plan import DTYPES, MEMORY_MODELS, OPTIMIZERS, PLAN_IMPLS, format_plan, plan
-from shardfc.tools.plan.traffic import format_traffic
+from shardfc.tools.plan.traffic import format_chunk_candidates, format_traffic
 
 __all__ = ["main"]
 
@@ -55,6 +55,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "their sum and each GEMM's shape")
     p.add_argument("--l2", dest="l2_bytes", default="50MiB",
                    help="the GPU's L2 (default 50MiB, an H100's): sizes the GPU paths' chunks and the --bytes model")
+    p.add_argument("--gpu-chunk-scale", type=int, default=None,
+                   help="with --head-impl triton/gemm: the chunks as a multiple of the L2-sized one, 1, 2, 4 or 8 "
+                        "(default: the head's default); --bytes also prints every scale's launches, bytes and host issue time")
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     try:
         args = p.parse_args(argv)
@@ -67,6 +70,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             memory_model=args.memory_model, grad_in_place=args.grad_in_place, sparse_grad=args.sparse_grad,
             subcenters=args.subcenters, impl=args.impl, sms=args.sms, fused_update=args.fused_update,
             compute_dtype=args.compute_dtype, traffic=args.traffic, l2_bytes=args.l2_bytes,
+            gpu_chunk_scale=args.gpu_chunk_scale,
         )
     except ValueError as e:
         print(f"shardfc plan: error: {e}", file=sys.stderr)
@@ -75,6 +79,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if "traffic" in result:
         print()
         print(format_traffic(result["traffic"]))
+    if "chunk_candidates" in result:
+        print()
+        print(format_chunk_candidates(result["chunk_candidates"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

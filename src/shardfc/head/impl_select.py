@@ -48,7 +48,7 @@ import torch
 
 from shardfc import version
 from shardfc.checks import check_int, check_names, check_positive_int
-from shardfc.head.fused import CANDIDATES, IMPLS
+from shardfc.head.fused import CANDIDATES, IMPLS, TIMED
 
 __all__ = [
     "ENV_VAR",
@@ -81,7 +81,10 @@ INVALID = "<invalid>"
 #: Every value a rank's override can take, in the order of its code in :meth:`RankView.encode`.
 _OVERRIDES: Tuple[Optional[str], ...] = (None, *CANDIDATES, INVALID)
 #: How many codes :meth:`RankView.encode` uses (override x runs x cached).
-VIEW_CODES = len(_OVERRIDES) * 2 * (len(CANDIDATES) + 1)
+#: The names a choice can have: an implementation's name alone (at its default chunk scale), and
+#: :data:`~shardfc.head.fused.TIMED`'s (an implementation at a chunk scale).
+NAMES: Tuple[str, ...] = CANDIDATES + tuple(n for n in TIMED if n not in CANDIDATES)
+VIEW_CODES = len(_OVERRIDES) * 2 * (len(NAMES) + 1)
 
 
 def env_override() -> Optional[str]:
@@ -160,8 +163,8 @@ class RankView:
             ``auto``; :data:`INVALID`: a value that names none).
         runs: with an override, whether that implementation can run there; without, whether the
             candidates can be timed there (a CUDA device with Triton, a dtype the kernels take).
-        cached: index in :data:`~shardfc.head.fused.CANDIDATES` of its cache file's choice for the
-            workload, -1 for none.
+        cached: index in :data:`NAMES` of its cache file's choice for the
+            workload (an implementation and its chunk scale), -1 for none.
     """
 
     override: Optional[str] = None
@@ -171,8 +174,8 @@ class RankView:
     def __post_init__(self):
         if self.override not in _OVERRIDES:
             raise ValueError(f"override must be one of {_OVERRIDES}, got {self.override!r}")
-        if not -1 <= self.cached < len(CANDIDATES):
-            raise ValueError(f"cached must be an index of {CANDIDATES} or -1, got {self.cached!r}")
+        if not -1 <= self.cached < len(NAMES):
+            raise ValueError(f"cached must be an index of {NAMES} or -1, got {self.cached!r}")
 
     def encode(self) -> int:
         """One small integer (below :data:`VIEW_CODES`): what the ranks exchange, exact in any float dtype."""
@@ -236,7 +239,7 @@ def settle_views(views: Sequence[RankView]) -> Settled:
     if cannot:
         return Settled("torch", "no-triton", cannot)
     if views[0].cached >= 0:
-        return Settled(CANDIDATES[views[0].cached], "cached")
+        return Settled(NAMES[views[0].cached], "cached")
     return Settled(None, "time")
 
 
@@ -337,7 +340,7 @@ class ImplSelector:
         if override is None and runs:  # a cache entry only matters where the candidates could be timed
             entry = self._read().get(key)
             name = entry.get("impl") if isinstance(entry, dict) else None
-            cached = CANDIDATES.index(name) if name in CANDIDATES else -1
+            cached = NAMES.index(name) if name in NAMES else -1
         view = RankView(override, bool(runs), cached)
         codes = [view.encode()] if gather is None else list(gather(view.encode()))
         try:
@@ -356,7 +359,7 @@ class ImplSelector:
         if settled.how == "override":
             self.log.info("head impl for workload %s: %s (%s on every rank)", short, settled.impl, ENV_VAR)
         elif settled.how == "cached":
-            where = f"cached in {self.path}" if view.cached == CANDIDATES.index(settled.impl) else "rank 0's cached choice"
+            where = f"cached in {self.path}" if view.cached == NAMES.index(settled.impl) else "rank 0's cached choice"
             self.log.info("head impl for workload %s: %s (%s)", short, settled.impl, where)
         elif len(settled.ranks) < world:  # some ranks could have run the fused kernels: say why they don't
             here = f" (here: {cause})" if cause is not None and not view.runs else ""
@@ -380,7 +383,7 @@ class ImplSelector:
         """The implementation to run for workload ``key``.
 
         ``candidates``: name -> one forward + backward on the real inputs, changing no state; names
-        from :data:`~shardfc.head.fused.CANDIDATES`, tried in the order given, the same on every rank.
+        from :data:`NAMES`, tried in the order given, the same on every rank.
         ``agree(i)``: returns rank 0's ``i`` on every rank (None: one process). ``write``: persist the
         choice (default: the constructor's ``write_cache``). ``cached=False``: time without looking
         at the cache file (and without the agreement on rank 0's entry): :meth:`settle` did. Raises a
@@ -388,7 +391,7 @@ class ImplSelector:
         """
         if key in self.choices:
             return self.choices[key]
-        names = check_names("candidates", list(candidates), CANDIDATES)
+        names = check_names("candidates", list(candidates), NAMES)
         write = self.write_cache if write is None else bool(write)
         short = short_key(key)
 

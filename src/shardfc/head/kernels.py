@@ -84,6 +84,10 @@ class ShardConfig:
     #: Which implementation computes the shard's statistics and gradients: ``"torch"`` (this
     #: module) or ``"triton"`` (:mod:`shardfc.head.fused`); resolved by the head from its ``impl``.
     impl: str = "torch"
+    #: The GPU paths' chunk size as a multiple of the L2-sized one
+    #: (:data:`shardfc.head.fused.chunks.CHUNK_SCALES`; None: their default); the torch path has
+    #: ``chunk_size``.
+    chunk_scale: Optional[int] = None
 
 
 @dataclass

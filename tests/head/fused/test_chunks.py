@@ -1,9 +1,10 @@
 """Classes per chunk of the GEMM path (``chunks.chunk_classes``) as sized on a GPU, from the device's
 L2 (issue 31 item 5), and ``gx += E·Ŵ`` as one ``addmm``. Every other test here runs under Triton's
 interpreter, whose chunks are a fixed 16 classes, so the GPU's sizing is checked here by itself,
-against its rule and figures worked out by hand: the chunk's working set — ``[B, K·c]`` products,
-``K·c`` operand rows and, in the backward, their fp32 ``H`` and the rows the row kernel streams —
-in ``CHUNK_L2_SHARE`` of the L2, ``c`` a multiple of 128, no more than the shard rounded up to 128."""
+against its rule and figures worked out by hand: the chunk's working set — what is reused: ``[B, K·c]``
+products, ``K·c`` operand rows and, in the backward, their fp32 ``H``; not the rows the row kernel
+streams once — in ``CHUNK_L2_SHARE`` of the L2, ``c`` a multiple of 128, times the chunk scale, no more
+than the shard rounded up to 128; and the per-row kernels' programs, a few waves on 132 SMs (issue 42)."""
 
 
 from __future__ import annotations
@@ -23,34 +24,56 @@ def compiled(monkeypatch):
     monkeypatch.setattr(chunks, "interpreting", lambda: False)
 
 
-@pytest.mark.parametrize("B, K, D, elem, row_bytes", [
-    (1024, 1, 512, 2, None), (1024, 1, 512, 2, 512 * 8), (1024, 1, 512, 2, 512 * 4),
-    (256, 3, 128, 2, 128 * 4), (4096, 1, 512, 4, 512 * 8), (128, 1, 64, 2, None),
+@pytest.mark.parametrize("B, K, D, elem, backward", [
+    (1024, 1, 512, 2, False), (1024, 1, 512, 2, True), (256, 3, 128, 2, True), (4096, 1, 512, 4, True),
+    (128, 1, 64, 2, False),
 ])
-def test_the_working_set_fills_the_l2_share_without_passing_it(compiled, B, K, D, elem, row_bytes):
+def test_the_working_set_fills_the_l2_share_without_passing_it(compiled, B, K, D, elem, backward):
     l2 = chunks.META_L2_BYTES
-    c = chunks.chunk_classes(10**7, B, K, D, elem, META, row_bytes)
-    per_class = K * (B * elem + D * elem + (4 * D + row_bytes if row_bytes is not None else 0))
+    c = chunks.chunk_classes(10**7, B, K, D, elem, META, backward)
+    per_class = K * (B * elem + D * elem + (4 * D if backward else 0))  # streamed rows take no share
     assert c % chunks.CHUNK_QUANTUM == 0
     assert c * per_class <= chunks.CHUNK_L2_SHARE * l2  # fits
     assert (c + chunks.CHUNK_QUANTUM) * per_class > chunks.CHUNK_L2_SHARE * l2  # and is as large as fits
+    for scale in chunks.CHUNK_SCALES:  # a larger scale: that many L2-sized chunks in one
+        assert chunks.chunk_classes(10**7, B, K, D, elem, META, backward, scale) == c * scale
 
 
 def test_headline_shapes_and_the_limits(compiled, monkeypatch):
-    assert chunks.chunk_classes(10**6, 1024, 1, 512, 2, META, 512 * 8) == 3328  # fused SGD with momentum
-    assert chunks.chunk_classes(10**6, 1024, 1, 512, 2, META, 512 * 4) == 4352  # the gradient written
+    assert chunks.chunk_classes(10**6, 1024, 1, 512, 2, META, True) == 6144  # the backward: products + rows + H
     assert chunks.chunk_classes(10**6, 1024, 1, 512, 2, META) == 10240  # the gemm forward: products + rows
+    assert chunks.chunk_classes(10**6, 1024, 1, 512, 2, META, True, 4) == 24576
+    assert chunks.chunk_classes(10**6, 1024, 1, 512, 2, META, True, None) == 6144 * chunks.DEFAULT_CHUNK_SCALE
     assert chunks.chunk_classes(300, 1024, 1, 512, 2, META) == 384  # never past the shard (rounded to 128)
+    assert chunks.chunk_classes(300, 1024, 1, 512, 2, META, True, 8) == 384
     assert chunks.chunk_classes(10**6, 10**6, 1, 512, 2, META) == chunks.CHUNK_QUANTUM  # at least one quantum
     monkeypatch.setattr(chunks, "META_L2_BYTES", 2 * chunks.META_L2_BYTES)
-    assert chunks.chunk_classes(10**6, 1024, 1, 512, 2, META, 512 * 8) == 6784  # twice the L2
+    assert chunks.chunk_classes(10**6, 1024, 1, 512, 2, META, True) == 12288  # twice the L2
 
 
-def test_the_backward_sizes_its_chunks_for_what_its_row_kernel_streams():
-    w = torch.empty(10, 8, device=META)
-    update = chunks.RowUpdate(w, torch.empty(10, 8, dtype=torch.bfloat16, device=META), 0.1, 0.9, 0.0, False)
-    assert chunks._row_bytes(update, w) == 8 * 4 + 8 * 2
-    assert chunks._row_bytes(None, torch.empty(10, 8, dtype=torch.bfloat16, device=META)) == 16
+@pytest.mark.parametrize("bad", [0, 3, 16, True, 2.0, "2"])
+def test_a_chunk_scale_outside_the_list_is_refused(bad):
+    with pytest.raises(ValueError, match=r"chunk_scale must be one of \(1, 2, 4, 8\)"):
+        chunks.chunk_classes(10**6, 1024, 1, 512, 2, META, True, bad)
+
+
+@pytest.mark.parametrize("widest", [chunks.ROW_TILES[0], chunks.UPDATE_TILES[0], chunks.ADAMW_UPDATE_TILES[0]])
+@pytest.mark.parametrize("scale", [1, 2, 4, 8])
+def test_the_row_kernels_launch_a_few_waves_per_chunk(compiled, widest, scale):
+    """The update and weight-gradient kernels of one headline chunk fill an H100 (132 SMs) ``ROW_WAVES``
+    times over: before, 3,328 rows at 32 a program were 104 programs, under one wave."""
+    sms = 132
+    n_rows = chunks.chunk_classes(10**6, 1024, 1, 512, 2, META, True, scale)
+    br = chunks.row_tile(n_rows, widest, META)
+    assert br in (widest, chunks.MIN_ROW_TILE)  # the two tiles the sm_90 build holds
+    assert -(-n_rows // br) >= chunks.ROW_WAVES * sms  # a few waves ...
+    assert br == widest or -(-n_rows // widest) < chunks.ROW_WAVES * sms  # ... at the widest tile that gives them
+
+
+def test_row_tiles_of_small_grids_and_off_the_gpu(compiled):
+    assert chunks.row_tile(100, 32, META) == chunks.MIN_ROW_TILE  # too few rows for the waves: the narrowest
+    assert chunks.row_tile(10**6, 32, META) == 32  # a whole shard's operand pass: waves at full width
+    assert chunks.row_tile(100, 32, torch.device("cpu")) == 32  # the interpreter's tiles are fixed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -80,16 +103,17 @@ def test_addmm_f32_on_meta_is_one_gemm_with_an_fp32_output_as_on_cuda():
     assert seen == ["addmm"] and out is c
 
 
-@pytest.mark.parametrize("n_cls,batch,K,D,elem,row_bytes,expected", [
-    (10**6, 1024, 1, 512, 2, 4096, 3328),  # 0.6 x 50 MiB / (2048 + 1024 + 2048 + 4096) = 3413.3: down to 26 x 128
-    (10**6, 1000, 3, 128, 4, 512, 1792),  # sub-centres, K rows a class: 31457280 / (3 x (4000 + 512 + 512 + 512)) = 1894.3: 14 x 128
-    (300, 1024, 1, 512, 2, None, 384),  # a small shard: its 300 classes, rounded up to 3 x 128
-    (10**6, 10**6, 1, 512, 2, None, 128),  # a huge batch: never fewer than 128
-    (10**6, 0, 1, 512, 2, None, 30720),  # no batch (a rank without samples): the operand rows alone
-    (0, 64, 1, 512, 2, None, 128),  # an empty shard
+@pytest.mark.parametrize("n_cls,batch,K,D,elem,backward,expected", [
+    (10**6, 1024, 1, 512, 2, True, 6144),  # 0.6 x 50 MiB / (2048 + 1024 + 2048) = 6144 = 48 x 128
+    (10**6, 1000, 3, 128, 4, True, 2048),  # sub-centres, K rows a class: 31457280 / (3 x (4000 + 512 + 512)) = 2087.1: 16 x 128
+    (300, 1024, 1, 512, 2, False, 384),  # a small shard: its 300 classes, rounded up to 3 x 128
+    (10**6, 10**6, 1, 512, 2, False, 128),  # a huge batch: never fewer than 128
+    (10**6, 0, 1, 512, 2, False, 30720),  # no batch (a rank without samples): the operand rows alone
+    (0, 64, 1, 512, 2, False, 128),  # an empty shard
 ])
-def test_chunk_classes_by_hand(monkeypatch, n_cls, batch, K, D, elem, row_bytes, expected):
+def test_chunk_classes_by_hand(monkeypatch, n_cls, batch, K, D, elem, backward, expected):
     monkeypatch.setattr(chunks, "interpreting", lambda: False)
-    assert chunks.chunk_classes(n_cls, batch, K, D, elem, META, row_bytes) == expected
+    assert chunks.chunk_classes(n_cls, batch, K, D, elem, META, backward) == expected
     monkeypatch.setattr(chunks, "interpreting", lambda: True)
-    assert chunks.chunk_classes(n_cls, batch, K, D, elem, META, row_bytes) == chunks.INTERPRETER_CHUNK == 16
+    assert chunks.chunk_classes(n_cls, batch, K, D, elem, META, backward) == chunks.INTERPRETER_CHUNK == 16
+    assert chunks.chunk_classes(n_cls, batch, K, D, elem, META, backward, 4) == 4 * chunks.INTERPRETER_CHUNK

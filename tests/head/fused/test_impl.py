@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from fused_pairs import DEVICE
 
 import shardfc
 from shardfc.head import impl_select
+from shardfc.head.fused import TIMED
 
 
 def _step(head, D=8):
@@ -109,13 +111,14 @@ class _Clock:
 @pytest.fixture
 def auto_on_gpu(monkeypatch, tmp_path):
     """``impl="auto"`` as on a CUDA GPU (the candidates run under the interpreter here), with a
-    selector whose clock says: triton 3 ms, gemm 1 ms, torch 2 ms."""
+    selector whose clock says: triton 3 ms at every chunk scale, gemm 1.5, 1, 1.2 and 1.3 ms at
+    scales 1, 2, 4 and 8, torch 2 ms (the order of ``TIMED``)."""
     import shardfc.head.module as module
 
     real = module.resolve_impl
     monkeypatch.setattr(module, "resolve_impl", lambda impl, *a: "auto" if impl == "auto" else real(impl, *a))
     monkeypatch.delenv(impl_select.ENV_VAR, raising=False)
-    clock = _Clock([3.0, 1.0, 2.0], steps=3)
+    clock = _Clock([3.0] * 4 + [1.5, 1.0, 1.2, 1.3, 2.0], steps=3)
     selector = impl_select.ImplSelector(path=tmp_path / "head_impl.json", steps=3, warmup=1, clock=clock,
                                         sync=lambda: None)
     monkeypatch.setattr(impl_select, "default_selector", lambda: selector)
@@ -136,21 +139,35 @@ def _trained(impl, **kw):
 def test_auto_picks_the_fastest_and_changes_no_state(auto_on_gpu, kw):
     selector, clock = auto_on_gpu
     head, loss, gx, gw = _trained("auto", **kw)
-    assert head.last_impl == "gemm"
-    assert len(selector.timings) == 1 and clock.calls == 2 * 3 * 3  # 3 candidates x 3 timed steps
+    assert (head.last_impl, head.last_chunk_scale) == ("gemm", 2)
+    assert len(selector.timings) == 1 and clock.calls == 2 * 3 * 9  # 9 candidates x 3 timed steps
+    assert list(next(iter(selector.timings.values()))) == list(TIMED)  # each implementation at each scale
     # The timing runs left nothing behind: the step equals one run with impl="gemm" from the start
     # (same loss, same gradients, Partial FC's sample step advanced once).
-    ref, ref_loss, ref_gx, ref_gw = _trained("gemm", **kw)
+    ref, ref_loss, ref_gx, ref_gw = _trained("gemm", gpu_chunk_scale=2, **kw)
     assert head.sample_step == ref.sample_step
     assert torch.equal(loss, ref_loss) and torch.equal(gx, ref_gx) and torch.equal(gw, ref_gw)
     # The choice is remembered: a second forward times nothing, and the cache file holds it ...
     head(torch.randn(5, 8, device=DEVICE), torch.tensor([1, 2, 3, 4, 5], device=DEVICE))  # the batch bucket of 6
-    assert clock.calls == 18 and head.last_impl == "gemm"
+    assert clock.calls == 54 and head.last_impl == "gemm"
     # ... while a new workload (another batch bucket) is timed anew.
     _step(head, 8)
-    assert clock.calls == 36 and len(selector.timings) == 2
+    assert clock.calls == 108 and len(selector.timings) == 2
     first = next(iter(selector.timings))
-    assert json.loads(selector.path.read_text())[first]["impl"] == "gemm"
+    assert json.loads(selector.path.read_text())[first]["impl"] == "gemm@2"
+
+
+def test_auto_times_only_the_chunk_scale_a_head_names(auto_on_gpu):
+    selector, clock = auto_on_gpu
+    head, *_ = _trained("auto", gpu_chunk_scale=4)
+    assert list(next(iter(selector.timings.values()))) == ["triton@4", "gemm@4", "torch"]
+    assert clock.calls == 2 * 3 * 3 and (head.last_impl, head.last_chunk_scale) == ("gemm", 4)
+
+
+@pytest.mark.parametrize("bad", [0, 3, 16, True, "2", 2.0])
+def test_a_chunk_scale_outside_the_list_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match=rf"gpu_chunk_scale must be None or one of \(1, 2, 4, 8\), got {re.escape(repr(bad))}"):
+        shardfc.ShardedMarginHead(8, 37, gpu_chunk_scale=bad)
 
 
 def test_auto_reads_the_cache_of_an_earlier_run(auto_on_gpu):
@@ -160,7 +177,7 @@ def test_auto_reads_the_cache_of_an_earlier_run(auto_on_gpu):
     impl_select.default_selector = lambda: fresh  # monkeypatched by the fixture, restored after
     before = clock.calls
     head, *_ = _trained("auto")
-    assert head.last_impl == "gemm" and clock.calls == before
+    assert (head.last_impl, head.last_chunk_scale) == ("gemm", 2) and clock.calls == before
 
 
 @pytest.mark.parametrize("name", ["torch", "gemm"])
@@ -214,8 +231,9 @@ def test_auto_times_the_forward_in_the_real_shards_autotune_bucket(auto_on_gpu, 
     head(x.to(DEVICE), y.to(DEVICE))  # the forward only: every backward seen is the timing's
     assert head.last_impl == "triton"
     real = head.sampled_rows[0].numel() if kw else 37  # the classes the step's own forward scored
-    assert forwards[-1] == real and len(forwards) == 1 + 3 + 1  # warm-up + 3 timed + the step's
+    # each triton candidate (one per chunk scale) runs it at its warm-up + 3 timed calls, then the step's own
+    assert forwards[-1] == real and len(forwards) == 4 * (1 + 3) + 1
     assert {autotune.bucket(n) for n in forwards} == {autotune.bucket(real)}
-    # each of the 3 candidates x 4 calls runs the backward k = ceil(n / 8) times on ceil(n / k) <= 8 classes
+    # each of the 9 candidates x 4 calls runs the backward k = ceil(n / 8) times on ceil(n / k) <= 8 classes
     k = -(-real // 8)
-    assert len(backwards) == 3 * 4 * k and set(backwards) == {-(-real // k)} and max(backwards) <= 8
+    assert len(backwards) == 9 * 4 * k and set(backwards) == {-(-real // k)} and max(backwards) <= 8

@@ -37,6 +37,11 @@ import torch
 IMPLS = ("auto", "triton", "gemm", "torch")
 #: The implementations ``"auto"`` chooses between, in the order they are tried.
 CANDIDATES = ("triton", "gemm", "torch")
+#: The GPU paths' chunk sizes, as multiples of the L2-sized one (:func:`.chunks.chunk_classes`).
+CHUNK_SCALES = (1, 2, 4, 8)
+#: What ``impl="auto"`` times and remembers: each GPU implementation at each chunk scale
+#: (``"gemm@4"``: ``impl="gemm"`` with chunks four times the L2-sized one), then torch.
+TIMED = tuple(f"{impl}@{scale}" for impl in CANDIDATES[:2] for scale in CHUNK_SCALES) + CANDIDATES[2:]
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -45,6 +50,18 @@ def check_impl(impl) -> str:
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     return impl
+
+
+def timed_candidates(chunk_scale: Optional[int] = None) -> tuple:
+    """The names of :data:`TIMED` ``impl="auto"`` times: every chunk scale, or only ``chunk_scale``."""
+    return tuple(n for n in TIMED if chunk_scale is None or "@" not in n or n.endswith(f"@{chunk_scale}"))
+
+
+def split_timed(name: str, chunk_scale: Optional[int] = None) -> tuple:
+    """``(impl, chunk scale)`` of a :data:`TIMED` name (``"gemm@4"`` -> ``("gemm", 4)``); an
+    implementation's name alone takes ``chunk_scale`` (None: the GPU paths' default)."""
+    impl, _, scale = name.partition("@")
+    return impl, int(scale) if scale else chunk_scale
 
 
 def interpreting() -> bool:
@@ -90,4 +107,4 @@ def resolve_impl(impl: str, device: torch.device, compute_dtype: torch.dtype, st
     return "auto" if reason is None and device.type == "cuda" else "torch"
 
 
-__all__ = ["CANDIDATES", "IMPLS", "check_impl", "interpreting", "resolve_impl", "shapes_only", "triton_unavailable"]
+__all__ = ["CANDIDATES", "CHUNK_SCALES", "IMPLS", "TIMED", "split_timed", "timed_candidates", "check_impl", "interpreting", "resolve_impl", "shapes_only", "triton_unavailable"]

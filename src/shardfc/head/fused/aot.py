@@ -198,9 +198,9 @@ register(forward.lse_forward_kernel, _FORWARD_CONFIGS, _FORWARD,
 register(forward.lse_forward_kernel, _FORWARD_CONFIGS, {**_FORWARD, "HAS_ROWS": True, "NORM_W": True, "FILTER": True},
          types={"a_ptr": COMPUTE_PTR, "rows_ptr": "*i64", "tcol_ptr": "*i32"}, pick=_pick_forward,
          name="lse_forward_kernel[fp32 W]")
-# optimizer.row_sgd_ launches BR=32, BD=128 (4 warps, 3 stages); the default path is Partial FC's:
+# optimizer.row_sgd_ launches ROW_SGD_TILES (4 warps, 3 stages); the default path is Partial FC's:
 # sampled rows (idx), their gradient rows in order, momentum.
-register(optimizer.row_sgd_kernel, [triton.Config({"BR": 32, "BD": 128}, num_warps=4, num_stages=3)],
+register(optimizer.row_sgd_kernel, [triton.Config(dict(zip(("BR", "BD"), optimizer.ROW_SGD_TILES)), num_warps=4, num_stages=3)],
          dict(HAS_IDX=True, G_AT_IDX=False, MOMENTUM=True, NESTEROV=False, GSCALE=False), types={"idx_ptr": "*i64"})
 
 # idle_rows' catch-ups of Partial FC's sampled rows (shardfc.head.catch_up), as launched: SGD at
@@ -212,10 +212,20 @@ register(idle_rows.catch_up_adamw_kernel, [triton.Config({"BD": 512}, num_warps=
          dict(HAS_IDX=True, EMULATE_RTNE=False),
          types={"idx_ptr": "*i64", "stamps_ptr": "*i32", "table_ptr": "*fp64", "step_ptr": "*fp64"})
 
-# The GEMM path's epilogues (chunks.py launches them at EPILOGUE_TILES / ROW_TILES, 4 warps, 3
+# The GEMM path's epilogues (chunks.py launches them at EPILOGUE_TILES / ROW_TILES, the row kernels
+# with fewer rows a program where a chunk's rows would not fill the SMs a few times: 4 warps, 3
 # stages): elementwise kernels, so their builds must show no tensor-core instruction at all. The
 # products and the operand rows are bf16 on the default path; E is written back into the products.
-_ROWS = [triton.Config({"BR": 32, "BD": 128}, num_warps=4, num_stages=3)]
+
+
+def _row_configs(tile) -> list:
+    """A per-row kernel's configs as chunks.row_tile launches them: its widest ``(BR, BD)`` tile and
+    the one of chunks.MIN_ROW_TILE rows (a few waves of programs on a chunk's rows)."""
+    br, bd = tile
+    return [triton.Config({"BR": r, "BD": bd}, num_warps=4, num_stages=3) for r in sorted({br, chunks.MIN_ROW_TILE}, reverse=True)]
+
+
+_ROWS = _row_configs(chunks.ROW_TILES)
 _BLOCK = [triton.Config(dict(zip(("BM", "BN"), t)), num_warps=4, num_stages=3)
           for t in (chunks.EPILOGUE_TILES, chunks.HEAVY_EPILOGUE_TILES)]
 # The step's one pass over the scored rows: norms computed, rows normalised and cast (default);
@@ -234,12 +244,12 @@ register(epilogue.weight_grad_kernel, _ROWS,
 # The update fused into it (head_optimizer(..., fused_update=True)): fp32 centres and momentum,
 # the gradient formed from H and the bf16 operand as above, never stored; every row scored, so it
 # also writes the next step's bf16 operand rows and norms (NEXT).
-register(epilogue.weight_update_kernel, [triton.Config(dict(zip(("BR", "BD"), chunks.UPDATE_TILES)), num_warps=4, num_stages=3)],
+register(epilogue.weight_update_kernel, _row_configs(chunks.UPDATE_TILES),
          dict(HAS_ROWS=False, NORM_W=True, W_HAT=True, MOMENTUM=True, NESTEROV=False, NEXT=True, EMULATE_RTNE=False,
               EMULATE_OP=False),
          types={"rows_ptr": "*i64", "w_ptr": "*bf16", "slot_ptr": "*i32", "op_ptr": "*bf16"})
 # AdamW's (the same gradient; fp32 centres and moments, the per-row fp64 step count).
-register(epilogue.adamw_update_kernel, [triton.Config(dict(zip(("BR", "BD"), chunks.ADAMW_UPDATE_TILES)), num_warps=4, num_stages=3)],
+register(epilogue.adamw_update_kernel, _row_configs(chunks.ADAMW_UPDATE_TILES),
          dict(HAS_ROWS=False, NORM_W=True, W_HAT=True, NEXT=True, EMULATE_RTNE=False, EMULATE_OP=False),
          types={"rows_ptr": "*i64", "w_ptr": "*bf16", "slot_ptr": "*i32", "step_ptr": "*fp64", "op_ptr": "*bf16"})
 

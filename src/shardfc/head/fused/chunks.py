@@ -53,8 +53,9 @@ import torch
 import triton
 from torch import Tensor
 
-from shardfc.head.fused import autotune, epilogue, interpreting, shapes_only
-from shardfc.head.fused.traffic import Region, gathered, note, rows_of, span
+from shardfc.head.fused import CHUNK_SCALES, autotune, epilogue, interpreting, shapes_only
+from shardfc.head.fused.optimizer import scalars_on
+from shardfc.head.fused.traffic import Region, gathered, note, rows_of, span, streamed
 from shardfc.head.kernels import addmm_f32, mm_f32
 
 #: The share of the device's L2 one chunk's working set fills (:func:`chunk_classes`). Its products
@@ -72,6 +73,17 @@ OPERAND_BYTES = 2**30
 INTERPRETER_CHUNK = 16
 #: Chunks are whole multiples of this many classes (the epilogues' class tile).
 CHUNK_QUANTUM = 128
+#: :data:`shardfc.head.fused.CHUNK_SCALES`: the chunk sizes a step can take, as multiples of the
+#: L2-sized one (:func:`chunk_classes`): 1 keeps each chunk's products and ``H`` in L2; the larger
+#: ones issue fewer launches a step.
+#: The scale a step takes unless told otherwise (``impl="auto"`` times every scale): the one with
+#: the least on-paper time at the headline workload once the host's issue time is counted
+#: (docs/gpu.md, "Chunk sizes"), until a GPU has timed them.
+DEFAULT_CHUNK_SCALE = 1
+#: Programs per SM the per-row kernels' grids aim at (:func:`row_tile`).
+ROW_WAVES = 4
+#: The fewest rows a per-row kernel's program takes.
+MIN_ROW_TILE = 8
 #: ``E``'s scale in fp16 (see the module docstring); other dtypes need none.
 FP16_UNIT = 2.0**15
 #: Epilogue tiles: ``(BM, BN)`` of the forward and backward epilogues, ``(BR, BD)`` of the row
@@ -115,6 +127,10 @@ class RowUpdate:
     row_step: Optional[Tensor] = None
     betas: Tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    #: :meth:`hyper_values` as an fp32 tensor on the weight's device, which the kernel reads (the
+    #: optimizer's :class:`~.optimizer.DeviceScalars`, at one address across steps, so a captured
+    #: step replays with the values staged for it); None: made by the launch from the numbers.
+    hyper: Optional[Tensor] = None
 
     @classmethod
     def adamw(cls, param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, row_step: Tensor, lr: float,
@@ -126,6 +142,19 @@ class RowUpdate:
     @property
     def is_adamw(self) -> bool:
         return self.exp_avg is not None
+
+    def hyper_values(self) -> Tuple[float, ...]:
+        """The numbers the kernel reads, in its order (:data:`.epilogue.SGD_HYPER` or
+        :data:`.epilogue.ADAMW_HYPER`): each β as two fp32 halves whose fp64 sum is β to 2⁻⁴⁸."""
+        if self.is_adamw:
+            (b1_hi, b1_lo), (b2_hi, b2_lo) = (_split(b) for b in self.betas)
+            return (float(self.lr), 1.0 - self.lr * self.weight_decay, b1_hi, b1_lo, b2_hi, b2_lo,
+                    1.0 - self.betas[0], 1.0 - self.betas[1], float(self.eps))
+        return (float(self.lr), float(self.momentum), float(self.weight_decay))
+
+    def hyper_on(self, device: torch.device) -> Tensor:
+        """:attr:`hyper`, or a tensor of :meth:`hyper_values` made now on ``device``."""
+        return self.hyper if self.hyper is not None else scalars_on(self.hyper_values(), device)
 
     def state(self) -> List[Tensor]:
         """The ``[rows, D]`` tensors the step rewrites at each updated row: the weight and its
@@ -147,28 +176,51 @@ def l2_bytes(device: torch.device) -> int:
 
 
 def chunk_classes(n_cls: int, batch: int, K: int, D: int, elem: int, device: torch.device,
-                  row_bytes: Optional[int] = None) -> int:
-    """Classes per chunk: the chunk's working set — ``[B, K·c]`` products and ``K·c`` operand rows
-    in ``elem``-byte elements, and in the backward (``row_bytes`` not None) the ``[K·c, D]`` fp32
-    ``H`` plus the ``row_bytes`` per row the row kernel streams (the gradient it writes, or the
-    weight and optimizer state the fused update rewrites) — in :data:`CHUNK_L2_SHARE` of
-    ``device``'s L2 (:func:`l2_bytes`), a multiple of :data:`CHUNK_QUANTUM` (at least one;
-    interpreter: :data:`INTERPRETER_CHUNK`). Then a chunk's products and ``H`` are still in L2 when
-    the next chunk's, which take their blocks, overwrite them: they never reach HBM."""
+                  backward: bool = False, scale: Optional[int] = 1) -> int:
+    """Classes per chunk: ``scale`` times the most whose working set — what the chunk's kernels
+    write and read again: the ``[B, K·c]`` products and the ``K·c`` operand rows the GEMMs reread,
+    in ``elem``-byte elements, and in the ``backward`` the ``[K·c, D]`` fp32 ``H`` the row kernel
+    reads — fills :data:`CHUNK_L2_SHARE` of ``device``'s L2 (:func:`l2_bytes`), a multiple of
+    :data:`CHUNK_QUANTUM` (at least one; interpreter: ``scale ×`` :data:`INTERPRETER_CHUNK`), never
+    past the shard rounded up to the quantum. At ``scale`` 1 a chunk's products and ``H`` are still
+    in L2 when the next chunk's, which take their blocks, overwrite them: they never reach HBM.
+
+    The rows the row kernel streams (the weight and optimizer state the fused update rewrites, the
+    gradient it writes) are read or written once each: they pass through L2 but are never reused,
+    so they take no share of it. A larger ``scale`` (:data:`CHUNK_SCALES`) trades that L2 fit for
+    fewer chunks, so fewer launches: which pays depends on how long the host takes to issue a
+    launch against how long the GPU takes to run it (``shardfc plan --bytes`` shows both for each
+    scale; ``impl="auto"`` times them)."""
+    scale = check_chunk_scale(scale)
     if interpreting():
-        return INTERPRETER_CHUNK
-    per_row = batch * elem + D * elem + (4 * D + row_bytes if row_bytes is not None else 0)
+        return INTERPRETER_CHUNK * scale
+    per_row = batch * elem + D * elem + (4 * D if backward else 0)
     c = int(CHUNK_L2_SHARE * l2_bytes(device)) // (K * max(per_row, 1))
-    c = max(CHUNK_QUANTUM, c // CHUNK_QUANTUM * CHUNK_QUANTUM)
+    c = max(CHUNK_QUANTUM, c // CHUNK_QUANTUM * CHUNK_QUANTUM) * scale
     return min(c, triton.cdiv(max(n_cls, 1), CHUNK_QUANTUM) * CHUNK_QUANTUM)
 
 
-def _row_bytes(update: Optional[RowUpdate], grad_w: Tensor) -> int:
-    """Bytes per row the backward's row kernel streams besides ``H`` and the operand row."""
-    if update is None:
-        return grad_w.shape[-1] * grad_w.element_size()
-    step = update.row_step.element_size() if update.row_step is not None else 0
-    return step + sum(t.shape[-1] * t.element_size() for t in update.state())
+def check_chunk_scale(scale) -> int:
+    """``scale`` validated: one of :data:`CHUNK_SCALES` (None: :data:`DEFAULT_CHUNK_SCALE`)."""
+    if scale is None:
+        return DEFAULT_CHUNK_SCALE
+    if type(scale) is not int or scale not in CHUNK_SCALES:
+        raise ValueError(f"chunk_scale must be one of {CHUNK_SCALES}, got {scale!r}")
+    return int(scale)
+
+
+def row_tile(n_rows: int, widest: int, device: torch.device) -> int:
+    """Rows a program of a per-row kernel takes: ``widest``, or :data:`MIN_ROW_TILE` when the grid
+    over ``n_rows`` rows at ``widest`` would give fewer than :data:`ROW_WAVES` programs per SM of
+    ``device`` (on the meta device, :data:`~.autotune.META_SMS`). These kernels stream rows: a grid
+    below one wave leaves SMs idle with bandwidth unused, and a few waves even out the programs
+    that gather scattered rows (Partial FC) or hold a target row. Two tiles, not every halving:
+    each is a build of its own (in the sm_90 build, the SGD update's 16-row tile spills 8 bytes
+    where the 8- and 32-row ones spill none). Fixed under the interpreter."""
+    if interpreting() or device.type not in ("cuda", "meta"):
+        return widest
+    sms = autotune.META_SMS if device.type == "meta" else autotune.sm_count(device.index or 0)
+    return widest if triton.cdiv(n_rows, widest) >= ROW_WAVES * sms else min(widest, MIN_ROW_TILE)
 
 
 def _tiles(which):
@@ -201,6 +253,7 @@ def _operand_launch(w, rows, inv, out, r0, n_rows, compute_inv, scale, write):
         note("operand_rows", reads, writes)
         return
     BR, BD = _tiles(ROW_TILES)
+    BR = row_tile(n_rows, BR, w.device)
     epilogue.operand_rows_kernel[(triton.cdiv(n_rows, BR),)](
         w, rows if rows is not None else w, inv if inv is not None else w, out if out is not None else w,
         n_rows, r0, w.shape[1], w.stride(0), out.stride(0) if out is not None else 0,
@@ -324,10 +377,12 @@ class _Chunk:
 
 def forward_stats(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor], tr: Optional[Tensor],
                   tcol: Tensor, tval: Tensor, n_cls: int, K: int, scale: float, threshold: float,
-                  normalize: bool, smooth: bool, operand: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """``(pmax, psum, plsum)`` ``[B, parts]``: the shard's partial statistics, chunk by chunk."""
+                  normalize: bool, smooth: bool, operand: Optional[Tensor] = None,
+                  chunk_scale: Optional[int] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(pmax, psum, plsum)`` ``[B, parts]``: the shard's partial statistics, chunk by chunk
+    (``chunk_scale``: :func:`chunk_classes`'s ``scale``; None: :data:`DEFAULT_CHUNK_SCALE`)."""
     B, dev = a.shape[0], a.device
-    per_chunk = chunk_classes(n_cls, B, K, a.shape[1], a.element_size(), dev)
+    per_chunk = chunk_classes(n_cls, B, K, a.shape[1], a.element_size(), dev, scale=chunk_scale)
     BM, BN = _block_tiles(K, tr is not None)
     wanted = autotune.splits_wanted(B, BM, dev, off_gpu=2)  # the tests fold two splits per chunk
     per_prog = triton.cdiv(triton.cdiv(per_chunk, wanted), BN) * BN
@@ -360,7 +415,8 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
              scale: float, threshold: float, eps_over_c: float, one_minus_eps: float,
              normalize: bool, accumulate: bool, scatter: bool, a_exact: Optional[Tensor] = None,
              operand: Optional[Tensor] = None, update: Optional[RowUpdate] = None,
-             next_operand: bool = False, grad_sq: Optional[Tensor] = None) -> Tensor:
+             next_operand: bool = False, grad_sq: Optional[Tensor] = None,
+             chunk_scale: Optional[int] = None) -> Tensor:
     """The shard's ``dJ/da`` (fp32 ``[B, D]``); ``dJ/dW`` written into ``grad_w`` (added with
     ``accumulate``; at the weight rows with ``scatter``, else at the scored rows) — or, with
     ``update``, applied to the weight by the optimizer's step row by row and never stored
@@ -376,6 +432,7 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
     step's, as :func:`scored_rows` would make them from the new weights (:class:`NextOperand`).
     In place is safe: a chunk's operand rows and norms are read by its own GEMMs and kernels only,
     all before its update, and the target rows' terms are formed before the loop.
+    ``chunk_scale``: :func:`chunk_classes`'s ``scale`` (None: :data:`DEFAULT_CHUNK_SCALE`).
     ``grad_sq`` (fp32 ``[1]``, without ``update``): set to the sum of squares of every row of
     ``grad_w`` this backward writes, as stored (after ``accumulate``'s add and the target rows'),
     from the weight-gradient pass itself: each of its programs sums its rows' squares, and the
@@ -389,9 +446,10 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
     B, D, dev = a.shape[0], a.shape[1], a.device
     cd = a.dtype
     unit = unit_for(cd)
-    per_chunk = chunk_classes(n_cls, B, K, D, a.element_size(), dev, _row_bytes(update, grad_w))
+    per_chunk = chunk_classes(n_cls, B, K, D, a.element_size(), dev, backward=True, scale=chunk_scale)
     BM, BN = _block_tiles(K, tr is not None)
     BR, BD = _tiles(ROW_TILES)
+    BR = row_tile(per_chunk * K, BR, dev)  # one chunk's rows in a few waves of programs
     # coef rides on the rows of x for the weight GEMM, scaled to at most 1 so fp16 keeps it normal.
     cmax = coef.abs().amax()
     cmax = torch.where(cmax > 0, cmax, torch.ones_like(cmax))
@@ -417,6 +475,7 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
         grad_a_t = dc_t.unsqueeze(1) * w_t
     if update is not None:
         slot, t_sum = _target_slots(t_scored, h_t, n_cls * K)
+        hyper = update.hyper_on(dev)  # read by every chunk's update: the step's numbers, on the device
 
     grad_a = torch.zeros(B, D, dtype=torch.float32, device=dev)
     # With grad_sq, each weight-gradient program's sum of squares, chunk after chunk.
@@ -447,7 +506,7 @@ def backward(a: Tensor, w: Tensor, rows: Optional[Tensor], inv: Optional[Tensor]
                        slot if update is not None else None, operand if next_operand else None)
         elif update is not None:
             _update_launch(update, h, w_read, rows, inv, hscale, slot, t_sum, n_rows, ch.r0, D, normalize, w_hat,
-                           scratch, operand if next_operand else None)
+                           scratch, operand if next_operand else None, hyper)
         else:
             epilogue.weight_grad_kernel[(n_programs,)](
                 h, w_read, rows if rows is not None else scratch, inv if inv is not None else scratch, grad_w,
@@ -485,12 +544,13 @@ def _target_rows_correction(grad_w: Tensor, at: Tensor, t_scored: Tensor, h_t: T
 
 def _update_launch(update: RowUpdate, h: Tensor, w_read: Tensor, rows: Optional[Tensor], inv: Optional[Tensor],
                    hscale: Tensor, slot: Tensor, t_sum: Tensor, n_rows: int, r0: int, D: int, normalize: bool,
-                   w_hat: bool, scratch: Tensor, next_op: Optional[Tensor]) -> None:
+                   w_hat: bool, scratch: Tensor, next_op: Optional[Tensor], hyper: Tensor) -> None:
     """One chunk's fused update: :func:`epilogue.weight_update_kernel` (SGD) or
     :func:`epilogue.adamw_update_kernel` on its ``n_rows`` scored rows from ``r0``; ``next_op``: the
     step's operand, which the kernel overwrites with the next step's rows (and ``inv``)."""
     p = update.param
     UR, UD = _tiles(ADAMW_UPDATE_TILES if update.is_adamw else UPDATE_TILES)
+    UR = row_tile(n_rows, UR, h.device)
     grid = (triton.cdiv(n_rows, UR),)
     common = (h, w_read, rows if rows is not None else scratch, inv if inv is not None else scratch, hscale, slot, t_sum, p)
     op = next_op if next_op is not None else p
@@ -498,18 +558,15 @@ def _update_launch(update: RowUpdate, h: Tensor, w_read: Tensor, rows: Optional[
                  EMULATE_RTNE=emulate_rtne(p), EMULATE_OP=emulate_rtne(op), BR=UR, BD=UD)
     if update.is_adamw:
         m, v, step = update.exp_avg, update.exp_avg_sq, update.row_step
-        (b1_hi, b1_lo), (b2_hi, b2_lo) = (_split(b) for b in update.betas)
         epilogue.adamw_update_kernel[grid](
-            *common, m, v, step, op, n_rows, r0, D, h.stride(0), w_read.stride(0), t_sum.stride(0), p.stride(0),
-            m.stride(0), v.stride(0), op.stride(0), float(update.lr), 1.0 - update.lr * update.weight_decay,
-            b1_hi, b1_lo, b2_hi, b2_lo, 1.0 - update.betas[0], 1.0 - update.betas[1], float(update.eps), **flags,
+            *common, m, v, step, op, hyper, n_rows, r0, D, h.stride(0), w_read.stride(0), t_sum.stride(0), p.stride(0),
+            m.stride(0), v.stride(0), op.stride(0), **flags,
         )
         return
     buf = update.momentum_buffer
     epilogue.weight_update_kernel[grid](
-        *common, buf if buf is not None else p, op, n_rows, r0, D, h.stride(0), w_read.stride(0), t_sum.stride(0),
+        *common, buf if buf is not None else p, op, hyper, n_rows, r0, D, h.stride(0), w_read.stride(0), t_sum.stride(0),
         p.stride(0), buf.stride(0) if buf is not None else 0, op.stride(0),
-        float(update.lr), float(update.momentum), float(update.weight_decay),
         MOMENTUM=buf is not None, NESTEROV=bool(update.nesterov), **flags,
     )
 
@@ -532,18 +589,19 @@ def _note_rows(update: Optional[RowUpdate], h: Tensor, w_read: Tensor, read_rows
     and write for one chunk's ``n`` rows (``shardfc plan --bytes``). The target terms the update
     adds (``t_sum``, at most ``B`` rows over the whole step) are left out; so is the second read of
     the rows it has just written, for ``next_op`` (the next step's operand rows and norms, which
-    it writes), from L1/L2."""
+    it writes), from L1/L2. The weight rows, their optimizer state and the gradient rows are
+    streamed (the kernels load and store them ``evict_first``: each is touched once a step)."""
     reads = [span(h[:n]), gathered(w_read, read_rows, r0, n)] + rows_of(inv, r0, n) + rows_of(rows, r0, n)
     if update is not None:
-        state = [gathered(t, rows, r0, n) for t in update.state()]
+        state = streamed([gathered(t, rows, r0, n) for t in update.state()])
         if update.row_step is not None:
             step = update.row_step
-            state.append(span(step[r0:r0 + n]) if rows is None
-                         else Region(step, ("rows", rows, rows.storage_offset() + r0, n), n * step.element_size()))
+            state += streamed([span(step[r0:r0 + n]) if rows is None
+                               else Region(step, ("rows", rows, rows.storage_offset() + r0, n), n * step.element_size())])
         nxt = rows_of(next_op, r0, n) + rows_of(inv, r0, n) if next_op is not None else []
         note("adamw_update" if update.is_adamw else "weight_update", reads + state + rows_of(slot, r0, n), state + nxt)
         return
-    out = gathered(grad_w, rows if scatter else None, r0, n)
+    out = streamed([gathered(grad_w, rows if scatter else None, r0, n)])[0]
     note("weight_grad", reads + ([out] if accumulate else []), [out])
 
 

@@ -35,6 +35,11 @@ import triton.language as tl
 
 from shardfc.head.fused import tiles
 
+#: The cache policy of the rows a per-row kernel streams (the weight and optimizer state the fused
+#: update rewrites, the gradient rows it writes): each is touched once a step, so it goes first
+#: when L2 needs room, and a chunk's products and ``H``, which the next kernels reread, stay.
+STREAM: tl.constexpr = tl.constexpr("evict_first")
+
 
 @triton.jit
 def _row_block(rows_ptr, r0, n_rows, BR: tl.constexpr, HAS_ROWS: tl.constexpr):
@@ -254,9 +259,9 @@ def weight_grad_kernel(
         mask = r_mask[:, None] & (offs_d < D)[None, :]
         g = _grad_tile(h_rows, w_rows, offs_d, mask, inv, proj, hscale, NORM_W)
         if ACCUMULATE:
-            g += tl.load(out_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+            g += tl.load(out_rows + offs_d[None, :], mask=mask, other=0.0, eviction_policy=STREAM).to(tl.float32)
         v = tiles.stored(g, g_ptr, EMULATE_RTNE)
-        tl.store(out_rows + offs_d[None, :], v, mask=mask)
+        tl.store(out_rows + offs_d[None, :], v, mask=mask, eviction_policy=STREAM)
         if SQ:
             v32 = tl.where(mask, v.to(tl.float32), 0.0)
             sq += tl.sum(v32 * v32, axis=1)
@@ -288,7 +293,7 @@ def _stored_row(p_rows, offs_d, mask, w, sq, p_ptr, EMULATE_RTNE: tl.constexpr, 
     """Store a tile of the updated rows into the weight; ``NEXT``: also add the squares of the
     values as stored (rounded to the weight's dtype) to ``sq``, the rows' squared norms."""
     w = tiles.stored(w, p_ptr, EMULATE_RTNE)
-    tl.store(p_rows + offs_d[None, :], w, mask=mask)
+    tl.store(p_rows + offs_d[None, :], w, mask=mask, eviction_policy=STREAM)
     if NEXT:
         wf = tl.where(mask, w.to(tl.float32), 0.0)
         sq += tl.sum(wf * wf, axis=1)
@@ -320,8 +325,8 @@ def _next_operand(p_rows, op_ptr, inv_ptr, scored, r_mask, sq, D, stride_o, NORM
 
 @triton.jit
 def weight_update_kernel(
-    h_ptr, w_ptr, rows_ptr, inv_ptr, hscale_ptr, slot_ptr, t_ptr, p_ptr, buf_ptr, op_ptr,
-    n_rows, r0, D, stride_h, stride_w, stride_t, stride_p, stride_b, stride_o, lr, momentum, weight_decay,
+    h_ptr, w_ptr, rows_ptr, inv_ptr, hscale_ptr, slot_ptr, t_ptr, p_ptr, buf_ptr, op_ptr, hyper_ptr,
+    n_rows, r0, D, stride_h, stride_w, stride_t, stride_p, stride_b, stride_o,
     HAS_ROWS: tl.constexpr, NORM_W: tl.constexpr, W_HAT: tl.constexpr, MOMENTUM: tl.constexpr,
     NESTEROV: tl.constexpr, NEXT: tl.constexpr, EMULATE_RTNE: tl.constexpr, EMULATE_OP: tl.constexpr,
     BR: tl.constexpr, BD: tl.constexpr,
@@ -334,7 +339,12 @@ def weight_update_kernel(
     dtype — :class:`shardfc.head.partial_fc.RowSparseSGD`'s update. With ``NORM_W`` and not
     ``W_HAT``, ``w_ptr`` is ``p``: each tile is read for the gradient before it is written.
     ``NEXT`` (every row scored, the step's operand in ``op``): the updated rows' operand and
-    ``1/‖w‖`` for the next step written over this step's (:func:`_next_operand`)."""
+    ``1/‖w‖`` for the next step written over this step's (:func:`_next_operand`). ``hyper``: fp32
+    ``[lr, momentum, weight_decay]`` on the device (:data:`SGD_HYPER`), read here rather than
+    passed as numbers, so a captured CUDA graph replays with the values of the step it replays."""
+    lr = tl.load(hyper_ptr)
+    momentum = tl.load(hyper_ptr + 1)
+    weight_decay = tl.load(hyper_ptr + 2)
     r_mask, scored, wrow, hscale, h_rows, w_rows, inv, proj = _gradient_rows(
         h_ptr, w_ptr, rows_ptr, inv_ptr, hscale_ptr, n_rows, r0, D, stride_h, stride_w, HAS_ROWS, NORM_W, W_HAT, BR, BD)
     has_t, t_rows = _target_terms(slot_ptr, t_ptr, scored, r_mask, stride_t)
@@ -345,11 +355,12 @@ def weight_update_kernel(
         offs_d = d0 + tl.arange(0, BD)
         mask = r_mask[:, None] & (offs_d < D)[None, :]
         g = _update_grad_tile(h_rows, w_rows, t_rows, has_t, offs_d, mask, inv, proj, hscale, NORM_W)
-        w = tl.load(p_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(p_rows + offs_d[None, :], mask=mask, other=0.0, eviction_policy=STREAM).to(tl.float32)
         g = g + weight_decay * w
         if MOMENTUM:
-            b = tl.load(b_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32) * momentum + g
-            tl.store(b_rows + offs_d[None, :], tiles.stored(b, buf_ptr, EMULATE_RTNE), mask=mask)
+            b = tl.load(b_rows + offs_d[None, :], mask=mask, other=0.0, eviction_policy=STREAM).to(tl.float32)
+            b = b * momentum + g
+            tl.store(b_rows + offs_d[None, :], tiles.stored(b, buf_ptr, EMULATE_RTNE), mask=mask, eviction_policy=STREAM)
             if NESTEROV:
                 g = g + momentum * b
             else:
@@ -358,6 +369,11 @@ def weight_update_kernel(
     if NEXT:
         _next_operand(p_rows, op_ptr, inv_ptr, scored, r_mask, sq, D, stride_o, NORM_W, EMULATE_OP, BR, BD)
 
+
+#: The fp32 values of :func:`weight_update_kernel`'s ``hyper``, in order.
+SGD_HYPER = ("lr", "momentum", "weight_decay")
+#: ... and of :func:`adamw_update_kernel`'s.
+ADAMW_HYPER = ("lr", "decay", "beta1_hi", "beta1_lo", "beta2_hi", "beta2_lo", "one_minus_beta1", "one_minus_beta2", "eps")
 
 #: Bits of a row's step count :func:`beta_powers` reads: every count an fp64 holds exactly.
 STEP_BITS: tl.constexpr = tl.constexpr(53)
@@ -383,9 +399,8 @@ def beta_powers(beta1, beta2, t):
 
 @triton.jit
 def adamw_update_kernel(
-    h_ptr, w_ptr, rows_ptr, inv_ptr, hscale_ptr, slot_ptr, t_ptr, p_ptr, m_ptr, v_ptr, step_ptr, op_ptr,
+    h_ptr, w_ptr, rows_ptr, inv_ptr, hscale_ptr, slot_ptr, t_ptr, p_ptr, m_ptr, v_ptr, step_ptr, op_ptr, hyper_ptr,
     n_rows, r0, D, stride_h, stride_w, stride_t, stride_p, stride_m, stride_v, stride_o,
-    lr, decay, beta1_hi, beta1_lo, beta2_hi, beta2_lo, one_minus_beta1, one_minus_beta2, eps,
     HAS_ROWS: tl.constexpr, NORM_W: tl.constexpr, W_HAT: tl.constexpr, NEXT: tl.constexpr,
     EMULATE_RTNE: tl.constexpr, EMULATE_OP: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
 ):
@@ -396,10 +411,21 @@ def adamw_update_kernel(
     ``step[wrow]`` (fp64) advanced by one and its bias corrections ``1 − β₁ᵗ``, ``√(1 − β₂ᵗ)``
     computed in fp64 and rounded to fp32 as the optimizer does, then
     ``w ← w − (lr / (1 − β₁ᵗ))·m / (√v / √(1 − β₂ᵗ) + eps)``; the row, ``m`` and ``v`` rounded once
-    (to nearest) into their dtype. Triton passes Python floats as fp32, so each β comes as two fp32
-    halves (``hi + lo``), exact to 2⁻⁴⁸ in fp64; ``beta2_hi`` is also β₂ in fp32. With ``NORM_W``
-    and not ``W_HAT``, ``w_ptr`` is ``p``: each tile is read for the gradient before it is written.
+    (to nearest) into their dtype. The hyper-parameters are fp32 values on the device, ``hyper``
+    (:data:`ADAMW_HYPER`: ``lr``, ``decay``, each β as two fp32 halves ``hi + lo``, exact to 2⁻⁴⁸
+    in fp64 — ``beta2_hi`` is also β₂ in fp32 —, ``1 − β₁``, ``1 − β₂``, ``eps``), read here so a
+    captured CUDA graph replays with the values of the step it replays. With ``NORM_W`` and not
+    ``W_HAT``, ``w_ptr`` is ``p``: each tile is read for the gradient before it is written.
     ``NEXT``: the next step's operand, as :func:`weight_update_kernel`'s."""
+    lr = tl.load(hyper_ptr)
+    decay = tl.load(hyper_ptr + 1)
+    beta1_hi = tl.load(hyper_ptr + 2)
+    beta1_lo = tl.load(hyper_ptr + 3)
+    beta2_hi = tl.load(hyper_ptr + 4)
+    beta2_lo = tl.load(hyper_ptr + 5)
+    one_minus_beta1 = tl.load(hyper_ptr + 6)
+    one_minus_beta2 = tl.load(hyper_ptr + 7)
+    eps = tl.load(hyper_ptr + 8)
     r_mask, scored, wrow, hscale, h_rows, w_rows, inv, proj = _gradient_rows(
         h_ptr, w_ptr, rows_ptr, inv_ptr, hscale_ptr, n_rows, r0, D, stride_h, stride_w, HAS_ROWS, NORM_W, W_HAT, BR, BD)
     has_t, t_rows = _target_terms(slot_ptr, t_ptr, scored, r_mask, stride_t)
@@ -417,13 +443,13 @@ def adamw_update_kernel(
         offs_d = d0 + tl.arange(0, BD)
         mask = r_mask[:, None] & (offs_d < D)[None, :]
         g = _update_grad_tile(h_rows, w_rows, t_rows, has_t, offs_d, mask, inv, proj, hscale, NORM_W)
-        w = tl.load(p_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32) * decay
-        m = tl.load(m_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(p_rows + offs_d[None, :], mask=mask, other=0.0, eviction_policy=STREAM).to(tl.float32) * decay
+        m = tl.load(m_rows + offs_d[None, :], mask=mask, other=0.0, eviction_policy=STREAM).to(tl.float32)
         m = m + one_minus_beta1 * (g - m)
-        v = tl.load(v_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_rows + offs_d[None, :], mask=mask, other=0.0, eviction_policy=STREAM).to(tl.float32)
         v = v * beta2_hi + one_minus_beta2 * g * g
-        tl.store(m_rows + offs_d[None, :], tiles.stored(m, m_ptr, EMULATE_RTNE), mask=mask)
-        tl.store(v_rows + offs_d[None, :], tiles.stored(v, v_ptr, EMULATE_RTNE), mask=mask)
+        tl.store(m_rows + offs_d[None, :], tiles.stored(m, m_ptr, EMULATE_RTNE), mask=mask, eviction_policy=STREAM)
+        tl.store(v_rows + offs_d[None, :], tiles.stored(v, v_ptr, EMULATE_RTNE), mask=mask, eviction_policy=STREAM)
         denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt[:, None]) + eps
         sq = _stored_row(p_rows, offs_d, mask, w - tl.div_rn(step_size[:, None] * m, denom), sq, p_ptr,
                          EMULATE_RTNE, NEXT)

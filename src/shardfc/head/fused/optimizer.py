@@ -21,15 +21,83 @@ from shardfc.head.fused import interpreting, shapes_only
 from shardfc.head.fused.traffic import gathered, note, rows_of, span
 
 
+def capturing() -> bool:
+    """A CUDA graph capture is under way on the current stream."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def scalars_on(values, device: torch.device, out: Optional[Tensor] = None) -> Tensor:
+    """``values`` (floats) as fp32 on ``device`` (into ``out`` when given): on CUDA one copy from
+    pinned memory, not waited for (a ``torch.tensor(..., device="cuda")`` waits for the stream)."""
+    src = torch.tensor([float(v) for v in values], dtype=torch.float32)
+    if out is None:
+        out = torch.empty(src.shape, dtype=torch.float32, device=device)
+    if device.type == "cuda":
+        out.copy_(src.pin_memory(), non_blocking=True)  # the caching host allocator keeps it until copied
+    else:
+        out.copy_(src)
+    return out
+
+
+#: ``(BR, BD)`` of :func:`row_sgd_kernel` on a GPU: 32×64 (32×128 with the three numbers read from
+#: ``hyper`` takes 168 registers and spills 8 bytes in the sm_90 build; 32×64 none).
+ROW_SGD_TILES = (32, 64)
+
+
+class DeviceScalars:
+    """The per-step numbers a kernel reads (learning rate, momentum, weight decay, ...) as a small
+    fp32 tensor on the device, one per key, kept at one address: a kernel reads them through a
+    pointer instead of taking them as launch arguments, so a CUDA graph that captured the launch
+    replays with whatever the tensor holds at replay, not the numbers of the step it captured.
+
+    :meth:`get` refreshes the tensor when the numbers differ from what it holds (one host-to-device
+    copy from pinned memory, no host sync; a step with the same numbers copies nothing). Inside a
+    CUDA graph capture it must find them unchanged — a copy captured there would replay from a
+    host buffer that is gone — so :meth:`stage` them before capturing or replaying; a change there
+    is a RuntimeError that says so."""
+
+    def __init__(self) -> None:
+        self._held: dict = {}
+
+    def __getstate__(self) -> dict:  # a copy or a pickle of an optimizer makes its tensors again
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._held = {}
+
+    def get(self, key, values, device: torch.device) -> Tensor:
+        """The tensor of ``key`` on ``device`` holding ``values`` (floats, as fp32)."""
+        values = tuple(float(v) for v in values)
+        slot = (key, str(device))
+        held = self._held.get(slot)
+        if held is not None and held[0] == values:
+            return held[1]
+        if capturing():
+            raise RuntimeError(
+                f"the optimizer's per-step values {values} changed inside a CUDA graph capture (they were "
+                f"{held[0] if held else 'never staged'}): set the learning rate and the other hyper-parameters "
+                "before capturing or replaying, not inside the captured step")
+        t = scalars_on(values, device, held[1] if held is not None and held[1].numel() == len(values) else None)
+        self._held[slot] = (values, t)
+        return t
+
+    def stage(self, key, values, device: torch.device) -> Tensor:
+        """:meth:`get`, outside a capture: the numbers in place before one begins or replays."""
+        return self.get(key, values, device)
+
+
 @triton.jit
 def row_sgd_kernel(
-    p_ptr, buf_ptr, g_ptr, idx_ptr, gscale_ptr, n, D, stride_p, stride_b, stride_g,
-    lr, momentum, weight_decay,
+    p_ptr, buf_ptr, g_ptr, idx_ptr, gscale_ptr, hyper_ptr, n, D, stride_p, stride_b, stride_g,
     HAS_IDX: tl.constexpr, G_AT_IDX: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
     GSCALE: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
 ):
     """``GSCALE``: the gradient is divided by ``gscale_ptr[0]`` as it is read (torch's fused
-    optimizers' ``grad_scale``: here the head's clipping, applied without a pass of its own)."""
+    optimizers' ``grad_scale``: here the head's clipping, applied without a pass of its own).
+    ``hyper``: fp32 ``[lr, momentum, weight_decay]`` on the device (:class:`DeviceScalars`)."""
+    lr = tl.load(hyper_ptr)
+    momentum = tl.load(hyper_ptr + 1)
+    weight_decay = tl.load(hyper_ptr + 2)
     inv_scale = 1.0
     if GSCALE:
         inv_scale = 1.0 / tl.load(gscale_ptr)
@@ -72,10 +140,12 @@ def fusable(p: Tensor, rounding: str) -> Optional[str]:
 
 def row_sgd_(p: Tensor, buf: Optional[Tensor], grad: Tensor, idx: Optional[Tensor], grad_at_idx: bool,
              lr: float, momentum: float, weight_decay: float, nesterov: bool,
-             grad_scale: Optional[Tensor] = None) -> None:
+             grad_scale: Optional[Tensor] = None, hyper: Optional[Tensor] = None) -> None:
     """Update rows ``idx`` of ``p`` (every row: ``idx`` None) in place; ``grad`` holds row ``i``'s
     gradient at ``idx[i]`` (``grad_at_idx``) or at ``i``; ``buf``: the momentum buffer (None: none);
-    ``grad_scale`` (a one-element tensor on ``p``'s device): the gradient divided by it."""
+    ``grad_scale`` (a one-element tensor on ``p``'s device): the gradient divided by it; ``hyper``:
+    ``[lr, momentum, weight_decay]`` as an fp32 tensor on ``p``'s device (the optimizer's
+    :class:`DeviceScalars`; None: made from the numbers given)."""
     n = p.shape[0] if idx is None else idx.numel()
     if n and shapes_only(p):  # meta: what it would touch, nothing launched (shardfc plan --bytes)
         state = [gathered(t, idx, 0, n) for t in (p, buf) if t is not None]
@@ -83,13 +153,14 @@ def row_sgd_(p: Tensor, buf: Optional[Tensor], grad: Tensor, idx: Optional[Tenso
         note("row_sgd", state + [g] + rows_of(idx, 0, n), state)
     if n == 0 or shapes_only(p):
         return
-    BR, BD = (16, 16) if interpreting() else (32, 128)
+    BR, BD = (16, 16) if interpreting() else ROW_SGD_TILES
+    if hyper is None:
+        hyper = scalars_on((lr, momentum, weight_decay), p.device)
     with torch.cuda.device(p.device) if p.is_cuda else contextlib.nullcontext():
         row_sgd_kernel[(triton.cdiv(n, BR),)](
             p, buf if buf is not None else p, grad, idx if idx is not None else p,
-            grad_scale if grad_scale is not None else p, n, p.shape[1],
+            grad_scale if grad_scale is not None else p, hyper, n, p.shape[1],
             p.stride(0), buf.stride(0) if buf is not None else 0, grad.stride(0),
-            float(lr), float(momentum), float(weight_decay),
             HAS_IDX=idx is not None, G_AT_IDX=grad_at_idx, MOMENTUM=buf is not None, NESTEROV=bool(nesterov),
             GSCALE=grad_scale is not None, BR=BR, BD=BD,
         )

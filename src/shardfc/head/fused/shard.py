@@ -139,7 +139,7 @@ def shard_forward(
             operand, inv = chunks.scored_rows(w, rows, n_cls * K, cfg.compute_dtype, normalize, need_inv)
         if cfg.impl == "gemm":
             pmax, psum, plsum = chunks.forward_stats(a_k, w, rows, inv, tr, tcol, tval, n_cls, K, scale, threshold,
-                                                     normalize, smooth, operand)
+                                                     normalize, smooth, operand, chunk_scale=cfg.chunk_scale)
         else:
             if operand is not None and tr is None:
                 # The step's operand: half the bytes of fp32 W, already gathered and normalised.
@@ -243,6 +243,7 @@ def shard_backward(
                 eps_over_c=eps / C, one_minus_eps=1.0 - eps, normalize=cfg.margin.normalize_weights,
                 accumulate=accumulate, scatter=accumulate and rows is not None, a_exact=a_in,
                 operand=stats.operand, update=update, next_operand=write_next, grad_sq=grad_sq,
+                chunk_scale=cfg.chunk_scale,
             )
         if write_next:
             next_operand.keep(w, stats.operand, stats.inv, cfg.compute_dtype, normalize, target_rows is not None or normalize)

@@ -18,11 +18,20 @@ from torch import Tensor
 
 class Region(NamedTuple):
     """``nbytes`` bytes of ``tensor``'s storage; ``part`` says which (equal parts are the same bytes:
-    a span is its byte offset and length, whatever the dtype that reads it)."""
+    a span is its byte offset and length, whatever the dtype that reads it). ``streamed``: the
+    kernel loads or stores it with ``eviction_policy="evict_first"`` (bytes used once, which
+    should not push what is reused out of L2): the count takes it from or to HBM and keeps it out
+    of its L2 model."""
 
     tensor: Tensor
     part: tuple
     nbytes: int
+    streamed: bool = False
+
+
+def streamed(regions: Sequence[Region]) -> List[Region]:
+    """``regions`` marked as streamed (see :class:`Region`)."""
+    return [r._replace(streamed=True) for r in regions]
 
 
 def span(t: Tensor) -> Region:
@@ -64,4 +73,4 @@ def recording(recorder: Recorder) -> Iterator[None]:
         _recorder = before
 
 
-__all__ = ["Region", "gathered", "note", "recording", "rows_of", "span"]
+__all__ = ["Region", "gathered", "note", "recording", "rows_of", "span", "streamed"]

@@ -52,6 +52,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 from typing import Any, Callable, Dict, Optional, Union
 
@@ -109,6 +110,7 @@ def plan(
     compute_dtype: Optional[str] = None,
     traffic: bool = False,
     l2_bytes: Union[int, str] = 50 * 2**20,
+    gpu_chunk_scale: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Per-rank memory of one head training step, and (with a budget) the largest C and B that fit.
 
@@ -144,6 +146,11 @@ def plan(
         traffic: also count the step's HBM bytes kernel by kernel (:mod:`.traffic`): the result's
             ``traffic``. The GPU paths' chunks and the count's L2 model use ``l2_bytes``.
         l2_bytes: the GPU's L2 (default 50 MiB, an H100's), an int or a string like ``"50MiB"``.
+        gpu_chunk_scale: the GPU paths' chunk scale (the head's ``gpu_chunk_scale``; None: its
+            default). With ``traffic``, the result's ``chunk_candidates`` has one row per scale of
+            :data:`~shardfc.head.fused.CHUNK_SCALES`: launches, HBM bytes, GPU time and host issue
+            time on paper, the step's peak, and which one the paper picks
+            (:func:`~shardfc.tools.plan.traffic.chunk_candidates`).
 
     Returns a dict with ``parts`` (bytes per part, see the module docstring), ``step_peak``,
     ``resting``, ``total``, ``bytes_per_class`` (resting bytes over ``n_local``), ``n_local``, ``n_sampled``, ``local_batch``, the inputs, and with a
@@ -194,6 +201,13 @@ def plan(
         raise ValueError(f"traffic must be True or False, got {traffic!r}")
     l2 = parse_bytes(l2_bytes, "l2_bytes")
     margin = _margin(margin)
+    if gpu_chunk_scale is not None:
+        from shardfc.head.fused import CHUNK_SCALES
+
+        if impl == "torch":
+            raise ValueError("gpu_chunk_scale sizes the GPU paths' chunks: it needs impl 'triton' or 'gemm', got impl='torch'")
+        if type(gpu_chunk_scale) is not int or gpu_chunk_scale not in CHUNK_SCALES:
+            raise ValueError(f"gpu_chunk_scale must be one of {CHUNK_SCALES}, got {gpu_chunk_scale!r}")
 
     import torch.distributed as dist
 
@@ -202,7 +216,7 @@ def plan(
             plan, num_classes, dim, batch, world_size, dtype, optimizer, sample_rate, chunk_size, budget,
             margin=margin, weight_decay=weight_decay, chunk_budget_bytes=chunk_budget_bytes, grad_in_place=grad_in_place,
             sparse_grad=sparse_grad, subcenters=subcenters, impl=impl, sms=sms, fused_update=fused_update,
-            compute_dtype=compute_dtype, traffic=traffic, l2_bytes=l2,
+            compute_dtype=compute_dtype, traffic=traffic, l2_bytes=l2, gpu_chunk_scale=gpu_chunk_scale,
         )
     from shardfc.tools.plan.replay import fake_world
 
@@ -212,18 +226,24 @@ def plan(
         head_options["sparse_grad"] = True
     if subcenters > 1:
         head_options["subcenters"] = subcenters
+    if impl != "torch":
+        head_options["gpu_chunk_scale"] = gpu_chunk_scale
+    evaluator = functools.partial(_Evaluator, dim, world_size, DTYPES[dtype], optimizer, weight_decay, grad_in_place,
+                                  fused_update=fused_update)
     with fake_world(world_size), _planned_device(impl, sms, l2, compute_dtype):
-        evaluate = _Evaluator(dim, world_size, DTYPES[dtype], optimizer, weight_decay, grad_in_place, head_options,
-                              fused_update)
+        evaluate = evaluator(head_options)
         result = dict(evaluate(num_classes, batch))
         if traffic:
             result["traffic"] = evaluate.traffic(num_classes, batch, l2)
+            if impl != "torch":
+                result["chunk_candidates"] = _chunk_candidates(evaluator, head_options, num_classes, batch, l2)
         result.update(
             num_classes=num_classes, dim=dim, batch=batch, world_size=world_size, dtype=dtype, optimizer=optimizer,
             sample_rate=float(sample_rate), chunk_size=chunk_size, margin=type(margin).__name__,
             weight_decay=weight_decay, memory_model=memory_model, grad_in_place=grad_in_place, sparse_grad=sparse_grad,
             subcenters=subcenters, impl=impl, sms=sms if impl != "torch" else None, fused_update=fused_update,
             compute_dtype=compute_dtype or dtype, l2_bytes=l2 if impl != "torch" or traffic else None,
+            gpu_chunk_scale=_scale_run(impl, gpu_chunk_scale),
         )
         if budget is not None:
             one = evaluate(1, batch)["total"]
@@ -237,6 +257,29 @@ def plan(
             max_b = _largest(lambda b: evaluate(num_classes, b)["total"], budget, 1) if fits_b1 else 0
             result.update(budget_bytes=budget, fits=result["total"] <= budget, max_classes=max_c, max_batch=max_b)
     return result
+
+
+def _scale_run(impl: str, gpu_chunk_scale: Optional[int]) -> Optional[int]:
+    """The chunk scale the planned step runs at (None on the torch path)."""
+    if impl == "torch":
+        return None
+    from shardfc.head.fused.chunks import check_chunk_scale
+
+    return check_chunk_scale(gpu_chunk_scale)
+
+
+def _chunk_candidates(evaluator, head_options: Dict[str, Any], num_classes: int, batch: int,
+                      l2: int) -> Dict[str, Any]:
+    """The step replayed at each chunk scale: :func:`~shardfc.tools.plan.traffic.chunk_candidates`
+    of their traffic, with each one's step peak."""
+    from shardfc.head.fused import CHUNK_SCALES
+    from shardfc.tools.plan.traffic import chunk_candidates
+
+    runs = {}
+    for scale in CHUNK_SCALES:
+        each = evaluator({**head_options, "gpu_chunk_scale": scale})
+        runs[scale] = (each.traffic(num_classes, batch, l2), each(num_classes, batch)["step_peak"])
+    return chunk_candidates(runs)
 
 
 @contextlib.contextmanager
@@ -374,7 +417,8 @@ def format_plan(result: Dict[str, Any]) -> str:
     """A readable table of :func:`plan`'s result."""
     r = result
     fused = r.get("impl", "torch") != "torch"
-    chunk = "none (fused)" if fused else r["chunk_size"] if r["chunk_size"] else "none"
+    chunk = (f"{r['gpu_chunk_scale']}x the L2-sized one" if r.get("gpu_chunk_scale") else "L2-sized") if fused \
+        else r["chunk_size"] if r["chunk_size"] else "none"
     impl = f"{r['impl']}, {r['sms']} SMs" if fused else "torch"
     lines = [
         f"head: C={r['num_classes']:,} D={r['dim']} global B={r['batch']} on W={r['world_size']} "

@@ -47,6 +47,10 @@ aten = torch.ops.aten
 #: on paper: ≈ 87% of its 3.35 TB/s, ≈ 60% of its 990 TFLOP/s (what cuBLAS reaches at these shapes).
 HBM_BYTES_PER_S = 2.9e12
 MATMUL_FLOPS_PER_S = 600e12
+#: Host time to issue one launch (µs): a Triton launch from Python, a cuBLAS call through torch, or
+#: a small torch operator, each ≈ 5–10 µs of CPU; a step's issue time on paper is its launches at
+#: this rate. When it exceeds the GPU time, the GPU waits for the host.
+HOST_LAUNCH_US = 8.0
 #: Torch operators under this many bytes (HBM and L2) are one row of ``--bytes``'s table.
 SMALL_ROW_BYTES = 16 * 2**20
 #: An H100's L2 (the default of ``shardfc plan --l2``).
@@ -179,7 +183,7 @@ class TrafficCounter:
         self._used += nbytes
         return True
 
-    def _read(self, launch: Launch, t: torch.Tensor, part, nbytes: int) -> None:
+    def _read(self, launch: Launch, t: torch.Tensor, part, nbytes: int, streamed: bool = False) -> None:
         serial = self._serial(t)
         key = (serial, self._resolve(part))
         launch.largest = max(launch.largest, nbytes)
@@ -188,17 +192,18 @@ class TrafficCounter:
             launch.from_l2 += nbytes
             return
         launch.read += nbytes
-        self._insert(key, nbytes, serial, False, None)
+        if not streamed:  # evict_first: read once, kept out of the way of what is reused
+            self._insert(key, nbytes, serial, False, None)
 
-    def _write(self, launch: Launch, t: torch.Tensor, part, nbytes: int) -> None:
+    def _write(self, launch: Launch, t: torch.Tensor, part, nbytes: int, streamed: bool = False) -> None:
         serial = self._serial(t)
         key = (serial, self._resolve(part))
         launch.largest = max(launch.largest, nbytes)
         entry = self._cache.pop(key, None)
         if entry is not None:
             self._used -= entry.nbytes
-        if not self._insert(key, nbytes, serial, True, launch):
-            launch.written += nbytes  # larger than L2: streams to HBM
+        if streamed or not self._insert(key, nbytes, serial, True, launch):
+            launch.written += nbytes  # evict_first, or larger than L2: streams to HBM
 
     # ------------------------------------------------------------------ sources
     def kernel(self, name: str, reads: Sequence, writes: Sequence, flops: float = 0.0) -> None:
@@ -208,9 +213,9 @@ class TrafficCounter:
         launch = Launch(name, True, flops=flops)
         self.result.launches.append(launch)
         for r in reads:
-            self._read(launch, r.tensor, r.part, r.nbytes)
+            self._read(launch, r.tensor, r.part, r.nbytes, r.streamed)
         for w in writes:
-            self._write(launch, w.tensor, w.part, w.nbytes)
+            self._write(launch, w.tensor, w.part, w.nbytes, w.streamed)
 
     def op(self, func, args, kwargs, out) -> None:
         """A torch operator that ran in the step (see the module docstring for what it touches)."""
@@ -356,6 +361,38 @@ def format_traffic(traffic: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def chunk_candidates(runs: Dict[int, Tuple[Dict[str, Any], int]]) -> Dict[str, Any]:
+    """One row per chunk scale from ``runs`` (scale -> (its step's :func:`summarise`, its step
+    peak in bytes)): launches, HBM bytes, GPU ms on paper, host issue ms (launches ×
+    :data:`HOST_LAUNCH_US`), the step on paper — the slower of the two, as the host issues while
+    the GPU runs — and ``pick``: the scale with the least step on paper (ties: the smaller scale,
+    the lesser peak). What ``impl="auto"`` times on the device; the paper is what a plan can say."""
+    rows = []
+    for scale, (t, peak) in sorted(runs.items()):
+        host = t["launches"] * HOST_LAUNCH_US / 1e3
+        rows.append(dict(scale=scale, launches=t["launches"], hbm_bytes=t["hbm_bytes"], gpu_ms=t["ms"], host_ms=host,
+                         step_ms=max(t["ms"], host), step_peak=int(peak)))
+    pick = min(rows, key=lambda r: (round(r["step_ms"], 6), r["scale"]))["scale"] if rows else None
+    return dict(host_launch_us=HOST_LAUNCH_US, rows=rows, pick=pick)
+
+
+def format_chunk_candidates(c: Dict[str, Any]) -> str:
+    """The table ``shardfc plan --bytes`` prints for the GPU paths' chunk scales."""
+    lines = [
+        f"Chunk sizes (the GPU paths' chunks as multiples of the L2-sized one; host issue at {c['host_launch_us']:g} µs a "
+        "launch; a step takes the slower of GPU and host):",
+        "",
+        "| scale | launches | HBM bytes | GPU ms on paper | host issue ms | step ms on paper | step peak |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in c["rows"]:
+        mark = " (picked)" if r["scale"] == c["pick"] else ""
+        lines.append(f"| {r['scale']}{mark} | {r['launches']:,} | {r['hbm_bytes'] / 1e9:.2f} GB | {r['gpu_ms']:.2f} | "
+                     f"{r['host_ms']:.2f} | {r['step_ms']:.2f} | {format_bytes(r['step_peak'])} |")
+    lines.append(f"on paper: scale {c['pick']}; impl='auto' times every scale on the device and keeps the fastest")
+    return "\n".join(lines)
+
+
 def summarise(step: StepTraffic) -> Dict[str, Any]:
     """:class:`StepTraffic` as the plan's ``traffic`` dict (JSON-ready)."""
     kernels = step.table()
@@ -367,5 +404,5 @@ def summarise(step: StepTraffic) -> Dict[str, Any]:
     )
 
 
-__all__ = ["DEFAULT_L2_BYTES", "HBM_BYTES_PER_S", "Launch", "MATMUL_FLOPS_PER_S", "StepTraffic", "TrafficCounter",
+__all__ = ["DEFAULT_L2_BYTES", "HBM_BYTES_PER_S", "HOST_LAUNCH_US", "chunk_candidates", "format_chunk_candidates", "Launch", "MATMUL_FLOPS_PER_S", "StepTraffic", "TrafficCounter",
            "format_traffic", "summarise"]
