@@ -47,7 +47,14 @@ from shardfc.head.function import (
     sharded_cross_entropy,
     stats_dtype_for,
 )
-from shardfc.head.fused import CANDIDATES, check_impl, resolve_impl, triton_unavailable
+from shardfc.head.fused import (
+    CHUNK_SCALES,
+    check_impl,
+    resolve_impl,
+    split_timed,
+    timed_candidates,
+    triton_unavailable,
+)
 from shardfc.head.grow import grow_head
 from shardfc.head.kernels import ShardConfig
 from shardfc.head.layout import INIT_BLOCK as INIT_BLOCK  # re-exported: the rows' home is .layout
@@ -69,6 +76,7 @@ from shardfc.head.validation import (
     check_batch_deferred,
     check_embeddings,
     check_head_options,
+    check_labels,
     check_validate,
     defers,
     raise_or_exchange_sizes,
@@ -159,6 +167,13 @@ class ShardedMarginHead(nn.Module):
             compute, ``embedding_dim ≤ 1024``; a clear error says which condition fails) or
             ``"auto"`` (the default: Triton on CUDA when it can run there, else torch).
             ``last_impl`` says which ran.
+        gpu_chunk_scale: the GPU paths' class chunks (``impl="triton"``'s backward, ``"gemm"``'s
+            forward and backward) as a multiple of the L2-sized chunk, one of
+            :data:`~shardfc.head.fused.CHUNK_SCALES`: 1 keeps a chunk's products in L2, larger
+            ones issue fewer launches a step (see docs/gpu.md, "Chunk sizes"). ``None`` (the
+            default): ``impl="auto"`` times every scale with each implementation and keeps the
+            fastest; an explicit ``impl`` takes :data:`~shardfc.head.fused.chunks.DEFAULT_CHUNK_SCALE`.
+            ``last_chunk_scale`` says which ran.
         validate: when the value checks of a forward's inputs (finite embeddings, labels in
             ``[0, C)`` or ``ignore_index``) are read, in one process: ``"immediate"`` (in that
             forward: one host sync a step), ``"deferred"`` (at the start of the next forward, or at
@@ -198,6 +213,7 @@ class ShardedMarginHead(nn.Module):
         interclass_filter_threshold: Optional[float] = None,
         impl: str = "auto",
         validate: str = "auto",
+        gpu_chunk_scale: Optional[int] = None,
     ):
         super().__init__()
         self.embedding_dim = check_positive_int("embedding_dim", embedding_dim)
@@ -235,7 +251,13 @@ class ShardedMarginHead(nn.Module):
         self.subcenters = options.subcenters
         self.interclass_filter_threshold = options.interclass_filter_threshold
         self.impl = check_impl(impl)
+        if gpu_chunk_scale is not None and (type(gpu_chunk_scale) is not int or gpu_chunk_scale not in CHUNK_SCALES):
+            raise ValueError(f"gpu_chunk_scale must be None or one of {CHUNK_SCALES}, got {gpu_chunk_scale!r}")
+        self.gpu_chunk_scale = gpu_chunk_scale
+        self.last_chunk_scale: Optional[int] = None
         self.validate = check_validate(validate)
+        # Value checks left to a caller (value_checks_outside).
+        self._values_outside = False
         # A deferred value check still to read (validate="deferred"), and the forwards counted for its message.
         self._pending_check: Optional[PendingCheck] = None
         self._forward_calls = 0
@@ -544,11 +566,27 @@ class ShardedMarginHead(nn.Module):
     def _exchange(self, error: Optional[Exception], local_batch: int) -> List[int]:
         return raise_or_exchange_sizes(error, local_batch, self.ctx)
 
+    @contextlib.contextmanager
+    def value_checks_outside(self):
+        """Inside the block, forwards check their inputs' types and shapes but not their values: a
+        caller checks those outside the step (:class:`shardfc.head.capture.CapturedHeadStep`, whose
+        captured step must not read the host) and reports them itself."""
+        before, self._values_outside = self._values_outside, True
+        try:
+            yield
+        finally:
+            self._values_outside = before
+
     def _check_and_exchange(self, embeddings: Tensor, labels: Tensor) -> List[int]:
         self.check_pending()  # the previous forward's deferred checks first: their batch came first
         self._forward_calls += 1
         args = dict(embedding_dim=self.embedding_dim, num_classes=self.num_classes, ignore_index=self.ignore_index,
                     ctx=self.ctx)
+        if self._values_outside:
+            error = check_embeddings(embeddings, self.embedding_dim, values=False)
+            if error is None:
+                error = check_labels(labels, embeddings.shape[0], self.num_classes, self.ignore_index, values=False)
+            return raise_or_exchange_sizes(error, embeddings.shape[0] if error is None else 0, self.ctx)
         device = embeddings.device if isinstance(embeddings, Tensor) else self.devices[0]
         if not defers(self.validate, device, self.distributed):
             return check_batch_and_exchange_sizes(embeddings, labels, **args)
@@ -626,9 +664,10 @@ class ShardedMarginHead(nn.Module):
         )
         if impl == "auto":  # timed once per workload on this GPU (the first forward of a new key)
             impl = self._choose_impl(key, config, embeds[0], weights[0], local_labels[0], rows)
-        self.last_impl = impl
+        impl, chunk_scale = split_timed(impl, self.gpu_chunk_scale)
+        self.last_impl, self.last_chunk_scale = impl, (chunk_scale if impl != "torch" else None)
         plan = ShardedLossPlan(
-            config=dataclasses.replace(config, impl=impl),
+            config=dataclasses.replace(config, impl=impl, chunk_scale=chunk_scale),
             num_shards=len(weights),
             distributed=self.distributed,
             comm=self.ctx.communicator,
@@ -679,7 +718,8 @@ class ShardedMarginHead(nn.Module):
         return [int(round(v)) for v in t.tolist()]
 
     def _choose_impl(self, key: str, cfg: ShardConfig, a: Tensor, w: Tensor, labels: Tensor, rows) -> str:
-        """``impl="auto"`` on a GPU: the fastest of :data:`~shardfc.head.fused.CANDIDATES` for workload
+        """``impl="auto"`` on a GPU: the fastest of :data:`~shardfc.head.fused.TIMED` (each
+        implementation at each chunk scale, or at ``gpu_chunk_scale`` when set) for workload
         ``key``, timed by :func:`~shardfc.head.impl_select.default_selector` on the first local
         shard's real inputs (:meth:`_timed_step`) and remembered per key. Timing changes no state:
         no ``.grad``, no optimizer, no sampling step; in a process group its one collective (after
@@ -687,8 +727,11 @@ class ShardedMarginHead(nn.Module):
         selector = impl_select.default_selector()
         if key in selector.choices:  # every forward after the first of a workload: no timing set-up
             return selector.choices[key]
-        candidates = {name: self._timed_step(dataclasses.replace(cfg, impl=name), a, w, labels, rows[0] if rows else None)
-                      for name in CANDIDATES}
+        candidates = {}
+        for name in timed_candidates(self.gpu_chunk_scale):
+            impl, scale = split_timed(name)
+            cfg_n = dataclasses.replace(cfg, impl=impl, chunk_scale=scale)
+            candidates[name] = self._timed_step(cfg_n, a, w, labels, rows[0] if rows else None)
 
         def rank0s(i: int) -> int:  # rank 0's index on every rank: one all-reduce of one number
             t = torch.tensor([float(i + 1) if self.rank == 0 else 0.0], device=a.device)
@@ -918,6 +961,7 @@ def workload_key(
         compute=str(compute_dtype), weights=str(weight_dtype), margin=type(margin).__name__,
         normalize=margin.normalize_weights, needs_norm=margin.needs_norm, smoothing=head.label_smoothing > 0,
         filter=head.interclass_filter_threshold is not None, world=head.world_size, shards=len(head.devices),
+        chunk_scale=head.gpu_chunk_scale,
         **impl_select.environment_fields(device),
     )
 

@@ -211,6 +211,28 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
         """Update ``p`` with a fused kernel and return True, or return False (the blocks do it)."""
         return False
 
+    def _device_scalars(self, group: dict, device: torch.device, values) -> Tensor:
+        """``group``'s per-step numbers for a kernel, as the fp32 tensor on ``device`` that this
+        optimizer keeps for the group at one address (:class:`~shardfc.head.fused.optimizer.DeviceScalars`):
+        refreshed when the numbers change (a learning-rate schedule), so the kernel reads them
+        instead of taking them as launch arguments and a captured CUDA graph replays with the
+        values set before the replay."""
+        from shardfc.head.fused.optimizer import DeviceScalars
+
+        held = self.__dict__.get("_scalars")
+        if held is None:  # made at first use (also after a copy or a pickle, which drop it)
+            held = self.__dict__["_scalars"] = DeviceScalars()
+        return held.get(next(i for i, g in enumerate(self.param_groups) if g is group), values, device)
+
+    def stage_device_scalars(self) -> None:
+        """Put this step's numbers (learning rate, momentum, ...) into the device tensors the fused
+        update's kernels read, for every parameter it serves: before a captured step is captured
+        or replayed (:class:`shardfc.head.capture.CapturedHeadStep`), where they cannot change."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if self.fused_update and self.fused_update_unavailable(p) is None:
+                    self._row_update(p, group)
+
     def _grad_scale_on(self, device: torch.device) -> Optional[Tensor]:
         """The ``grad_scale`` set for this step (see the class), as fp32 on ``device``; None without one."""
         scale = getattr(self, "grad_scale", None)
@@ -397,9 +419,10 @@ class RowSparseSGD(_RowSparseOptimizer):
         else:
             idx, grad, at_idx = entry, p.grad, True  # rows of the dense .grad (None: every row)
         buf = self._momentum_buffer(p, group)
+        hyper = self._device_scalars(group, p.device, (group["lr"], group["momentum"], group["weight_decay"]))
         row_sgd_(p, buf, grad.contiguous(), None if idx is None else idx.contiguous(), at_idx,
                  group["lr"], group["momentum"], group["weight_decay"], group["nesterov"],
-                 grad_scale=self._grad_scale_on(p.device))
+                 grad_scale=self._grad_scale_on(p.device), hyper=hyper)
         return True
 
     def _momentum_buffer(self, p: Tensor, group: dict) -> Optional[Tensor]:
@@ -415,7 +438,9 @@ class RowSparseSGD(_RowSparseOptimizer):
         from shardfc.head.fused.chunks import RowUpdate
 
         buf = self._momentum_buffer(p, group)
-        return RowUpdate(p, buf, group["lr"], group["momentum"], group["weight_decay"], group["nesterov"])
+        update = RowUpdate(p, buf, group["lr"], group["momentum"], group["weight_decay"], group["nesterov"])
+        update.hyper = self._device_scalars(group, p.device, update.hyper_values())
+        return update
 
     def _update(self, p: Tensor, idx, g: Tensor, group: dict, rnd) -> None:
         lr, mom, wd, nesterov = group["lr"], group["momentum"], group["weight_decay"], group["nesterov"]
@@ -485,8 +510,10 @@ class RowSparseAdamW(_RowSparseOptimizer):
         from shardfc.head.fused.chunks import RowUpdate
 
         state = self._adam_state(p)
-        return RowUpdate.adamw(p, state["exp_avg"], state["exp_avg_sq"], state["row_step"], group["lr"],
-                               group["betas"], group["eps"], group["weight_decay"])
+        update = RowUpdate.adamw(p, state["exp_avg"], state["exp_avg_sq"], state["row_step"], group["lr"],
+                                 group["betas"], group["eps"], group["weight_decay"])
+        update.hyper = self._device_scalars(group, p.device, update.hyper_values())
+        return update
 
     def _update(self, p: Tensor, idx, g: Tensor, group: dict, rnd) -> None:
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]

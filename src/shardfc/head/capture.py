@@ -1,0 +1,237 @@
+"""The head's training step as one CUDA graph: forward, backward and the fused update, replayed.
+
+At a million classes the GPU step is hundreds of kernel launches (:mod:`shardfc.head.fused.chunks`:
+a handful per class chunk), each costing the host a few microseconds to issue, so the host can
+take as long to issue a step as the GPU takes to run it. A CUDA graph issues the whole step in one
+call. :class:`CapturedHeadStep` records one step of a head whose optimizer applies its update in
+the backward (``head_optimizer(..., fused_update=True)``) — the head's forward, its backward into
+the embeddings and the weights' update — and replays it for every later batch of the same shapes::
+
+    head = ShardedMarginHead(512, 1_000_000, device="cuda", impl="gemm")
+    opt = head_optimizer(head, lr=0.1, momentum=0.9, fused_update=True)
+    step = CapturedHeadStep(head, opt)
+    for images, labels in loader:
+        embeddings = backbone(images)
+        loss = step.loss(embeddings, labels)   # the head's step replayed; its update applied
+        loss.backward()                        # the backbone's gradient, from the replayed one
+        backbone_opt.step(); backbone_opt.zero_grad()
+
+Why a replay computes what the eager step computes, and what it cannot do:
+
+* **No number of the step is frozen into the graph.** The kernels read the learning rate,
+  momentum, weight decay (and AdamW's β, ε) from a device tensor the optimizer keeps at one
+  address (:class:`~shardfc.head.fused.optimizer.DeviceScalars`), which :meth:`CapturedHeadStep.loss`
+  refreshes before each replay, outside the graph: a learning-rate schedule takes effect.
+* **Nothing inside the step reads the host.** The input value checks (finite embeddings, labels
+  in range) run before the replay, outside the graph, and are read at the next call, as
+  ``validate="deferred"`` does (:class:`~shardfc.head.validation.PendingCheck`): a bad batch is still
+  named, one call later. Types and shapes are checked at every call.
+* **Settled before capture.** The first :data:`EAGER_STEPS` calls, and the first after anything
+  changes, run the step eagerly: ``impl="auto"`` times its candidates, Triton tunes, the optimizer
+  makes its state and the update writes the next step's operand, so the captured forward reads
+  that operand instead of making one. A call with other shapes or dtypes, or after the weights were
+  changed outside the graph (``load_state_dict``, ``grow``: anything that bumps their version),
+  runs eagerly again and captures anew.
+* **Refused** (:func:`capture_unavailable` says why, and the constructor raises it): a head not on
+  one CUDA device in one process (a process-group head exchanges batch sizes through the host),
+  Partial FC (its draw and the catch-up of idle rows are host-side state per step), an optimizer
+  without the fused update (its step would be outside the graph), and a head clipped by its
+  gradient norm (read between backward and step).
+
+The replayed loss must be backpropagated with a gradient of 1 (``loss.backward()``, as the trainer
+does): the update inside the graph was applied with it, so a scaled loss would scale the embedding
+gradient and not the update. :meth:`CapturedHeadStep.loss` checks the gradient where it can without
+a host read: not at all; keep it unscaled.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from shardfc.head.validation import PendingCheck
+
+__all__ = ["CapturedHeadStep", "EAGER_STEPS", "capture_unavailable"]
+
+#: Eager steps before the first capture, and after anything that makes a captured graph stale: the
+#: first settles ``impl="auto"``, Triton's tuning and the optimizer's state, the second has the
+#: update's next operand in place for the captured forward to read.
+EAGER_STEPS = 2
+
+
+def capture_unavailable(head, optimizer, cuda_available: Optional[bool] = None) -> Optional[str]:
+    """Why ``head``'s step with ``optimizer`` cannot be captured as one CUDA graph (None when it can).
+    ``cuda_available``: what ``torch.cuda.is_available()`` says (given by tests)."""
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if head.impl == "torch":
+        return "impl='torch' has no fused update; use impl 'auto', 'triton' or 'gemm'"
+    if head.sample_rate < 1.0:
+        return (f"Partial FC (sample_rate={head.sample_rate}) draws its rows and catches idle rows up through "
+                "host-side state every step")
+    if getattr(head, "_grad_sq_on", False):
+        return "the head's gradient is clipped by its norm (measure_weight_grad_norm), read between backward and step"
+    if optimizer is None or not getattr(optimizer, "fused_update", False):
+        return ("the optimizer does not apply its step in the backward: use "
+                "head_optimizer(head, ..., fused_update=True), so the update is inside the captured step")
+    if head.distributed:
+        return ("the head is sharded over a process group: its forward exchanges the batch sizes through "
+                "the host, which a graph cannot do; capture single-process heads")
+    if not cuda:
+        return "CUDA is not available here (a CUDA graph is a GPU feature; run the step eagerly)"
+    if len(head.devices) != 1 or head.devices[0].type != "cuda":
+        return f"the head's shards are on {[str(d) for d in head.devices]}, not on one CUDA device"
+    return None
+
+
+class CapturedHeadStep:
+    """One training step of ``head`` with ``optimizer`` (forward, backward, fused update) as a
+    CUDA graph, captured after :data:`EAGER_STEPS` eager steps and replayed (see the module).
+
+    Args:
+        head: a :class:`~shardfc.ShardedMarginHead` on one CUDA device, in one process.
+        optimizer: its :func:`~shardfc.head.partial_fc.head_optimizer` with ``fused_update=True``.
+        eager_steps: eager steps before a capture (default :data:`EAGER_STEPS`, at least 1).
+
+    Raises RuntimeError naming the reason (:func:`capture_unavailable`) where it cannot run.
+    ``captures`` counts the captures and ``replays`` the replayed steps; ``last_call`` is
+    ``"eager"``, ``"captured"`` or ``"replayed"``.
+    """
+
+    def __init__(self, head, optimizer, eager_steps: int = EAGER_STEPS):
+        why = capture_unavailable(head, optimizer)
+        if why is not None:
+            raise RuntimeError(f"cannot capture the head's step as a CUDA graph: {why}")
+        if isinstance(eager_steps, bool) or not isinstance(eager_steps, int) or eager_steps < 1:
+            raise ValueError(f"eager_steps must be an integer >= 1, got {eager_steps!r}")
+        self.head, self.optimizer, self.eager_steps = head, optimizer, eager_steps
+        self.captures = self.replays = 0
+        self.last_call: Optional[str] = None
+        self._graph = None
+        self._key: Optional[tuple] = None
+        self._versions: Optional[tuple] = None
+        self._eager_left = eager_steps
+        self._pending: Optional[PendingCheck] = None
+        self._static: Optional[Tuple[Tensor, Tensor]] = None
+        self._out: Optional[Tuple[Tensor, Tensor]] = None
+
+    # ------------------------------------------------------------------ the step
+    def step(self, embeddings: Tensor, labels: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(loss, dJ/d embeddings)`` of one head step on this batch, its update applied to the
+        weights. The two tensors are the graph's own outputs after a replay: read (or clone) them
+        before the next call."""
+        self._check(embeddings, labels)
+        key = self._key_of(embeddings, labels)
+        if self._graph is not None and (key != self._key or self._weights_moved()):
+            self._drop()  # stale: other shapes, or weights changed outside the graph
+        if self._graph is None and self._eager_left > 0:
+            self._eager_left -= 1
+            self.last_call = "eager"
+            return self._eager(embeddings, labels)
+        self._stage()
+        captured = self._graph is None
+        if captured:
+            self._capture(embeddings, labels, key)
+        x, y = self._static
+        x.copy_(embeddings.detach())
+        y.copy_(labels)
+        self._graph.replay()
+        self.replays += 1
+        self.last_call = "captured" if captured else "replayed"
+        return self._out
+
+    def loss(self, embeddings: Tensor, labels: Tensor) -> Tensor:
+        """:meth:`step` as a loss connected to ``embeddings``: its backward hands the step's
+        embedding gradient to whatever produced them (the backbone). Backpropagate it with
+        gradient 1 (``loss.backward()``): the update inside the step was applied so."""
+        loss, grad = self.step(embeddings, labels)
+        return _StepLoss.apply(embeddings, loss.detach().clone(), grad.detach().clone())
+
+    def check_pending(self) -> None:
+        """Raise the value-check error of the last call's batch, if it failed (every call does
+        first; call it after the last step, before saving)."""
+        pending, self._pending = self._pending, None
+        error = pending.error() if pending is not None else None
+        if error is not None:
+            raise error
+
+    # ------------------------------------------------------------------ parts
+    def _check(self, embeddings: Tensor, labels: Tensor) -> None:
+        """The previous call's value checks read, this call's types and shapes checked at once and
+        its values started on the device (read at the next call): no host read in a step."""
+        from shardfc.head.validation import check_embeddings, check_labels
+
+        self.check_pending()
+        head = self.head
+        error = check_embeddings(embeddings, head.embedding_dim, values=False)
+        if error is None:
+            error = check_labels(labels, embeddings.shape[0], head.num_classes, head.ignore_index, values=False)
+        if error is not None:
+            raise error
+        if embeddings.device != head.devices[0] or labels.device != head.devices[0]:
+            raise ValueError(f"a captured step takes embeddings and labels on {head.devices[0]}, got them on "
+                             f"{embeddings.device} and {labels.device}")
+        if embeddings.shape[0]:
+            self._pending = PendingCheck(embeddings.detach(), labels, head.num_classes, head.ignore_index,
+                                         call=self.replays + self.captures + 1)
+
+    def _key_of(self, embeddings: Tensor, labels: Tensor) -> tuple:
+        autocast = torch.is_autocast_enabled("cuda")
+        return (tuple(embeddings.shape), embeddings.dtype, tuple(labels.shape), labels.dtype, autocast,
+                torch.get_autocast_dtype("cuda") if autocast else None, self.head.training,
+                tuple((w.data_ptr(), tuple(w.shape), w.dtype) for w in self.head.shard_weights))
+
+    def _weights_moved(self) -> bool:
+        return tuple(w._version for w in self.head.shard_weights) != self._versions
+
+    def _drop(self) -> None:
+        self._graph, self._static, self._out, self._key = None, None, None, None
+        self._eager_left = self.eager_steps
+
+    def _run(self, x: Tensor, y: Tensor) -> Tuple[Tensor, Tensor]:
+        """The step as it runs eagerly and as it is captured: the optimizer's bookkeeping around a
+        forward and a backward whose update the optimizer's kernels apply."""
+        self.optimizer.zero_grad(set_to_none=False)
+        loss = self.head(x, y)
+        loss.backward()
+        self.optimizer.step()
+        return loss, x.grad
+
+    def _eager(self, embeddings: Tensor, labels: Tensor) -> Tuple[Tensor, Tensor]:
+        x = embeddings.detach().requires_grad_(True)
+        with self.head.value_checks_outside():  # _check started them
+            return self._run(x, labels)
+
+    def _stage(self) -> None:
+        """This step's numbers (learning rate, ...) into the device tensors the kernels read."""
+        self.optimizer.stage_device_scalars()
+
+    def _capture(self, embeddings: Tensor, labels: Tensor, key: tuple) -> None:
+        x = embeddings.detach().clone().requires_grad_(True)
+        y = labels.clone()
+        head = self.head
+        head.check_pending()  # an earlier forward's own deferred check: read now, not inside the capture
+        graph = torch.cuda.CUDAGraph()
+        # The checks of the values ran outside (_check); inside, only what never reads the host.
+        with head.value_checks_outside():
+            with torch.cuda.graph(graph):
+                loss, grad = self._run(x, y)
+        self._graph, self._static, self._out, self._key = graph, (x, y), (loss, grad), key
+        self._versions = tuple(w._version for w in head.shard_weights)
+        self.captures += 1
+
+
+class _StepLoss(torch.autograd.Function):
+    """The replayed step's loss, connected to the embeddings: backward hands them the step's
+    gradient (times the incoming one, which must be 1 for the update inside the step to match)."""
+
+    @staticmethod
+    def forward(ctx, embeddings: Tensor, loss: Tensor, grad: Tensor) -> Tensor:
+        ctx.save_for_backward(grad)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        (grad,) = ctx.saved_tensors
+        return (grad * g).to(grad.dtype), None, None
