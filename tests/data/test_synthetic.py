@@ -131,7 +131,8 @@ def test_pool_size_is_at_most_the_set_and_its_render_does_not_depend_on_the_work
     data = SyntheticIdentities(num_identities=3, images_per_identity=2, image_size=(8, 8))
     whole = SyntheticPool(data, 100)
     assert whole.size == 6 and all(torch.equal(normalize(whole[i][0]), normalize(whole.images[i])) for i in range(6))
-    assert torch.equal(SyntheticPool(data, 6, num_workers=1).images, whole.images)
+    by_a_worker = SyntheticPool(data, 6, num_workers=1)
+    assert torch.equal(by_a_worker.images, whole.images) and (by_a_worker.num_workers, whole.num_workers) == (1, 0)
 
 
 @pytest.mark.parametrize("size", [0, -3, 2.5, True, "8"])

@@ -315,6 +315,8 @@ class SyntheticPool(Dataset):
         self.num_identities, self.images_per_identity = dataset.num_identities, dataset.images_per_identity
         self.image_size, self.seed = dataset.image_size, dataset.seed
         self.size = min(size, len(dataset))
+        self.num_workers = num_workers
+        """The worker processes that rendered the pool."""
         n = len(dataset)
         slots = torch.arange(self.size, dtype=torch.int64) * n // self.size
         h, w = self.image_size

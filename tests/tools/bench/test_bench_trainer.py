@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -96,9 +97,30 @@ def _spy_on_streams(monkeypatch):
     return streams
 
 
+def _slow_choose(self, key, candidates, *args, **kwargs):  # the head's impl="auto" timing, as on a GPU
+    time.sleep(0.05)
+    return "torch"
+
+
 def test_bench_trainer_feeds_a_pool_through_the_runs_loader_workers_and_splits_the_startup(tmp_path, capsys,
                                                                                             monkeypatch):
+    import shardfc.train.loop as loop
+    from shardfc.head import impl_select
+
     streams = _spy_on_streams(monkeypatch)
+    # What a GPU's first step does on top of a CPU's: a compilation and the head's impl="auto" timing.
+    monkeypatch.setattr(impl_select.ImplSelector, "choose", _slow_choose)
+    monkeypatch.setattr(impl_select, "_default", None)  # a fresh process selector, dropped after the test
+    torch._dynamo.reset()
+    first_step, real_step = [], loop.trainer_step
+
+    def trainer_step(*args, **kwargs):
+        if not first_step:
+            first_step.append(torch.compile(lambda x: x.cos() - 1, backend="eager")(torch.ones(2)))
+            impl_select.default_selector().choose("workload", {})
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "trainer_step", trainer_step)
     out = tmp_path / "bench.json"
     args = ["--trainer", "--steps", "2", "--warmup", "1", "--quiet", "--json", str(out), "--pool-size", "10",
             "--num-workers", "1", *TINY[:-6], "--synthetic-val-pairs", "20", "--threads", "1"]
@@ -116,7 +138,9 @@ def test_bench_trainer_feeds_a_pool_through_the_runs_loader_workers_and_splits_t
     # the start-up to the end of the first step, by what it went to: the parts add up to it
     split = r["startup_split"]
     assert list(split) == ["data", "build", "compile", "autotune", "rest of the first step"]
-    assert split["compile"] == 0 and split["autotune"] == 0  # not compiled; the CPU's head runs torch, untimed
+    assert split["compile"] > 0 and split["autotune"] >= 0.05  # within the first step
+    first = dict(r["startup_phases"])["first step"]
+    assert split["rest of the first step"] == pytest.approx(first - split["compile"] - split["autotune"])
     assert sum(split.values()) == pytest.approx(r["startup_s"]) and split["data"] > 0 and split["build"] > 0
     assert f"| start-up to the end of the first step | {r['startup_s']:.2f} s: data {split['data']:.2f} s, " in text
     assert f"rest of the first step {split['rest of the first step']:.2f} s |" in text
@@ -186,18 +210,12 @@ def test_the_pool_feeds_the_trainer_the_renderers_labels_shapes_and_dtypes():
 
 
 def test_startup_costs_time_compilation_and_the_heads_auto_timing_inside_the_with_only(monkeypatch):
-    import time
-
     from torch._dynamo.callback import callback_handler
 
     from shardfc.head import impl_select
     from shardfc.tools.bench.trainer import StartupCosts, startup_split
 
-    def slow_choose(self, key, candidates, *args, **kwargs):  # the head's impl="auto" timing, on a GPU
-        time.sleep(0.05)
-        return "torch"
-
-    monkeypatch.setattr(impl_select.ImplSelector, "choose", slow_choose)
+    monkeypatch.setattr(impl_select.ImplSelector, "choose", _slow_choose)
     monkeypatch.setattr(impl_select, "_default", None)  # a fresh process selector, dropped after the test
     before = (len(callback_handler.start_callbacks), len(callback_handler.end_callbacks))
     torch._dynamo.reset()

@@ -289,7 +289,7 @@ def bench_trainer(cfg, steps: int = 20, warmup: int = 3, progress: bool = True,
         rendered = train_dataset(cfg, resolve_image_size(cfg))
         pool = SyntheticPool(rendered, pool_size, cfg.num_workers)
         source.update(pool_images=pool.size, pool_bytes=pool.nbytes, pool_render_s=time.perf_counter() - started,
-                      pool_render_workers=cfg.num_workers)
+                      pool_render_workers=pool.num_workers)
         say(f"pool: {pool.size} synthetic images rendered once in {source['pool_render_s']:.2f} s "
             f"({_bytes(pool.nbytes)} of uint8)")
     clock = StartupClock()
