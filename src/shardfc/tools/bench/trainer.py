@@ -18,8 +18,8 @@ renderer (which fed 1,949 images/s with 4 workers on an H200's host, below the s
 2,807: the trainer reached 0.52 of it).
 The pool goes through the run's own data path: the DataLoader and its ``--num-workers`` worker
 processes, the prefetcher, the normalisation on the device. It is rendered before the start-up's
-clock starts (the bench's way of feeding, no part of a run's start-up) and described in the report: its images, its
-bytes, its rendering time. ``--no-pool`` feeds the loader from the renderer, per sample, as
+clock starts (the bench's way of feeding, no part of a run's start-up) and described in the
+report: its images, its bytes, its rendering time. ``--no-pool`` feeds the loader from the renderer, per sample, as
 ``shardfc train`` does; the other datasets ('recordio', 'folder', ...) are always read by their own
 loader. Each source's loader-only rate is reported: the run's own, and with the pool the
 renderer's beside it (the loader column).
@@ -29,7 +29,7 @@ What it runs, after building the run as ``shardfc train`` does (:func:`~shardfc.
 1. **start-up**: from the start of the build to the end of the first real step, phase by phase
    (:class:`~shardfc.train.observe.profile.StartupClock`, what ``--profile`` logs), and by what it
    went to (:func:`startup_split`: data, build, the first step's compile and autotune
-   (:class:`StartupCosts`), the first step's own work); then the **first evaluation** of the run's
+   (:class:`StartupCosts`), the rest of the first step); then the **first evaluation** of the run's
    targets, timed apart (the loop pays it at its first evaluation, not before its first step);
 2. **train**: ``--warmup`` then ``--steps`` steps of the loop's own step
    (:func:`~shardfc.train.loop.trainer_step`: the stop agreement, :func:`~shardfc.train.step.train_step`,
@@ -157,7 +157,7 @@ class StartupCosts:
     none. ``autotune_s``: the head's ``impl="auto"`` timing of its candidates
     (:meth:`~shardfc.head.impl_select.ImplSelector.choose` of the process's selector), during which
     Triton's autotuner tunes the fused forward under the run's key; a choice read from the cache
-    file costs nothing here, and Triton's tuning then falls in the first step's own work.
+    file costs nothing here, and Triton's tuning then falls in the rest of the first step.
     The selector is watched by a wrapper on its instance, removed at the end: the head's code
     knows nothing of the bench.
     """
@@ -566,8 +566,9 @@ def main(argv: List[str]) -> int:
     p = argparse.ArgumentParser(
         prog="shardfc bench --trainer",
         description="The trainer against its ceiling: the real `shardfc train` step and the bare step on "
-        "device-resident random tensors, the loader alone and the start-up, in one process. Every other "
-        "argument is a `shardfc train` flag.",
+        "device-resident random tensors, the loader alone, the start-up (data, build, compile, autotune) and the "
+        "first evaluation, in one process. The synthetic set feeds it from a pool of pre-rendered images by "
+        "default (--pool-size, --no-pool). Every other argument is a `shardfc train` flag.",
         allow_abbrev=False,
     )
     p.add_argument("--trainer", action="store_true", help="this comparison")
