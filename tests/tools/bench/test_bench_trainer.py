@@ -85,6 +85,8 @@ def test_bench_trainer_loader_column_rates_the_torch_loader_and_dali(tmp_path, c
         ("torch", 0, "CPU"), ("torch", 2, "CPU"), ("dali", 2, "CPU")]
     assert all(v["images_per_s"] > 0 for v in loaders)
     assert "| dali, 2 thread(s) | CPU |" in text and "| torch, 0 worker(s) | CPU |" in text
+    assert "source: the recordio loader (--loader torch, 2 loader worker(s))" in text
+    assert "| data loader only (recordio) |" in text
 
 
 def _spy_on_streams(monkeypatch):

@@ -537,7 +537,8 @@ def format_report(r: Dict[str, Any]) -> str:
         f"| ceiling: the bare step on device-resident random tensors | {r['ceiling_images_per_s']:,.0f} |",
         f"| `shardfc train`'s step on the real stream | {r['train_images_per_s']:,.0f} |",
         f"| train / ceiling | {r['train_over_ceiling']:.2f} |",
-        f"| data loader only ({r['source']['kind']}) | {r['loader_images_per_s']:,.0f} "
+        f"| data loader only ({c['dataset'] if r['source']['kind'] == 'loader' else r['source']['kind']}) | "
+        f"{r['loader_images_per_s']:,.0f} "
         f"({r['loader_over_train']:.1f}x the train rate) |",
         f"| train step beyond a ceiling step and the loader's batch (from the rates) | "
         f"{r['beyond_ceiling_and_loader_ms']:.2f} ms ({100 * r['beyond_ceiling_and_loader_share']:.0f}% of the step) |",
