@@ -2,7 +2,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from shardfc.data import SyntheticIdentities
+from shardfc.data import SyntheticIdentities, SyntheticPool, normalize
+from shardfc.data.labels import dataset_labels
 from shardfc.evaluation import verification_metrics
 
 
@@ -102,3 +103,40 @@ def test_argument_validation():
         SyntheticIdentities(image_size=(32,))
     with pytest.raises(ValueError, match="num_pairs"):
         SyntheticIdentities(num_identities=2, images_per_identity=1).verification_pairs(num_pairs=0)
+
+
+# ------------------------------------------------------------------ the pre-rendered pool
+def test_pool_serves_the_sets_labels_and_its_own_renders_in_uint8():
+    data = SyntheticIdentities(num_identities=6, images_per_identity=4, image_size=(12, 8), seed=3)
+    pool = SyntheticPool(data, 10)
+    assert (len(pool), pool.num_classes, pool.class_names, pool.image_size) == (24, 6, data.class_names, (12, 8))
+    assert pool.size == 10 and pool.images.shape == (10, 3, 12, 8) and pool.nbytes == 10 * 3 * 12 * 8
+    assert pool.images.is_shared()  # one copy for every loader worker, whatever their start method
+    assert [pool[i][1] for i in range(24)] == [data[i][1] for i in range(24)]
+    assert dataset_labels(pool).tolist() == dataset_labels(data).tolist()  # what the P x K sampler reads
+    slots = [k * 24 // 10 for k in range(10)]  # spread over the set: every identity has pixels in it
+    for i in range(24):
+        image, _ = pool[i]
+        assert image.dtype == torch.uint8 and image.shape == (3, 12, 8)
+        nearest = max(s for s in slots if s <= i)  # the pooled sample at or before i
+        assert torch.equal(image, pool.images[slots.index(nearest)])
+    for k, s in enumerate(slots):  # normalised on the device, a pooled image is the render to 1/255
+        assert (normalize(pool.images[k]) - data[s][0]).abs().max() <= 0.5 / 127.5 + 1e-6
+    assert torch.equal(pool[-1][0], pool[23][0])
+    with pytest.raises(IndexError):
+        pool[24]
+
+
+def test_pool_size_is_at_most_the_set_and_its_render_does_not_depend_on_the_workers():
+    data = SyntheticIdentities(num_identities=3, images_per_identity=2, image_size=(8, 8))
+    whole = SyntheticPool(data, 100)
+    assert whole.size == 6 and all(torch.equal(normalize(whole[i][0]), normalize(whole.images[i])) for i in range(6))
+    by_a_worker = SyntheticPool(data, 6, num_workers=1)
+    assert torch.equal(by_a_worker.images, whole.images) and (by_a_worker.num_workers, whole.num_workers) == (1, 0)
+
+
+@pytest.mark.parametrize("size", [0, -3, 2.5, True, "8"])
+def test_pool_names_a_bad_size(size):
+    data = SyntheticIdentities(num_identities=2, images_per_identity=2, image_size=(8, 8))
+    with pytest.raises(ValueError, match=f"size must be an int >= 1, got {size!r}"):
+        SyntheticPool(data, size)

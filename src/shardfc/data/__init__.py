@@ -1,7 +1,7 @@
-"""Datasets and image transforms: folder / list-file datasets, a synthetic identity set."""
+"""Datasets and image transforms: folder / list-file datasets, a synthetic identity set and its pre-rendered pool."""
 
 from shardfc.data.folder import IMG_EXTENSIONS, ImageFolderDataset, ListFileDataset
-from shardfc.data.synthetic import SyntheticIdentities
+from shardfc.data.synthetic import SyntheticIdentities, SyntheticPool
 from shardfc.data.transforms import (
     CorruptImageError,
     ImageTransform,
@@ -18,6 +18,7 @@ __all__ = [
     "ImageTransform",
     "ListFileDataset",
     "SyntheticIdentities",
+    "SyntheticPool",
     "decode_image",
     "image_to_tensor",
     "normalize",

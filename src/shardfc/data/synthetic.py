@@ -25,11 +25,11 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from shardfc.seeding import mix_seed
 
-__all__ = ["SyntheticIdentities"]
+__all__ = ["SyntheticIdentities", "SyntheticPool"]
 
 # Stream tags keep the generators for different purposes independent.
 _STREAM_TEMPLATE = 1
@@ -277,3 +277,87 @@ class SyntheticIdentities(Dataset):
         images_b = self.render_batch((id_b + first_id).tolist(), (k_b + base).tolist())
         return images_a, images_b, torch.from_numpy(issame)
 
+
+
+class SyntheticPool(Dataset):
+    """A :class:`SyntheticIdentities` set served from ``size`` of its samples, rendered once and kept
+    in memory: a source that can feed a trainer at any rate (``shardfc bench --trainer``'s default).
+
+    The set's own renderer fills the pool once, with ``num_workers`` DataLoader worker processes
+    (0: in this process). The pool holds samples spread evenly over the set (slot ``j`` is sample
+    ``j * len // size``), as uint8 pixels in the image datasets' convention (:func:`~shardfc.data.normalize`
+    of them is the rendered image to within 1/255): ``size x 3 x H x W`` bytes, 4,096 images at
+    112x112 are 154 MB, a quarter of float32. The tensor is in shared memory, so loader workers
+    read the one copy whatever their start method.
+
+    It has the set's length, classes, class names and labels: sample ``i`` is ``(the image of the
+    pooled sample at or nearest before i, i's own label)``. Samplers, the head and the loss thus see
+    exactly the labels a run on the renderer sees, batch for batch; only the pixels repeat, each
+    pooled image serving about ``len / size`` samples (with more slots than identities, mostly
+    samples of its own identity). The nuisances (crop, jitter, lighting, noise, flip) are the renderer's, drawn
+    for the pooled samples; the trainer's random erasing still applies on the device per batch.
+
+    Args:
+        dataset: the synthetic set.
+        size: the images to pool, an int >= 1; at most ``len(dataset)`` are kept (a bigger pool
+            would hold each sample twice).
+        num_workers: worker processes rendering the pool.
+    """
+
+    def __init__(self, dataset: SyntheticIdentities, size: int, num_workers: int = 0) -> None:
+        if not isinstance(dataset, SyntheticIdentities):
+            raise TypeError(f"SyntheticPool pools a SyntheticIdentities set, got {type(dataset).__name__}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"size must be an int >= 1, got {size!r}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
+        self.source = dataset
+        self.num_identities, self.images_per_identity = dataset.num_identities, dataset.images_per_identity
+        self.image_size, self.seed = dataset.image_size, dataset.seed
+        self.size = min(size, len(dataset))
+        self.num_workers = num_workers
+        """The worker processes that rendered the pool."""
+        n = len(dataset)
+        slots = torch.arange(self.size, dtype=torch.int64) * n // self.size
+        h, w = self.image_size
+        self.images = torch.empty(self.size, 3, h, w, dtype=torch.uint8)
+        loader = DataLoader(Subset(dataset, slots.tolist()), batch_size=256, num_workers=num_workers)
+        threads = torch.get_num_threads()
+        if num_workers == 0:  # the renderer's small ops run fastest on one thread (10x on a busy 2-core box)
+            torch.set_num_threads(1)
+        try:
+            done = 0
+            for images, _ in loader:
+                # The inverse of normalize(): x = u / 127.5 - 1, rounded to the nearest pixel value.
+                self.images[done:done + len(images)] = images.add(1.0).mul_(127.5).round_().clamp_(0, 255)
+                done += len(images)
+        finally:
+            torch.set_num_threads(threads)
+        self.images.share_memory_()
+
+    @property
+    def num_classes(self) -> int:
+        return self.num_identities
+
+    @property
+    def class_names(self) -> List[str]:
+        return self.source.class_names
+
+    @property
+    def nbytes(self) -> int:
+        """The pool's pixels in bytes (``size x 3 x H x W``)."""
+        return self.images.numel()
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int) -> Tuple[torch.Tensor, int]:
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} out of range for dataset of size {n}")
+        index %= n
+        # The last slot j at or before index: j * n // size <= index  <=>  j <= ((index + 1) * size - 1) // n.
+        return self.images[((index + 1) * self.size - 1) // n], index // self.images_per_identity
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.source!r}, size={self.size})"
