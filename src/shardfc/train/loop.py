@@ -145,6 +145,8 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         runlog.close_bar()
         if parts.head is not None:  # the last batch's deferred input checks (one process on CUDA): read now
             parts.head.check_pending()
+        if parts.head_step is not None:  # ... and the captured step's, which checks its batches itself
+            parts.head_step.check_pending()
         stream.close()  # the loader's workers end now, not whenever the generator is collected
 
         # ---- save: a final checkpoint (unless nothing was trained) and a final evaluation

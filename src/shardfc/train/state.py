@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardfc.head import ShardedMarginHead
+from shardfc.head.capture import CapturedHeadStep
 from shardfc.head.triplet import BatchHardTripletLoss
 
 
@@ -48,6 +49,8 @@ class Parts:
     """fp16 loss scaler (disabled for other precisions)."""
     triplet: Optional[BatchHardTripletLoss] = None
     """The global-batch triplet loss on the features before the neck (triplet_weight > 0), else None."""
+    head_step: Optional[CapturedHeadStep] = None
+    """The head's training step as a CUDA graph (``cuda_graph='head'``), else None: the head runs eagerly."""
 
     @property
     def module(self) -> nn.Module:

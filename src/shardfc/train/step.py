@@ -57,6 +57,14 @@ def train_step(
     return loss_sum, corrupt
 
 
+def head_loss(parts: Parts, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The head's loss of ``embeddings``: its captured step replayed (``cuda_graph='head'``: the
+    update applied already, the backward hands the embeddings their gradient), or its forward."""
+    if parts.head_step is not None:
+        return parts.head_step.loss(embeddings, labels)
+    return parts.head(embeddings, labels)
+
+
 def micro_batch_loss(
     parts: Parts, images: torch.Tensor, labels: torch.Tensor, triplet_weight: float, clock: PhaseClock = OFF,
     frozen: bool = False,
@@ -71,19 +79,19 @@ def micro_batch_loss(
         with torch.no_grad():
             embeddings = parts.backbone(images)
         clock.lap("forward")
-        loss = parts.head(embeddings, labels)
+        loss = head_loss(parts, embeddings, labels)
         clock.lap("head")
         return loss
     if parts.triplet is None:
         embeddings = parts.backbone(images)
         clock.lap("forward")
         clock.lap_on_backward(embeddings, "head")
-        loss = parts.head(embeddings, labels)
+        loss = head_loss(parts, embeddings, labels)
     else:
         features, embeddings = parts.backbone(images, with_features=True)
         clock.lap("forward")
         clock.lap_on_backward(embeddings, "head")
-        loss = parts.head(embeddings, labels) + triplet_weight * parts.triplet(features, labels)
+        loss = head_loss(parts, embeddings, labels) + triplet_weight * parts.triplet(features, labels)
     clock.lap("head")
     return loss
 

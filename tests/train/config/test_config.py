@@ -255,3 +255,23 @@ def test_the_margin_fields_default_to_the_margin_classes_defaults():
         given.pop("scale", None)
         defaults.pop("scale", None)
         assert given == defaults, name
+
+
+@pytest.mark.parametrize("changes, says", [
+    (dict(nproc=2), "cuda_graph='head': nproc=2 (a head sharded over ranks"),
+    (dict(sample_rate=0.5), "cuda_graph='head': sample_rate=0.5 (Partial FC"),
+    (dict(head_update="optimizer"), "cuda_graph='head': head_update='optimizer' (the update must be inside"),
+    (dict(grad_accum=2), "cuda_graph='head': grad_accum=2 (several backward passes"),
+    (dict(head_grad_clip=1.0), "cuda_graph='head': head_grad_clip=1.0 (clipping reads the stored gradient)"),
+    (dict(device="cpu"), "cuda_graph='head': the run is on the CPU"),
+])
+def test_a_captured_head_step_is_refused_where_the_config_rules_it_out(changes, says):
+    """``cuda_graph='head'`` needs one head in one process with the fused update: the configuration
+    says which condition fails, in one line ending with what to do (issue 42)."""
+    cfg = TrainConfig(cuda_graph="head", **{"nproc": 1, **changes})
+    with pytest.raises(ConfigError) as err:
+        cfg.validate()
+    assert str(err.value).startswith(says) and str(err.value).endswith("use cuda_graph 'off'")
+    assert TrainConfig(cuda_graph="head", nproc=1, device="cuda").validate().cuda_graph == "head"  # none of that
+    with pytest.raises(ConfigError, match="cuda_graph must be one of"):
+        TrainConfig(cuda_graph="all").validate()

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, Sampler
 
 from shardfc.head import ShardedMarginHead, head_optimizer
+from shardfc.head.capture import CapturedHeadStep, capture_unavailable
 from shardfc.head.margins import build_margin
 from shardfc.head.triplet import BatchHardTripletLoss
 from shardfc.models import build_backbone
@@ -143,7 +144,8 @@ def build_model(
     # W x gradient (the triplet's default), like the head's: the backbone's wrapper averages over ranks.
     # (strategy 'pipeline' refuses the triplet loss: TrainConfig.validate)
     triplet = BatchHardTripletLoss(cfg.triplet_margin, cfg.triplet_soft, context=ctx) if cfg.triplet_weight > 0 else None
-    parts = Parts(backbone, head, opt_backbone, opt_head, schedulers, scaler, triplet)
+    parts = Parts(backbone, head, opt_backbone, opt_head, schedulers, scaler, triplet,
+                  build_head_step(cfg, head, opt_head, ctx.device))
     plan = pipeline_plan(cfg, ctx, layout, stage, parts) if layout is not None else None
     return parts, plan
 
@@ -207,6 +209,21 @@ def build_head_optimizer(cfg: TrainConfig, head: ShardedMarginHead, device: torc
         rounding=cfg.head_rounding, rounding_seed=cfg.seed, fused_update=fused_head_update(cfg, device, amp_dtype),
         idle_rows=cfg.head_idle_rows,
     )
+
+
+def build_head_step(cfg: TrainConfig, head: Optional[ShardedMarginHead], opt_head,
+                    device: torch.device) -> Optional[CapturedHeadStep]:
+    """``cuda_graph='head'``: the head's step captured as a CUDA graph (:mod:`shardfc.head.capture`),
+    or a :class:`ConfigError` naming what the run lacks for it; None with ``cuda_graph='off'``."""
+    if cfg.cuda_graph != "head" or head is None:
+        return None
+    if torch.device(device).type != "cuda":
+        raise ConfigError(f"cuda_graph='head': the run is on {torch.device(device).type} (a CUDA graph needs CUDA); "
+                          "use cuda_graph 'off'")
+    why = capture_unavailable(head, opt_head)
+    if why is not None:
+        raise ConfigError(f"cuda_graph='head': {why}; use cuda_graph 'off'")
+    return CapturedHeadStep(head, opt_head)
 
 
 def channels_last_wanted(cfg: TrainConfig, backbone: torch.nn.Module) -> bool:

@@ -164,6 +164,8 @@ class TrainConfig:
     """Clip the head's gradient by its global norm over all shards to this value; 0 (default): the head is not clipped. Set it to grad_clip for what grad_clip did before 0.2. Needs the head's gradient stored (head_update 'optimizer')."""
     head_update: str = "auto"
     """Who applies the head's optimizer step: 'fused' (the head's backward, row by row as it forms the gradient, which is then never stored: no [n, D] gradient written, cleared or read; SGD or AdamW on CUDA with head_impl triton/gemm, grad_accum 1, no fp16 loss scaling, no head_grad_clip, nearest rounding, one micro-batch per pipeline step), 'optimizer' (the gradient stored, then the optimizer's step) or 'auto' (fused where all that holds, else optimizer)."""
+    cuda_graph: str = "off"
+    """'head': the head's training step (forward, backward and the fused update) captured once as a CUDA graph and replayed every step (shardfc.head.capture), so the host issues one call instead of hundreds of kernel launches; needs CUDA, one process, strategy ddp, the fused head update (head_update auto or fused, SGD or AdamW, head_impl not torch, no fp16, no head_grad_clip, grad_accum 1) and no Partial FC. 'off' (default, until measured on a GPU): every step eager."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step (the step's batch is grad_accum * batch_size * nproc)."""
 
@@ -319,6 +321,7 @@ class TrainConfig:
         _choice(self, "device", ("auto", "cpu", "cuda"))
         _choice(self, "head_impl", ("auto", "triton", "gemm", "torch"))
         _choice(self, "head_update", ("auto", "fused", "optimizer"))
+        _choice(self, "cuda_graph", ("off", "head"))
         for name in ("synthetic_identities", "synthetic_images_per_identity", "embedding_dim", "batch_size",
                      "grad_accum", "nproc", "log_every", "eval_batch_size", "subcenters", "pipeline_stages",
                      "micro_batches"):
@@ -407,6 +410,8 @@ class TrainConfig:
             why = self.head_update_not_fusable()
             if why is not None:
                 raise ConfigError(f"head_update='fused': {why}; use head_update 'auto' or 'optimizer'")
+        if self.cuda_graph == "head":
+            self._validate_cuda_graph()
         _validate_classes(self)
         return self
 
@@ -429,6 +434,24 @@ class TrainConfig:
         if device_type == "cpu" or (device_type is None and self.device == "cpu"):
             return "the run is on the CPU (the fused update needs CUDA)"
         return None
+
+    def _validate_cuda_graph(self) -> None:
+        """``cuda_graph='head'``: what the configuration alone says against capturing the head's step
+        (the run's device and its optimizer are the builder's: :func:`~shardfc.train.builder.factory.build_head_step`)."""
+        if self.strategy != "ddp":
+            raise ConfigError(f"cuda_graph='head' is not supported by strategy={self.strategy!r}: the captured step is "
+                              "one head on one device in one process (strategy ddp with nproc 1)")
+        why = None
+        if self.nproc > 1:
+            why = f"nproc={self.nproc} (a head sharded over ranks exchanges batch sizes through the host)"
+        elif self.sample_rate < 1.0:
+            why = f"sample_rate={self.sample_rate} (Partial FC draws rows and catches idle rows up on the host)"
+        elif self.head_update == "optimizer":
+            why = "head_update='optimizer' (the update must be inside the captured step: head_update auto or fused)"
+        else:
+            why = self.head_update_not_fusable()
+        if why is not None:
+            raise ConfigError(f"cuda_graph='head': {why}; use cuda_graph 'off'")
 
     def _validate_pipeline(self) -> None:
         if self.pipeline_stages < 2:

@@ -24,7 +24,7 @@ SECTIONS: Dict[str, Tuple[str, ...]] = {
              "subcenters", "interclass_filter_threshold", "sample_rate", "chunk_size", "head_impl",
              "label_smoothing", "head_dtype", "head_rounding", "sparse_grad", "head_idle_rows", "triplet_weight", "triplet_margin", "triplet_soft"),
     "optim": ("optimizer", "lr", "momentum", "head_momentum", "weight_decay", "nesterov", "betas", "eps", "grad_clip", "head_grad_clip",
-              "head_update", "grad_accum"),
+              "head_update", "cuda_graph", "grad_accum"),
     "schedule": ("batch_size", "max_steps", "epochs", "scheduler", "poly_power", "warmup_steps"),
     "run": ("strategy", "pipeline_stages", "pipeline_schedule", "micro_batches", "split_points", "micro_batch_stats",
             "amp", "channels_last", "compile", "seed", "nproc", "device", "threads", "output_dir", "resume", "log_every", "progress",
