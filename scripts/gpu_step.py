@@ -1,5 +1,9 @@
-"""The head's step on one GPU, looked at from four sides, in one process (``scripts/gpu_check.sh`` runs it):
+"""The head's step on one GPU, looked at from six sides, in one process (``scripts/gpu_check.sh`` runs it):
 
+* ``smoke`` (first: seconds): ``torch.mm`` / ``torch.addmm`` with ``out_dtype=torch.float32`` and bf16
+  operands on the device — whether this torch build takes them — and which path
+  :func:`shardfc.head.kernels.addmm_f32` then chose (:data:`~shardfc.head.kernels.OUT_DTYPE_WORKS`:
+  the fallback to fp32 products is chosen once, on a RuntimeError);
 * ``correctness``: each ``impl``'s loss and gradients (``x.grad``, ``weight.grad``) against the dense
   float64 reference (:func:`shardfc.reference_loss`), in fp32 and under bf16 autocast, with the CPU
   tests' tolerances (fp32: :data:`FP32_RTOL`; bf16: at most twice the torch path's error plus 2e-3);
@@ -8,15 +12,22 @@
   beside the three bf16 matmuls of the same shapes, and Partial FC r = 0.1 with bf16 centres and the
   row-sparse update; the SGD and AdamW steps fused into the backward (AdamW also after it), and the
   fused SGD step with the operand made by each forward instead of written by the last update;
-  median of ``--steps`` after ``--warmup``, CUDA-synchronised, peak memory above rest;
+  the fused SGD step at each chunk scale (:data:`shardfc.head.fused.CHUNK_SCALES`: the chunk-size
+  sweep; ``plan`` gives each one's launches and bytes on paper) and replayed as one CUDA graph
+  (:class:`shardfc.head.capture.CapturedHeadStep`); median of ``--steps`` after ``--warmup``,
+  CUDA-synchronised, with the host's issue time (a clock around the enqueue, stopped before the
+  synchronise) beside the GPU time, and peak memory above rest;
+* ``graph``: the captured step replayed against the eager fused step over a schedule of learning
+  rates — losses and weights to fp32 rounding — per GPU implementation (CUDA only);
 * ``profile``: one step under ``torch.profiler`` (kernel count, the ten slowest kernels), under
   ``torch.cuda.set_sync_debug_mode("warn")`` (each host synchronisation, with the line that caused it)
   and under ``set_sync_debug_mode("error")`` (a sync raises: the step must pass, issue 31), that one
   also for a Partial FC head (r = 0.1, bf16 centres, ``sparse_grad``); skipped on a CPU;
 * ``plan``: ``shardfc plan``'s predicted step peak beside the measured one, for the configurations
-  the plan models (centres and compute in one dtype).
+  the plan models (centres and compute in one dtype), and ``plan --bytes``' chunk candidates at the
+  step's shapes (launches, HBM bytes, GPU and host-issue time on paper per chunk scale).
 
-    python scripts/gpu_step.py --parts correctness,step,profile,plan --classes 1000000 --json out.json
+    python scripts/gpu_step.py --parts smoke,correctness,step,graph,profile,plan --classes 1000000 --json out.json
 
 ``--device cpu`` with tiny sizes checks the script itself (the fused impls run under
 ``TRITON_INTERPRET=1`` when it is set; otherwise their rows say why they cannot run). Exit 1 if a
@@ -39,6 +50,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 import shardfc
+from shardfc.head.fused import CHUNK_SCALES
 from shardfc.head.margins import build_margin
 from shardfc.parallel.context import DistContext
 
@@ -107,6 +119,8 @@ def row_error(row: Dict[str, Any], e: Exception, impl: str) -> None:
     """A row's own error: "unavailable" where the head says ``impl`` cannot run here, else "FAILED"
     with the traceback."""
     why = cannot_run(e, impl) if isinstance(e, ValueError) else None
+    if isinstance(e, RuntimeError) and str(e).startswith("cannot capture the head's step"):
+        why = str(e)  # a CUDA graph where the head cannot have one (no CUDA here): the head's reason
     if why is not None:
         row.update(status="unavailable", reason=why)
     else:
@@ -176,12 +190,19 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+#: The host's issue time of the last :func:`time_steps` (median ms from the start of a step to the
+#: return of its last enqueue, before the synchronise).
+LAST_HOST_MS: List[Optional[float]] = [None]
+
+
 def time_steps(step: Callable[[Any, Any], Any], batches, device: torch.device, warmup: int, steps: int):
-    """Median ms of ``steps`` calls after ``warmup``; the largest peak above the memory before a step."""
+    """Median ms of ``steps`` calls after ``warmup``; the largest peak above the memory before a step.
+    The median host issue time goes to :data:`LAST_HOST_MS` (a GPU step whose host time is above its
+    GPU time waits for the host)."""
     for i in range(warmup):
         step(*batches[i % len(batches)])
     sync(device)
-    times, peaks = [], []
+    times, peaks, host = [], [], []
     for i in range(steps):
         x, y = batches[i % len(batches)]
         if device.type == "cuda":
@@ -190,10 +211,12 @@ def time_steps(step: Callable[[Any, Any], Any], batches, device: torch.device, w
         sync(device)
         t0 = time.perf_counter()
         step(x, y)
+        host.append((time.perf_counter() - t0) * 1e3)
         sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
         if device.type == "cuda":
             peaks.append(torch.cuda.max_memory_allocated(device) - before)
+    LAST_HOST_MS[0] = statistics.median(host) if host else None
     return statistics.median(times), (max(peaks) if peaks else None), times
 
 
@@ -258,18 +281,118 @@ def l2_share(share: Optional[float]):
 
 @contextlib.contextmanager
 def fresh_operand(on: bool):
-    """Inside the block (``on``), a fused update keeps no operand for the next step: every forward
-    makes it in its pass over W, as before the update wrote it (the comparison row)."""
+    """Inside the block (``on``), a fused update builds no operand for the next step (the head hands
+    the backward no :class:`~shardfc.head.fused.chunks.NextOperand`, so the update kernel runs
+    without ``NEXT``): every forward makes it in its pass over W (the comparison row)."""
     if not on:
         yield
         return
-    from shardfc.head.fused import chunks  # needs Triton: only the fused rows ask
+    from shardfc.head.module import ShardedMarginHead
 
-    before, chunks.NextOperand.keep = chunks.NextOperand.keep, lambda self, *args: None
+    before = ShardedMarginHead._next_operands_for
+    ShardedMarginHead._next_operands_for = lambda self, impl, n: None
     try:
         yield
     finally:
-        chunks.NextOperand.keep = before
+        ShardedMarginHead._next_operands_for = before
+
+
+def graph_step(head, opt, device, dtype: str):
+    """One head step replayed as a CUDA graph (:class:`shardfc.head.capture.CapturedHeadStep`: eager
+    for its first steps, then captured once and replayed); refused with its reason off CUDA."""
+    from shardfc.head.capture import CapturedHeadStep
+
+    captured = CapturedHeadStep(head, opt)
+
+    def step(x, y):
+        with autocast(device, dtype):
+            loss, _ = captured.step(x.detach(), y)
+        return loss
+
+    return step
+
+
+def smoke_part(args, device: torch.device) -> Dict[str, Any]:
+    """Whether this torch takes ``out_dtype=torch.float32`` with bf16 operands for ``mm`` and ``addmm``
+    on the device (no CPU test can tell for a CUDA build), and what ``addmm_f32`` chose."""
+    from shardfc.head import kernels
+
+    g = torch.Generator(device=device).manual_seed(5)
+    a = torch.randn(64, 32, generator=g, device=device).bfloat16()
+    b = torch.randn(32, 48, generator=g, device=device).bfloat16()
+    ref = a.double() @ b.double()
+    rows = []
+    for op in ("mm", "addmm"):
+        row: Dict[str, Any] = dict(op=op)
+        try:
+            c = torch.zeros(64, 48, device=device)
+            out = torch.mm(a, b, out_dtype=torch.float32) if op == "mm" else \
+                torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+            row.update(status="ok", dtype=str(out.dtype), rel_err=rel(out, ref))
+        except Exception as e:  # the answer this part exists for, not a failure
+            row.update(status="refused", reason=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        rows.append(row)
+        log(f"smoke torch.{op}(out_dtype=float32, bf16) on {device.type}: {row['status']}")
+    c = torch.zeros(64, 48, device=device)
+    kernels.addmm_f32(c, a, b)
+    err = rel(c, ref)
+    chose = {f"{op}@{dev}": works for (op, dev), works in kernels.OUT_DTYPE_WORKS.items()}
+    status = "ok" if err < 1e-5 else "FAILED"
+    rows.append(dict(op="addmm_f32", status=status, rel_err=err, out_dtype_works=chose))
+    log(f"smoke addmm_f32: rel err {err:.2e}, out_dtype: {chose or 'not tried (not CUDA)'}")
+    return {"rows": rows}
+
+
+def graph_part(args, device: torch.device) -> Dict[str, Any]:
+    """The captured step replayed against the eager fused step, from the same weights and batches, over
+    a schedule of learning rates: each step's loss and the final weights to fp32 rounding."""
+    from shardfc.head.capture import CapturedHeadStep, capture_unavailable
+
+    C, B, D = args.check_classes, args.batch, args.dim
+    lrs = [LR, LR, LR / 2, LR / 2, LR / 5, LR / 10, LR / 10, LR / 20]
+    batches = inputs(B, D, C, device, len(lrs), seed=11)
+    rows = []
+    for impl in ("triton", "gemm"):
+        row: Dict[str, Any] = dict(impl=impl, classes=C, lrs=lrs)
+        try:
+            heads = [make_head(D, C, device, impl)[0] for _ in range(2)]
+            opts = [shardfc.head_optimizer(h, "sgd", lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY,
+                                           fused_update=True) for h in heads]
+            why = capture_unavailable(heads[1], opts[1])
+            if why is not None:
+                row.update(status="unavailable", reason=why)
+                rows.append(row)
+                continue
+            captured = CapturedHeadStep(heads[1], opts[1])
+            eager_losses, graph_losses, calls = [], [], []
+            for lr, (x, y) in zip(lrs, batches):
+                for opt in opts:
+                    for group in opt.param_groups:
+                        group["lr"] = lr
+                opts[0].zero_grad(set_to_none=False)
+                xe = x.detach().clone().requires_grad_(True)
+                with autocast(device, args.dtype):
+                    loss = heads[0](xe, y)
+                loss.backward()
+                opts[0].step()
+                eager_losses.append(float(loss))
+                with autocast(device, args.dtype):
+                    gl, _ = captured.step(x.detach(), y)
+                graph_losses.append(float(gl))
+                calls.append(captured.last_call)
+            loss_err = max(abs(a - b) / max(abs(a), 1e-30) for a, b in zip(eager_losses, graph_losses))
+            w_err = rel(heads[1].weight, heads[0].weight)
+            ok = loss_err < 1e-5 and w_err < 1e-5 and captured.captures == 1 and calls[-1] == "replayed"
+            row.update(status="ok" if ok else "FAILED", loss_rel_err=loss_err, weight_rel_err=w_err, calls=calls,
+                       captures=captured.captures, replays=captured.replays)
+            log(f"graph impl={impl}: loss err {loss_err:.2e}, weight err {w_err:.2e}, calls {calls}")
+            del heads, opts, captured
+        except Exception as e:
+            row_error(row, e, impl)
+            log(f"graph impl={impl}: {row['status']}: {row['reason']}")
+        rows.append(row)
+        release(device)
+    return {"rows": rows}
 
 
 def step_part(args, device: torch.device) -> Dict[str, Any]:
@@ -277,7 +400,8 @@ def step_part(args, device: torch.device) -> Dict[str, Any]:
     rows: List[Dict[str, Any]] = []
     batches = inputs(B, D, C, device, 4)
     ms, _, times = time_steps(floor_step(B, C, D, device, args.dtype), batches, device, args.warmup, args.steps)
-    rows.append(dict(name="matmul floor (3 GEMMs)", impl="-", ms=ms, times_ms=times, peak_above_rest=None))
+    rows.append(dict(name="matmul floor (3 GEMMs)", impl="-", ms=ms, host_ms=LAST_HOST_MS[0], times_ms=times,
+                     peak_above_rest=None))
     log(f"step C={C}: floor {ms:.3f} ms")
     release(device)
     variants = []
@@ -296,6 +420,13 @@ def step_part(args, device: torch.device) -> Dict[str, Any]:
         # The operand the update writes for the next step, against the forward's pass over W.
         variants.append((f"{impl}: fused SGD step, operand made by each forward", impl, False,
                          {"fresh_operand": True}, torch.float32, True))
+        # Issue 42: the chunk-size sweep (scale 1 = the L2-sized chunks; the default is DEFAULT_CHUNK_SCALE)
+        # and the step replayed as one CUDA graph.
+        for scale in CHUNK_SCALES:
+            variants.append((f"{impl}: fused SGD step, chunk scale {scale}", impl, False, {"gpu_chunk_scale": scale},
+                             torch.float32, True))
+        variants.append((f"{impl}: fused SGD step, CUDA graph replay", impl, False, {"graph": True}, torch.float32,
+                         True))
         variants.append((f"{impl}: AdamW step fused into the backward", impl, False, {"optimizer": "adamw"},
                          torch.float32, True))
         variants.append((f"{impl}: AdamW, the optimizer after the backward", impl, False, {"optimizer": "adamw"},
@@ -311,7 +442,10 @@ def step_part(args, device: torch.device) -> Dict[str, Any]:
                          {"sample_rate": 0.1}, torch.float32, True))
         variants.append((f"{impl}: Partial FC r=0.1, fp32, fused update, lazy idle rows", impl, False,
                          {"sample_rate": 0.1, "idle_rows": "lazy"}, torch.float32, True))
+    wanted = [w.strip() for w in args.step_rows.split(",") if w.strip()] if args.step_rows else None
     for name, impl, clip, options, wdt, fused in variants:
+        if wanted is not None and not any(w in name for w in wanted):
+            continue
         row: Dict[str, Any] = dict(name=name, impl=impl)
         options = dict(options)
         stack = contextlib.ExitStack()
@@ -320,14 +454,16 @@ def step_part(args, device: torch.device) -> Dict[str, Any]:
             stack.enter_context(fresh_operand(options.pop("fresh_operand", False)))
             name_opt = options.pop("optimizer", "sgd")
             idle_rows = options.pop("idle_rows", "exact")
+            graph = options.pop("graph", False)
             head, ctx = make_head(D, C, device, impl, dtype=wdt, **options)
             kw = dict(momentum=MOMENTUM) if name_opt == "sgd" else {}
             opt = shardfc.head_optimizer(head, name_opt, lr=LR, weight_decay=WEIGHT_DECAY, fused_update=fused,
                                          idle_rows=idle_rows, **kw)
-            step = head_step(head, opt, ctx, device, args.dtype, clip)
+            step = graph_step(head, opt, device, args.dtype) if graph else head_step(head, opt, ctx, device, args.dtype, clip)
             ms, peak, times = time_steps(step, batches, device, args.warmup, args.steps)
-            row.update(ms=ms, times_ms=times, peak_above_rest=peak, ran=head.last_impl, status="ok",
-                       optimizer=type(opt).__name__, update=head.last_update)
+            row.update(ms=ms, host_ms=LAST_HOST_MS[0], times_ms=times, peak_above_rest=peak, ran=head.last_impl,
+                       status="ok", optimizer=type(opt).__name__, update=head.last_update,
+                       chunk_scale=head.last_chunk_scale)
             if fused and head.last_update != "fused" and device.type == "cuda":
                 row.update(status="FAILED", reason=f"the update was not fused: {head.last_update}")
             log(f"step C={C} {name}: {ms:.3f} ms, peak above rest "
@@ -494,10 +630,21 @@ def plan_part(args, device: torch.device) -> Dict[str, Any]:
             log(f"plan {dtype} impl={impl}: {row['status']}: {row['reason']}")
         rows.append(row)
         release(device)
-    return {"rows": rows}
+    out: Dict[str, Any] = {"rows": rows}
+    try:  # each chunk scale on paper at the step's shapes (issue 42): what the step part's sweep measures
+        p = plan(C, D, B, dtype="float32", compute_dtype=args.dtype, impl="gemm", fused_update=True, traffic=True,
+                 sms=torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132,
+                 l2_bytes=torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 50 * 2**20)
+        out["chunk_candidates"] = p["chunk_candidates"]
+        log(f"plan C={C}: chunk scale on paper {p['chunk_candidates']['pick']}")
+    except Exception as e:
+        out["chunk_candidates"] = {"status": "FAILED", "reason": f"{type(e).__name__}: {e}"}
+        log(f"plan chunk candidates: FAILED: {e}")
+    return out
 
 
-PARTS = {"correctness": correctness, "step": step_part, "profile": profile_part, "plan": plan_part}
+PARTS = {"smoke": smoke_part, "correctness": correctness, "step": step_part, "graph": graph_part,
+         "profile": profile_part, "plan": plan_part}
 
 
 def main(argv=None) -> int:
@@ -513,6 +660,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile-impls", default="triton+fused,triton",
                    help="comma-separated: an impl (the optimizer's step) or impl+fused (the step in the backward)")
+    p.add_argument("--step-rows", default=None,
+                   help="comma-separated parts of the step part's row names: only those rows (default: every row)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -544,7 +693,7 @@ def main(argv=None) -> int:
     for row in result.get("correctness", {}).get("rows", []):
         if row.get("status") == "FAILED":
             status = 1
-    for part in ("step", "plan"):
+    for part in ("smoke", "step", "graph", "plan"):
         for row in result.get(part, {}).get("rows", []):
             if row.get("status") == "FAILED":
                 status = 1
@@ -567,12 +716,21 @@ def summary(r: Dict[str, Any]) -> str:
                          f"{f('weight_grad_rel_err')} | {f('tolerance')} | {row['status']} {row.get('reason', '')[:80]} |")
     if "step" in r and "rows" in r["step"]:
         s = r["step"]
-        lines += ["", f"| step C={s['classes']} B={s['batch']} D={s['dim']} {s['dtype']} | ms | peak above rest MiB | status |",
-                  "|---|---:|---:|---|"]
+        lines += ["", f"| step C={s['classes']} B={s['batch']} D={s['dim']} {s['dtype']} | ms | host issue ms "
+                      "| peak above rest MiB | status |", "|---|---:|---:|---:|---|"]
         for row in s["rows"]:
             ms = f"{row['ms']:.3f}" if row.get("ms") is not None else "-"
+            host = f"{row['host_ms']:.3f}" if row.get("host_ms") is not None else "-"
             pk = f"{row['peak_above_rest'] / 2**20:.1f}" if row.get("peak_above_rest") else "-"
-            lines.append(f"| {row['name']} | {ms} | {pk} | {row.get('status', 'ok')} {row.get('reason', '')[:80]} |")
+            lines.append(f"| {row['name']} | {ms} | {host} | {pk} | {row.get('status', 'ok')} "
+                         f"{row.get('reason', '')[:80]} |")
+    for row in r.get("smoke", {}).get("rows", []):
+        lines.append(f"smoke {row['op']}: {row['status']} {row.get('reason', '')[:100]}"
+                     + (f" (out_dtype works: {row['out_dtype_works']})" if "out_dtype_works" in row else ""))
+    for row in r.get("graph", {}).get("rows", []):
+        errs = (f": loss err {row['loss_rel_err']:.2e}, weight err {row['weight_rel_err']:.2e}"
+                if "loss_rel_err" in row else "")
+        lines.append(f"graph replay vs eager, impl={row['impl']}: {row['status']}{errs} {row.get('reason', '')[:100]}")
     if "profile" in r and "impls" in r["profile"]:
         for impl, res in r["profile"]["impls"].items():
             if "kernels" in res:

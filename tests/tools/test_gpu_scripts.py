@@ -58,3 +58,34 @@ def test_gpu_check_refuses_a_machine_without_cuda_in_its_first_part(tmp_path):
     assert proc.returncode == 1
     assert "no CUDA device visible to torch" in proc.stdout
     assert not (tmp_path / "gpu_step.json").exists()  # it stopped before measuring anything
+
+
+def test_gpu_step_runs_its_new_rows_under_the_interpreter(tmp_path):
+    """Issue 42's rows — the smoke test of ``out_dtype`` first, the chunk-size sweep, the step with no
+    next operand, the graph replay (refused off CUDA, naming why), the plan's chunk candidates — run
+    on the CPU with the fused kernels under Triton's interpreter, so the GPU run meets no script error."""
+    out = tmp_path / "gpu_step.json"
+    env = dict(_env(), TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_step.py"), "--device", "cpu", "--batch", "8", "--dim", "16",
+         "--classes", "40", "--check-classes", "30", "--steps", "2", "--warmup", "1", "--parts", "smoke,step,graph,plan",
+         "--step-rows", "chunk scale,operand made by each forward,CUDA graph", "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert list(result)[2] == "smoke"  # the first part (after environment and args)
+    assert result["smoke"]["rows"][-1]["op"] == "addmm_f32" and result["smoke"]["rows"][-1]["status"] == "ok"
+    steps = {r["name"]: r for r in result["step"]["rows"]}
+    for impl in ("triton", "gemm"):
+        for scale in (1, 2, 4, 8):
+            row = steps[f"{impl}: fused SGD step, chunk scale {scale}"]
+            assert row["status"] == "ok" and row["chunk_scale"] == scale and row["update"] == "fused", row
+            assert 0 < row["host_ms"] <= row["ms"]
+        assert steps[f"{impl}: fused SGD step, operand made by each forward"]["status"] == "ok"
+        graph = steps[f"{impl}: fused SGD step, CUDA graph replay"]
+        assert graph["status"] == "unavailable" and "CUDA is not available" in graph["reason"]
+    assert len(steps) == 1 + 12  # the matmul floor and the rows asked for, no others
+    assert {r["status"] for r in result["graph"]["rows"]} == {"unavailable"}
+    candidates = result["plan"]["chunk_candidates"]
+    assert [r["scale"] for r in candidates["rows"]] == [1, 2, 4, 8] and candidates["pick"] in (1, 2, 4, 8)

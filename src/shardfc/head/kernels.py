@@ -27,15 +27,17 @@ too close to a sample's target centre get a −inf logit, i.e. no softmax mass a
 
 from __future__ import annotations
 
-import functools
+import logging
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from shardfc.head.margins import Margin
 from shardfc.head.normalize import NORM_EPS
+
+_log = logging.getLogger(__name__)
 
 #: Rows per block when the weight gradient is formed: bounds its transient to WGRAD_BLOCK × D.
 WGRAD_BLOCK = 8192
@@ -130,21 +132,51 @@ def _inverse_norms(w: Tensor, cfg: ShardConfig) -> Optional[Tensor]:
 MM_F32_META = "cuda"
 
 
+#: Per ``(operator, device type)``: whether torch takes ``out_dtype=torch.float32`` with 16-bit
+#: operands there (one cuBLAS GEMM with an fp32 output); None until the first call tries it. A
+#: RuntimeError or TypeError there (a torch build without the overload) falls back to the plain
+#: fp32 products, chosen once for the process and logged once.
+OUT_DTYPE_WORKS: Dict[Tuple[str, str], Optional[bool]] = {}
+
+
+def _gemm_device(a: Tensor) -> str:
+    """Whose GEMMs :func:`mm_f32` and :func:`addmm_f32` run for ``a``: ``"cuda"``, ``"cpu"``, or for a
+    meta tensor :data:`MM_F32_META`."""
+    return MM_F32_META if a.device.type == "meta" else a.device.type
+
+
+def _with_out_dtype(op: str, device: str, fast: Callable[[], Tensor], slow: Callable[[], Tensor]) -> Tensor:
+    """``fast()`` (the ``out_dtype`` GEMM) while it works on ``device`` (the operands' device type:
+    a meta replay learns nothing about CUDA), else ``slow()`` (see
+    :data:`OUT_DTYPE_WORKS`). A failure is raised by torch's dispatch before any output is written."""
+    key = (op, device)
+    works = OUT_DTYPE_WORKS.get(key)
+    if works is False:
+        return slow()
+    if works:
+        return fast()
+    try:
+        out = fast()
+    except (RuntimeError, TypeError) as e:
+        OUT_DTYPE_WORKS[key] = False
+        _log.warning("torch.%s(..., out_dtype=torch.float32) is not available on %s (%s): the fp32 products "
+                     "are made from fp32 copies of the operands instead (slower, same accuracy)",
+                     op, device, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return slow()
+    OUT_DTYPE_WORKS[key] = True
+    return out
+
+
 def mm_f32(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` with fp32 accumulation and an fp32 result: cuBLAS's ``out_dtype`` on CUDA for
     bf16/fp16 operands (no rounding of the output to 16 bits), else the same products in fp32."""
     if a.dtype == torch.float32:
         return a @ b
-    device = MM_F32_META if a.device.type == "meta" else a.device.type
+    device = _gemm_device(a)
     if device == "cuda":
-        return torch.mm(a, b, out_dtype=torch.float32)
+        return _with_out_dtype("mm", a.device.type, lambda: torch.mm(a, b, out_dtype=torch.float32),
+                               lambda: a.float() @ b.float())
     return a.float() @ b.float()
-
-
-@functools.lru_cache(maxsize=None)
-def _addmm_dtype_on(device: str) -> bool:
-    """torch has ``addmm(..., out_dtype=)`` (one cuBLAS GEMM with an fp32 ``C``) for ``device``."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype_out", device.upper())
 
 
 def addmm_f32(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
@@ -153,9 +185,10 @@ def addmm_f32(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
     new ``[M, N]`` tensor and an add that reads both again."""
     if a.dtype == torch.float32:
         return c.addmm_(a, b)
-    device = MM_F32_META if a.device.type == "meta" else a.device.type
-    if device == "cuda" and (a.device.type == "meta" or _addmm_dtype_on("cuda")):
-        return torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+    device = _gemm_device(a)
+    if device == "cuda":
+        return _with_out_dtype("addmm", a.device.type, lambda: torch.addmm(c, a, b, out_dtype=torch.float32, out=c),
+                               lambda: c.add_(mm_f32(a, b)))
     return c.add_(mm_f32(a, b))
 
 

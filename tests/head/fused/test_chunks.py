@@ -117,3 +117,42 @@ def test_chunk_classes_by_hand(monkeypatch, n_cls, batch, K, D, elem, backward, 
     monkeypatch.setattr(chunks, "interpreting", lambda: True)
     assert chunks.chunk_classes(n_cls, batch, K, D, elem, META, backward) == chunks.INTERPRETER_CHUNK == 16
     assert chunks.chunk_classes(n_cls, batch, K, D, elem, META, backward, 4) == 4 * chunks.INTERPRETER_CHUNK
+
+
+@pytest.mark.parametrize("op", ["addmm", "mm"])
+def test_a_torch_without_out_dtype_falls_back_once_to_fp32_products(monkeypatch, caplog, op):
+    """Where torch's CUDA build refuses ``out_dtype=`` with 16-bit operands (RuntimeError), the GEMM
+    is made from fp32 copies — the same products to fp32 rounding — chosen at the first call and
+    kept: the refused call is not tried again (issue 42 item 5). Here the CUDA branch runs on CPU
+    tensors, with torch's operator made to refuse as such a build would."""
+    monkeypatch.setattr(kernels, "_gemm_device", lambda a: "cuda")
+    monkeypatch.setattr(kernels, "OUT_DTYPE_WORKS", {})
+    tried = []
+    real = getattr(torch, op)
+
+    def refusing(*args, **kw):
+        if "out_dtype" in kw:
+            tried.append(kw["out_dtype"])
+            raise RuntimeError(f"{op}: out_dtype is not supported here")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(torch, op, refusing)
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(33, 17, generator=g).bfloat16(), torch.randn(17, 9, generator=g).bfloat16()
+    for _ in range(3):
+        c = torch.randn(33, 9, generator=g)
+        ref = (c.double() if op == "addmm" else 0) + a.double() @ b.double()
+        out = kernels.addmm_f32(c, a, b) if op == "addmm" else kernels.mm_f32(a, b)
+        assert out.dtype == torch.float32 and (op == "mm" or out is c)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert tried == [torch.float32] and kernels.OUT_DTYPE_WORKS[(op, "cpu")] is False
+    assert sum(f"torch.{op}(..., out_dtype=torch.float32) is not available" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_out_dtype_is_kept_once_it_works(monkeypatch):
+    monkeypatch.setattr(kernels, "OUT_DTYPE_WORKS", {})
+    calls = []
+    assert kernels._with_out_dtype("mm", "cuda", lambda: calls.append("fast") or torch.ones(1),
+                                   lambda: calls.append("slow") or torch.zeros(1)).item() == 1.0
+    kernels._with_out_dtype("mm", "cuda", lambda: calls.append("fast") or torch.ones(1), lambda: torch.zeros(1))
+    assert calls == ["fast", "fast"] and kernels.OUT_DTYPE_WORKS[("mm", "cuda")] is True

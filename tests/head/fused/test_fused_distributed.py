@@ -105,7 +105,8 @@ def test_fused_matches_dense_reference(world):
 
 def _auto_on_two_ranks(rank, world, cache_dir):
     """impl="auto" as on a GPU (the candidates under the interpreter), each rank's stub clock
-    making a different candidate fastest: rank 0 gemm, rank 1 torch."""
+    making a different candidate fastest: rank 0 gemm at chunk scale 1, rank 1 torch (the order of
+    ``TIMED``: triton at four scales, gemm at four, torch)."""
     _interpret_off_gpu()
     os.environ["SHARDFC_CACHE_DIR"] = cache_dir
     import shardfc.head.module as module
@@ -113,14 +114,14 @@ def _auto_on_two_ranks(rank, world, cache_dir):
 
     real = module.resolve_impl
     module.resolve_impl = lambda impl, *a: "auto" if impl == "auto" else real(impl, *a)
-    ms = {0: [3.0, 1.0, 2.0], 1: [3.0, 2.0, 1.0]}[rank]
+    ms = {0: [3.0] * 4 + [1.0, 3.0, 3.0, 3.0, 2.0], 1: [3.0] * 4 + [2.0] * 4 + [1.0]}[rank]
     ticks = {"n": 0, "now": 0.0}
 
     def clock():  # each timed call of candidate k lasts ms[k]; 2 steps each, clock read twice a step
         pair, end = divmod(ticks["n"], 2)
         ticks["n"] += 1
         if end:
-            ticks["now"] += ms[min(pair // 2, 2)] / 1000
+            ticks["now"] += ms[min(pair // 2, len(ms) - 1)] / 1000
         return ticks["now"]
 
     selector = impl_select.ImplSelector(steps=2, warmup=0, clock=clock, sync=lambda: None)
@@ -136,9 +137,9 @@ def _auto_on_two_ranks(rank, world, cache_dir):
 
 def test_auto_ranks_agree_on_rank_0s_choice(tmp_path):
     results = spawn(_auto_on_two_ranks, 2, str(tmp_path), backend="gloo")
-    assert results == [("gemm", "gemm"), ("gemm", "torch")]
+    assert results == [("gemm", "gemm@1"), ("gemm", "torch")]
     cached = json.loads((tmp_path / "head_impl.json").read_text())  # written by rank 0 alone
-    assert [v["impl"] for v in cached.values()] == ["gemm"]
+    assert [v["impl"] for v in cached.values()] == ["gemm@1"]
 
 
 #: impl="auto" on 2 ranks whose environments differ: case -> (rank -> SHARDFC_HEAD_IMPL, ranks where
@@ -218,5 +219,6 @@ def test_auto_override_on_every_rank_is_run_without_timing(agreement):
 def test_auto_is_torch_on_every_rank_when_one_cannot_run_the_fused_kernels(agreement):
     assert [r["no Triton on rank 1"] for r in agreement] == [("torch", 0)] * 2
     # and the group is still in step after every case: the last times the candidates on both
-    assert [r["no override"][1] for r in agreement] == [3, 3]
+    # (each fused implementation at each of the four chunk scales, and torch)
+    assert [r["no override"][1] for r in agreement] == [9, 9]
     assert agreement[0]["no override"][0] == agreement[1]["no override"][0]

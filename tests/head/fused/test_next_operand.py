@@ -117,8 +117,9 @@ def test_a_chunks_operand_is_not_read_after_its_update(optimizer, monkeypatch):
 
     def poisoning(update, h, w_read, rows, inv, hscale, slot, t_sum, n_rows, r0, *rest):
         real(update, h, w_read, rows, inv, hscale, slot, t_sum, n_rows, r0, *rest)
-        if rest[-1] is not None:  # the next operand was written: poison this chunk's rows and norms
-            rest[-1][r0:r0 + n_rows] = float("nan")
+        next_op = rest[-2]  # (..., next_op, hyper)
+        if next_op is not None:  # the next operand was written: poison this chunk's rows and norms
+            next_op[r0:r0 + n_rows] = float("nan")
             inv[r0:r0 + n_rows] = float("nan")
             poisoned[0] += 1
 
