@@ -12,12 +12,17 @@
 #
 # Parts (PARTS, in this order; each time-boxed with `timeout`, a part that fails does not stop the next):
 #   env      the GPU, torch, CUDA, Triton, what is importable                       -> env.txt
-#   step     scripts/gpu_step.py: each impl against float64 at C_CHECK (fp32, bf16);
-#            the head step at C = CLASSES_STEP (bench and trainer variants, Partial FC
-#            r=0.1 bf16 sparse) beside the matmul floor; one step profiled (kernels,
+#   step     scripts/gpu_step.py: first torch's mm/addmm with out_dtype=float32 and bf16
+#            operands (does this build take them; which path addmm_f32 chose); each impl
+#            against float64 at C_CHECK (fp32, bf16); the head step at C = CLASSES_STEP
+#            (bench and trainer variants, Partial FC r=0.1 bf16 sparse, each chunk scale,
+#            no next operand, the CUDA graph replay; GPU ms and host issue ms) beside the
+#            matmul floor; the graph replay against eager over a learning-rate schedule;
+#            one step profiled (kernels,
 #            the slowest ten, host syncs), and a step (plain and Partial FC) under
 #            torch.cuda.set_sync_debug_mode("error"), which must pass: no host sync
-#            (issue 31); shardfc plan beside the measured peak                         -> gpu_step.json
+#            (issue 31); shardfc plan beside the measured peak, and its chunk
+#            candidates (launches, bytes, host issue on paper per scale)                -> gpu_step.json
 #   peers    shardfc bench --peers at each C of CLASSES (B, D, bf16)                    -> peers_c<C>.json
 #   tests    pytest on the CUDA-capable tests (tests/head -k "cuda or triton or fused",
 #            the CUDA-only tests elsewhere), kernels compiled for the real card         -> tests.log
@@ -31,12 +36,14 @@
 #
 # Environment (defaults): OUT (gpu_check_out), PYTHON (python3), DEVICE (cuda), PARTS (all), BATCH (1024),
 # DIM (512), CLASSES ("1000000 250000"), CLASSES_STEP (1000000), C_CHECK (250000), STEPS (10), WARMUP (3),
-# STEP_TIMEOUT (110), PEERS_TIMEOUT (100 s for the first C, 60 for the others), TESTS_TIMEOUT (90),
-# TRAINER_TIMEOUT (100: at most 55 of it for bench --trainer, the rest for the short run), WHEELS,
+# STEP_TIMEOUT (140), PEERS_TIMEOUT (90 s for the first C, 50 for the others), TESTS_TIMEOUT (80),
+# TRAINER_TIMEOUT (90: at most 50 of it for bench --trainer, the rest for the short run), WHEELS,
 # TRAIN_BACKBONE (iresnet50), TRAIN_BATCH (128), TRAIN_WORKERS (4, the bench's loader workers; 12 did not
 # finish in 55 s on an H200 machine's 16 cores), TRAINER_BENCH_TIMEOUT (55),
 # TRAIN_CHECK_BACKBONE (iresnet18, the short run's), TRAIN_RUN (1; 0 skips the short run), IMAGE (112), TESTS ("-n 12" when pytest-xdist is there).
 # DEVICE=cpu with tiny sizes checks the script itself on a CPU (TRITON_INTERPRET=1 for the fused paths).
+# The limits add up to 8 minutes (env 30 s, step 140, peers 90 + 50, tests 80, trainer 90), so one call of
+# the device tool with timeout_s 540 leaves room for its start.
 set -u -o pipefail
 
 cd "$(dirname "$0")/.."
@@ -102,7 +109,7 @@ if want env; then
         date -u +"%Y-%m-%d %H:%M:%S UTC"
         git log -1 --format='commit %H %s' 2>/dev/null
         command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
-        timeout 60 "$PY" - "$DEVICE" <<'EOF'
+        timeout 30 "$PY" - "$DEVICE" <<'EOF'
 import sys
 import torch
 print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}")
@@ -129,7 +136,7 @@ fi
 
 # ---------------------------------------------------------------- step: correctness, step, profile, plan
 if want step; then
-    run "step (scripts/gpu_step.py)" "${STEP_TIMEOUT:-110}" "$PY" scripts/gpu_step.py --device "$DEVICE" \
+    run "step (scripts/gpu_step.py)" "${STEP_TIMEOUT:-140}" "$PY" scripts/gpu_step.py --device "$DEVICE" \
         --batch "$BATCH" --dim "$DIM" --classes "$CLASSES_STEP" --check-classes "$C_CHECK" \
         --steps "$STEPS" --warmup "$WARMUP" --json "$OUT/gpu_step.json"
 fi
@@ -143,7 +150,7 @@ if want peers; then
         systems=()
         [ "$first" = 1 ] || systems=(--systems "$("$PY" -c "from shardfc.tools.bench.peers import SYSTEMS
 print(','.join(s for s in SYSTEMS if s != 'dense-compile'))")")
-        run "bench --peers C=$C" "${PEERS_TIMEOUT:-$([ "$first" = 1 ] && echo 100 || echo 60)}" "$PY" -m shardfc bench \
+        run "bench --peers C=$C" "${PEERS_TIMEOUT:-$([ "$first" = 1 ] && echo 90 || echo 50)}" "$PY" -m shardfc bench \
             --peers --batch "$BATCH" --dim "$DIM" --classes "$C" --steps "$STEPS" --warmup "$WARMUP" --device "$DEVICE" \
             ${systems[@]+"${systems[@]}"} --json "$OUT/peers_c$C.json"
         first=0
@@ -160,7 +167,7 @@ if want tests; then
     fi
     per_test=()
     "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 90)
-    run "tests" "${TESTS_TIMEOUT:-90}" "$PY" -m pytest -q -rs -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} \
+    run "tests" "${TESTS_TIMEOUT:-80}" "$PY" -m pytest -q -rs -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} \
         ${per_test[@]+"${per_test[@]}"} tests/head tests/parallel/test_model_split.py -k "cuda or triton or fused" \
         >"$OUT/tests.log" 2>&1
     tail -n 30 "$OUT/tests.log"
@@ -169,11 +176,11 @@ fi
 # ---------------------------------------------------------------- trainer
 if want trainer; then
     tstart=$SECONDS
-    tlimit=${TRAINER_TIMEOUT:-100}
+    tlimit=${TRAINER_TIMEOUT:-90}
     left() { echo $((tlimit - (SECONDS - tstart) > 5 ? tlimit - (SECONDS - tstart) : 5)); }
     work=$(mktemp -d)
     amp=$([ "$DEVICE" = cuda ] && echo bf16 || echo none)
-    cap=${TRAINER_BENCH_TIMEOUT:-55}
+    cap=${TRAINER_BENCH_TIMEOUT:-50}
     run "bench --trainer" "$(($(left) < cap ? $(left) : cap))" "$PY" -m shardfc bench --trainer --device "$DEVICE" --backbone "$TRAIN_BACKBONE" \
         --image-size "$IMAGE" "$IMAGE" --embedding-dim "$DIM" --batch-size "$TRAIN_BATCH" --amp "$amp" --channels-last \
         --num-workers "$TRAIN_WORKERS" --steps "$STEPS" --warmup "$WARMUP" --json "$OUT/trainer.json" --quiet

@@ -214,3 +214,32 @@ def test_the_replayed_loss_hands_its_gradient_back_scaled_by_the_incoming_one():
     emb.grad = None
     capture._StepLoss.apply(emb, torch.tensor(1.5), grad).backward(torch.tensor(2.0))
     torch.testing.assert_close(emb.grad, 2 * grad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph needs CUDA (the CPU rehearses the step above)")
+@pytest.mark.parametrize("name, impl", [("sgd", "gemm"), ("adamw", "triton")])
+def test_the_replayed_step_equals_the_eager_one_over_a_schedule_of_learning_rates(name, impl):
+    eager = _head(impl=impl)
+    graphed = copy.deepcopy(eager)
+    opts = [head_optimizer(h, name, lr=0.05, fused_update=True) for h in (eager, graphed)]
+    step = CapturedHeadStep(graphed, opts[1])
+    calls = []
+    for i, lr in enumerate([0.05, 0.05, 0.05, 0.02, 0.01, 0.01, 0.005]):
+        for opt in opts:
+            for group in opt.param_groups:
+                group["lr"] = lr
+        x, y = _batch(i)
+        xe = x.clone().requires_grad_()
+        opts[0].zero_grad(set_to_none=False)
+        loss = eager(xe, y)
+        loss.backward()
+        opts[0].step()
+        got, grad = step.step(x, y)
+        calls.append(step.last_call)
+        torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grad, xe.grad, rtol=1e-5, atol=1e-6)
+    assert calls == ["eager", "eager", "captured", "replayed", "replayed", "replayed", "replayed"]
+    torch.testing.assert_close(graphed.weight, eager.weight, rtol=1e-5, atol=1e-6)
+    graphed.load_state_dict(eager.state_dict())  # weights changed outside the graph: eager again, then recaptured
+    step.step(*_batch(9))
+    assert step.last_call == "eager"
