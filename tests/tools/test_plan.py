@@ -395,7 +395,7 @@ def test_fused_plan_cli_and_its_errors(monkeypatch):
         assert main(argv + ["--head-impl", "triton", "--sms", "114", "--chunk-size", "1024"]) == 0
         assert main(argv) == 0
     fused_text, torch_text = out.getvalue().split("| **total**", 2)[0], out.getvalue()
-    assert "impl triton, 114 SMs" in fused_text and "chunk none (fused)" in fused_text
+    assert "impl triton, 114 SMs" in fused_text and "chunk 1x the L2-sized one" in fused_text
     assert "--head-impl triton or gemm plans those" in torch_text.split("head: C=")[-1]
     err = io.StringIO()
     with contextlib.redirect_stderr(err):

@@ -130,10 +130,13 @@ def test_the_headline_step_with_the_update_in_the_backward_moves_at_most_16_GB()
     # and the next step's bf16 operand and its norms written
     update = next(k for k in t["kernels"] if k["kernel"] == "weight_update")
     assert update["read"] >= 2 * n * D * 4 and update["written"] >= 2 * n * D * 4 + n * D * 2 + n * 4
-    # the chunks' products and H stay in L2: written there and overwritten by the next chunk's
+    # the chunks' products and H stay in L2: written there and overwritten by the next chunk's; only
+    # the step's last two chunks' (the last full chunk's, whose block the smaller last chunk does not
+    # reuse, and the last one's) are still dirty when the step ends: at most two chunks of products
     B = HEADLINE["batch"]
     written = {k["kernel"]: k["written"] for k in t["kernels"] if k["kernel"] == "backward_epilogue"}
-    assert written["backward_epilogue"] < 0.01 * B * n * 2
+    chunk = 6144  # chunks.chunk_classes at the headline (tests/head/fused/test_chunks.py)
+    assert written["backward_epilogue"] <= 2 * B * chunk * 2 < 0.02 * B * n * 2
     assert sum(k["written"] for k in t["kernels"] if k["kernel"] == "mm") < 0.01 * n * D * 4
     # the three GEMM shapes, over the chunks
     gemms = {k["shape"] for k in t["kernels"] if k["kernel"] in ("mm", "addmm") and k["launches"] > 1}

@@ -95,7 +95,8 @@ class CapturedHeadStep:
         eager_steps: eager steps before a capture (default :data:`EAGER_STEPS`, at least 1).
 
     Raises RuntimeError naming the reason (:func:`capture_unavailable`) where it cannot run.
-    ``captures`` counts the captures and ``replays`` the replayed steps; ``last_call`` is
+    ``calls`` counts the steps (a value-check error names its call), ``captures`` the captures and
+    ``replays`` the replayed steps; ``last_call`` is
     ``"eager"``, ``"captured"`` or ``"replayed"``.
     """
 
@@ -106,7 +107,7 @@ class CapturedHeadStep:
         if isinstance(eager_steps, bool) or not isinstance(eager_steps, int) or eager_steps < 1:
             raise ValueError(f"eager_steps must be an integer >= 1, got {eager_steps!r}")
         self.head, self.optimizer, self.eager_steps = head, optimizer, eager_steps
-        self.captures = self.replays = 0
+        self.calls = self.captures = self.replays = 0
         self.last_call: Optional[str] = None
         self._graph = None
         self._key: Optional[tuple] = None
@@ -114,7 +115,6 @@ class CapturedHeadStep:
         self._eager_left = eager_steps
         self._pending: Optional[PendingCheck] = None
         self._static: Optional[Tuple[Tensor, Tensor]] = None
-        self._out: Optional[Tuple[Tensor, Tensor]] = None
 
     # ------------------------------------------------------------------ the step
     def step(self, embeddings: Tensor, labels: Tensor) -> Tuple[Tensor, Tensor]:
@@ -134,12 +134,13 @@ class CapturedHeadStep:
         if captured:
             self._capture(embeddings, labels, key)
         x, y = self._static
-        x.copy_(embeddings.detach())
-        y.copy_(labels)
+        with torch.no_grad():  # the graph's inputs: x is a leaf that requires grad
+            x.copy_(embeddings)
+            y.copy_(labels)
         self._graph.replay()
         self.replays += 1
         self.last_call = "captured" if captured else "replayed"
-        return self._out
+        return self._graph.outputs
 
     def loss(self, embeddings: Tensor, labels: Tensor) -> Tensor:
         """:meth:`step` as a loss connected to ``embeddings``: its backward hands the step's
@@ -172,9 +173,10 @@ class CapturedHeadStep:
         if embeddings.device != head.devices[0] or labels.device != head.devices[0]:
             raise ValueError(f"a captured step takes embeddings and labels on {head.devices[0]}, got them on "
                              f"{embeddings.device} and {labels.device}")
+        self.calls += 1
         if embeddings.shape[0]:
             self._pending = PendingCheck(embeddings.detach(), labels, head.num_classes, head.ignore_index,
-                                         call=self.replays + self.captures + 1)
+                                         call=self.calls)
 
     def _key_of(self, embeddings: Tensor, labels: Tensor) -> tuple:
         autocast = torch.is_autocast_enabled("cuda")
@@ -186,22 +188,23 @@ class CapturedHeadStep:
         return tuple(w._version for w in self.head.shard_weights) != self._versions
 
     def _drop(self) -> None:
-        self._graph, self._static, self._out, self._key = None, None, None, None
+        self._graph, self._static, self._key = None, None, None
         self._eager_left = self.eager_steps
 
     def _run(self, x: Tensor, y: Tensor) -> Tuple[Tensor, Tensor]:
         """The step as it runs eagerly and as it is captured: the optimizer's bookkeeping around a
-        forward and a backward whose update the optimizer's kernels apply."""
+        forward and a backward whose update the optimizer's kernels apply. The values of the inputs
+        were checked outside (:meth:`_check`); inside, only what never reads the host."""
         self.optimizer.zero_grad(set_to_none=False)
-        loss = self.head(x, y)
+        x.grad = None  # the step's embedding gradient is made, not added (a replay writes it in place)
+        with self.head.value_checks_outside():
+            loss = self.head(x, y)
         loss.backward()
         self.optimizer.step()
         return loss, x.grad
 
     def _eager(self, embeddings: Tensor, labels: Tensor) -> Tuple[Tensor, Tensor]:
-        x = embeddings.detach().requires_grad_(True)
-        with self.head.value_checks_outside():  # _check started them
-            return self._run(x, labels)
+        return self._run(embeddings.detach().requires_grad_(True), labels)
 
     def _stage(self) -> None:
         """This step's numbers (learning rate, ...) into the device tensors the kernels read."""
@@ -212,14 +215,23 @@ class CapturedHeadStep:
         y = labels.clone()
         head = self.head
         head.check_pending()  # an earlier forward's own deferred check: read now, not inside the capture
-        graph = torch.cuda.CUDAGraph()
-        # The checks of the values ran outside (_check); inside, only what never reads the host.
-        with head.value_checks_outside():
-            with torch.cuda.graph(graph):
-                loss, grad = self._run(x, y)
-        self._graph, self._static, self._out, self._key = graph, (x, y), (loss, grad), key
+        graph = _Graph(lambda: self._run(x, y))
+        self._graph, self._static, self._key = graph, (x, y), key
         self._versions = tuple(w._version for w in head.shard_weights)
         self.captures += 1
+
+
+class _Graph:
+    """``body()`` captured as one CUDA graph; ``outputs`` are what it returned, which every
+    :meth:`replay` rewrites in place."""
+
+    def __init__(self, body) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = body()
+
+    def replay(self) -> None:
+        self.graph.replay()
 
 
 class _StepLoss(torch.autograd.Function):

@@ -36,23 +36,29 @@ def _batch(seed: int):
     return x, y
 
 
+NOT_FUSED = ("the optimizer does not apply its step in the backward: use head_optimizer(head, ..., "
+             "fused_update=True), so the update is inside the captured step")
+
+
 @pytest.mark.parametrize("setup, reason", [
-    (lambda: (_head(impl="torch"), "sgd"), "impl='torch' has no fused update"),
-    (lambda: (_head(sample_rate=0.5), "sgd"), r"Partial FC \(sample_rate=0.5\)"),
-    (lambda: (_head(), None), "does not apply its step in the backward"),
-    (lambda: (_head(), "sgd-unfused"), "does not apply its step in the backward"),
+    (lambda: (_head(impl="torch"), "sgd"), "impl='torch' has no fused update; use impl 'auto', 'triton' or 'gemm'"),
+    (lambda: (_head(sample_rate=0.5), "sgd"),
+     "Partial FC (sample_rate=0.5) draws its rows and catches idle rows up through host-side state every step"),
+    (lambda: (_head(), None), NOT_FUSED),
+    (lambda: (_head(), "sgd-unfused"), NOT_FUSED),
 ])
 def test_what_cannot_be_captured_is_named(setup, reason):
     head, opt = setup()
     optimizer = None if opt is None else head_optimizer(head, "sgd", lr=0.1, fused_update=opt == "sgd")
-    assert re.search(reason, capture_unavailable(head, optimizer, cuda_available=True))
+    assert capture_unavailable(head, optimizer, cuda_available=True) == reason
 
 
 def test_a_head_clipped_by_its_norm_is_refused():
     head = _head()
     head.measure_weight_grad_norm()
     opt = head_optimizer(head, "sgd", lr=0.1, fused_update=True)
-    assert "clipped by its norm" in capture_unavailable(head, opt, cuda_available=True)
+    assert capture_unavailable(head, opt, cuda_available=True) == (
+        "the head's gradient is clipped by its norm (measure_weight_grad_norm), read between backward and step")
 
 
 def test_without_cuda_the_graph_is_refused_with_one_clear_error():
@@ -150,7 +156,7 @@ def test_the_step_a_graph_captures_reads_no_host_and_moves_no_python_number(monk
     before = _Recorder.of(head, opt)
     x, y = _batch(1)
     step._stage()  # outside the region, as before a replay
-    with HostSyncCounter() as syncs, head.value_checks_outside():
+    with HostSyncCounter() as syncs:
         loss, grad = step._run(x.requires_grad_(), y)  # what _capture records
     assert syncs.count == 0, syncs.report()
     after = _Recorder.of(head, opt)
@@ -243,3 +249,107 @@ def test_the_replayed_step_equals_the_eager_one_over_a_schedule_of_learning_rate
     graphed.load_state_dict(eager.state_dict())  # weights changed outside the graph: eager again, then recaptured
     step.step(*_batch(9))
     assert step.last_call == "eager"
+
+
+class _ReplayedEagerly:
+    """A stand-in for a CUDA graph on the CPU: records nothing at capture (as CUDA, which runs
+    nothing then) and runs the captured step on each replay, rewriting ``outputs``."""
+
+    made = 0
+
+    def __init__(self, body):
+        type(self).made += 1
+        self.body, self.outputs = body, None
+
+    def replay(self):
+        self.outputs = self.body()
+
+
+@pytest.fixture
+def rehearsed(monkeypatch):
+    """CapturedHeadStep on the CPU: the CUDA check waived, the graph replayed eagerly."""
+    monkeypatch.setattr(capture, "capture_unavailable", lambda *a, **k: None)
+    monkeypatch.setattr(capture, "_Graph", _ReplayedEagerly)
+    _ReplayedEagerly.made = 0
+    return _ReplayedEagerly
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the CPU's rehearsal of the captured step")
+def test_eager_steps_then_one_capture_then_replays_each_equal_to_the_eager_step(rehearsed):
+    """The control flow around the graph: ``eager_steps`` eager calls, a capture, replays; the same
+    losses, embedding gradients and weights as eager steps under a learning-rate schedule; a new
+    capture (after eager steps) when the shapes change or the weights are changed outside."""
+    eager = _head()
+    graphed = copy.deepcopy(eager)
+    opts = [head_optimizer(h, "sgd", lr=0.05, fused_update=True) for h in (eager, graphed)]
+    step = CapturedHeadStep(graphed, opts[1], eager_steps=1)
+    assert (step.captures, step.replays, step.last_call) == (0, 0, None)
+    calls = []
+    for i, lr in enumerate([0.05, 0.05, 0.02, 0.01]):
+        for opt in opts:
+            for group in opt.param_groups:
+                group["lr"] = lr
+        x, y = _batch(i)
+        xe = x.clone().requires_grad_()
+        opts[0].zero_grad(set_to_none=False)
+        ref = eager(xe, y)
+        ref.backward()
+        opts[0].step()
+        loss, grad = step.step(x, y)
+        calls.append(step.last_call)
+        torch.testing.assert_close(loss, ref.detach())
+        torch.testing.assert_close(grad, xe.grad)
+    assert calls == ["eager", "captured", "replayed", "replayed"]
+    assert (step.captures, step.replays, rehearsed.made) == (1, 3, 1)
+    torch.testing.assert_close(graphed.weight, eager.weight)
+    x, y = _batch(7)
+    step.step(x[:5], y[:5])  # another batch size: eager again, then a capture of its own
+    step.step(x[:5], y[:5])
+    assert step.last_call == "captured" and rehearsed.made == 2
+    step.step(x[:5], y[:5])
+    assert step.last_call == "replayed"
+    with torch.no_grad():
+        graphed.weight.mul_(1.0)  # an in-place change outside the graph bumps the version
+    step.step(x[:5], y[:5])
+    assert step.last_call == "eager" and rehearsed.made == 2
+    step.step(x[:5], y[:5])
+    assert step.last_call == "captured" and rehearsed.made == 3
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the CPU's rehearsal of the captured step")
+def test_a_captured_step_checks_its_inputs_types_and_shapes_at_once_and_values_a_call_later(rehearsed):
+    head = _head(ignore_index=-1)
+    step = CapturedHeadStep(head, head_optimizer(head, "sgd", lr=0.05, fused_update=True))
+    x, y = _batch(0)
+    with pytest.raises(ValueError, match="embedding"):
+        step.step(x[:, :3], y)
+    with pytest.raises(ValueError, match="labels"):
+        step.step(x, y[:3])
+    y_ignored = y.clone()
+    y_ignored[0] = -1  # ignore_index: a valid label, never a value error
+    step.step(x, y_ignored)
+    step.step(x, y)
+    bad = y.clone()
+    bad[2] = C + 4
+    step.step(x, bad)
+    with pytest.raises(ValueError, match=rf"labels.*{C + 4}.*forward call 3\b"):
+        step.step(x, y)
+    assert step.calls == 3  # the refused ones (and the one that raised the last error first) are not steps
+    step.step(x[:0], y[:0])  # an empty batch: nothing to check later
+    step.check_pending()
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.0, "2"])
+def test_the_number_of_eager_steps_is_checked(monkeypatch, bad):
+    monkeypatch.setattr(capture, "capture_unavailable", lambda *a, **k: None)
+    with pytest.raises(ValueError, match=rf"eager_steps must be an integer >= 1, got {re.escape(repr(bad))}"):
+        CapturedHeadStep(None, None, eager_steps=bad)
+    assert CapturedHeadStep(None, None, eager_steps=1).eager_steps == 1
+
+def test_cuda_availability_is_asked_of_torch_when_not_given(monkeypatch):
+    head = _head()
+    opt = head_optimizer(head, "sgd", lr=0.1, fused_update=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "not on one CUDA device" in capture_unavailable(head, opt) or DEVICE.type == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert capture_unavailable(head, opt).startswith("CUDA is not available")
