@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import shutil
 import sys
 from collections import Counter
 from typing import Iterable, Iterator, List, Optional, Tuple
@@ -259,7 +258,9 @@ def shuffle(path: str, out: str, seed: int = 0, force: bool = False, log=None) -
             for new_key, i in enumerate(_progress(perm.tolist(), len(perm), "shuffle")):
                 writer.write(new_key, ds.reader.read(int(ds.keys[i])))
         if copy_property:
-            shutil.copyfile(ds.property_path, tmps[2])
+            # Read through the gate (the dataset read and checked it), written as the new file's own.
+            with open(tmps[2], "wb") as f:
+                f.write(files.read_bytes(ds.property_path, "property", "RecordIO property file"))
     print(f"wrote {len(perm)} images in shuffled order (seed {seed}) to {rec}", file=log)
     return {"rec": rec, "images": len(perm)}
 
