@@ -193,11 +193,17 @@ def read_bytes(path: PathLike, kind: str, what: Optional[str] = None, *, follow_
     """The bytes of ``path`` (:func:`open_file`'s rules), never more than ``kind``'s cap even if
     the file grows while it is read."""
     what = what or f"{kind} file"
+    cap = cap_bytes(kind)
     with open_file(path, kind, what, follow_symlinks=follow_symlinks, root=root) as f:
-        cap = cap_bytes(kind)
-        data = f.read() if cap is None else f.read(cap + 1)
-    _check_size(path, what, kind, len(data))
-    return data
+        # read(n) allocates n bytes up front: ask for the size the file has (checked under the cap),
+        # and only then, if it grew meanwhile, for the rest a chunk at a time up to the cap.
+        chunks = [f.read(os.fstat(f.fileno()).st_size + 1)]
+        total = len(chunks[0])
+        while chunks[-1] and (cap is None or total <= cap):
+            chunks.append(f.read(1 << 20))
+            total += len(chunks[-1])
+    _check_size(path, what, kind, total)
+    return b"".join(chunks)
 
 
 def _decode(data: bytes, path: PathLike, what: str, encoding: str, line: Optional[int] = None) -> str:
