@@ -262,7 +262,7 @@ def parse_json(text: Union[str, bytes], name: str, max_depth: int = MAX_DEPTH) -
     except RecursionError:
         raise FileRefused(f"{name} is nested more than {max_depth} deep") from None
     except ValueError as e:  # JSONDecodeError, and UnicodeDecodeError of bytes
-        raise FileRefused(f"{name} is not valid JSON: {str(e)[:200]}") from None
+        raise FileRefused(f"{name} is not JSON: {str(e)[:200]}") from None
     return check_depth(value, name, max_depth)
 
 

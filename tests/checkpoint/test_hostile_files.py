@@ -3,7 +3,9 @@
 Each case is a small file crafted here (a checkpoint folder, an exported model, a ``.pt`` record, a
 ``.bin`` set, a renames file) and ends, within seconds and without inflating anything, in one
 CheckpointError / ConfigError / ValueError naming the file, or (through a command) in one line on
-stderr and exit 2. A reader added to shardfc joins these cases (issue 33).
+stderr and exit 2. A reader added to shardfc joins these cases (issue 33), or those of the non-checkpoint
+readers in ``tests/data/test_hostile_data.py`` (issue 43); ``tests/test_files.py`` holds the file gate
+all of them read through.
 """
 
 from __future__ import annotations
@@ -352,6 +354,46 @@ def test_renames_passed_again_change_nothing(tmp_path: Path):
     once = rename(NAMES, read_renames(f))
     assert once == ["anna", "robert", "cy", "dee"]
     assert rename(once, read_renames(f)) == once  # the next resume, the same file
+
+
+@pytest.mark.parametrize("kind, needle", [("fifo", "FIFO"), ("dev_zero", "device"), ("latin1", "not utf-8 text"),
+                                           ("huge", "SHARDFC_MAX_NAMES_BYTES")])
+def test_a_hostile_renames_file_is_one_config_error(tmp_path: Path, monkeypatch, kind: str, needle: str):
+    """Through the file gate (issue 43): a regular file, UTF-8, at most the names cap."""
+    f = tmp_path / "renames.tsv"
+    if kind == "fifo":
+        os.mkfifo(f)
+    elif kind == "dev_zero":
+        os.symlink("/dev/zero", f)
+    elif kind == "latin1":
+        f.write_bytes(b"caf\xe9\tcafe\n")
+    else:
+        monkeypatch.setenv("SHARDFC_MAX_NAMES_BYTES", "1K")
+        f.write_text("ann\tanna\n" * 200)
+    error = _bounded(lambda: read_renames(f))
+    assert isinstance(error, ConfigError) and "renames.tsv" in str(error) and needle in str(error), error
+
+
+def test_embed_skips_images_that_are_not_regular_files_inside_images(tmp_path: Path, capsys):
+    """``shardfc embed --images DIR``: a FIFO, /dev/zero or a link out of DIR named like an image is
+    skipped and named, never read; the other images are embedded (issue 43)."""
+    from PIL import Image
+
+    path = _train_checkpoint(tmp_path / "run")
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.new("RGB", (16, 16)).save(images / "a.png")
+    Image.new("RGB", (16, 16)).save(tmp_path / "secret.png")
+    os.mkfifo(images / "pipe.png")
+    os.symlink("/dev/zero", images / "zero.png")
+    os.symlink(tmp_path / "secret.png", images / "out.png")
+    capsys.readouterr()
+    rc = cli_embed.main(["--checkpoint", str(path), "--images", str(images), "--out", str(tmp_path / "e.npy"),
+                         "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "skipped 3 corrupt image(s)" in err and all(n in err for n in ("pipe.png", "zero.png", "out.png")), err
+    assert (tmp_path / "e.npy.paths.txt").read_text() == "a.png\n"
 
 
 @pytest.mark.parametrize("names", ["ABCD", ["a", "a", "b", "c"], ["a", "b", "c"], ["a", "b", "c", 4]])
