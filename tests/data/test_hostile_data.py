@@ -268,6 +268,24 @@ def test_recordio_counts_are_checked_against_the_file_before_allocating(tmp_path
     assert needle in out and "\n" not in out.strip(), out
 
 
+def test_a_record_declaring_more_bytes_than_the_file_holds_is_refused_unread(tmp_path: Path):
+    """A part header declaring 512 MiB in a file of a few hundred bytes: one line, within 500 MB."""
+    root = _recordio(tmp_path / "rec")
+    data = bytearray((root / "train.rec").read_bytes())
+    struct.pack_into("<I", data, 4, (1 << 29) - 1)  # the first record's length field, flag 0
+    (root / "train.rec").write_bytes(bytes(data))
+    out = _capped(f"""
+        from shardfc.data.recordio import RecordIOReader, scan_records
+        for read in (lambda: RecordIOReader({str(root / "train.rec")!r}).read(1),
+                     lambda: list(scan_records({str(root / "train.rec")!r}))):
+            try:
+                read()
+            except ValueError as e:
+                print(type(e).__name__, e)
+    """, megabytes=300)
+    assert out.count("truncated record") == 2 and "536870911 bytes" in out, out
+
+
 @pytest.mark.parametrize("which", ["train.rec", "train.idx", "property"])
 def test_recordio_files_that_are_fifos_are_one_line(tmp_path: Path, capsys, which: str):
     root = _recordio(tmp_path / "rec", prop="2,4,4")

@@ -182,7 +182,11 @@ def _parse_lrec(path: str, what: str, offset: int, head: bytes) -> Tuple[int, in
 
 
 def _read_record(f, path: str, offset: int, what: str) -> Tuple[bytes, int]:
-    """Read the record starting at ``offset`` from binary file ``f``: ``(payload, end offset)``."""
+    """Read the record starting at ``offset`` from binary file ``f``: ``(payload, end offset)``.
+
+    Each part's declared length is checked against what the file holds before it is read: a read of
+    ``n`` bytes allocates ``n`` up front, and a crafted part may declare 512 MiB in a tiny file."""
+    size = os.fstat(f.fileno()).st_size
     f.seek(offset)
     parts: List[bytes] = []
     pos = offset
@@ -194,6 +198,11 @@ def _read_record(f, path: str, offset: int, what: str) -> Tuple[bytes, int]:
                 f"found {len(head)} bytes before the end of the file"
             )
         cflag, length = _parse_lrec(path, what, pos, head)
+        if pos + 8 + length > size:
+            raise ValueError(
+                f"{path}: {what}: truncated record: part at offset {pos} declares {length} bytes, "
+                f"only {max(size - pos - 8, 0)} remain in the file"
+            )
         expect_first = not parts
         if expect_first and cflag not in (0, 1):
             raise ValueError(f"{path}: {what}: record at offset {pos} starts with continuation flag {cflag} (a later part)")
