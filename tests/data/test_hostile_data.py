@@ -340,6 +340,23 @@ def test_a_bin_constructor_is_bounded_by_the_file_length(tmp_path: Path, payload
     assert "crafted.bin" in out and "more than the file holds" in out and "\n" not in out.strip(), out
 
 
+@pytest.mark.parametrize("opcode", [b"\x8e", b"\x8d", b"B"], ids=["BINBYTES8", "BINUNICODE8", "BINBYTES"])
+def test_a_bin_opcode_declaring_more_bytes_than_the_file_holds_is_refused(tmp_path: Path, opcode: bytes):
+    """The C unpickler allocates what a counted opcode declares before it reads: 8 GiB (or 2 GiB)
+    declared in a file of a few bytes is refused first, within 500 MB of address space."""
+    path = tmp_path / "crafted.bin"
+    width = "<i" if opcode == b"B" else "<Q"
+    path.write_bytes(b"\x80\x04" + opcode + struct.pack(width, (1 << 31) - 1 if opcode == b"B" else 1 << 33) + b"abc")
+    out = _capped(f"""
+        from shardfc.evaluation.verification import load_bin
+        try:
+            load_bin({str(path)!r})
+        except ValueError as e:
+            print(type(e).__name__, e)
+    """)
+    assert "crafted.bin" in out and "more than the file holds" in out and "\n" not in out.strip(), out
+
+
 def test_a_bin_that_is_a_fifo_or_a_device_is_one_line(tmp_path: Path):
     os.mkfifo(tmp_path / "lfw.bin")
     os.symlink("/dev/zero", tmp_path / "zero.bin")

@@ -122,6 +122,39 @@ class _BinUnpickler(pickle.Unpickler):
         return found
 
 
+class _ReadWithin:
+    """A file as :mod:`pickletools` reads it, refusing a read of more bytes than remain: a counted
+    opcode (``BINBYTES8``, ``BINUNICODE8``, ...) may declare up to 2^64 bytes in a file of a few,
+    and the C unpickler allocates what an opcode declares before it reads."""
+
+    def __init__(self, f: BinaryIO, path: str, size: int) -> None:
+        self._f, self._path, self._size = f, path, size
+
+    def read(self, n: int = -1) -> bytes:
+        if n is not None and n > self._size - self._f.tell():
+            raise pickle.UnpicklingError(
+                f"{self._path!r} ({self._size} bytes) declares a value of {n} bytes, more than the file holds")
+        return self._f.read(n)
+
+    def readline(self) -> bytes:
+        return self._f.readline()
+
+
+def _check_declared_sizes(f: BinaryIO, path: str, size: int) -> None:
+    """Walk the pickle's opcodes (no object is built) and refuse one that declares more bytes than
+    the file holds, before the unpickler allocates them; a pickle malformed otherwise is left to it."""
+    import pickletools
+
+    try:
+        for _ in pickletools.genops(_ReadWithin(f, path, size)):
+            pass
+    except pickle.UnpicklingError:
+        raise
+    except Exception:  # malformed: the unpickler's own error names it
+        pass
+    f.seek(0)
+
+
 def load_bin(
     path: Union[str, "os.PathLike[str]"],
     image_size: Tuple[int, int] = (112, 112),
@@ -151,7 +184,9 @@ def load_bin(
         raise FileNotFoundError(f"verification bin file not found: {path!r}") from None
     with f:
         try:
-            obj = _BinUnpickler(f, path, os.fstat(f.fileno()).st_size).load()
+            size = os.fstat(f.fileno()).st_size
+            _check_declared_sizes(f, path, size)
+            obj = _BinUnpickler(f, path, size).load()
         # Garbage bytes fail in many ways inside the unpickler, not only as UnpicklingError.
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
                 struct.error, MemoryError, RecursionError, OverflowError) as exc:
