@@ -15,7 +15,11 @@ and counted**:
   them itself, once over all workers and ranks, from :meth:`load_sample`);
 * known-corrupt indices are remembered, so later epochs skip them without
   decoding again;
-* if every image is corrupt, :class:`RuntimeError` is raised.
+* if every image is corrupt, :class:`RuntimeError` is raised;
+* an image that is not a regular file inside the data set's folder (a FIFO, ``/dev/zero``, a link
+  out of ``data_root``), or that declares more pixels than ``SHARDFC_MAX_IMAGE_PIXELS`` allows, is
+  corrupt too: it is never opened or decoded (the file gate, :mod:`shardfc.files`); the trainer
+  stops past ``max_corrupt_images`` different ones.
 
 Counters live in the process that decoded the image: with DataLoader workers
 each worker has its own copy, so read the warnings log for a global picture.
