@@ -32,6 +32,9 @@ LAYERS: Dict[str, Tuple[str, ...]] = {
     "shardfc.parallel": _ABOVE + ("shardfc.evaluation", "shardfc.data", "shardfc.head", "shardfc.checkpoint"),
     "shardfc.checkpoint": _ABOVE + ("shardfc.evaluation", "shardfc.data", "shardfc.head"),
     "shardfc.evaluation": _ABOVE,
+    # the file gate is the bottom layer: every package that reads a user's file imports it
+    "shardfc.files": _ABOVE + ("shardfc.evaluation", "shardfc.data", "shardfc.head", "shardfc.parallel",
+                               "shardfc.checkpoint", "shardfc.models", "shardfc.checks", "shardfc.seeding"),
 }
 
 

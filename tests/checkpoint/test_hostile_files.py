@@ -3,7 +3,9 @@
 Each case is a small file crafted here (a checkpoint folder, an exported model, a ``.pt`` record, a
 ``.bin`` set, a renames file) and ends, within seconds and without inflating anything, in one
 CheckpointError / ConfigError / ValueError naming the file, or (through a command) in one line on
-stderr and exit 2. A reader added to shardfc joins these cases (issue 33).
+stderr and exit 2. A reader added to shardfc joins these cases (issue 33), or those of the non-checkpoint
+readers in ``tests/data/test_hostile_data.py`` (issue 43); ``tests/test_files.py`` holds the file gate
+all of them read through.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from shardfc.checkpoint.weights_only import load_pt
 from shardfc.cli import embed as cli_embed
 from shardfc.cli import eval as cli_eval
 from shardfc.cli import export as cli_export
+from shardfc.data import glyphs as glyphs_module
 from shardfc.data.glyphs import GlyphError, GlyphOptions, build, font_files
 from shardfc.models import build_backbone
 from shardfc.parallel.model_split import stages as cut_stages
@@ -354,6 +357,46 @@ def test_renames_passed_again_change_nothing(tmp_path: Path):
     assert rename(once, read_renames(f)) == once  # the next resume, the same file
 
 
+@pytest.mark.parametrize("kind, needle", [("fifo", "FIFO"), ("dev_zero", "device"), ("latin1", "not utf-8 text"),
+                                           ("huge", "SHARDFC_MAX_NAMES_BYTES")])
+def test_a_hostile_renames_file_is_one_config_error(tmp_path: Path, monkeypatch, kind: str, needle: str):
+    """Through the file gate (issue 43): a regular file, UTF-8, at most the names cap."""
+    f = tmp_path / "renames.tsv"
+    if kind == "fifo":
+        os.mkfifo(f)
+    elif kind == "dev_zero":
+        os.symlink("/dev/zero", f)
+    elif kind == "latin1":
+        f.write_bytes(b"caf\xe9\tcafe\n")
+    else:
+        monkeypatch.setenv("SHARDFC_MAX_NAMES_BYTES", "1K")
+        f.write_text("ann\tanna\n" * 200)
+    error = _bounded(lambda: read_renames(f))
+    assert isinstance(error, ConfigError) and "renames.tsv" in str(error) and needle in str(error), error
+
+
+def test_embed_skips_images_that_are_not_regular_files_inside_images(tmp_path: Path, capsys):
+    """``shardfc embed --images DIR``: a FIFO, /dev/zero or a link out of DIR named like an image is
+    skipped and named, never read; the other images are embedded (issue 43)."""
+    from PIL import Image
+
+    path = _train_checkpoint(tmp_path / "run")
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.new("RGB", (16, 16)).save(images / "a.png")
+    Image.new("RGB", (16, 16)).save(tmp_path / "secret.png")
+    os.mkfifo(images / "pipe.png")
+    os.symlink("/dev/zero", images / "zero.png")
+    os.symlink(tmp_path / "secret.png", images / "out.png")
+    capsys.readouterr()
+    rc = cli_embed.main(["--checkpoint", str(path), "--images", str(images), "--out", str(tmp_path / "e.npy"),
+                         "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "skipped 3 corrupt image(s)" in err and all(n in err for n in ("pipe.png", "zero.png", "out.png")), err
+    assert (tmp_path / "e.npy.paths.txt").read_text() == "a.png\n"
+
+
 @pytest.mark.parametrize("names", ["ABCD", ["a", "a", "b", "c"], ["a", "b", "c"], ["a", "b", "c", 4]])
 def test_class_names_must_be_distinct_strings_one_per_class(tmp_path: Path, names):
     path = _train_checkpoint(tmp_path, class_names=names)
@@ -595,18 +638,18 @@ def test_a_fifo_or_a_link_loop_named_like_a_font_is_never_opened(tmp_path):
         build(str(tmp_path / "out"), GlyphOptions(), font_dirs=[str(fonts)])
 
 
-def _tiny_cjk_font(path: Path, cmap_format: int) -> None:
+def _tiny_cjk_font(path: Path, cmap_format: int, units_per_em: int = 1000, extent: int = 900) -> None:
     """A valid TrueType font of one glyph mapped from U+4E00, its character map one subtable of
-    ``cmap_format`` (4 or 12), written by fontTools."""
+    ``cmap_format`` (4 or 12), written by fontTools; the glyph a bar ``extent`` units wide."""
     from fontTools.fontBuilder import FontBuilder
     from fontTools.pens.ttGlyphPen import TTGlyphPen
     from fontTools.ttLib.tables._c_m_a_p import CmapSubtable
 
-    fb = FontBuilder(1000, isTTF=True)
+    fb = FontBuilder(units_per_em, isTTF=True)
     fb.setupGlyphOrder([".notdef", "yi"])
     fb.setupCharacterMap({0x4E00: "yi"})
     pen = TTGlyphPen(None)
-    pen.moveTo((100, 400)), pen.lineTo((900, 400)), pen.lineTo((900, 500)), pen.lineTo((100, 500)), pen.closePath()
+    pen.moveTo((100, 400)), pen.lineTo((extent, 400)), pen.lineTo((extent, 500)), pen.lineTo((100, 500)), pen.closePath()
     fb.setupGlyf({".notdef": TTGlyphPen(None).glyph(), "yi": pen.glyph()})
     fb.setupHorizontalMetrics({".notdef": (500, 0), "yi": (1000, 100)})
     fb.setupHorizontalHeader(ascent=880, descent=-120)
@@ -670,3 +713,37 @@ def test_a_font_whose_character_map_lies_is_skipped_with_a_warning(tmp_path: Pat
     assert len(warned) == 1 and "liar.ttf" in warned[0], warned
     if "over and over" in damage:  # the map is whole: its ranges are what is refused
         assert "overlapping or unsorted ranges" in warned[0], warned
+
+
+def test_a_glyph_larger_than_its_canvas_is_not_rasterised(tmp_path: Path):
+    """A face whose outline claims 500 em (8,000 units at 16 per em): its raster (about 25,000 pixels
+    wide at 32x32, ten million in all) would be allocated and drawn whole before the crop; it is not
+    drawn at all, and counts as no drawing (issue 43)."""
+    from shardfc.data.glyphs import read_faces
+
+    path = tmp_path / "wide.ttf"
+    _tiny_cjk_font(path, 4, units_per_em=16, extent=8_000)
+    [(face, covered)] = read_faces([str(path)])
+    warned: list = []
+    drawn = glyphs_module._draw_all([face], ["\u4e00"], [covered], 32, warn=warned.append)
+    assert drawn.by_char["\u4e00"] == [] and drawn.drawn == {} and warned == []
+
+
+def test_a_face_freetype_cannot_open_is_skipped_with_a_warning(tmp_path: Path):
+    """One bad font among many: a face read before and unreadable when drawn (replaced by a FIFO,
+    cut, or a table FreeType refuses) is skipped with a warning naming it, once; the rest draw."""
+    from shardfc.data.glyphs import read_faces
+
+    good, bad = tmp_path / "good.ttf", tmp_path / "bad.ttf"
+    _tiny_cjk_font(good, 4)
+    _tiny_cjk_font(bad, 4)
+    read = read_faces([str(good), str(bad)])
+    bad.unlink()
+    os.mkfifo(bad)
+    warned: list = []
+    failed: set = set()
+    for _ in range(2):  # a second batch does not try (or warn about) the failed face again
+        drawn = glyphs_module._draw_all([f for f, _ in read], ["\u4e00"], [c for _, c in read], 32,
+                                        warn=warned.append, failed=failed)
+    assert [fi for fi, _ in drawn.by_char["\u4e00"]] == [0] and failed == {1}
+    assert len(warned) == 1 and "bad.ttf" in warned[0] and "FIFO" in warned[0], warned

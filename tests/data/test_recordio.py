@@ -345,7 +345,7 @@ def test_verify_reports_bad_records(packed, tmp_path, capsys):
 def test_cli_errors(folder, packed, tmp_path, capsys):
     assert top_cli.main(["data", "pack", str(tmp_path / "missing"), str(tmp_path / "o")]) == 2
     assert "missing" in capsys.readouterr().err
-    assert data_cli.main(["pack", str(folder), str(packed)]) == 1  # exists, no --force
+    assert data_cli.main(["pack", str(folder), str(packed)]) == 2  # exists, no --force: a refused input, exit 2 as every command
     assert "--force" in capsys.readouterr().err
     assert data_cli.main(["pack", str(folder), str(packed), "--force"]) == 0
     assert data_cli.main(["pack", str(folder), str(packed), "--resize", "big"]) == 2
@@ -354,11 +354,11 @@ def test_cli_errors(folder, packed, tmp_path, capsys):
     lst = tmp_path / "l.txt"
     lst.write_text(f"{next(folder.glob('a/*.png'))} 0\n{tmp_path / 'ghost.png'} 1\n")
     failed = tmp_path / "failed"
-    assert data_cli.main(["pack", str(lst), str(failed), "--list-file"]) == 1
+    assert data_cli.main(["pack", str(lst), str(failed), "--list-file"]) == 2
     assert "ghost.png" in capsys.readouterr().err
     assert list(failed.iterdir()) == []  # no half-written train.rec, no .part files left
     (packed / "train.idx").unlink()
-    assert data_cli.main(["inspect", str(packed)]) == 1
+    assert data_cli.main(["inspect", str(packed)]) == 2
     assert "train.idx" in capsys.readouterr().err
 
 

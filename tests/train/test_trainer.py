@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -318,6 +319,25 @@ def test_folder_dataset_with_a_corrupt_image_and_empty_folder(tmp_path, capsys):
     argv = ["--dataset", "folder", "--data-root", str(empty), "--nproc", "1", "--output-dir", str(tmp_path / "e")]
     assert train_cli.main(argv) == 2
     assert "contains no images" in capsys.readouterr().err
+
+
+def test_a_run_stops_past_max_corrupt_images_naming_the_count(tmp_path):
+    """One broken file is noise; a folder of them is a data problem: past max_corrupt_images different
+    ones, the run stops at the next report with one line (issue 43)."""
+    data = tmp_path / "faces"
+    for ident in range(2):
+        for k in range(3):
+            _png(data / f"id{ident}" / f"{k}.png", (60 * ident, 20 * k, 100))
+    (data / "id0" / "broken.png").write_bytes(b"not an image at all")
+    os.mkfifo(data / "id1" / "pipe.png")  # not a regular file: skipped as corrupt, never opened
+    cfg = tiny_config(tmp_path / "run", dataset="folder", data_root=str(data), nproc=1, batch_size=4, grad_accum=1,
+                      max_steps=4, log_every=2, ckpt_every=0, eval_every=0, synthetic_val_pairs=0,
+                      max_corrupt_images=1)
+    with pytest.raises(ValueError, match=r"^2 different corrupt images skipped by step 2, more than "
+                                         r"max_corrupt_images=1") as info:
+        train(cfg)
+    assert "\n" not in str(info.value)
+    assert train(dataclasses.replace(cfg, max_corrupt_images=2, output_dir=str(tmp_path / "ok")))["step"] == 4
 
 
 # ---------------------------------------------------------------------------- data order

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import io
-import json
 import pickle
 import sys
 import zipfile
@@ -34,6 +33,7 @@ from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
 
+from shardfc import files
 from shardfc.checkpoint.format import CheckpointError, open_regular, short_repr
 from shardfc.checkpoint.weights_only import check_stored, error_line
 
@@ -328,10 +328,11 @@ def _read_archive(archive: zipfile.ZipFile, path: Path) -> Tuple[Any, dict]:
     meta_name = f"{prefix}extra/{EXPORT_METADATA}"
     metadata: Any = {}
     if meta_name in names:
-        try:
-            metadata = json.loads(_member(archive, meta_name, MAX_METADATA_BYTES, path))
-        except (ValueError, RecursionError) as e:
-            raise CheckpointError(f"cannot read {path}: its {EXPORT_METADATA} is not JSON ({str(e)[:200]})") from None
+        try:  # the gate's JSON rules: nested at most files.MAX_DEPTH deep
+            metadata = files.parse_json(_member(archive, meta_name, MAX_METADATA_BYTES, path),
+                                        f"its {EXPORT_METADATA}")
+        except files.FileRefused as e:
+            raise CheckpointError(f"cannot read {path}: {e}") from None
         if not isinstance(metadata, dict):
             raise CheckpointError(f"{path}: its {EXPORT_METADATA} holds a {type(metadata).__name__}, not an object")
     return root, metadata

@@ -48,17 +48,17 @@ directory name + ``-<token>``.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import reprlib
-import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+
+from shardfc import files
 
 __all__ = [
     "saved_num_classes",
@@ -117,33 +117,23 @@ def regular_file(path: "str | os.PathLike[str]", what: str = "checkpoint file", 
     """``os.lstat(path)`` of a regular file; anything else (missing, a symlink, a FIFO, a device, a
     folder) is a CheckpointError naming it, before anything opens, stats through or hashes it (a
     FIFO or ``/dev/zero`` would never end a read). ``follow_symlinks``: a file the user names
-    himself (not one a ``meta.json`` names) may be a symlink to a regular file."""
+    himself (not one a ``meta.json`` names) may be a symlink to a regular file. The rule is the
+    gate's (:func:`shardfc.files.regular_file`); only the error type is the checkpoint's."""
     try:
-        st = os.stat(path) if follow_symlinks else os.lstat(path)
-    except FileNotFoundError:
-        raise CheckpointError(f"{what} {path} is missing") from None
-    except OSError as e:
-        raise CheckpointError(f"cannot stat {what} {path}: {e.strerror or e}") from None
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode) else \
-            "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device or socket"
-        raise CheckpointError(f"refusing to read {what} {path}: it is {kind}, not a regular file")
-    return st
+        return files.regular_file(path, what, follow_symlinks=follow_symlinks)
+    except files.FileRefused as e:
+        raise CheckpointError(str(e)) from None
 
 
 def open_regular(path: "str | os.PathLike[str]", what: str = "checkpoint file", *, follow_symlinks: bool = False):
     """``path`` opened for reading in binary, if it is a regular file (:func:`regular_file`; opened
-    without following a symlink and without blocking on a FIFO swapped in since, then checked again)."""
-    regular_file(path, what, follow_symlinks=follow_symlinks)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (0 if follow_symlinks else getattr(os, "O_NOFOLLOW", 0))
+    without following a symlink and without blocking on a FIFO swapped in since, then checked again:
+    :func:`shardfc.files.open_file`). No size cap here: every checkpoint reader bounds what it reads
+    (``meta.json`` by :data:`META_MAX_BYTES`, a ``.pt`` by its records' sizes)."""
     try:
-        fd = os.open(path, flags)
-    except OSError as e:
-        raise CheckpointError(f"cannot open {what} {path}: {e.strerror or e}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CheckpointError(f"refusing to read {what} {path}: it is not a regular file")
-    return os.fdopen(fd, "rb")
+        return files.open_file(path, "checkpoint", what, follow_symlinks=follow_symlinks)
+    except files.FileRefused as e:
+        raise CheckpointError(str(e)) from None
 
 
 def head_file(rank: int) -> str:
@@ -282,10 +272,10 @@ def read_meta(path: "str | os.PathLike[str]") -> dict[str, Any]:
         if size > META_MAX_BYTES:
             raise CheckpointError(f"{meta_path} is larger than {META_MAX_BYTES >> 20} MiB: not a shardfc meta file")
         text = f.read(size + 1)
-    try:
-        meta = json.loads(text)
-    except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"cannot parse {meta_path}: {str(e)[:200]}") from None
+    try:  # the gate's JSON rules: nested at most files.MAX_DEPTH deep (meta.json is 4)
+        meta = files.parse_json(text, str(meta_path))
+    except files.FileRefused as e:
+        raise CheckpointError(str(e)) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{meta_path} is not a {FORMAT_NAME} meta file")
     version = meta.get("format_version")

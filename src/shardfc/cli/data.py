@@ -11,6 +11,9 @@
 * ``shuffle PATH OUT``: the images in a random order, without header and
   identity records (im2rec layout), records copied unchanged.
 * ``verify PATH``: decodes every image; lists bad records; exit status 1 if any.
+
+A refused input (a missing or malformed file, one the file gate refuses: :mod:`shardfc.files`) is
+one line on stderr and exit status 2, as for every ``shardfc`` command.
 * ``glyphs OUT``: a face-recognition-shaped set of glyph identities from the machine's CJK fonts
   (:mod:`shardfc.data.glyphs`): ``train.rec`` and three verification ``.bin`` sets.
 
@@ -180,9 +183,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     print(f"bad: {where_}{item['reason']}")
                 print(f"{result['rec']}: {result['images']} images, {len(result['bad'])} bad record(s)")
             return 1 if result["bad"] else 0
-    except (CommandError, FileNotFoundError, ValueError) as e:
+    except (CommandError, FileNotFoundError, ValueError) as e:  # a refused input: exit 2, as every command
         print(f"shardfc data {args.action}: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 

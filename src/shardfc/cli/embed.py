@@ -44,12 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _batches(files: List[Path], image_size, batch_size: int, kept: List[Path], corrupt: List[str]) -> Iterator[torch.Tensor]:
-    """Decoded image batches; appends each decoded file to ``kept`` and each undecodable one to ``corrupt``."""
+def _batches(files: List[Path], image_size, batch_size: int, kept: List[Path], corrupt: List[str],
+             root: Optional[Path] = None) -> Iterator[torch.Tensor]:
+    """Decoded image batches; appends each decoded file to ``kept`` and each undecodable one (or one
+    that is not a regular file inside ``root``) to ``corrupt``."""
     batch: List[torch.Tensor] = []
     for path in files:
         try:
-            batch.append(image_to_tensor(decode_image(path), image_size))
+            batch.append(image_to_tensor(decode_image(path, root=root), image_size))
         except CorruptImageError as e:
             corrupt.append(f"{path} ({e.reason})")
             continue
@@ -76,7 +78,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         trained = load_backbone(args.checkpoint, device, trust_pickle=args.trust_checkpoint)
         kept: List[Path] = []
         corrupt: List[str] = []
-        batches = _batches(files, trained.image_size, args.batch_size, kept, corrupt)
+        batches = _batches(files, trained.image_size, args.batch_size, kept, corrupt, Path(args.images).expanduser())
         try:
             emb = embed_batches(trained.model, batches, flip=args.flip, device=device)
         except ValueError:  # no batch at all

@@ -15,7 +15,11 @@ and counted**:
   them itself, once over all workers and ranks, from :meth:`load_sample`);
 * known-corrupt indices are remembered, so later epochs skip them without
   decoding again;
-* if every image is corrupt, :class:`RuntimeError` is raised.
+* if every image is corrupt, :class:`RuntimeError` is raised;
+* an image that is not a regular file inside the data set's folder (a FIFO, ``/dev/zero``, a link
+  out of ``data_root``), or that declares more pixels than ``SHARDFC_MAX_IMAGE_PIXELS`` allows, is
+  corrupt too: it is never opened or decoded (the file gate, :mod:`shardfc.files`); the trainer
+  stops past ``max_corrupt_images`` different ones.
 
 Counters live in the process that decoded the image: with DataLoader workers
 each worker has its own copy, so read the warnings log for a global picture.
@@ -41,6 +45,8 @@ from typing import Dict, List, Optional, Set, Tuple, Union
 import torch
 from torch.utils.data import Dataset
 
+from shardfc import files
+from shardfc.data.labels import check_class_count
 from shardfc.data.transforms import CorruptImageError, ImageTransform, decode_image
 from shardfc.seeding import mix_seed
 
@@ -78,6 +84,9 @@ class FileImageDataset(Dataset):
         self.corrupt_count = 0
         self.corrupt_paths: Set[str] = set()
         self._corrupt_reasons: Dict[int, str] = {}
+        #: The folder every image must resolve inside (a data set found by scanning it); None: the
+        #: paths were named by the user (a list file), read where they are.
+        self.image_root: Optional[str] = None
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -100,7 +109,7 @@ class FileImageDataset(Dataset):
 
     def _load(self, index: int, generator: Optional[torch.Generator]) -> Tuple[torch.Tensor, int]:
         path, label = self.samples[index]
-        return self.transform(decode_image(path), generator), label
+        return self.transform(decode_image(path, root=self.image_root), generator), label
 
     def sample_name(self, index: int) -> str:
         """How ``index`` is named in corrupt-image reports (the file path)."""
@@ -115,12 +124,16 @@ class FileImageDataset(Dataset):
 
         Raises:
             FileNotFoundError: the file is missing (as when it is decoded here).
+            CorruptImageError: it is not a regular file inside the data set's folder, or too large
+                (the file gate, :mod:`shardfc.files`).
         """
         path = self.sample_name(index)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"image file not found: {path!r}")
-        with open(path, "rb") as f:
-            return f.read()
+        try:
+            return files.read_bytes(path, "image", "image file", root=self.image_root)
+        except files.FileMissing:
+            raise FileNotFoundError(f"image file not found: {path!r}") from None
+        except files.FileRefused as e:
+            raise CorruptImageError(path, str(e)) from None
 
     def _record_corrupt(self, index: int, err: CorruptImageError) -> None:
         self._corrupt_reasons[index] = err.reason
@@ -201,6 +214,9 @@ class ImageFolderDataset(FileImageDataset):
         self.classes = sorted(
             e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith(".")
         )
+        self.image_root = self.root
+        for name in self.classes:  # a class folder linked out of the root would read outside it
+            files.inside(os.path.join(self.root, name), self.root, "class folder")
         self.samples = []
         for label, name in enumerate(self.classes):
             for dirpath, dirnames, filenames in os.walk(os.path.join(self.root, name)):
@@ -257,33 +273,32 @@ class ListFileDataset(FileImageDataset):
     ) -> None:
         super().__init__(image_size, train, flip_prob, seed)
         self.list_file = os.fspath(list_file)
-        if not os.path.isfile(self.list_file):
-            raise FileNotFoundError(f"ListFileDataset list_file {self.list_file!r} does not exist")
         self.root = os.fspath(root) if root is not None else os.path.dirname(os.path.abspath(self.list_file))
         self.samples = []
-        with open(self.list_file, encoding="utf-8") as f:
-            for lineno, raw in enumerate(f, start=1):
-                line = raw.strip()
-                if not line or line.startswith("#"):
-                    continue
-                parts = line.rsplit(None, 1)
-                if len(parts) != 2:
-                    raise ValueError(
-                        f"{self.list_file}:{lineno}: expected '<path> <label>', got {line!r}"
-                    )
-                rel, label_str = parts
-                try:
-                    label = int(label_str)
-                except ValueError:
-                    raise ValueError(
-                        f"{self.list_file}:{lineno}: label must be an integer, got {label_str!r}"
-                    ) from None
-                if label < 0:
-                    raise ValueError(f"{self.list_file}:{lineno}: label must be >= 0, got {label}")
-                self.samples.append((os.path.join(self.root, rel), label))
+        # Streamed through the gate: a regular file, UTF-8, each line at most files.MAX_LINE_BYTES.
+        for lineno, raw in files.iter_lines(self.list_file, "list", "list file"):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            parts = line.rsplit(None, 1)
+            if len(parts) != 2:
+                raise ValueError(
+                    f"{self.list_file}:{lineno}: expected '<path> <label>', got {line!r}"
+                )
+            rel, label_str = parts
+            try:
+                label = int(label_str)
+            except ValueError:
+                raise ValueError(
+                    f"{self.list_file}:{lineno}: label must be an integer, got {label_str!r}"
+                ) from None
+            if label < 0:
+                raise ValueError(f"{self.list_file}:{lineno}: label must be >= 0, got {label}")
+            self.samples.append((os.path.join(self.root, rel), label))
         if not self.samples:
             raise ValueError(f"ListFileDataset list_file {self.list_file!r} contains no entries")
-        self.num_classes = max(label for _, label in self.samples) + 1
+        self.num_classes = check_class_count(max(label for _, label in self.samples) + 1, len(self.samples),
+                                             f"list file {self.list_file}")
 
     @staticmethod
     def write(list_file: PathLike, samples: List[Tuple[PathLike, int]]) -> None:

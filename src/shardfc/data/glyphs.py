@@ -49,6 +49,8 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tupl
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
+from shardfc import files
+
 #: Where fonts live on Debian/Ubuntu (and the user's own folders).
 SYSTEM_FONT_DIRS = ("/usr/share/fonts", "/usr/local/share/fonts", "~/.local/share/fonts", "~/.fonts")
 FONT_SUFFIXES = (".ttf", ".otf", ".ttc", ".otc")
@@ -112,22 +114,81 @@ class GlyphOptions:
 
 
 # --------------------------------------------------------------------------- fonts
-def font_files(dirs: Optional[Sequence[str]] = None) -> List[str]:
-    """Font files under ``dirs`` (default: :data:`SYSTEM_FONT_DIRS`), sorted, links to files kept once."""
+def font_files(dirs: Optional[Sequence[str]] = None, warn=None) -> List[str]:
+    """Font files under ``dirs`` (default: :data:`SYSTEM_FONT_DIRS`), sorted, links to files kept once.
+
+    Only regular files are kept (a FIFO or a device named like a font is never opened), and only
+    those that resolve inside one of ``dirs``: a link out of the folders given is skipped with a
+    warning naming it (``warn``, default :func:`warnings.warn`)."""
+    warn = warn or (lambda msg: warnings.warn(msg, stacklevel=2))
+    folders = [os.path.expanduser(d) for d in (dirs if dirs is not None else SYSTEM_FONT_DIRS)]
+    roots = [os.path.realpath(d) for d in folders]
     found: Dict[str, str] = {}
-    for d in dirs if dirs is not None else SYSTEM_FONT_DIRS:
-        d = os.path.expanduser(d)
+    for d in folders:
         if dirs is not None and not os.path.isdir(d):
             raise GlyphError(f"--fonts {d!r} is not a folder")
-        for root, subdirs, files in os.walk(d):
+        for root, subdirs, names in os.walk(d):
             subdirs.sort()
-            for f in sorted(files):
+            for f in sorted(names):
                 if f.lower().endswith(FONT_SUFFIXES):
                     path = os.path.join(root, f)
                     real = os.path.realpath(path)
-                    if os.path.isfile(real):
-                        found.setdefault(real, path)
+                    if not os.path.isfile(real):
+                        continue
+                    if not any(real == r or os.path.commonpath([real, r]) == r for r in roots):
+                        warn(f"shardfc data glyphs: skipped font file {path!r}: it resolves to {real}, outside "
+                             f"{', '.join(folders)}")
+                        continue
+                    found.setdefault(real, path)
     return sorted(found.values())
+
+
+#: The most faces read from one collection (``.ttc`` / ``.otc``): the largest CJK collections hold
+#: a few dozen; a header claiming more is not read (each face costs a parse and a renderer).
+MAX_FACES_PER_FILE = 256
+#: The most faces read in all: the family merge compares faces pairwise, so its work grows with the
+#: square of this. ``SHARDFC_MAX_FONT_FACES`` raises it.
+MAX_FACES = 2048
+#: The most tables one face's directory may list (real fonts have 10-30).
+MAX_TABLES = 512
+#: A font's tables are read as stored: a compressed (WOFF / WOFF2) file, whose tables would be
+#: inflated, is not read; these are the signatures of the uncompressed sfnt formats.
+SFNT_SIGNATURES = (b"\x00\x01\x00\x00", b"true", b"OTTO", b"ttcf")
+
+
+def read_font(path: str) -> Tuple[bytes, int]:
+    """``(bytes, face count)`` of font file ``path`` through the file gate (a regular file of at most
+    256 MiB, ``SHARDFC_MAX_FONT_BYTES``), its structure checked before fontTools or FreeType sees
+    it: an uncompressed sfnt (no table is ever inflated), at most :data:`MAX_FACES_PER_FILE` faces,
+    each face's table directory and every table inside the file. Anything else is a ValueError (the
+    caller skips the file, naming it)."""
+    import struct
+
+    data = files.read_bytes(path, "font", "font file")
+    if data[:4] not in SFNT_SIGNATURES:
+        raise ValueError(f"not an uncompressed TrueType / OpenType font (signature {data[:4]!r}; WOFF is not read)")
+    if data[:4] == b"ttcf":
+        if len(data) < 12:
+            raise ValueError("a collection header cut short")
+        (count,) = struct.unpack_from(">L", data, 8)
+        if not 1 <= count <= MAX_FACES_PER_FILE or 12 + 4 * count > len(data):
+            raise ValueError(f"its collection header claims {count} faces (at most {MAX_FACES_PER_FILE} are read, "
+                             "each within the file)")
+        starts = list(struct.unpack_from(f">{count}L", data, 12))
+    else:
+        count, starts = 1, [0]
+    for start in starts:
+        if start + 12 > len(data):
+            raise ValueError(f"a face's table directory at {start} is past the end of the file")
+        (tables,) = struct.unpack_from(">H", data, start + 4)
+        if tables > MAX_TABLES or start + 12 + 16 * tables > len(data):
+            raise ValueError(f"a face lists {tables} tables, more than the file or {MAX_TABLES} allow")
+        for i in range(tables):
+            tag, _, offset, length = struct.unpack_from(">4sLLL", data, start + 12 + 16 * i)
+            if offset + length > len(data):
+                raise ValueError(f"its {tag.decode('latin-1')!r} table ends at {offset + length}, past the end of "
+                                 f"the file ({len(data)} bytes)")
+    return data, count
 
 
 def family_key(name: str) -> str:
@@ -203,18 +264,22 @@ def _check_ordered(starts: np.ndarray, ends: np.ndarray, fmt: int) -> None:
 def read_faces(paths: Iterable[str], warn=None) -> List[Tuple[Face, Set[int]]]:
     """Each face of each file with the CJK characters its character map covers (faces covering
     none are left out); an unreadable file is skipped with a warning naming it."""
-    from fontTools.ttLib import TTCollection, TTFont
+    import io
+
+    from fontTools.ttLib import TTFont
 
     warn = warn or (lambda msg: warnings.warn(msg, stacklevel=2))
     faces: List[Tuple[Face, Set[int]]] = []
+    most = files.env_limit("SHARDFC_MAX_FONT_FACES", MAX_FACES)
     for path in paths:
         try:
-            if path.lower().endswith((".ttc", ".otc")):
-                count = len(TTCollection(path, lazy=True).fonts)
-            else:
-                count = 1
+            data, count = read_font(path)
+            if len(faces) + count > most:
+                warn(f"shardfc data glyphs: skipped font file {path!r} and the rest: more than {most} faces in all "
+                     "(raise it with SHARDFC_MAX_FONT_FACES)")
+                break
             for i in range(count):
-                font = TTFont(path, fontNumber=i, lazy=True)
+                font = TTFont(io.BytesIO(data), fontNumber=i, lazy=True)
                 covered = cjk_coverage(font.reader["cmap"]) if "cmap" in font.reader else set()
                 name = font["name"].getDebugName(4) or font["name"].getDebugName(1) or f"{os.path.basename(path)}#{i}"
                 family = font["name"].getDebugName(1) or name
@@ -236,13 +301,22 @@ class _Renderer:
     """Draws characters of one face: black on white, ink cropped and centred, at ``size``."""
 
     def __init__(self, face: Face, size: int):
+        import io
+
         self.size = size
         self.canvas = 2 * size
-        self.font = ImageFont.truetype(face.path, int(self.canvas * 0.8), index=face.index)
+        # From the bytes the gate read and checked (read_font), never by name: FreeType sees what was checked.
+        data, _ = read_font(face.path)
+        self.font = ImageFont.truetype(io.BytesIO(data), int(self.canvas * 0.8), index=face.index)
 
     def hires(self, ch: str) -> Optional[Image.Image]:
-        """The ink of ``ch`` centred on a white ``2·size`` canvas (None: no ink)."""
+        """The ink of ``ch`` centred on a white ``2·size`` canvas (None: no ink, or a glyph whose box
+        is larger than the canvas it is drawn on: its raster would be allocated whole first, and a
+        hostile font's outline can claim any size)."""
         c = self.canvas
+        left, top, right, bottom = self.font.getbbox(ch)
+        if right - left > 2 * c or bottom - top > 2 * c:
+            return None
         img = Image.new("L", (2 * c, 2 * c), 255)
         ImageDraw.Draw(img).text((c // 2, c // 2), ch, font=self.font, fill=0)
         ink = np.asarray(img) < 128
@@ -327,15 +401,33 @@ class _Drawings:
 
 
 def _draw_all(faces: List[Face], chars: Sequence[str], covered: List[Set[int]], size: int,
-              progress=None) -> _Drawings:
+              progress=None, warn=None, failed: Optional[Set[int]] = None) -> _Drawings:
+    """Every character of ``chars`` drawn by every face covering it. A face FreeType cannot open or
+    rasterise is skipped with a warning naming its file (``warn``) and added to ``failed``, which
+    later calls skip without trying again; the drawings it made before failing are kept."""
+    warn = warn or (lambda msg: warnings.warn(msg, stacklevel=2))
+    failed = set() if failed is None else failed
     out = _Drawings({ch: [] for ch in chars})
     seen: Dict[str, Dict[bytes, int]] = {ch: {} for ch in chars}  # digest -> the face that drew it first
     for fi, face in enumerate(faces):
-        renderer = _Renderer(face, size)
+        if fi in failed:
+            continue
+        try:
+            renderer = _Renderer(face, size)
+        except Exception as e:  # FreeType's many failure types (OSError, ValueError, ...) all mean "skip it"
+            warn(f"shardfc data glyphs: skipped font {face.path!r} face {face.index}: {type(e).__name__}: {e}")
+            failed.add(fi)
+            continue
         for ch in chars:
             if ord(ch) not in covered[fi]:
                 continue
-            hires = renderer.hires(ch)
+            try:
+                hires = renderer.hires(ch)
+            except Exception as e:
+                warn(f"shardfc data glyphs: skipped font {face.path!r} face {face.index}: cannot draw {ch!r}: "
+                     f"{type(e).__name__}: {e}")
+                failed.add(fi)
+                break
             if hires is None:  # no ink: the face maps the character to an empty glyph
                 continue
             out.drawn[fi] = out.drawn.get(fi, 0) + 1
@@ -381,11 +473,14 @@ def build(out: str, options: GlyphOptions, font_dirs: Optional[Sequence[str]] = 
 
     options.check()
     log = log or sys.stderr
-    files = font_files(font_dirs)
+    font_paths = font_files(font_dirs, warn=lambda msg: print(f"warning: {msg}", file=log))
     where = ", ".join(font_dirs) if font_dirs is not None else "the system's font folders"
-    if not files:
+    if not font_paths:
         raise GlyphError(no_fonts_message(where))
-    read = read_faces(files, warn=lambda msg: print(f"warning: {msg}", file=log))
+    def warn(msg: str) -> None:
+        print(f"warning: {msg}", file=log)
+
+    read = read_faces(font_paths, warn=warn)
     if not read:
         raise GlyphError(no_fonts_message(where))
     faces = [f for f, _ in read]
@@ -409,10 +504,11 @@ def build(out: str, options: GlyphOptions, font_dirs: Optional[Sequence[str]] = 
     chars: List[str] = []
     drawings = _Drawings({})
     start = 0
+    failed: Set[int] = set()  # faces FreeType could not draw: skipped from then on
     while len(chars) < wanted and start < len(order):
         batch = [chr(candidates[i]) for i in order[start:start + int(1.2 * (wanted - len(chars))) + 16]]
         start += len(batch)
-        got = _draw_all(faces, batch, covered, o.image_size)
+        got = _draw_all(faces, batch, covered, o.image_size, warn=warn, failed=failed)
         kept = [ch for ch in batch if len(got.by_char[ch]) >= o.min_faces][:wanted - len(chars)]
         chars += kept
         drawings.add(got, kept)
@@ -577,5 +673,5 @@ def _pairs_faces(chars, drawings: _Drawings, held: Set[int], seen_faces, o, rng)
     return _fold_pairs(pos, neg, o)
 
 
-__all__ = ["FONT_PACKAGES", "Face", "GlyphError", "GlyphOptions", "augment", "build", "family_key", "font_files",
+__all__ = ["FONT_PACKAGES", "Face", "GlyphError", "GlyphOptions", "augment", "build", "family_key", "font_files", "read_font",
            "read_faces"]

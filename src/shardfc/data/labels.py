@@ -9,7 +9,26 @@ from __future__ import annotations
 import numpy as np
 from torch.utils.data import Dataset
 
-__all__ = ["dataset_labels"]
+from shardfc import files
+
+__all__ = ["dataset_labels", "check_class_count", "MAX_CLASSES_WITHOUT_IMAGES"]
+
+#: A data set may declare more classes than it has images (labels left unused, a ``property`` for
+#: a larger set) up to this many; past both, the count is refused before anything is allocated:
+#: each class is a head row, and a list file or RecordIO header announcing 10^9 classes would
+#: otherwise ask the trainer for terabytes. ``SHARDFC_MAX_CLASSES_WITHOUT_IMAGES`` raises it.
+MAX_CLASSES_WITHOUT_IMAGES = 1 << 16
+
+
+def check_class_count(num_classes: int, images: int, where: str) -> int:
+    """``num_classes`` if it is at most ``images`` (the file's own record count: one class per image)
+    or :data:`MAX_CLASSES_WITHOUT_IMAGES`, whichever is more; else a FileRefused naming ``where``."""
+    floor = files.env_limit("SHARDFC_MAX_CLASSES_WITHOUT_IMAGES", MAX_CLASSES_WITHOUT_IMAGES)
+    if num_classes > max(int(images), floor):
+        raise files.FileRefused(
+            f"{where} declares {num_classes} classes for {images} images: more than one class per image and more "
+            f"than {floor} (raise it with SHARDFC_MAX_CLASSES_WITHOUT_IMAGES)")
+    return int(num_classes)
 
 
 def dataset_labels(dataset: Dataset) -> np.ndarray:

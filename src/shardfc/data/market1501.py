@@ -83,6 +83,7 @@ class Market1501TrainDataset(FileImageDataset):
             raise FileNotFoundError(
                 f"Market-1501 training folder {self.root!r} does not exist: data_root must hold {split}/"
             )
+        self.image_root = self.root  # images are files of the split's folder: a link out of it is skipped
         found: List[Tuple[str, int, int]] = []
         for name in sorted(os.listdir(self.root)):
             if name.startswith(".") or os.path.splitext(name)[1].lower() not in IMG_EXTENSIONS:

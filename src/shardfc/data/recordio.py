@@ -55,7 +55,9 @@ from typing import Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, U
 import numpy as np
 import torch
 
+from shardfc import files
 from shardfc.data.folder import FileImageDataset  # the shared decode / skip-and-count policy
+from shardfc.data.labels import check_class_count
 from shardfc.data.transforms import decode_image
 
 __all__ = [
@@ -180,7 +182,11 @@ def _parse_lrec(path: str, what: str, offset: int, head: bytes) -> Tuple[int, in
 
 
 def _read_record(f, path: str, offset: int, what: str) -> Tuple[bytes, int]:
-    """Read the record starting at ``offset`` from binary file ``f``: ``(payload, end offset)``."""
+    """Read the record starting at ``offset`` from binary file ``f``: ``(payload, end offset)``.
+
+    Each part's declared length is checked against what the file holds before it is read: a read of
+    ``n`` bytes allocates ``n`` up front, and a crafted part may declare 512 MiB in a tiny file."""
+    size = os.fstat(f.fileno()).st_size
     f.seek(offset)
     parts: List[bytes] = []
     pos = offset
@@ -192,6 +198,11 @@ def _read_record(f, path: str, offset: int, what: str) -> Tuple[bytes, int]:
                 f"found {len(head)} bytes before the end of the file"
             )
         cflag, length = _parse_lrec(path, what, pos, head)
+        if pos + 8 + length > size:
+            raise ValueError(
+                f"{path}: {what}: truncated record: part at offset {pos} declares {length} bytes, "
+                f"only {max(size - pos - 8, 0)} remain in the file"
+            )
         expect_first = not parts
         if expect_first and cflag not in (0, 1):
             raise ValueError(f"{path}: {what}: record at offset {pos} starts with continuation flag {cflag} (a later part)")
@@ -215,8 +226,8 @@ def _read_record(f, path: str, offset: int, what: str) -> Tuple[bytes, int]:
 def scan_records(rec_path: PathLike) -> Iterator[Tuple[int, bytes]]:
     """Every record of a ``.rec`` file in file order, as ``(offset, payload)``; needs no ``.idx``."""
     path = os.fspath(rec_path)
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    with files.open_file(path, "record", "RecordIO file") as f:
+        size = os.fstat(f.fileno()).st_size
         offset = 0
         n = 0
         while offset < size:
@@ -225,9 +236,19 @@ def scan_records(rec_path: PathLike) -> Iterator[Tuple[int, bytes]]:
             offset, n = end, n + 1
 
 
-def _read_idx(idx_path: str) -> Tuple[np.ndarray, np.ndarray]:
-    with open(idx_path, "r", encoding="ascii", errors="replace") as f:
-        text = f.read()
+#: The most bytes an ``.idx`` line may average: two int64s in decimal, a tab, a newline (42), with room
+#: for other whitespace. A ``.rec`` record takes at least 8 bytes, so an ``.idx`` is at most this many
+#: bytes per 8 bytes of its ``.rec``: a longer one is not that file's index, and is not read.
+IDX_BYTES_PER_RECORD = 64
+
+
+def _read_idx(idx_path: str, rec_size: int) -> Tuple[np.ndarray, np.ndarray]:
+    idx_size = files.regular_file(idx_path, "RecordIO index").st_size
+    most = (rec_size // 8 + 1) * IDX_BYTES_PER_RECORD
+    if idx_size > most:
+        raise files.FileRefused(f"RecordIO index {idx_path} is {idx_size} bytes, more than an index of its "
+                                f"{rec_size}-byte .rec can be ({most}): it belongs to another file")
+    text = files.read_text(idx_path, "index", "RecordIO index", encoding="ascii")
     fields = text.split()
     try:
         if len(fields) % 2:
@@ -277,14 +298,15 @@ class RecordIOReader:
     def __init__(self, rec_path: PathLike, idx_path: Optional[PathLike] = None) -> None:
         self.rec_path = os.fspath(rec_path)
         self.idx_path = os.fspath(idx_path) if idx_path is not None else os.path.splitext(self.rec_path)[0] + ".idx"
-        if not os.path.isfile(self.rec_path):
+        if not os.path.lexists(self.rec_path):
             raise FileNotFoundError(f"RecordIO file {self.rec_path!r} does not exist")
-        if not os.path.isfile(self.idx_path):
+        if not os.path.lexists(self.idx_path):
             raise FileNotFoundError(
                 f"RecordIO index {self.idx_path!r} does not exist (needed for random access to {self.rec_path!r})"
             )
-        self.file_size = os.path.getsize(self.rec_path)
-        self.keys, self.offsets = _read_idx(self.idx_path)
+        # The gate: regular files only (a FIFO would block the first read, /dev/zero never end it).
+        self.file_size = files.regular_file(self.rec_path, "RecordIO file").st_size
+        self.keys, self.offsets = _read_idx(self.idx_path, self.file_size)
         bad = np.flatnonzero((self.offsets < 0) | (self.offsets + 8 > self.file_size))
         if bad.size:
             i = int(bad[0])
@@ -309,7 +331,7 @@ class RecordIOReader:
                     self._fh.close()
                 except OSError:
                     pass
-            self._fh = open(self.rec_path, "rb")
+            self._fh = files.open_file(self.rec_path, "record", "RecordIO file")
             self._pid = pid
         return self._fh
 
@@ -506,6 +528,13 @@ def detect_layout(reader: RecordIOReader) -> RecordIOLayout:
         ranges = _insightface_header(header, image)
         if ranges is not None:
             a, b = ranges
+            # Checked against the index before anything is allocated: a header announcing 10^12
+            # keys would otherwise ask np.arange for terabytes.
+            if a - 1 > len(reader) or b - a > len(reader):
+                raise ValueError(
+                    f"{reader.idx_path}: the insightface header (key 0) announces image keys 1..{a - 1} and "
+                    f"{b - a} identity records, but the index holds {len(reader)} records"
+                )
             keys = np.arange(1, a, dtype=np.int64)
             missing = np.flatnonzero(reader.positions(keys) < 0)
             if missing.size:
@@ -530,9 +559,9 @@ def resolve_recordio_paths(root_or_rec_path: PathLike) -> Tuple[str, str, str]:
     path = os.fspath(root_or_rec_path)
     if os.path.isdir(path):
         rec = os.path.join(path, "train.rec")
-        if not os.path.isfile(rec):
+        if not os.path.lexists(rec):
             raise FileNotFoundError(f"RecordIO folder {path!r} has no train.rec")
-    elif os.path.isfile(path):
+    elif os.path.lexists(path):  # anything but a regular file is refused by the reader, in one line
         rec = path
     else:
         raise FileNotFoundError(f"RecordIO path {path!r} does not exist (expected a folder with train.rec, or a .rec file)")
@@ -542,10 +571,9 @@ def resolve_recordio_paths(root_or_rec_path: PathLike) -> Tuple[str, str, str]:
 def read_property(path: PathLike) -> Optional[Tuple[int, int, int]]:
     """insightface's ``property`` file (``num_classes,H,W``), or ``None`` if absent."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        text = f.read().strip()
+    text = files.read_text(path, "property", "RecordIO property file").strip()
     try:
         values = tuple(int(v) for v in text.split(","))
         if len(values) != 3 or min(values) <= 0:
@@ -620,7 +648,9 @@ class RecordIODataset(FileImageDataset):
             raise ValueError(f"RecordIO dataset {self.rec_path!r} contains no images")
         self.labels = self._scan_labels(self.keys)
         self.property = read_property(self.property_path)
-        needed = int(self.labels.max()) + 1
+        needed = check_class_count(int(self.labels.max()) + 1, len(self.reader), f"RecordIO file {self.rec_path}")
+        if self.property is not None:
+            check_class_count(self.property[0], len(self.reader), f"RecordIO property file {self.property_path}")
         if self.property is not None:
             self.num_classes = self.property[0]
             if self.num_classes < needed:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import shutil
 import sys
 from collections import Counter
 from typing import Iterable, Iterator, List, Optional, Tuple
@@ -14,6 +13,7 @@ from typing import Iterable, Iterator, List, Optional, Tuple
 import numpy as np
 from PIL import Image
 
+from shardfc import files
 from shardfc.data.recordio import (
     IRHeader,
     RecordIODataset,
@@ -106,6 +106,7 @@ def pack(
     else:
         folder = ImageFolderDataset(src)
         samples, num_classes, classes = folder.samples, folder.num_classes, folder.classes
+    image_root = None if list_file else src  # a list names its images; a folder's stay inside it
     os.makedirs(out, exist_ok=True)
     names = ["train.rec", "train.idx", "property"] + (["classes.txt"] if classes is not None else [])
     finals = [os.path.join(out, n) for n in names]
@@ -118,10 +119,13 @@ def pack(
         def images():
             for i in _progress(order, len(order), "pack"):
                 path, label = samples[i]
-                if not os.path.isfile(path):
-                    raise CommandError(f"image file not found: {path!r}")
-                with open(path, "rb") as f:
-                    data = f.read()
+                try:  # the gate: a regular file (inside SRC for a folder), at most the image cap
+                    data = files.read_bytes(path, "image", "image file", root=image_root)
+                except files.FileMissing:
+                    raise CommandError(f"image file not found: {path!r}") from None
+                except files.FileRefused as e:
+                    skipped.append((path, str(e)))
+                    continue
                 try:
                     img = decode_image(data, name=path)
                 except CorruptImageError as e:
@@ -254,7 +258,9 @@ def shuffle(path: str, out: str, seed: int = 0, force: bool = False, log=None) -
             for new_key, i in enumerate(_progress(perm.tolist(), len(perm), "shuffle")):
                 writer.write(new_key, ds.reader.read(int(ds.keys[i])))
         if copy_property:
-            shutil.copyfile(ds.property_path, tmps[2])
+            # Read through the gate (the dataset read and checked it), written as the new file's own.
+            with open(tmps[2], "wb") as f:
+                f.write(files.read_bytes(ds.property_path, "property", "RecordIO property file"))
     print(f"wrote {len(perm)} images in shuffled order (seed {seed}) to {rec}", file=log)
     return {"rec": rec, "images": len(perm)}
 

@@ -32,6 +32,7 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from shardfc import files
 from shardfc.data.transforms import decode_image, image_to_tensor, pil_to_tensor
 from shardfc.evaluation.alignment import align_face
 from shardfc.evaluation.far import far_measurable
@@ -75,16 +76,16 @@ class IJBMeta:
 
 
 def _rows(path: Path, fields: int) -> Iterator[Tuple[int, List[str]]]:
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"IJB meta file not found: {str(path)!r}")
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            parts = line.split()
-            if not parts:
-                continue
-            if len(parts) != fields:
-                raise ValueError(f"{path}:{number}: expected {fields} fields, got {len(parts)}: {line.strip()!r}")
-            yield number, parts
+    # The gate: a regular file inside the release, UTF-8, each line at most files.MAX_LINE_BYTES.
+    for number, line in files.iter_lines(path, "meta", "IJB meta file", root=path.parent.parent):
+        parts = line.split()
+        if not parts:
+            continue
+        if len(parts) != fields:
+            raise ValueError(f"{path}:{number}: expected {fields} fields, got {len(parts)}: {line.strip()[:200]!r}")
+        yield number, parts
 
 
 def _numbers(path: Path, number: int, texts: Sequence[str], kind=float) -> List:
@@ -112,6 +113,8 @@ def read_ijb_meta(root: Union[str, "os.PathLike[str]"], target: str = "IJBC") ->
     tid_mid = meta / f"{t}_face_tid_mid.txt"
     names, templates, medias = [], [], []
     for number, (name, tid, mid) in _rows(tid_mid, 3):
+        if os.path.isabs(name) or ".." in Path(name).parts:  # faces are files of loose_crop/, nowhere else
+            raise ValueError(f"{tid_mid}:{number}: face {name[:200]!r} is not a file name inside loose_crop/")
         names.append(name)
         tid_i, mid_i = _numbers(tid_mid, number, (tid, mid), int)
         templates.append(tid_i)
@@ -236,10 +239,11 @@ class AlignedFaces(Dataset):
         return len(self.meta.names)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        path = self.meta.root / "loose_crop" / self.meta.names[i]
-        if not path.is_file():
+        folder = self.meta.root / "loose_crop"
+        path = folder / self.meta.names[i]  # a name that is absolute or climbs out is refused below
+        if not os.path.lexists(path):
             raise FileNotFoundError(f"IJB face image not found: {str(path)!r}")
-        face = align_face(pil_to_tensor(decode_image(str(path), name=str(path))), self.meta.landmarks[i])
+        face = align_face(pil_to_tensor(decode_image(str(path), name=str(path), root=folder)), self.meta.landmarks[i])
         return image_to_tensor(Image.fromarray(face.permute(1, 2, 0).numpy()), self.image_size)
 
 

@@ -197,7 +197,7 @@ class ReIDFolder(Dataset):
 
     def __getitem__(self, index: int) -> Tuple[torch.Tensor, int, int]:
         path, pid, cam = self.samples[index]
-        return image_to_tensor(decode_image(path), self.image_size), pid, cam
+        return image_to_tensor(decode_image(path, root=self.root), self.image_size), pid, cam
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(root={self.root!r}, images={len(self.samples)})"

@@ -18,12 +18,14 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import struct
 from typing import BinaryIO, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from torch import nn
 
+from shardfc import files
 from shardfc.data.transforms import decode_image, image_to_tensor
 from shardfc.evaluation.far import far_measurable, why_undefined
 from shardfc.evaluation.folds import kfold_indices
@@ -69,17 +71,88 @@ class _BinUnpickler(pickle.Unpickler):
         ("_codecs", "encode"),  # how Python 3 pickles bytes for protocol <= 2 readers
     }
 
-    def __init__(self, file: BinaryIO, path: str) -> None:
+    def __init__(self, file: BinaryIO, path: str, size: int) -> None:
         super().__init__(file, encoding="bytes")  # .bin files were written by Python 2
         self._path = path
+        self._size = size  # the file's length: no constructor may build more bytes than it holds
+
+    def _bounded(self, what: str, nbytes: int) -> None:
+        if nbytes > self._size:
+            raise pickle.UnpicklingError(
+                f"{self._path!r} ({self._size} bytes) asks {what} for {nbytes} bytes, more than the file holds: "
+                "a verification .bin only holds its encoded images"
+            )
+
+    def _items(self, shape: object, dtype: object) -> int:
+        """The bytes of an array of ``shape`` and ``dtype``, before numpy allocates them."""
+        dims = shape if isinstance(shape, (tuple, list)) else (shape,)
+        if not all(isinstance(d, int) and d >= 0 for d in dims):
+            raise pickle.UnpicklingError(f"{self._path!r}: an array shape {shape!r} that is not non-negative ints")
+        try:
+            itemsize = np.dtype(dtype).itemsize if not isinstance(dtype, bytes) else np.dtype(dtype.decode()).itemsize
+        except (TypeError, ValueError, UnicodeDecodeError):
+            itemsize = 1
+        return math.prod(dims) * max(itemsize, 1)
 
     def find_class(self, module: str, name: str) -> object:
-        if (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(
-            f"refusing to unpickle global {module}.{name} from {self._path!r}: "
-            "a verification .bin should contain only encoded images and a bool list"
-        )
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(
+                f"refusing to unpickle global {module}.{name} from {self._path!r}: "
+                "a verification .bin should contain only encoded images and a bool list"
+            )
+        found = super().find_class(module, name)
+        # The constructors that take a size: each checked against the file's length before it runs.
+        if name == "bytearray":
+            def guarded_bytearray(*args):
+                if args and isinstance(args[0], int):
+                    self._bounded("bytearray", args[0])
+                return found(*args)
+            return guarded_bytearray
+        if name == "_reconstruct":
+            def guarded_reconstruct(cls, shape, dtype):
+                self._bounded("an array", self._items(shape, dtype))
+                return found(np.ndarray if getattr(cls, "guards_ndarray", False) else cls, shape, dtype)
+            return guarded_reconstruct
+        if name == "ndarray":  # called directly (ndarray(shape, dtype)), or handed to _reconstruct above
+            def guarded_ndarray(shape, dtype=float, *args, **kwargs):
+                self._bounded("an array", self._items(shape, dtype))
+                return np.ndarray(shape, dtype, *args, **kwargs)
+            guarded_ndarray.guards_ndarray = True
+            return guarded_ndarray
+        return found
+
+
+class _ReadWithin:
+    """A file as :mod:`pickletools` reads it, refusing a read of more bytes than remain: a counted
+    opcode (``BINBYTES8``, ``BINUNICODE8``, ...) may declare up to 2^64 bytes in a file of a few,
+    and the C unpickler allocates what an opcode declares before it reads."""
+
+    def __init__(self, f: BinaryIO, path: str, size: int) -> None:
+        self._f, self._path, self._size = f, path, size
+
+    def read(self, n: int = -1) -> bytes:
+        if n is not None and n > self._size - self._f.tell():
+            raise pickle.UnpicklingError(
+                f"{self._path!r} ({self._size} bytes) declares a value of {n} bytes, more than the file holds")
+        return self._f.read(n)
+
+    def readline(self) -> bytes:
+        return self._f.readline()
+
+
+def _check_declared_sizes(f: BinaryIO, path: str, size: int) -> None:
+    """Walk the pickle's opcodes (no object is built) and refuse one that declares more bytes than
+    the file holds, before the unpickler allocates them; a pickle malformed otherwise is left to it."""
+    import pickletools
+
+    try:
+        for _ in pickletools.genops(_ReadWithin(f, path, size)):
+            pass
+    except pickle.UnpicklingError:
+        raise
+    except Exception:  # malformed: the unpickler's own error names it
+        pass
+    f.seek(0)
 
 
 def load_bin(
@@ -105,14 +178,19 @@ def load_bin(
         shardfc.data.CorruptImageError: an image does not decode (named ``"<path>[index]"``).
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"verification bin file not found: {path!r}")
-    with open(path, "rb") as f:
+    try:  # the gate: a regular file of at most 4 GiB (SHARDFC_MAX_BIN_BYTES)
+        f = files.open_file(path, "bin", "verification .bin")
+    except files.FileMissing:
+        raise FileNotFoundError(f"verification bin file not found: {path!r}") from None
+    with f:
         try:
-            obj = _BinUnpickler(f, path).load()
+            size = os.fstat(f.fileno()).st_size
+            _check_declared_sizes(f, path, size)
+            obj = _BinUnpickler(f, path, size).load()
         # Garbage bytes fail in many ways inside the unpickler, not only as UnpicklingError.
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
-            raise ValueError(f"{path!r} is not a readable verification .bin pickle: {exc}") from exc
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+                struct.error, MemoryError, RecursionError, OverflowError) as exc:
+            raise ValueError(f"{path!r} is not a readable verification .bin pickle: {' '.join(str(exc).split())[:300]}") from None
     if not (isinstance(obj, (tuple, list)) and len(obj) == 2):
         raise ValueError(f"{path!r}: expected a pickled (bins, issame_list) pair, got {type(obj).__name__}")
     bins, issame_list = obj
@@ -149,7 +227,7 @@ def _check_decoded_size(path: str, bins: Sequence[object], image_size: Tuple[int
                          f"{distinct} distinct): not an insightface verification set")
     h, w = image_size
     decoded = len(bins) * 3 * h * w * 4
-    on_disk = os.path.getsize(path)
+    on_disk = files.regular_file(path, "verification .bin").st_size
     if decoded > max(MAX_DECODED_RATIO * on_disk, MIN_DECODED_CAP):
         raise ValueError(
             f"{path!r} ({on_disk} bytes) holds {len(bins)} images, {decoded / 2**30:.1f} GiB decoded at {h} x {w}: "

@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Seq
 
 import torch
 
-from shardfc import version
+from shardfc import files, version
 from shardfc.checks import check_int, check_names, check_positive_int
 from shardfc.head.fused import CANDIDATES, IMPLS, TIMED
 
@@ -475,10 +475,12 @@ class ImplSelector:
 
     def _read(self) -> Dict[str, Any]:
         """The file's entries; {} when it is missing, unreadable or corrupt (warned once)."""
-        try:
-            with open(self.path, encoding="utf-8") as f:
-                data = json.load(f)
+        try:  # the gate: a FIFO or /dev/zero here would block or fill every run's first forward
+            data = files.load_json(self.path, "cache", "head-impl cache")
         except FileNotFoundError:
+            return {}
+        except files.FileRefused as e:  # shardfc's own file: a damaged one never stops a run
+            self._warn_once("read", f"ignoring the head-impl cache ({e}); its workloads are timed again")
             return {}
         except (OSError, ValueError) as e:
             self._warn_once("read", f"ignoring the head-impl cache {self.path}: {_reason(e)}")

@@ -116,7 +116,7 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         # ---- loop
         metrics: Dict[str, Dict[str, float]] = {}
         last_saved = resume_from
-        window = ReportWindow(state)
+        window = ReportWindow(state, cfg.max_corrupt_images)
         runlog.open_bar(state.step, run.total_steps)
         parts.backbone.train()
         if parts.head is not None:  # a pipeline rank before the last stage holds none

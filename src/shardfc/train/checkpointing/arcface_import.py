@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,9 +49,11 @@ def arcface_class_range(num_classes: int, world_size: int, rank: int) -> Tuple[i
 
 
 def _load(path: Path, trust_pickle: bool) -> Any:
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"arcface_torch file not found: {str(path)!r}")
-    return load_pt(path, "cpu", trust_pickle=trust_pickle, meta={})
+    # load_pt holds the gate's rule (a regular file; a FIFO or /dev/zero is one line) and reads
+    # weights only, its zip records checked stored before torch inflates anything.
+    return load_pt(path, "cpu", trust_pickle=trust_pickle, meta={}, follow_symlinks=True)
 
 
 def _strip_prefix(state: Mapping[str, Any]) -> Dict[str, Any]:
@@ -155,7 +158,7 @@ def read_arcface_head(paths: Sequence["str | Path"], *, trust_pickle: bool = Fal
         elif isinstance(obj, torch.Tensor):
             weight = obj
             mom_path = path.with_name(path.name.replace("softmax_weight", "softmax_weight_mom"))
-            mom = _load(mom_path, trust_pickle) if mom_path != path and mom_path.is_file() else None
+            mom = _load(mom_path, trust_pickle) if mom_path != path and os.path.lexists(mom_path) else None
         else:
             raise ValueError(f"{path} is neither an arcface_torch checkpoint_gpu_<r>.pt nor a softmax weight tensor")
         if weight.dim() != 2:

@@ -187,9 +187,11 @@ def list_images(folder: "str | os.PathLike[str]") -> List[Path]:
     root = Path(folder).expanduser()
     if not root.is_dir():
         raise FileNotFoundError(f"--images {str(folder)!r} does not exist or is not a folder")
+    # os.walk follows no link to a folder (a link out of --images, or a loop, is never entered); a
+    # link to a file out of it is refused when it is read (decode_image's root).
     files = sorted(
-        p for p in root.rglob("*")
-        if p.is_file() and p.suffix.lower() in IMG_EXTENSIONS and not p.name.startswith(".")
+        Path(d) / f for d, _, names in os.walk(root) for f in names
+        if Path(f).suffix.lower() in IMG_EXTENSIONS and not f.startswith(".")
     )
     if not files:
         raise ValueError(f"--images {str(folder)!r} holds no images (extensions: {', '.join(sorted(IMG_EXTENSIONS))})")

@@ -20,8 +20,9 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from shardfc import checkpoint as ckpt
+from shardfc import files
 from shardfc.checkpoint.exported import is_torchscript
-from shardfc.checkpoint.format import CheckpointError, open_regular, short_repr
+from shardfc.checkpoint.format import CheckpointError, short_repr
 from shardfc.data.relabel import RelabelledDataset
 from shardfc.train.config import ConfigError, TrainConfig
 
@@ -86,10 +87,9 @@ def read_renames(path: "str | Path") -> Dict[str, str]:
             names, a name is renamed twice, or names chain, swap or cycle (naming the file and the line).
     """
     where = f"rename_classes={str(path)!r}"
-    try:
-        with open_regular(path, "renames file", follow_symlinks=True) as f:
-            text = f.read().decode("utf-8")
-    except (CheckpointError, UnicodeDecodeError) as e:
+    try:  # the gate: a regular file of at most 1 GiB, UTF-8
+        text = files.read_text(path, "names", "renames file")
+    except files.FileRefused as e:
         raise ConfigError(f"{where}: cannot read it ({e})") from None
     renames: Dict[str, str] = {}
     lines: Dict[str, int] = {}

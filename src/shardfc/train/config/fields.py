@@ -62,6 +62,8 @@ class TrainConfig:
     """Training images per identity of the synthetic dataset."""
     num_workers: int = 0
     """DataLoader worker processes per rank, started once and kept for the whole run (they load the next epoch's first batches while this epoch's last ones train); 0: load in the training process (synthetic images render faster than workers could ship them on a small CPU)."""
+    max_corrupt_images: int = 1000
+    """Distinct corrupt images a run skips before it stops: an image that does not decode, declares more pixels than SHARDFC_MAX_IMAGE_PIXELS allows, or is not a regular file inside data_root is skipped (the next valid sample is used) and named once in train.log; past this many different ones the run stops at the next report with an error naming the count (a folder of broken files is a data problem, not noise). -1: no limit."""
     loader: str = "torch"
     """Who reads and decodes the 'recordio' and 'folder' images: 'torch' (PIL in DataLoader workers; a corrupt image is skipped and counted), 'dali' (NVIDIA DALI, the 'dali' extra: decoded on the GPU on CUDA, on the CPU otherwise, with num_workers threads; a corrupt image stops the run with an error naming its batch) or 'auto' (dali when installed and the run is on CUDA, else torch). Same order, augmentation and resume either way."""
     drop_last: bool = False
@@ -326,6 +328,7 @@ class TrainConfig:
                      "grad_accum", "nproc", "log_every", "eval_batch_size", "subcenters", "pipeline_stages",
                      "micro_batches"):
             _at_least(self, name, 1)
+        _at_least(self, "max_corrupt_images", -1)
         if self.chunk_size < -1:
             raise ConfigError(f"chunk_size must be >= 1, 0 (no chunking) or -1 (auto), got {self.chunk_size!r}")
         for name in ("num_workers", "threads", "max_steps", "epochs", "warmup_steps", "eval_every",

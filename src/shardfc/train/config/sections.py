@@ -16,7 +16,7 @@ __all__ = ["SECTIONS", "SECTION_OF", "TYPES", "field_help", "closest", "type_nam
 #: Section of each field: groups ``--help`` and the optional TOML tables.
 SECTIONS: Dict[str, Tuple[str, ...]] = {
     "data": ("dataset", "data_root", "list_file", "image_size", "synthetic_identities",
-             "synthetic_images_per_identity", "num_workers", "loader", "drop_last", "sampler", "pk_instances",
+             "synthetic_images_per_identity", "num_workers", "max_corrupt_images", "loader", "drop_last", "sampler", "pk_instances",
              "random_erasing", "flip_prob"),
     "model": ("backbone", "embedding_dim", "neck"),
     "head": ("margin", "scale", "m", "m1", "m2", "m3", "easy_margin", "sphereface_lambda", "adaface_h",

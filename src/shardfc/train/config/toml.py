@@ -8,6 +8,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
+from shardfc import files
 from shardfc.train.config.fields import FIELDS, ConfigError, TrainConfig
 from shardfc.train.config.sections import SECTION_OF, SECTIONS, closest, coerce, type_name
 
@@ -15,22 +16,16 @@ __all__ = ["load_toml", "config_from_mapping", "to_toml", "available_presets", "
 
 
 def load_toml(path: "str | os.PathLike[str]") -> Dict[str, Any]:
-    """Parse a TOML file into a dict; errors name the file."""
-    try:
-        import tomllib  # Python >= 3.11
-    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-        try:
-            import tomli as tomllib  # type: ignore[no-redef]
-        except ModuleNotFoundError:
-            raise ConfigError(f"reading {path} needs Python >= 3.11 or the 'tomli' package (pip install tomli)") from None
+    """Parse a TOML config or preset into a dict through the file gate (:mod:`shardfc.files`: a
+    regular file of at most 1 MiB, UTF-8, nested at most ``files.MAX_DEPTH`` deep); a ConfigError
+    naming the file otherwise."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
+        return files.load_toml(path, "config", "config file")
+    except files.FileMissing:
         raise ConfigError(f"config file {str(path)!r} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from e
+    except files.FileRefused as e:
+        raise ConfigError(str(e)) from None
 
 
 def _flatten(data: Mapping[str, Any], source: str) -> Dict[str, Any]:

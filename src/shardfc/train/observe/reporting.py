@@ -86,10 +86,12 @@ def log_setup(cfg, ctx: DistContext, run) -> None:
 class ReportWindow:
     """Loss, throughput and corrupt-image skips since the last report."""
 
-    def __init__(self, state: RunState) -> None:
+    def __init__(self, state: RunState, max_corrupt: int = -1) -> None:
         self.state = state
         self.named: Set[str] = set()
-        """Corrupt images already named in the log (rank 0): each is named once per run."""
+        """Corrupt images met so far on any rank (every rank holds the same set): each is named once per run."""
+        self.max_corrupt = max_corrupt
+        """Distinct corrupt images the run tolerates (``max_corrupt_images``); -1: no limit."""
         self._reset()
 
     def _reset(self) -> None:
@@ -125,6 +127,13 @@ def report(runlog: RunLog, window: ReportWindow, parts: Parts, state: RunState, 
     skipped_total = int(skipped)
     if skipped_total:  # every rank knows the total, so all take part in the gather
         _name_corrupt_images(corrupt, window.named, ctx)
+        # every rank holds the same set, so all stop here together (no rank left in a collective)
+        if 0 <= window.max_corrupt < len(window.named):
+            raise ValueError(
+                f"{len(window.named)} different corrupt images skipped by step {state.step}, more than "
+                f"max_corrupt_images={window.max_corrupt} (train.log names each): fix or remove them, or raise "
+                "--max-corrupt-images (-1: no limit)"
+            )
     if not ctx.is_main:
         return
     lr = current_lr(parts)
@@ -143,15 +152,15 @@ def report(runlog: RunLog, window: ReportWindow, parts: Parts, state: RunState, 
 
 
 def _name_corrupt_images(corrupt: List[Tuple[str, str]], named: Set[str], ctx: DistContext) -> None:
-    """Rank 0 names each corrupt image once per run, whichever rank and worker met it (collective)."""
+    """Rank 0 names each corrupt image once per run, whichever rank and worker met it (collective);
+    every rank adds them to ``named``, so that all count the same."""
     mine = sorted(set(corrupt))
     found = ctx.all_gather_object(mine)
-    if not ctx.is_main:
-        return
     for name, reason in sorted({item for per_rank in found for item in per_rank}):
         if name not in named:
             named.add(name)
-            logger.warning("corrupt image skipped (the next valid sample is used instead): %s (%s)", name, reason)
+            if ctx.is_main:
+                logger.warning("corrupt image skipped (the next valid sample is used instead): %s (%s)", name, reason)
 
 
 def evaluate_targets(targets, parts: Parts, step: int, runlog: RunLog, record: bool = True) -> Dict[str, Dict[str, float]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import io
 import logging
 import math
 import sys
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from shardfc import files
 from shardfc.evaluation.far import why_undefined
 
 __all__ = ["NOT_AVAILABLE", "RunLog", "format_metrics", "plot_metrics", "read_series", "truncate_metrics"]
@@ -184,7 +186,9 @@ _CSV_HEADER = ["step", "name", "value", "elapsed_s"]
 
 def truncate_metrics(csv_path: Path, step: int) -> int:
     """Keep the rows of ``csv_path`` up to ``step`` (and drop a torn last line); returns how many were dropped."""
-    with open(csv_path, newline="", encoding="utf-8") as f:
+    # Through the gate: the run folder is the user's, and a FIFO or /dev/zero there would hang a resume.
+    with io.TextIOWrapper(files.open_file(csv_path, "csv", "metrics file"), newline="", encoding="utf-8",
+                          errors="replace") as f:
         rows = list(csv.reader(f))
     if not rows:
         return 0
@@ -242,7 +246,8 @@ def read_series(csv_path: Path) -> Dict[str, List[Tuple[int, float]]]:
     """The points ``curves.png`` draws: ``{name: [(step, value), ...]}`` of the scalars worth a
     panel, numbers only (``n/a``, NaN and a torn last line are no point)."""
     series: Dict[str, List[Tuple[int, float]]] = {}
-    with open(csv_path, newline="", encoding="utf-8") as f:
+    with io.TextIOWrapper(files.open_file(csv_path, "csv", "metrics file"), newline="", encoding="utf-8",
+                          errors="replace") as f:
         for row in csv.DictReader(f):
             try:
                 name, step, value = row["name"], int(row["step"]), float(row["value"])
