@@ -98,6 +98,7 @@ TABLE: Dict[str, Any] = {
     "synthetic_identities": Other("data"), "synthetic_images_per_identity": Other("data"),
     "num_workers": Other("data"), "loader": Other("data"), "drop_last": Other("data"), "sampler": Other("data"),
     "pk_instances": Other("data"), "random_erasing": Other("data"), "flip_prob": Other("data"),
+    "max_corrupt_images": Other("data"),  # the loop stops a run past it (tests/train/test_trainer.py)
     # ---- model
     "backbone": Reaches(dict(backbone="mobilefacenet", image_size=[]),
                         lambda s, b: s["input_size"] == (112, 112) and "stem.0.0.weight" in s["keys"]),
