@@ -51,7 +51,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from shardfc.head.validation import PendingCheck
+from shardfc.head.validation import PendingCheck, check_batch_deferred
 
 __all__ = ["CapturedHeadStep", "EAGER_STEPS", "capture_unavailable"]
 
@@ -161,22 +161,16 @@ class CapturedHeadStep:
     def _check(self, embeddings: Tensor, labels: Tensor) -> None:
         """The previous call's value checks read, this call's types and shapes checked at once and
         its values started on the device (read at the next call): no host read in a step."""
-        from shardfc.head.validation import check_embeddings, check_labels
-
         self.check_pending()
         head = self.head
-        error = check_embeddings(embeddings, head.embedding_dim, values=False)
-        if error is None:
-            error = check_labels(labels, embeddings.shape[0], head.num_classes, head.ignore_index, values=False)
-        if error is not None:
-            raise error
+        _, pending = check_batch_deferred(
+            embeddings, labels, embedding_dim=head.embedding_dim, num_classes=head.num_classes,
+            ignore_index=head.ignore_index, ctx=head.ctx, call=self.calls + 1)
         if embeddings.device != head.devices[0] or labels.device != head.devices[0]:
             raise ValueError(f"a captured step takes embeddings and labels on {head.devices[0]}, got them on "
                              f"{embeddings.device} and {labels.device}")
+        self._pending = pending
         self.calls += 1
-        if embeddings.shape[0]:
-            self._pending = PendingCheck(embeddings.detach(), labels, head.num_classes, head.ignore_index,
-                                         call=self.calls)
 
     def _key_of(self, embeddings: Tensor, labels: Tensor) -> tuple:
         autocast = torch.is_autocast_enabled("cuda")

@@ -76,7 +76,6 @@ from shardfc.head.validation import (
     check_batch_deferred,
     check_embeddings,
     check_head_options,
-    check_labels,
     check_validate,
     defers,
     raise_or_exchange_sizes,
@@ -582,11 +581,8 @@ class ShardedMarginHead(nn.Module):
         self._forward_calls += 1
         args = dict(embedding_dim=self.embedding_dim, num_classes=self.num_classes, ignore_index=self.ignore_index,
                     ctx=self.ctx)
-        if self._values_outside:
-            error = check_embeddings(embeddings, self.embedding_dim, values=False)
-            if error is None:
-                error = check_labels(labels, embeddings.shape[0], self.num_classes, self.ignore_index, values=False)
-            return raise_or_exchange_sizes(error, embeddings.shape[0] if error is None else 0, self.ctx)
+        if self._values_outside:  # types and shapes only (a captured step: one process)
+            return check_batch_deferred(embeddings, labels, call=self._forward_calls, values=False, **args)[0]
         device = embeddings.device if isinstance(embeddings, Tensor) else self.devices[0]
         if not defers(self.validate, device, self.distributed):
             return check_batch_and_exchange_sizes(embeddings, labels, **args)

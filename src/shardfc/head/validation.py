@@ -295,16 +295,19 @@ class PendingCheck:
 
 def check_batch_deferred(
     embeddings, labels, *, embedding_dim: int, num_classes: int, ignore_index: int, ctx: DistContext, call: int,
+    values: bool = True,
 ) -> Tuple[List[int], Optional[PendingCheck]]:
     """:func:`check_batch_and_exchange_sizes` for one process with the value checks started, not
-    read: types and shapes raise at once; the values' verdict is the returned :class:`PendingCheck`."""
+    read: types and shapes raise at once; the values' verdict is the returned :class:`PendingCheck`
+    (``values=False``: none, the caller checks them elsewhere)."""
     if ctx.distributed:
         raise ValueError("deferred value checks are for one process; process-group mode reads them with the exchange")
     error = check_embeddings(embeddings, embedding_dim, values=False)
     if error is None:
         error = check_labels(labels, embeddings.shape[0], num_classes, ignore_index, values=False)
     sizes = raise_or_exchange_sizes(error, embeddings.shape[0] if error is None else 0, ctx)
-    pending = PendingCheck(embeddings, labels, num_classes, ignore_index, call) if embeddings.shape[0] else None
+    started = values and embeddings.shape[0]
+    pending = PendingCheck(embeddings, labels, num_classes, ignore_index, call) if started else None
     return sizes, pending
 
 

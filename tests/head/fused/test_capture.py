@@ -353,3 +353,13 @@ def test_cuda_availability_is_asked_of_torch_when_not_given(monkeypatch):
     assert "not on one CUDA device" in capture_unavailable(head, opt) or DEVICE.type == "cuda"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert capture_unavailable(head, opt).startswith("CUDA is not available")
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the CPU's rehearsal of the captured step")
+def test_inputs_on_another_device_are_refused_naming_both(rehearsed):
+    head = _head()
+    step = CapturedHeadStep(head, head_optimizer(head, "sgd", lr=0.05, fused_update=True))
+    x, y = _batch(0)
+    with pytest.raises(ValueError, match=r"takes embeddings and labels on cpu, got them on meta and cpu"):
+        step.step(x.to("meta"), y)
+    assert step.calls == 0 and step._pending is None
