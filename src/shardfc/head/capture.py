@@ -138,6 +138,12 @@ class CapturedHeadStep:
             x.copy_(embeddings)
             y.copy_(labels)
         self._graph.replay()
+        # The replay updated the weights in place, as the eager step's fused update does, which
+        # bumps their version; no Python ran to say so: say it here, so what is keyed on the
+        # version (a kept operand outside the graph, the head's step bookkeeping) sees the update.
+        for w in self.head.shard_weights:
+            torch.autograd.graph.increment_version(w)
+        self._versions = tuple(w._version for w in self.head.shard_weights)
         self.replays += 1
         self.last_call = "captured" if captured else "replayed"
         return self._graph.outputs

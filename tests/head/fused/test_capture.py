@@ -137,11 +137,13 @@ class _Recorder(dict):
         return out
 
 
-#: Counters a replay leaves where the capture left them, and why that changes nothing computed:
-#: the forward count only numbers a deferred check's message (the captured step's checks are the
-#: CapturedHeadStep's, numbered by it), and the optimizer's rounding step seeds stochastic
-#: rounding, which the fused update does not do (it rounds to nearest).
-_COUNTERS = {"head._forward_calls", "group0.rounding_step"}
+#: What a replay leaves where the capture left them, and why that changes nothing computed: the
+#: forward count only numbers a deferred check's message (the captured step's checks are the
+#: CapturedHeadStep's, numbered by it); the optimizer's rounding step seeds stochastic rounding,
+#: which the fused update does not do (it rounds to nearest); the weights' versions when the head
+#: last noted its sampled rows say when a new step's rows begin, and a captured head scores every
+#: row (Partial FC is refused), whatever they say.
+_COUNTERS = {"head._forward_calls", "group0.rounding_step", "head._pending_versions"}
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the CPU's rehearsal of the captured step")
@@ -302,6 +304,9 @@ def test_eager_steps_then_one_capture_then_replays_each_equal_to_the_eager_step(
     assert calls == ["eager", "captured", "replayed", "replayed"]
     assert (step.captures, step.replays, rehearsed.made) == (1, 3, 1)
     torch.testing.assert_close(graphed.weight, eager.weight)
+    version = graphed.weight._version
+    step.step(*_batch(5))
+    assert step.last_call == "replayed" and graphed.weight._version > version  # seen by what keys on the version
     x, y = _batch(7)
     step.step(x[:5], y[:5])  # another batch size: eager again, then a capture of its own
     step.step(x[:5], y[:5])

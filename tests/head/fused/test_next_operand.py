@@ -201,3 +201,18 @@ def test_a_copy_of_the_head_keeps_no_operand():
     assert _kept(head)[0] is not None
     copied = copy.deepcopy(head)
     assert copied._next_operands[0].operand is None
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_fused_step_bumps_the_weights_version_and_its_kept_operand_still_serves(optimizer, passes):
+    """Issue 44 item 3: the update fused into the backward changes the weight in place, and says so
+    as torch's optimizers do — ``weight._version`` moves — while the operand it wrote for the next
+    step, keyed after the bump, still serves that step (no pass over W)."""
+    head, opt = _head(optimizer)
+    _step(head, opt, 0)
+    before = head.weight._version
+    made = passes[0]
+    _step(head, opt, 1)
+    assert head.weight._version > before  # the second step's update is visible to version-keyed caches
+    assert passes[0] == made  # and its forward read the operand the first step's update wrote
+

@@ -245,6 +245,12 @@ def shard_backward(
                 operand=stats.operand, update=update, next_operand=write_next, grad_sq=grad_sq,
                 chunk_scale=cfg.chunk_scale,
             )
+        if update is not None:
+            # An in-place update, as torch's optimizers' and the row-sparse SGD kernel's are: the
+            # version counter says so, so what is keyed on it sees the new weights — the kept operand
+            # (keyed below, after the bump), the head's step bookkeeping, a captured step's check
+            # for changes from outside (which bumps it after each replay in the same way).
+            torch.autograd.graph.increment_version(update.param)
         if write_next:
             next_operand.keep(w, stats.operand, stats.inv, cfg.compute_dtype, normalize, target_rows is not None or normalize)
     else:
