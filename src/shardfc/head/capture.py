@@ -216,8 +216,7 @@ class CapturedHeadStep:
         head = self.head
         head.check_pending()  # an earlier forward's own deferred check: read now, not inside the capture
         graph = _Graph(lambda: self._run(x, y))
-        self._graph, self._static, self._key = graph, (x, y), key
-        self._versions = tuple(w._version for w in head.shard_weights)
+        self._graph, self._static, self._key = graph, (x, y), key  # the replay that follows notes the versions
         self.captures += 1
 
 
@@ -246,4 +245,4 @@ class _StepLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: Tensor):
         (grad,) = ctx.saved_tensors
-        return (grad * g).to(grad.dtype), None, None
+        return grad * g, None, None  # g is 0-d (a loss): the product keeps grad's dtype

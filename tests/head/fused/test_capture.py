@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import re
+import types
 
 import pytest
 import torch
@@ -51,6 +52,15 @@ def test_what_cannot_be_captured_is_named(setup, reason):
     head, opt = setup()
     optimizer = None if opt is None else head_optimizer(head, "sgd", lr=0.1, fused_update=opt == "sgd")
     assert capture_unavailable(head, optimizer, cuda_available=True) == reason
+
+
+def test_a_head_sharded_over_a_process_group_is_refused():
+    head = _head()
+    opt = head_optimizer(head, "sgd", lr=0.1, fused_update=True)
+    head.ctx = types.SimpleNamespace(distributed=True)  # what a process group's context says
+    assert capture_unavailable(head, opt, cuda_available=True) == (
+        "the head is sharded over a process group: its forward exchanges the batch sizes through the host, "
+        "which a graph cannot do; capture single-process heads")
 
 
 def test_a_head_clipped_by_its_norm_is_refused():
@@ -222,6 +232,9 @@ def test_the_replayed_loss_hands_its_gradient_back_scaled_by_the_incoming_one():
     emb.grad = None
     capture._StepLoss.apply(emb, torch.tensor(1.5), grad).backward(torch.tensor(2.0))
     torch.testing.assert_close(emb.grad, 2 * grad)
+    half = torch.randn(4, 3).bfloat16().requires_grad_()  # bf16 embeddings, an fp32 loss: the gradient in bf16
+    capture._StepLoss.apply(half, torch.tensor(1.5), grad.bfloat16()).backward(torch.tensor(0.5))
+    assert half.grad.dtype == torch.bfloat16
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph needs CUDA (the CPU rehearses the step above)")
