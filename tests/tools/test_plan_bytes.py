@@ -202,3 +202,52 @@ def test_cli_prints_the_table_and_refuses_a_fused_update_it_cannot_replay(capsys
     assert "fused_update needs impl 'triton' or 'gemm'" in capsys.readouterr().err
     assert main(["--classes", "1000", "--dim", "64", "--batch", "64", "--bytes", "--l2", "lots"]) == 2
     assert "l2_bytes must be a byte count" in capsys.readouterr().err
+
+
+def test_streamed_regions_go_to_and_from_hbm_and_keep_out_of_the_l2_model():
+    """What a kernel loads and stores ``evict_first`` (the rows a row kernel streams: issue 42) is read
+    from HBM and written to it, and takes no room in the L2 model: a region read normally afterwards
+    still misses, and what was cached before stays cached."""
+    from shardfc.head.fused.traffic import span, streamed
+
+    counter = TrafficCounter(4 * MiB)
+    reused, rows = _meta(256, 1024), _meta(512, 1024)  # 1 MiB reused, 2 MiB streamed
+    counter.kernel("first", [span(reused)], [])
+    counter.kernel("stream", streamed([span(rows)]), streamed([span(rows)]))
+    counter.kernel("again", [span(reused), span(rows)], [])
+    first, stream, again = counter.finish().launches
+    assert (first.read, stream.read, stream.written) == (MiB, 2 * MiB, 2 * MiB)
+    assert (again.from_l2, again.read) == (MiB, 2 * MiB)  # the reused block stayed; the streamed rows were never cached
+
+
+def test_chunk_candidates_take_the_slower_of_gpu_and_host_and_pick_the_least():
+    from shardfc.tools.plan.traffic import HOST_LAUNCH_US, chunk_candidates, format_chunk_candidates
+
+    def run(launches, ms, peak):
+        return dict(launches=launches, hbm_bytes=launches * 10, ms=ms), peak
+
+    # scale 1: GPU-bound; 2: host-bound below 1's GPU time; 4: ties 2 (the smaller scale wins)
+    host = lambda n: n * HOST_LAUNCH_US / 1e3  # noqa: E731
+    runs = {1: run(1000, 10.0, 100), 2: run(900, 5.0, 200), 4: run(900, 7.2, 300), 8: run(200, 20.0, 400)}
+    c = chunk_candidates(runs)
+    rows = {r["scale"]: r for r in c["rows"]}
+    assert [r["scale"] for r in c["rows"]] == [1, 2, 4, 8] and c["host_launch_us"] == HOST_LAUNCH_US
+    assert rows[2]["host_ms"] == pytest.approx(host(900)) and rows[2]["step_ms"] == pytest.approx(max(5.0, host(900)))
+    assert rows[1]["step_ms"] == 10.0 and rows[8]["step_ms"] == 20.0 and rows[4]["step_peak"] == 300
+    assert c["pick"] == 2  # 7.2 ms for 2 and 4 (host-bound), less than 10: the smaller of the two
+    text = format_chunk_candidates(c)
+    assert "| 2 (picked) | 900 |" in text and "| 4 | 900 |" in text and "on paper: scale 2;" in text
+
+
+@needs_triton
+def test_plan_bytes_prints_every_chunk_scale_and_refuses_a_scale_it_cannot_take(capsys):
+    args = ["--classes", "20000", "--dim", "64", "--batch", "64", "--head-impl", "gemm", "--fused-update", "--bytes"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Chunk sizes (the GPU paths' chunks as multiples of the L2-sized one" in out
+    assert all(f"\n| {s}" in out for s in (1, 2, 4, 8)) and "(picked)" in out
+    assert main(args + ["--gpu-chunk-scale", "4"]) == 0 and "chunk 4x the L2-sized one" in capsys.readouterr().out
+    assert main(args + ["--gpu-chunk-scale", "3"]) == 2
+    assert "gpu_chunk_scale must be one of (1, 2, 4, 8), got 3" in capsys.readouterr().err
+    assert main(["--classes", "100", "--dim", "8", "--batch", "4", "--gpu-chunk-scale", "2"]) == 2
+    assert "gpu_chunk_scale sizes the GPU paths' chunks: it needs impl 'triton' or 'gemm'" in capsys.readouterr().err
