@@ -29,7 +29,7 @@ from shardfc import checkpoint as ck
 from shardfc.checkpoint import CheckpointError, StagePart, save_checkpoint
 from shardfc.checkpoint.exported import read_exported
 from shardfc.checkpoint.format import short_repr
-from shardfc.checkpoint.load import objects_equal
+from shardfc.checkpoint.load import COMPARE_BUDGET, objects_equal
 from shardfc.checkpoint.weights_only import load_pt
 from shardfc.cli import embed as cli_embed
 from shardfc.cli import eval as cli_eval
@@ -47,6 +47,15 @@ DIM, SIZE = 8, [16, 16]
 NAMES = ["ann", "bob", "cy", "dee"]
 
 
+#: Time bounds hold a reader to ending, not to a speed: what they catch never ends (a FIFO read, a
+#: comparison of 2^40 leaves, a character map of 2^32 groups), while the slowest case here needs 1.2 s on
+#: an idle machine (``shardfc train`` starting in a subprocess; a reader 0.8 s at most). So the bounds are
+#: many times that, and a machine busy with other work on every core still meets them; how much work a
+#: reader did is asserted by what stopped it (a budget named in its error), not by the clock.
+SECONDS = 30
+HANG_S = 120  # the alarm behind every case (above SECONDS and the subprocess's 90 s)
+
+
 @pytest.fixture(autouse=True)
 def _no_hang():
     """A regression that hangs (a FIFO read, an endless comparison) fails here instead of stalling CI."""
@@ -54,7 +63,7 @@ def _no_hang():
         raise TimeoutError("a hostile file made the reader hang")
 
     old = signal.signal(signal.SIGALRM, stop)
-    signal.alarm(20)
+    signal.alarm(HANG_S)
     try:
         yield
     finally:
@@ -165,7 +174,7 @@ def exported(tmp_path_factory) -> Path:
     return out
 
 
-def _bounded(fn, *, seconds: float = 5.0, megabytes: float = 100.0):
+def _bounded(fn, *, seconds: float = SECONDS, megabytes: float = 100.0):
     """``fn()``'s exception, raised within ``seconds`` and ``megabytes`` of Python allocations."""
     tracemalloc.start()
     start = time.monotonic()
@@ -227,7 +236,7 @@ def test_an_entry_that_is_not_a_regular_file_is_refused_before_it_is_read(tmp_pa
     start = time.monotonic()
     with pytest.raises(CheckpointError, match=rf"refusing to read .*{fname}.*not a regular file") as info:
         ck.load_checkpoint(path, class_range=range(4), num_classes=4)
-    assert "\n" not in str(info.value) and time.monotonic() - start < 5
+    assert "\n" not in str(info.value) and time.monotonic() - start < SECONDS
     assert ck.latest_checkpoint(tmp_path / "run") is None  # skipped, not hashed forever
 
 
@@ -241,7 +250,7 @@ def test_train_resuming_from_a_fifo_stops_with_one_line(tmp_path: Path):
            "--image-size", "16", "16", "--embedding-dim", str(DIM), "--synthetic-identities", "4", "--max-steps", "1"]
     proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(SRC)), stderr=subprocess.PIPE, text=True)
     try:
-        _, err = proc.communicate(timeout=15)
+        _, err = proc.communicate(timeout=90)  # 1.2 s when idle
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)  # the old behaviour: still hashing, deaf to SIGTERM
         _, err = proc.communicate(timeout=10)
@@ -425,7 +434,7 @@ def test_nested_shared_tuples_have_a_bounded_repr_and_comparison():
     assert len(short_repr(deep)) <= 200
     with pytest.raises(CheckpointError, match="too large to compare"):
         objects_equal({"x": deep}, {"x": _shared_tuples(60)}, "the extras")
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < SECONDS
 
 
 def test_head_shards_whose_extras_share_2_40_leaves_are_compared_in_bounded_time(tmp_path: Path):
@@ -438,7 +447,8 @@ def test_head_shards_whose_extras_share_2_40_leaves_are_compared_in_bounded_time
         meta["class_ranges"], meta["world_size"] = [[0, 2], [2, 4]], 2
 
     _edit_meta(path, two_shards)
-    _bounded(lambda: ck.load_checkpoint(path, class_range=range(4), num_classes=4), megabytes=50)
+    error = _bounded(lambda: ck.load_checkpoint(path, class_range=range(4), num_classes=4), megabytes=50)
+    assert f"too large to compare (more than {COMPARE_BUDGET} values)" in str(error)  # stopped by its count
 
 
 class _Marker:
@@ -665,7 +675,7 @@ def test_a_font_whose_character_map_lies_is_skipped_with_a_warning(tmp_path: Pat
     warned: list = []
     start = time.monotonic()
     faces = read_faces(font_files([str(fonts)]), warn=warned.append)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < SECONDS
     assert [f.path for f, _ in faces] == [str(fonts / "good.ttf")]
     assert len(warned) == 1 and "liar.ttf" in warned[0], warned
     if "over and over" in damage:  # the map is whole: its ranges are what is refused
