@@ -391,6 +391,25 @@ def test_a_deflated_record_of_a_pt_file_is_refused_before_inflating(tmp_path: Pa
     assert "compressed" in str(error)
 
 
+def test_a_record_said_deflated_whose_two_sizes_are_equal_is_refused(tmp_path: Path):
+    """The compression method in the header is checked, not only the sizes: a deflated record can be as
+    long compressed as inflated (incompressible bytes, then a few zeros), and is inflated all the same."""
+    noise = torch.randint(0, 256, (64,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    for zeros in range(0, 256, 4):
+        data = bytes(noise.tolist()) + bytes(zeros)
+        torch.save({"w": torch.zeros(len(data) // 4)}, tmp_path / "plain.pt")
+        crafted = _zip_with(tmp_path / "plain.pt", tmp_path / "equal.pt", {"/data/0": data}, compress={"/data/0"})
+        with zipfile.ZipFile(crafted) as archive:
+            info = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
+        if info.compress_size == info.file_size:
+            break
+    else:
+        pytest.fail("no deflated record as long as its bytes")
+    assert info.compress_type == zipfile.ZIP_DEFLATED
+    error = _bounded(lambda: load_pt(crafted, "cpu", trust_pickle=False, meta={}))
+    assert "compressed" in str(error) and "equal.pt" in str(error)
+
+
 @pytest.mark.parametrize("kind", ["deflated", "fifo"])
 def test_import_arcface_refuses_a_deflated_or_endless_pt_in_one_line(tmp_path: Path, capsys, kind: str):
     from shardfc.cli import import_arcface as cli_import
