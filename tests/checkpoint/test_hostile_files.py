@@ -240,6 +240,33 @@ def test_an_entry_that_is_not_a_regular_file_is_refused_before_it_is_read(tmp_pa
     assert ck.latest_checkpoint(tmp_path / "run") is None  # skipped, not hashed forever
 
 
+@pytest.mark.parametrize("follow_symlinks", [False, True])
+def test_a_symlink_swapped_in_after_the_check_is_not_followed(tmp_path: Path, monkeypatch, follow_symlinks: bool):
+    """Between the check of a checkpoint file and its open, another process can swap a symlink in: the
+    open itself refuses to follow it (only a file the user names himself may be one)."""
+    from shardfc.checkpoint import format as fmt
+
+    other = tmp_path / "other.pt"
+    other.write_bytes(b"another run's file")
+    path = tmp_path / ck.COMMON_FILE
+    path.write_bytes(b"this run's file")
+    check = fmt.regular_file
+
+    def check_then_swap(p, *args, **kwargs):
+        st = check(p, *args, **kwargs)
+        os.unlink(p)
+        os.symlink(other, p)
+        return st
+
+    monkeypatch.setattr(fmt, "regular_file", check_then_swap)
+    if follow_symlinks:
+        with fmt.open_regular(path, follow_symlinks=True) as f:
+            assert f.read() == b"another run's file"
+    else:
+        with pytest.raises(CheckpointError, match=rf"cannot open checkpoint file .*{ck.COMMON_FILE}"):
+            fmt.open_regular(path)
+
+
 def test_train_resuming_from_a_fifo_stops_with_one_line(tmp_path: Path):
     """The hash of a FIFO never returned, and the run then ignored SIGTERM: it is now refused at once."""
     out = tmp_path / "run"
