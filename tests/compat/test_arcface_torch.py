@@ -19,7 +19,7 @@ from shardfc.parallel.launch import spawn
 from shardfc.train.checkpointing.arcface_import import arcface_class_range, read_arcface_head
 
 C, D = 23, 16
-SIZES = {1: [7], 2: [5, 3], 3: [4, 0, 6]}
+SIZES = {1: [7], 2: [5, 1], 3: [4, 0, 6]}  # a rank of one sample: arcface_torch labels [1, 1]
 
 
 def combined(s=64.0, m1=1.0, m2=0.5, m3=0.0, interclass_filtering_threshold=0):
