@@ -170,6 +170,18 @@ class _Takes(torch.autograd.Function):
         return grad, None, None, None
 
 
+def test_only_what_is_neither_data_path_nor_bare_step_is_outside():
+    """Each phase of a step (a pipeline step's schedule too) at its own power of two of milliseconds:
+    what is outside the data path and the bare step is exactly the stop agreement and the logging."""
+    phases = PHASES + ("pipeline schedule",)
+    step = {p: 2.0 ** i / 1e3 for i, p in enumerate(phases)}
+    s = summarize_phases([step, step])
+    assert s["ms_per_step"] == pytest.approx({p: 2.0 ** i for i, p in enumerate(phases)})
+    outside = 2.0 ** phases.index("stop agreement") + 2.0 ** phases.index("logging/metrics")
+    assert s["outside_ms"] == pytest.approx(outside) and s["total_ms"] == pytest.approx(2.0 ** len(phases) - 1)
+    assert s["outside_share"] == pytest.approx(outside / s["total_ms"])
+
+
 def test_each_part_of_a_step_is_charged_to_its_own_phase(monkeypatch):
     """train_step on parts that each take a known time (powers of two, so that any time charged to
     another phase shows): zero_grad, the loader, the backbone's forward and backward, the head's
