@@ -483,6 +483,24 @@ def test_nested_shared_tuples_have_a_bounded_repr_and_comparison():
     assert time.monotonic() - start < SECONDS
 
 
+@pytest.mark.parametrize("limit,fits", [(20, "x" * 18), (200, ("x" * 63, "x" * 63, "x" * 62))])
+def test_a_value_in_an_error_is_cut_to_its_limit_and_says_so(limit: int, fits):
+    """short_repr and error_line bound what an error prints of a value: up to ``limit`` characters
+    as they are, one more and it is cut to ``limit`` ending in "...", and error_line on one line."""
+    from shardfc.checkpoint.weights_only import error_line
+
+    assert len(repr(fits)) == limit  # (each string short enough for reprlib to keep whole)
+    assert short_repr(fits, limit) == repr(fits)
+    longer = fits + "y" if isinstance(fits, str) else fits[:-1] + (fits[-1] + "y",)
+    cut = short_repr(longer, limit)
+    assert len(cut) == limit and cut == repr(longer)[: limit - 3] + "..."
+    prefix = "ValueError: "
+    text = "a\n b  " + "z" * (limit - 4)  # limit characters once its whitespace is one space each
+    assert error_line(ValueError(text), limit) == prefix + "a b " + "z" * (limit - 4)
+    line = error_line(ValueError(text + "!"), limit)
+    assert line == prefix + ("a b " + "z" * (limit - 4))[: limit - 3] + "..."
+
+
 def test_head_shards_whose_extras_share_2_40_leaves_are_compared_in_bounded_time(tmp_path: Path):
     path = _train_checkpoint(tmp_path)
     for r, (a, b) in enumerate([(0, 2), (2, 4)]):
