@@ -19,7 +19,9 @@
 #                           recopied: run this script again instead once the code changed)
 #
 # Environment: PYTHON (default: python), MUTMUT (default: mutmut beside $PYTHON, else on PATH),
-# JOBS (default: the number of CPUs), FRESH=1 to forget the previous results of this module.
+# JOBS (default: the number of CPUs), FRESH=1 to forget the previous results of this module,
+# MUTANTS="GLOB ..." to (re)run only those mutants (e.g. after adding a test: the names survivors had,
+# "shardfc.checkpoint.format.x_short_repr*").
 set -euo pipefail
 
 if [[ $# -lt 1 || $1 == -h || $1 == --help ]]; then
@@ -96,7 +98,8 @@ cd "$work"
 # One thread per test process: mutmut runs $jobs of them, and forked torch with an OpenMP pool can hang.
 # PYTHONPATH is dropped so that the tests import the mutated copy, not a checkout's src/.
 start=$(date +%s)
-env -u PYTHONPATH OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$mutmut" run --max-children "$jobs" || status=$?
+read -r -a names <<< "${MUTANTS:-}"
+env -u PYTHONPATH OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$mutmut" run --max-children "$jobs" "${names[@]}" || status=$?
 echo "mutation.sh: $module took $(( $(date +%s) - start )) s"
 env -u PYTHONPATH "$mutmut" results
 echo "mutation.sh: $module, mutants by state:"
