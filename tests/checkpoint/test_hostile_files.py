@@ -8,6 +8,7 @@ stderr and exit 2. A reader added to shardfc joins these cases (issue 33).
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import hashlib
 import json
@@ -499,6 +500,18 @@ def test_a_value_in_an_error_is_cut_to_its_limit_and_says_so(limit: int, fits):
     assert error_line(ValueError(text), limit) == prefix + "a b " + "z" * (limit - 4)
     line = error_line(ValueError(text + "!"), limit)
     assert line == prefix + ("a b " + "z" * (limit - 4))[: limit - 3] + "..."
+
+
+def test_the_default_limits_and_a_value_whose_repr_fails():
+    from shardfc.checkpoint.weights_only import error_line
+
+    class list(builtins.list):  # walked by reprlib as a list (by its name), and the walk fails
+        def __iter__(self):
+            raise RuntimeError("no")
+
+    assert short_repr(list([1])) == "<list>"
+    assert len(short_repr(("x" * 70,) * 4)) == 200  # a repr of 300 characters (reprlib keeps 4 items of 70)
+    assert len(error_line(ValueError("e" * 400))) == len("ValueError: ") + 300
 
 
 def test_head_shards_whose_extras_share_2_40_leaves_are_compared_in_bounded_time(tmp_path: Path):
