@@ -127,12 +127,29 @@ def test_what_the_unpickler_refused_is_named_or_else_called_objects() -> None:
 
 
 @pytest.mark.parametrize("mmap", [False, True])
-def test_load_pt_maps_to_the_location_asked_and_unpickles_only_when_trusted(tmp_path: Path, mmap: bool) -> None:
+def test_load_pt_maps_to_the_location_asked_and_unpickles_only_when_trusted(tmp_path: Path, mmap: bool,
+                                                                             monkeypatch) -> None:
     from shardfc.checkpoint.weights_only import load_pt
 
     torch.save({"w": torch.ones(3)}, tmp_path / "plain.pt")
     assert load_pt(tmp_path / "plain.pt", "meta", trust_pickle=False, meta={}, mmap=mmap)["w"].device.type == "meta"
+    asked = []
+    real = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: asked.append(k.get("mmap", False)) or real(*a, **k))
+    assert torch.equal(load_pt(tmp_path / "plain.pt", "cpu", trust_pickle=False, meta={}, mmap=mmap)["w"], torch.ones(3))
+    assert asked == [mmap]  # torch maps the file (tensors paged in as used), or reads it
     torch.save({"b": Benign(4)}, tmp_path / "pickled.pt")
     with pytest.raises(CheckpointError, match="refusing to load"):
         load_pt(tmp_path / "pickled.pt", "cpu", trust_pickle=False, meta={}, mmap=mmap)
     assert load_pt(tmp_path / "pickled.pt", "cpu", trust_pickle=True, meta={}, mmap=mmap)["b"].value == 4
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_load_pt_reads_a_link_the_user_names_but_not_one_a_meta_json_names(tmp_path: Path, mmap: bool) -> None:
+    from shardfc.checkpoint.weights_only import load_pt
+
+    torch.save({"w": torch.ones(3)}, tmp_path / "plain.pt")
+    (tmp_path / "link.pt").symlink_to(tmp_path / "plain.pt")
+    assert torch.equal(load_pt(tmp_path / "link.pt", "cpu", trust_pickle=False, meta={}, mmap=mmap)["w"], torch.ones(3))
+    with pytest.raises(CheckpointError, match="link.pt: it is a symlink"):
+        load_pt(tmp_path / "link.pt", "cpu", trust_pickle=False, meta={}, mmap=mmap, follow_symlinks=False)
