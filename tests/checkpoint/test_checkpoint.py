@@ -460,3 +460,5 @@ def test_step_of_reads_the_name_or_else_meta(tmp_path: Path) -> None:
     assert ck.step_of(copy) == 12
     with pytest.raises(CheckpointError, match="meta.json is missing"):
         ck.step_of(tmp_path / "run")
+    # a step directory's name is its step: its meta.json is not read (a save in progress has none yet)
+    assert ck.step_of(tmp_path / "run" / "step_00000007") == 7

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,8 @@ def test_every_file_loads_with_weights_only(tmp_path: Path) -> None:
         ({"per_rank": {"rng": (1, np.uint32(7))}}, r"per_rank\['rng'\]\[1\] is a numpy.uint32"),
         ({"head_extras": {"fn": Benign(1)}}, r"head_extras\['fn'\] is a .*Benign"),
         ({"common": {"cfg": {Benign(1): 1}}}, r"common\['cfg'\] has a key .* of type .*Benign"),
+        ({"common": {"ids": range(3)}}, r"common\['ids'\] is a range; "),  # a builtin by its bare name
+        ({"common": {"cfg": {frozenset(): 1}}}, r"common\['cfg'\] has a key frozenset\(\) of type frozenset; "),
     ],
 )
 def test_save_refuses_what_weights_only_cannot_read(tmp_path: Path, overrides: dict, match: str) -> None:
@@ -113,3 +116,40 @@ def test_opt_in_reads_a_trusted_pickled_object(tmp_path: Path) -> None:
         load_common(path)
     common, _ = load_common(path, trust_pickle=True)
     assert common["thing"].value == 5
+
+
+def test_what_the_unpickler_refused_is_named_or_else_called_objects() -> None:
+    from shardfc.checkpoint.weights_only import _refusal_reason
+
+    named = pickle.UnpicklingError("Weights only load failed. Unsupported global: GLOBAL os.system was not an allowed")
+    assert _refusal_reason(named) == "the global os.system"
+    assert _refusal_reason(pickle.UnpicklingError("Weights only load failed. Unsupported operand 149")) == "objects"
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_load_pt_maps_to_the_location_asked_and_unpickles_only_when_trusted(tmp_path: Path, mmap: bool,
+                                                                             monkeypatch) -> None:
+    from shardfc.checkpoint.weights_only import load_pt
+
+    torch.save({"w": torch.ones(3)}, tmp_path / "plain.pt")
+    assert load_pt(tmp_path / "plain.pt", "meta", trust_pickle=False, meta={}, mmap=mmap)["w"].device.type == "meta"
+    asked = []
+    real = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: asked.append(k.get("mmap", False)) or real(*a, **k))
+    assert torch.equal(load_pt(tmp_path / "plain.pt", "cpu", trust_pickle=False, meta={}, mmap=mmap)["w"], torch.ones(3))
+    assert asked == [mmap]  # torch maps the file (tensors paged in as used), or reads it
+    torch.save({"b": Benign(4)}, tmp_path / "pickled.pt")
+    with pytest.raises(CheckpointError, match="refusing to load"):
+        load_pt(tmp_path / "pickled.pt", "cpu", trust_pickle=False, meta={}, mmap=mmap)
+    assert load_pt(tmp_path / "pickled.pt", "cpu", trust_pickle=True, meta={}, mmap=mmap)["b"].value == 4
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_load_pt_reads_a_link_the_user_names_but_not_one_a_meta_json_names(tmp_path: Path, mmap: bool) -> None:
+    from shardfc.checkpoint.weights_only import load_pt
+
+    torch.save({"w": torch.ones(3)}, tmp_path / "plain.pt")
+    (tmp_path / "link.pt").symlink_to(tmp_path / "plain.pt")
+    assert torch.equal(load_pt(tmp_path / "link.pt", "cpu", trust_pickle=False, meta={}, mmap=mmap)["w"], torch.ones(3))
+    with pytest.raises(CheckpointError, match="link.pt: it is a symlink"):
+        load_pt(tmp_path / "link.pt", "cpu", trust_pickle=False, meta={}, mmap=mmap, follow_symlinks=False)

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import shardfc
 from shardfc import margins as M
@@ -19,7 +20,7 @@ from shardfc.parallel.launch import spawn
 from shardfc.train.checkpointing.arcface_import import arcface_class_range, read_arcface_head
 
 C, D = 23, 16
-SIZES = {1: [7], 2: [5, 3], 3: [4, 0, 6]}
+SIZES = {1: [7], 2: [5, 1], 3: [4, 0, 6]}  # a rank of one sample: arcface_torch labels [1, 1]
 
 
 def combined(s=64.0, m1=1.0, m2=0.5, m3=0.0, interclass_filtering_threshold=0):
@@ -40,6 +41,12 @@ def _same(a: M.Margin, b: M.Margin) -> bool:
      M.ArcFace(64, 0.5)),
     (SimpleNamespace(s=64.0, m=0.4), M.CosFace(64, 0.4)),
     (M.CosFace(30, 0.3), M.CosFace(30, 0.3)),
+    # margins other than the defaults, and m2 = 0 with m1 != 1 (Combined, not CosFace)
+    (combined(64, 1.0, 0.3, 0.0), M.ArcFace(64, 0.3)),
+    (combined(64, 0.9, 0.0, 0.2), M.Combined(64, 0.9, 0.0, 0.2)),
+    (SimpleNamespace(scale=64.0, cos_m=math.cos(0.3), sin_m=math.sin(0.3), sinmm=0.09, theta=-0.95),
+     M.ArcFace(64, 0.3)),
+    (SimpleNamespace(s=64.0, m1=1.0, m2=0.5, m3=0.0), M.ArcFace(64, 0.5)),  # an older one: no threshold at all
 ])
 def test_margins_read_from_arcface_torch_modules(given, expected):
     assert _same(margin_from_arcface_torch(given), expected)
@@ -73,15 +80,42 @@ def test_arcface_torch_arcface_targets_with_and_without_easy_margin(easy_margin)
 
 
 def test_margin_errors():
-    with pytest.raises(ValueError, match=r"interclass_filtering_threshold=0.2: arcface_torch zeroes the logits"):
+    with pytest.raises(ValueError, match=r"interclass_filtering_threshold=0.2: arcface_torch zeroes the logits") as e:
         margin_from_arcface_torch(combined(interclass_filtering_threshold=0.2))
+    assert str(e.value).endswith(
+        "while shardfc's interclass_filter_threshold leaves out negatives too close to the sample's target centre; "
+        "the methods differ, so pass threshold 0 here (or use ShardedMarginHead(interclass_filter_threshold=...) "
+        "for shardfc's)")
     with pytest.raises(TypeError, match=r"margin_loss must be arcface_torch's CombinedMarginLoss.*got function"):
         margin_from_arcface_torch(lambda logits, labels: logits)
 
 
 def test_needs_an_initialised_process_group():
-    with pytest.raises(RuntimeError, match="PartialFC_V2 needs torch.distributed initialised first"):
+    with pytest.raises(RuntimeError) as e:
         PartialFC_V2(combined(), D, C)
+    assert str(e.value) == ("PartialFC_V2 needs torch.distributed initialised first, as arcface_torch's does "
+                            "(one process: use shardfc.ShardedMarginHead)")
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_arcface_torch_s_constructor_and_attributes(world_of_one):
+    """fp16 off unless asked; a CPU run ignores it (arcface_torch's autocast is CUDA's); embedding_size
+    as arcface_torch names it; fp16 must be a bool."""
+    pfc = PartialFC_V2(combined(), D, C, 1.0)
+    assert pfc.fp16 is False and pfc.embedding_size == D and pfc.reduction == "mean"
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(6, D, generator=g), torch.randint(0, C, (6,), generator=g)
+    half = PartialFC_V2(combined(), D, C, 1.0, True)
+    assert half.fp16 is True and torch.equal(half(x, y), pfc(x, y))
+    with pytest.raises(TypeError) as e:
+        PartialFC_V2(combined(), D, C, 1.0, "yes")
+    assert str(e.value) == "fp16 must be True or False, got 'yes'"
 
 
 def _rank(rank, world, out_dir):
@@ -156,9 +190,7 @@ def _rank(rank, world, out_dir):
     return errs, shape_ok, loaded, same_sampled, ignored_rows_zero, refused
 
 
-@pytest.mark.parametrize("world", sorted(SIZES))
-def test_matches_the_dense_reference_and_round_trips_checkpoints(world, tmp_path):
-    results = spawn(_rank, world, str(tmp_path), backend="gloo")
+def _check(world, results, tmp_path):
     for rank, (errs, shape_ok, loaded, same_sampled, ignored_rows_zero, refused) in enumerate(results):
         assert shape_ok and loaded and same_sampled and ignored_rows_zero, (world, rank)
         assert f"= {C} is outside [0, num_classes={C})" in refused, (world, rank, refused)
@@ -167,3 +199,32 @@ def test_matches_the_dense_reference_and_round_trips_checkpoints(world, tmp_path
     joined = read_arcface_head(sorted(tmp_path.glob("checkpoint_gpu_*.pt")))
     assert joined.weight.shape == (C, D) and joined.world_size == world
     assert torch.allclose(joined.weight, init_rows(0, C, D, 0))  # the shards, in class order
+
+
+@pytest.mark.parametrize("world", sorted(w for w in SIZES if w > 1))
+def test_matches_the_dense_reference_and_round_trips_checkpoints(world, tmp_path):
+    _check(world, spawn(_rank, world, str(tmp_path), backend="gloo"), tmp_path)
+
+
+def test_one_rank_in_this_process_matches_the_dense_reference(tmp_path):
+    """The world of one, in this process rather than a spawned one: the same checks, and a run of the
+    drop-in that mutation testing sees (mutmut traces only the test's own process)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        results = [_rank(0, 1, str(tmp_path))]
+        # one sample, as arcface_torch's labels [1, 1]: its loss and gradients, not a scalar label's
+        g = torch.Generator().manual_seed(5)
+        x, y = torch.randn(1, D, generator=g, dtype=torch.float64), torch.randint(0, C, (1,), generator=g)
+        pfc = PartialFC_V2(combined(64.0, 1.0, 0.5, 0.0), D, C)
+        xr = x.float().requires_grad_()
+        loss = pfc(xr, y.view(1, 1))
+        loss.backward()
+    finally:
+        dist.destroy_process_group()
+    _check(1, results, tmp_path)
+    W, xd = init_rows(0, C, D, 0).double().requires_grad_(), x.clone().requires_grad_()
+    ref = shardfc.reference_loss(xd, W, y, M.ArcFace(64.0, 0.5))
+    ref.backward()
+    assert loss.shape == () and float(loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-5)
+    for got, want in ((pfc.weight.grad, W.grad), (xr.grad, xd.grad)):  # as _rank's errors: to the largest entry
+        assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-5

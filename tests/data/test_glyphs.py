@@ -195,6 +195,29 @@ def test_bad_options_name_the_option(field, value, words):
         GlyphOptions(**{field: value}).check()
 
 
+@pytest.mark.parametrize("field, refused, accepted", [
+    ("image_size", [7, 513, 64.0, True], [8, 512]), ("min_faces", [1, 0, True], [2]),
+    ("identities", [0, -3, True, 2.0], [1]), ("unseen_identities", [0, False], [1]), ("copies", [0, True], [1]),
+    ("holdout_faces", [-1, True, 1.0], [0]), ("pairs", [0, 30, 610, True], [20]), ("channels", [0, 2, 4], [1, 3]),
+])
+def test_each_option_is_refused_just_past_its_bounds_and_accepted_at_them(field, refused, accepted):
+    for value in refused:
+        with pytest.raises(GlyphError, match=field):
+            GlyphOptions(**{field: value}).check()
+    for value in accepted:
+        GlyphOptions(**{field: value}).check()
+
+
+def test_ranges_of_one_character_or_meeting_end_to_start_are_read():
+    """Ranges as the format allows them: one character each, and one starting right past the other's end
+    (the refusal is for overlapping, unsorted or backwards ranges only)."""
+    starts, ends = np.array([0x4E00, 0x4E01, 0x4E05]), np.array([0x4E00, 0x4E04, 0x4E05])
+    glyphs._check_ordered(starts, ends, 12)
+    for s2, e2 in [((0x4E00, 0x4E04), (0x4E04, 0x4E08)), ((0x4E05,), (0x4E04,)), ((0x4E05, 0x4E00), (0x4E06, 0x4E01))]:
+        with pytest.raises(ValueError, match="overlapping or unsorted"):
+            glyphs._check_ordered(np.array(s2), np.array(e2), 12)
+
+
 @needs_fonts
 def test_too_many_identities_asked_is_a_clear_error(tmp_path):
     with pytest.raises(GlyphError, match="fewer than the .* identities asked for"):

@@ -71,6 +71,12 @@ def test_grow_in_memory_keeps_rows_and_state(devices, name, sample_rate):
     assert_grown(before, logical(head, opt), C, rows)
     train(head, opt, range(3, 5), C + n)  # the grown head and its optimizer keep training
     assert all(torch.isfinite(w).all() for w in head.shard_weights)
+    # The old parameters' state is gone with them: the optimizer holds state for its own parameters
+    # only (a stale entry makes torch's state_dict() raise, and keeps the old rows' memory alive).
+    params = {p for group in opt.param_groups for p in group["params"]}
+    assert set(opt.state) <= params and all(w in opt.state for w in head.shard_weights)
+    saved = opt.state_dict()
+    assert len(saved["state"]) == len(opt.state)
 
 
 def test_grow_default_rows_are_the_seeded_rows_of_a_bigger_head():

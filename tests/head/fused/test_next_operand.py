@@ -186,6 +186,31 @@ def test_whatever_else_changes_the_weight_gives_a_fresh_operand(change, passes):
     assert fresh == 1
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_sampled_step_between_dense_ones_forgets_the_kept_operand(optimizer, monkeypatch, passes):
+    """A dense step keeps an operand; a step at another sample rate updates the weight in place with
+    no operand to write (and without bumping the weight's version), so it must forget the kept one:
+    the dense step after it scores the weight as that step left it, as a head keeping none does."""
+    def three_steps():
+        head, opt = _head(optimizer)
+        out = [_step(head, opt, 0)]
+        head.sample_rate = 0.5
+        out.append(_step(head, opt, 1))
+        assert head.last_update.startswith("fused")  # the sampled step's update is the fused one too
+        head.sample_rate = 1.0
+        out.append(_step(head, opt, 2))
+        return out, head.weight.detach().double().cpu()
+
+    got, w = three_steps()
+    assert passes[0] == 3  # the dense step after the sampled one made its operand afresh
+    monkeypatch.setattr(chunks.NextOperand, "take", lambda self, *a: None)
+    ref, w_ref = three_steps()
+    for (loss, gx), (loss_ref, gx_ref) in zip(got, ref):
+        assert loss == pytest.approx(loss_ref, rel=1e-6)
+        assert _rel(gx, gx_ref) < 1e-5
+    assert _rel(w, w_ref) < 1e-5
+
+
 def test_partial_fc_keeps_no_operand(passes):
     """Partial FC scores a different sample each step: its operand is made per step, none kept."""
     head, opt = _head(sample_rate=0.5)

@@ -367,3 +367,12 @@ def test_help_through_shardfc_bench():
     assert code == 0 and "shardfc bench --peers" in out and "--systems" in out and "--json" in out
     code, out, _ = _run(["bench", "--help"], entry=shardfc_cli.main)
     assert code == 0 and "--peers" in out
+
+
+def test_a_reason_is_one_line_of_at_most_300_characters():
+    """An impl's error in a row: whitespace folded, kept whole up to 300 characters, cut to 300 ending
+    in "..." past them; an out-of-memory error says so."""
+    whole = "a\n b  " + "z" * 296  # 300 characters once folded
+    assert peers._reason(ValueError(whole)) == "ValueError: a b " + "z" * 296
+    assert peers._reason(ValueError(whole + "!")) == "ValueError: " + ("a b " + "z" * 296)[:297] + "..."
+    assert peers._reason(RuntimeError("CUDA out of memory. Tried")) == "out of memory: CUDA out of memory. Tried"

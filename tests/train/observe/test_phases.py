@@ -170,6 +170,18 @@ class _Takes(torch.autograd.Function):
         return grad, None, None, None
 
 
+def test_only_what_is_neither_data_path_nor_bare_step_is_outside():
+    """Each phase of a step (a pipeline step's schedule too) at its own power of two of milliseconds:
+    what is outside the data path and the bare step is exactly the stop agreement and the logging."""
+    phases = PHASES + ("pipeline schedule",)
+    step = {p: 2.0 ** i / 1e3 for i, p in enumerate(phases)}
+    s = summarize_phases([step, step])
+    assert s["ms_per_step"] == pytest.approx({p: 2.0 ** i for i, p in enumerate(phases)})
+    outside = 2.0 ** phases.index("stop agreement") + 2.0 ** phases.index("logging/metrics")
+    assert s["outside_ms"] == pytest.approx(outside) and s["total_ms"] == pytest.approx(2.0 ** len(phases) - 1)
+    assert s["outside_share"] == pytest.approx(outside / s["total_ms"])
+
+
 def test_each_part_of_a_step_is_charged_to_its_own_phase(monkeypatch):
     """train_step on parts that each take a known time (powers of two, so that any time charged to
     another phase shows): zero_grad, the loader, the backbone's forward and backward, the head's
@@ -262,3 +274,55 @@ def test_the_data_path_charges_the_loader_and_the_copy_to_their_phases(monkeypat
         clock.end_step()
     stream.close()
     assert clock.steps == [{"loader wait": 1.0, "h2d": 2.0}] * 3
+
+
+def test_phases_missing_from_a_step_count_as_zero_and_an_empty_record_sums_to_nothing():
+    s = summarize_phases([{"forward": 0.004, "head": 0.0005}])  # one step: its own times
+    assert s["ms_per_step"] == pytest.approx({"forward": 4.0, "head": 0.5}) and s["steps"] == 1
+    assert s["outside_ms"] == 0.0 and s["outside_share"] == 0.0
+    s = summarize_phases([{"forward": 0.004, "logging/metrics": 0.0002}, {"forward": 0.002}])
+    assert s["ms_per_step"] == pytest.approx({"forward": 3.0, "logging/metrics": 0.1})
+    assert s["outside_share"] == pytest.approx(0.1 / 3.1)
+    s = summarize_phases([{"logging/metrics": 0.0005}])  # under a millisecond, all of it outside
+    assert s["total_ms"] == pytest.approx(0.5) and s["outside_share"] == pytest.approx(1.0)
+    assert summarize_phases([]) == {"steps": 0, "ms_per_step": {}, "total_ms": 0, "outside_ms": 0,
+                                    "outside_share": 0.0}
+
+
+def test_the_table_lists_each_phase_of_either_step_once():
+    """format_phases, line for line: a phase only the other step has gets a row of 0 here, and the
+    other column 0 where it lacks one; a step of no time shows 0% rather than dividing by it."""
+    mine = summarize_phases([{"forward": 0.003, "logging/metrics": 0.001}])
+    ceiling = summarize_phases([{"forward": 0.002, "optimizer": 0.0005}])
+    assert format_phases(mine, beside=ceiling, beside_name="ceiling").split("\n") == [
+        "| phase (mean of 1 steps) | ms / step | % of the step | ceiling ms / step |",
+        "|---|---:|---:|---:|",
+        "| forward | 3.000 | 75.0% | 2.000 |",
+        "| logging/metrics | 1.000 | 25.0% | 0.000 |",
+        "| optimizer | 0.000 | 0.0% | 0.500 |",
+        "| step | 4.000 | 100% | 2.500 |",
+        "| outside the data path and the bare step | 1.000 | 25.0% | 0.000 |",
+    ]
+    assert format_phases(mine, beside=ceiling).split("\n")[0].endswith(" % of the step |  ms / step |")  # untitled
+    assert format_phases(summarize_phases([{"forward": 0.0}])).split("\n") == [
+        "| phase (mean of 1 steps) | ms / step | % of the step |",
+        "|---|---:|---:|",
+        "| forward | 0.000 | 0.0% |",
+        "| step | 0.000 | 100% |",
+        "| outside the data path and the bare step | 0.000 | 0.0% |",
+    ]
+
+
+def test_a_backward_lap_is_hooked_only_while_recording_and_only_on_a_tensor_with_a_gradient():
+    x = torch.ones(2, requires_grad=True)
+    idle = PhaseClock("cpu")
+    idle.begin_step()
+    y = x * 2
+    idle.lap_on_backward(y, "head")
+    assert not y._backward_hooks  # not even registered
+    recording = PhaseClock("cpu", enabled=True)
+    recording.begin_step()
+    recording.lap_on_backward(torch.ones(2), "head")  # no gradient: nothing to hook, no error
+    recording.end_step("forward")
+    recording.lap("forward")  # after the step: ignored
+    assert list(recording.steps[0]) == ["forward"] and len(recording.steps) == 1
