@@ -67,16 +67,21 @@ def _within_fp32_accumulation(out, c, a, b):
 @pytest.mark.parametrize("has_addmm", [True, False], ids=["addmm-out-dtype", "without"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_addmm_f32_on_cuda_takes_one_gemm_where_torch_has_it_and_falls_back_where_not(monkeypatch, dtype, has_addmm):
-    monkeypatch.setattr(kernels, "_addmm_dtype_on", lambda device: has_addmm and device == "cuda")
+    monkeypatch.setattr(kernels, "OUT_DTYPE_WORKS", {})  # nothing tried yet in this process
     monkeypatch.setattr(_OnCuda, "calls", [])
     monkeypatch.setattr(_OnCuda, "has_addmm_out_dtype", has_addmm)
-    c, a, b = _operands(dtype)
-    before = c.clone()
-    out = kernels.addmm_f32(c, a.as_subclass(_OnCuda), b.as_subclass(_OnCuda))
-    assert out is c  # in place
-    # one GEMM adding into c where torch has it; else a GEMM with an fp32 output, then the add
-    assert _OnCuda.calls == (["addmm(out_dtype)"] if has_addmm else ["mm(out_dtype)"])
-    _within_fp32_accumulation(c, before, a, b)
+    for call in range(2):
+        c, a, b = _operands(dtype)
+        before = c.clone()
+        _OnCuda.calls.clear()
+        out = kernels.addmm_f32(c, a.as_subclass(_OnCuda), b.as_subclass(_OnCuda))
+        assert out is c  # in place
+        # one GEMM adding into c where torch has it; else a GEMM with an fp32 output, then the add —
+        # the refused addmm tried at the first call only (kernels.OUT_DTYPE_WORKS)
+        expected = ["addmm(out_dtype)"] if has_addmm else ["addmm(out_dtype)"] * (call == 0) + ["mm(out_dtype)"]
+        assert _OnCuda.calls == expected, call
+        _within_fp32_accumulation(c, before, a, b)
+    assert kernels.OUT_DTYPE_WORKS[("addmm", "cuda")] is has_addmm
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -86,3 +91,42 @@ def test_mm_f32_on_cuda_is_one_gemm_with_an_fp32_output(monkeypatch, dtype):
     out = kernels.mm_f32(a.as_subclass(_OnCuda), b.as_subclass(_OnCuda))
     assert _OnCuda.calls == ["mm(out_dtype)"]
     _within_fp32_accumulation(out, torch.zeros(M, N), a, b)
+
+
+@pytest.mark.parametrize("op", ["addmm", "mm"])
+def test_a_torch_without_out_dtype_falls_back_once_to_fp32_products(monkeypatch, caplog, op):
+    """Where torch's CUDA build refuses ``out_dtype=`` with 16-bit operands (RuntimeError), the GEMM
+    is made from fp32 copies — the same products to fp32 rounding — chosen at the first call and
+    kept: the refused call is not tried again (issue 42 item 5). Here the CUDA branch runs on CPU
+    tensors, with torch's operator made to refuse as such a build would."""
+    monkeypatch.setattr(kernels, "_gemm_device", lambda a: "cuda")
+    monkeypatch.setattr(kernels, "OUT_DTYPE_WORKS", {})
+    tried = []
+    real = getattr(torch, op)
+
+    def refusing(*args, **kw):
+        if "out_dtype" in kw:
+            tried.append(kw["out_dtype"])
+            raise RuntimeError(f"{op}: out_dtype is not supported here")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(torch, op, refusing)
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(33, 17, generator=g).bfloat16(), torch.randn(17, 9, generator=g).bfloat16()
+    for _ in range(3):
+        c = torch.randn(33, 9, generator=g)
+        ref = (c.double() if op == "addmm" else 0) + a.double() @ b.double()
+        out = kernels.addmm_f32(c, a, b) if op == "addmm" else kernels.mm_f32(a, b)
+        assert out.dtype == torch.float32 and (op == "mm" or out is c)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert tried == [torch.float32] and kernels.OUT_DTYPE_WORKS[(op, "cpu")] is False
+    assert sum(f"torch.{op}(..., out_dtype=torch.float32) is not available" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_out_dtype_is_kept_once_it_works(monkeypatch):
+    monkeypatch.setattr(kernels, "OUT_DTYPE_WORKS", {})
+    calls = []
+    assert kernels._with_out_dtype("mm", "cuda", lambda: calls.append("fast") or torch.ones(1),
+                                   lambda: calls.append("slow") or torch.zeros(1)).item() == 1.0
+    kernels._with_out_dtype("mm", "cuda", lambda: calls.append("fast") or torch.ones(1), lambda: torch.zeros(1))
+    assert calls == ["fast", "fast"] and kernels.OUT_DTYPE_WORKS[("mm", "cuda")] is True
