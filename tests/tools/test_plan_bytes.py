@@ -137,7 +137,8 @@ def test_the_headline_step_with_the_update_in_the_backward_moves_at_most_16_GB()
     written = {k["kernel"]: k["written"] for k in t["kernels"] if k["kernel"] == "backward_epilogue"}
     chunk = 6144  # chunks.chunk_classes at the headline (tests/head/fused/test_chunks.py)
     assert written["backward_epilogue"] <= 2 * B * chunk * 2 < 0.02 * B * n * 2
-    assert sum(k["written"] for k in t["kernels"] if k["kernel"] == "mm") < 0.01 * n * D * 4
+    # ... and so for H, fp32 [chunk, D]: at most the last two chunks' reach HBM
+    assert sum(k["written"] for k in t["kernels"] if k["kernel"] == "mm") <= 2 * chunk * D * 4 < 0.02 * n * D * 4
     # the three GEMM shapes, over the chunks
     gemms = {k["shape"] for k in t["kernels"] if k["kernel"] in ("mm", "addmm") and k["launches"] > 1}
     assert len(gemms) == 3
