@@ -133,3 +133,42 @@ def _measured_step_peak(C, D, B, grads_kept=True, optimizer="sgd", dtype="float3
 def measured_step_peak():
     """:func:`_measured_step_peak`: ``(C, D, B, grads_kept, optimizer, **head_options) -> bytes``."""
     return _measured_step_peak
+
+
+#: The alarm behind a test of a hostile input (:func:`no_hang`), unless its module sets ``HANG_S``: many
+#: times what any such test needs on an idle machine, so a machine busy on every core still meets it,
+#: while a regression that blocks (a FIFO read, an endless loop on a crafted count) fails instead of
+#: stalling the suite.
+HANG_S = 60
+
+
+@pytest.fixture
+def no_hang(request):
+    """SIGALRM after the module's ``HANG_S`` seconds (default :data:`HANG_S`): a hang is a TimeoutError."""
+    def stop(signum, frame):
+        raise TimeoutError("a hostile input made the code under test hang")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(getattr(request.module, "HANG_S", HANG_S))
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture
+def special_file():
+    """``make(path, kind)``: ``path`` made as what a reader of regular files must refuse — ``"fifo"``
+    (a read would block forever) or ``"dev_zero"`` (a link to an endless device) — returning True;
+    False for any other kind, which the test makes itself."""
+    def make(path, kind: str) -> bool:
+        if kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "dev_zero":
+            os.symlink("/dev/zero", path)
+        else:
+            return False
+        return True
+
+    return make

@@ -60,19 +60,7 @@ SECONDS = 30
 HANG_S = 120  # the alarm behind every case (above SECONDS and the subprocess's 90 s)
 
 
-@pytest.fixture(autouse=True)
-def _no_hang():
-    """A regression that hangs (a FIFO read, an endless comparison) fails here instead of stalling CI."""
-    def stop(signum, frame):
-        raise TimeoutError("a hostile file made the reader hang")
-
-    old = signal.signal(signal.SIGALRM, stop)
-    signal.alarm(HANG_S)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+pytestmark = pytest.mark.usefixtures("no_hang")  # tests/conftest.py: an alarm behind every case
 
 
 # --------------------------------------------------------------------------- crafting
@@ -248,13 +236,14 @@ def test_an_entry_that_is_not_a_regular_file_is_refused_before_it_is_read(tmp_pa
 def test_a_symlink_swapped_in_after_the_check_is_not_followed(tmp_path: Path, monkeypatch, follow_symlinks: bool):
     """Between the check of a checkpoint file and its open, another process can swap a symlink in: the
     open itself refuses to follow it (only a file the user names himself may be one)."""
+    from shardfc import files
     from shardfc.checkpoint import format as fmt
 
     other = tmp_path / "other.pt"
     other.write_bytes(b"another run's file")
     path = tmp_path / ck.COMMON_FILE
     path.write_bytes(b"this run's file")
-    check = fmt.regular_file
+    check = files.regular_file  # the check before the open, in the gate every reader goes through
 
     def check_then_swap(p, *args, **kwargs):
         st = check(p, *args, **kwargs)
@@ -262,7 +251,7 @@ def test_a_symlink_swapped_in_after_the_check_is_not_followed(tmp_path: Path, mo
         os.symlink(other, p)
         return st
 
-    monkeypatch.setattr(fmt, "regular_file", check_then_swap)
+    monkeypatch.setattr(files, "regular_file", check_then_swap)
     if follow_symlinks:
         with fmt.open_regular(path, follow_symlinks=True) as f:
             assert f.read() == b"another run's file"
@@ -396,13 +385,11 @@ def test_renames_passed_again_change_nothing(tmp_path: Path):
 
 @pytest.mark.parametrize("kind, needle", [("fifo", "FIFO"), ("dev_zero", "device"), ("latin1", "not utf-8 text"),
                                            ("huge", "SHARDFC_MAX_NAMES_BYTES")])
-def test_a_hostile_renames_file_is_one_config_error(tmp_path: Path, monkeypatch, kind: str, needle: str):
+def test_a_hostile_renames_file_is_one_config_error(tmp_path: Path, monkeypatch, special_file, kind: str, needle: str):
     """Through the file gate (issue 43): a regular file, UTF-8, at most the names cap."""
     f = tmp_path / "renames.tsv"
-    if kind == "fifo":
-        os.mkfifo(f)
-    elif kind == "dev_zero":
-        os.symlink("/dev/zero", f)
+    if special_file(f, kind):
+        pass
     elif kind == "latin1":
         f.write_bytes(b"caf\xe9\tcafe\n")
     else:

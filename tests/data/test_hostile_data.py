@@ -14,7 +14,6 @@ import io
 import logging
 import os
 import pickle
-import signal
 import struct
 import subprocess
 import sys
@@ -43,19 +42,7 @@ from shardfc.train.config import ConfigError, load_toml
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
-@pytest.fixture(autouse=True)
-def _no_hang():
-    """A reader that blocks on a FIFO, or loops on a crafted count, fails here instead of stalling."""
-    def stop(signum, frame):
-        raise TimeoutError("a hostile file made the reader hang")
-
-    old = signal.signal(signal.SIGALRM, stop)
-    signal.alarm(10)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+pytestmark = pytest.mark.usefixtures("no_hang")  # tests/conftest.py: an alarm behind every case
 
 
 def _one_line(error: BaseException, *needles: str) -> str:
@@ -100,12 +87,10 @@ def _png_declaring(width: int, height: int) -> bytes:
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev_zero", "deep", "latin1", "huge"])
-def test_a_hostile_config_is_one_line_and_exit_2(tmp_path: Path, capsys, kind: str):
+def test_a_hostile_config_is_one_line_and_exit_2(tmp_path: Path, capsys, special_file, kind: str):
     path = tmp_path / "run.toml"
-    if kind == "fifo":
-        os.mkfifo(path)
-    elif kind == "dev_zero":
-        os.symlink("/dev/zero", path)
+    if special_file(path, kind):
+        pass
     elif kind == "deep":
         path.write_text("lr = " + "[" * 10_000 + "]" * 10_000)
     elif kind == "latin1":
@@ -330,14 +315,7 @@ class _Reduce:
 def test_a_bin_constructor_is_bounded_by_the_file_length(tmp_path: Path, payload):
     path = tmp_path / "crafted.bin"
     path.write_bytes(pickle.dumps(([payload, payload], [True]), protocol=2))
-    out = _capped(f"""
-        from shardfc.evaluation.verification import load_bin
-        try:
-            load_bin({str(path)!r})
-        except ValueError as e:
-            print(type(e).__name__, e)
-    """)
-    assert "crafted.bin" in out and "more than the file holds" in out and "\n" not in out.strip(), out
+    _refused_within_the_cap(path)
 
 
 @pytest.mark.parametrize("opcode", [b"\x8e", b"\x8d", b"B"], ids=["BINBYTES8", "BINUNICODE8", "BINBYTES"])
@@ -347,6 +325,12 @@ def test_a_bin_opcode_declaring_more_bytes_than_the_file_holds_is_refused(tmp_pa
     path = tmp_path / "crafted.bin"
     width = "<i" if opcode == b"B" else "<Q"
     path.write_bytes(b"\x80\x04" + opcode + struct.pack(width, (1 << 31) - 1 if opcode == b"B" else 1 << 33) + b"abc")
+    _refused_within_the_cap(path)
+
+
+def _refused_within_the_cap(path: Path) -> None:
+    """``load_bin(path)`` in a process capped by :func:`_capped`: one line naming the file and that
+    it declares more than the file holds."""
     out = _capped(f"""
         from shardfc.evaluation.verification import load_bin
         try:
@@ -354,7 +338,7 @@ def test_a_bin_opcode_declaring_more_bytes_than_the_file_holds_is_refused(tmp_pa
         except ValueError as e:
             print(type(e).__name__, e)
     """)
-    assert "crafted.bin" in out and "more than the file holds" in out and "\n" not in out.strip(), out
+    assert path.name in out and "more than the file holds" in out and "\n" not in out.strip(), out
 
 
 def test_a_bin_that_is_a_fifo_or_a_device_is_one_line(tmp_path: Path):

@@ -37,6 +37,28 @@ def _batch(seed: int):
     return x, y
 
 
+def _against_eager(eager, graphed, opts, step, lrs, **tol):
+    """Each of ``lrs`` set on both optimizers, then one eager step of ``eager`` and one call of the
+    captured ``step`` of ``graphed`` on the same batch: their losses and embedding gradients equal
+    (``tol``: assert_close's). Returns the captured step's ``last_call`` after each."""
+    calls = []
+    for i, lr in enumerate(lrs):
+        for opt in opts:
+            for group in opt.param_groups:
+                group["lr"] = lr
+        x, y = _batch(i)
+        xe = x.clone().requires_grad_()
+        opts[0].zero_grad(set_to_none=False)
+        ref = eager(xe, y)
+        ref.backward()
+        opts[0].step()
+        loss, grad = step.step(x, y)
+        calls.append(step.last_call)
+        torch.testing.assert_close(loss, ref.detach(), **tol)
+        torch.testing.assert_close(grad, xe.grad, **tol)
+    return calls
+
+
 NOT_FUSED = ("the optimizer does not apply its step in the backward: use head_optimizer(head, ..., "
              "fused_update=True), so the update is inside the captured step")
 
@@ -244,21 +266,7 @@ def test_the_replayed_step_equals_the_eager_one_over_a_schedule_of_learning_rate
     graphed = copy.deepcopy(eager)
     opts = [head_optimizer(h, name, lr=0.05, fused_update=True) for h in (eager, graphed)]
     step = CapturedHeadStep(graphed, opts[1])
-    calls = []
-    for i, lr in enumerate([0.05, 0.05, 0.05, 0.02, 0.01, 0.01, 0.005]):
-        for opt in opts:
-            for group in opt.param_groups:
-                group["lr"] = lr
-        x, y = _batch(i)
-        xe = x.clone().requires_grad_()
-        opts[0].zero_grad(set_to_none=False)
-        loss = eager(xe, y)
-        loss.backward()
-        opts[0].step()
-        got, grad = step.step(x, y)
-        calls.append(step.last_call)
-        torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(grad, xe.grad, rtol=1e-5, atol=1e-6)
+    calls = _against_eager(eager, graphed, opts, step, [0.05, 0.05, 0.05, 0.02, 0.01, 0.01, 0.005], rtol=1e-5, atol=1e-6)
     assert calls == ["eager", "eager", "captured", "replayed", "replayed", "replayed", "replayed"]
     torch.testing.assert_close(graphed.weight, eager.weight, rtol=1e-5, atol=1e-6)
     graphed.load_state_dict(eager.state_dict())  # weights changed outside the graph: eager again, then recaptured
@@ -299,21 +307,7 @@ def test_eager_steps_then_one_capture_then_replays_each_equal_to_the_eager_step(
     opts = [head_optimizer(h, "sgd", lr=0.05, fused_update=True) for h in (eager, graphed)]
     step = CapturedHeadStep(graphed, opts[1], eager_steps=1)
     assert (step.captures, step.replays, step.last_call) == (0, 0, None)
-    calls = []
-    for i, lr in enumerate([0.05, 0.05, 0.02, 0.01]):
-        for opt in opts:
-            for group in opt.param_groups:
-                group["lr"] = lr
-        x, y = _batch(i)
-        xe = x.clone().requires_grad_()
-        opts[0].zero_grad(set_to_none=False)
-        ref = eager(xe, y)
-        ref.backward()
-        opts[0].step()
-        loss, grad = step.step(x, y)
-        calls.append(step.last_call)
-        torch.testing.assert_close(loss, ref.detach())
-        torch.testing.assert_close(grad, xe.grad)
+    calls = _against_eager(eager, graphed, opts, step, [0.05, 0.05, 0.02, 0.01])
     assert calls == ["eager", "captured", "replayed", "replayed"]
     assert (step.captures, step.replays, rehearsed.made) == (1, 3, 1)
     torch.testing.assert_close(graphed.weight, eager.weight)
