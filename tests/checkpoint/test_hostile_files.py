@@ -438,6 +438,37 @@ def test_a_record_said_deflated_whose_two_sizes_are_equal_is_refused(tmp_path: P
     assert "compressed" in str(error) and "equal.pt" in str(error)
 
 
+def _central_record(data: bytes, suffix: bytes) -> int:
+    """Where the central directory's record of the member whose name ends in ``suffix`` starts."""
+    at = data.index(b"PK\x01\x02")
+    while not data[at + 46 : at + 46 + struct.unpack_from("<H", data, at + 28)[0]].endswith(suffix):
+        at = data.index(b"PK\x01\x02", at + 4)
+    return at
+
+
+def test_a_record_said_to_extend_past_the_end_of_the_file_is_refused(tmp_path: Path):
+    """A stored member whose two sizes (equal, as stored ones are) run past the file's end."""
+    torch.save({"w": torch.zeros(4)}, tmp_path / "plain.pt")
+    data = bytearray((tmp_path / "plain.pt").read_bytes())
+    at = _central_record(bytes(data), b"/data/0")
+    struct.pack_into("<LL", data, at + 20, 1 << 30, 1 << 30)  # compressed and uncompressed sizes
+    (tmp_path / "long.pt").write_bytes(bytes(data))
+    error = _bounded(lambda: load_pt(tmp_path / "long.pt", "cpu", trust_pickle=False, meta={}))
+    assert str(error) == f"{tmp_path / 'long.pt'} is truncated or corrupt: member 'plain/data/0' extends past the end " \
+        "of the file"
+
+
+def test_a_zip_whose_central_directory_is_damaged_is_one_line_naming_the_file(tmp_path: Path):
+    torch.save({"w": torch.zeros(4)}, tmp_path / "plain.pt")
+    data = bytearray((tmp_path / "plain.pt").read_bytes())
+    data[_central_record(bytes(data), b"/data/0") + 2] = 0  # its signature: the end record still finds it
+    (tmp_path / "damaged.pt").write_bytes(bytes(data))
+    assert zipfile.is_zipfile(tmp_path / "damaged.pt")
+    error = _bounded(lambda: load_pt(tmp_path / "damaged.pt", "cpu", trust_pickle=False, meta={}))
+    assert str(error) == f"cannot read checkpoint file {tmp_path / 'damaged.pt'}: BadZipFile: Bad magic number for " \
+        "central directory"
+
+
 @pytest.mark.parametrize("kind", ["deflated", "fifo"])
 def test_import_arcface_refuses_a_deflated_or_endless_pt_in_one_line(tmp_path: Path, capsys, kind: str):
     from shardfc.cli import import_arcface as cli_import
