@@ -435,7 +435,31 @@ def test_a_record_said_deflated_whose_two_sizes_are_equal_is_refused(tmp_path: P
         pytest.fail("no deflated record as long as its bytes")
     assert info.compress_type == zipfile.ZIP_DEFLATED
     error = _bounded(lambda: load_pt(crafted, "cpu", trust_pickle=False, meta={}))
-    assert "compressed" in str(error) and "equal.pt" in str(error)
+    assert f"refusing to read {crafted}: its member 'plain/data/0' is compressed ({len(data)} bytes inflating to " \
+        f"{len(data)})" in str(error)
+
+
+def test_check_stored_checks_the_members_named_and_reads_any_file_object(tmp_path: Path):
+    """Members left out by ``names`` are skipped, not the end of the check; a file object without a
+    descriptor is checked too (without the end-of-file bound)."""
+    import io
+
+    from shardfc.checkpoint.weights_only import check_stored
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("a/skipped", b"x" * 100, compress_type=zipfile.ZIP_STORED)
+        z.writestr("b/checked", b"y" * 100, compress_type=zipfile.ZIP_DEFLATED)
+
+    class NoDescriptor:  # read, seek and tell only
+        def __init__(self, data):
+            self._f = io.BytesIO(data)
+            self.read, self.seek, self.tell = self._f.read, self._f.seek, self._f.tell
+
+    with zipfile.ZipFile(NoDescriptor(buf.getvalue())) as archive:
+        check_stored(archive, tmp_path / "x.pt", names=lambda name: name.startswith("a/"))
+        with pytest.raises(CheckpointError, match="its member 'b/checked' is compressed"):
+            check_stored(archive, tmp_path / "x.pt", names=lambda name: name != "a/skipped")
 
 
 def _central_record(data: bytes, suffix: bytes) -> int:
