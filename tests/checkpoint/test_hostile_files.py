@@ -259,6 +259,10 @@ def test_a_symlink_swapped_in_after_the_check_is_not_followed(tmp_path: Path, mo
         os.symlink(other, p)
         return st
 
+    fifo = tmp_path / "fifo.pt"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointError, match=f"refusing to read stage file {fifo}: it is a FIFO"):
+        fmt.open_regular(fifo, "stage file")  # what the file is, named
     monkeypatch.setattr(fmt, "regular_file", check_then_swap)
     if follow_symlinks:
         with fmt.open_regular(path, follow_symlinks=True) as f:
