@@ -251,6 +251,10 @@ def test_a_symlink_swapped_in_after_the_check_is_not_followed(tmp_path: Path, mo
         os.symlink(other, p)
         return st
 
+    fifo = tmp_path / "fifo.pt"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointError, match=f"refusing to read stage file {fifo}: it is a FIFO"):
+        fmt.open_regular(fifo, "stage file")  # what the file is, named
     monkeypatch.setattr(files, "regular_file", check_then_swap)
     if follow_symlinks:
         with fmt.open_regular(path, follow_symlinks=True) as f:
@@ -465,7 +469,62 @@ def test_a_record_said_deflated_whose_two_sizes_are_equal_is_refused(tmp_path: P
         pytest.fail("no deflated record as long as its bytes")
     assert info.compress_type == zipfile.ZIP_DEFLATED
     error = _bounded(lambda: load_pt(crafted, "cpu", trust_pickle=False, meta={}))
-    assert "compressed" in str(error) and "equal.pt" in str(error)
+    assert f"refusing to read {crafted}: its member 'plain/data/0' is compressed ({len(data)} bytes inflating to " \
+        f"{len(data)})" in str(error)
+
+
+def test_check_stored_checks_the_members_named_and_reads_any_file_object(tmp_path: Path):
+    """Members left out by ``names`` are skipped, not the end of the check; a file object without a
+    descriptor is checked too (without the end-of-file bound)."""
+    import io
+
+    from shardfc.checkpoint.weights_only import check_stored
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("a/skipped", b"x" * 100, compress_type=zipfile.ZIP_STORED)
+        z.writestr("b/checked", b"y" * 100, compress_type=zipfile.ZIP_DEFLATED)
+
+    class NoDescriptor:  # read, seek and tell only
+        def __init__(self, data):
+            self._f = io.BytesIO(data)
+            self.read, self.seek, self.tell = self._f.read, self._f.seek, self._f.tell
+
+    with zipfile.ZipFile(NoDescriptor(buf.getvalue())) as archive:
+        check_stored(archive, tmp_path / "x.pt", names=lambda name: name.startswith("a/"))
+        with pytest.raises(CheckpointError, match="its member 'b/checked' is compressed"):
+            check_stored(archive, tmp_path / "x.pt", names=lambda name: name != "a/skipped")
+
+
+def _central_record(data: bytes, suffix: bytes) -> int:
+    """Where the central directory's record of the member whose name ends in ``suffix`` starts."""
+    at = data.index(b"PK\x01\x02")
+    while not data[at + 46 : at + 46 + struct.unpack_from("<H", data, at + 28)[0]].endswith(suffix):
+        at = data.index(b"PK\x01\x02", at + 4)
+    return at
+
+
+def test_a_record_said_to_extend_past_the_end_of_the_file_is_refused(tmp_path: Path):
+    """A stored member whose two sizes (equal, as stored ones are) run past the file's end."""
+    torch.save({"w": torch.zeros(4)}, tmp_path / "plain.pt")
+    data = bytearray((tmp_path / "plain.pt").read_bytes())
+    at = _central_record(bytes(data), b"/data/0")
+    struct.pack_into("<LL", data, at + 20, 1 << 30, 1 << 30)  # compressed and uncompressed sizes
+    (tmp_path / "long.pt").write_bytes(bytes(data))
+    error = _bounded(lambda: load_pt(tmp_path / "long.pt", "cpu", trust_pickle=False, meta={}))
+    assert str(error) == f"{tmp_path / 'long.pt'} is truncated or corrupt: member 'plain/data/0' extends past the end " \
+        "of the file"
+
+
+def test_a_zip_whose_central_directory_is_damaged_is_one_line_naming_the_file(tmp_path: Path):
+    torch.save({"w": torch.zeros(4)}, tmp_path / "plain.pt")
+    data = bytearray((tmp_path / "plain.pt").read_bytes())
+    data[_central_record(bytes(data), b"/data/0") + 2] = 0  # its signature: the end record still finds it
+    (tmp_path / "damaged.pt").write_bytes(bytes(data))
+    assert zipfile.is_zipfile(tmp_path / "damaged.pt")
+    error = _bounded(lambda: load_pt(tmp_path / "damaged.pt", "cpu", trust_pickle=False, meta={}))
+    assert str(error) == f"cannot read checkpoint file {tmp_path / 'damaged.pt'}: BadZipFile: Bad magic number for " \
+        "central directory"
 
 
 @pytest.mark.parametrize("kind", ["deflated", "fifo"])
