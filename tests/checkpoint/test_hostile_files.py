@@ -264,6 +264,26 @@ def test_a_symlink_swapped_in_after_the_check_is_not_followed(tmp_path: Path, mo
             fmt.open_regular(path)
 
 
+def test_a_fifo_swapped_in_after_the_check_is_refused_without_waiting_for_a_writer(tmp_path: Path, monkeypatch):
+    from shardfc.checkpoint import format as fmt
+
+    path = tmp_path / ck.COMMON_FILE
+    path.write_bytes(b"this run's file")
+    check = fmt.regular_file
+
+    def check_then_swap(p, *args, **kwargs):
+        st = check(p, *args, **kwargs)
+        os.unlink(p)
+        os.mkfifo(p)
+        return st
+
+    monkeypatch.setattr(fmt, "regular_file", check_then_swap)
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match=rf"refusing to read checkpoint file {path}: it is not a regular file"):
+        fmt.open_regular(path)  # opened without blocking (no writer will come), then checked again
+    assert time.monotonic() - start < SECONDS
+
+
 def test_train_resuming_from_a_fifo_stops_with_one_line(tmp_path: Path):
     """The hash of a FIFO never returned, and the run then ignored SIGTERM: it is now refused at once."""
     out = tmp_path / "run"
