@@ -265,11 +265,12 @@ def test_a_symlink_swapped_in_after_the_check_is_not_followed(tmp_path: Path, mo
 
 
 def test_a_fifo_swapped_in_after_the_check_is_refused_without_waiting_for_a_writer(tmp_path: Path, monkeypatch):
+    from shardfc import files
     from shardfc.checkpoint import format as fmt
 
     path = tmp_path / ck.COMMON_FILE
     path.write_bytes(b"this run's file")
-    check = fmt.regular_file
+    check = files.regular_file  # the check before the open, in the gate every reader goes through
 
     def check_then_swap(p, *args, **kwargs):
         st = check(p, *args, **kwargs)
@@ -277,9 +278,9 @@ def test_a_fifo_swapped_in_after_the_check_is_refused_without_waiting_for_a_writ
         os.mkfifo(p)
         return st
 
-    monkeypatch.setattr(fmt, "regular_file", check_then_swap)
+    monkeypatch.setattr(files, "regular_file", check_then_swap)
     start = time.monotonic()
-    with pytest.raises(CheckpointError, match=rf"refusing to read checkpoint file {path}: it is not a regular file"):
+    with pytest.raises(CheckpointError, match=rf"refusing to read checkpoint file {path}: it is a FIFO, not a regular"):
         fmt.open_regular(path)  # opened without blocking (no writer will come), then checked again
     assert time.monotonic() - start < SECONDS
 

@@ -213,7 +213,7 @@ def test_each_part_of_a_step_is_charged_to_its_own_phase(monkeypatch):
 
     monkeypatch.setattr(step_module, "apply_gradients", apply_gradients)
     parts = SimpleNamespace(opt_backbone=Optimizer(), opt_head=Optimizer(), backbone=Part(2.0 ** -3, 2.0 ** 2),
-                            head=Part(2.0 ** -1, 2.0 ** 1), triplet=None, scaler=SimpleNamespace(scale=lambda loss: loss))
+                            head=Part(2.0 ** -1, 2.0 ** 1), head_step=None, triplet=None, scaler=SimpleNamespace(scale=lambda loss: loss))
     cfg = TrainConfig(grad_accum=2)
     clock = PhaseClock("cpu", enabled=True)
     clock.begin_step()
