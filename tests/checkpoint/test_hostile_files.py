@@ -211,6 +211,25 @@ def test_stage_files_naming_a_path_are_refused_by_every_command(tmp_path: Path, 
         resolve_init_from(str(path))
 
 
+def _swapped_after_the_check(tmp_path: Path, monkeypatch, swap_in) -> Path:
+    """A checkpoint file that ``swap_in(path)`` replaces (after unlinking it) between the gate's check
+    of it (``shardfc.files.regular_file``, which every reader's open goes through) and the open."""
+    from shardfc import files
+
+    path = tmp_path / ck.COMMON_FILE
+    path.write_bytes(b"this run's file")
+    check = files.regular_file
+
+    def check_then_swap(p, *args, **kwargs):
+        st = check(p, *args, **kwargs)
+        os.unlink(p)
+        swap_in(p)
+        return st
+
+    monkeypatch.setattr(files, "regular_file", check_then_swap)
+    return path
+
+
 @pytest.mark.parametrize("kind", ["symlink to another run", "symlink to /dev/zero", "fifo", "folder"])
 @pytest.mark.parametrize("fname", ["head_0.pt", "common.pt", "meta.json"])
 def test_an_entry_that_is_not_a_regular_file_is_refused_before_it_is_read(tmp_path: Path, kind: str, fname: str):
@@ -236,26 +255,15 @@ def test_an_entry_that_is_not_a_regular_file_is_refused_before_it_is_read(tmp_pa
 def test_a_symlink_swapped_in_after_the_check_is_not_followed(tmp_path: Path, monkeypatch, follow_symlinks: bool):
     """Between the check of a checkpoint file and its open, another process can swap a symlink in: the
     open itself refuses to follow it (only a file the user names himself may be one)."""
-    from shardfc import files
     from shardfc.checkpoint import format as fmt
 
     other = tmp_path / "other.pt"
     other.write_bytes(b"another run's file")
-    path = tmp_path / ck.COMMON_FILE
-    path.write_bytes(b"this run's file")
-    check = files.regular_file  # the check before the open, in the gate every reader goes through
-
-    def check_then_swap(p, *args, **kwargs):
-        st = check(p, *args, **kwargs)
-        os.unlink(p)
-        os.symlink(other, p)
-        return st
-
     fifo = tmp_path / "fifo.pt"
     os.mkfifo(fifo)
     with pytest.raises(CheckpointError, match=f"refusing to read stage file {fifo}: it is a FIFO"):
         fmt.open_regular(fifo, "stage file")  # what the file is, named
-    monkeypatch.setattr(files, "regular_file", check_then_swap)
+    path = _swapped_after_the_check(tmp_path, monkeypatch, lambda p: os.symlink(other, p))
     if follow_symlinks:
         with fmt.open_regular(path, follow_symlinks=True) as f:
             assert f.read() == b"another run's file"
@@ -265,20 +273,9 @@ def test_a_symlink_swapped_in_after_the_check_is_not_followed(tmp_path: Path, mo
 
 
 def test_a_fifo_swapped_in_after_the_check_is_refused_without_waiting_for_a_writer(tmp_path: Path, monkeypatch):
-    from shardfc import files
     from shardfc.checkpoint import format as fmt
 
-    path = tmp_path / ck.COMMON_FILE
-    path.write_bytes(b"this run's file")
-    check = files.regular_file  # the check before the open, in the gate every reader goes through
-
-    def check_then_swap(p, *args, **kwargs):
-        st = check(p, *args, **kwargs)
-        os.unlink(p)
-        os.mkfifo(p)
-        return st
-
-    monkeypatch.setattr(files, "regular_file", check_then_swap)
+    path = _swapped_after_the_check(tmp_path, monkeypatch, os.mkfifo)
     start = time.monotonic()
     with pytest.raises(CheckpointError, match=rf"refusing to read checkpoint file {path}: it is a FIFO, not a regular"):
         fmt.open_regular(path)  # opened without blocking (no writer will come), then checked again
