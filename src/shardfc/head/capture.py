@@ -40,8 +40,8 @@ Why a replay computes what the eager step computes, and what it cannot do:
 
 The replayed loss must be backpropagated with a gradient of 1 (``loss.backward()``, as the trainer
 does): the update inside the graph was applied with it, so a scaled loss would scale the embedding
-gradient and not the update. :meth:`CapturedHeadStep.loss` checks the gradient where it can without
-a host read: not at all; keep it unscaled.
+gradient and not the update. Nothing checks this (it would take a host read of the gradient): keep
+the loss unscaled (the trainer refuses fp16 loss scaling and gradient accumulation with it).
 """
 
 from __future__ import annotations

@@ -53,8 +53,8 @@ class DeviceScalars:
     :meth:`get` refreshes the tensor when the numbers differ from what it holds (one host-to-device
     copy from pinned memory, no host sync; a step with the same numbers copies nothing). Inside a
     CUDA graph capture it must find them unchanged — a copy captured there would replay from a
-    host buffer that is gone — so :meth:`stage` them before capturing or replaying; a change there
-    is a RuntimeError that says so."""
+    host buffer that is gone — so :meth:`get` them before capturing or replaying (the optimizer's
+    ``stage_device_scalars``); a change there is a RuntimeError that says so."""
 
     def __init__(self) -> None:
         self._held: dict = {}
@@ -80,10 +80,6 @@ class DeviceScalars:
         t = scalars_on(values, device, held[1] if held is not None and held[1].numel() == len(values) else None)
         self._held[slot] = (values, t)
         return t
-
-    def stage(self, key, values, device: torch.device) -> Tensor:
-        """:meth:`get`, outside a capture: the numbers in place before one begins or replays."""
-        return self.get(key, values, device)
 
 
 @triton.jit
