@@ -48,7 +48,7 @@ from shardfc.head.function import (
     stats_dtype_for,
 )
 from shardfc.head.fused import (
-    CHUNK_SCALES,
+    check_chunk_scale,
     check_impl,
     resolve_impl,
     split_timed,
@@ -250,9 +250,7 @@ class ShardedMarginHead(nn.Module):
         self.subcenters = options.subcenters
         self.interclass_filter_threshold = options.interclass_filter_threshold
         self.impl = check_impl(impl)
-        if gpu_chunk_scale is not None and (type(gpu_chunk_scale) is not int or gpu_chunk_scale not in CHUNK_SCALES):
-            raise ValueError(f"gpu_chunk_scale must be None or one of {CHUNK_SCALES}, got {gpu_chunk_scale!r}")
-        self.gpu_chunk_scale = gpu_chunk_scale
+        self.gpu_chunk_scale = check_chunk_scale(gpu_chunk_scale, "gpu_chunk_scale", none_ok=True)
         self.last_chunk_scale: Optional[int] = None
         self.validate = check_validate(validate)
         # Value checks left to a caller (value_checks_outside).

@@ -52,6 +52,16 @@ def check_impl(impl) -> str:
     return impl
 
 
+def check_chunk_scale(scale, name: str = "chunk_scale", none_ok: bool = False) -> Optional[int]:
+    """``scale`` validated: one of :data:`CHUNK_SCALES` (an ``int``, not a bool or a float), or None
+    where ``none_ok``; else a ValueError naming ``name`` and the value."""
+    if scale is None and none_ok:
+        return None
+    if type(scale) is not int or scale not in CHUNK_SCALES:
+        raise ValueError(f"{name} must be {'None or ' if none_ok else ''}one of {CHUNK_SCALES}, got {scale!r}")
+    return scale
+
+
 def timed_candidates(chunk_scale: Optional[int] = None) -> tuple:
     """The names of :data:`TIMED` ``impl="auto"`` times: every chunk scale, or only ``chunk_scale``."""
     return tuple(n for n in TIMED if chunk_scale is None or "@" not in n or n.endswith(f"@{chunk_scale}"))
@@ -107,4 +117,4 @@ def resolve_impl(impl: str, device: torch.device, compute_dtype: torch.dtype, st
     return "auto" if reason is None and device.type == "cuda" else "torch"
 
 
-__all__ = ["CANDIDATES", "CHUNK_SCALES", "IMPLS", "TIMED", "split_timed", "timed_candidates", "check_impl", "interpreting", "resolve_impl", "shapes_only", "triton_unavailable"]
+__all__ = ["CANDIDATES", "CHUNK_SCALES", "IMPLS", "TIMED", "check_chunk_scale", "split_timed", "timed_candidates", "check_impl", "interpreting", "resolve_impl", "shapes_only", "triton_unavailable"]

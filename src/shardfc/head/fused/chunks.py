@@ -53,7 +53,9 @@ import torch
 import triton
 from torch import Tensor
 
-from shardfc.head.fused import CHUNK_SCALES, autotune, epilogue, interpreting, shapes_only
+from shardfc.head.fused import CHUNK_SCALES as CHUNK_SCALES  # re-exported beside the chunk sizing it scales
+from shardfc.head.fused import autotune, epilogue, interpreting, shapes_only
+from shardfc.head.fused import check_chunk_scale as fused_check_chunk_scale
 from shardfc.head.fused.optimizer import scalars_on
 from shardfc.head.fused.traffic import Region, gathered, note, rows_of, span, streamed
 from shardfc.head.kernels import addmm_f32, mm_f32
@@ -202,11 +204,7 @@ def chunk_classes(n_cls: int, batch: int, K: int, D: int, elem: int, device: tor
 
 def check_chunk_scale(scale) -> int:
     """``scale`` validated: one of :data:`CHUNK_SCALES` (None: :data:`DEFAULT_CHUNK_SCALE`)."""
-    if scale is None:
-        return DEFAULT_CHUNK_SCALE
-    if type(scale) is not int or scale not in CHUNK_SCALES:
-        raise ValueError(f"chunk_scale must be one of {CHUNK_SCALES}, got {scale!r}")
-    return int(scale)
+    return DEFAULT_CHUNK_SCALE if scale is None else fused_check_chunk_scale(scale)
 
 
 def row_tile(n_rows: int, widest: int, device: torch.device) -> int:

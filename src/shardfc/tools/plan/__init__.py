@@ -202,12 +202,11 @@ def plan(
     l2 = parse_bytes(l2_bytes, "l2_bytes")
     margin = _margin(margin)
     if gpu_chunk_scale is not None:
-        from shardfc.head.fused import CHUNK_SCALES
+        from shardfc.head.fused import check_chunk_scale
 
         if impl == "torch":
             raise ValueError("gpu_chunk_scale sizes the GPU paths' chunks: it needs impl 'triton' or 'gemm', got impl='torch'")
-        if type(gpu_chunk_scale) is not int or gpu_chunk_scale not in CHUNK_SCALES:
-            raise ValueError(f"gpu_chunk_scale must be one of {CHUNK_SCALES}, got {gpu_chunk_scale!r}")
+        check_chunk_scale(gpu_chunk_scale, "gpu_chunk_scale")
 
     import torch.distributed as dist
 
