@@ -121,7 +121,11 @@ def test_low_precision_head_tracks_the_fp32_head(dtype, name, rate):
     err = (low.weight.float() - ref.weight).abs().max().item()
     assert err <= 8 * ulp * ref.weight.abs().max().item(), err
     assert low.weight.dtype == dtype
-    assert all(t.dtype == dtype for k, t in opt_low.state[low.weight].items() if k != "row_step")
+    # fp16's second moment is fp32 (in fp16 it underflows and the update diverges: RowSparseAdamW)
+    wide = {"row_step"} | ({"exp_avg_sq"} if dtype == torch.float16 else set())
+    assert all(t.dtype == dtype for k, t in opt_low.state[low.weight].items() if k not in wide)
+    if name == "adamw" and dtype == torch.float16:
+        assert opt_low.state[low.weight]["exp_avg_sq"].dtype == torch.float32
 
 
 def test_bf16_state_is_half_the_bytes():

@@ -460,9 +460,12 @@ class RowSparseSGD(_RowSparseOptimizer):
 class RowSparseAdamW(_RowSparseOptimizer):
     """``torch.optim.AdamW`` on the sampled rows only, with a per-row step count for bias correction.
 
-    ``sampled_rows``, ``rounding``, ``rounding_seed`` as for :class:`RowSparseSGD`. With fp16
-    parameters the second moment is kept in fp16 too and underflows for gradients below ~2e-4:
-    prefer bf16.
+    ``sampled_rows``, ``rounding``, ``rounding_seed`` as for :class:`RowSparseSGD`. The moments
+    are kept in the parameter's dtype, but for fp16 parameters the second moment is fp32: in fp16,
+    ``(1 − β2)·g²`` underflows for gradients below ~8e-3 (fp16's subnormals end at 6e-8), and a row
+    whose ``v`` rounds to 0 while ``m`` does not moves by ``lr·m/ε`` — the fp16 head then diverged
+    within 8 steps in half the seeds tried (``tests/head/test_low_precision.py``). bf16 has fp32's
+    range and keeps both moments in bf16.
     """
 
     CLOCK = AdamWClock
@@ -493,14 +496,15 @@ class RowSparseAdamW(_RowSparseOptimizer):
         clock.catch_up_(p, (state["exp_avg"], state["exp_avg_sq"], state["row_step"]), rows, rnd, kernel)
 
     def _adam_state(self, p: Tensor) -> dict:
-        """``p``'s state: the moments (zero, in ``p``'s dtype) and the per-row step count (fp64
+        """``p``'s state: the moments (zero, in ``p``'s dtype; fp16's second moment in fp32, see the
+        class) and the per-row step count (fp64
         zeros) made at its first step. A state loaded from ``torch.optim.AdamW`` (a scalar ``step``,
         the same for every row, as a dense head trained without Partial FC keeps it) gets its
         per-row count from it."""
         state = self.state[p]
         if not state:
             state["exp_avg"] = torch.zeros_like(p)
-            state["exp_avg_sq"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32 if p.dtype == torch.float16 else None)
         if "row_step" not in state:
             step = state.pop("step", 0.0)
             state["row_step"] = torch.zeros(p.shape[0], dtype=torch.float64, device=p.device).add_(step)
