@@ -251,11 +251,14 @@ def test_adamw_after_the_iterated_steps_stays_within_the_stated_bound(monkeypatc
     kw = dict(ADAMW, lr=0.01)
     assert catch_up.adamw_exact_steps(kw["lr"], kw["betas"]) < 150
     dense, sparse, _, _, sampled = _pair("adamw", kw, 300, 2, range(400), 0.001)
-    assert _longest_gap(sampled, 300) > 200
+    gap = _longest_gap(sampled, 300)
+    assert gap > 200
     diff = float((sparse[1]["weight"] - dense[1]["weight"]).abs().max())
     assert 0 < diff <= 1e-4 + 1e-6
     for key in ("exp_avg", "exp_avg_sq"):
-        assert_rel(sparse[1][key], dense[1][key], 1e-5, key)
+        # The dense run rounds a moment into fp32 at each of a row's idle steps, the closed form
+        # once: they differ by at most one unit roundoff (2**-24) a step of the longest gap.
+        assert_rel(sparse[1][key], dense[1][key], (gap + 1) * 2.0**-24, key)
 
 
 # --------------------------------------------------------------------------- every reader sees caught-up rows

@@ -18,13 +18,12 @@ def _batch(seed, B=16):
 
 
 def test_sampling_keeps_positives_and_counts():
-    gen = torch.Generator().manual_seed(0)
     pos = torch.tensor([3, 50, 51, 199])
-    rows = sample_rows(pos, 200, 0.1, gen)
+    rows = sample_rows(pos, 200, 0.1, step=0, seed=0)
     assert rows.numel() == math.ceil(0.1 * 200)
     assert torch.isin(pos, rows).all() and torch.equal(rows, rows.sort().values)
     many = torch.arange(0, 200, 4)  # 50 positives > ⌈0.1·200⌉
-    assert torch.equal(sample_rows(many, 200, 0.1, gen), many)
+    assert torch.equal(sample_rows(many, 200, 0.1, step=1, seed=0), many)
     assert num_sampled(10, 0.01, 0) == 1 and num_sampled(10, 1.0, 0) == 10
 
 
@@ -285,3 +284,78 @@ def test_more_positives_than_the_rate_allows_are_all_kept_and_the_loss_is_exact(
     sub = torch.searchsorted(rows, y)
     ref = shardfc.reference_loss(x, head.weight.detach()[rows], sub, head.margin, label_smoothing=0.1)
     torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-14)
+
+
+# --------------------------------------------------------------------------- the counter-based draw
+
+
+def _lowbias32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_the_draw_is_the_documented_hash_of_row_seed_and_step():
+    """``draw_keys`` against the construction it documents, written again here with Python's
+    integers (no int64 to wrap): per step two words from the step and the seed, per row two rounds of
+    lowbias32; positives above every key."""
+    from shardfc.head.sampling import PRESENT_KEY, draw_keys, mix32, seed_words
+
+    words = [0, 1, 2, 0xDEADBEEF, 0x80000000, 0xFFFFFFFF, 12345]
+    assert mix32(torch.tensor(words)).tolist() == [_lowbias32(w) for w in words]
+    present = torch.zeros(9, dtype=torch.bool)
+    present[[2, 7]] = True
+    for seed, step in [(0, 0), (5, 3), (2**62, 2**33 + 1)]:
+        s1, s2 = seed_words(seed)
+        a = _lowbias32(((step & 0xFFFFFFFF) ^ s1))
+        b = _lowbias32(a ^ s2)
+        expect = [PRESENT_KEY if r in (2, 7) else _lowbias32(_lowbias32(r ^ a) ^ b) for r in range(9)]
+        assert draw_keys(present, step, seed).tolist() == expect
+        assert draw_keys(present, torch.tensor([step]), seed).tolist() == expect  # from a device counter too
+
+
+def test_the_draw_is_uniform_and_new_every_step():
+    """Over 3,000 steps every negative row is drawn as often as a uniform sample draws it (within 6
+    binomial standard deviations), positives always, and consecutive samples overlap as two
+    independent ones do (within 6 deviations of the hypergeometric mean)."""
+    from shardfc.head.sampling import sample_present
+
+    n, keep, steps = 400, 40, 3000
+    present = torch.zeros(n, dtype=torch.bool)
+    present[:8] = True
+    counts = torch.zeros(n)
+    overlap, previous = 0.0, None
+    for t in range(steps):
+        rows = sample_present(present, keep, t, seed=11)
+        assert rows.numel() == keep and torch.equal(rows, rows.unique())
+        counts[rows] += 1
+        neg = set(rows.tolist()) - set(range(8))
+        if previous is not None:
+            overlap += len(neg & previous)
+        previous = neg
+    assert torch.all(counts[:8] == steps)
+    p = (keep - 8) / (n - 8)
+    sd = math.sqrt(steps * p * (1 - p))
+    assert (counts[8:] - steps * p).abs().max() <= 6 * sd
+    m = keep - 8  # per step: m of n - 8 negatives; the overlap of two independent draws has mean m²/(n-8)
+    mean, var = m * m / (n - 8), m * p * (1 - p) * (n - 8 - m) / (n - 9)
+    assert abs(overlap - (steps - 1) * mean) <= 6 * math.sqrt((steps - 1) * var)
+
+
+def test_a_step_number_set_on_the_host_is_the_one_the_device_counter_draws():
+    """``sample_step`` set by hand (as a loaded checkpoint sets it) is what the next draw reads: the
+    device's counter is rewritten, and the sample is that step's of a run that got there itself."""
+    run = shardfc.ShardedMarginHead(D, C, sample_rate=0.2, sample_seed=3)
+    for step in range(4):
+        run.forget_sampled_rows()
+        run(*_batch(step))
+    at_3 = run.sampled_rows[0]
+    jumped = shardfc.ShardedMarginHead(D, C, sample_rate=0.2, sample_seed=3)
+    jumped(*_batch(0))  # its counter made, at step 0, then advanced to 1
+    jumped.forget_sampled_rows()
+    jumped.sample_step = 3
+    jumped(*_batch(3))
+    assert torch.equal(jumped.sampled_rows[0], at_3) and jumped.sample_step == 4
+    assert int(jumped.draw_tensors()[0]) == 4

@@ -83,9 +83,11 @@ def test_gpu_step_runs_its_new_rows_under_the_interpreter(tmp_path):
             assert row["status"] == "ok" and row["chunk_scale"] == scale and row["update"] == "fused", row
             assert 0 < row["host_ms"] <= row["ms"]
         assert steps[f"{impl}: fused SGD step, operand made by each forward"]["status"] == "ok"
-        graph = steps[f"{impl}: fused SGD step, CUDA graph replay"]
-        assert graph["status"] == "unavailable" and "CUDA is not available" in graph["reason"]
-    assert len(steps) == 1 + 12  # the matmul floor and the rows asked for, no others
+        for graph in (steps[f"{impl}: fused SGD step, CUDA graph replay"],
+                      steps[f"{impl}: Partial FC r=0.1, bf16 centres, fused update, CUDA graph replay"]):
+            assert graph["status"] == "unavailable" and "CUDA is not available" in graph["reason"]
+    assert len(steps) == 1 + 14  # the matmul floor and the rows asked for, no others
     assert {r["status"] for r in result["graph"]["rows"]} == {"unavailable"}
+    assert [r.get("sample_rate") for r in result["graph"]["rows"]] == [None, None, 0.1]
     candidates = result["plan"]["chunk_candidates"]
     assert [r["scale"] for r in candidates["rows"]] == [1, 2, 4, 8] and candidates["pick"] in (1, 2, 4, 8)

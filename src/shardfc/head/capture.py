@@ -20,7 +20,7 @@ Why a replay computes what the eager step computes, and what it cannot do:
 
 * **No number of the step is frozen into the graph.** The kernels read the learning rate,
   momentum, weight decay (and AdamW's β, ε) from a device tensor the optimizer keeps at one
-  address (:class:`~shardfc.head.fused.optimizer.DeviceScalars`), which :meth:`CapturedHeadStep.loss`
+  address (:class:`~shardfc.head.fused.device_scalars.DeviceScalars`), which :meth:`CapturedHeadStep.loss`
   refreshes before each replay, outside the graph: a learning-rate schedule takes effect.
 * **Nothing inside the step reads the host.** The input value checks (finite embeddings, labels
   in range) run before the replay, outside the graph, and are read at the next call, as
@@ -32,11 +32,21 @@ Why a replay computes what the eager step computes, and what it cannot do:
   that operand instead of making one. A call with other shapes or dtypes, or after the weights were
   changed outside the graph (``load_state_dict``, ``grow``: anything that bumps their version),
   runs eagerly again and captures anew.
+* **Partial FC** is captured too. Its draw is counter-based (:func:`~shardfc.head.sampling.draw_keys`)
+  and reads the step number from a device counter the step advances, so each replay draws the
+  sample the eager step of that number draws. The idle rows' record (:class:`~shardfc.head.catch_up.SGDClock`)
+  lives on the device: its table (made at its longest), the step matrix (staged with the learning
+  rate) and ``now``, from which the catch-up kernel and the stamping read the step. Inside the
+  capture nothing is skipped on a host condition (rows with nothing behind are caught up, as a
+  replay's may be behind). After each replay the host's counts move on as the eager step's code
+  would have moved them (``sample_step``, each clock's length, the rounding step), and the idle
+  rows are caught up in full when a table is full, outside the graph, as the eager step does.
 * **Refused** (:func:`capture_unavailable` says why, and the constructor raises it): a head not on
-  one CUDA device in one process (a process-group head exchanges batch sizes through the host),
-  Partial FC (its draw and the catch-up of idle rows are host-side state per step), an optimizer
-  without the fused update (its step would be outside the graph), and a head clipped by its
-  gradient norm (read between backward and step).
+  one CUDA device in one process (a process-group head exchanges batch sizes through the host), an
+  optimizer without the fused update (its step would be outside the graph), a head clipped by its
+  gradient norm (read between backward and step), Partial FC with ``sparse_grad`` (each backward's
+  compact gradient goes to host-side lists) and AdamW's exact catch-up of idle rows (it iterates a
+  number of missed steps the host counts; AdamW with ``idle_rows="lazy"`` is captured).
 
 The replayed loss must be backpropagated with a gradient of 1 (``loss.backward()``, as the trainer
 does): the update inside the graph was applied with it, so a scaled loss would scale the embedding
@@ -53,12 +63,20 @@ from torch import Tensor
 
 from shardfc.head.validation import PendingCheck, check_batch_deferred
 
-__all__ = ["CapturedHeadStep", "EAGER_STEPS", "capture_unavailable"]
+__all__ = ["CapturedHeadStep", "EAGER_STEPS", "capture_unavailable", "capturing"]
 
 #: Eager steps before the first capture, and after anything that makes a captured graph stale: the
 #: first settles ``impl="auto"``, Triton's tuning and the optimizer's state, the second has the
 #: update's next operand in place for the captured forward to read.
 EAGER_STEPS = 2
+
+
+def capturing() -> bool:
+    """A CUDA graph capture is under way on the current stream: what runs now is recorded once and
+    replayed, so it must take no number from the host that a later step changes, and must not skip
+    work on a condition the host knows now (the code that asks records what every replay needs).
+    Read through this module's attribute (``capture.capturing()``), so a CPU rehearsal can say yes."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def capture_unavailable(head, optimizer, cuda_available: Optional[bool] = None) -> Optional[str]:
@@ -67,14 +85,17 @@ def capture_unavailable(head, optimizer, cuda_available: Optional[bool] = None) 
     cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
     if head.impl == "torch":
         return "impl='torch' has no fused update; use impl 'auto', 'triton' or 'gemm'"
-    if head.sample_rate < 1.0:
-        return (f"Partial FC (sample_rate={head.sample_rate}) draws its rows and catches idle rows up through "
-                "host-side state every step")
+    if head.sample_rate < 1.0 and head.sparse_grad:
+        return ("Partial FC with sparse_grad=True hands each backward's compact gradient to host-side lists; "
+                "the fused update needs no gradient at all: build the head with sparse_grad=False")
     if getattr(head, "_grad_sq_on", False):
         return "the head's gradient is clipped by its norm (measure_weight_grad_norm), read between backward and step"
     if optimizer is None or not getattr(optimizer, "fused_update", False):
         return ("the optimizer does not apply its step in the backward: use "
                 "head_optimizer(head, ..., fused_update=True), so the update is inside the captured step")
+    why = optimizer.capture_unavailable()
+    if why is not None:
+        return why
     if head.distributed:
         return ("the head is sharded over a process group: its forward exchanges the batch sizes through "
                 "the host, which a graph cannot do; capture single-process heads")
@@ -115,6 +136,7 @@ class CapturedHeadStep:
         self._eager_left = eager_steps
         self._pending: Optional[PendingCheck] = None
         self._static: Optional[Tuple[Tensor, Tensor]] = None
+        self._held: list = []  # the state tensors the graph writes: kept alive, so no other takes their address
 
     # ------------------------------------------------------------------ the step
     def step(self, embeddings: Tensor, labels: Tensor) -> Tuple[Tensor, Tensor]:
@@ -125,25 +147,32 @@ class CapturedHeadStep:
         key = self._key_of(embeddings, labels)
         if self._graph is not None and (key != self._key or self._weights_moved()):
             self._drop()  # stale: other shapes, or weights changed outside the graph
-        if self._graph is None and self._eager_left > 0:
-            self._eager_left -= 1
+        weights = self.head.shard_weights
+        if self._graph is None and (self._eager_left > 0 or not self.optimizer.ready_to_capture(weights)):
+            self._eager_left = max(0, self._eager_left - 1)
             self.last_call = "eager"
             return self._eager(embeddings, labels)
         self._stage()
         captured = self._graph is None
         if captured:
+            # The capture's own Python (which ran its host-side counts on) stands for this call's:
+            # the counts a replay moves are taken after it (the replay that follows is the step).
             self._capture(embeddings, labels, key)
+        else:
+            marks = self._host_marks()
         x, y = self._static
         with torch.no_grad():  # the graph's inputs: x is a leaf that requires grad
             x.copy_(embeddings)
             y.copy_(labels)
         self._graph.replay()
+        if not captured:
+            self._host_follows(marks)
         # The replay updated the weights in place, as the eager step's fused update does, which
         # bumps their version; no Python ran to say so: say it here, so what is keyed on the
         # version (a kept operand outside the graph, the head's step bookkeeping) sees the update.
-        for w in self.head.shard_weights:
+        for w in weights:
             torch.autograd.graph.increment_version(w)
-        self._versions = tuple(w._version for w in self.head.shard_weights)
+        self._versions = tuple(w._version for w in weights)
         self.replays += 1
         self.last_call = "captured" if captured else "replayed"
         return self._graph.outputs
@@ -179,16 +208,38 @@ class CapturedHeadStep:
         self.calls += 1
 
     def _key_of(self, embeddings: Tensor, labels: Tensor) -> tuple:
+        """What a captured graph holds fixed: the inputs' shapes and dtypes, the autocast and training
+        modes, and the address, shape and dtype of every tensor it reads and writes in place (the
+        weights, the optimizer's state and idle clocks, the draw's counters)."""
         autocast = torch.is_autocast_enabled("cuda")
         return (tuple(embeddings.shape), embeddings.dtype, tuple(labels.shape), labels.dtype, autocast,
                 torch.get_autocast_dtype("cuda") if autocast else None, self.head.training,
-                tuple((w.data_ptr(), tuple(w.shape), w.dtype) for w in self.head.shard_weights))
+                tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in self._state_tensors()))
+
+    def _state_tensors(self) -> list:
+        weights = self.head.shard_weights
+        return list(weights) + self.optimizer.graph_tensors(weights) + self.head.draw_tensors()
+
+    def _sampling(self) -> bool:
+        return self.head.training and self.head.sample_rate < 1.0
+
+    def _host_marks(self) -> tuple:
+        """The host-side counts a step moves, as they are before a replay (see :meth:`_host_follows`)."""
+        return self.head.sample_step, self.optimizer.host_marks(self.head.shard_weights)
+
+    def _host_follows(self, marks: tuple) -> None:
+        """After a replay: the host's counts where the eager step would have left them (Partial FC's
+        step, the idle clocks' lengths, the rounding step), then a full catch-up where one is due."""
+        step, opt_marks = marks
+        if self._sampling():
+            self.head.replayed_draw(step)
+        self.optimizer.replayed(self.head.shard_weights, opt_marks)
 
     def _weights_moved(self) -> bool:
         return tuple(w._version for w in self.head.shard_weights) != self._versions
 
     def _drop(self) -> None:
-        self._graph, self._static, self._key = None, None, None
+        self._graph, self._static, self._key, self._held = None, None, None, []
         self._eager_left = self.eager_steps
 
     def _run(self, x: Tensor, y: Tensor) -> Tuple[Tensor, Tensor]:
@@ -207,8 +258,11 @@ class CapturedHeadStep:
         return self._run(embeddings.detach().requires_grad_(True), labels)
 
     def _stage(self) -> None:
-        """This step's numbers (learning rate, ...) into the device tensors the kernels read."""
+        """This step's numbers (learning rate, ..., Partial FC's step) into the device tensors the
+        step reads."""
         self.optimizer.stage_device_scalars()
+        if self._sampling():
+            self.head.stage_draw_step()
 
     def _capture(self, embeddings: Tensor, labels: Tensor, key: tuple) -> None:
         x = embeddings.detach().clone().requires_grad_(True)
@@ -217,6 +271,7 @@ class CapturedHeadStep:
         head.check_pending()  # an earlier forward's own deferred check: read now, not inside the capture
         graph = _Graph(lambda: self._run(x, y))
         self._graph, self._static, self._key = graph, (x, y), key  # the replay that follows notes the versions
+        self._held = self._state_tensors()
         self.captures += 1
 
 

@@ -130,11 +130,16 @@ class IdleClock:
     """One parameter's record of the steps its idle rows have not seen (see the module).
 
     ``stamps[r]``: the table index row ``r`` is current at; index ``length - 1`` is now. The table
-    grows by one entry a step and restarts when every row is current.
+    grows by one entry a step and restarts when every row is current. ``now`` holds ``length - 1``
+    on the device (int32, one element), advanced there by each step recorded: the rows a step
+    updates are stamped from it, so the stamping takes no number from the host (a captured CUDA
+    graph of the step, :mod:`shardfc.head.capture`, stamps each replay's rows with that replay's
+    step); ``length`` is the host's count of the same, which the host always knows.
     """
 
     def __init__(self, p: Tensor):
         self.stamps = torch.zeros(p.shape[0], dtype=torch.int32, device=p.device)
+        self.now = torch.zeros(1, dtype=torch.int32, device=p.device)
         self.table: Optional[Tensor] = None  # [capacity, ...] fp64: what each entry needs (subclasses)
         self.length = 1
 
@@ -157,7 +162,13 @@ class IdleClock:
     def reset(self) -> None:
         """Every row is current now (a dense step, or after a full catch-up)."""
         self.stamps.zero_()
+        self.now.zero_()
         self.length = 1
+
+    def replayed(self, length: int) -> None:
+        """A replayed CUDA graph of a step recorded one step on the device (its table entry, ``now``):
+        the host's count says so. ``length``: the count before the replay."""
+        self.length = length + 1
 
     def _grow_table(self, entry_shape: Tuple[int, ...]) -> Tensor:
         if self.table is None or self.table.shape[0] <= self.length:
@@ -202,30 +213,44 @@ class IdleClock:
         if rows is None:
             self.reset()
         else:
-            self.stamps.index_fill_(0, rows, self.length - 1)
+            self.stamps.index_put_((rows,), self.now)  # now, read on the device
 
 
 class SGDClock(IdleClock):
-    """An SGD parameter's idle steps: ``table[s]`` is ``Q[s]`` (the module), ``[2, 2]`` fp64."""
+    """An SGD parameter's idle steps: ``table[s]`` is ``Q[s]`` (the module), ``[2, 2]`` fp64.
+
+    The table is made at its longest (``FULL_CATCH_UP_EVERY + 2`` entries, 32 bytes each) and a
+    step rewrites all of it, the entries past ``length`` too (never read: a row's stamp is at most
+    now, and an entry is set to the identity when it opens): the step's work is the same whatever
+    ``length`` is, at one address, so a captured graph of it replays right at any later length."""
 
     ENTRY = 4
 
     def __init__(self, p: Tensor):
         super().__init__(p)
-        _identity(self._grow_table((2, 2))[0])
+        self.table = torch.zeros((FULL_CATCH_UP_EVERY + 2, 2, 2), dtype=torch.float64, device=p.device)
+        _identity(self.table[0])
+        self._eye = torch.eye(2, dtype=torch.float64, device=p.device).unsqueeze(0)
 
-    def record(self, lr: float, momentum: float, weight_decay: float, nesterov: bool) -> None:
-        """A step was taken: every earlier entry is left-multiplied by its matrix, and a new (identity) one opens."""
-        if momentum == 0 and lr * weight_decay == 0:
+    def record(self, lr: float, momentum: float, weight_decay: float, nesterov: bool,
+               matrix: Optional[Tensor] = None, always: bool = False) -> None:
+        """A step was taken: every earlier entry is left-multiplied by its matrix, and a new (identity)
+        one opens. ``matrix``: ``sgd_idle_matrix``'s four numbers as fp64 on the table's device (the
+        optimizer's, staged once per change of the numbers: no host number in the step's kernels);
+        None makes them here. ``always``: record even a step that moves nothing (a captured step
+        records what every replay does, whatever its numbers)."""
+        if not always and momentum == 0 and lr * weight_decay == 0:
             return  # an idle step moves nothing (no buffer, no decay): every entry stays as it is
-        (a, b), (c, d) = sgd_idle_matrix(lr, momentum, weight_decay, nesterov)
-        table = self._grow_table((2, 2))
-        q = table[: self.length]
-        # M·Q with the step's scalars as kernel arguments: no host-to-device copy in a step
+        if matrix is None:
+            matrix = torch.tensor(sgd_idle_matrix(lr, momentum, weight_decay, nesterov), dtype=torch.float64,
+                                  device=self.table.device).reshape(4)
+        a, b, c, d = matrix.unbind()
+        q = self.table
         top = q[:, 0, :].clone()
-        q[:, 0, :].mul_(a).add_(q[:, 1, :], alpha=b)
-        q[:, 1, :].mul_(d).add_(top, alpha=c)
-        _identity(table[self.length])
+        q[:, 0, :].mul_(a).add_(q[:, 1, :] * b)
+        q[:, 1, :].mul_(d).add_(top * c)
+        self.now.add_(1)
+        self.table.index_copy_(0, self.now.long(), self._eye)  # entry `now` opens as the identity
         self.length += 1
 
     def reset(self) -> None:
@@ -235,7 +260,7 @@ class SGDClock(IdleClock):
     def _catch_up_kernel(self, p: Tensor, states: Tuple[Optional[Tensor], ...], rows: Optional[Tensor]) -> None:
         from shardfc.head.fused.idle_rows import catch_up_sgd_
 
-        catch_up_sgd_(p.data, states[0], rows, self.stamps, self.table, self.length - 1)
+        catch_up_sgd_(p.data, states[0], rows, self.stamps, self.table, self.now)
 
     def _catch_up_block(self, p: Tensor, states: Tuple[Optional[Tensor], ...], idx, rnd: Rounder) -> None:
         (buf,) = states  # the momentum buffer, or None without momentum
@@ -275,6 +300,7 @@ class AdamWClock(IdleClock):
             # log 0 as a huge negative: a zero factor inside a tail makes its product 0, outside it cancels
             row[col].add_(math.log(x) if x > 0 else -1e300)
         self.length += 1
+        self.now.add_(1)
         j = adamw_exact_steps(lr, betas)
         self.exact_steps = max(self.exact_steps, _EVERY_STEP if j is None else j)
 

@@ -63,11 +63,11 @@ from shardfc.head.layout import class_ranges, init_rows
 from shardfc.head.normalize import l2_normalize
 from shardfc.head.sampling import (
     RowGrad,
+    StepCounter,
     merge_row_grads,
     num_sampled,
     positive_mask,
     sample_present,
-    sampling_generator,
     united,
 )
 from shardfc.head.validation import (
@@ -126,7 +126,8 @@ class ShardedMarginHead(nn.Module):
             :func:`shardfc.head.partial_fc.head_optimizer` so only those rows move. ``1.0``: the full
             head. Evaluation mode and :meth:`predict` always use every class.
         sample_seed: seed of the sampling; step ``t`` of shard ``i`` draws from
-            ``(sample_seed, i, t)``, so a run is reproducible (``sample_step`` counts steps).
+            ``(sample_seed, i, t)`` (:func:`~shardfc.head.sampling.draw_keys`: counter-based, the same
+            sample on any device), so a run is reproducible (``sample_step`` counts steps).
         sparse_grad: Partial FC only (``sample_rate < 1``): the weight gradient of a training step
             holds the sampled rows only, a compact ``[K·k, D]`` buffer (``k`` the count above) kept by
             the head (never a ``.grad``: autograd sees none for the weights) and handed with its row
@@ -241,6 +242,7 @@ class ShardedMarginHead(nn.Module):
         self.sample_rate = options.sample_rate
         self.sample_seed = int(sample_seed)
         self.sample_step = 0
+        self._draw_steps = StepCounter()  # sample_step on each shard's device: what the draw reads
         # Per shard, the rows each forward since the optimizer's last step used (None: every row).
         self._pending_rows: Optional[List[Optional[List[Tensor]]]] = None
         self.sparse_grad = sparse_grad
@@ -809,20 +811,39 @@ class ShardedMarginHead(nn.Module):
         # Per chunk: the fp32 logits plus a low-precision copy for the matmul (≤ 8 bytes/entry).
         return max(1, self.chunk_budget_bytes // (8 * max(batch, 1)))
 
+    def stage_draw_step(self) -> None:
+        """Partial FC: write the step number the next draw reads (:attr:`sample_step`) on each
+        shard's device, if it is not there already — before a CUDA graph of a training step is
+        captured or replayed (:class:`~shardfc.head.capture.CapturedHeadStep`), where it cannot be."""
+        for w in self.shard_weights:
+            self._draw_steps.on(w.device, self.sample_step)
+
+    def replayed_draw(self, step: int) -> None:
+        """A replayed CUDA graph of a training step drew step ``step``'s sample and advanced the
+        device's counters; no Python ran, so the host's count follows here."""
+        self.sample_step = step + 1
+        self._draw_steps.replayed(self.sample_step)
+
+    def draw_tensors(self) -> list:
+        """The device counters the draw reads and advances (what a captured graph holds)."""
+        return self._draw_steps.tensors()
+
     def _sample_classes(self, all_labels: Tensor, local_labels: List[Tensor]):
         """Partial FC: each shard's sampled rows, labels re-indexed into them, and the sampled total."""
         step, self.sample_step = self.sample_step, self.sample_step + 1
         first_shard = self.rank if self.distributed else 0
+        counters = self._draw_steps
         # A fixed count per shard, from shapes alone (no read of the labels): ⌈r·n⌉, or the global
         # batch size when larger, the most distinct positives a shard can have (sampling.num_sampled).
         batch = all_labels.shape[0]
         ranges = class_ranges(self.num_classes, self.world_size * len(self.devices))
         sub_labels, sampled = [], []
         for i, (w, lab) in enumerate(zip(self.shard_weights, local_labels)):
-            gen = sampling_generator(w.device, mix_seed(self.sample_seed, first_shard + i, step))
             n_classes = w.shape[0] // self.subcenters
             keep = num_sampled(n_classes, self.sample_rate, batch)
-            rows = sample_present(positive_mask(lab, n_classes), keep, gen)
+            # Step `step` of this shard's stream, read from the device's counter (no host number)
+            rows = sample_present(positive_mask(lab, n_classes), keep, counters.on(w.device, step),
+                                  mix_seed(self.sample_seed, first_shard + i))
             sampled.append(rows)
             lut = torch.full((n_classes,), -1, dtype=torch.int64, device=w.device)
             lut[rows] = torch.arange(rows.numel(), device=w.device)
@@ -830,6 +851,8 @@ class ShardedMarginHead(nn.Module):
             if self.subcenters > 1:  # a sampled class brings all its centres, class-major
                 K = self.subcenters
                 sampled[-1] = (rows.unsqueeze(1) * K + torch.arange(K, device=rows.device)).view(-1)
+        for device in {str(w.device): w.device for w in self.shard_weights}.values():
+            counters.advance(device)
         self._record_rows(sampled)
         total = sum(num_sampled(len(r), self.sample_rate, batch) for r in ranges)
         return sampled, sub_labels, total

@@ -47,7 +47,15 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, S
 import torch
 from torch import Tensor, nn
 
-from shardfc.head.catch_up import FULL_CATCH_UP_EVERY, AdamWClock, IdleClock, SGDClock, check_idle_rows
+from shardfc.head import capture
+from shardfc.head.catch_up import (
+    FULL_CATCH_UP_EVERY,
+    AdamWClock,
+    IdleClock,
+    SGDClock,
+    check_idle_rows,
+    sgd_idle_matrix,
+)
 from shardfc.head.rounding import check_rounding, round_to, update_dtype
 
 # Which rows a step samples and touches lives in shardfc.head.sampling; its names stay importable
@@ -213,25 +221,90 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
 
     def _device_scalars(self, group: dict, device: torch.device, values) -> Tensor:
         """``group``'s per-step numbers for a kernel, as the fp32 tensor on ``device`` that this
-        optimizer keeps for the group at one address (:class:`~shardfc.head.fused.optimizer.DeviceScalars`):
+        optimizer keeps for the group at one address (:class:`~shardfc.head.fused.device_scalars.DeviceScalars`):
         refreshed when the numbers change (a learning-rate schedule), so the kernel reads them
         instead of taking them as launch arguments and a captured CUDA graph replays with the
         values set before the replay."""
-        from shardfc.head.fused.optimizer import DeviceScalars
+        return self._scalar_holder().get(next(i for i, g in enumerate(self.param_groups) if g is group), values, device)
 
+    def _scalar_holder(self):
+        """This optimizer's :class:`~shardfc.head.fused.device_scalars.DeviceScalars`, made at first use
+        (also after a copy or a pickle, which drop its tensors)."""
         held = self.__dict__.get("_scalars")
-        if held is None:  # made at first use (also after a copy or a pickle, which drop it)
+        if held is None:
+            from shardfc.head.fused.device_scalars import DeviceScalars
+
             held = self.__dict__["_scalars"] = DeviceScalars()
-        return held.get(next(i for i, g in enumerate(self.param_groups) if g is group), values, device)
+        return held
 
     def stage_device_scalars(self) -> None:
         """Put this step's numbers (learning rate, momentum, ...) into the device tensors the fused
-        update's kernels read, for every parameter it serves: before a captured step is captured
-        or replayed (:class:`shardfc.head.capture.CapturedHeadStep`), where they cannot change."""
+        update's kernels and the idle rows' step record read, for every parameter they serve: before
+        a captured step is captured or replayed (:class:`shardfc.head.capture.CapturedHeadStep`),
+        where they cannot change."""
         for group in self.param_groups:
             for p in group["params"]:
                 if self.fused_update and self.fused_update_unavailable(p) is None:
                     self._row_update(p, group)
+                clock = self._clocks.get(p)
+                if clock is not None:
+                    self._step_record_scalars(clock, group)
+
+    def _step_record_scalars(self, clock: IdleClock, group: dict) -> Optional[Tensor]:
+        """The numbers :meth:`_record_step` hands ``clock`` on the device (None: it takes host numbers)."""
+        return None
+
+    # ------------------------------------------------------------------ a captured step's host side
+    def host_marks(self, params: Sequence[Tensor]) -> dict:
+        """What a step of ``params`` advances on the host (each group's rounding step, each of their
+        idle clocks' length), as it is before the step: :meth:`replayed` takes it after a replay."""
+        return {"rounding_step": [g["rounding_step"] for g in self.param_groups],
+                "lengths": {id(p): self._clocks[p].length for p in params if p in self._clocks}}
+
+    def replayed(self, params: Sequence[Tensor], marks: dict) -> None:
+        """A CUDA graph of one step of ``params`` was replayed: it advanced the device's side (the
+        rows, their state, each idle clock's table and ``now``) and no Python ran, so the host's
+        counts move on here as the eager step's code would have moved them; then the idle rows are
+        caught up where the table is full (outside the graph, as the eager step does at its end)."""
+        for group, step in zip(self.param_groups, marks["rounding_step"]):
+            group["rounding_step"] = step + 1
+        for p in params:
+            length = marks["lengths"].get(id(p))
+            if length is not None:
+                self._clocks[p].replayed(length)
+        self.catch_up_due_()
+
+    def catch_up_due_(self) -> None:
+        """Every row of each parameter whose step table is full brought up to date (the table restarts)."""
+        for p, clock in list(self._clocks.items()):
+            if clock.length > FULL_CATCH_UP_EVERY:
+                self.catch_up_(p, None)
+
+    def capture_unavailable(self) -> Optional[str]:
+        """Why a CUDA graph cannot record this optimizer's step (None when it can): AdamW's exact
+        catch-up iterates each row's missed steps a number of times the host counts."""
+        if self.idle_rows == "exact" and self.sampled_rows is not None and self.CLOCK is not SGDClock:
+            return (f"{type(self).__name__} with idle_rows='exact' catches idle rows up by iterating their missed "
+                    "steps a number of times the host counts; capture SGD, or AdamW with idle_rows='lazy'")
+        return None
+
+    def ready_to_capture(self, params: Sequence[Tensor]) -> bool:
+        """Every idle clock a step of ``params`` records into exists (the first sampled step makes
+        it; a capture must not: its tensors would be made by the capture and zeroed by each replay)."""
+        if self.idle_rows != "exact" or self.sampled_rows is None:
+            return True
+        return all(p in self._clocks for p in params)
+
+    def graph_tensors(self, params: Sequence[Tensor]) -> list:
+        """The state a step of ``params`` reads and writes in place (optimizer state, idle clocks):
+        a captured graph holds their addresses, so a new tensor there (a loaded state, a restarted
+        clock) means a new capture."""
+        out = [t for p in params for t in self.state.get(p, {}).values() if isinstance(t, Tensor)]
+        for p in params:
+            clock = self._clocks.get(p)
+            if clock is not None:
+                out += [clock.stamps, clock.now] + ([clock.table] if clock.table is not None else [])
+        return out
 
     def _grad_scale_on(self, device: torch.device) -> Optional[Tensor]:
         """The ``grad_scale`` set for this step (see the class), as fp32 on ``device``; None without one."""
@@ -263,7 +336,8 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
         ``"lazy"`` nothing happens). Returns whether anything was behind (host-known, no device
         read). A head attached by :meth:`keep_rows_current_by` calls it before it reads rows."""
         clock = self._clocks.get(p)
-        if self.idle_rows != "exact" or clock is None or clock.all_current:
+        # Inside a capture even rows with nothing behind are caught up: a replay's may be behind.
+        if self.idle_rows != "exact" or clock is None or (clock.all_current and not capture.capturing()):
             return False
         index, group = self._group_of(p)
         rnd = self._rounder(group, index, p.device, catch_up=True)
@@ -310,10 +384,14 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
             return
         clock = self._clocks.get(p)
         if clock is None:
+            if capture.capturing():  # its tensors would be made by the capture and zeroed by every replay
+                raise RuntimeError("a CUDA graph capture reached a parameter's first sampled step: run one step "
+                                   "eagerly first (CapturedHeadStep does)")
             clock = self._clocks[p] = self._new_clock(p)  # every row is current before its first sparse step
         self._record_step(clock, group)
         clock.mark_current(rows)
-        if clock.length > FULL_CATCH_UP_EVERY:  # bounds the table: one pass over the rows now and then
+        # Bounds the table: one pass over the rows now and then (after a replay, by `replayed`).
+        if clock.length > FULL_CATCH_UP_EVERY and not capture.capturing():
             self.catch_up_(p, None)
 
     @staticmethod
@@ -401,7 +479,16 @@ class RowSparseSGD(_RowSparseOptimizer):
         super().__init__(params, defaults, sampled_rows, rounding, rounding_seed, idle_rows)
 
     def _record_step(self, clock: IdleClock, group: dict) -> None:
-        clock.record(group["lr"], group["momentum"], group["weight_decay"], group["nesterov"])
+        clock.record(group["lr"], group["momentum"], group["weight_decay"], group["nesterov"],
+                     matrix=self._step_record_scalars(clock, group), always=capture.capturing())
+
+    def _step_record_scalars(self, clock: IdleClock, group: dict) -> Tensor:
+        # The idle step's matrix, formed in fp64 on the host as the eager step always formed it, on
+        # the device at one address per group (copied when the numbers change): the record reads it.
+        index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        matrix = sgd_idle_matrix(group["lr"], group["momentum"], group["weight_decay"], group["nesterov"])
+        return self._scalar_holder().get(("idle_step", index), [v for row in matrix for v in row],
+                                         clock.table.device, torch.float64)
 
     def _catch_up_rows(self, p: Tensor, clock: IdleClock, rows: Optional[Tensor], rnd, kernel: bool) -> None:
         group = self._group_of(p)[1]

@@ -26,7 +26,8 @@ if INTERPRET:
     _before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        for _module in ("shardfc.head.fused.shard", "shardfc.head.fused.optimizer", "shardfc.head.fused.idle_rows"):
+        for _module in ("shardfc.head.fused.shard", "shardfc.head.fused.optimizer", "shardfc.head.fused.idle_rows",
+                        "shardfc.head.fused.draw"):
             importlib.import_module(_module)
     finally:
         if _before is None:

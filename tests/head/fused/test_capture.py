@@ -17,9 +17,9 @@ import torch
 from fused_pairs import DEVICE
 
 import shardfc
-from shardfc.head import capture
+from shardfc.head import capture, catch_up, partial_fc
 from shardfc.head.capture import CapturedHeadStep, capture_unavailable
-from shardfc.head.fused import optimizer as fused_optimizer
+from shardfc.head.fused import device_scalars
 from shardfc.head.partial_fc import head_optimizer
 from shardfc.tools.host_syncs import HostSyncCounter
 
@@ -65,8 +65,9 @@ NOT_FUSED = ("the optimizer does not apply its step in the backward: use head_op
 
 @pytest.mark.parametrize("setup, reason", [
     (lambda: (_head(impl="torch"), "sgd"), "impl='torch' has no fused update; use impl 'auto', 'triton' or 'gemm'"),
-    (lambda: (_head(sample_rate=0.5), "sgd"),
-     "Partial FC (sample_rate=0.5) draws its rows and catches idle rows up through host-side state every step"),
+    (lambda: (_head(sample_rate=0.5, sparse_grad=True), "sgd"),
+     "Partial FC with sparse_grad=True hands each backward's compact gradient to host-side lists; the fused "
+     "update needs no gradient at all: build the head with sparse_grad=False"),
     (lambda: (_head(), None), NOT_FUSED),
     (lambda: (_head(), "sgd-unfused"), NOT_FUSED),
 ])
@@ -74,6 +75,21 @@ def test_what_cannot_be_captured_is_named(setup, reason):
     head, opt = setup()
     optimizer = None if opt is None else head_optimizer(head, "sgd", lr=0.1, fused_update=opt == "sgd")
     assert capture_unavailable(head, optimizer, cuda_available=True) == reason
+
+
+def test_partial_fc_is_captured_with_sgd_and_with_lazy_adamw_but_not_exact_adamw():
+    head = _head(sample_rate=0.5)
+    for name, idle, reason in [
+        ("sgd", "exact", None), ("sgd", "lazy", None), ("adamw", "lazy", None),
+        ("adamw", "exact", "RowSparseAdamW with idle_rows='exact' catches idle rows up by iterating their missed "
+                           "steps a number of times the host counts; capture SGD, or AdamW with idle_rows='lazy'")]:
+        opt = head_optimizer(head, name, lr=0.1, fused_update=True, idle_rows=idle)
+        assert capture_unavailable(head, opt, cuda_available=True) == (
+            None if DEVICE.type == "cuda" or reason else f"the head's shards are on ['{DEVICE}'], not on one CUDA device"
+        ) if reason is None else reason
+    dense = _head()  # an exact AdamW of a head without sampling keeps no idle rows: captured
+    opt = head_optimizer(dense, "adamw", lr=0.1, fused_update=True)
+    assert opt.capture_unavailable() is None
 
 
 def test_a_head_sharded_over_a_process_group_is_refused():
@@ -171,11 +187,13 @@ class _Recorder(dict):
 
 #: What a replay leaves where the capture left them, and why that changes nothing computed: the
 #: forward count only numbers a deferred check's message (the captured step's checks are the
-#: CapturedHeadStep's, numbered by it); the optimizer's rounding step seeds stochastic rounding,
-#: which the fused update does not do (it rounds to nearest); the weights' versions when the head
-#: last noted its sampled rows say when a new step's rows begin, and a captured head scores every
-#: row (Partial FC is refused), whatever they say.
-_COUNTERS = {"head._forward_calls", "group0.rounding_step", "head._pending_versions"}
+#: CapturedHeadStep's, numbered by it); the weights' versions when the head last noted its sampled
+#: rows say when a new step's rows begin, and the optimizer takes a captured step's rows inside it.
+#: (The rounding step, Partial FC's step and the idle clocks' lengths a replay does move: after it,
+#: ``CapturedHeadStep._host_follows`` — see the Partial FC test below.)
+_COUNTERS = {"head._forward_calls", "head._pending_versions"}
+#: Moved by the body and followed after a replay (``_host_follows``)
+_FOLLOWED = {"group0.rounding_step"}
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the CPU's rehearsal of the captured step")
@@ -194,7 +212,8 @@ def test_the_step_a_graph_captures_reads_no_host_and_moves_no_python_number(monk
         loss, grad = step._run(x.requires_grad_(), y)  # what _capture records
     assert syncs.count == 0, syncs.report()
     after = _Recorder.of(head, opt)
-    moved = {k: (before[k], after.get(k)) for k in before if before[k] != after.get(k) and k not in _COUNTERS}
+    moved = {k: (before[k], after.get(k)) for k in before
+             if before[k] != after.get(k) and k not in _COUNTERS | _FOLLOWED}
     assert not moved, f"Python-side state a replay would not advance: {moved}"
     assert grad is not None and grad.shape == (B, D) and torch.isfinite(loss)
 
@@ -228,17 +247,17 @@ def test_eager_steps_check_values_one_call_later_and_hand_the_gradient_back(monk
 
 
 def test_device_scalars_refresh_only_when_the_numbers_change_and_never_inside_a_capture(monkeypatch):
-    held = fused_optimizer.DeviceScalars()
+    held = device_scalars.DeviceScalars()
     copies = []
-    real = fused_optimizer.scalars_on
-    monkeypatch.setattr(fused_optimizer, "scalars_on", lambda *a, **k: copies.append(a[0]) or real(*a, **k))
+    real = device_scalars.scalars_on
+    monkeypatch.setattr(device_scalars, "scalars_on", lambda *a, **k: copies.append(a[0]) or real(*a, **k))
     cpu = torch.device("cpu")
     t = held.get(0, (0.1, 0.9, 5e-4), cpu)
     assert held.get(0, (0.1, 0.9, 5e-4), cpu) is t and len(copies) == 1  # the same numbers: no copy
     assert held.get(0, (0.05, 0.9, 5e-4), cpu) is t and len(copies) == 2  # new numbers, same address
     torch.testing.assert_close(t, torch.tensor([0.05, 0.9, 5e-4]))
     assert held.get(1, (1.0,), cpu) is not t  # another key, its own tensor
-    monkeypatch.setattr(fused_optimizer, "capturing", lambda: True)
+    monkeypatch.setattr(capture, "capturing", lambda: True)
     assert held.get(0, (0.05, 0.9, 5e-4), cpu) is t  # staged before the capture: read as is
     with pytest.raises(RuntimeError, match=r"changed inside a CUDA graph capture.*before capturing or replaying"):
         held.get(0, (0.01, 0.9, 5e-4), cpu)
@@ -276,7 +295,10 @@ def test_the_replayed_step_equals_the_eager_one_over_a_schedule_of_learning_rate
 
 class _ReplayedEagerly:
     """A stand-in for a CUDA graph on the CPU: records nothing at capture (as CUDA, which runs
-    nothing then) and runs the captured step on each replay, rewriting ``outputs``."""
+    nothing then) and runs the captured step on each replay, rewriting ``outputs``, with
+    ``capture.capturing()`` saying yes, as it does while a graph records: code that would skip work
+    on a condition the host knows, or set a number from the host, takes the capture's path, so a
+    replay here computes what a replay of the recorded graph computes."""
 
     made = 0
 
@@ -285,7 +307,12 @@ class _ReplayedEagerly:
         self.body, self.outputs = body, None
 
     def replay(self):
-        self.outputs = self.body()
+        real = capture.capturing
+        capture.capturing = lambda: True
+        try:
+            self.outputs = self.body()
+        finally:
+            capture.capturing = real
 
 
 @pytest.fixture
@@ -375,3 +402,151 @@ def test_inputs_on_another_device_are_refused_naming_both(rehearsed):
     with pytest.raises(ValueError, match=r"takes embeddings and labels on cpu, got them on meta and cpu"):
         step.step(x.to("meta"), y)
     assert step.calls == 0 and step._pending is None
+
+
+# --------------------------------------------------------------------------- Partial FC, captured
+
+
+def _pfc_pair(name="sgd", idle_rows="exact", **kw):
+    """Two equal Partial FC heads (C = 45, r = 0.2: 9 classes a step, most rows idle most steps) with
+    fused optimizers: one to step eagerly, one to capture."""
+    eager = _head(sample_rate=0.2, **kw)
+    graphed = copy.deepcopy(eager)
+    args = dict(lr=0.05, momentum=0.9, weight_decay=5e-3) if name == "sgd" else dict(lr=1e-2, weight_decay=1e-2)
+    opts = [head_optimizer(h, name, fused_update=True, idle_rows=idle_rows, **args) for h in (eager, graphed)]
+    return eager, graphed, opts
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the CPU's rehearsal of the captured step")
+@pytest.mark.parametrize("name, idle_rows", [("sgd", "exact"), ("sgd", "lazy"), ("adamw", "lazy")])
+def test_partial_fc_replays_draw_and_catch_up_as_the_eager_steps_do(rehearsed, monkeypatch, name, idle_rows):
+    """Partial FC captured: every replay draws the sample the eager step of its number draws (the
+    losses and gradients agree only if it does), catches its rows up from the clock on the device,
+    and the host's counts follow; a full catch-up falls due twice (every 4 steps here) between
+    replays, and an evaluation forward reads every row in the middle: the two runs stay equal."""
+    monkeypatch.setattr(partial_fc, "FULL_CATCH_UP_EVERY", 4)
+    monkeypatch.setattr(catch_up, "FULL_CATCH_UP_EVERY", 4)
+    eager, graphed, opts = _pfc_pair(name, idle_rows)
+    step = CapturedHeadStep(graphed, opts[1], eager_steps=1)
+    lrs = [0.05, 0.04, 0.03, 0.03, 0.02, 0.02, 0.01, 0.01, 0.005] if name == "sgd" else [1e-2, 8e-3, 6e-3, 5e-3, 4e-3]
+    calls = _against_eager(eager, graphed, opts, step, lrs[:5], rtol=1e-5, atol=1e-6)
+    assert calls[:3] == ["eager", "captured", "replayed"] and step.captures == 1
+    x, y = _batch(50)
+    eager.eval(), graphed.eval()  # every row read between steps: caught up, the clocks restart
+    with torch.no_grad():
+        torch.testing.assert_close(graphed(x, y), eager(x, y), rtol=1e-5, atol=1e-6)
+    eager.train(), graphed.train()
+    eager.sample_step = graphed.sample_step = 100  # as a loaded checkpoint sets it: staged before the replay
+    calls += _against_eager(eager, graphed, opts, step, lrs[5:], rtol=1e-5, atol=1e-6)
+    assert set(calls[1:]) == {"captured", "replayed"} and step.captures == 1, calls
+    assert graphed.sample_step == eager.sample_step == 100 + len(lrs) - 5
+    assert opts[1].param_groups[0]["rounding_step"] == opts[0].param_groups[0]["rounding_step"] == len(lrs)
+    if idle_rows == "exact":  # the full catch-ups fell due at the same steps
+        (ce,), (cg,) = opts[0]._clocks.values(), opts[1]._clocks.values()
+        assert ce.length == cg.length <= 4 and int(cg.now) == cg.length - 1
+    for opt in opts:
+        opt.catch_up_all_()
+    torch.testing.assert_close(graphed.weight, eager.weight, rtol=1e-5, atol=1e-6)
+    for key, value in opts[0].state[eager.weight].items():
+        torch.testing.assert_close(opts[1].state[graphed.weight][key], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the CPU's rehearsal of the captured step")
+def test_a_capture_waits_for_the_clock_the_first_sampled_step_makes_and_recaptures_after_a_load(rehearsed):
+    """The idle rows' clock is made by the first sampled step (never inside a capture: its tensors
+    would be zeroed by each replay), so a capture waits for it; a loaded optimizer state puts other
+    tensors where the graph wrote (a stale graph would update the old ones): eager again, then a
+    new capture."""
+    eager, graphed, opts = _pfc_pair()
+    step = CapturedHeadStep(graphed, opts[1], eager_steps=1)
+    opts[1].rows_are_current()  # as after a load: no clock yet
+    graphed.eval()
+    step.step(*_batch(0))  # evaluation mode: no sampled step, so no clock: eager again
+    assert step.last_call == "eager" and not opts[1]._clocks
+    graphed.train()
+    step.step(*_batch(1))
+    assert step.last_call == "eager" and opts[1]._clocks  # its first sampled step made the clock
+    step.step(*_batch(2))
+    assert step.last_call == "captured"
+    opts[1].load_state_dict(opts[1].state_dict())  # new state tensors at other addresses, no clock
+    step.step(*_batch(3))
+    assert step.last_call == "eager" and step.captures == 1
+    step.step(*_batch(4))
+    assert step.last_call == "captured" and step.captures == 2
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the CPU's rehearsal of the captured step")
+def test_a_captured_partial_fc_step_moves_on_the_host_only_what_the_replay_says(monkeypatch):
+    """The body a graph records, run once as a capture runs it: no host read, and the Python-side
+    numbers it moves are exactly those ``_host_follows`` moves after a replay, to the same values."""
+    monkeypatch.setattr(capture, "capture_unavailable", lambda *a, **k: None)
+    _, head, (_, opt) = _pfc_pair()
+    step = CapturedHeadStep(head, opt, eager_steps=3)
+    step.step(*_batch(0))  # eager: the clock and the state made
+    step.step(*_batch(1))
+    assert step.last_call == "eager"
+    clock = opt._clocks[head.weight]
+
+    def numbers():
+        return dict(_Recorder.of(head, opt), length=clock.length, now=int(clock.now),
+                    draw=int(head.draw_tensors()[0]))
+
+    step._stage()
+    before, marks = numbers(), step._host_marks()
+    monkeypatch.setattr(capture, "capturing", lambda: True)
+    x, y = _batch(2)
+    with HostSyncCounter() as syncs:
+        step._run(x.requires_grad_(), y)
+    assert syncs.count == 0, syncs.report()
+    after = numbers()
+    moved = {k for k in before if before[k] != after[k]} - _COUNTERS
+    assert moved == {"head.sample_step", "group0.rounding_step", "length", "now", "draw"}, moved
+    # What a replay leaves instead: the device's side moved (here by the body), the host's by _host_follows
+    head.sample_step, clock.length = before["head.sample_step"], before["length"]
+    opt.param_groups[0]["rounding_step"] = before["group0.rounding_step"]
+    step._host_follows(marks)
+    assert numbers() == after
+
+
+def test_inside_a_capture_no_work_is_skipped_on_what_the_host_knows_now(monkeypatch):
+    """What a capture records runs at every replay, whatever the host's state then: so inside a
+    capture rows with nothing behind are still caught up (a replay's may be behind), a step that
+    moves nothing is still recorded, a due full catch-up waits for the host's side (it would
+    repeat at every replay), and no clock or draw number is made or set there."""
+    head = _head(sample_rate=0.2)
+    opt = head_optimizer(head, "sgd", lr=0.05, momentum=0.9, fused_update=True)
+    opt.zero_grad(set_to_none=False)
+    head(*_batch(0)).backward()
+    opt.step()
+    opt.catch_up_all_()
+    clock = opt._clocks[head.weight]
+    assert clock.all_current
+    rows = torch.tensor([1, 2, 3], device=DEVICE)
+    caught = []
+    monkeypatch.setattr(clock, "catch_up_", lambda *a, **k: caught.append(a[2]))
+    assert opt.catch_up_(head.weight, rows) is False and not caught  # eager: nothing behind, nothing done
+    monkeypatch.setattr(capture, "capturing", lambda: True)
+    assert opt.catch_up_(head.weight, rows) is True and caught[0] is rows  # captured: done anyway
+    length = clock.length
+    group = opt.param_groups[0]
+    group.update(lr=0.0, momentum=0.0)
+    monkeypatch.setattr(capture, "capturing", lambda: False)
+    opt.stage_device_scalars()  # the numbers staged before the capture, as CapturedHeadStep does
+    monkeypatch.setattr(capture, "capturing", lambda: True)
+    opt._record_step(clock, group)  # a step that moves nothing, recorded anyway
+    assert clock.length == length + 1 and int(clock.now) == length
+    group.update(lr=0.05, momentum=0.9)
+    monkeypatch.setattr(capture, "capturing", lambda: False)
+    opt.stage_device_scalars()
+    monkeypatch.setattr(capture, "capturing", lambda: True)
+    monkeypatch.setattr(partial_fc, "FULL_CATCH_UP_EVERY", 0)
+    opt._advance(head.weight, opt.param_groups[0], rows)
+    assert not caught[1:] and clock.length == length + 2  # due, but left to the host after the replay
+    fresh = head_optimizer(_head(sample_rate=0.2), "sgd", lr=0.05, fused_update=True)
+    w = fresh.param_groups[0]["params"][0]
+    with pytest.raises(RuntimeError, match="a CUDA graph capture reached a parameter's first sampled step"):
+        fresh._advance(w, fresh.param_groups[0], rows)
+    with pytest.raises(RuntimeError, match=r"step counter was set to 7 inside a CUDA graph capture \(the device holds 1\)"):
+        head._draw_steps.on(head.weight.device, 7)
+    with pytest.raises(RuntimeError, match=r"step counter was set to 0 inside a CUDA graph capture \(the device holds none\)"):
+        head._draw_steps.on(torch.device("meta"), 0)  # a counter made inside a capture: zeroed by every replay

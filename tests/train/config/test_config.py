@@ -259,7 +259,8 @@ def test_the_margin_fields_default_to_the_margin_classes_defaults():
 
 @pytest.mark.parametrize("changes, says", [
     (dict(nproc=2), "cuda_graph='head': nproc=2 (a head sharded over ranks"),
-    (dict(sample_rate=0.5), "cuda_graph='head': sample_rate=0.5 (Partial FC"),
+    (dict(sample_rate=0.5, sparse_grad=True), "cuda_graph='head': sparse_grad (each backward's compact gradient"),
+    (dict(sample_rate=0.5, optimizer="adamw"), "cuda_graph='head': optimizer='adamw' with head_idle_rows='exact'"),
     (dict(head_update="optimizer"), "cuda_graph='head': head_update='optimizer' (the update must be inside"),
     (dict(grad_accum=2), "cuda_graph='head': grad_accum=2 (several backward passes"),
     (dict(head_grad_clip=1.0), "cuda_graph='head': head_grad_clip=1.0 (clipping reads the stored gradient)"),
@@ -273,5 +274,7 @@ def test_a_captured_head_step_is_refused_where_the_config_rules_it_out(changes, 
         cfg.validate()
     assert str(err.value).startswith(says) and str(err.value).endswith("use cuda_graph 'off'")
     assert TrainConfig(cuda_graph="head", nproc=1, device="cuda").validate().cuda_graph == "head"  # none of that
+    for ok in (dict(), dict(optimizer="adamw", head_idle_rows="lazy")):  # Partial FC is captured (issue 42)
+        assert TrainConfig(cuda_graph="head", nproc=1, device="cuda", sample_rate=0.5, **ok).validate().sample_rate == 0.5
     with pytest.raises(ConfigError, match="cuda_graph must be one of"):
         TrainConfig(cuda_graph="all").validate()

@@ -50,7 +50,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from shardfc.head.fused import autotune, chunks, epilogue, forward, idle_rows, optimizer
+from shardfc.head.fused import autotune, chunks, draw, epilogue, forward, idle_rows, optimizer
 
 #: Shared memory an H100 SM grants one block (227 KB).
 H100_SHARED_BYTES = 232448
@@ -207,7 +207,10 @@ register(optimizer.row_sgd_kernel, [triton.Config(dict(zip(("BR", "BD"), optimiz
 # BR=32, BD=128 with momentum; AdamW one program a row, BD up to 512 (D = 512 on the default path).
 register(idle_rows.catch_up_sgd_kernel, [triton.Config({"BR": 32, "BD": 128}, num_warps=4, num_stages=3)],
          dict(HAS_IDX=True, MOMENTUM=True, EMULATE_RTNE=False),
-         types={"idx_ptr": "*i64", "stamps_ptr": "*i32", "table_ptr": "*fp64"})
+         types={"idx_ptr": "*i64", "stamps_ptr": "*i32", "table_ptr": "*fp64", "now_ptr": "*i32"})
+# Partial FC's counter-based draw (fused/draw.py): one pass of uint32 hashing a block of rows.
+register(draw.draw_keys_kernel, [triton.Config({"BLOCK": draw.DRAW_BLOCK})], {},
+         types={"present_ptr": "*u8", "keys_ptr": "*i64", "step_ptr": "*i64", "s1": "u32", "s2": "u32"})
 register(idle_rows.catch_up_adamw_kernel, [triton.Config({"BD": 512}, num_warps=4, num_stages=3)],
          dict(HAS_IDX=True, EMULATE_RTNE=False),
          types={"idx_ptr": "*i64", "stamps_ptr": "*i32", "table_ptr": "*fp64", "step_ptr": "*fp64"})

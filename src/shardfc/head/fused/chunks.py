@@ -56,7 +56,7 @@ from torch import Tensor
 from shardfc.head.fused import CHUNK_SCALES as CHUNK_SCALES  # re-exported beside the chunk sizing it scales
 from shardfc.head.fused import autotune, epilogue, interpreting, shapes_only
 from shardfc.head.fused import check_chunk_scale as fused_check_chunk_scale
-from shardfc.head.fused.optimizer import scalars_on
+from shardfc.head.fused.device_scalars import scalars_on
 from shardfc.head.fused.traffic import Region, gathered, note, rows_of, span, streamed
 from shardfc.head.kernels import addmm_f32, mm_f32
 
@@ -130,7 +130,7 @@ class RowUpdate:
     betas: Tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     #: :meth:`hyper_values` as an fp32 tensor on the weight's device, which the kernel reads (the
-    #: optimizer's :class:`~.optimizer.DeviceScalars`, at one address across steps, so a captured
+    #: optimizer's :class:`~.device_scalars.DeviceScalars`, at one address across steps, so a captured
     #: step replays with the values staged for it); None: made by the launch from the numbers.
     hyper: Optional[Tensor] = None
 

@@ -28,11 +28,13 @@ from shardfc.head.fused.traffic import gathered, note, rows_of
 
 @triton.jit
 def catch_up_sgd_kernel(
-    p_ptr, buf_ptr, idx_ptr, stamps_ptr, table_ptr, n, D, stride_p, stride_b, last,
+    p_ptr, buf_ptr, idx_ptr, stamps_ptr, table_ptr, now_ptr, n, D, stride_p, stride_b,
     HAS_IDX: tl.constexpr, MOMENTUM: tl.constexpr, EMULATE_RTNE: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
 ):
     """Rows ``idx[0 .. n)`` (every row: not ``HAS_IDX``) of ``p`` and ``buf`` brought to table entry
-    ``last`` (now): ``table_ptr`` holds ``[entries, 2, 2]`` fp64, ``stamps_ptr`` each row's entry (int32)."""
+    ``now_ptr[0]`` (now, read on the device: a captured launch replays at any later step):
+    ``table_ptr`` holds ``[entries, 2, 2]`` fp64, ``stamps_ptr`` each row's entry (int32)."""
+    last = tl.load(now_ptr)
     offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
     r_mask = offs_r < n
     row = offs_r.to(tl.int64)
@@ -118,8 +120,9 @@ def _emulate(t: Tensor) -> bool:
 
 
 def catch_up_sgd_(p: Tensor, buf: Optional[Tensor], rows: Optional[Tensor], stamps: Tensor, table: Tensor,
-                  last: int) -> None:
-    """:class:`~shardfc.head.catch_up.SGDClock`'s catch-up of ``rows`` (None: every row) in one launch."""
+                  now: Tensor) -> None:
+    """:class:`~shardfc.head.catch_up.SGDClock`'s catch-up of ``rows`` (None: every row) in one
+    launch, to entry ``now`` (int32, one element, on the device)."""
     n = p.shape[0] if rows is None else rows.numel()
     if n and shapes_only(p):  # meta: what it would touch (shardfc plan --bytes), nothing launched
         state = [gathered(t, rows, 0, n) for t in (p, buf) if t is not None]
@@ -129,8 +132,8 @@ def catch_up_sgd_(p: Tensor, buf: Optional[Tensor], rows: Optional[Tensor], stam
     BR, BD = (16, 16) if interpreting() else (32, 128)
     with torch.cuda.device(p.device) if p.is_cuda else contextlib.nullcontext():
         catch_up_sgd_kernel[(triton.cdiv(n, BR),)](
-            p, buf if buf is not None else p, rows if rows is not None else stamps, stamps, table, n, p.shape[1],
-            p.stride(0), buf.stride(0) if buf is not None else 0, last,
+            p, buf if buf is not None else p, rows if rows is not None else stamps, stamps, table, now, n, p.shape[1],
+            p.stride(0), buf.stride(0) if buf is not None else 0,
             HAS_IDX=rows is not None, MOMENTUM=buf is not None, EMULATE_RTNE=_emulate(p), BR=BR, BD=BD,
         )
 

@@ -167,7 +167,7 @@ class TrainConfig:
     head_update: str = "auto"
     """Who applies the head's optimizer step: 'fused' (the head's backward, row by row as it forms the gradient, which is then never stored: no [n, D] gradient written, cleared or read; SGD or AdamW on CUDA with head_impl triton/gemm, grad_accum 1, no fp16 loss scaling, no head_grad_clip, nearest rounding, one micro-batch per pipeline step), 'optimizer' (the gradient stored, then the optimizer's step) or 'auto' (fused where all that holds, else optimizer)."""
     cuda_graph: str = "off"
-    """'head': the head's training step (forward, backward and the fused update) captured once as a CUDA graph and replayed every step (shardfc.head.capture), so the host issues one call instead of hundreds of kernel launches; needs CUDA, one process, strategy ddp, the fused head update (head_update auto or fused, SGD or AdamW, head_impl not torch, no fp16, no head_grad_clip, grad_accum 1) and no Partial FC. 'off' (default, until measured on a GPU): every step eager."""
+    """'head': the head's training step (forward, backward and the fused update) captured once as a CUDA graph and replayed every step (shardfc.head.capture), so the host issues one call instead of hundreds of kernel launches; needs CUDA, one process, strategy ddp, the fused head update (head_update auto or fused, SGD or AdamW, head_impl not torch, no fp16, no head_grad_clip, grad_accum 1); Partial FC too, but not with sparse_grad or with adamw and head_idle_rows exact. 'off' (default, until measured on a GPU): every step eager."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step (the step's batch is grad_accum * batch_size * nproc)."""
 
@@ -447,8 +447,11 @@ class TrainConfig:
         why = None
         if self.nproc > 1:
             why = f"nproc={self.nproc} (a head sharded over ranks exchanges batch sizes through the host)"
-        elif self.sample_rate < 1.0:
-            why = f"sample_rate={self.sample_rate} (Partial FC draws rows and catches idle rows up on the host)"
+        elif self.sample_rate < 1.0 and self.sparse_grad:
+            why = "sparse_grad (each backward's compact gradient goes to host-side lists; the fused update needs none)"
+        elif self.sample_rate < 1.0 and self.optimizer == "adamw" and self.head_idle_rows == "exact":
+            why = ("optimizer='adamw' with head_idle_rows='exact' under Partial FC (its catch-up iterates a number of "
+                   "missed steps the host counts; use sgd, or head_idle_rows lazy)")
         elif self.head_update == "optimizer":
             why = "head_update='optimizer' (the update must be inside the captured step: head_update auto or fused)"
         else:

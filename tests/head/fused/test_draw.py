@@ -1,0 +1,36 @@
+"""Partial FC's draw kernel (``fused/draw.py``) against the torch form of the counter-based draw
+(``sampling.draw_keys``), which ``tests/head/test_partial_fc.py`` holds to the documented hash."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fused_pairs import DEVICE
+
+from shardfc.head import sampling
+from shardfc.head.fused import draw
+
+
+def _torch_keys(present, step, seed):
+    """The torch form, on the CPU (``draw_keys`` picks the kernel on CUDA)."""
+    return sampling.draw_keys(present.cpu(), int(step), seed)
+
+
+@pytest.mark.parametrize("n", [1, 5, draw.DRAW_BLOCK, draw.DRAW_BLOCK + 37, 3 * draw.DRAW_BLOCK - 1])
+@pytest.mark.parametrize("seed, step", [(0, 0), (7, 12345), (2**62 + 3, 2**40 + 5)])
+def test_the_kernel_keys_every_row_as_the_torch_draw_does(n, seed, step):
+    g = torch.Generator().manual_seed(n)
+    present = (torch.rand(n, generator=g) < 0.1).to(DEVICE)
+    s1, s2 = sampling.seed_words(seed)
+    counter = torch.tensor([step], dtype=torch.int64, device=DEVICE)
+    keys = draw.draw_keys_(present, counter, s1, s2)
+    assert keys.dtype == torch.int64 and keys.shape == (n,)
+    assert torch.equal(keys.cpu(), _torch_keys(present, step, seed))
+    assert torch.equal(draw.draw_keys_(present, step, s1, s2).cpu(), keys.cpu())  # an int step too
+
+
+def test_an_empty_shard_and_the_meta_device_launch_nothing():
+    s1, s2 = sampling.seed_words(1)
+    assert draw.draw_keys_(torch.zeros(0, dtype=torch.bool, device=DEVICE), 0, s1, s2).shape == (0,)
+    meta = draw.draw_keys_(torch.zeros(10, dtype=torch.bool, device="meta"), 0, s1, s2)
+    assert meta.device.type == "meta" and meta.shape == (10,) and meta.dtype == torch.int64
