@@ -301,14 +301,15 @@ def test_the_draw_is_the_documented_hash_of_row_seed_and_step():
     """``draw_keys`` against the construction it documents, written again here with Python's
     integers (no int64 to wrap): per step two words from the step and the seed, per row two rounds of
     lowbias32; positives above every key."""
-    from shardfc.head.sampling import PRESENT_KEY, draw_keys, mix32, seed_words
+    from shardfc.head.sampling import PRESENT_KEY, draw_keys, mix32
+    from shardfc.seeding import mix_seed
 
     words = [0, 1, 2, 0xDEADBEEF, 0x80000000, 0xFFFFFFFF, 12345]
     assert mix32(torch.tensor(words)).tolist() == [_lowbias32(w) for w in words]
     present = torch.zeros(9, dtype=torch.bool)
     present[[2, 7]] = True
     for seed, step in [(0, 0), (5, 3), (2**62, 2**33 + 1)]:
-        s1, s2 = seed_words(seed)
+        s1, s2 = mix_seed(seed) % 2**32, mix_seed(seed) // 2**32 % 2**32  # the stream's two words
         a = _lowbias32(((step & 0xFFFFFFFF) ^ s1))
         b = _lowbias32(a ^ s2)
         expect = [PRESENT_KEY if r in (2, 7) else _lowbias32(_lowbias32(r ^ a) ^ b) for r in range(9)]
@@ -358,4 +359,6 @@ def test_a_step_number_set_on_the_host_is_the_one_the_device_counter_draws():
     jumped.sample_step = 3
     jumped(*_batch(3))
     assert torch.equal(jumped.sampled_rows[0], at_3) and jumped.sample_step == 4
-    assert int(jumped.draw_tensors()[0]) == 4
+    (counter,) = jumped.draw_tensors()
+    assert int(counter) == 4 and jumped._draw_steps._held["cpu"][1] == 4  # the host's mirror of it too
+    assert jumped._draw_steps.on(torch.device("cpu"), 4) is counter  # the tensor the draw reads, no number

@@ -489,7 +489,7 @@ def test_a_captured_partial_fc_step_moves_on_the_host_only_what_the_replay_says(
 
     def numbers():
         return dict(_Recorder.of(head, opt), length=clock.length, now=int(clock.now),
-                    draw=int(head.draw_tensors()[0]))
+                    draw=int(head.draw_tensors()[0]), mirror=head._draw_steps._held[str(DEVICE)][1])
 
     step._stage()
     before, marks = numbers(), step._host_marks()
@@ -500,9 +500,10 @@ def test_a_captured_partial_fc_step_moves_on_the_host_only_what_the_replay_says(
     assert syncs.count == 0, syncs.report()
     after = numbers()
     moved = {k for k in before if before[k] != after[k]} - _COUNTERS
-    assert moved == {"head.sample_step", "group0.rounding_step", "length", "now", "draw"}, moved
+    assert moved == {"head.sample_step", "group0.rounding_step", "length", "now", "draw", "mirror"}, moved
     # What a replay leaves instead: the device's side moved (here by the body), the host's by _host_follows
     head.sample_step, clock.length = before["head.sample_step"], before["length"]
+    head._draw_steps._held[str(DEVICE)][1] = before["mirror"]
     opt.param_groups[0]["rounding_step"] = before["group0.rounding_step"]
     step._host_follows(marks)
     assert numbers() == after
@@ -546,7 +547,8 @@ def test_inside_a_capture_no_work_is_skipped_on_what_the_host_knows_now(monkeypa
     w = fresh.param_groups[0]["params"][0]
     with pytest.raises(RuntimeError, match="a CUDA graph capture reached a parameter's first sampled step"):
         fresh._advance(w, fresh.param_groups[0], rows)
-    with pytest.raises(RuntimeError, match=r"step counter was set to 7 inside a CUDA graph capture \(the device holds 1\)"):
+    with pytest.raises(RuntimeError, match=r"^the Partial FC step counter was set to 7 inside a CUDA graph capture \(the "
+                       r"device holds 1\): stage it before capturing or replaying \(CapturedHeadStep does\)$"):
         head._draw_steps.on(head.weight.device, 7)
     with pytest.raises(RuntimeError, match=r"step counter was set to 0 inside a CUDA graph capture \(the device holds none\)"):
         head._draw_steps.on(torch.device("meta"), 0)  # a counter made inside a capture: zeroed by every replay

@@ -34,3 +34,14 @@ def test_an_empty_shard_and_the_meta_device_launch_nothing():
     assert draw.draw_keys_(torch.zeros(0, dtype=torch.bool, device=DEVICE), 0, s1, s2).shape == (0,)
     meta = draw.draw_keys_(torch.zeros(10, dtype=torch.bool, device="meta"), 0, s1, s2)
     assert meta.device.type == "meta" and meta.shape == (10,) and meta.dtype == torch.int64
+
+
+def test_the_head_s_draw_on_this_device_equals_the_torch_form():
+    """``sampling.draw_keys`` on the test's device (the kernel on CUDA, the torch form on the CPU)
+    against the torch form on the CPU: the same keys for a seed whatever the device."""
+    present = torch.zeros(3000, dtype=torch.bool)
+    present[::7] = True
+    for seed, step in [(1, 0), (9, 77)]:
+        counter = torch.tensor([step], dtype=torch.int64, device=DEVICE)
+        keys = sampling.draw_keys(present.to(DEVICE), counter, seed)
+        assert keys.device.type == DEVICE.type and torch.equal(keys.cpu(), _torch_keys(present, step, seed))
