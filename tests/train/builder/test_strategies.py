@@ -513,3 +513,45 @@ def test_a_horovod_optimizer_is_known_by_both_its_methods():
     assert not strategy_module.is_horovod_optimizer(Synchronize())
     assert not strategy_module.is_horovod_optimizer(Skip())
     assert not strategy_module.is_horovod_optimizer(object())
+
+
+def test_the_backbone_is_wrapped_as_its_strategy_trains_it(monkeypatch, hvd):
+    from types import SimpleNamespace
+
+    import torch.nn.parallel
+
+    monkeypatch.setattr(strategy_module, "AutocastDataParallel",
+                        lambda module, device_ids, output_device: ("dp", module, device_ids, output_device))
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel",
+                        lambda module, device_ids, process_group: ("ddp", module, device_ids, process_group))
+    wrap = strategy_module.wrap_backbone
+    backbone = torch.nn.Linear(2, 2)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 1)
+    for devices, ids in (([cpu, cpu], None), ([torch.device("cuda", 0), cuda], [0, 1]), ([cuda, cpu], None)):
+        monkeypatch.setattr(strategy_module, "_dp_device_list", lambda cfg: devices)
+        assert wrap(TrainConfig(strategy="dp"), None, backbone) == ("dp", backbone, ids, ids[0] if ids else None)
+    assert wrap(TrainConfig(strategy="horovod"), None, backbone) is backbone
+    assert hvd.calls == [("broadcast_parameters", ["bias", "weight"], 0)]
+    ranks = SimpleNamespace(distributed=True, world_size=2, device=cpu, group="group")
+    assert wrap(TrainConfig(), ranks, backbone) == ("ddp", backbone, None, "group")
+    ranks.device = cuda
+    assert wrap(TrainConfig(), ranks, backbone) == ("ddp", backbone, [cuda], "group")
+    for distributed, world in ((True, 1), (False, 2)):
+        assert wrap(TrainConfig(), SimpleNamespace(distributed=distributed, world_size=world, device=cpu),
+                    backbone) is backbone
+
+
+def test_the_head_is_placed_and_the_optimizer_wrapped_as_the_strategy_says(monkeypatch, hvd):
+    devices = [torch.device("cpu")] * 2
+    monkeypatch.setattr(strategy_module, "_dp_device_list", lambda cfg: devices)
+    assert strategy_module.head_placement(TrainConfig(strategy="dp"), "ctx") == {"devices": devices}
+    for strategy in ("ddp", "horovod", "pipeline"):
+        assert strategy_module.head_placement(TrainConfig(strategy=strategy), "ctx") == {"context": "ctx"}
+    backbone = torch.nn.Linear(2, 2)
+    opt = object()  # the optimizer, passed on as it is
+    for strategy in ("ddp", "dp", "pipeline"):
+        assert strategy_module.wrap_backbone_optimizer(TrainConfig(strategy=strategy), None, backbone, opt) is opt
+    assert hvd.calls == []
+    assert strategy_module.wrap_backbone_optimizer(TrainConfig(strategy="horovod", grad_accum=3), None, backbone,
+                                                   opt) == "wrapped"
+    assert hvd.calls == [("DistributedOptimizer", opt, ["weight", "bias"], "average", 3)]
