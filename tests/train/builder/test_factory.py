@@ -373,3 +373,9 @@ def test_a_backbone_is_prepared_in_channels_last_where_it_is_used(monkeypatch, c
             ["channels_last is off under strategy 'horovod': its collectives take contiguous tensors only"] if said
             else [])
         caplog.clear()
+
+
+def test_the_heads_chunk_size_from_the_config():
+    placement = {"context": DistContext()}
+    got = {n: factory.build_head(small(chunk_size=n), 12, placement).chunk_size for n in (0, -1, 1, 2)}
+    assert got == {0: None, -1: "auto", 1: 1, 2: 2}
