@@ -176,8 +176,9 @@ def test_channels_last_is_never_wanted_under_horovod():
 def test_a_stage_runs_under_the_runs_autocast():
     with factory.autocast_factory(CPU, None)():
         assert not torch.is_autocast_enabled("cpu")
-    with factory.autocast_factory(CPU, torch.bfloat16)():
-        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    for dtype in (torch.bfloat16, torch.float16):  # fp16: not the CPU's default autocast dtype
+        with factory.autocast_factory(CPU, dtype)():
+            assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == dtype
     assert not torch.is_autocast_enabled("cpu")
 
 
@@ -379,3 +380,33 @@ def test_the_heads_chunk_size_from_the_config():
     placement = {"context": DistContext()}
     got = {n: factory.build_head(small(chunk_size=n), 12, placement).chunk_size for n in (0, -1, 1, 2)}
     assert got == {0: None, -1: "auto", 1: 1, 2: 2}
+
+
+def test_the_optimizers_get_the_configs_hyper_parameters_and_seed():
+    parts = factory.build_parts(small(optimizer="adamw", lr=0.2, backbone_lr_mult=0.5, weight_decay=0.0,
+                                      head_dtype="bfloat16", head_rounding="stochastic", seed=7),
+                                DistContext(), 12, (16, 16), 5, None)
+    backbone, head = parts.opt_backbone.param_groups[0], parts.opt_head.param_groups[0]
+    assert type(parts.opt_backbone) is torch.optim.AdamW
+    assert backbone["initial_lr"] == pytest.approx(0.1) and backbone["weight_decay"] == 0.0
+    assert head["initial_lr"] == pytest.approx(0.2) and head["weight_decay"] == 0.0
+    assert head["rounding"] == "stochastic" and head["rounding_seed"] == 7
+
+
+def test_a_captured_head_step_needs_cuda_and_what_capture_needs(monkeypatch):
+    asked = []
+    monkeypatch.setattr(factory, "CapturedHeadStep", lambda head, opt: ("captured", head, opt))
+    head, opt = object(), object()
+    cfg = small(cuda_graph="head")
+    assert factory.build_head_step(small(), head, opt, CUDA) is None  # cuda_graph 'off'
+    assert factory.build_head_step(cfg, None, None, CUDA) is None  # a pipeline stage without the head
+    with pytest.raises(ConfigError) as err:
+        factory.build_head_step(cfg, head, opt, CPU)
+    assert str(err.value) == "cuda_graph='head': the run is on cpu (a CUDA graph needs CUDA); use cuda_graph 'off'"
+    monkeypatch.setattr(factory, "capture_unavailable", lambda h, o: asked.append((h, o)) or "it lacks this")
+    with pytest.raises(ConfigError) as err:
+        factory.build_head_step(cfg, head, opt, CUDA)
+    assert str(err.value) == "cuda_graph='head': it lacks this; use cuda_graph 'off'"
+    monkeypatch.setattr(factory, "capture_unavailable", lambda h, o: asked.append((h, o)) and None)
+    assert factory.build_head_step(cfg, head, opt, "cuda:0") == ("captured", head, opt)
+    assert asked == [(head, opt)] * 2

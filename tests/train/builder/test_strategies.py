@@ -527,9 +527,10 @@ def test_the_backbone_is_wrapped_as_its_strategy_trains_it(monkeypatch, hvd):
     wrap = strategy_module.wrap_backbone
     backbone = torch.nn.Linear(2, 2)
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 1)
+    dp = TrainConfig(strategy="dp")
     for devices, ids in (([cpu, cpu], None), ([torch.device("cuda", 0), cuda], [0, 1]), ([cuda, cpu], None)):
-        monkeypatch.setattr(strategy_module, "_dp_device_list", lambda cfg: devices)
-        assert wrap(TrainConfig(strategy="dp"), None, backbone) == ("dp", backbone, ids, ids[0] if ids else None)
+        monkeypatch.setattr(strategy_module, "_dp_device_list", lambda cfg: devices if cfg is dp else pytest.fail())
+        assert wrap(dp, None, backbone) == ("dp", backbone, ids, ids[0] if ids else None)
     assert wrap(TrainConfig(strategy="horovod"), None, backbone) is backbone
     assert hvd.calls == [("broadcast_parameters", ["bias", "weight"], 0)]
     ranks = SimpleNamespace(distributed=True, world_size=2, device=cpu, group="group")
@@ -542,9 +543,9 @@ def test_the_backbone_is_wrapped_as_its_strategy_trains_it(monkeypatch, hvd):
 
 
 def test_the_head_is_placed_and_the_optimizer_wrapped_as_the_strategy_says(monkeypatch, hvd):
-    devices = [torch.device("cpu")] * 2
-    monkeypatch.setattr(strategy_module, "_dp_device_list", lambda cfg: devices)
-    assert strategy_module.head_placement(TrainConfig(strategy="dp"), "ctx") == {"devices": devices}
+    devices, dp = [torch.device("cpu")] * 2, TrainConfig(strategy="dp")
+    monkeypatch.setattr(strategy_module, "_dp_device_list", lambda cfg: devices if cfg is dp else pytest.fail())
+    assert strategy_module.head_placement(dp, "ctx") == {"devices": devices}
     for strategy in ("ddp", "horovod", "pipeline"):
         assert strategy_module.head_placement(TrainConfig(strategy=strategy), "ctx") == {"context": "ctx"}
     backbone = torch.nn.Linear(2, 2)
