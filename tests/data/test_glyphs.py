@@ -147,7 +147,7 @@ def test_overlapping_ranges_or_another_format_are_refused():
     offset = struct.unpack_from(">L", raw, 8)[0]
     struct.pack_into(">L", raw, offset + 12, 2)  # two groups, the second a copy of the first
     raw[offset + 28 : offset + 40] = raw[offset + 16 : offset + 28]
-    with pytest.raises(ValueError, match="overlapping or unsorted ranges"):
+    with pytest.raises(ValueError, match="^its format 12 character map has overlapping or unsorted ranges$"):
         glyphs.cjk_coverage(bytes(raw[: offset + 40]))
     struct.pack_into(">H", raw, offset, 13)  # format 13: many characters to one glyph
     with pytest.raises(ValueError, match="format 13 subtable"):
@@ -215,7 +215,8 @@ def test_ranges_of_one_character_or_meeting_end_to_start_are_read():
     (the refusal is for overlapping, unsorted or backwards ranges only)."""
     starts, ends = np.array([0x4E00, 0x4E01, 0x4E05]), np.array([0x4E00, 0x4E04, 0x4E05])
     glyphs._check_ordered(starts, ends, 12)
-    for s2, e2 in [((0x4E00, 0x4E04), (0x4E04, 0x4E08)), ((0x4E05,), (0x4E04,)), ((0x4E05, 0x4E00), (0x4E06, 0x4E01))]:
+    for s2, e2 in [((0x4E00, 0x4E04), (0x4E04, 0x4E08)), ((0x4E05,), (0x4E04,)), ((0x4E05, 0x4E00), (0x4E06, 0x4E01)),
+                   ((0x4E00, 0x4E05, 0x4E07), (0x4E01, 0x4E09, 0x4E08))]:  # the third inside the second
         with pytest.raises(ValueError, match="overlapping or unsorted"):
             glyphs._check_ordered(np.array(s2), np.array(e2), 12)
 
@@ -286,6 +287,11 @@ def test_a_drawing_is_the_ink_centred_at_its_share_of_the_canvas():
     assert abs(longer - round(glyphs.INK_SHARE * 64)) <= 2, longer
     assert abs((xs.min() + xs.max()) / 2 - 31.5) <= 1.5 and abs((ys.min() + ys.max()) / 2 - 31.5) <= 1.5
     assert a[0, 0] == a[-1, -1] == 255
+    for ch in ("一", "丨"):  # wide and flat, tall and thin: the longer side either way, centred both ways
+        a = np.asarray(r.hires(ch))
+        ys, xs = np.nonzero(a < 128)
+        assert abs(max(ys.max() - ys.min(), xs.max() - xs.min()) + 1 - round(glyphs.INK_SHARE * 64)) <= 2, ch
+        assert abs((xs.min() + xs.max()) / 2 - 31.5) <= 1.5 and abs((ys.min() + ys.max()) / 2 - 31.5) <= 1.5, ch
     plain = r.plain(img)
     assert plain.shape == (32, 32) and plain.dtype == np.uint8
     assert (plain == np.asarray(img.resize((32, 32), Image.LANCZOS))).all()
@@ -470,11 +476,11 @@ def test_read_faces_names_each_face_of_a_collection_and_stops_at_the_limit(monke
     monkeypatch.setenv("SHARDFC_MAX_FONT_FACES", "1")
     assert [f.path for f, _ in glyphs.read_faces(singles, warn=warned.append)] == singles[:1]
     (tmp_path / "broken.ttf").write_bytes(b"not a font")
-    with pytest.warns(UserWarning, match=r"^shardfc data glyphs: skipped font file .*broken\.ttf'"):
+    with pytest.warns(UserWarning, match=r"^shardfc data glyphs: skipped font file .*broken\.ttf': ValueError: not an "):
         assert glyphs.read_faces([str(tmp_path / "broken.ttf")]) == []
 
 
-def test_font_files_skip_links_out_of_the_folders_and_go_on(tmp_path):
+def test_font_files_skip_links_out_of_the_folders_and_go_on(tmp_path, monkeypatch):
     fonts, outside = tmp_path / "fonts", tmp_path / "outside"
     fonts.mkdir()
     outside.mkdir()
@@ -486,7 +492,67 @@ def test_font_files_skip_links_out_of_the_folders_and_go_on(tmp_path):
     with pytest.warns(UserWarning, match=r"^shardfc data glyphs: skipped font file .*b\.ttf'.*, outside "):
         found = font_files([str(fonts)])
     assert found == [str(fonts / "a.ttf"), str(fonts / "c.ttf")]
+    (tmp_path / "other").mkdir()
+    with pytest.warns(UserWarning, match=f"outside {fonts}, {tmp_path / 'other'}$"):
+        font_files([str(fonts), str(tmp_path / "other")])
+    monkeypatch.setattr(glyphs, "SYSTEM_FONT_DIRS", (str(outside),))  # no folders given: the system's
+    assert font_files() == [str(outside / "x.ttf")]
     warned = []
     # both folders given: the link is inside them, its file kept once, under the name seen first
     assert font_files([str(fonts), str(outside)], warn=warned.append) == [
         str(fonts / "a.ttf"), str(fonts / "b.ttf"), str(fonts / "c.ttf")] and warned == []
+
+
+def _cmap12(groups, platforms=((3, 10),), others=()) -> bytes:
+    """A raw ``cmap`` table: format 12 subtables, one per platform (``others``: ``(platform, groups)``
+    before them), each of ``groups`` ``(first, last, glyph of first)``."""
+    subtables = [(p, gs) for p, gs in others] + [(p, groups) for p in platforms]
+    head = struct.pack(">HH", 0, len(subtables))
+    offset, body, records = 4 + 8 * len(subtables), b"", b""
+    for (platform, encoding), gs in subtables:
+        sub = struct.pack(">HHLLL", 12, 0, 16 + 12 * len(gs), 0, len(gs)) + b"".join(struct.pack(">LLL", *g) for g in gs)
+        records += struct.pack(">HHL", platform, encoding, offset + len(body))
+        body += sub
+    return head + records + body
+
+
+def test_format_12_ranges_read_from_the_best_subtable_whatever_lies_outside_the_block():
+    run = [(0x4E00, 0x4E0A, 5)]  # eleven characters, glyphs 5..15
+    assert glyphs.cjk_coverage(_cmap12(run)) == set(range(0x4E00, 0x4E0B))
+    # the best subtable (3, 10) listed second, after a worse one mapping other characters
+    worse = ((0, 3), [(0x5000, 0x5001, 9)])
+    assert glyphs.cjk_coverage(_cmap12(run, others=[worse])) == set(range(0x4E00, 0x4E0B))
+    # .notdef at a run's start only: glyph 0 for its first character
+    assert glyphs.cjk_coverage(_cmap12([(0x4E00, 0x4E03, 0)])) == {0x4E01, 0x4E02, 0x4E03}
+    # groups outside the block are not read, even overlapping ones
+    outside = [(0x41, 0x50, 1), (0x45, 0x48, 3), (0x4E00, 0x4E01, 7), (0xA000, 0xA010, 9), (0xA005, 0xA006, 2)]
+    assert glyphs.cjk_coverage(_cmap12(outside)) == {0x4E00, 0x4E01}
+    # inside it, a group starting inside the one before is refused, though each ends past the last
+    with pytest.raises(ValueError, match="^its format 12 character map has overlapping or unsorted ranges$"):
+        glyphs.cjk_coverage(_cmap12([(0x4E00, 0x4E05, 1), (0x4E03, 0x4E08, 9)]))
+    # no Unicode subtable at all: nothing covered
+    assert glyphs.cjk_coverage(_cmap12(run, platforms=((1, 0),))) == set()
+
+
+def _cmap4(segments, glyph_array=()) -> bytes:
+    """A raw ``cmap`` table of one format 4 subtable (3, 1): ``segments`` ``(start, end, delta, range
+    offset)``, then the terminating 0xFFFF segment, then ``glyph_array``."""
+    segments = list(segments) + [(0xFFFF, 0xFFFF, 1, 0)]
+    n = len(segments)
+    words = [s[1] for s in segments] + [0] + [s[0] for s in segments] + [s[2] & 0xFFFF for s in segments]
+    words += [s[3] for s in segments] + list(glyph_array)
+    sub = struct.pack(">HHHHHHH", 4, 14 + 2 * len(words), 0, 2 * n, 0, 0, 0) + struct.pack(f">{len(words)}H", *words)
+    return struct.pack(">HHHHL", 0, 1, 3, 1, 12) + sub
+
+
+def test_format_4_glyph_arrays_and_deltas_read_as_the_format_says():
+    # segment 0 reads the glyph array (its idRangeOffset: the bytes from itself to the array's entry),
+    # whose 0 is .notdef whatever the delta; segment 1 maps by delta alone
+    segments = [(0x4E00, 0x4E03, 3, 2 * 3), (0x4E10, 0x4E11, 5, 0)]
+    raw = _cmap4(segments, glyph_array=[5, 0, 3, 9])
+    assert glyphs.cjk_coverage(raw) == {0x4E00, 0x4E02, 0x4E03, 0x4E10, 0x4E11}
+    # segments outside the block are not read, even overlapping ones
+    outside = [(0x41, 0x50, 1, 0), (0x45, 0x60, 1, 0), (0x4E00, 0x4E01, 1, 0)]
+    assert glyphs.cjk_coverage(_cmap4(outside)) == {0x4E00, 0x4E01}
+    with pytest.raises(ValueError, match="^its format 4 character map has overlapping or unsorted ranges$"):
+        glyphs.cjk_coverage(_cmap4([(0x4E00, 0x4E05, 1, 0), (0x4E03, 0x4E08, 1, 0)]))
