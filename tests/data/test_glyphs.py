@@ -556,3 +556,47 @@ def test_format_4_glyph_arrays_and_deltas_read_as_the_format_says():
     assert glyphs.cjk_coverage(_cmap4(outside)) == {0x4E00, 0x4E01}
     with pytest.raises(ValueError, match="^its format 4 character map has overlapping or unsorted ranges$"):
         glyphs.cjk_coverage(_cmap4([(0x4E00, 0x4E05, 1, 0), (0x4E03, 0x4E08, 1, 0)]))
+
+
+def _named_font(path, names, cmap=True) -> str:
+    """A one-glyph TrueType font mapping U+4E00, its name table exactly ``names`` ``{name ID: string}``
+    (Windows, English), without a ``cmap`` if not ``cmap``."""
+    from fontTools.fontBuilder import FontBuilder
+    from fontTools.pens.ttGlyphPen import TTGlyphPen
+
+    fb = FontBuilder(1000, isTTF=True)
+    fb.setupGlyphOrder([".notdef", "yi"])
+    fb.setupCharacterMap({0x4E00: "yi"})
+    pen = TTGlyphPen(None)
+    pen.moveTo((100, 400)), pen.lineTo((900, 400)), pen.lineTo((900, 500)), pen.lineTo((100, 500)), pen.closePath()
+    fb.setupGlyf({".notdef": TTGlyphPen(None).glyph(), "yi": pen.glyph()})
+    fb.setupHorizontalMetrics({".notdef": (500, 0), "yi": (1000, 100)})
+    fb.setupHorizontalHeader(ascent=880, descent=-120)
+    fb.setupNameTable({"familyName": "x", "styleName": "Regular"})
+    fb.setupOS2()
+    fb.setupPost()
+    table = fb.font["name"]
+    table.names = []
+    for name_id, string in names.items():
+        table.setName(string, name_id, 3, 1, 0x409)
+    if not cmap:
+        del fb.font["cmap"]
+    fb.save(str(path))
+    return str(path)
+
+
+def test_a_face_is_named_by_its_full_name_else_its_family_else_its_file(tmp_path):
+    """Name ID 4 (full name), else 1 (family), else ``file#index``; the family key from ID 1, else from
+    the name; a face without a character map is left out without a warning (it covers nothing)."""
+    fonts = [
+        _named_font(tmp_path / "full.ttf", {1: "Tiny Sans", 2: "Italic", 4: "Tiny Sans Italic"}),
+        _named_font(tmp_path / "family.ttf", {1: "Tiny Serif", 2: "Italic"}),
+        _named_font(tmp_path / "none.ttf", {2: "Italic"}),
+        _named_font(tmp_path / "nomap.ttf", {1: "No Map", 4: "No Map"}, cmap=False),
+    ]
+    warned = []
+    faces = glyphs.read_faces(fonts, warn=warned.append)
+    assert warned == []
+    assert [(f.name, f.family) for f, _ in faces] == [
+        ("Tiny Sans Italic", "Tiny Sans"), ("Tiny Serif", "Tiny Serif"), ("none.ttf#0", "none.ttf#0")]
+    assert [c for _, c in faces] == [{0x4E00}] * 3
