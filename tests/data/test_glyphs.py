@@ -81,7 +81,9 @@ def test_coverage_comes_from_the_character_map_and_identical_drawings_count_once
     covered = [c for _, c in FACES]
     # a character some faces lack (IPA Mincho has no 說) and a common one
     chars = ["說", "人"]
-    got = glyphs._draw_all(faces, chars, covered, 32)
+    warned = []
+    got = glyphs._draw_all(faces, chars, covered, 32, warn=warned.append)
+    assert warned == [] and all(got.by_char[ch] for ch in chars)  # every face drew: none skipped as broken
     for ch in chars:
         drawn = [fi for fi, _ in got.by_char[ch]]
         assert all(ord(ch) in covered[fi] for fi in drawn)  # never a face whose map lacks it (its box)
@@ -145,7 +147,7 @@ def test_overlapping_ranges_or_another_format_are_refused():
     offset = struct.unpack_from(">L", raw, 8)[0]
     struct.pack_into(">L", raw, offset + 12, 2)  # two groups, the second a copy of the first
     raw[offset + 28 : offset + 40] = raw[offset + 16 : offset + 28]
-    with pytest.raises(ValueError, match="overlapping or unsorted ranges"):
+    with pytest.raises(ValueError, match="^its format 12 character map has overlapping or unsorted ranges$"):
         glyphs.cjk_coverage(bytes(raw[: offset + 40]))
     struct.pack_into(">H", raw, offset, 13)  # format 13: many characters to one glyph
     with pytest.raises(ValueError, match="format 13 subtable"):
@@ -213,7 +215,8 @@ def test_ranges_of_one_character_or_meeting_end_to_start_are_read():
     (the refusal is for overlapping, unsorted or backwards ranges only)."""
     starts, ends = np.array([0x4E00, 0x4E01, 0x4E05]), np.array([0x4E00, 0x4E04, 0x4E05])
     glyphs._check_ordered(starts, ends, 12)
-    for s2, e2 in [((0x4E00, 0x4E04), (0x4E04, 0x4E08)), ((0x4E05,), (0x4E04,)), ((0x4E05, 0x4E00), (0x4E06, 0x4E01))]:
+    for s2, e2 in [((0x4E00, 0x4E04), (0x4E04, 0x4E08)), ((0x4E05,), (0x4E04,)), ((0x4E05, 0x4E00), (0x4E06, 0x4E01)),
+                   ((0x4E00, 0x4E05, 0x4E07), (0x4E01, 0x4E09, 0x4E08))]:  # the third inside the second
         with pytest.raises(ValueError, match="overlapping or unsorted"):
             glyphs._check_ordered(np.array(s2), np.array(e2), 12)
 
@@ -264,3 +267,336 @@ def test_the_install_script_installs_the_packages_the_error_names():
     listed = script.split("PACKAGES=(", 1)[1].split(")", 1)[0].split()
     assert tuple(listed) == glyphs.FONT_PACKAGES
 
+
+
+@needs_fonts
+def test_a_drawing_is_the_ink_centred_at_its_share_of_the_canvas():
+    """``_Renderer``: a face opened at 80% of a canvas twice the image size; a character's ink cropped,
+    scaled so its longer side is INK_SHARE of the canvas, centred on white; the plain image that
+    canvas reduced with LANCZOS."""
+    from PIL import Image
+
+    face = next(f for f, c in FACES if ord("人") in c)
+    r = glyphs._Renderer(face, 32)
+    assert r.canvas == 64 and r.font.size == int(64 * 0.8)
+    img = r.hires("人")
+    assert img.mode == "L" and img.size == (64, 64)
+    a = np.asarray(img)
+    ys, xs = np.nonzero(a < 128)
+    longer = max(ys.max() - ys.min(), xs.max() - xs.min()) + 1
+    assert abs(longer - round(glyphs.INK_SHARE * 64)) <= 2, longer
+    assert abs((xs.min() + xs.max()) / 2 - 31.5) <= 1.5 and abs((ys.min() + ys.max()) / 2 - 31.5) <= 1.5
+    assert a[0, 0] == a[-1, -1] == 255
+    for ch in ("一", "丨"):  # wide and flat, tall and thin: the longer side either way, centred both ways
+        a = np.asarray(r.hires(ch))
+        ys, xs = np.nonzero(a < 128)
+        assert abs(max(ys.max() - ys.min(), xs.max() - xs.min()) + 1 - round(glyphs.INK_SHARE * 64)) <= 2, ch
+        assert abs((xs.min() + xs.max()) / 2 - 31.5) <= 1.5 and abs((ys.min() + ys.max()) / 2 - 31.5) <= 1.5, ch
+    plain = r.plain(img)
+    assert plain.shape == (32, 32) and plain.dtype == np.uint8
+    assert (plain == np.asarray(img.resize((32, 32), Image.LANCZOS))).all()
+
+
+@needs_fonts
+def test_a_glyph_box_past_twice_the_canvas_either_way_is_not_drawn():
+    """The guard before the raster is allocated: a box up to twice the canvas (128 px here) wide and
+    high is drawn, one pixel more either way is not (the box FreeType reports stood in for)."""
+    face = next(f for f, c in FACES if ord("人") in c)
+    r = glyphs._Renderer(face, 32)
+    for box, drawn in [((0, 0, 128, 1), True), ((0, 0, 1, 128), True), ((64, 0, 192, 1), True),
+                       ((0, 64, 1, 192), True), ((0, 0, 129, 1), False), ((0, 0, 1, 129), False)]:
+        r.font.getbbox = lambda ch, box=box: box
+        assert (r.hires("人") is not None) is drawn, box
+
+
+@needs_fonts
+def test_a_face_of_a_collection_is_opened_at_its_own_index():
+    path = next(f.path for f, _ in FACES if f.index == 2)
+    named = {f.index: glyphs._Renderer(f, 16).font.getname() for f, _ in FACES if f.path == path and f.index in (0, 2)}
+    assert named[0] != named[2]
+
+
+def test_families_join_by_name_key_and_by_drawings_shared_with_an_earlier_face():
+    """A face joins an earlier face's family when their name keys match, or when at least half of
+    its drawings were identical to that face's (exactly half included); through chains of both."""
+    faces = [glyphs.Face(f"f{i}.ttf", 0, name, name) for i, name in enumerate("ABBCDE")]
+    drawings = glyphs._Drawings({}, drawn={1: 10, 3: 10, 4: 10, 5: 10},
+                                same={(0, 1): 5, (1, 3): 4, (3, 4): 6, (2, 5): 5})
+    assert glyphs._families(faces, drawings) == [0, 0, 0, 3, 3, 0]
+
+
+def test_the_no_fonts_message_names_every_package():
+    assert glyphs.no_fonts_message("/x") == (
+        "no CJK font found in /x: install some, e.g. on Debian/Ubuntu `sudo apt-get install fonts-noto-cjk "
+        "fonts-arphic-ukai fonts-arphic-uming fonts-wqy-zenhei fonts-wqy-microhei fonts-ipafont-gothic "
+        "fonts-ipafont-mincho fonts-droid-fallback fonts-vlgothic fonts-takao-mincho` "
+        "(scripts/install_glyph_fonts.sh), or pass --fonts DIR")
+
+
+# --------------------------------------------------------------------------- the font file gate, byte for byte
+
+
+def _sfnt(tables: int = 0, records=(), size=None, signature=b"\x00\x01\x00\x00") -> bytes:
+    """A face's table directory claiming ``tables`` tables, then ``records`` ``(tag, offset, length)``,
+    padded to ``size`` bytes."""
+    data = signature + struct.pack(">HHHH", tables, 0, 0, 0)
+    data += b"".join(struct.pack(">4sLLL", tag, 0, offset, length) for tag, offset, length in records)
+    return data.ljust(size or len(data), b"\0")
+
+
+def _collection(starts, size=None, count=None) -> bytes:
+    data = b"ttcf" + b"\0\0\0\0" + struct.pack(">L", len(starts) if count is None else count)
+    data += b"".join(struct.pack(">L", s) for s in starts)
+    return data.ljust(size or len(data), b"\0")
+
+
+def _read(tmp_path, data: bytes):
+    path = tmp_path / "font.ttf"
+    path.write_bytes(data)
+    return glyphs.read_font(str(path))
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"wOFF" + bytes(20), "not an uncompressed TrueType / OpenType font (signature b'wOFF'; WOFF is not read)"),
+    (b"ttcf" + bytes(7), "a collection header cut short"),
+    (b"ttcf" + bytes(4) + struct.pack(">L", 1), "its collection header claims 1 faces (at most 256 are read, each "
+                                                "within the file)"),
+    (_collection([], count=0, size=64), "its collection header claims 0 faces"),
+    (_collection([0] * 257, size=2000), "its collection header claims 257 faces"),
+    (_collection([], count=0xFFFFFFFF, size=64), "its collection header claims 4294967295 faces"),
+    (_collection([5], size=16), "a face's table directory at 5 is past the end of the file"),
+    (_sfnt(tables=1, size=27), "a face lists 1 tables, more than the file or 512 allow"),
+    (_sfnt(tables=513, size=12 + 16 * 513), "a face lists 513 tables, more than the file or 512 allow"),
+    (_sfnt(tables=0x8000, size=64), "a face lists 32768 tables, more than the file or 512 allow"),
+    (_sfnt(1, [(b"cmap", 20, 100)]), "its 'cmap' table ends at 120, past the end of the file (28 bytes)"),
+    (_sfnt(1, [(b"cmap", 0xFFFFFF00, 0x10)]), "its 'cmap' table ends at 4294967056, past the end of the file (28 bytes)"),
+])
+def test_a_font_file_is_refused_past_each_bound_saying_why(tmp_path, data, message):
+    with pytest.raises(ValueError) as err:
+        _read(tmp_path, data)
+    assert str(err.value).startswith(message), str(err.value)
+
+
+@pytest.mark.parametrize("data, count", [
+    (_sfnt(), 1),  # no tables at all: nothing past the end
+    (_sfnt(tables=1, records=[(b"cmap", 0, 28)]), 1),  # one table ending at the file's last byte
+    (_sfnt(tables=512, size=12 + 16 * 512), 512),
+    (_collection([0]), 1),  # 16 bytes: one face whose directory is the collection's header (0 tables)
+    (_collection([4], size=16), 1),  # a directory ending at the file's last byte
+    (_collection([1036] * 256, size=1048), 256),
+])
+def test_a_font_file_is_read_at_each_bound(tmp_path, data, count):
+    got, faces = _read(tmp_path, data)
+    assert got == data and faces == (count if data[:4] == b"ttcf" else 1)
+
+
+# --------------------------------------------------------------------------- drawing every face
+
+
+@pytest.fixture(scope="module")
+def two_faces():
+    """Two faces of different designs (a Gothic and a Mincho) covering 人 and 大."""
+    both = [(f, c) for f, c in FACES if f.index == 0 and ord("人") in c and ord("大") in c]
+    gothic = next(fc for fc in both if "Gothic" in fc[0].name or "Sans" in fc[0].name)
+    mincho = next(fc for fc in both if "Mincho" in fc[0].name or "Serif" in fc[0].name)
+    return [gothic[0], mincho[0]], [gothic[1], mincho[1]]
+
+
+@needs_fonts
+def test_every_covering_face_draws_each_character_once_and_says_how_far_it_is(two_faces):
+    faces, covered = two_faces
+    # the same face twice: its second drawings are the first's, dropped and counted
+    faces, covered = faces + faces[:1], covered + covered[:1]
+    covered[0] = covered[0] | {ord("\u3000")}  # a character it maps to a glyph with no ink (not drawn)
+    covered[1] = covered[1] - {ord("\u3000")}
+    progress, warned = [], []
+    got = glyphs._draw_all(faces, ["\u3000", "人", "大"], covered, 16, progress=lambda *a: progress.append(a),
+                           warn=warned.append)
+    assert warned == [] and progress == [(1, 3), (2, 3), (3, 3)]
+    assert [fi for fi, _ in got.by_char["人"]] == [fi for fi, _ in got.by_char["大"]] == [0, 1]
+    assert got.by_char["\u3000"] == []
+    assert got.drawn == {0: 2, 1: 2, 2: 2} and got.same == {(0, 2): 2}
+
+
+@needs_fonts
+def test_a_face_that_fails_is_skipped_with_a_warning_and_the_others_still_draw(two_faces, monkeypatch, tmp_path):
+    faces, covered = two_faces
+    gone = glyphs.Face(str(tmp_path / "gone.ttf"), 0, "Gone", "Gone")  # read once, removed since
+    failed: set = set()
+    warned = []
+    got = glyphs._draw_all([gone] + faces, ["人"], [{ord("人")}] + covered, 16, warn=warned.append, failed=failed)
+    assert [fi for fi, _ in got.by_char["人"]] == [1, 2] and failed == {0}
+    assert len(warned) == 1 and warned[0].startswith(
+        f"shardfc data glyphs: skipped font {gone.path!r} face 0: FileMissing: font file "), warned
+    got = glyphs._draw_all([gone] + faces, ["人"], [{ord("人")}] + covered, 16, warn=warned.append, failed=failed)
+    assert [fi for fi, _ in got.by_char["人"]] == [1, 2] and len(warned) == 1  # not tried again
+    real = glyphs._Renderer.hires
+    failing = faces[1]
+    monkeypatch.setattr(glyphs._Renderer, "hires", lambda self, ch: (_ for _ in ()).throw(RuntimeError("no raster"))
+                        if self.face_path == failing.path and ch == "大" else real(self, ch))
+    monkeypatch.setattr(glyphs._Renderer, "face_path", None, raising=False)
+    init = glyphs._Renderer.__init__
+
+    def remember(self, face, size):
+        init(self, face, size)
+        self.face_path = face.path
+
+    monkeypatch.setattr(glyphs._Renderer, "__init__", remember)
+    warned.clear()
+    failed = set()
+    got = glyphs._draw_all(faces + faces[:1], ["人", "大"], covered + covered[:1], 16, warn=warned.append,
+                           failed=failed)
+    assert failed == {1} and [fi for fi, _ in got.by_char["大"]] == [0]
+    assert [fi for fi, _ in got.by_char["人"]] == [0, 1]  # drawn before the failure: kept
+    assert got.same == {(0, 2): 2}  # the face after the failed one still drew both
+    assert warned == [f"shardfc data glyphs: skipped font {failing.path!r} face 0: cannot draw '大': "
+                      "RuntimeError: no raster"]
+    with pytest.warns(UserWarning, match=r"^shardfc data glyphs: skipped font .* cannot draw '大'"):
+        glyphs._draw_all(faces, ["大"], covered, 16)  # without warn: a Python warning
+
+
+
+@needs_fonts
+def test_read_faces_names_each_face_of_a_collection_and_stops_at_the_limit(monkeypatch, tmp_path):
+    """A collection's faces by their full names (name ID 4) and family keys (from ID 1); at most
+    SHARDFC_MAX_FONT_FACES faces in all: the file that would pass it is skipped, and the rest, saying so."""
+    path = next(f.path for f, _ in FACES if f.path.endswith("NotoSansCJK-Bold.ttc")) if any(
+        f.path.endswith("NotoSansCJK-Bold.ttc") for f, _ in FACES) else pytest.skip("needs fonts-noto-cjk")
+    faces = glyphs.read_faces([path])
+    assert [f.index for f, _ in faces] == list(range(len(faces))) and len(faces) >= 2
+    assert faces[0][0].name == "Noto Sans CJK JP Bold" and faces[0][0].family == "Noto Sans CJK"
+    assert len({f.name for f, _ in faces}) == len(faces)
+    singles = sorted({f.path for f, _ in FACES if f.path.endswith(".ttf")}, key=os.path.getsize)[:3]
+    monkeypatch.setenv("SHARDFC_MAX_FONT_FACES", "2")
+    warned = []
+    got = glyphs.read_faces(singles, warn=warned.append)
+    assert [f.path for f, _ in got] == singles[:2]
+    assert warned == [f"shardfc data glyphs: skipped font file {singles[2]!r} and the rest: more than 2 faces in all "
+                      "(raise it with SHARDFC_MAX_FONT_FACES)"]
+    monkeypatch.setenv("SHARDFC_MAX_FONT_FACES", "1")
+    assert [f.path for f, _ in glyphs.read_faces(singles, warn=warned.append)] == singles[:1]
+    (tmp_path / "broken.ttf").write_bytes(b"not a font")
+    with pytest.warns(UserWarning, match=r"^shardfc data glyphs: skipped font file .*broken\.ttf': ValueError: not an "):
+        assert glyphs.read_faces([str(tmp_path / "broken.ttf")]) == []
+
+
+def test_font_files_skip_links_out_of_the_folders_and_go_on(tmp_path, monkeypatch):
+    fonts, outside = tmp_path / "fonts", tmp_path / "outside"
+    fonts.mkdir()
+    outside.mkdir()
+    (outside / "x.ttf").write_bytes(b"font")
+    for name in ("a.ttf", "c.ttf"):
+        (fonts / name).write_bytes(b"font")
+    os.symlink(outside / "x.ttf", fonts / "b.ttf")
+    os.mkfifo(fonts / "b2.ttf")
+    with pytest.warns(UserWarning, match=r"^shardfc data glyphs: skipped font file .*b\.ttf'.*, outside "):
+        found = font_files([str(fonts)])
+    assert found == [str(fonts / "a.ttf"), str(fonts / "c.ttf")]
+    (tmp_path / "other").mkdir()
+    with pytest.warns(UserWarning, match=f"outside {fonts}, {tmp_path / 'other'}$"):
+        font_files([str(fonts), str(tmp_path / "other")])
+    monkeypatch.setattr(glyphs, "SYSTEM_FONT_DIRS", (str(outside),))  # no folders given: the system's
+    assert font_files() == [str(outside / "x.ttf")]
+    warned = []
+    # both folders given: the link is inside them, its file kept once, under the name seen first
+    assert font_files([str(fonts), str(outside)], warn=warned.append) == [
+        str(fonts / "a.ttf"), str(fonts / "b.ttf"), str(fonts / "c.ttf")] and warned == []
+
+
+def _cmap12(groups, platforms=((3, 10),), others=()) -> bytes:
+    """A raw ``cmap`` table: format 12 subtables, one per platform (``others``: ``(platform, groups)``
+    before them), each of ``groups`` ``(first, last, glyph of first)``."""
+    subtables = [(p, gs) for p, gs in others] + [(p, groups) for p in platforms]
+    head = struct.pack(">HH", 0, len(subtables))
+    offset, body, records = 4 + 8 * len(subtables), b"", b""
+    for (platform, encoding), gs in subtables:
+        sub = struct.pack(">HHLLL", 12, 0, 16 + 12 * len(gs), 0, len(gs)) + b"".join(struct.pack(">LLL", *g) for g in gs)
+        records += struct.pack(">HHL", platform, encoding, offset + len(body))
+        body += sub
+    return head + records + body
+
+
+def test_format_12_ranges_read_from_the_best_subtable_whatever_lies_outside_the_block():
+    run = [(0x4E00, 0x4E0A, 5)]  # eleven characters, glyphs 5..15
+    assert glyphs.cjk_coverage(_cmap12(run)) == set(range(0x4E00, 0x4E0B))
+    # the best subtable (3, 10) listed second, after a worse one mapping other characters
+    worse = ((0, 3), [(0x5000, 0x5001, 9)])
+    assert glyphs.cjk_coverage(_cmap12(run, others=[worse])) == set(range(0x4E00, 0x4E0B))
+    # .notdef at a run's start only: glyph 0 for its first character
+    assert glyphs.cjk_coverage(_cmap12([(0x4E00, 0x4E03, 0)])) == {0x4E01, 0x4E02, 0x4E03}
+    # groups outside the block are not read, even overlapping ones
+    outside = [(0x41, 0x50, 1), (0x45, 0x48, 3), (0x4E00, 0x4E01, 7), (0xA000, 0xA010, 9), (0xA005, 0xA006, 2)]
+    assert glyphs.cjk_coverage(_cmap12(outside)) == {0x4E00, 0x4E01}
+    # inside it, a group starting inside the one before is refused, though each ends past the last
+    with pytest.raises(ValueError, match="^its format 12 character map has overlapping or unsorted ranges$"):
+        glyphs.cjk_coverage(_cmap12([(0x4E00, 0x4E05, 1), (0x4E03, 0x4E08, 9)]))
+    # no Unicode subtable at all: nothing covered
+    assert glyphs.cjk_coverage(_cmap12(run, platforms=((1, 0),))) == set()
+
+
+def _cmap4(segments, glyph_array=()) -> bytes:
+    """A raw ``cmap`` table of one format 4 subtable (3, 1): ``segments`` ``(start, end, delta, range
+    offset)``, then the terminating 0xFFFF segment, then ``glyph_array``."""
+    segments = list(segments) + [(0xFFFF, 0xFFFF, 1, 0)]
+    n = len(segments)
+    words = [s[1] for s in segments] + [0] + [s[0] for s in segments] + [s[2] & 0xFFFF for s in segments]
+    words += [s[3] for s in segments] + list(glyph_array)
+    sub = struct.pack(">HHHHHHH", 4, 14 + 2 * len(words), 0, 2 * n, 0, 0, 0) + struct.pack(f">{len(words)}H", *words)
+    return struct.pack(">HHHHL", 0, 1, 3, 1, 12) + sub
+
+
+def test_format_4_glyph_arrays_and_deltas_read_as_the_format_says():
+    # segment 0 reads the glyph array (its idRangeOffset: the bytes from itself to the array's entry),
+    # whose 0 is .notdef whatever the delta; segment 1 maps by delta alone
+    segments = [(0x4E00, 0x4E03, 3, 2 * 3), (0x4E10, 0x4E11, 5, 0)]
+    raw = _cmap4(segments, glyph_array=[5, 0, 3, 9])
+    assert glyphs.cjk_coverage(raw) == {0x4E00, 0x4E02, 0x4E03, 0x4E10, 0x4E11}
+    # segments outside the block are not read, even overlapping ones
+    outside = [(0x41, 0x50, 1, 0), (0x45, 0x60, 1, 0), (0x4E00, 0x4E01, 1, 0)]
+    assert glyphs.cjk_coverage(_cmap4(outside)) == {0x4E00, 0x4E01}
+    with pytest.raises(ValueError, match="^its format 4 character map has overlapping or unsorted ranges$"):
+        glyphs.cjk_coverage(_cmap4([(0x4E00, 0x4E05, 1, 0), (0x4E03, 0x4E08, 1, 0)]))
+
+
+def _named_font(path, names, cmap=True) -> str:
+    """A one-glyph TrueType font mapping U+4E00, its name table exactly ``names`` ``{name ID: string}``
+    (Windows, English), without a ``cmap`` if not ``cmap``."""
+    from fontTools.fontBuilder import FontBuilder
+    from fontTools.pens.ttGlyphPen import TTGlyphPen
+
+    fb = FontBuilder(1000, isTTF=True)
+    fb.setupGlyphOrder([".notdef", "yi"])
+    fb.setupCharacterMap({0x4E00: "yi"})
+    pen = TTGlyphPen(None)
+    pen.moveTo((100, 400)), pen.lineTo((900, 400)), pen.lineTo((900, 500)), pen.lineTo((100, 500)), pen.closePath()
+    fb.setupGlyf({".notdef": TTGlyphPen(None).glyph(), "yi": pen.glyph()})
+    fb.setupHorizontalMetrics({".notdef": (500, 0), "yi": (1000, 100)})
+    fb.setupHorizontalHeader(ascent=880, descent=-120)
+    fb.setupNameTable({"familyName": "x", "styleName": "Regular"})
+    fb.setupOS2()
+    fb.setupPost()
+    table = fb.font["name"]
+    table.names = []
+    for name_id, string in names.items():
+        table.setName(string, name_id, 3, 1, 0x409)
+    if not cmap:
+        del fb.font["cmap"]
+    fb.save(str(path))
+    return str(path)
+
+
+def test_a_face_is_named_by_its_full_name_else_its_family_else_its_file(tmp_path):
+    """Name ID 4 (full name), else 1 (family), else ``file#index``; the family key from ID 1, else from
+    the name; a face without a character map is left out without a warning (it covers nothing)."""
+    fonts = [
+        _named_font(tmp_path / "full.ttf", {1: "Tiny Sans", 2: "Italic", 4: "Tiny Sans Italic"}),
+        _named_font(tmp_path / "family.ttf", {1: "Tiny Serif", 2: "Italic"}),
+        _named_font(tmp_path / "none.ttf", {2: "Italic"}),
+        _named_font(tmp_path / "nomap.ttf", {1: "No Map", 4: "No Map"}, cmap=False),
+    ]
+    warned = []
+    faces = glyphs.read_faces(fonts, warn=warned.append)
+    assert warned == []
+    assert [(f.name, f.family) for f, _ in faces] == [
+        ("Tiny Sans Italic", "Tiny Sans"), ("Tiny Serif", "Tiny Serif"), ("none.ttf#0", "none.ttf#0")]
+    assert [c for _, c in faces] == [{0x4E00}] * 3

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -99,3 +100,78 @@ def test_a_run_says_its_threads_and_precision_once(tmp_path, monkeypatch):
     log = (tmp_path / "run" / "train.log").read_text()
     assert log.count("threads: 1 per process (--threads)") == 1
     assert log.count("training in fp32, the faster of the two") == 1 and "precision fp32" in log
+
+
+def test_cpuinfo_is_read_whatever_its_bytes_and_by_default_from_proc(tmp_path):
+    """A byte that is not UTF-8 (a vendor string) is replaced, not an error; a flag with a colon in it
+    is kept whole (the key ends at the first colon); the default is this machine's /proc/cpuinfo."""
+    odd = tmp_path / "odd"
+    odd.write_bytes(b"model name\t: Vendor \xff\xfe CPU\nflags\t\t: fpu sse4:2 avx512_bf16\n")
+    assert cpu._cpuinfo_flags(str(odd)) == {"fpu", "sse4:2", "avx512_bf16"}
+    if os.path.isfile("/proc/cpuinfo"):
+        assert cpu._cpuinfo_flags() == cpu._cpuinfo_flags("/proc/cpuinfo") is not None
+
+
+def test_bf16_support_says_what_it_found(monkeypatch):
+    capability = torch.backends.cpu.get_cpu_capability()
+    monkeypatch.setattr(cpu, "_cpuinfo_flags", lambda: {"avx512_bf16", "amx_bf16"})
+    assert cpu.bf16_support() == (True, f"torch CPU capability {capability}, CPU flags avx512_bf16, amx_bf16")
+    monkeypatch.setattr(cpu, "_cpuinfo_flags", lambda: {"avx2"})
+    assert cpu.bf16_support() == (
+        False, f"torch CPU capability {capability}, no avx512_bf16/amx_bf16/bf16 among the CPU flags")
+    monkeypatch.setattr(cpu, "_cpuinfo_flags", lambda: None)
+    monkeypatch.setattr(cpu.platform, "machine", lambda: "")
+    assert cpu.bf16_support() == (None, f"torch CPU capability {capability} on an unknown CPU")
+    monkeypatch.setattr(cpu.platform, "machine", lambda: "riscv64")
+    assert cpu.bf16_support() == (None, f"torch CPU capability {capability} on riscv64")
+
+
+def test_usable_cores_from_the_affinity_mask_else_the_cpu_count(monkeypatch):
+    monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: {5}, raising=False)
+    assert cpu.usable_cores() == 1
+    monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert cpu.usable_cores() == 3
+
+    def refused(pid):
+        raise OSError("not here")
+
+    monkeypatch.setattr(cpu.os, "sched_getaffinity", refused, raising=False)
+    for count, usable in ((3, 3), (1, 1), (None, 1)):  # None: the count is unknown
+        monkeypatch.setattr(cpu.os, "cpu_count", lambda: count)
+        assert cpu.usable_cores() == usable
+    monkeypatch.delattr(cpu.os, "sched_getaffinity", raising=False)  # not Linux
+    assert cpu.usable_cores() == 1
+
+
+def test_local_processes_under_horovod_and_never_fewer_than_one(monkeypatch):
+    from types import SimpleNamespace
+
+    from shardfc.train.builder import strategy
+
+    local = SimpleNamespace(local_size=lambda: 2)
+    monkeypatch.setattr(strategy, "import_horovod", lambda: local)
+    assert cpu.local_processes("horovod", 8, env={}) == 2
+    local.local_size = lambda: 0
+    assert cpu.local_processes("horovod", 8, env={}) == 1
+    assert cpu.local_processes("ddp", 4, env={"LOCAL_WORLD_SIZE": "0"}) == 1
+    assert cpu.local_processes("dp", 3, env={}) == 1  # one process drives every device
+    assert cpu.local_processes("ddp", 0, env={}) == 1
+
+
+def test_threads_said_in_full():
+    assert cpu.resolve_threads(0, processes=2, cores=8, env={"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2"}) == (
+        1, "OMP_NUM_THREADS=1 (torchrun sets 1 when it is unset; --threads N overrides)")
+    assert cpu.resolve_threads(0, processes=2, cores=8, env={"OMP_NUM_THREADS": "0"}) == (
+        4, "8 usable core(s) / 2 process(es) on this machine; OMP_NUM_THREADS='0' is not a positive integer, ignored")
+    assert cpu.resolve_threads(0, processes=2, cores=7, env={}) == (3, "7 usable core(s) / 2 process(es) on this machine")
+
+
+@pytest.mark.parametrize("strategy, world, threads", [("dp", 4, 6), ("ddp", 3, 2)])
+def test_apply_threads_divides_this_machines_cores_among_its_processes(monkeypatch, strategy, world, threads):
+    for key in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(cpu, "usable_cores", lambda: 6)
+    processes = 6 // threads
+    assert cpu.apply_threads(0, strategy, world) == (
+        f"threads: {threads} per process (6 usable core(s) / {processes} process(es) on this machine)")
+    assert torch.get_num_threads() == threads

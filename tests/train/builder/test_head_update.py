@@ -84,3 +84,14 @@ def test_auto_fuses_adamw_too():
     assert cfg.head_update_not_fusable("cuda") is None
     assert fused_head_update(cfg, torch.device("cuda"), torch.bfloat16) is True
     dataclasses.replace(cfg, head_update="fused").validate()
+
+
+def test_fused_without_triton_says_how_to_install_it(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    with pytest.raises(ConfigError) as err:
+        fused_head_update(dataclasses.replace(BASE, head_update="fused").validate(), torch.device("cuda"), None)
+    assert str(err.value) == ("head_update='fused': Triton is not installed (pip install 'shardfc[gpu]'); "
+                              "use head_update 'auto' or 'optimizer'")

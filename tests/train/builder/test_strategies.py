@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import logging
 import os
 import shutil
 import subprocess
@@ -235,3 +236,323 @@ def test_horovod_outside_horovodrun_is_a_world_of_one(horovodrun, tmp_path):
     assert "outside horovodrun: training as a world of one process" in done.stderr
     assert "shardfc train: 1 rank(s) on cpu (horovod), strategy horovod" in done.stderr
     assert [p.name for p in find_checkpoints(tmp_path / "one" / "checkpoints")] == ["step_00000002"]
+
+
+# ---------------------------------------------------------------------------- the strategy's questions, in this process
+# (What the spawned and horovodrun runs above decide, asked here with the launcher's environment and
+# CUDA stood in for: mutation testing traces only the test's own process.)
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "HOROVOD_RANK",
+                 "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """``launched("torchrun" | "horovodrun" | None)``: this process as if that launcher started it."""
+    def launch(by):
+        for key in LAUNCHER_VARS:
+            monkeypatch.delenv(key, raising=False)
+        if by == "torchrun":
+            for key, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+                monkeypatch.setenv(key, value)
+        elif by == "horovodrun":
+            monkeypatch.setenv("HOROVOD_RANK", "0")
+    launch(None)
+    return launch
+
+
+class FakeHorovod:
+    """What the strategy asks of ``horovod.torch``, recorded."""
+
+    Average = "average"
+
+    def __init__(self):
+        self.calls = []
+        self.initialized = False
+
+    def is_initialized(self):
+        return self.initialized
+
+    def init(self):
+        self.calls.append("init")
+        self.initialized = True
+
+    def local_rank(self):
+        return 3
+
+    def local_size(self):
+        return 2
+
+    def broadcast_parameters(self, state, root_rank):
+        self.calls.append(("broadcast_parameters", sorted(state), root_rank))
+
+    def broadcast_optimizer_state(self, opt, root_rank):
+        self.calls.append(("broadcast_optimizer_state", opt, root_rank))
+
+    def DistributedOptimizer(self, opt, named_parameters, op, backward_passes_per_step):
+        self.calls.append(("DistributedOptimizer", opt, [n for n, _ in named_parameters], op, backward_passes_per_step))
+        return "wrapped"
+
+
+@pytest.fixture
+def hvd(monkeypatch):
+    fake = FakeHorovod()
+    monkeypatch.setattr(strategy_module, "import_horovod", lambda: fake)
+    return fake
+
+
+def test_launch_checks_say_what_to_use_instead(launched, hvd, caplog):
+    check = strategy_module.check_launch
+    dp_refused = ("strategy='dp' is one process driving every GPU; do not start it under torchrun or horovodrun "
+                  "(use --strategy ddp under torchrun, --strategy horovod under horovodrun)")
+    for by in ("torchrun", "horovodrun"):
+        launched(by)
+        with pytest.raises(ConfigError) as err:
+            check(TrainConfig(strategy="dp"))
+        assert str(err.value) == dp_refused
+    with pytest.raises(ConfigError) as err:
+        check(TrainConfig(strategy="pipeline"))
+    assert str(err.value) == "strategy='pipeline' runs over torch.distributed: launch it with --nproc or torchrun"
+    launched("torchrun")
+    with pytest.raises(ConfigError) as err:
+        check(TrainConfig(strategy="horovod"))
+    assert str(err.value) == ("strategy='horovod' under torchrun: launch it with `horovodrun -np N --gloo shardfc train "
+                              "--strategy horovod ...`, or use --strategy ddp under torchrun")
+    # pipeline: its layout is checked before any process starts, with --nproc; under torchrun, by the ranks
+    bad = TrainConfig(strategy="pipeline", pipeline_stages=2, nproc=3, micro_batches=2, batch_size=8,
+                      micro_batch_stats=True)
+    check(bad)
+    launched(None)
+    with pytest.raises(ConfigError, match=r"^strategy='pipeline' on 3 rank\(s\) with backbone='tiny': "):
+        check(bad)
+    check(dataclasses.replace(bad, nproc=2))
+    # horovod outside horovodrun: a world of one, said once; under horovodrun, nothing said
+    with caplog.at_level(logging.WARNING, logger="shardfc.train"):
+        check(TrainConfig(strategy="horovod"))
+        assert caplog.messages == [
+            "strategy='horovod' outside horovodrun: training as a world of one process (--nproc is not used). "
+            "For N processes: horovodrun -np N --gloo shardfc train --strategy horovod ..."]
+        caplog.clear()
+        launched("horovodrun")
+        check(TrainConfig(strategy="horovod"))
+        assert caplog.messages == []
+
+
+@pytest.mark.parametrize("available, count, device, where", [
+    (False, 4, "auto", "CUDA is not available here"),
+    (True, 1, "auto", "this machine has 1 CUDA device(s)"),
+    (True, 0, "auto", "CUDA is not available here"),
+    (True, 2, "cpu", "device='cpu' was asked for"),
+])
+def test_dp_needs_two_cuda_devices_and_says_what_it_found(monkeypatch, available, count, device, where):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    with pytest.raises(ConfigError) as err:
+        strategy_module.dp_devices(TrainConfig(strategy="dp", device=device))
+    assert str(err.value) == (
+        "strategy='dp' replicates the backbone over CUDA devices with nn.DataParallel in one process and shards "
+        f"the head over them, but {where}: on the CPU or a single device DataParallel replicates nothing. Use "
+        "--strategy ddp (one process per device or CPU share: --nproc N, or torchrun), or --strategy horovod "
+        "under horovodrun")
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_dp_replicates_over_every_visible_cuda_device(monkeypatch, count):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    for device in ("auto", "cuda"):
+        assert strategy_module.dp_devices(TrainConfig(strategy="dp", device=device)) == [
+            torch.device("cuda", i) for i in range(count)]
+
+
+def test_the_signal_deadline_is_horovodruns_only(launched):
+    assert strategy_module.signal_deadline_note() is None
+    launched("horovodrun")
+    assert strategy_module.signal_deadline_note() == (
+        "horovodrun kills its workers 5 s after passing a stop signal on, and the checkpoint comes first "
+        "(metrics.csv holds every value: shardfc.train.observe.runlog.plot_metrics draws it)")
+
+
+def test_a_restore_under_horovod_broadcasts_rank_0s_backbone_and_its_optimizer_once_it_has_state(hvd):
+    from types import SimpleNamespace
+
+    module = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    parts = SimpleNamespace(module=module, opt_backbone=opt)
+    strategy_module.sync_after_restore(SimpleNamespace(is_horovod=False), parts)
+    assert hvd.calls == []
+    strategy_module.sync_after_restore(SimpleNamespace(is_horovod=True), parts)
+    assert hvd.calls == [("broadcast_parameters", ["bias", "weight"], 0)]  # no state yet: not broadcast
+    module(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    hvd.calls.clear()
+    strategy_module.sync_after_restore(SimpleNamespace(is_horovod=True), parts)
+    assert hvd.calls == [("broadcast_parameters", ["bias", "weight"], 0), ("broadcast_optimizer_state", opt, 0)]
+
+
+@pytest.mark.parametrize("device, available, wanted", [
+    ("cuda", True, True), ("cuda", False, True), ("auto", True, True), ("auto", False, False),
+    ("cpu", True, False), ("cpu", False, False),
+])
+def test_cuda_is_wanted_when_asked_for_or_auto_finds_it(monkeypatch, device, available, wanted):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    assert strategy_module.wants_cuda(TrainConfig(device=device)) is wanted
+
+
+class StubContext:
+    """``DistContext``'s constructors, their arguments returned."""
+
+    backend = "gloo"
+
+    def __init__(self, device=None):
+        self.made = ("plain", device)
+
+    @classmethod
+    def resolve(cls, group, device):
+        ctx = cls()
+        ctx.made = ("resolve", group, device)
+        return ctx
+
+    @classmethod
+    def horovod(cls, device):
+        ctx = cls()
+        ctx.made = ("horovod", device)
+        return ctx
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """``fake_cuda(available, count)``: torch.cuda as a machine with ``count`` devices would answer."""
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    monkeypatch.setattr(strategy_module, "DistContext", StubContext)
+    chosen = []
+
+    def fake(available, count=0):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: chosen[-1] if chosen else 0)
+    fake.chosen = chosen
+    return fake
+
+
+def test_the_run_context_on_the_device_asked_for(fake_cuda):
+    run_context = strategy_module.run_context
+    fake_cuda(False)
+    with pytest.raises(ConfigError) as err:
+        run_context(TrainConfig(device="cuda"), None)
+    assert str(err.value) == "device='cuda' but CUDA is not available here; use --device cpu or auto"
+    assert run_context(TrainConfig(device="auto"), "group").made == ("resolve", "group", torch.device("cpu"))
+    assert torch.backends.cudnn.benchmark is False
+    fake_cuda(True, 2)
+    assert run_context(TrainConfig(device="auto"), None).made == ("resolve", None, torch.device("cuda", 0))
+    assert torch.backends.cudnn.benchmark is True
+    StubContext.backend = "nccl"
+    try:
+        with pytest.raises(ConfigError) as err:
+            run_context(TrainConfig(device="cpu"), None)
+        assert str(err.value) == "the process group uses NCCL but device is the CPU; use gloo for CPU runs"
+        assert run_context(TrainConfig(device="cuda"), None).made[2] == torch.device("cuda", 0)
+    finally:
+        StubContext.backend = "gloo"
+
+
+def test_the_dp_context_is_its_first_device_in_one_process(fake_cuda, monkeypatch):
+    devices = [torch.device("cpu"), torch.device("meta")]
+    monkeypatch.setattr(strategy_module, "_dp_device_list", lambda cfg: devices)
+    assert strategy_module.run_context(TrainConfig(strategy="dp", device="cpu"), None).made == ("plain", devices[0])
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    with pytest.raises(ConfigError) as err:
+        strategy_module.run_context(TrainConfig(strategy="dp", device="cpu"), None)
+    assert str(err.value) == "strategy='dp' is one process; torch.distributed is initialised here (use --strategy ddp)"
+
+
+def test_the_horovod_context_inits_horovod_once_on_its_local_device(fake_cuda, hvd, monkeypatch):
+    run_context = strategy_module.run_context
+    cfg = TrainConfig(strategy="horovod", device="auto")
+    fake_cuda(False)
+    assert run_context(cfg, None).made == ("horovod", torch.device("cpu"))
+    assert hvd.calls == ["init"]
+    assert run_context(cfg, None).made == ("horovod", torch.device("cpu")) and hvd.calls == ["init"]
+    fake_cuda(True, 2)
+    assert run_context(cfg, None).made == ("horovod", torch.device("cuda", 1))  # local rank 3 of 2 devices
+    assert fake_cuda.chosen == [1]
+    refused = "strategy='horovod' but a torch.distributed group is in use; use --strategy ddp with it"
+    with pytest.raises(ConfigError) as err:
+        run_context(cfg, "group")
+    assert str(err.value) == refused
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    with pytest.raises(ConfigError) as err:
+        run_context(cfg, None)
+    assert str(err.value) == refused
+
+
+def test_dp_loads_a_batch_per_device(monkeypatch):
+    monkeypatch.setattr(strategy_module, "_dp_device_list", lambda cfg: [torch.device("cpu")] * 3)
+    assert strategy_module.loader_batch_size(TrainConfig(strategy="dp", batch_size=8)) == 24
+    assert strategy_module.loader_batch_size(TrainConfig(strategy="ddp", batch_size=8)) == 8
+
+
+def test_a_horovod_optimizer_is_known_by_both_its_methods():
+    class Both:
+        def synchronize(self):
+            pass
+
+        def skip_synchronize(self):
+            pass
+
+    class Synchronize:
+        def synchronize(self):
+            pass
+
+    class Skip:
+        def skip_synchronize(self):
+            pass
+
+    assert strategy_module.is_horovod_optimizer(Both())
+    assert not strategy_module.is_horovod_optimizer(Synchronize())
+    assert not strategy_module.is_horovod_optimizer(Skip())
+    assert not strategy_module.is_horovod_optimizer(object())
+
+
+def test_the_backbone_is_wrapped_as_its_strategy_trains_it(monkeypatch, hvd):
+    from types import SimpleNamespace
+
+    import torch.nn.parallel
+
+    monkeypatch.setattr(strategy_module, "AutocastDataParallel",
+                        lambda module, device_ids, output_device: ("dp", module, device_ids, output_device))
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel",
+                        lambda module, device_ids, process_group: ("ddp", module, device_ids, process_group))
+    wrap = strategy_module.wrap_backbone
+    backbone = torch.nn.Linear(2, 2)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 1)
+    dp = TrainConfig(strategy="dp")
+    for devices, ids in (([cpu, cpu], None), ([torch.device("cuda", 0), cuda], [0, 1]), ([cuda, cpu], None)):
+        monkeypatch.setattr(strategy_module, "_dp_device_list", lambda cfg: devices if cfg is dp else pytest.fail())
+        assert wrap(dp, None, backbone) == ("dp", backbone, ids, ids[0] if ids else None)
+    assert wrap(TrainConfig(strategy="horovod"), None, backbone) is backbone
+    assert hvd.calls == [("broadcast_parameters", ["bias", "weight"], 0)]
+    ranks = SimpleNamespace(distributed=True, world_size=2, device=cpu, group="group")
+    assert wrap(TrainConfig(), ranks, backbone) == ("ddp", backbone, None, "group")
+    ranks.device = cuda
+    assert wrap(TrainConfig(), ranks, backbone) == ("ddp", backbone, [cuda], "group")
+    for distributed, world in ((True, 1), (False, 2)):
+        assert wrap(TrainConfig(), SimpleNamespace(distributed=distributed, world_size=world, device=cpu),
+                    backbone) is backbone
+
+
+def test_the_head_is_placed_and_the_optimizer_wrapped_as_the_strategy_says(monkeypatch, hvd):
+    devices, dp = [torch.device("cpu")] * 2, TrainConfig(strategy="dp")
+    monkeypatch.setattr(strategy_module, "_dp_device_list", lambda cfg: devices if cfg is dp else pytest.fail())
+    assert strategy_module.head_placement(dp, "ctx") == {"devices": devices}
+    for strategy in ("ddp", "horovod", "pipeline"):
+        assert strategy_module.head_placement(TrainConfig(strategy=strategy), "ctx") == {"context": "ctx"}
+    backbone = torch.nn.Linear(2, 2)
+    opt = object()  # the optimizer, passed on as it is
+    for strategy in ("ddp", "dp", "pipeline"):
+        assert strategy_module.wrap_backbone_optimizer(TrainConfig(strategy=strategy), None, backbone, opt) is opt
+    assert hvd.calls == []
+    assert strategy_module.wrap_backbone_optimizer(TrainConfig(strategy="horovod", grad_accum=3), None, backbone,
+                                                   opt) == "wrapped"
+    assert hvd.calls == [("DistributedOptimizer", opt, ["weight", "bias"], "average", 3)]
