@@ -7,6 +7,7 @@ import torch
 
 import shardfc
 from shardfc import margins as M
+from shardfc.head import sampling
 from shardfc.head.partial_fc import RowSparseAdamW, RowSparseSGD, head_optimizer, num_sampled, sample_rows
 
 C, D = 200, 8
@@ -315,6 +316,15 @@ def test_the_draw_is_the_documented_hash_of_row_seed_and_step():
         expect = [PRESENT_KEY if r in (2, 7) else _lowbias32(_lowbias32(r ^ a) ^ b) for r in range(9)]
         assert draw_keys(present, step, seed).tolist() == expect
         assert draw_keys(present, torch.tensor([step]), seed).tolist() == expect  # from a device counter too
+    # Past one block of the torch form (DRAW_ROWS rows at a time): every block keys its own rows
+    n = sampling.DRAW_ROWS + 5
+    s1, s2 = mix_seed(4) % 2**32, mix_seed(4) // 2**32 % 2**32
+    a = _lowbias32(9 ^ s1)
+    b = _lowbias32(a ^ s2)
+    tail = draw_keys(torch.zeros(n, dtype=torch.bool), 9, 4)[-10:].tolist()
+    assert tail == [_lowbias32(_lowbias32(r ^ a) ^ b) for r in range(n - 10, n)]
+    # sample_rows' stream is seed 0 unless given
+    assert torch.equal(sample_rows(torch.tensor([3]), 200, 0.1, step=2), sample_rows(torch.tensor([3]), 200, 0.1, 2, 0))
 
 
 def test_the_draw_is_uniform_and_new_every_step():

@@ -45,3 +45,16 @@ def test_the_head_s_draw_on_this_device_equals_the_torch_form():
         counter = torch.tensor([step], dtype=torch.int64, device=DEVICE)
         keys = sampling.draw_keys(present.to(DEVICE), counter, seed)
         assert keys.device.type == DEVICE.type and torch.equal(keys.cpu(), _torch_keys(present, step, seed))
+
+
+def test_on_the_meta_device_the_head_s_draw_is_the_kernel_s_one_launch():
+    """``shardfc plan --bytes`` counts the draw as the GPU runs it: one launch reading the
+    positives' bytes and writing the keys."""
+    from shardfc.head.fused import traffic
+
+    seen = []
+    with traffic.recording(lambda kernel, reads, writes, flops: seen.append((kernel, [r.nbytes for r in reads],
+                                                                            [w.nbytes for w in writes]))):
+        keys = sampling.draw_keys(torch.zeros(1000, dtype=torch.bool, device="meta"), 0, seed=5)
+    assert keys.device.type == "meta" and keys.shape == (1000,)
+    assert seen == [("draw_keys", [1000], [8000])]
