@@ -372,3 +372,38 @@ def test_a_step_number_set_on_the_host_is_the_one_the_device_counter_draws():
     (counter,) = jumped.draw_tensors()
     assert int(counter) == 4 and jumped._draw_steps._held["cpu"][1] == 4  # the host's mirror of it too
     assert jumped._draw_steps.on(torch.device("cpu"), 4) is counter  # the tensor the draw reads, no number
+
+
+def test_each_param_group_has_its_own_device_numbers_and_the_idle_step_matrix_is_fp64():
+    """The numbers a kernel or the idle clock reads are per group (two groups at two learning rates
+    must not share one tensor) and the idle step's matrix keeps the eager record's fp64."""
+    head = shardfc.ShardedMarginHead(D, C, sample_rate=0.2, devices=["cpu", "cpu"])
+    w0, w1 = head.shard_weights
+    opt = RowSparseSGD([{"params": [w0], "lr": 0.1}, {"params": [w1], "lr": 0.01}], lr=0.1, momentum=0.9,
+                       sampled_rows=head.take_sampled_rows)
+    g0, g1 = opt.param_groups
+    cpu = torch.device("cpu")
+    t0, t1 = opt._device_scalars(g0, cpu, (0.1, 0.9, 0.0)), opt._device_scalars(g1, cpu, (0.01, 0.9, 0.0))
+    assert t0 is not t1 and t0.tolist() != t1.tolist()
+    opt.zero_grad()
+    head(*_batch(0)).backward()
+    opt.step()
+    c0, c1 = opt._clocks[w0], opt._clocks[w1]
+    m0, m1 = opt._step_record_scalars(c0, g0), opt._step_record_scalars(c1, g1)
+    assert m0 is not m1 and m0.dtype == m1.dtype == torch.float64
+    from shardfc.head.catch_up import sgd_idle_matrix
+
+    assert m1.tolist() == [v for row in sgd_idle_matrix(0.01, 0.9, 0.0, False) for v in row]
+
+
+def test_a_dense_step_after_sampled_ones_leaves_no_row_behind():
+    """A step of every row (an evaluation-mode forward in training) brings every row to now: the
+    idle clock goes, so no later catch-up applies the steps a row already took."""
+    head = shardfc.ShardedMarginHead(D, C, sample_rate=0.2)
+    opt = head_optimizer(head, "sgd", lr=0.1, momentum=0.9)
+    for step, training in enumerate([True, True, False]):
+        head.train(training)
+        opt.zero_grad()
+        head(*_batch(step)).backward()
+        opt.step()
+        assert bool(opt._clocks) == training

@@ -84,9 +84,8 @@ def test_partial_fc_is_captured_with_sgd_and_with_lazy_adamw_but_not_exact_adamw
         ("adamw", "exact", "RowSparseAdamW with idle_rows='exact' catches idle rows up by iterating their missed "
                            "steps a number of times the host counts; capture SGD, or AdamW with idle_rows='lazy'")]:
         opt = head_optimizer(head, name, lr=0.1, fused_update=True, idle_rows=idle)
-        assert capture_unavailable(head, opt, cuda_available=True) == (
-            None if DEVICE.type == "cuda" or reason else f"the head's shards are on ['{DEVICE}'], not on one CUDA device"
-        ) if reason is None else reason
+        expect = reason or (None if DEVICE.type == "cuda" else f"the head's shards are on ['{DEVICE}'], not on one CUDA device")
+        assert capture_unavailable(head, opt, cuda_available=True) == expect, (name, idle)
     dense = _head()  # an exact AdamW of a head without sampling keeps no idle rows: captured
     opt = head_optimizer(dense, "adamw", lr=0.1, fused_update=True)
     assert opt.capture_unavailable() is None
@@ -473,6 +472,20 @@ def test_a_capture_waits_for_the_clock_the_first_sampled_step_makes_and_recaptur
     assert step.last_call == "eager" and step.captures == 1
     step.step(*_batch(4))
     assert step.last_call == "captured" and step.captures == 2
+    # Any one tensor the graph writes put elsewhere (the momentum, the clock's table or stamps): the
+    # graph would write the old one, so eager again and a new capture
+    (clock,) = opts[1]._clocks.values()
+    state = opts[1].state[graphed.weight]
+    for i, swap in enumerate([lambda: state.update(momentum_buffer=state["momentum_buffer"].clone()),
+                              lambda: setattr(clock, "table", clock.table.clone()),
+                              lambda: setattr(clock, "stamps", clock.stamps.clone())]):
+        step.step(*_batch(5 + 3 * i))
+        assert step.last_call == "replayed"
+        swap()
+        step.step(*_batch(6 + 3 * i))
+        assert step.last_call == "eager", i
+        step.step(*_batch(7 + 3 * i))
+        assert step.last_call == "captured" and step.captures == 3 + i
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the CPU's rehearsal of the captured step")
@@ -545,7 +558,8 @@ def test_inside_a_capture_no_work_is_skipped_on_what_the_host_knows_now(monkeypa
     assert not caught[1:] and clock.length == length + 2  # due, but left to the host after the replay
     fresh = head_optimizer(_head(sample_rate=0.2), "sgd", lr=0.05, fused_update=True)
     w = fresh.param_groups[0]["params"][0]
-    with pytest.raises(RuntimeError, match="a CUDA graph capture reached a parameter's first sampled step"):
+    with pytest.raises(RuntimeError, match=r"^a CUDA graph capture reached a parameter's first sampled step: run one "
+                       r"step eagerly first \(CapturedHeadStep does\)$"):
         fresh._advance(w, fresh.param_groups[0], rows)
     with pytest.raises(RuntimeError, match=r"^the Partial FC step counter was set to 7 inside a CUDA graph capture \(the "
                        r"device holds 1\): stage it before capturing or replaying \(CapturedHeadStep does\)$"):
