@@ -303,7 +303,7 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
         for p in params:
             clock = self._clocks.get(p)
             if clock is not None:
-                out += [clock.stamps, clock.now] + ([clock.table] if clock.table is not None else [])
+                out += [clock.stamps, clock.now, clock.table]  # every clock makes its table when made
         return out
 
     def _grad_scale_on(self, device: torch.device) -> Optional[Tensor]:
