@@ -382,7 +382,8 @@ def test_the_number_of_eager_steps_is_checked(monkeypatch, bad):
     monkeypatch.setattr(capture, "capture_unavailable", lambda *a, **k: None)
     with pytest.raises(ValueError, match=rf"eager_steps must be an integer >= 1, got {re.escape(repr(bad))}"):
         CapturedHeadStep(None, None, eager_steps=bad)
-    assert CapturedHeadStep(None, None, eager_steps=1).eager_steps == 1
+    made = CapturedHeadStep(None, None, eager_steps=1)
+    assert made.eager_steps == 1 and made._held == []
 
 def test_cuda_availability_is_asked_of_torch_when_not_given(monkeypatch):
     head = _head()
@@ -476,6 +477,8 @@ def test_a_capture_waits_for_the_clock_the_first_sampled_step_makes_and_recaptur
     # graph would write the old one, so eager again and a new capture
     (clock,) = opts[1]._clocks.values()
     state = opts[1].state[graphed.weight]
+    held = {id(t) for t in step._held}  # kept alive while the graph lives: no other tensor takes their address
+    assert {id(graphed.weight), id(state["momentum_buffer"]), id(clock.table), id(clock.stamps), id(clock.now)} <= held
     for i, swap in enumerate([lambda: state.update(momentum_buffer=state["momentum_buffer"].clone()),
                               lambda: setattr(clock, "table", clock.table.clone()),
                               lambda: setattr(clock, "stamps", clock.stamps.clone())]):
