@@ -267,6 +267,7 @@ def test_truncated_latest_is_skipped(tmp_path: Path, caplog: pytest.LogCaptureFi
     with caplog.at_level(logging.WARNING, logger="shardfc.checkpoint"):
         assert latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
     assert any("head_0.pt" in r.getMessage() and "truncated" in r.getMessage() for r in caplog.records)
+    assert any(r.getMessage().startswith(f"skipping invalid checkpoint {bad}: checkpoint file ") for r in caplog.records)
     with pytest.raises(CheckpointError, match=r"head_0\.pt is truncated"):
         load_checkpoint(bad, class_range=range(7), num_classes=7)
     with pytest.raises(CheckpointError, match=r"head_0\.pt"):
@@ -305,6 +306,42 @@ def test_resolve_resume(tmp_path: Path) -> None:
     assert resolve_resume(tmp_path, "step_00000009") == path  # relative to root
     with pytest.raises(FileNotFoundError, match="step_00000010"):
         resolve_resume(tmp_path, "step_00000010")
+
+
+def test_resolve_resume_edge_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_resume(tmp_path, None) is None and resolve_resume(None, " NONE ") is None
+    with pytest.raises(ValueError, match=r"^resume='auto' needs a checkpoint root, got root=None$"):
+        resolve_resume(None, "Auto")
+    here, root = tmp_path / "here", tmp_path / "root"
+    mine, theirs = _save_single(here, 9), _save_single(root, 9)
+    monkeypatch.chdir(here)
+    assert resolve_resume(root, mine.name).resolve() == mine  # a name that exists here is not looked up under root
+    assert resolve_resume(root, "step_00000009/").resolve() == mine
+    (mine.parent / "elsewhere").mkdir()
+    monkeypatch.chdir(mine.parent / "elsewhere")
+    assert resolve_resume(root, "step_00000009") == theirs
+    with pytest.raises(FileNotFoundError, match=r"^resume='step_00000009': no checkpoint directory at step_00000009$"):
+        resolve_resume(None, "step_00000009")
+
+
+def test_checkpoint_at_a_checkpoint_a_run_folder_or_a_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardfc.checkpoint import checkpoint_at
+
+    run = tmp_path / "run"
+    first, second = _save_single(run / "checkpoints", 1), _save_single(run / "checkpoints", 2)
+    assert checkpoint_at(first) == first and checkpoint_at(str(second)) == second
+    assert checkpoint_at(run) == checkpoint_at(run / "checkpoints") == second
+    (tmp_path / "empty").mkdir()
+    assert checkpoint_at(tmp_path / "empty") is None and checkpoint_at(tmp_path / "missing") is None
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert checkpoint_at("~/run") == second
+    data = bytearray((second / "common.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (second / "common.pt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"common\.pt is corrupt: sha256"):
+        checkpoint_at(second)
+    assert checkpoint_at(second, check_hashes=False) == second
+    assert checkpoint_at(run) == first  # the newest complete one
 
 
 # --------------------------------------------------------------------------- two gloo processes

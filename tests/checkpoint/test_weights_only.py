@@ -153,3 +153,66 @@ def test_load_pt_reads_a_link_the_user_names_but_not_one_a_meta_json_names(tmp_p
     assert torch.equal(load_pt(tmp_path / "link.pt", "cpu", trust_pickle=False, meta={}, mmap=mmap)["w"], torch.ones(3))
     with pytest.raises(CheckpointError, match="link.pt: it is a symlink"):
         load_pt(tmp_path / "link.pt", "cpu", trust_pickle=False, meta={}, mmap=mmap, follow_symlinks=False)
+
+
+def test_check_plain_walks_every_value_and_takes_tuple_keys() -> None:
+    from shardfc.checkpoint.weights_only import _HOW, check_plain
+
+    check_plain("x", {(1, "a"): [1, 2.0, None], "t": torch.ones(1)})
+    with pytest.raises(ValueError) as err:
+        check_plain("x", [object(), 1])  # a plain value after the bad one on the walk's stack
+    assert str(err.value) == (f"x[0] is a object; {_HOW}, so that they load with torch.load(weights_only=True). "
+                              "Store its state as plain data (e.g. a state_dict(), a tensor or a JSON string)")
+
+
+def test_load_pt_says_what_failed_and_what_the_trusted_load_does(tmp_path: Path, monkeypatch, caplog) -> None:
+    import logging
+
+    from shardfc.checkpoint import weights_only as W
+
+    torch.save({"b": Benign(4), "w": torch.ones(2)}, tmp_path / "pickled.pt")
+    (tmp_path / "link.pt").symlink_to(tmp_path / "pickled.pt")
+    asked = []
+    real = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: asked.append(k.get("mmap", False)) or real(*a, **k))
+    with caplog.at_level(logging.WARNING, logger="shardfc.checkpoint"):
+        got = W.load_pt(tmp_path / "link.pt", "meta", trust_pickle=True, meta={})  # a link the user names, mapped or not
+    assert got["b"].value == 4 and got["w"].device.type == "meta" and asked == [False, False]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"loading {tmp_path / 'link.pt'} with full unpickling (trust_pickle=True): it needs the global test_weights_only.Benign"]
+    assert W.load_pt(tmp_path / "pickled.pt", "cpu", trust_pickle=True, meta={}, mmap=True)["b"].value == 4
+    assert asked[2:] == [True, True]
+
+    path = tmp_path / "pickled.pt"
+    failures = []
+
+    def torch_load(*args):
+        raise failures.pop(0)
+
+    monkeypatch.setattr(W, "_torch_load", torch_load)
+
+    def refusal(*errors, **kw):
+        failures[:] = errors
+        with pytest.raises(CheckpointError) as err:
+            W.load_pt(path, "cpu", meta=kw.pop("meta", {}), **{"trust_pickle": False, **kw})
+        return str(err.value)
+
+    assert refusal(pickle.UnpicklingError("bad  pickle")) == f"cannot read checkpoint file {path}: UnpicklingError: bad pickle"
+    assert refusal(RuntimeError("no")) == f"cannot read checkpoint file {path}: RuntimeError: no"
+    assert refusal(pickle.UnpicklingError("Weights only load failed"), RuntimeError("no"), trust_pickle=True) == (
+        f"cannot read checkpoint file {path}: RuntimeError: no")
+    assert refusal(pickle.UnpicklingError("Weights only load failed"), meta={"format_version": 1}) == (
+        f"refusing to load {path}: it needs objects, which torch.load(weights_only=True) does not allow; unpickling it "
+        "could run arbitrary code. It was written by an older shardfc (checkpoint format 1), whose files could hold "
+        "pickled objects. If you trust this checkpoint, load it with trust_pickle=True (command line: --trust-checkpoint)")
+
+
+def test_torchs_default_turned_off_by_its_variable_does_not_turn_off_the_check(tmp_path: Path, monkeypatch) -> None:
+    """load_pt asks torch for ``weights_only=True`` itself: torch's default (None) follows
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` (and was False before torch 2.6)."""
+    from shardfc.checkpoint.weights_only import load_pt
+
+    torch.save({"b": Benign(4)}, tmp_path / "pickled.pt")
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(CheckpointError, match="refusing to load"):
+        load_pt(tmp_path / "pickled.pt", "cpu", trust_pickle=False, meta={})

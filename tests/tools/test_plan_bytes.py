@@ -252,3 +252,51 @@ def test_plan_bytes_prints_every_chunk_scale_and_refuses_a_scale_it_cannot_take(
     assert "gpu_chunk_scale must be one of (1, 2, 4, 8), got 3" in capsys.readouterr().err
     assert main(["--classes", "100", "--dim", "8", "--batch", "4", "--gpu-chunk-scale", "2"]) == 2
     assert "gpu_chunk_scale sizes the GPU paths' chunks: it needs impl 'triton' or 'gemm'" in capsys.readouterr().err
+
+
+def test_a_kernels_span_and_an_operators_view_of_the_same_bytes_are_one_region():
+    """A span's part is its byte offset (not its element offset): the rows a kernel read at an offset
+    are the rows a torch operator's view of them reads next, from L2."""
+    from shardfc.head.fused.traffic import span
+
+    counter = TrafficCounter(4 * MiB)
+    mode = _MetaStep()
+    mode.observer = counter
+    w = _meta(1024, 256)
+    rows = w[256:512]  # 256 KiB at byte offset 256 KiB
+    with mode:
+        counter.kernel("read", [span(rows)], [])
+        rows.sum()
+    kernel, op = counter.finish().launches
+    assert (kernel.read, op.from_l2, op.read) == (256 * 1024, 256 * 1024, 0)
+
+
+def test_gathered_rows_are_keyed_on_their_index_rows_and_count_only_their_bytes():
+    """``gathered`` through an index tensor: ``n`` rows of ``w``'s width and element size; the same
+    index rows (even through another view of the index tensor) are the same region, other ones not."""
+    from shardfc.head.fused.traffic import gathered
+
+    counter = TrafficCounter(4 * MiB)
+    w, idx = _meta(4096, 256), _meta(64, dtype=torch.int64)
+    row_bytes = 256 * 4
+    counter.kernel("first", [gathered(w, idx, 32, 16)], [])
+    counter.kernel("same rows, another view", [gathered(w, idx[16:], 16, 16)], [])
+    counter.kernel("other rows", [gathered(w, idx, 0, 16)], [])
+    counter.kernel("fewer rows", [gathered(w, idx, 32, 8)], [])
+    first, same, other, fewer = counter.finish().launches
+    assert (first.read, first.from_l2) == (16 * row_bytes, 0)
+    assert (same.read, same.from_l2) == (0, 16 * row_bytes)
+    assert (other.read, other.from_l2) == (16 * row_bytes, 0)
+    assert (fewer.read, fewer.from_l2) == (8 * row_bytes, 0)
+
+
+def test_note_passes_each_launch_to_the_recorder_with_its_flops_zero_unless_told():
+    from shardfc.head.fused.traffic import note, recording
+
+    seen = []
+    note("outside", [], [])
+    with recording(lambda *launch: seen.append(launch)):
+        note("bare", [], [])
+        note("gemm", [], [], 6.0)
+    note("after", [], [])
+    assert seen == [("bare", [], [], 0.0), ("gemm", [], [], 6.0)]

@@ -113,8 +113,68 @@ def test_addmm_f32_on_meta_is_one_gemm_with_an_fp32_output_as_on_cuda():
 ])
 def test_chunk_classes_by_hand(monkeypatch, n_cls, batch, K, D, elem, backward, expected):
     monkeypatch.setattr(chunks, "interpreting", lambda: False)
-    assert chunks.chunk_classes(n_cls, batch, K, D, elem, META, backward) == expected
+    got = chunks.chunk_classes(n_cls, batch, K, D, elem, META, backward)
+    assert got == expected and type(got) is int  # a count of classes: it sizes slices and ranges
     monkeypatch.setattr(chunks, "interpreting", lambda: True)
     assert chunks.chunk_classes(n_cls, batch, K, D, elem, META, backward) == chunks.INTERPRETER_CHUNK == 16
     assert chunks.chunk_classes(n_cls, batch, K, D, elem, META, backward, 4) == 4 * chunks.INTERPRETER_CHUNK
 
+
+
+def test_l2_bytes_of_a_cuda_device_its_own_or_the_current_ones(monkeypatch):
+    seen = []
+    monkeypatch.setattr(chunks, "_cuda_l2_bytes", lambda index: seen.append(index) or 1000 * (index + 1))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert chunks.l2_bytes(torch.device("cuda", 1)) == 2000
+    assert chunks.l2_bytes(torch.device("cuda")) == 4000
+    assert chunks.l2_bytes(torch.device("cuda", 0)) == 1000
+    assert seen == [1, 3, 0]
+    assert chunks.l2_bytes(META) == chunks.l2_bytes(torch.device("cpu")) == chunks.META_L2_BYTES == 50 * 2**20
+
+
+def test_row_tiles_on_a_cuda_device_from_its_own_sm_count(compiled, monkeypatch):
+    seen = []
+    monkeypatch.setattr(chunks.autotune, "sm_count", lambda index: seen.append(index) or 10)
+    # 10 SMs, 4 waves: 40 programs of 32 rows; 1,248 rows are 39
+    assert chunks.row_tile(1280, 32, torch.device("cuda", 2)) == 32
+    assert chunks.row_tile(1248, 32, torch.device("cuda")) == chunks.MIN_ROW_TILE == 8
+    assert chunks.row_tile(100, 4, torch.device("cuda")) == 4  # never wider than the widest
+    assert seen == [2, 0, 0]
+    assert chunks.row_tile(32 * 4 * 132, 32, META) == 32 and chunks.row_tile(32 * 4 * 132 - 32, 32, META) == 8
+
+
+def test_tiles_by_options_and_place(monkeypatch):
+    assert [chunks.heavy(K, f) for K, f in ((1, False), (2, False), (1, True), (3, True))] == [False, True, True, True]
+    assert chunks.unit_for(torch.float16) == 2.0**15 and chunks.unit_for(torch.bfloat16) == chunks.unit_for(torch.float32) == 1.0
+    assert chunks._block_tiles(2, False) == chunks.INTERPRETER_TILES == (16, 16)  # the interpreter's tiles
+    assert chunks.emulate_rtne(torch.empty(1, dtype=torch.bfloat16))
+    assert not chunks.emulate_rtne(torch.empty(1, dtype=torch.float16))
+    monkeypatch.setattr(chunks, "interpreting", lambda: False)
+    assert chunks._block_tiles(1, False) == chunks.EPILOGUE_TILES == (32, 128)
+    assert chunks._block_tiles(2, False) == chunks._block_tiles(1, True) == chunks.HEAVY_EPILOGUE_TILES == (32, 64)
+    assert chunks._tiles(chunks.ROW_TILES) == (32, 128)
+    assert not chunks.emulate_rtne(torch.empty(1, dtype=torch.bfloat16))  # a GPU rounds to nearest itself
+
+
+def test_a_row_updates_numbers_and_state():
+    import struct
+
+    w, buf, m, v, steps = (torch.zeros(4, 2) for _ in range(5))
+    sgd = chunks.RowUpdate(w, buf, 0.5, 0.9, 1e-4, True)
+    assert sgd.hyper_values() == (0.5, 0.9, 1e-4) and all(type(x) is float for x in sgd.hyper_values())
+    assert not sgd.is_adamw and sgd.state() == [w, buf] and [x is y for x, y in zip(sgd.state(), (w, buf))] == [True, True]
+    assert chunks.RowUpdate(w, None, 1, 0, 0, False).state()[0] is w and len(chunks.RowUpdate(w, None, 1, 0, 0, False).state()) == 1
+    adamw = chunks.RowUpdate.adamw(w, m, v, steps, 1e-3, (0.8, 0.99), 1e-6, 0.05)
+    assert (adamw.momentum_buffer, adamw.momentum, adamw.nesterov, adamw.row_step, adamw.weight_decay) == (None, 0.0, False, steps, 0.05)
+    assert adamw.is_adamw and [t is x for t, x in zip(adamw.state(), (w, m, v))] == [True] * 3 and len(adamw.state()) == 3
+    lr, decay, b1_hi, b1_lo, b2_hi, b2_lo, one_b1, one_b2, eps = adamw.hyper_values()
+    assert (lr, decay, one_b1, one_b2, eps) == (1e-3, 1.0 - 1e-3 * 0.05, 1.0 - 0.8, 1.0 - 0.99, 1e-6)
+    for beta, hi, lo in ((0.8, b1_hi, b1_lo), (0.99, b2_hi, b2_lo)):
+        assert hi == struct.unpack("f", struct.pack("f", beta))[0] != beta  # the fp32 nearest
+        assert lo == struct.unpack("f", struct.pack("f", beta - hi))[0] != 0.0
+        assert abs(hi + lo - beta) <= beta * 2.0**-48
+    assert chunks._split(0.5) == (0.5, 0.0) and chunks._fp32(1 + 2.0**-30) == 1.0
+    held = torch.ones(3)
+    assert chunks.RowUpdate(w, buf, 0.5, 0.9, 0.0, False, hyper=held).hyper_on(META) is held
+    assert sgd.hyper_on(torch.device("cpu")).tolist() == torch.tensor([0.5, 0.9, 1e-4]).tolist()
+    assert adamw.hyper_on(META).shape == (9,) and adamw.hyper_on(META).device == META

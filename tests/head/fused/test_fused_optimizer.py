@@ -89,3 +89,116 @@ def test_automatic_is_off_on_the_cpu():
     opt = shardfc.head_optimizer(head, "sgd", lr=0.1)
     assert opt.fused is None
     assert opt._fused_update(head.weight, None, opt.param_groups[0]) is False
+
+
+def test_scalars_on_are_fp32_on_the_device_asked_whatever_the_default_dtype():
+    from shardfc.head.fused.optimizer import scalars_on
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        t = scalars_on((0.1, 2, 5e-4), torch.device("cpu"))
+    finally:
+        torch.set_default_dtype(before)
+    assert t.dtype == torch.float32 and t.device.type == "cpu"
+    assert t.tolist() == torch.tensor([0.1, 2.0, 5e-4], dtype=torch.float32).tolist()
+    assert scalars_on((1.0,), torch.device("meta")).device.type == "meta"
+    out = torch.zeros(2)
+    assert scalars_on((3, 4), torch.device("cpu"), out) is out and out.tolist() == [3.0, 4.0]
+
+
+def test_device_scalars_are_held_per_device_and_a_change_in_a_capture_says_what_it_was(monkeypatch):
+    from shardfc.head.fused import optimizer
+
+    held = optimizer.DeviceScalars()
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    t = held.get("sgd", (0.5, 0.9), cpu)
+    on_meta = held.get("sgd", (0.5, 0.9), meta)
+    assert on_meta.device.type == "meta" and held.get("sgd", (0.5, 0.9), cpu) is t
+    monkeypatch.setattr(optimizer, "capturing", lambda: True)
+    with pytest.raises(RuntimeError) as err:
+        held.get("sgd", (0.25, 0.9), cpu)
+    assert str(err.value) == (
+        "the optimizer's per-step values (0.25, 0.9) changed inside a CUDA graph capture (they were (0.5, 0.9)): "
+        "set the learning rate and the other hyper-parameters before capturing or replaying, not inside the captured step")
+    with pytest.raises(RuntimeError, match=r"^the optimizer's per-step values \(1\.0,\) changed inside a CUDA graph capture "
+                       r"\(they were never staged\): set the learning rate"):
+        held.get("adamw", (1,), cpu)
+
+
+def test_fusable_by_dtype_rounding_and_device(monkeypatch):
+    from types import SimpleNamespace
+
+    from shardfc.head.fused import optimizer
+
+    def param(dtype=torch.float32, device="cpu"):
+        return SimpleNamespace(dtype=dtype, device=torch.device(device))  # what fusable reads of a parameter
+
+    monkeypatch.setattr(optimizer, "interpreting", lambda: False)
+    assert optimizer.fusable(param(device="cuda"), "nearest") is None
+    assert optimizer.fusable(param(torch.bfloat16, "meta"), "nearest") is None
+    assert optimizer.fusable(param(torch.float32, "cuda"), "stochastic") is None  # fp32 is never rounded
+    assert optimizer.fusable(param(torch.float16, "cuda"), "stochastic") == "rounding='stochastic' (the kernel rounds to nearest)"
+    assert optimizer.fusable(param(torch.float64, "cuda"), "nearest") == "parameters of torch.float64 (fp32/bf16/fp16 only)"
+    assert optimizer.fusable(param(), "nearest") == "parameters on cpu, not CUDA"
+    monkeypatch.setattr(optimizer, "interpreting", lambda: True)
+    assert optimizer.fusable(param(), "nearest") is None
+    assert optimizer.fusable(param(device="mps"), "nearest") == "parameters on mps, not CUDA"  # the interpreter runs on the CPU
+
+
+def _regions(regions, names):
+    """Each region as (its tensor's name, part with tensors named, bytes, streamed): a tensor is named
+    by its storage (a region of rows is a view of the tensor)."""
+    def name(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        return next(k for k, v in names.items() if v.untyped_storage()._cdata == x.untyped_storage()._cdata)
+    return [(name(r.tensor), tuple(name(p) for p in r.part), r.nbytes, r.streamed) for r in regions]
+
+
+def test_row_sgd_on_the_meta_device_notes_what_it_would_touch_and_launches_nothing():
+    from shardfc.head.fused.optimizer import row_sgd_
+    from shardfc.head.fused.traffic import recording
+
+    meta = torch.device("meta")
+    p, buf = torch.empty(100, 8, device=meta), torch.empty(100, 8, device=meta)
+    grad, idx = torch.empty(100, 8, device=meta, dtype=torch.bfloat16), torch.empty(30, dtype=torch.int64, device=meta)
+    names = {"p": p, "buf": buf, "grad": grad, "idx": idx}
+    seen = []
+    with recording(lambda *launch: seen.append(launch)):
+        row_sgd_(p, buf, grad, idx, True, 0.1, 0.9, 0.0, False)
+        row_sgd_(p, None, grad, idx, False, 0.1, 0.0, 0.0, False)
+        row_sgd_(p, None, grad, None, False, 0.1, 0.0, 0.0, False)
+        row_sgd_(p, buf, grad, idx[:0], True, 0.1, 0.9, 0.0, False)  # no rows: nothing
+    rows = [("p", ("rows", "idx", 0, 30), 30 * 32, False), ("buf", ("rows", "idx", 0, 30), 30 * 32, False)]
+    idx_span = ("idx", ("span", 0, 240), 240, False)
+    assert [(k, _regions(r, names), _regions(w, names), f) for k, r, w, f in seen] == [
+        ("row_sgd", rows + [("grad", ("rows", "idx", 0, 30), 30 * 16, False), idx_span], rows, 0.0),
+        ("row_sgd", rows[:1] + [("grad", ("span", 0, 30 * 16), 30 * 16, False), idx_span], rows[:1], 0.0),
+        ("row_sgd", [("p", ("span", 0, 3200), 3200, False), ("grad", ("span", 0, 1600), 1600, False)],
+         [("p", ("span", 0, 3200), 3200, False)], 0.0),
+    ]
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_row_sgd_by_itself_with_the_numbers_given_and_a_gradient_scale(nesterov):
+    """``row_sgd_`` called directly (no optimizer, no ``hyper`` tensor): compact rows, momentum, weight
+    decay and the clipping's ``grad_scale``, one row, and no row."""
+    from shardfc.head.fused.optimizer import row_sgd_
+
+    g = torch.Generator().manual_seed(3)
+    p, buf = torch.randn(40, 20, generator=g), torch.randn(40, 20, generator=g)
+    grad, idx = torch.randn(5, 20, generator=g), torch.tensor([3, 7, 8, 21, 39])
+    want_p, want_b = p.clone(), buf.clone()
+    gi = grad / 2.0 + 1e-2 * want_p[idx]
+    want_b[idx] = want_b[idx] * 0.9 + gi
+    want_p[idx] -= 0.5 * (gi + 0.9 * want_b[idx] if nesterov else want_b[idx])
+    row_sgd_(p, buf, grad, idx, False, 0.5, 0.9, 1e-2, nesterov, grad_scale=torch.tensor([2.0]))
+    torch.testing.assert_close(buf, want_b)
+    torch.testing.assert_close(p, want_p)
+    one = torch.ones(1, 20)
+    row_sgd_(p, None, one, torch.tensor([5]), False, 0.25, 0.0, 0.0, nesterov)
+    torch.testing.assert_close(p[5], want_p[5] - 0.25)
+    before = p.clone()
+    row_sgd_(p, None, one[:0], torch.tensor([], dtype=torch.int64), False, 0.25, 0.0, 0.0, nesterov)
+    assert torch.equal(p, before)

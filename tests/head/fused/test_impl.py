@@ -237,3 +237,70 @@ def test_auto_times_the_forward_in_the_real_shards_autotune_bucket(auto_on_gpu, 
     # each of the 9 candidates x 4 calls runs the backward k = ceil(n / 8) times on ceil(n / k) <= 8 classes
     k = -(-real // 8)
     assert len(backwards) == 9 * 4 * k and set(backwards) == {-(-real // k)} and max(backwards) <= 8
+
+
+def test_the_impl_names_and_their_checks():
+    from shardfc.head import fused
+
+    assert [fused.check_impl(n) for n in fused.IMPLS] == ["auto", "triton", "gemm", "torch"]
+    for bad in (None, 1, ("torch",)):
+        with pytest.raises(ValueError, match=rf"impl must be one of \('auto', 'triton', 'gemm', 'torch'\), got {re.escape(repr(bad))}$"):
+            fused.check_impl(bad)
+    assert [fused.check_chunk_scale(s) for s in (1, 2, 4, 8)] == [1, 2, 4, 8]
+    assert fused.check_chunk_scale(None, none_ok=True) is None
+    assert fused.check_chunk_scale(4, "x", none_ok=True) == 4
+    with pytest.raises(ValueError, match=r"^chunk_scale must be one of \(1, 2, 4, 8\), got None$"):
+        fused.check_chunk_scale(None)
+    with pytest.raises(ValueError, match=r"^scale must be None or one of \(1, 2, 4, 8\), got 3$"):
+        fused.check_chunk_scale(3, "scale", none_ok=True)
+
+
+def test_the_timed_names_and_their_split():
+    from shardfc.head import fused
+
+    assert fused.TIMED == ("triton@1", "triton@2", "triton@4", "triton@8", "gemm@1", "gemm@2", "gemm@4", "gemm@8", "torch")
+    assert fused.timed_candidates() == fused.TIMED
+    assert fused.timed_candidates(4) == ("triton@4", "gemm@4", "torch")
+    assert fused.timed_candidates(1) == ("triton@1", "gemm@1", "torch")
+    assert fused.split_timed("gemm@4") == ("gemm", 4) and fused.split_timed("triton@8", 2) == ("triton", 8)
+    assert fused.split_timed("torch") == ("torch", None) and fused.split_timed("gemm", 2) == ("gemm", 2)
+
+
+@pytest.mark.parametrize("value, on", [(None, False), ("", False), ("0", False), ("1", True), ("true", True)])
+def test_interpreting_reads_triton_interpret(monkeypatch, value, on):
+    from shardfc.head import fused
+
+    if value is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert fused.interpreting() is on
+
+
+def test_why_triton_cannot_run_and_which_impl_runs(monkeypatch):
+    from shardfc.head import fused
+
+    cuda, meta, cpu, f32, bf16, f16 = torch.device("cuda"), torch.device("meta"), torch.device("cpu"), torch.float32, torch.bfloat16, torch.float16
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for device in (cuda, meta, cpu):
+        for compute in (f32, bf16, f16):
+            assert fused.triton_unavailable(device, compute, f32) is None
+    assert fused.triton_unavailable(cuda, torch.float64, f32) == "compute dtype torch.float64 is not one of fp32, bf16, fp16"
+    assert fused.triton_unavailable(cuda, f32, bf16) == "the kernels keep fp32 statistics; inputs of torch.bfloat16 need impl='torch'"
+    assert fused.resolve_impl("torch", cpu, torch.float64, torch.float64) == "torch"
+    assert fused.resolve_impl("torch", cuda, f32, f32) == "torch"  # never timed against the others
+    assert fused.resolve_impl("triton", cpu, f32, f32) == "triton" and fused.resolve_impl("gemm", meta, bf16, f32) == "gemm"
+    assert fused.resolve_impl("auto", cuda, f32, f32) == "auto"
+    assert fused.resolve_impl("auto", meta, f32, f32) == fused.resolve_impl("auto", cpu, f32, f32) == "torch"
+    assert fused.resolve_impl("auto", cuda, f32, torch.float64) == "torch"
+    with pytest.raises(ValueError, match=r"^impl='gemm' cannot run: compute dtype torch.float64 is not one of fp32, bf16, fp16$"):
+        fused.resolve_impl("gemm", cuda, torch.float64, f32)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert fused.triton_unavailable(cpu, f32, f32) == (
+        "the head's tensors are on cpu, not a CUDA device (TRITON_INTERPRET=1 runs the kernels on CPU tensors "
+        "with Triton's interpreter, for tests)")
+    assert fused.triton_unavailable(torch.device("cuda", 1), f32, f32) is None
+    assert fused.shapes_only(torch.empty(1, device="meta")) and not fused.shapes_only(torch.empty(1))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    assert fused.triton_unavailable(cuda, f32, f32) == "Triton is not installed (pip install 'shardfc[gpu]')"
