@@ -91,41 +91,6 @@ def test_automatic_is_off_on_the_cpu():
     assert opt._fused_update(head.weight, None, opt.param_groups[0]) is False
 
 
-def test_scalars_on_are_fp32_on_the_device_asked_whatever_the_default_dtype():
-    from shardfc.head.fused.optimizer import scalars_on
-
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        t = scalars_on((0.1, 2, 5e-4), torch.device("cpu"))
-    finally:
-        torch.set_default_dtype(before)
-    assert t.dtype == torch.float32 and t.device.type == "cpu"
-    assert t.tolist() == torch.tensor([0.1, 2.0, 5e-4], dtype=torch.float32).tolist()
-    assert scalars_on((1.0,), torch.device("meta")).device.type == "meta"
-    out = torch.zeros(2)
-    assert scalars_on((3, 4), torch.device("cpu"), out) is out and out.tolist() == [3.0, 4.0]
-
-
-def test_device_scalars_are_held_per_device_and_a_change_in_a_capture_says_what_it_was(monkeypatch):
-    from shardfc.head.fused import optimizer
-
-    held = optimizer.DeviceScalars()
-    cpu, meta = torch.device("cpu"), torch.device("meta")
-    t = held.get("sgd", (0.5, 0.9), cpu)
-    on_meta = held.get("sgd", (0.5, 0.9), meta)
-    assert on_meta.device.type == "meta" and held.get("sgd", (0.5, 0.9), cpu) is t
-    monkeypatch.setattr(optimizer, "capturing", lambda: True)
-    with pytest.raises(RuntimeError) as err:
-        held.get("sgd", (0.25, 0.9), cpu)
-    assert str(err.value) == (
-        "the optimizer's per-step values (0.25, 0.9) changed inside a CUDA graph capture (they were (0.5, 0.9)): "
-        "set the learning rate and the other hyper-parameters before capturing or replaying, not inside the captured step")
-    with pytest.raises(RuntimeError, match=r"^the optimizer's per-step values \(1\.0,\) changed inside a CUDA graph capture "
-                       r"\(they were never staged\): set the learning rate"):
-        held.get("adamw", (1,), cpu)
-
-
 def test_fusable_by_dtype_rounding_and_device(monkeypatch):
     from types import SimpleNamespace
 
