@@ -1,5 +1,7 @@
-"""Evaluation through the pipeline's stages (``evaluate_through_pipeline``): an evaluation that fails
-on stage 0 still sends the other stages their stop message."""
+"""The pipeline strategy's pieces in this process: evaluation through the stages
+(``evaluate_through_pipeline``: an evaluation that fails on stage 0 still sends the other stages their
+stop message), the layout's checks, and below, the stage's cut, plan, step and checkpoint helpers with
+their collectives stood in for (the spawned tests run them on real ranks, which mutmut cannot see)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,16 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
+import torch
+from torch import nn
 
+import shardfc.train.builder.pipeline_train as pt
 from shardfc.parallel import pipeline_forward
+from shardfc.parallel.context import DistContext
+from shardfc.parallel.pipeline import PipelineLayout
 from shardfc.train.builder.pipeline_train import evaluate_through_pipeline
+from shardfc.train.config import ConfigError, TrainConfig
+from shardfc.train.state import RunState
 
 
 def test_a_failed_evaluation_on_stage_0_still_stops_the_other_stages(monkeypatch):
@@ -82,7 +91,6 @@ def test_a_pipeline_layout_is_checked_before_any_process_starts():
     from shardfc.models import build_backbone
     from shardfc.parallel.model_split import available_split_points
     from shardfc.train.builder.pipeline_train import check_pipeline_config
-    from shardfc.train.config import ConfigError, TrainConfig
 
     cfg = TrainConfig(strategy="pipeline", pipeline_stages=2, micro_batches=2, micro_batch_stats=True, batch_size=8)
     points = available_split_points(build_backbone("tiny", cfg.embedding_dim), blocks=True)
@@ -101,3 +109,223 @@ def test_a_pipeline_layout_is_checked_before_any_process_starts():
         "--micro-batch-stats to accept that (the semantics of --grad-accum over micro-batches), or "
         "--micro-batches 1 --pipeline-schedule gpipe")
     assert check_pipeline_config(dataclasses.replace(cfg, micro_batch_stats=False, micro_batches=1), 2) == len(points)
+
+
+# ---------------------------------------------------------------------- in this process (a world of one)
+# The spawned tests (test_pipeline_strategy.py, test_pipeline_four_stages.py, test_builder.py) run every
+# function below on its real ranks; mutation testing sees only the test's own process, so each is run
+# here too, its collectives and torch.distributed's point-to-point calls stood in for.
+
+CPU = torch.device("cpu")
+
+
+class Reducer:
+    """A DistContext stand-in whose all-reduce adds ``extra`` (another rank's share) and records the tensor."""
+
+    def __init__(self, extra=0.0, comm_device=CPU):
+        self.extra, self.comm_device, self.device, self.reduced = extra, comm_device, CPU, []
+
+    def all_reduce_(self, t, op="sum"):
+        self.reduced.append(t.clone())
+        t += self.extra
+        return t
+
+
+def layout_at(stage, stages=3, replica=1, replicas=2, replica_ctx=None, pipe_ctx=None):
+    return PipelineLayout(stages, replicas, stage, replica, "pipe group", replica_ctx or DistContext(),
+                          pipe_ctx or DistContext())
+
+
+def test_the_layout_is_created_over_the_world_with_the_configs_stages_and_the_backbones_cuts(monkeypatch):
+    asked = []
+    monkeypatch.setattr(pt, "check_pipeline_config", lambda cfg, world: asked.append(("check", cfg, world)) or 7)
+    monkeypatch.setattr(pt, "create_layout", lambda *args: asked.append(("create", *args)) or "layout")
+    cfg, ctx = TrainConfig(strategy="pipeline", pipeline_stages=3), DistContext(world_size=6)
+    assert pt.pipeline_layout(cfg, ctx) == "layout"
+    assert asked == [("check", cfg, 6), ("create", ctx, 3, 7)]
+
+
+def test_the_first_stage_sends_its_labels_to_the_last_one_and_counts_them(monkeypatch):
+    import shardfc.parallel.collectives as collectives
+
+    sent, counted = [], []
+    monkeypatch.setattr(torch.distributed, "send", lambda t, dst, group: sent.append((t, dst, group)))
+    monkeypatch.setattr(torch.distributed, "recv", lambda *a, **k: pytest.fail("the first stage received"))
+    monkeypatch.setattr(collectives, "record_comm_bytes", lambda kind, n: counted.append((kind, n)))
+    labels = torch.tensor([[3, 1], [4, 1], [5, 9]], dtype=torch.int32).t()  # not contiguous, not int64
+    assert pt._labels_to_last_stage(layout_at(0), labels, 3, CPU) is None
+    [(t, dst, group)] = sent
+    assert t.dtype is torch.int64 and t.is_contiguous() and t.tolist() == [[3, 4, 5], [1, 1, 9]]
+    assert dst == 2 * 2 + 1 and group == "pipe group"  # stage 2 of replica 1
+    assert counted == [(pt.STAGE_LABELS, 6 * 8)] and pt.STAGE_LABELS == "pipeline_labels"
+
+
+def test_the_last_stage_receives_the_labels_from_the_first_and_a_middle_stage_neither(monkeypatch):
+    import shardfc.parallel.collectives as collectives
+
+    got = []
+
+    def recv(t, src, group):
+        got.append((t.shape, t.dtype, t.device, src, group))
+        t.copy_(torch.arange(t.numel()) + 10)
+
+    monkeypatch.setattr(torch.distributed, "recv", recv)
+    monkeypatch.setattr(torch.distributed, "send", lambda *a, **k: pytest.fail("sent"))
+    monkeypatch.setattr(collectives, "record_comm_bytes", lambda *a: pytest.fail("counted"))
+    out = pt._labels_to_last_stage(layout_at(2), None, 4, CPU)
+    assert out.tolist() == [10, 11, 12, 13] and out.dtype is torch.int64
+    assert got == [(torch.Size([4]), torch.int64, CPU, 1, "pipe group")]  # stage 0 of replica 1
+    assert pt._labels_to_last_stage(layout_at(1), None, 4, CPU) is None and len(got) == 1
+
+
+def test_the_steps_loss_comes_from_replica_0s_last_stage_only():
+    plan = SimpleNamespace(layout=layout_at(2, replica=0), losses=[torch.tensor(1.5), torch.tensor(0.25)])
+    ctx = Reducer(extra=0.5)
+    loss = pt.share_loss(plan, ctx)
+    assert loss.item() == 1.75 + 0.5 and loss.device == CPU and ctx.reduced[0].item() == 1.75
+    for stage, replica in ((2, 1), (1, 0), (0, 0)):
+        ctx = Reducer(extra=0.5)
+        plan = SimpleNamespace(layout=layout_at(stage, replica=replica), losses=[torch.tensor(1.5)])
+        assert pt.share_loss(plan, ctx).item() == 0.5 and ctx.reduced[0].item() == 0.0
+
+
+def test_the_backbones_gradient_is_clipped_by_its_norm_over_every_stage():
+    a, b, c = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))
+    a.grad, b.grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])  # c has none
+    pipe = Reducer(extra=11.0)  # the other stages' squared norm: 25 + 11 = 36
+    plan = SimpleNamespace(layout=layout_at(1, pipe_ctx=pipe))
+    total = pt.clip_stage_grads_([a, b, c], 3.0, plan)
+    assert total.item() == pytest.approx(6.0) and pipe.reduced[0].item() == 25.0
+    assert a.grad.tolist() == pytest.approx([1.5, 0.0]) and b.grad.tolist() == pytest.approx([2.0]) and c.grad is None
+    coef = 3.0 / (6.0 + 1e-6)
+    assert a.grad[0].item() == pytest.approx(3 * coef, rel=1e-7)
+    # under the limit: unchanged
+    a.grad, b.grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])
+    assert pt.clip_stage_grads_([a, b], 10.0, SimpleNamespace(layout=layout_at(0, pipe_ctx=Reducer()))).item() == 5.0
+    assert a.grad.tolist() == [3.0, 0.0] and b.grad.tolist() == [4.0]
+
+
+class Runner:
+    """A PipelineRunner stand-in: its arguments recorded, each step's (images, labels, autocast on) too."""
+
+    def __init__(self, module, layout, device, **kwargs):
+        self.args, self.kwargs = (module, layout, device), kwargs
+        self.local_batch, self.micro_batches, self.steps = kwargs["local_batch"], kwargs["micro_batches"], []
+
+    def step(self, images, labels):
+        self.steps.append((images, labels, torch.is_autocast_enabled("cpu")))
+
+
+class Scaler:
+    def scale(self, loss):
+        return loss * 1024
+
+
+def test_the_stages_schedule_is_built_around_its_parts_with_the_last_stages_loss(monkeypatch):
+    monkeypatch.setattr(pt, "PipelineRunner", Runner)
+    cfg = TrainConfig(strategy="pipeline", pipeline_stages=3, pipeline_schedule="1f1b", micro_batches=4, grad_accum=2,
+                      batch_size=16, micro_batch_stats=True)
+    specs = (((3, 8, 8), torch.float32), ((4, 4, 4), torch.bfloat16), ((8,), torch.float16), ((8,), torch.float32))
+    stage = pt.StageCut(nn.Linear(1, 1), ("a", "b"), ("k1", "k2"), ("p1", "p2"), ("p2",), specs)
+    seen = []
+
+    def head(embeddings, labels):
+        seen.append((embeddings, labels))
+        return (embeddings * labels).sum()
+
+    backbone, layout = nn.Linear(2, 2), layout_at(1)
+    parts = SimpleNamespace(head=head, scaler=Scaler(), backbone=backbone)
+    plan = pt.pipeline_plan(cfg, DistContext(), layout, stage, parts)
+    runner = plan.runner
+    assert runner.args == (backbone, layout, CPU)
+    loss_fn = runner.kwargs.pop("loss_fn")
+    assert runner.kwargs == dict(schedule="1f1b", micro_batches=4, local_batch=16, specs=(specs[1], specs[2]),
+                                 allow_micro_batch_stats=True)
+    assert plan.layout is layout and plan.split_points == ("a", "b") and plan.state_keys == ("k1", "k2")
+    assert plan.param_names == ("p1", "p2") and plan.stage_param_names == ("p2",) and plan.specs is specs
+    assert plan.losses == []
+    emb = torch.tensor([2.0, 3.0], requires_grad=True)
+    scaled = loss_fn(emb, torch.tensor([1.0, 2.0]))
+    assert seen[0][0] is emb and scaled.item() == 8.0 / 8 * 1024  # weight 1 / (4 micro-batches * 2 accumulated)
+    [recorded] = plan.losses
+    assert recorded.item() == 1.0 and recorded.dtype is torch.float32 and not recorded.requires_grad
+    scaled.backward()
+    assert emb.grad.tolist() == [1024 / 8, 2048 / 8]
+    emb = torch.tensor([2.0], dtype=torch.bfloat16)
+    loss_fn(emb, torch.tensor([1.0], dtype=torch.bfloat16))
+    assert plan.losses[-1].dtype is torch.float32 and plan.losses[-1].item() == 0.25
+    # a stage without the head has no loss
+    parts = SimpleNamespace(head=None, scaler=Scaler(), backbone=backbone)
+    plan = pt.pipeline_plan(dataclasses.replace(cfg, micro_batch_stats=False, pipeline_schedule="gpipe"),
+                            DistContext(), layout_at(0), stage, parts)
+    assert plan.runner.kwargs == dict(schedule="gpipe", micro_batches=4, local_batch=16, specs=(specs[0], specs[1]),
+                                      loss_fn=None, allow_micro_batch_stats=False)
+
+
+def step_parts(opt_head=None):
+    backbone = nn.Linear(2, 1)
+    for p in backbone.parameters():
+        p.grad = torch.ones_like(p)
+    return SimpleNamespace(backbone=backbone, opt_backbone=torch.optim.SGD(backbone.parameters(), lr=0.1),
+                           opt_head=opt_head)
+
+
+class HeadOptimizer:
+    def __init__(self):
+        self.calls = []
+
+    def zero_grad(self, set_to_none=True):
+        self.calls.append(set_to_none)
+
+
+def test_a_first_stage_step_reads_its_batches_and_sends_its_labels(monkeypatch):
+    averaged, sent = [], []
+    monkeypatch.setattr(pt, "average_gradients_", lambda params, ctx: averaged.append((params, ctx)))
+    monkeypatch.setattr(pt, "_labels_to_last_stage",
+                        lambda layout, labels, rows, device: sent.append((layout, labels, rows, device)) or "theirs")
+    monkeypatch.setattr(pt, "share_loss", lambda plan, ctx: ("loss", plan, ctx))
+    replicas = DistContext()
+    layout = layout_at(0, replicas=3, replica_ctx=replicas)
+    runner = Runner(None, layout, CPU, local_batch=2, micro_batches=1)
+    plan = SimpleNamespace(layout=layout, runner=runner, losses=[torch.tensor(9.0)])
+    parts = step_parts()
+    frozen = nn.Parameter(torch.zeros(1), requires_grad=False)
+    parts.backbone.frozen = frozen
+    batches = [(torch.ones(2, 3), torch.tensor([1, 2]), [("a.jpg", "truncated")]),
+               (torch.zeros(2, 3), torch.tensor([3, 4]), []),
+               (torch.ones(2, 3), torch.tensor([5, 6]), [("b.jpg", "empty")])]
+    stream, state = iter(batches), RunState(samples_seen=5)
+    cfg, ctx = TrainConfig(strategy="pipeline", grad_accum=2), DistContext()
+    loss, corrupt = pt.pipeline_step(parts, plan, stream, state, cfg, ctx, lambda: torch.autocast("cpu"))
+    assert loss == ("loss", plan, ctx) and corrupt == [("a.jpg", "truncated")]
+    assert plan.losses == [] and state.samples_seen == 5 + 2 * 2 * 3
+    assert all(p.grad is None for p in parts.backbone.parameters())  # zeroed before the step
+    assert [(labels, rows) for _, labels, rows, _ in sent] == [(batches[0][1], 2), (batches[1][1], 2)]
+    assert all(s[0] is layout and s[3] == CPU for s in sent)
+    assert [(images.sum().item(), labels, on) for images, labels, on in runner.steps] == [
+        (6.0, "theirs", True), (0.0, "theirs", True)]
+    [(params, avg_ctx)] = averaged
+    assert avg_ctx is replicas and [id(p) for p in params] == [id(p) for p in (parts.backbone.weight, parts.backbone.bias)]
+    assert next(stream)[2] == [("b.jpg", "empty")]  # two batches read: grad_accum
+
+
+def test_a_later_stage_step_walks_the_row_counts_and_zeroes_the_heads_gradient_in_place(monkeypatch):
+    monkeypatch.setattr(pt, "average_gradients_", lambda params, ctx: None)
+    monkeypatch.setattr(pt, "_labels_to_last_stage", lambda layout, labels, rows, device: ("labels", labels, rows))
+    layout = layout_at(2, replicas=2)
+    runner = Runner(None, layout, CPU, local_batch=4, micro_batches=2)
+    plan = SimpleNamespace(layout=layout, runner=runner, losses=[])
+    head_opt = HeadOptimizer()
+    parts = step_parts(head_opt)
+    state = RunState()
+    cfg, ctx = TrainConfig(strategy="pipeline", grad_accum=3), DistContext()
+    loss, corrupt = pt.pipeline_step(parts, plan, iter([4, 4, 4, 1]), state, cfg, ctx, contextlib.nullcontext)
+    assert head_opt.calls == [False] and corrupt == [] and state.samples_seen == 3 * 4 * 2
+    assert runner.steps == [(None, ("labels", None, 4), False)] * 3
+    assert loss.item() == 0.0  # no loss recorded on this rank (a later stage of replica 1)
+    with pytest.raises(ValueError) as err:
+        pt.pipeline_step(parts, plan, iter([3]), state, cfg, ctx, contextlib.nullcontext)
+    assert str(err.value) == (
+        "pipeline: a local batch of 3 rows, but the schedule was built for local_batch=4 (micro-batches have a "
+        "fixed shape: every step needs the same batch)")
+    assert len(runner.steps) == 3 and state.samples_seen == 24
