@@ -329,3 +329,53 @@ def test_a_later_stage_step_walks_the_row_counts_and_zeroes_the_heads_gradient_i
         "pipeline: a local batch of 3 rows, but the schedule was built for local_batch=4 (micro-batches have a "
         "fixed shape: every step needs the same batch)")
     assert len(runner.steps) == 3 and state.samples_seen == 24
+
+
+def three_linears():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 40), nn.Linear(40, 2))
+    model[1].bias.requires_grad_(False)  # frozen: not the optimizer's
+    return model
+
+
+def test_a_stage_is_cut_alone_at_the_configs_points_else_balanced(monkeypatch):
+    """``cut_stage``: stage ``layout.stage`` of the builder's backbone with the whole build's values, the whole
+    model's keys and trainable parameters, the stage's own, and the chained specs asked of the stage alone."""
+    asked = []
+
+    def chained_activation_specs(module, layout, input_spec, device, autocast):
+        asked.append((module, layout, input_spec, device, autocast))
+        return [((4,), torch.float32), ((40,), torch.float32), ((2,), torch.float32)]
+
+    monkeypatch.setattr(pt, "chained_activation_specs", chained_activation_specs)
+    torch.manual_seed(3)
+    whole = three_linears()
+    layout = layout_at(1, stages=2)
+    cfg, ctx = TrainConfig(strategy="pipeline", pipeline_stages=2), DistContext()
+    torch.manual_seed(3)
+    cut = pt.cut_stage(cfg, ctx, layout, three_linears, (5, 7), "autocast")
+    assert cut.split_points == ("1",)  # balanced: 220 parameters | 82
+    assert cut.state_keys == ("0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias")
+    assert cut.param_names == ("0.weight", "0.bias", "1.weight", "2.weight", "2.bias")
+    assert cut.stage_param_names == ("2.weight", "2.bias")
+    assert cut.specs == (((4,), torch.float32), ((40,), torch.float32), ((2,), torch.float32))
+    assert dict(cut.module.state_dict()).keys() == {"2.weight", "2.bias"}
+    assert all(torch.equal(t, whole.state_dict()[k]) and t.device == CPU for k, t in cut.module.state_dict().items())
+    [(module, lay, input_spec, device, autocast)] = asked
+    assert module is cut.module and lay is layout and device == CPU and autocast == "autocast"
+    assert input_spec == ((3, 5, 7), torch.float32)
+    # the config's split points win; stage 0 of those
+    cut = pt.cut_stage(dataclasses.replace(cfg, split_points=["0"]), ctx, layout_at(0, stages=2), three_linears,
+                       (5, 7), "autocast")
+    assert cut.split_points == ("0",) and cut.stage_param_names == ("0.weight", "0.bias")
+    cut = pt.cut_stage(dataclasses.replace(cfg, split_points=["0"]), ctx, layout, three_linears, (5, 7), None)
+    assert cut.stage_param_names == ("1.weight", "2.weight", "2.bias")
+    assert cut.param_names == ("0.weight", "0.bias", "1.weight", "2.weight", "2.bias")
+
+
+def test_a_cut_the_backbone_cannot_have_is_a_config_error():
+    cfg, ctx = TrainConfig(strategy="pipeline", pipeline_stages=2, split_points=["no.such"]), DistContext()
+    with pytest.raises(ConfigError, match=r"^split_points: split_points: unknown split point .no.such. for Sequential") as err:
+        pt.cut_stage(cfg, ctx, layout_at(1, stages=2), three_linears, (5, 7), None)
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+    with pytest.raises(ConfigError, match=r"^split_points: pipeline_stages=4 but the backbone has 2 split point"):
+        pt.cut_stage(dataclasses.replace(cfg, split_points=[]), ctx, layout_at(1, stages=4), three_linears, (5, 7), None)
