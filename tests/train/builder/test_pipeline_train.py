@@ -379,3 +379,112 @@ def test_a_cut_the_backbone_cannot_have_is_a_config_error():
     assert err.value.__cause__ is None and err.value.__suppress_context__
     with pytest.raises(ConfigError, match=r"^split_points: pipeline_stages=4 but the backbone has 2 split point"):
         pt.cut_stage(dataclasses.replace(cfg, split_points=[]), ctx, layout_at(1, stages=4), three_linears, (5, 7), None)
+
+
+# ---------------------------------------------------------------------- checkpoints per stage, in this process
+
+
+def trained(model):
+    """``model`` and an SGD with momentum over its trainable parameters, after one step (so it has state)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    return opt
+
+
+def whole_and_stage():
+    """A trained whole backbone and its optimizer; stage 1 (``2.*``) of it and a fresh optimizer, as a pipeline rank holds."""
+    from shardfc.parallel.stage_build import build_stage
+
+    torch.manual_seed(0)
+    whole = three_linears()
+    opt = trained(whole)
+    stage = build_stage(three_linears, 1, lambda model: ["1"]).stages[1]
+    stage_opt = torch.optim.SGD(stage.parameters(), lr=0.5, momentum=0.5)
+    plan = SimpleNamespace(layout=layout_at(1, stages=2, replica=0), stage_param_names=("2.weight", "2.bias"),
+                           state_keys=tuple(whole.state_dict()),
+                           param_names=tuple(n for n, p in whole.named_parameters() if p.requires_grad))
+    parts = SimpleNamespace(backbone=stage, module=stage, opt_backbone=stage_opt, scaler=None)
+    return whole, opt, parts, plan
+
+
+def test_a_stages_share_of_a_checkpoint_is_its_entries_and_optimizer_under_the_whole_models_names():
+    _, _, parts, plan = whole_and_stage()
+    parts.backbone(torch.ones(2, 40)).sum().backward()
+    parts.opt_backbone.step()
+    part = pt.stage_part(parts, plan)
+    assert part.index == 1 and part.writes is True
+    assert list(part.model) == ["2.weight", "2.bias"] and torch.equal(part.model["2.bias"], parts.backbone[0].bias)
+    assert part.optimizer == pt.optimizer_by_name(parts.opt_backbone.state_dict(), ("2.weight", "2.bias"))
+    assert set(part.optimizer["state"]) == {"2.weight", "2.bias"}
+    assert part.all_keys == plan.state_keys and part.all_params == plan.param_names
+    plan.layout = layout_at(1, stages=2, replica=1)
+    assert pt.stage_part(parts, plan).writes is False
+
+
+def test_the_scaler_state_comes_from_the_last_stage_to_world_rank_0(monkeypatch):
+    gathered = []
+
+    def gather_object_to(layout, obj, dst_stage):
+        gathered.append((layout, obj, dst_stage))
+        return None if layout.stage else [{"scale": 1.0}, {"scale": 2.0}, {"scale": 3.0}]
+
+    monkeypatch.setattr(pt, "gather_object_to", gather_object_to)
+    scaler = SimpleNamespace(is_enabled=lambda: True, state_dict=lambda: {"scale": 7.0})
+    parts, layout = SimpleNamespace(scaler=scaler), layout_at(0, replica=0)
+    assert pt.stage_scaler_state(parts, SimpleNamespace(layout=layout)) == {"scale": 3.0}
+    assert gathered == [(layout, {"scale": 7.0}, 0)]
+    assert pt.stage_scaler_state(parts, SimpleNamespace(layout=layout_at(2, replica=0))) is None
+    # a stage other than 0 that got the states would still not return them
+    monkeypatch.setattr(pt, "gather_object_to", lambda layout, obj, dst_stage: [{"scale": 1.0}])
+    assert pt.stage_scaler_state(parts, SimpleNamespace(layout=layout_at(1, replica=0))) is None
+    monkeypatch.setattr(pt, "gather_object_to", lambda *a, **k: pytest.fail("gathered with the scaler off"))
+    off = SimpleNamespace(is_enabled=lambda: False, state_dict=lambda: {})
+    assert pt.stage_scaler_state(SimpleNamespace(scaler=off), SimpleNamespace(layout=layout)) is None
+
+
+def test_a_stage_loads_its_entries_and_optimizer_from_a_whole_backbones_state():
+    whole, opt, parts, plan = whole_and_stage()
+    model = dict(whole.state_dict())
+    with torch.no_grad():
+        model["2.weight"] = model["2.weight"] + 1
+    by_name = pt.whole_optimizer_by_name(opt.state_dict(), plan)
+    assert set(by_name["state"]) == set(plan.param_names)
+    pt.load_stage_state(parts, plan, model, by_name)
+    assert torch.equal(parts.backbone[0].weight, whole[2].weight + 1) and torch.equal(parts.backbone[0].bias, whole[2].bias)
+    loaded = parts.opt_backbone.state_dict()
+    assert torch.equal(loaded["state"][0]["momentum_buffer"], opt.state_dict()["state"][3]["momentum_buffer"])
+    assert loaded["param_groups"][0]["lr"] == 0.1 and loaded["param_groups"][0]["momentum"] == 0.9
+    # weights alone: the optimizer starts fresh
+    _, _, parts, plan = whole_and_stage()
+    pt.load_stage_state(parts, plan, model, None)
+    assert torch.equal(parts.backbone[0].weight, model["2.weight"]) and parts.opt_backbone.state_dict()["state"] == {}
+    assert parts.opt_backbone.state_dict()["param_groups"][0]["lr"] == 0.5
+
+
+def test_a_backbone_without_the_stages_keys_is_refused_naming_five():
+    _, _, parts, plan = whole_and_stage()
+    with pytest.raises(ConfigError) as err:
+        pt.load_stage_state(parts, plan, {"2.weight": torch.zeros(2, 40)}, None)
+    assert str(err.value) == "the checkpoint's backbone has no ['2.bias']: saved by another architecture?"
+    parts.backbone = nn.Sequential(*(nn.Linear(1, 1) for _ in range(4)))
+    with pytest.raises(ConfigError) as err:
+        pt.load_stage_state(parts, plan, {"0.weight": torch.zeros(1, 1)}, None)
+    assert str(err.value) == ("the checkpoint's backbone has no ['0.bias', '1.weight', '1.bias', '2.weight', '2.bias']: "
+                              "saved by another architecture?")
+
+
+def test_a_whole_optimizer_must_cover_the_whole_backbones_parameters():
+    _, opt, _, plan = whole_and_stage()
+    state = opt.state_dict()
+    assert pt.whole_optimizer_by_name(state, plan) == pt.optimizer_by_name(state, plan.param_names)
+    plan.param_names = plan.param_names[:-1]
+    with pytest.raises(ConfigError) as err:
+        pt.whole_optimizer_by_name(state, plan)
+    assert str(err.value) == "the checkpoint's backbone optimizer covers 5 parameters, the backbone has 4"
+    with pytest.raises(ConfigError) as err:
+        pt.whole_optimizer_by_name({"state": {}, "param_groups": []}, plan)
+    assert str(err.value) == "the checkpoint's backbone optimizer covers 0 parameters, the backbone has 4"
+    plan.param_names = ()
+    assert pt.whole_optimizer_by_name({"state": {}, "param_groups": []}, plan) == {"state": {}, "param_groups": []}
