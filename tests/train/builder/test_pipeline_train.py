@@ -488,3 +488,130 @@ def test_a_whole_optimizer_must_cover_the_whole_backbones_parameters():
     assert str(err.value) == "the checkpoint's backbone optimizer covers 0 parameters, the backbone has 4"
     plan.param_names = ()
     assert pt.whole_optimizer_by_name({"state": {}, "param_groups": []}, plan) == {"state": {}, "param_groups": []}
+
+
+def whole_parts():
+    torch.manual_seed(1)
+    model = three_linears()
+    return SimpleNamespace(backbone=model, module=model,
+                           opt_backbone=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5,
+                                                        momentum=0.5))
+
+
+@pytest.mark.parametrize("with_optimizer", [True, False])
+def test_a_whole_backbone_in_the_common_file_restores_an_unsplit_run_or_a_stage(with_optimizer):
+    whole, opt, parts, plan = whole_and_stage()
+    common = {"backbone": whole.state_dict(), "backbone_optimizer": opt.state_dict()}
+    loaded = SimpleNamespace(common=common, path="unread", meta={})
+    cfg = TrainConfig()
+    fresh = whole_parts()
+    # (what it returns matters to a resume only, which loads the optimizer)
+    held = pt.restore_backbone(SimpleNamespace(parts=fresh, pipeline=None), loaded, cfg, with_optimizer)
+    assert held is True or not with_optimizer
+    assert all(torch.equal(a, b) for a, b in zip(fresh.module.state_dict().values(), whole.state_dict().values()))
+    lr = fresh.opt_backbone.state_dict()["param_groups"][0]["lr"]
+    assert (lr, len(fresh.opt_backbone.state_dict()["state"])) == ((0.1, 5) if with_optimizer else (0.5, 0))
+    held = pt.restore_backbone(SimpleNamespace(parts=parts, pipeline=plan), loaded, cfg, with_optimizer)
+    assert held is True or not with_optimizer
+    assert torch.equal(parts.backbone[0].weight, whole[2].weight)
+    lr = parts.opt_backbone.state_dict()["param_groups"][0]["lr"]
+    assert (lr, len(parts.opt_backbone.state_dict()["state"])) == ((0.1, 2) if with_optimizer else (0.5, 0))
+    # an import: weights alone
+    loaded.common = {"backbone": whole.state_dict()}
+    fresh = whole_parts()
+    assert pt.restore_backbone(SimpleNamespace(parts=fresh, pipeline=None), loaded, cfg, with_optimizer) is False
+    assert torch.equal(fresh.module[0].weight, whole[0].weight) and fresh.opt_backbone.state_dict()["state"] == {}
+    _, _, parts, plan = whole_and_stage()
+    assert pt.restore_backbone(SimpleNamespace(parts=parts, pipeline=plan), loaded, cfg, with_optimizer) is False
+    assert torch.equal(parts.backbone[0].weight, whole[2].weight) and parts.opt_backbone.state_dict()["state"] == {}
+
+
+@pytest.mark.parametrize("with_optimizer", [True, False])
+def test_a_per_stage_checkpoint_restores_an_unsplit_run_or_only_a_stages_keys(monkeypatch, with_optimizer):
+    whole, opt, parts, plan = whole_and_stage()
+    by_name = pt.whole_optimizer_by_name(opt.state_dict(), plan)
+    read = []
+
+    def read_stage_state(path, meta, keys=None, params=None, *, trust_pickle):
+        read.append((path, meta, keys, params, trust_pickle))
+        return whole.state_dict(), by_name
+
+    monkeypatch.setattr(pt, "read_stage_state", read_stage_state)
+    loaded = SimpleNamespace(common={"head": 1}, path="ckpt/step_5", meta={"stages": 2})
+    cfg = TrainConfig(trust_checkpoint=True)
+    fresh = whole_parts()
+    assert pt.restore_backbone(SimpleNamespace(parts=fresh, pipeline=None), loaded, cfg, with_optimizer) is True
+    assert read == [("ckpt/step_5", {"stages": 2}, None, None, True)]
+    assert all(torch.equal(a, b) for a, b in zip(fresh.module.state_dict().values(), whole.state_dict().values()))
+    state = fresh.opt_backbone.state_dict()
+    assert (state["param_groups"][0]["lr"], len(state["state"])) == ((0.1, 5) if with_optimizer else (0.5, 0))
+    if with_optimizer:
+        assert torch.equal(state["state"][3]["momentum_buffer"], opt.state_dict()["state"][3]["momentum_buffer"])
+    read.clear()
+    cfg = TrainConfig(trust_checkpoint=False)
+    assert pt.restore_backbone(SimpleNamespace(parts=parts, pipeline=plan), loaded, cfg, with_optimizer) is True
+    assert read == [("ckpt/step_5", {"stages": 2}, ["2.weight", "2.bias"], ("2.weight", "2.bias"), False)]
+    assert torch.equal(parts.backbone[0].weight, whole[2].weight)
+    state = parts.opt_backbone.state_dict()
+    assert (state["param_groups"][0]["lr"], len(state["state"])) == ((0.1, 2) if with_optimizer else (0.5, 0))
+
+
+# ---------------------------------------------------------------------- the stage's data and boundaries
+
+
+class Batches:
+    """A sampler stand-in: two batches an epoch, its set_epoch calls recorded."""
+
+    def __init__(self, epoch_batches):
+        self.epoch_batches, self.epochs = epoch_batches, []
+
+    def set_epoch(self, epoch, start=0):
+        self.epochs.append((epoch, start))
+
+    def __iter__(self):
+        return iter(self.epoch_batches[self.epochs[-1][1]:])
+
+
+def test_a_later_stage_walks_the_batch_order_as_row_counts_and_a_first_stage_loads(monkeypatch):
+    from shardfc.train.loader import data
+    from shardfc.train.observe.phases import OFF
+
+    loaded = []
+    monkeypatch.setattr(data, "micro_batches", lambda *args, clock: loaded.append((*args, clock)) or "images")
+    batches, state = Batches([[1, 2, 3], [4, 5]]), RunState(epoch=2, batch_in_epoch=1)
+    cfg, ctx = TrainConfig(), DistContext()
+    rows = pt.stage_stream("dataset", batches, state, cfg, ctx, layout_at(1))
+    assert [next(rows) for _ in range(3)] == [2, 3, 2]
+    assert batches.epochs == [(2, 1), (3, 0)] and (state.epoch, state.batch_in_epoch) == (3, 2)
+    assert next(rows) == 3 and batches.epochs[-1] == (4, 0) and (state.epoch, state.batch_in_epoch) == (4, 1)
+    assert pt.stage_stream("dataset", batches, state, cfg, ctx, layout_at(2), clock="clock") is not None
+    assert loaded == []
+    assert pt.stage_stream("dataset", batches, state, cfg, ctx, layout_at(0), clock="clock") == "images"
+    assert pt.stage_stream("dataset", batches, state, cfg, ctx, layout_at(0)) == "images"
+    assert loaded == [("dataset", batches, state, cfg, ctx, "clock"), ("dataset", batches, state, cfg, ctx, OFF)]
+
+
+def test_a_channels_last_stage_takes_and_hands_on_contiguous_tensors():
+    seen = []
+
+    class Stage(nn.Module):
+        def forward(self, x, y, flag):
+            seen.append((x.is_contiguous(memory_format=torch.channels_last), x.is_contiguous(), y.is_contiguous(), flag))
+            return x.contiguous(memory_format=torch.channels_last) * 2
+
+    stage = Stage()
+    pt.keep_boundaries_contiguous(stage)
+    x, y = torch.arange(2 * 3 * 4 * 5.0).reshape(2, 3, 4, 5), torch.arange(6.0).reshape(2, 3).t()
+    out = stage(x, y, "flag")
+    assert seen == [(True, False, False, "flag")]  # only the 4-d tensor is converted
+    assert out.is_contiguous() and torch.equal(out, x * 2)
+
+    class Pair(nn.Module):
+        def forward(self, x):
+            return (x, x)
+
+    pair = Pair()
+    pt.keep_boundaries_contiguous(pair)
+    x = torch.zeros(1, 2, 3, 3)
+    first, _ = pair(x)
+    assert first.is_contiguous(memory_format=torch.channels_last) and not first.is_contiguous()
