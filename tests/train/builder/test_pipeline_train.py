@@ -615,3 +615,118 @@ def test_a_channels_last_stage_takes_and_hands_on_contiguous_tensors():
     x = torch.zeros(1, 2, 3, 3)
     first, _ = pair(x)
     assert first.is_contiguous(memory_format=torch.channels_last) and not first.is_contiguous()
+
+
+# ---------------------------------------------------------------------- where each tensor goes (mutmut's survivors)
+# This machine has one real device; the meta device stands in for "another one" where a tensor's place is checked.
+
+META = torch.device("meta")
+
+
+def test_the_probe_is_the_runs_own_backbone_built_on_the_meta_device(monkeypatch):
+    built = []
+    real = pt.build_backbone
+
+    def build_backbone(name, *args, **kwargs):
+        built.append((name, args, kwargs, torch.empty(0).device))
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(pt, "build_backbone", build_backbone)
+    cfg = TrainConfig(strategy="pipeline", pipeline_stages=2, embedding_dim=24, micro_batch_stats=True)
+    pt.check_pipeline_config(cfg, 2)
+    assert built == [("tiny", (24,), {"input_size": (32, 32)}, META)]
+
+
+def test_a_stage_is_moved_to_the_runs_device(monkeypatch):
+    monkeypatch.setattr(pt, "chained_activation_specs", lambda module, layout, spec, device, autocast: [device])
+    ctx = SimpleNamespace(device=META)
+    cut = pt.cut_stage(TrainConfig(strategy="pipeline"), ctx, layout_at(1, stages=2), three_linears, (5, 7), None)
+    assert {p.device for p in cut.module.parameters()} == {META} and cut.specs == (META,)
+
+
+class Labels:
+    """Labels as the loader hands them, their ``to`` recorded."""
+
+    def __init__(self, values):
+        self.values, self.to_calls = values, []
+
+    def to(self, *args, **kwargs):
+        self.to_calls.append((args, kwargs))
+        return self.values.to(*args, **kwargs)
+
+
+def test_the_labels_are_sent_and_received_on_the_runs_device(monkeypatch):
+    import shardfc.parallel.collectives as collectives
+
+    sent = []
+    monkeypatch.setattr(torch.distributed, "send", lambda t, dst, group: sent.append(t))
+    monkeypatch.setattr(torch.distributed, "recv", lambda t, src, group: sent.append(t))
+    monkeypatch.setattr(collectives, "record_comm_bytes", lambda kind, n: None)
+    labels = Labels(torch.tensor([1, 2], dtype=torch.int32))
+    pt._labels_to_last_stage(layout_at(0), labels, 2, META)
+    assert labels.to_calls == [((), {"device": META, "dtype": torch.int64})] and sent[0].device == META
+    out = pt._labels_to_last_stage(layout_at(2), None, 2, META)
+    assert out.device == META and sent[1] is out
+
+
+class Images:
+    """A batch of images as the loader hands them: its rows, and its ``to`` recorded."""
+
+    def __init__(self, rows):
+        self.shape, self.to_calls = (rows, 3, 4, 4), []
+
+    def to(self, *args, **kwargs):
+        self.to_calls.append((args, kwargs))
+        return "on the device"
+
+
+def test_a_first_stage_copies_its_images_to_the_device_without_blocking(monkeypatch):
+    monkeypatch.setattr(pt, "average_gradients_", lambda params, ctx: None)
+    monkeypatch.setattr(pt, "_labels_to_last_stage", lambda layout, labels, rows, device: None)
+    layout = layout_at(0)
+    runner = Runner(None, layout, CPU, local_batch=2, micro_batches=1)
+    plan = SimpleNamespace(layout=layout, runner=runner, losses=[])
+    images = Images(2)
+    ctx = SimpleNamespace(device=META, comm_device=CPU, all_reduce_=lambda t: t)
+    pt.pipeline_step(step_parts(), plan, iter([(images, None, [])]), RunState(), TrainConfig(strategy="pipeline"),
+                     ctx, contextlib.nullcontext)
+    assert images.to_calls == [((META,), {"non_blocking": True})] and runner.steps[0][0] == "on the device"
+
+
+def test_the_shared_loss_is_reduced_as_float32_on_the_comm_device_and_returned_on_the_runs():
+    losses = [torch.tensor(1.5, dtype=torch.float64), torch.tensor(0.25, dtype=torch.float64)]
+    comm = Reducer(comm_device=META)
+    comm.device = META
+    loss = pt.share_loss(SimpleNamespace(layout=layout_at(2, replica=0), losses=losses), comm)
+    assert comm.reduced[0].device == META and comm.reduced[0].dtype is torch.float32 and loss.device == META
+    comm = Reducer()  # reduced on the CPU (gloo), the run on another device
+    comm.device = META
+    loss = pt.share_loss(SimpleNamespace(layout=layout_at(2, replica=0), losses=losses), comm)
+    assert comm.reduced[0].device == CPU and comm.reduced[0].dtype is torch.float32 and comm.reduced[0].item() == 1.75
+    assert loss.device == META
+
+
+def test_the_norm_over_the_stages_is_reduced_in_float32_on_the_pipes_comm_device():
+    a = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    a.grad = torch.tensor([3.0, 4.0], dtype=torch.float64)
+    pipe = Reducer()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        total = pt.clip_stage_grads_([a], 1.0, SimpleNamespace(layout=layout_at(0, pipe_ctx=pipe)))
+    finally:
+        torch.set_default_dtype(default)
+    assert pipe.reduced[0].dtype is torch.float32 and total.dtype is torch.float32 and total.item() == 5.0
+    b = nn.Parameter(torch.zeros(2, device=META))
+    b.grad = torch.zeros(2, device=META)
+    pipe = Reducer(comm_device=META)
+    pt.clip_stage_grads_([b], 1.0, SimpleNamespace(layout=layout_at(0, pipe_ctx=pipe)))
+    assert pipe.reduced[0].device == META
+
+
+def test_a_restore_loads_the_optimizer_unless_told_not_to():
+    whole, opt, _, _ = whole_and_stage()
+    loaded = SimpleNamespace(common={"backbone": whole.state_dict(), "backbone_optimizer": opt.state_dict()})
+    fresh = whole_parts()
+    assert pt.restore_backbone(SimpleNamespace(parts=fresh, pipeline=None), loaded, TrainConfig()) is True
+    assert len(fresh.opt_backbone.state_dict()["state"]) == 5
