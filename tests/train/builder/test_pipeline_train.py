@@ -730,3 +730,33 @@ def test_a_restore_loads_the_optimizer_unless_told_not_to():
     fresh = whole_parts()
     assert pt.restore_backbone(SimpleNamespace(parts=fresh, pipeline=None), loaded, TrainConfig()) is True
     assert len(fresh.opt_backbone.state_dict()["state"]) == 5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_gradient_is_scaled_by_the_coefficient_in_its_own_dtype(dtype):
+    torch.manual_seed(0)
+    a = nn.Parameter(torch.zeros(1000, dtype=dtype))
+    a.grad = torch.randn(1000).to(dtype)
+    before = a.grad.clone()
+    total = pt.clip_stage_grads_([a], 0.123456789, SimpleNamespace(layout=layout_at(0, pipe_ctx=Reducer())))
+    coef = (0.123456789 / (total + 1e-6)).clamp(max=1.0)
+    assert torch.equal(a.grad, before * coef.to(dtype))
+    assert not torch.equal(a.grad, before.clone().mul_(coef))  # the float32 coefficient would round otherwise
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a second real device: CUDA")
+def test_the_loss_and_the_norm_cross_from_the_runs_cuda_device_to_a_cpu_comm_device():
+    """Under gloo with CUDA ranks the collectives' tensors are on the CPU, the losses and gradients on
+    the GPU: each crosses explicitly (an in-place CPU op refuses a CUDA operand)."""
+    cuda = torch.device("cuda")
+    comm = Reducer()
+    comm.device = cuda
+    losses = [torch.tensor(1.5, device=cuda), torch.tensor(0.25, device=cuda)]
+    loss = pt.share_loss(SimpleNamespace(layout=layout_at(2, replica=0), losses=losses), comm)
+    assert loss.device.type == "cuda" and loss.item() == 1.75 and comm.reduced[0].device == CPU
+    a = nn.Parameter(torch.zeros(2, device=cuda))
+    a.grad = torch.tensor([3.0, 4.0], device=cuda)
+    pipe = Reducer()
+    assert pt.clip_stage_grads_([a], 1.0, SimpleNamespace(layout=layout_at(0, pipe_ctx=pipe))).item() == 5.0
+    assert pipe.reduced[0].device == CPU and a.grad.device.type == "cuda"
+    assert a.grad.tolist() == pytest.approx([0.6, 0.8])
