@@ -58,3 +58,11 @@ def test_on_the_meta_device_the_head_s_draw_is_the_kernel_s_one_launch():
         keys = sampling.draw_keys(torch.zeros(1000, dtype=torch.bool, device="meta"), 0, seed=5)
     assert keys.device.type == "meta" and keys.shape == (1000,)
     assert seen == [("draw_keys", [1000], [8000])]
+
+
+def test_a_shard_of_2_32_classes_or_more_is_refused_naming_the_count():
+    s1, s2 = sampling.seed_words(0)
+    assert draw.draw_keys_(torch.zeros(2**32 - 1, dtype=torch.bool, device="meta"), 0, s1, s2).shape == (2**32 - 1,)
+    with pytest.raises(ValueError, match=r"^draw_keys_: 4294967296 rows; the draw keys rows by 32-bit words "
+                                         r"\(at most 2\*\*32 - 1\)$"):
+        draw.draw_keys_(torch.zeros(2**32, dtype=torch.bool, device="meta"), 0, s1, s2)

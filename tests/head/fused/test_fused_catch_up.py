@@ -150,3 +150,60 @@ def test_the_sgd_kernel_rounds_bf16_centres_once_to_nearest():
         diff = (a[key].float() - b[key].float()).abs()
         ulp = b[key].float().abs().clamp(min=1e-30) * 2**-7
         assert bool((diff <= ulp).all()), key  # at most one bf16 unit apart (fp32 arithmetic orders)
+
+
+def _clock_with_history(n_rows: int, dim: int, steps: int, with_momentum: bool):
+    """An SGD clock of ``steps`` recorded steps whose rows sit at assorted stamps, the weight and its
+    momentum random: what the launcher is handed between two steps."""
+    from shardfc.head.catch_up import SGDClock
+
+    g = torch.Generator().manual_seed(steps)
+    p = torch.randn(n_rows, dim, generator=g).to(DEVICE)
+    buf = torch.randn(n_rows, dim, generator=g).to(DEVICE) if with_momentum else None
+    clock = SGDClock(p)
+    for s in range(steps):
+        clock.record(0.1 * (1 + s % 3), 0.9 if with_momentum else 0.0, 5e-3, False, always=True)
+        clock.mark_current(torch.tensor([s % n_rows, (3 * s + 1) % n_rows], device=DEVICE))
+    return p, buf, clock
+
+
+@pytest.mark.parametrize("with_momentum", [True, False])
+@pytest.mark.parametrize("rows", [None, [7, 0, 12, 3]], ids=["every_row", "some_rows"])
+def test_the_sgd_launcher_catches_up_the_rows_it_is_given_to_the_device_s_now(with_momentum, rows):
+    """``catch_up_sgd_`` called directly against the clock's torch form on the same state: the rows
+    given (or every row), and only them, brought to now and stamped with ``now`` read on the device."""
+    from shardfc.head.fused.idle_rows import catch_up_sgd_
+
+    p, buf, clock = _clock_with_history(13, 5, 9, with_momentum)
+    idx = None if rows is None else torch.tensor(rows, device=DEVICE)
+    ref_p, ref_buf, ref_clock = p.clone(), None if buf is None else buf.clone(), copy.deepcopy(clock)
+    ref_clock.catch_up_(ref_p, (ref_buf,), idx, lambda x, dtype: x.to(dtype), kernel=False)
+    stamps_before = clock.stamps.clone()
+    catch_up_sgd_(p, buf, idx, clock.stamps, clock.table, clock.now)
+    assert _rel(p.double().cpu(), ref_p.double().cpu()) <= 1e-6
+    if buf is not None:
+        assert _rel(buf.double().cpu(), ref_buf.double().cpu()) <= 1e-6
+    now = int(clock.now)
+    touched = torch.zeros(13, dtype=torch.bool, device=DEVICE)
+    touched[idx if idx is not None else slice(None)] = True
+    assert bool((clock.stamps[touched] == now).all())
+    assert torch.equal(clock.stamps[~touched], stamps_before[~touched])
+
+
+def test_the_sgd_launcher_on_the_meta_device_tells_the_plan_what_it_would_touch():
+    from shardfc.head.fused import traffic
+    from shardfc.head.fused.idle_rows import catch_up_sgd_
+
+    seen = []
+    p, buf = torch.empty(100, 8, device="meta"), torch.empty(100, 8, device="meta")
+    stamps, table, now = (torch.empty(100, dtype=torch.int32, device="meta"),
+                          torch.empty(4, 2, 2, dtype=torch.float64, device="meta"),
+                          torch.empty(1, dtype=torch.int32, device="meta"))
+    record = lambda kernel, reads, writes, flops: seen.append((kernel, [r.nbytes for r in reads],  # noqa: E731
+                                                               [w.nbytes for w in writes]))
+    with traffic.recording(record):
+        catch_up_sgd_(p, buf, torch.arange(10, device="meta"), stamps, table, now)
+        catch_up_sgd_(p, None, None, stamps, table, now)
+        catch_up_sgd_(p, buf, torch.arange(0, device="meta"), stamps, table, now)  # no rows: nothing
+    assert seen == [("catch_up_sgd", [10 * 8 * 4, 10 * 8 * 4, 10 * 8], [10 * 8 * 4, 10 * 8 * 4]),
+                    ("catch_up_sgd", [100 * 8 * 4], [100 * 8 * 4])]

@@ -55,6 +55,8 @@ def draw_keys_(present: Tensor, step: Union[int, Tensor], s1: int, s2: int) -> T
     tensor of one element on ``present``'s device, or an int) with the stream's words ``s1, s2``
     (:func:`~shardfc.head.sampling.seed_words`), in one launch."""
     n = present.shape[0]
+    if n >= 2**32:
+        raise ValueError(f"draw_keys_: {n} rows; the draw keys rows by 32-bit words (at most 2**32 - 1)")
     keys = torch.empty(n, dtype=torch.int64, device=present.device)
     if shapes_only(present):  # meta: what it would touch (shardfc plan --bytes), nothing launched
         note("draw_keys", [span(present)], [span(keys)])
@@ -63,8 +65,6 @@ def draw_keys_(present: Tensor, step: Union[int, Tensor], s1: int, s2: int) -> T
         return keys
     if not isinstance(step, Tensor):
         step = torch.tensor([int(step)], dtype=torch.int64, device=present.device)
-    if n >= 2**32:
-        raise ValueError(f"draw_keys_: {n} rows; the draw keys rows by 32-bit words (at most 2**32 - 1)")
     with torch.cuda.device(present.device) if present.is_cuda else contextlib.nullcontext():
         draw_keys_kernel[(triton.cdiv(n, DRAW_BLOCK),)](
             present.contiguous().view(torch.uint8), keys, step.reshape(1), n, s1, s2, BLOCK=DRAW_BLOCK)
