@@ -168,7 +168,7 @@ def _clock_with_history(n_rows: int, dim: int, steps: int, with_momentum: bool):
 
 
 @pytest.mark.parametrize("with_momentum", [True, False])
-@pytest.mark.parametrize("rows", [None, [7, 0, 12, 3]], ids=["every_row", "some_rows"])
+@pytest.mark.parametrize("rows", [None, [7, 0, 12, 3], [5]], ids=["every_row", "some_rows", "one_row"])
 def test_the_sgd_launcher_catches_up_the_rows_it_is_given_to_the_device_s_now(with_momentum, rows):
     """``catch_up_sgd_`` called directly against the clock's torch form on the same state: the rows
     given (or every row), and only them, brought to now and stamped with ``now`` read on the device."""
@@ -199,11 +199,12 @@ def test_the_sgd_launcher_on_the_meta_device_tells_the_plan_what_it_would_touch(
     stamps, table, now = (torch.empty(100, dtype=torch.int32, device="meta"),
                           torch.empty(4, 2, 2, dtype=torch.float64, device="meta"),
                           torch.empty(1, dtype=torch.int32, device="meta"))
-    record = lambda kernel, reads, writes, flops: seen.append((kernel, [r.nbytes for r in reads],  # noqa: E731
-                                                               [w.nbytes for w in writes]))
+    record = lambda kernel, reads, writes, flops: seen.append((kernel, [(r.part[0], r.nbytes) for r in reads],  # noqa: E731
+                                                               [(w.part[0], w.nbytes) for w in writes]))
     with traffic.recording(record):
         catch_up_sgd_(p, buf, torch.arange(10, device="meta"), stamps, table, now)
         catch_up_sgd_(p, None, None, stamps, table, now)
         catch_up_sgd_(p, buf, torch.arange(0, device="meta"), stamps, table, now)  # no rows: nothing
-    assert seen == [("catch_up_sgd", [10 * 8 * 4, 10 * 8 * 4, 10 * 8], [10 * 8 * 4, 10 * 8 * 4]),
-                    ("catch_up_sgd", [100 * 8 * 4], [100 * 8 * 4])]
+    rows10, span = ("rows", 10 * 8 * 4), ("span", 100 * 8 * 4)  # the sampled rows gathered; every row a span
+    assert seen == [("catch_up_sgd", [rows10, rows10, ("span", 10 * 8)], [rows10, rows10]),
+                    ("catch_up_sgd", [span], [span])]
