@@ -792,21 +792,11 @@ def test_a_fifo_or_a_link_loop_named_like_a_font_is_never_opened(tmp_path):
 def _tiny_cjk_font(path: Path, cmap_format: int, units_per_em: int = 1000, extent: int = 900) -> None:
     """A valid TrueType font of one glyph mapped from U+4E00, its character map one subtable of
     ``cmap_format`` (4 or 12), written by fontTools; the glyph a bar ``extent`` units wide."""
-    from fontTools.fontBuilder import FontBuilder
-    from fontTools.pens.ttGlyphPen import TTGlyphPen
     from fontTools.ttLib.tables._c_m_a_p import CmapSubtable
 
-    fb = FontBuilder(units_per_em, isTTF=True)
-    fb.setupGlyphOrder([".notdef", "yi"])
-    fb.setupCharacterMap({0x4E00: "yi"})
-    pen = TTGlyphPen(None)
-    pen.moveTo((100, 400)), pen.lineTo((extent, 400)), pen.lineTo((extent, 500)), pen.lineTo((100, 500)), pen.closePath()
-    fb.setupGlyf({".notdef": TTGlyphPen(None).glyph(), "yi": pen.glyph()})
-    fb.setupHorizontalMetrics({".notdef": (500, 0), "yi": (1000, 100)})
-    fb.setupHorizontalHeader(ascent=880, descent=-120)
-    fb.setupNameTable({"familyName": "Hostile", "styleName": "Regular"})
-    fb.setupOS2()
-    fb.setupPost()
+    from tiny_fonts import one_glyph_font
+
+    fb = one_glyph_font("Hostile", units_per_em, extent)
     sub = CmapSubtable.newSubtable(cmap_format)
     sub.platformID, sub.platEncID, sub.language, sub.cmap = 3, (10 if cmap_format == 12 else 1), 0, {0x4E00: "yi"}
     fb.font["cmap"].tables = [sub]

@@ -561,20 +561,9 @@ def test_format_4_glyph_arrays_and_deltas_read_as_the_format_says():
 def _named_font(path, names, cmap=True) -> str:
     """A one-glyph TrueType font mapping U+4E00, its name table exactly ``names`` ``{name ID: string}``
     (Windows, English), without a ``cmap`` if not ``cmap``."""
-    from fontTools.fontBuilder import FontBuilder
-    from fontTools.pens.ttGlyphPen import TTGlyphPen
+    from tiny_fonts import one_glyph_font
 
-    fb = FontBuilder(1000, isTTF=True)
-    fb.setupGlyphOrder([".notdef", "yi"])
-    fb.setupCharacterMap({0x4E00: "yi"})
-    pen = TTGlyphPen(None)
-    pen.moveTo((100, 400)), pen.lineTo((900, 400)), pen.lineTo((900, 500)), pen.lineTo((100, 500)), pen.closePath()
-    fb.setupGlyf({".notdef": TTGlyphPen(None).glyph(), "yi": pen.glyph()})
-    fb.setupHorizontalMetrics({".notdef": (500, 0), "yi": (1000, 100)})
-    fb.setupHorizontalHeader(ascent=880, descent=-120)
-    fb.setupNameTable({"familyName": "x", "styleName": "Regular"})
-    fb.setupOS2()
-    fb.setupPost()
+    fb = one_glyph_font("x")
     table = fb.font["name"]
     table.names = []
     for name_id, string in names.items():
