@@ -3,6 +3,9 @@ meet at a barrier (the gloo tests run them in spawned ranks, which mutation test
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -84,19 +87,21 @@ def test_two_ranks_save_one_checkpoint_with_both_shards_and_rank_files(tmp_path:
     assert torch.equal(loaded.head_tensors["weight"], torch.arange(8, dtype=torch.float32).reshape(4, 2))
 
 
-def test_a_failed_write_on_one_rank_fails_every_rank_and_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
+def test_failed_writes_on_some_ranks_fail_every_rank_and_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
     real = S.save_durable
 
     def save_durable(obj: Any, path: Path) -> Any:
-        if path.name == "rank_1.pt":
-            raise OSError("disk full")
+        if path.name in ("rank_1.pt", "rank_2.pt"):
+            raise OSError(f"disk full at {path.name}")
         return real(obj, path)
 
     monkeypatch.setattr(S, "save_durable", save_durable)
-    out = _World(2).run(lambda rank: _save(tmp_path, rank), monkeypatch)
-    assert type(out[1]) is OSError and str(out[1]) == "disk full"  # the failing rank raises its own
+    out = _World(3).run(lambda rank: _save(tmp_path, rank, **_head(range(2 * rank, 2 * rank + 2), 6)), monkeypatch)
+    for rank in (1, 2):  # a failing rank raises its own error
+        assert type(out[rank]) is OSError and str(out[rank]) == f"disk full at rank_{rank}.pt"
     assert type(out[0]) is CheckpointError
-    assert str(out[0]) == f"saving checkpoint step 3 under {tmp_path} failed on rank 1: OSError: disk full"
+    assert str(out[0]) == (f"saving checkpoint step 3 under {tmp_path} failed on rank 1: OSError: disk full at rank_1.pt; "
+                           "rank 2: OSError: disk full at rank_2.pt")
     assert list(tmp_path.iterdir()) == []  # rank 0 removed the scratch directory
 
 
@@ -113,3 +118,70 @@ def test_a_scratch_directory_that_cannot_be_made_is_the_error_raised(tmp_path: P
     with pytest.raises(OSError, match="^no space left$"):
         save_checkpoint(tmp_path, 1, common=None, per_rank=None, fingerprint=FP, **_head(range(4)))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bad_argument_on_one_rank_is_a_value_error_on_every_rank(tmp_path: Path, monkeypatch) -> None:
+    out = _World(3).run(lambda rank: _save(tmp_path, rank, **_head(range(2 * rank, 2 * rank + 2), 6),
+                                           **({"per_rank": [rank]} if rank else {})), monkeypatch)
+    for rank in (1, 2):
+        assert type(out[rank]) is ValueError and str(out[rank]) == "per_rank must be a dict or None, got list"
+    assert type(out[0]) is ValueError
+    assert str(out[0]) == ("save_checkpoint of step 3 failed on rank 1: per_rank must be a dict or None, got list; "
+                           "rank 2: per_rank must be a dict or None, got list")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_any_other_failure_while_checking_is_a_checkpoint_error_on_the_others(tmp_path: Path, monkeypatch) -> None:
+    real = S._prepare
+
+    def prepare(step: Any, keep_last: Any, common: Any, per_rank: Any, *args: Any, **kwargs: Any) -> Any:
+        if per_rank == {"r": 1}:  # rank 1: its copy to the host fails
+            raise RuntimeError("device lost")
+        return real(step, keep_last, common, per_rank, *args, **kwargs)
+
+    monkeypatch.setattr(S, "_prepare", prepare)
+    out = _World(2).run(lambda rank: _save(tmp_path, rank), monkeypatch)
+    assert type(out[1]) is RuntimeError
+    assert type(out[0]) is CheckpointError and str(out[0]) == "save_checkpoint of step 3 failed on rank 1: device lost"
+    # A bad argument on one rank and another failure on the other: not only bad arguments.
+    out = _World(3).run(lambda rank: _save(tmp_path, rank, **_head(range(2 * rank, 2 * rank + 2), 6),
+                                           **({"per_rank": [rank]} if rank == 2 else {})), monkeypatch)
+    assert type(out[0]) is CheckpointError and type(out[1]) is RuntimeError and type(out[2]) is ValueError
+
+
+def test_ranks_saving_other_steps_are_refused(tmp_path: Path, monkeypatch) -> None:
+    out = _World(3).run(lambda rank: save_checkpoint(tmp_path, 3 if rank < 2 else 4, common=None, per_rank=None,
+                                                     fingerprint=FP, **_head(range(2 * rank, 2 * rank + 2), 6)),
+                        monkeypatch)
+    assert all(type(e) is ValueError and str(e) == "step differs across ranks: rank 0 has 3, rank 2 has 4" for e in out)
+
+
+def test_a_failed_publish_on_rank_0_fails_every_rank(tmp_path: Path, monkeypatch) -> None:
+    def publish(*args: Any) -> None:
+        raise OSError("rename failed")
+
+    monkeypatch.setattr(S, "publish", publish)
+    out = _World(2).run(lambda rank: _save(tmp_path, rank), monkeypatch)
+    assert type(out[0]) is OSError and str(out[0]) == "rename failed"
+    assert type(out[1]) is CheckpointError
+    assert str(out[1]) == f"publishing checkpoint step 3 under {tmp_path} failed on rank 0: OSError: rename failed"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_meta_json_is_indented_for_people(tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path, 1, common=None, per_rank=None, fingerprint=FP, **_head(range(4)))
+    text = (path / "meta.json").read_text()
+    assert text == json.dumps(json.loads(text), indent=2)
+
+
+def test_a_resave_moves_the_old_step_aside_under_the_saves_own_scratch_name(tmp_path: Path, monkeypatch) -> None:
+    save_checkpoint(tmp_path, 1, common=None, per_rank=None, fingerprint=FP, **_head(range(4)))
+    moves = []
+    real = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: moves.append((Path(src).name, Path(dst).name)) or real(src, dst))
+    save_checkpoint(tmp_path, 1, common=None, per_rank=None, fingerprint=FP, **_head(range(4)))
+    (aside, into), (scratch, final) = moves[:2]
+    token = scratch.removeprefix(".tmp-step_00000001-")
+    assert re.fullmatch("[0-9a-f]{16}", token)
+    # A name tidy() recognises as a crashed save's leftover, should the process die before it is removed.
+    assert (aside, into, final) == ("step_00000001", f".old-step_00000001-{token}", "step_00000001")
