@@ -185,3 +185,17 @@ def test_a_resave_moves_the_old_step_aside_under_the_saves_own_scratch_name(tmp_
     assert re.fullmatch("[0-9a-f]{16}", token)
     # A name tidy() recognises as a crashed save's leftover, should the process die before it is removed.
     assert (aside, into, final) == ("step_00000001", f".old-step_00000001-{token}", "step_00000001")
+
+
+def test_a_failure_after_the_rename_is_the_error_raised(tmp_path: Path, monkeypatch) -> None:
+    real = S.fsync_dir
+
+    def fsync_dir(path: Path) -> None:
+        if path == tmp_path:  # the root, after the scratch directory was renamed into place
+            raise OSError("fsync failed")
+        real(path)
+
+    monkeypatch.setattr(S, "fsync_dir", fsync_dir)
+    # Not the error of removing the scratch directory, which is gone by then.
+    with pytest.raises(OSError, match="^fsync failed$"):
+        save_checkpoint(tmp_path, 1, common=None, per_rank=None, fingerprint=FP, **_head(range(4)))
