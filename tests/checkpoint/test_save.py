@@ -199,3 +199,33 @@ def test_a_failure_after_the_rename_is_the_error_raised(tmp_path: Path, monkeypa
     # Not the error of removing the scratch directory, which is gone by then.
     with pytest.raises(OSError, match="^fsync failed$"):
         save_checkpoint(tmp_path, 1, common=None, per_rank=None, fingerprint=FP, **_head(range(4)))
+
+
+def test_num_classes_is_checked_in_full_and_one_class_is_enough(tmp_path: Path) -> None:
+    for bad in (0, "2"):
+        with pytest.raises(ValueError, match="^" + re.escape(f"num_classes must be an int >= 1, got {bad!r}") + "$"):
+            save_checkpoint(tmp_path, 1, common=None, per_rank=None, fingerprint=FP, head_tensors={"w": torch.zeros(0, 1)},
+                            class_range=range(0), num_classes=bad)
+    path = save_checkpoint(tmp_path, 1, common=None, per_rank=None, fingerprint=FP, **_head(range(1), 1))
+    assert verify_checkpoint(path)["num_classes"] == 1
+
+
+@pytest.mark.parametrize(("overrides", "start"), [
+    ({"common": [1]}, "common must be a dict or None, got list"),
+    ({"common": {"x": object()}}, "common['x'] is"),
+    ({"per_rank": {"x": object()}}, "per_rank['x'] is"),
+    ({"head_extras": {1: 2}}, "head_extras keys must be str, got 1"),
+    ({"head_extras": {"x": object()}}, "head_extras['x'] is"),
+    ({"fingerprint": {1: 2}}, "fingerprint keys must be str, got 1"),
+    ({"fingerprint": {"x": {1}}}, "fingerprint must be JSON-serialisable"),
+    ({"stage_parts": "parts"}, "stage_parts must be a list of StagePart, got str"),
+])
+def test_each_bad_argument_is_named(tmp_path: Path, overrides: dict[str, Any], start: str) -> None:
+    kwargs: dict[str, Any] = dict(common=None, per_rank=None, fingerprint=FP, **_head(range(4)))
+    with pytest.raises(ValueError, match="^" + re.escape(start)):
+        save_checkpoint(tmp_path, 1, **{**kwargs, **overrides})
+
+
+def test_only_rank_0_writes_common_so_only_its_common_is_checked(tmp_path: Path, monkeypatch) -> None:
+    out = _World(2).run(lambda rank: _save(tmp_path, rank, common={"x": object()} if rank else {"c": 0}), monkeypatch)
+    assert out == [tmp_path / "step_00000003"] * 2
