@@ -229,3 +229,8 @@ def test_each_bad_argument_is_named(tmp_path: Path, overrides: dict[str, Any], s
 def test_only_rank_0_writes_common_so_only_its_common_is_checked(tmp_path: Path, monkeypatch) -> None:
     out = _World(2).run(lambda rank: _save(tmp_path, rank, common={"x": object()} if rank else {"c": 0}), monkeypatch)
     assert out == [tmp_path / "step_00000003"] * 2
+
+
+def test_a_group_without_torch_distributed_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^group='g' was given but torch\.distributed is not initialised$"):
+        save_checkpoint(tmp_path, 1, common=None, per_rank=None, fingerprint=FP, group="g", **_head(range(4)))
