@@ -4,6 +4,7 @@ meet at a barrier (the gloo tests run them in spawned ranks, which mutation test
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import threading
@@ -234,3 +235,10 @@ def test_only_rank_0_writes_common_so_only_its_common_is_checked(tmp_path: Path,
 def test_a_group_without_torch_distributed_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"^group='g' was given but torch\.distributed is not initialised$"):
         save_checkpoint(tmp_path, 1, common=None, per_rank=None, fingerprint=FP, group="g", **_head(range(4)))
+
+
+def test_rank_0_logs_the_checkpoint_it_saved(tmp_path: Path, monkeypatch, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="shardfc.checkpoint")
+    out = _World(2).run(lambda rank: _save(tmp_path, rank), monkeypatch)
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
+        ("shardfc.checkpoint", logging.INFO, f"saved checkpoint {out[0]}")]
