@@ -242,3 +242,34 @@ def test_rank_0_logs_the_checkpoint_it_saved(tmp_path: Path, monkeypatch, caplog
     out = _World(2).run(lambda rank: _save(tmp_path, rank), monkeypatch)
     assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
         ("shardfc.checkpoint", logging.INFO, f"saved checkpoint {out[0]}")]
+
+
+def test_a_pruned_step_is_moved_aside_under_the_saves_own_scratch_name(tmp_path: Path, monkeypatch) -> None:
+    save_checkpoint(tmp_path, 1, common=None, per_rank=None, fingerprint=FP, **_head(range(4)))
+    moves = []
+    real = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: moves.append((Path(src).name, Path(dst).name)) or real(src, dst))
+    save_checkpoint(tmp_path, 2, common=None, per_rank=None, fingerprint=FP, keep_last=1, **_head(range(4)))
+    (scratch, final), (pruned, trash) = moves
+    token = scratch.removeprefix(".tmp-step_00000002-")
+    assert re.fullmatch("[0-9a-f]{16}", token)
+    assert (final, pruned, trash) == ("step_00000002", "step_00000001", f".del-step_00000001-{token}")
+
+
+def test_the_head_from_head_state_or_from_all_three_separate_arguments():
+    none = dict(num_classes=None, class_range=None, tensors=None, extras=None)
+    assert S._head_arguments(none, None, optional=True) is None
+    for given in ({}, {"tensors": {}}, {"tensors": {}, "class_range": range(1)}, {"tensors": {}, "num_classes": 1},
+                  {"class_range": range(1), "num_classes": 1}):
+        with pytest.raises(ValueError, match="^pass head_state, or head_tensors, class_range and num_classes$"):
+            S._head_arguments({**none, **given}, None)
+    separate = {**none, "tensors": {}, "class_range": range(1), "num_classes": 1}
+    assert S._head_arguments(separate, None) == {**separate, "extras": {}}
+    assert S._head_arguments({**separate, "extras": {"e": 1}}, None)["extras"] == {"e": 1}
+    state = {"num_classes": 1, "class_range": range(1), "tensors": {}}
+    assert S._head_arguments(none, state) == {**state, "extras": {}}
+    with pytest.raises(ValueError, match="^pass either head_state or class_range, head_tensors, head_extras, not both$"):
+        S._head_arguments({**none, "tensors": {}, "class_range": range(1), "extras": {}}, state)
+    for bad in ([], {"num_classes": 1, "class_range": range(1)}):
+        with pytest.raises(ValueError, match=r"^head_state must be a dict with num_classes, class_range, tensors \(and extras\)$"):
+            S._head_arguments(none, bad)
