@@ -261,6 +261,12 @@ def test_a_bad_part_is_refused_naming_it():
     _refused(_part(optimizer={"state": {"a": 1, "z": 1}, "param_groups": [{"params": ["a", "y"]}]}),
              "p.optimizer names parameters that are not the stage's: ['y', 'z']")
     _refused(_part(all_keys=["a"], all_params=["b"]), "p holds keys the whole model does not have: ['bn', 'a']")
+    with pytest.raises(ValueError, match=re.escape("p.optimizer['param_groups'][0]['x'] is a object; ")):
+        prepare_part(_part(optimizer={"state": {}, "param_groups": [{"params": ["a"], "x": object()}]}), "p")
+    _refused(_part(optimizer={"state": dict.fromkeys("stuvwz", 1), "param_groups": [{"params": ["a"]}]}),
+             "p.optimizer names parameters that are not the stage's: ['s', 't', 'u', 'v', 'w']")  # the first five
+    _refused(_part(model={k: torch.zeros(1) for k in "abcdef"}, optimizer={"state": {}, "param_groups": []}, all_keys=[]),
+             "p holds keys the whole model does not have: ['a', 'b', 'c', 'd', 'e']")
 
 
 def _info(index: int, keys: list[str], writes: bool = True, digest: str = "d", **changes: Any) -> dict[str, Any]:
