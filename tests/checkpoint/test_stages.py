@@ -300,6 +300,10 @@ def test_every_ranks_parts_checked_together():
     _check_refused([[s0, _info(1, ["b", "c", "a"])]], "the stages' keys do not tile the model's: held twice ['a'], by none []")
     _check_refused([[s0, _info(1, ["b", "c"], params=["b"])]],
                    "the stages' params do not tile the model's: held twice [], by none ['c']")
+    many = dict(all_keys=list("abcdefghijkl"), all_params=[], params=[])  # the first five of each named
+    _check_refused([[_info(0, list("abcdef"), **many), _info(1, list("abcdef"), **many)]],
+                   "the stages' keys do not tile the model's: held twice ['a', 'b', 'c', 'd', 'e'], "
+                   "by none ['g', 'h', 'i', 'j', 'k']")
 
 
 @pytest.fixture
