@@ -14,7 +14,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from shardfc.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
+from shardfc.checkpoint import CheckpointError, StagePart, load_checkpoint, save_checkpoint, verify_checkpoint
 from shardfc.checkpoint import save as S
 from shardfc.parallel.context import DistContext
 
@@ -151,10 +151,10 @@ def test_any_other_failure_while_checking_is_a_checkpoint_error_on_the_others(tm
 
 
 def test_ranks_saving_other_steps_are_refused(tmp_path: Path, monkeypatch) -> None:
-    out = _World(3).run(lambda rank: save_checkpoint(tmp_path, 3 if rank < 2 else 4, common=None, per_rank=None,
+    out = _World(3).run(lambda rank: save_checkpoint(tmp_path, 4 if rank else 3, common=None, per_rank=None,
                                                      fingerprint=FP, **_head(range(2 * rank, 2 * rank + 2), 6)),
                         monkeypatch)
-    assert all(type(e) is ValueError and str(e) == "step differs across ranks: rank 0 has 3, rank 2 has 4" for e in out)
+    assert all(type(e) is ValueError and str(e) == "step differs across ranks: rank 0 has 3, rank 1 has 4" for e in out)
 
 
 def test_a_failed_publish_on_rank_0_fails_every_rank(tmp_path: Path, monkeypatch) -> None:
@@ -273,3 +273,23 @@ def test_the_head_from_head_state_or_from_all_three_separate_arguments():
     for bad in ([], {"num_classes": 1, "class_range": range(1)}):
         with pytest.raises(ValueError, match=r"^head_state must be a dict with num_classes, class_range, tensors \(and extras\)$"):
             S._head_arguments(none, bad)
+
+
+def _stage(index: int, key: str) -> StagePart:
+    return StagePart(index, {key: torch.zeros(1)}, {"state": {}, "param_groups": [{"params": [key]}]}, ["a", "b"], ["a", "b"])
+
+
+def test_a_rank_holding_only_a_stage_writes_no_head_file(tmp_path: Path, monkeypatch) -> None:
+    out = _World(2).run(lambda rank: save_checkpoint(tmp_path, 1, common=None, per_rank=None, fingerprint=FP,
+                                                     stage_parts=[_stage(rank, "ab"[rank])],
+                                                     **(_head(range(4)) if rank == 0 else {})), monkeypatch)
+    assert out == [tmp_path / "step_00000001"] * 2
+    meta = verify_checkpoint(out[0])
+    assert sorted(meta["files"]) == ["backbone_stage0.pt", "backbone_stage1.pt", "common.pt", "head_0.pt"]
+    assert meta["class_ranges"] == [[0, 4]]
+
+
+def test_a_save_without_any_head_shard_is_refused(tmp_path: Path) -> None:
+    parts = [_stage(0, "a"), _stage(1, "b")]
+    with pytest.raises(ValueError, match="^no rank passed a head shard: at least one must$"):
+        save_checkpoint(tmp_path, 1, common=None, per_rank=None, fingerprint=FP, stage_parts=parts)
