@@ -213,6 +213,8 @@ def test_optimizer_state_by_name_and_back_for_any_subset():
     assert optimizer_by_index(by_name, ["y"]) == {"state": {}, "param_groups": [{"lr": 1, "params": [0]}]}
     with pytest.raises(CheckpointError, match=r"^the saved optimizer state has no parameter group for \['w'\]$"):
         optimizer_by_index(by_name, ["x", "w"])
+    with pytest.raises(CheckpointError, match=r"^the saved optimizer state has no parameter group for \['a', 'b', 'c', 'd', 'e'\]$"):
+        optimizer_by_index(by_name, list("xabcdef"))  # the first five named
 
 
 def test_a_part_is_described_and_compacted():
@@ -335,10 +337,23 @@ def test_stage_files_that_do_not_match_meta_json_are_refused(saved):
         read_stage_state(path, {k: v for k, v in meta.items() if k != "backbone_stages"})
     with pytest.raises(CheckpointError, match=re.escape(f"the backbone saved in {path} has no ['z', 'y'] (another architecture?)")):
         read_stage_state(path, meta, ["z", "a"], ["y"])
+    with pytest.raises(CheckpointError, match=re.escape("has no ['d', 'e', 'f', 'g', 'h'] (another")):
+        read_stage_state(path, meta, list("adefghi"))  # the first five named
     stages = meta["backbone_stages"]
     wider = {**meta, "backbone_stages": {**stages, "keys": [*stages["keys"], "d"]}}
     with pytest.raises(CheckpointError, match=re.escape(f"{path}'s stage files hold no ['d']")):
         read_stage_state(path, wider, ["d", "a"])
+    wider = {**meta, "backbone_stages": {**stages, "keys": [*stages["keys"], *"defghi"]}}
+    with pytest.raises(CheckpointError, match=re.escape(f"{path}'s stage files hold no ['d', 'e', 'f', 'g', 'h']")):
+        read_stage_state(path, wider)
     files = dict(stages["files"], **{"backbone_stage1.pt": {"keys": ["c", "b"], "params": ["b", "c"]}})
     with pytest.raises(CheckpointError, match=re.escape(f"{path / 'backbone_stage1.pt'} does not hold the stage part")):
         read_stage_state(path, {**meta, "backbone_stages": {**stages, "files": files}})
+
+
+def test_stage_files_with_other_numbers_of_parameter_groups_are_refused(tmp_path: Path):
+    parts = [_part(0), _part(1, ("b", "c"), optimizer={"state": {}, "param_groups": [{"params": ["b"]}, {"params": ["c"]}]})]
+    path = save_checkpoint(tmp_path, 1, common=None, per_rank=None, stage_parts=parts, **SMALL_HEAD)
+    with pytest.raises(CheckpointError, match="^" + re.escape(f"{path / 'backbone_stage1.pt'} has 2 parameter groups, "
+                                                               "another stage file 1") + "$"):
+        read_stage_state(path, verify_checkpoint(path))
