@@ -245,8 +245,13 @@ def test_the_digest_holds_the_parameters_and_their_optimizer_state_only():
              _part(optimizer={"state": {"a": {"momentum_buffer": torch.full((2,), 11.0)}}, "param_groups": [{"lr": 0.1, "params": ["a"]}]}),
              _part(optimizer={"state": {"a": {"other_buffer": torch.full((2,), 10.0)}}, "param_groups": [{"lr": 0.1, "params": ["a"]}]}),
              _part(optimizer={"state": {}, "param_groups": [{"lr": 0.2, "params": ["a"]}]}),
+             _part(optimizer={"state": {"a": {"momentum_buffer": torch.full((2,), 10.0)}},
+                              "param_groups": [{"lr": 0.2, "params": ["a"]}]}),  # a hyperparameter alone
              _part(optimizer={"state": {}, "param_groups": [{"lr": 0.1, "params": ["a"]}, {"lr": 0.1, "params": []}]}),
              _part(optimizer={"state": {}, "param_groups": [{"lr": 0.1, "params": ["a"]}], "x": 1})]
+    # Keys of several types (plain data allows them below the top level) are ordered by their repr.
+    mixed = _part(optimizer={"state": {}, "param_groups": [{"lr": 0.1, 0: "x", "params": ["a"]}]})
+    assert prepare_part(mixed, "p")[0]["digest"] != digest
     digests = {prepare_part(part, "p")[0]["digest"] for part in other if part.optimizer.keys() == {"state", "param_groups"}}
     assert digest not in digests and len(digests) == len(other) - 1
 
