@@ -362,3 +362,13 @@ def test_stage_files_with_other_numbers_of_parameter_groups_are_refused(tmp_path
     with pytest.raises(CheckpointError, match="^" + re.escape(f"{path / 'backbone_stage1.pt'} has 2 parameter groups, "
                                                                "another stage file 1") + "$"):
         read_stage_state(path, verify_checkpoint(path))
+
+
+def test_a_stage_file_changed_in_one_bit_is_refused_by_default(saved):
+    path, meta = saved
+    f = path / "backbone_stage1.pt"
+    data = bytearray(f.read_bytes())
+    data[data.find(torch.full((2,), 2.0).numpy().tobytes()) + 3] ^= 1  # b's value, same size
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint file {f} is corrupt: sha256 ")):
+        read_stage_state(path, meta)
