@@ -1,18 +1,30 @@
 """A backbone saved per stage: exact moves 2 -> 4 stages and to the unsplit model, reading only the
-files a stage needs, replicas that must agree, a save killed mid-way."""
+files a stage needs, replicas that must agree, a save killed mid-way; and on small hand-made parts
+each refusal in full, what a part's description holds, the replicas' digest, the check of every
+rank's parts and the reading back of chosen keys."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from shardfc import checkpoint as ck
-from shardfc.checkpoint import StagePart, optimizer_by_index, optimizer_by_name, read_stage_state, save_checkpoint
+from shardfc.checkpoint import (
+    CheckpointError,
+    StagePart,
+    optimizer_by_index,
+    optimizer_by_name,
+    read_stage_state,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from shardfc.checkpoint.stages import check_parts, prepare_part
 from shardfc.models import build_backbone
 from shardfc.parallel.model_split import stages as cut_stages
@@ -166,3 +178,197 @@ def test_stage_files_with_other_optimizer_hyperparameters_are_refused(tmp_path):
         read_stage_state(path, meta)
     keys = list(cut_stages(model, TINY)[0].state_dict())
     assert list(read_stage_state(path, meta, keys, [n for n in names if n in keys])[0]) == keys  # stage 0 alone reads
+
+
+# --------------------------------------------------------------------------- small hand-made parts
+
+SMALL_HEAD = dict(head_tensors={"weight": torch.ones(2, 1)}, class_range=range(2), num_classes=2, fingerprint={})
+KEYS = ["a", "bn", "b", "c"]  # bn: a buffer, not a parameter
+PARAMS = ["a", "b", "c"]
+
+
+def _part(index: int = 0, keys=("a", "bn"), writes: bool = True, **changes: Any) -> StagePart:
+    params = [k for k in keys if k != "bn"]
+    model = {k: torch.full((2,), float(KEYS.index(k))) for k in keys}
+    optimizer = {"state": {n: {"momentum_buffer": torch.full((2,), 10.0 + i)} for i, n in enumerate(params)},
+                 "param_groups": [{"lr": 0.1, "params": params}]}
+    return StagePart(**{**dict(index=index, model=model, optimizer=optimizer, all_keys=KEYS, all_params=PARAMS,
+                               writes=writes), **changes})
+
+
+def _refused(part: Any, message: str) -> None:
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        prepare_part(part, "p")
+
+
+def test_optimizer_state_by_name_and_back_for_any_subset():
+    sd = {"state": {0: {"m": 1}, 2: {"m": 3}}, "param_groups": [{"lr": 1, "params": [0, 1]}, {"lr": 2, "params": [2]}]}
+    by_name = optimizer_by_name(sd, ["x", "y", "z"])
+    assert by_name == {"state": {"x": {"m": 1}, "z": {"m": 3}},
+                       "param_groups": [{"lr": 1, "params": ["x", "y"]}, {"lr": 2, "params": ["z"]}]}
+    assert optimizer_by_index(by_name, ["x", "y", "z"]) == sd
+    # Another order and a subset: indices in the new order, a group left empty dropped.
+    assert optimizer_by_index(by_name, ["z", "x"]) == {"state": {0: {"m": 3}, 1: {"m": 1}},
+                                                        "param_groups": [{"lr": 1, "params": [1]}, {"lr": 2, "params": [0]}]}
+    assert optimizer_by_index(by_name, ["y"]) == {"state": {}, "param_groups": [{"lr": 1, "params": [0]}]}
+    with pytest.raises(CheckpointError, match=r"^the saved optimizer state has no parameter group for \['w'\]$"):
+        optimizer_by_index(by_name, ["x", "w"])
+    with pytest.raises(CheckpointError, match=r"^the saved optimizer state has no parameter group for \['a', 'b', 'c', 'd', 'e'\]$"):
+        optimizer_by_index(by_name, list("xabcdef"))  # the first five named
+
+
+def test_a_part_is_described_and_compacted():
+    whole = torch.arange(4.0)
+    part = _part(model={"a": whole[2:], "bn": torch.zeros(2)},
+                 optimizer={"state": {"a": {"m": [whole[:2], (whole[1:3],)]}}, "param_groups": [{"lr": 0.1, "params": ["a"]}]})
+    info, payload = prepare_part(part, "p")
+    assert info == {"index": 0, "writes": True, "keys": ["a", "bn"], "params": ["a"], "digest": info["digest"],
+                    "all_keys": KEYS, "all_params": PARAMS}
+    assert re.fullmatch("[0-9a-f]{64}", info["digest"])
+    assert payload["model"]["a"].untyped_storage().nbytes() == 8  # its own two elements, not the view's storage
+    m = payload["optimizer"]["state"]["a"]["m"]
+    assert type(m) is list and type(m[1]) is tuple and m[0].untyped_storage().nbytes() == 8
+    assert m[1][0].untyped_storage().nbytes() == 8 and payload["optimizer"]["param_groups"] == [{"lr": 0.1, "params": ["a"]}]
+    assert prepare_part(_part(writes=0), "p")[0]["writes"] is False
+
+
+def test_the_digest_holds_the_parameters_and_their_optimizer_state_only():
+    digest = prepare_part(_part(), "p")[0]["digest"]
+    same = [_part(model={"a": torch.full((2,), 0.0), "bn": torch.ones(2)}),  # a buffer is not compared
+            _part(optimizer={"param_groups": [{"params": ["a"], "lr": 0.1}], "state": {"a": {"momentum_buffer": torch.full((2,), 10.0)}}})]
+    for part in same:
+        assert prepare_part(part, "p")[0]["digest"] == digest
+    other = [_part(model={"a": torch.full((2,), 1.0), "bn": torch.zeros(2)}),
+             _part(model={"a": torch.full((2,), 0.0, dtype=torch.float64), "bn": torch.zeros(2)}),
+             _part(model={"a": torch.full((1, 2), 0.0), "bn": torch.zeros(2)}),
+             _part(model={"a": torch.zeros(0), "bn": torch.zeros(2)}),
+             _part(optimizer={"state": {"a": {"momentum_buffer": torch.full((2,), 11.0)}}, "param_groups": [{"lr": 0.1, "params": ["a"]}]}),
+             _part(optimizer={"state": {"a": {"other_buffer": torch.full((2,), 10.0)}}, "param_groups": [{"lr": 0.1, "params": ["a"]}]}),
+             _part(optimizer={"state": {}, "param_groups": [{"lr": 0.2, "params": ["a"]}]}),
+             _part(optimizer={"state": {"a": {"momentum_buffer": torch.full((2,), 10.0)}},
+                              "param_groups": [{"lr": 0.2, "params": ["a"]}]}),  # a hyperparameter alone
+             _part(optimizer={"state": {}, "param_groups": [{"lr": 0.1, "params": ["a"]}, {"lr": 0.1, "params": []}]}),
+             _part(optimizer={"state": {}, "param_groups": [{"lr": 0.1, "params": ["a"]}], "x": 1})]
+    # Keys of several types (plain data allows them below the top level) are ordered by their repr.
+    mixed = _part(optimizer={"state": {}, "param_groups": [{"lr": 0.1, 0: "x", "params": ["a"]}]})
+    assert prepare_part(mixed, "p")[0]["digest"] != digest
+    digests = {prepare_part(part, "p")[0]["digest"] for part in other if part.optimizer.keys() == {"state", "param_groups"}}
+    assert digest not in digests and len(digests) == len(other) - 1
+
+
+def test_a_bad_part_is_refused_naming_it():
+    _refused("x", "p must be a StagePart, got str")
+    _refused(_part(index=-1), "p.index must be an int >= 0, got -1")
+    _refused(_part(model={1: torch.zeros(1)}), "p.model keys must be str, got 1")
+    _refused(_part(model={"a": [0.0]}), "p.model['a'] must be a torch.Tensor, got list")
+    _refused(_part(optimizer=[]), "p.optimizer must be a dict, got list")
+    _refused(_part(optimizer={"state": {}}), "p.optimizer must have the keys 'state' and 'param_groups', got ['state']")
+    _refused(_part(optimizer={"state": {}, "param_groups": [], "x": 1}),
+             "p.optimizer must have the keys 'state' and 'param_groups', got ['param_groups', 'state', 'x']")
+    _refused(_part(optimizer={"state": {"a": 1, "z": 1}, "param_groups": [{"params": ["a", "y"]}]}),
+             "p.optimizer names parameters that are not the stage's: ['y', 'z']")
+    _refused(_part(all_keys=["a"], all_params=["b"]), "p holds keys the whole model does not have: ['bn', 'a']")
+    with pytest.raises(ValueError, match=re.escape("p.optimizer['param_groups'][0]['x'] is a object; ")):
+        prepare_part(_part(optimizer={"state": {}, "param_groups": [{"params": ["a"], "x": object()}]}), "p")
+    _refused(_part(optimizer={"state": dict.fromkeys("stuvwz", 1), "param_groups": [{"params": ["a"]}]}),
+             "p.optimizer names parameters that are not the stage's: ['s', 't', 'u', 'v', 'w']")  # the first five
+    _refused(_part(model={k: torch.zeros(1) for k in "abcdef"}, optimizer={"state": {}, "param_groups": []}, all_keys=[]),
+             "p holds keys the whole model does not have: ['a', 'b', 'c', 'd', 'e']")
+
+
+def _info(index: int, keys: list[str], writes: bool = True, digest: str = "d", **changes: Any) -> dict[str, Any]:
+    return {"index": index, "writes": writes, "keys": keys, "params": [k for k in keys if k != "bn"], "digest": digest,
+            "all_keys": KEYS, "all_params": PARAMS, **changes}
+
+
+def _check_refused(infos: list, message: str) -> None:
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        check_parts(infos)
+
+
+def test_every_ranks_parts_checked_together():
+    s0, s1 = _info(0, ["a", "bn"]), _info(1, ["b", "c"])
+    assert check_parts([None, [], None]) is None
+    expected = {"keys": KEYS, "params": PARAMS, "files": {"backbone_stage0.pt": {"keys": ["a", "bn"], "params": ["a"]},
+                                                        "backbone_stage1.pt": {"keys": ["b", "c"], "params": ["b", "c"]}}}
+    assert check_parts([[s1], None, [s0], [_info(0, ["a", "bn"], writes=False)]]) == expected
+    _check_refused([[s0], [_info(1, ["b", "c"], all_keys=["x"])]], "rank 1's stage part describes another model than rank 0's")
+    _check_refused([None, [s0], [_info(1, ["b", "c"], all_params=["x"])]],
+                   "rank 2's stage part describes another model than rank 1's")
+    _check_refused([[s0, s1], [_info(2, [], writes=False)]], "stage 2 (rank 1) is written by no rank")
+    _check_refused([[s0, s1], [_info(1, ["b", "c"], digest="e", writes=False)]],
+                   "rank 1 and rank 0 hold stage 1 with different parameters or optimizer state: its replicas have "
+                   "diverged, so no checkpoint of it is written")
+    _check_refused([[s0, s1], [_info(1, ["c", "b"], writes=False)]],
+                   "rank 1 and rank 0 hold stage 1 with different parameters or optimizer state: its replicas have "
+                   "diverged, so no checkpoint of it is written")
+    _check_refused([[s0, _info(2, ["b", "c"])]], "the stages saved are [0, 2]; expected 0 to 1")
+    _check_refused([[_info(1, ["b", "c"]), _info(2, ["a", "bn"])]], "the stages saved are [1, 2]; expected 0 to 1")
+    _check_refused([[s0, _info(1, ["b", "c", "a"])]], "the stages' keys do not tile the model's: held twice ['a'], by none []")
+    _check_refused([[s0, _info(1, ["b", "c"], params=["b"])]],
+                   "the stages' params do not tile the model's: held twice [], by none ['c']")
+    many = dict(all_keys=list("abcdefghijkl"), all_params=[], params=[])  # the first five of each named
+    _check_refused([[_info(0, list("abcdef"), **many), _info(1, list("abcdef"), **many)]],
+                   "the stages' keys do not tile the model's: held twice ['a', 'b', 'c', 'd', 'e'], "
+                   "by none ['g', 'h', 'i', 'j', 'k']")
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    groups = lambda params: [{"lr": 0.1, "params": params[:1]}, {"lr": 0.2, "params": params[1:]}]  # noqa: E731
+    parts = [_part(0, optimizer={"state": {"a": {"m": torch.ones(1)}}, "param_groups": groups(["a"])}),
+             _part(1, ("b", "c"), optimizer={"state": {"c": {"m": torch.zeros(1)}}, "param_groups": groups(["b", "c"])})]
+    path = save_checkpoint(tmp_path, 1, common=None, per_rank=None, stage_parts=parts, **SMALL_HEAD)
+    return path, verify_checkpoint(path)
+
+
+def test_chosen_keys_and_parameters_read_back_in_the_models_order(saved):
+    path, meta = saved
+    model, opt = read_stage_state(path, meta, ["c", "a"], ["c", "a"])
+    assert list(model) == ["a", "c"] and [t.tolist() for t in model.values()] == [[0.0, 0.0], [3.0, 3.0]]
+    assert opt == {"state": {"a": {"m": torch.ones(1)}, "c": {"m": torch.zeros(1)}},
+                   "param_groups": [{"lr": 0.1, "params": ["a"]}, {"lr": 0.2, "params": ["c"]}]}
+    model, opt = read_stage_state(path, meta, ["bn"], [])  # a buffer alone: stage 0's file only
+    assert list(model) == ["bn"] and opt == {"state": {}, "param_groups": [{"lr": 0.1, "params": []}, {"lr": 0.2, "params": []}]}
+    model, opt = read_stage_state(path, meta, [], ["b"])  # a parameter's optimizer state without its weight
+    assert model == {} and opt["param_groups"] == [{"lr": 0.1, "params": ["b"]}, {"lr": 0.2, "params": []}]
+    assert list(read_stage_state(path, meta)[0]) == KEYS
+
+
+def test_stage_files_that_do_not_match_meta_json_are_refused(saved):
+    path, meta = saved
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(path))} holds no per-stage backbone "
+                                              r"\(its common\.pt holds it whole\)$"):
+        read_stage_state(path, {k: v for k, v in meta.items() if k != "backbone_stages"})
+    with pytest.raises(CheckpointError, match=re.escape(f"the backbone saved in {path} has no ['z', 'y'] (another architecture?)")):
+        read_stage_state(path, meta, ["z", "a"], ["y"])
+    with pytest.raises(CheckpointError, match=re.escape("has no ['d', 'e', 'f', 'g', 'h'] (another")):
+        read_stage_state(path, meta, list("adefghi"))  # the first five named
+    stages = meta["backbone_stages"]
+    wider = {**meta, "backbone_stages": {**stages, "keys": [*stages["keys"], "d"]}}
+    with pytest.raises(CheckpointError, match=re.escape(f"{path}'s stage files hold no ['d']")):
+        read_stage_state(path, wider, ["d", "a"])
+    wider = {**meta, "backbone_stages": {**stages, "keys": [*stages["keys"], *"defghi"]}}
+    with pytest.raises(CheckpointError, match=re.escape(f"{path}'s stage files hold no ['d', 'e', 'f', 'g', 'h']")):
+        read_stage_state(path, wider)
+    files = dict(stages["files"], **{"backbone_stage1.pt": {"keys": ["c", "b"], "params": ["b", "c"]}})
+    with pytest.raises(CheckpointError, match=re.escape(f"{path / 'backbone_stage1.pt'} does not hold the stage part")):
+        read_stage_state(path, {**meta, "backbone_stages": {**stages, "files": files}})
+
+
+def test_stage_files_with_other_numbers_of_parameter_groups_are_refused(tmp_path: Path):
+    parts = [_part(0), _part(1, ("b", "c"), optimizer={"state": {}, "param_groups": [{"params": ["b"]}, {"params": ["c"]}]})]
+    path = save_checkpoint(tmp_path, 1, common=None, per_rank=None, stage_parts=parts, **SMALL_HEAD)
+    with pytest.raises(CheckpointError, match="^" + re.escape(f"{path / 'backbone_stage1.pt'} has 2 parameter groups, "
+                                                               "another stage file 1") + "$"):
+        read_stage_state(path, verify_checkpoint(path))
+
+
+def test_a_stage_file_changed_in_one_bit_is_refused_by_default(saved):
+    path, meta = saved
+    f = path / "backbone_stage1.pt"
+    data = bytearray(f.read_bytes())
+    data[data.find(torch.full((2,), 2.0).numpy().tobytes()) + 3] ^= 1  # b's value, same size
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint file {f} is corrupt: sha256 ")):
+        read_stage_state(path, meta)
