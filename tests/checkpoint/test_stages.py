@@ -372,3 +372,18 @@ def test_a_stage_file_changed_in_one_bit_is_refused_by_default(saved):
     f.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=re.escape(f"checkpoint file {f} is corrupt: sha256 ")):
         read_stage_state(path, meta)
+
+
+def test_stage_files_are_read_on_the_cpu_memory_mapped_weights_only_and_verified_by_default(saved, monkeypatch):
+    """What ``read_stage_state`` asks of each file: the CPU as its map location, a memory map (a
+    stage's file is read for the few keys a rank holds), pickles refused unless trusted, the sha256
+    checked — and ``verify``/``trust_pickle`` passed on when given."""
+    path, meta = saved
+    asked = []
+    real = ck.stages.load_file
+    monkeypatch.setattr(ck.stages, "load_file", lambda *a, **k: asked.append((a[3:], k)) or real(*a, **k))
+    read_stage_state(path, meta)
+    assert asked and all(args == ("cpu", True, False) and kw == {"mmap": True} for args, kw in asked), asked
+    asked.clear()
+    read_stage_state(path, meta, verify=False, trust_pickle=True)
+    assert asked and all(args == ("cpu", False, True) for args, _ in asked), asked
