@@ -387,3 +387,20 @@ def test_stage_files_are_read_on_the_cpu_memory_mapped_weights_only_and_verified
     asked.clear()
     read_stage_state(path, meta, verify=False, trust_pickle=True)
     assert asked and all(args == ("cpu", False, True) for args, _ in asked), asked
+
+
+@pytest.mark.parametrize("saved, shaped", [
+    ({"state": {}, "param_groups": [{"params": ["a"]}, {"params": []}]}, True),
+    ({"state": {}, "param_groups": []}, True),
+    ([], False),  # not a dict
+    ({"state": [], "param_groups": []}, False),  # its state not a dict
+    ({"param_groups": []}, False),  # no state
+    ({"state": {}, "param_groups": {}}, False),  # its groups not a list
+    ({"state": {}}, False),  # no groups
+    ({"state": {}, "param_groups": [{"params": ["a"]}, ["a"]]}, False),  # a group not a dict
+    ({"state": {}, "param_groups": [{"params": ("a",)}]}, False),  # a group's params not a list
+    ({"state": {}, "param_groups": [{"params": ["a"]}, {"lr": 0.1}]}, False),  # a group without params
+])
+def test_only_an_optimizer_state_by_name_is_taken_for_one(saved, shaped):
+    """A stage file's ``optimizer`` part is read only if it has the shape ``_merge_groups`` reads."""
+    assert ck.stages._optimizer_shaped(saved) is shaped
