@@ -225,7 +225,11 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
         refreshed when the numbers change (a learning-rate schedule), so the kernel reads them
         instead of taking them as launch arguments and a captured CUDA graph replays with the
         values set before the replay."""
-        return self._scalar_holder().get(next(i for i, g in enumerate(self.param_groups) if g is group), values, device)
+        return self._scalar_holder().get(self._group_index(group), values, device)
+
+    def _group_index(self, group: dict) -> int:
+        """``group``'s place in ``param_groups``: the key of its device numbers."""
+        return next(i for i, g in enumerate(self.param_groups) if g is group)
 
     def _scalar_holder(self):
         """This optimizer's :class:`~shardfc.head.fused.device_scalars.DeviceScalars`, made at first use
@@ -485,9 +489,8 @@ class RowSparseSGD(_RowSparseOptimizer):
     def _step_record_scalars(self, clock: IdleClock, group: dict) -> Tensor:
         # The idle step's matrix, formed in fp64 on the host as the eager step always formed it, on
         # the device at one address per group (copied when the numbers change): the record reads it.
-        index = next(i for i, g in enumerate(self.param_groups) if g is group)
         matrix = sgd_idle_matrix(group["lr"], group["momentum"], group["weight_decay"], group["nesterov"])
-        return self._scalar_holder().get(("idle_step", index), [v for row in matrix for v in row],
+        return self._scalar_holder().get(("idle_step", self._group_index(group)), [v for row in matrix for v in row],
                                          clock.table.device, torch.float64)
 
     def _catch_up_rows(self, p: Tensor, clock: IdleClock, rows: Optional[Tensor], rnd, kernel: bool) -> None:
