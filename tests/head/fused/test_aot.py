@@ -10,6 +10,8 @@ subprocess: this test session runs the kernels under the interpreter, which cann
 
 from __future__ import annotations
 
+import json
+
 import aot_build
 import pytest
 import triton
@@ -128,3 +130,225 @@ def test_class_splits_are_whole_tiles_of_every_forward_config():
     for kwargs in (dict(norm_w=True), dict(precision="ieee")):
         assert not any(c in autotune.forward_configs(1, False, **kwargs) for c in autotune.WIDE_FORWARD_CONFIGS)
     assert autotune.forward_configs(1, True) == autotune.HEAVY_FORWARD_CONFIGS[:1]
+
+
+# --- In-process builds of small kernels (what the subprocess build above does, seen by the test) ---
+#
+# The build above runs in a subprocess (this session's kernels are the interpreter's), so neither
+# coverage nor mutation testing sees compile_one, _sass, build_all or main run. These kernels are
+# wrapped by triton.jit with the interpreter off, registered in a copy of the registry, and built for
+# sm_90 here with the bundled ptxas and cuobjdump (about a second each, cached by Triton after).
+
+
+def _scale_rows(x_ptr, out_ptr, n, D, stride_x, scale, BLOCK: tl.constexpr, SCALE: tl.constexpr):
+    i = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i * stride_x + cols, mask=(cols < D) & (i < n))
+    if SCALE:
+        x = x * scale
+    tl.store(out_ptr + i * stride_x + cols, x, mask=cols < D)
+
+
+def _tile_product(a_ptr, b_ptr, c_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  COMPUTE: tl.constexpr, PRECISION: tl.constexpr):
+    r, c, k = tl.arange(0, BM), tl.arange(0, BN), tl.arange(0, BK)
+    a = tl.load(a_ptr + r[:, None] * BK + k[None, :])
+    b = tl.load(b_ptr + k[:, None] * BN + c[None, :])
+    tl.store(c_ptr + r[:, None] * BN + c[None, :], tl.dot(a, b, input_precision=PRECISION))
+
+
+_ROWS_CONFIG = triton.Config({"BLOCK": 512})
+_TILE_CONFIGS = [triton.Config({"BM": 64, "BN": 64, "BK": 32}), triton.Config({"BM": 64, "BN": 128, "BK": 32}, num_warps=8)]
+_TILE_FLAGS = {"COMPUTE": tl.bfloat16, "PRECISION": "tf32"}
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """The registry with two compiled (not interpreted) kernels added: "rows" and "tiles"."""
+    monkeypatch.setattr(aot, "KERNELS", dict(aot.KERNELS))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # as the subprocess build (aot_build.py): Triton 3.9 warns
+    with monkeypatch.context() as m:
+        m.setenv("TRITON_INTERPRET", "0")  # triton.jit reads it when it wraps
+        scale_rows, tile_product = triton.jit(_scale_rows), triton.jit(_tile_product)
+    rows = aot.register(scale_rows, [_ROWS_CONFIG], {"SCALE": True}, name="rows")
+    tiles = aot.register(tile_product, _TILE_CONFIGS, _TILE_FLAGS, name="tiles",
+                         types={"a_ptr": aot.COMPUTE_PTR, "b_ptr": aot.COMPUTE_PTR})
+    assert type(rows.fn).__name__ == "JITFunction"
+    return rows, tiles
+
+
+def test_the_signature_types_each_argument_by_its_name_or_entry(registry):
+    rows, tiles = registry
+    assert aot._signature(rows, rows.flags) == {
+        "x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "D": "i32", "stride_x": "i32", "scale": "fp32",
+        "BLOCK": "constexpr", "SCALE": "constexpr"}
+    for compute, name in ((tl.bfloat16, "bf16"), (tl.float16, "fp16"), (tl.float32, "fp32")):
+        sig = aot._signature(tiles, {**_TILE_FLAGS, "COMPUTE": compute})
+        assert sig == {"a_ptr": "*" + name, "b_ptr": "*" + name, "c_ptr": "*fp32", "BM": "constexpr",
+                       "BN": "constexpr", "BK": "constexpr", "COMPUTE": "constexpr", "PRECISION": "constexpr"}
+    typed = aot.Entry(rows.fn, [_ROWS_CONFIG], rows.flags, {"x_ptr": "*i64", "n": "u32"})
+    sig = aot._signature(typed, rows.flags)
+    assert (sig["x_ptr"], sig["n"], sig["out_ptr"]) == ("*i64", "u32", "*fp32")
+
+
+def test_hints_go_to_pointers_and_to_the_listed_integers_by_the_width():
+    sig = {"x_ptr": "*fp32", "idx_ptr": "*i64", "D": "i32", "stride_x": "i32", "stride_w": "i32", "c0": "i32",
+           "cls_per_split": "i32", "n": "i32", "B": "i32", "scale": "fp32", "BLOCK": "constexpr", "lr": "fp32"}
+    assert aot._hinted(sig, 512) == ["x_ptr", "idx_ptr", "D", "stride_x", "stride_w", "c0", "cls_per_split"]
+    # D and the strides are multiples of 16 only when the width is; the chunk's first class always is
+    for dim in (500, 8, 24):
+        assert aot._hinted(sig, dim) == ["x_ptr", "idx_ptr", "c0", "cls_per_split"]
+    assert aot._hinted(sig, 16) == aot._hinted(sig, 512)
+    # a hinted name whose type is not i32 (a float, a u32) is not an integer to hint
+    assert aot._hinted({"D": "fp32", "c0": "u32", "x_ptr": "*bf16"}, 512) == ["x_ptr"]
+    assert aot._hint_key("stride_anything") == "stride_*" and aot._hint_key("xstride_a") == "xstride_a"
+
+
+def test_a_build_reads_back_registers_hints_and_instructions(registry):
+    built = aot.compile_one("rows", _ROWS_CONFIG, {"SCALE": True})
+    assert (built.kernel, built.config, built.hinted) == ("rows", "BLOCK 512 w4 s3", ["x_ptr", "out_ptr", "D", "stride_x"])
+    assert 0 < built.registers <= 255 and built.stack_bytes == 0 and built.local_ops == 0
+    assert (built.hgmma, built.hmma, built.dots, built.tc_dots) == (0, 0, 0, 0)
+    assert aot.compile_one("rows", _ROWS_CONFIG, {"SCALE": True}, dim=500).hinted == ["x_ptr", "out_ptr"]
+
+    # a bf16 product: shared memory for its operands, wgmma on sm_90, mma.sync on sm_80
+    sm90 = aot.compile_one("tiles", _TILE_CONFIGS[0], _TILE_FLAGS)
+    assert sm90.config == "BMxBNxBK 64x64x32 w4 s3"
+    assert sm90.shared > 0 and (sm90.dots, sm90.tc_dots) == (1, 1)
+    assert sm90.hgmma > 0 and sm90.hmma == 0
+    sm80 = aot.compile_one("tiles", _TILE_CONFIGS[0], _TILE_FLAGS, capability=80)
+    assert sm80.hgmma == 0 and sm80.hmma > 0
+    # fp32 at IEEE precision: no tensor core at all
+    ieee = aot.compile_one("tiles", _TILE_CONFIGS[0], {"COMPUTE": tl.float32, "PRECISION": "ieee"})
+    assert (ieee.dots, ieee.tc_dots, ieee.hgmma, ieee.hmma) == (1, 0, 0, 0)
+    # the config's warps and stages reach the compiler: 8 warps hold the same tile in fewer registers each
+    wide = aot.compile_one("tiles", _TILE_CONFIGS[1], _TILE_FLAGS)
+    assert wide.config == "BMxBNxBK 64x128x32 w8 s3" and wide.shared > sm90.shared
+
+
+def test_the_sass_reader_refuses_what_cuobjdump_does_not_give(monkeypatch, tmp_path):
+    with pytest.raises(RuntimeError, match=r"^cuobjdump failed: .+"):
+        aot._sass(b"not a cubin")
+    tool = tmp_path / "cuobjdump"
+    monkeypatch.setattr(aot, "_TOOLS", str(tmp_path))
+
+    def prints(text: str, code: int = 0) -> None:
+        tool.write_text(f"#!/bin/sh\ncat <<'END'\n{text}\nEND\necho 'the tool said why' >&2\nexit {code}\n")
+        tool.chmod(0o755)
+
+    prints("Resource usage:\n Function k:\n  REG:40 STACK:16 SHARED:0", code=0)
+    with pytest.raises(RuntimeError, match="^cuobjdump printed no SASS$"):
+        aot._sass(b"")
+    prints("        /*0010*/  HGMMA.64x64x16 R0 ;", code=3)
+    with pytest.raises(RuntimeError, match="^cuobjdump failed: the tool said why$"):
+        aot._sass(b"")
+    prints("REG:40 STACK:16\n  /*0010*/  HGMMA.64x64x16 R0 ;\n  /*0020*/  STL [R1], R2 ;\n  /*0030*/  LDL R3, [R1] ;"
+           "\n  /*0040*/  HGMMA.64x64x16 R0 ;")
+    assert aot._sass(b"") == dict(registers=40, stack_bytes=16, hgmma=2, hmma=0, local_ops=2)
+    prints("  /*0010*/  HMMA.16816 R0 ;")
+    assert aot._sass(b"") == dict(registers=None, stack_bytes=None, hgmma=0, hmma=1, local_ops=0)
+
+
+def test_build_all_builds_each_variant_that_touches_a_kernel(registry):
+    got = [(b["variant"], b["kernel"], b["config"]) for b in
+           aot.build_all(variants=("default", "raw-centres", "fp32-ieee", "smoothing+subcenters3"),
+                         kernels=["rows", "tiles"])]
+    assert got == [("default", "rows", "BLOCK 512 w4 s3"),
+                   ("default", "tiles", "BMxBNxBK 64x64x32 w4 s3"), ("default", "tiles", "BMxBNxBK 64x128x32 w8 s3"),
+                   ("raw-centres", "rows", "BLOCK 512 w4 s3"),  # SCALE=False
+                   ("fp32-ieee", "tiles", "BMxBNxBK 64x64x32 w4 s3"), ("fp32-ieee", "tiles", "BMxBNxBK 64x128x32 w8 s3")]
+    first = [(b["variant"], b["config"]) for b in aot.build_all(variants=("default", "fp32-ieee"), kernels=["tiles"],
+                                                               all_configs=False)]
+    assert first == [("default", "BMxBNxBK 64x64x32 w4 s3"), ("default", "BMxBNxBK 64x128x32 w8 s3"),
+                     ("fp32-ieee", "BMxBNxBK 64x64x32 w4 s3")]
+    ieee = [b for b in aot.build_all(variants=("fp32-ieee",), kernels=["tiles"])]
+    assert all(b["tc_dots"] == 0 and b["hgmma"] == 0 for b in ieee)
+    keys = {f.name for f in aot.dataclasses.fields(aot.Built)} | {"variant"}
+    assert all(set(b) == keys for b in ieee)
+
+
+def test_variant_flags_overlay_what_a_kernel_takes_and_k_only_where_it_has_one(registry):
+    assert aot.variant_flags("rows", "default") == {"SCALE": True}
+    assert aot.variant_flags("rows", "raw-centres") == {"SCALE": False}
+    assert aot.variant_flags("rows", "fp32-ieee") is None
+    assert aot.variant_flags("rows", "default", K=3) == {"SCALE": True}  # no K: none added
+    forward = aot.KERNELS["lse_forward_kernel"].flags
+    assert aot.variant_flags("lse_forward_kernel", "default", K=3) == {**forward, "K": 3}
+    assert aot.variant_flags("lse_forward_kernel", "smoothing+subcenters3") == {**forward, "SMOOTH": True, "K": 3}
+    # a variant is built only when it changes something: K=3 already, SMOOTH alone changes
+    assert aot.variant_flags("lse_forward_kernel", "smoothing+subcenters3", K=3) == {**forward, "SMOOTH": True, "K": 3}
+    assert aot.variant_flags("forward_epilogue_kernel", "large-shard-chunk-operand") is None
+
+
+def test_configs_for_uses_the_launchers_pick_when_it_has_one(registry):
+    rows, tiles = registry
+    assert rows.configs_for({"SCALE": False}) == [_ROWS_CONFIG]
+    picked = aot.Entry(tiles.fn, _TILE_CONFIGS, _TILE_FLAGS, pick=lambda f: _TILE_CONFIGS[1:] if f["COMPUTE"] == tl.float32 else [])
+    assert picked.configs_for({"COMPUTE": tl.float32}) == _TILE_CONFIGS[1:]
+    assert picked.configs_for(_TILE_FLAGS) == []
+    assert aot._constexprs(rows.fn) == {"BLOCK", "SCALE"}
+    assert aot._label(triton.Config({"BR": 32, "BD": 128}, num_warps=2, num_stages=4)) == "BRxBD 32x128 w2 s4"
+
+
+def test_register_names_every_problem_at_once(registry):
+    rows, _ = registry
+    with pytest.raises(ValueError) as caught:
+        aot.register(rows.fn, [], {"SCALE": True, "n": 3}, types={"y_ptr": "*fp32"}, name="rows")
+    assert str(caught.value) == (
+        "aot.register(rows): types names 'y_ptr', not an argument; flags name 'n', not a constexpr argument; "
+        "constexpr 'BLOCK' is in neither flags nor the configs; no configs; already registered")
+    assert aot.KERNELS["rows"] is rows
+    # an integer typed as something else needs no hint decision; typed i32, it does
+    block = [triton.Config({"BLOCK": 128})]
+    with pytest.raises(ValueError, match=r"^aot.register\(_undeclared_int_kernel\): integer 'mystery_count' is in"):
+        aot.register(_undeclared_int_kernel, block, {}, types={"mystery_count": "i32"})
+    assert aot.register(_undeclared_int_kernel, block, {}, types={"mystery_count": "u32"}, name="u32").types == {
+        "mystery_count": "u32"}
+    entry = aot.register(rows.fn, [_ROWS_CONFIG], {"SCALE": True}, types={"x_ptr": "*i64"})
+    assert aot.KERNELS["_scale_rows"] is entry and entry.types == {"x_ptr": "*i64"} and entry.pick is None
+
+
+def test_the_command_prints_a_table_or_json_and_fails_past_the_shared_memory(registry, monkeypatch, capsys):
+    assert aot.main(["--kernels", "rows", "--json"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [json.loads(line) for line in lines] == list(aot.build_all(kernels=["rows"]))
+
+    assert aot.main(["--kernels", "tiles,rows", "--variants", "default,fp32-ieee", "--first-config",
+                     "--subcenters", "1", "--dim", "500"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("sm_90, D=500, K=1; hinted: pointers, " + ", ".join(sorted(aot.HINTED)) + "; unhinted: "
+                      + ", ".join(sorted(aot.UNHINTED)))
+    assert out[1].startswith("| variant | kernel | tiles, warps, stages | shared KB |") and out[2].startswith("|---|")
+    rows = [line.split(" | ") for line in out[3:]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ("| default", "tiles", "BMxBNxBK 64x64x32 w4 s3"), ("| default", "tiles", "BMxBNxBK 64x128x32 w8 s3"),
+        ("| default", "rows", "BLOCK 512 w4 s3"), ("| fp32-ieee", "tiles", "BMxBNxBK 64x64x32 w4 s3")]
+    b = aot.compile_one("tiles", _TILE_CONFIGS[0], _TILE_FLAGS, dim=500)
+    assert out[3] == (f"| default | tiles | {b.config} | {b.shared / 1024:.0f} | {b.registers} | {b.stack_bytes} "
+                      f"| {b.local_ops} | {b.tc_dots}/{b.dots} | {b.hgmma} | {b.hmma} |")
+
+    assert aot.main(["--kernels", "rows", "--capability", "80", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"variant": "default",
+                                                   **aot.dataclasses.asdict(aot.compile_one("rows", _ROWS_CONFIG, {"SCALE": True}, capability=80))}
+    # the largest build's shared memory decides: exactly at the limit passes, a byte over fails
+    widest = aot.compile_one("tiles", _TILE_CONFIGS[1], _TILE_FLAGS).shared
+    assert widest > b.shared
+    monkeypatch.setattr(aot, "H100_SHARED_BYTES", widest)
+    assert aot.main(["--kernels", "tiles", "--json"]) == 0
+    monkeypatch.setattr(aot, "H100_SHARED_BYTES", widest - 1)
+    assert aot.main(["--kernels", "tiles", "--json"]) == 1
+    assert aot.main(["--kernels", "rows", "--json"]) == 0
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--variants", "default,fast"], "--variants: 'fast' is not one of ["),
+    (["--kernels", "rows,nope"], "--kernels: 'nope' is not one of ["),
+])
+def test_the_command_refuses_an_unknown_variant_or_kernel(registry, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        aot.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "python -m shardfc.head.fused.aot: error:" in err
+    assert ("'rows'" in err) == ("--kernels" in message)
