@@ -541,7 +541,7 @@ def _cmap4(segments, glyph_array=()) -> bytes:
     n = len(segments)
     words = [s[1] for s in segments] + [0] + [s[0] for s in segments] + [s[2] & 0xFFFF for s in segments]
     words += [s[3] for s in segments] + list(glyph_array)
-    sub = struct.pack(">HHHHHHH", 4, 14 + 2 * len(words), 0, 2 * n, 0, 0, 0) + struct.pack(f">{len(words)}H", *words)
+    sub = struct.pack(">HHHHHHH", 4, min(14 + 2 * len(words), 0xFFFF), 0, 2 * n, 0, 0, 0) + struct.pack(f">{len(words)}H", *words)
     return struct.pack(">HHHHL", 0, 1, 3, 1, 12) + sub
 
 
@@ -556,6 +556,28 @@ def test_format_4_glyph_arrays_and_deltas_read_as_the_format_says():
     assert glyphs.cjk_coverage(_cmap4(outside)) == {0x4E00, 0x4E01}
     with pytest.raises(ValueError, match="^its format 4 character map has overlapping or unsorted ranges$"):
         glyphs.cjk_coverage(_cmap4([(0x4E00, 0x4E05, 1, 0), (0x4E03, 0x4E08, 1, 0)]))
+
+
+def test_counts_offsets_and_formats_are_read_unsigned_as_the_format_says():
+    """The table's counts, offsets and format are unsigned: past 2**15 (2**31 for an offset) a
+    signed read turns them negative — an empty record list, a read from the table's end."""
+    run = [(0x4E00, 0x4E0A, 5)]
+    one = _cmap12(run)
+    # 32,768 encoding records (256 KiB): the Unicode one last, after 32,767 of another platform
+    sub = one[12:]
+    records = struct.pack(">HHL", 9, 9, 0) * 32767 + struct.pack(">HHL", 3, 10, 4 + 8 * 32768)
+    assert glyphs.cjk_coverage(struct.pack(">HH", 0, 32768) + records + sub) == set(range(0x4E00, 0x4E0B))
+    # an offset past 2**31 points past the table (an error the caller reports), not back from its end
+    past = struct.pack(">HHHHL", 0, 1, 3, 10, 2**32 - len(sub)) + sub
+    with pytest.raises(struct.error):
+        glyphs.cjk_coverage(past)
+    # a format number past 2**15 is named as it is
+    with pytest.raises(ValueError, match=r"^its Unicode character map is a format 65535 subtable \(only formats"):
+        glyphs.cjk_coverage(struct.pack(">HHHHLH", 0, 1, 3, 1, 12, 0xFFFF) + bytes(30))
+    # a format 4 subtable of 16,384 segments (its segment count x2 is 32,768; its 16-bit length
+    # cannot say 128 KiB, and is not read): the last before the terminating one maps the block
+    segments = [(0x100 + i, 0x100 + i, 1, 0) for i in range(16382)] + [(0x4E00, 0x4E01, 1, 0)]
+    assert glyphs.cjk_coverage(_cmap4(segments)) == {0x4E00, 0x4E01}
 
 
 def _named_font(path, names, cmap=True) -> str:
