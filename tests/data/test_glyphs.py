@@ -309,6 +309,68 @@ def test_a_glyph_box_past_twice_the_canvas_either_way_is_not_drawn():
         assert (r.hires("人") is not None) is drawn, box
 
 
+def _pixel_font(path, shapes) -> glyphs.Face:
+    """A face whose em is 51 units, so that opened at 51 px (a 32 px image's renderer) one unit is one
+    pixel and a glyph of whole units rasterises without grey edges: ``shapes`` ``{character: [(x0, y0,
+    x1, y1), ...]}``, each glyph those rectangles of ink."""
+    from fontTools.fontBuilder import FontBuilder
+    from fontTools.pens.ttGlyphPen import TTGlyphPen
+
+    names = {ch: f"g{ord(ch):x}" for ch in shapes}
+    fb = FontBuilder(51, isTTF=True)
+    fb.setupGlyphOrder([".notdef", *names.values()])
+    fb.setupCharacterMap({ord(ch): name for ch, name in names.items()})
+    glyf = {".notdef": TTGlyphPen(None).glyph()}
+    for ch, rects in shapes.items():
+        pen = TTGlyphPen(None)
+        for x0, y0, x1, y1 in rects:
+            pen.moveTo((x0, y0)), pen.lineTo((x0, y1)), pen.lineTo((x1, y1)), pen.lineTo((x1, y0)), pen.closePath()
+        glyf[names[ch]] = pen.glyph()
+    fb.setupGlyf(glyf)
+    fb.setupHorizontalMetrics({name: (51, 0) for name in [".notdef", *names.values()]})
+    fb.setupHorizontalHeader(ascent=45, descent=-6)
+    fb.setupNameTable({"familyName": "Pixel", "styleName": "Regular"})
+    fb.setupOS2(sTypoAscender=45, sTypoDescender=-6, usWinAscent=45, usWinDescent=6)
+    fb.setupPost()
+    fb.save(str(path))
+    return glyphs.Face(str(path), 0, "Pixel", "Pixel")
+
+
+def test_a_drawing_is_exactly_its_ink_box_scaled_with_lanczos_and_centred(tmp_path):
+    """On glyphs without grey edges the drawing is known to the pixel: the ink's box (found at value
+    < 128), scaled with LANCZOS so its longer side is round(INK_SHARE x 64) = 54 px and no side is
+    under one pixel, pasted centred on white."""
+    from PIL import Image
+
+    face = _pixel_font(tmp_path / "pixel.ttf", {
+        "一": [(0, 10, 30, 40)],                     # a 30 px black square
+        "丁": [(0, 10, 12, 40), (18, 10, 30, 40)],  # the same with a 6 px white gap down its middle
+        "丂": [(0, 20, 95, 21)],                     # a 95 x 1 px line
+        "七": [(10, -40, 11, 45)],                   # a 1 x 85 px line
+    })
+    r = glyphs._Renderer(face, 32)
+    assert r.canvas == 64 and r.font.size == 51
+    white = np.full((64, 64), 255, np.uint8)
+
+    square = white.copy()
+    square[5:59, 5:59] = 0
+    assert (np.asarray(r.hires("一")) == square).all()
+
+    ink = np.zeros((30, 30), np.uint8)
+    ink[:, 12:18] = 255
+    gap = white.copy()
+    gap[5:59, 5:59] = np.asarray(Image.fromarray(ink).resize((54, 54), Image.LANCZOS))
+    assert (np.asarray(r.hires("丁")) == gap).all()
+    # the filter matters here: another one gives other greys at the gap's edges
+    assert not (np.asarray(Image.fromarray(ink).resize((54, 54), Image.BICUBIC)) == gap[5:59, 5:59]).all()
+
+    # 95 x 1 scaled by 54/95: the short side rounds to 0 and is kept at one pixel (and the other way up)
+    line = white.copy()
+    line[31, 5:59] = 0
+    assert (np.asarray(r.hires("丂")) == line).all()
+    assert (np.asarray(r.hires("七")) == line.T).all()
+
+
 @needs_fonts
 def test_a_face_of_a_collection_is_opened_at_its_own_index():
     path = next(f.path for f, _ in FACES if f.index == 2)
