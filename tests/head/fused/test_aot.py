@@ -10,7 +10,9 @@ subprocess: this test session runs the kernels under the interpreter, which cann
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 
 import aot_build
 import pytest
@@ -150,16 +152,24 @@ def _scale_rows(x_ptr, out_ptr, n, D, stride_x, scale, BLOCK: tl.constexpr, SCAL
 
 
 def _tile_product(a_ptr, b_ptr, c_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  COMPUTE: tl.constexpr, PRECISION: tl.constexpr):
+                  COMPUTE: tl.constexpr, PRECISION: tl.constexpr, K: tl.constexpr):
+    # min(K, 3) products of the same tiles summed: as many tt.dot ops in its IR, so a build shows K
     r, c, k = tl.arange(0, BM), tl.arange(0, BN), tl.arange(0, BK)
     a = tl.load(a_ptr + r[:, None] * BK + k[None, :])
     b = tl.load(b_ptr + k[:, None] * BN + c[None, :])
-    tl.store(c_ptr + r[:, None] * BN + c[None, :], tl.dot(a, b, input_precision=PRECISION))
+    acc = tl.dot(a, b, input_precision=PRECISION)
+    if K > 1:
+        acc += tl.dot(a, b, input_precision=PRECISION)
+    if K > 2:
+        acc += tl.dot(a, b, input_precision=PRECISION)
+    tl.store(c_ptr + r[:, None] * BN + c[None, :], acc)
 
 
 _ROWS_CONFIG = triton.Config({"BLOCK": 512})
-_TILE_CONFIGS = [triton.Config({"BM": 64, "BN": 64, "BK": 32}), triton.Config({"BM": 64, "BN": 128, "BK": 32}, num_warps=8)]
-_TILE_FLAGS = {"COMPUTE": tl.bfloat16, "PRECISION": "tf32"}
+_TILE_CONFIGS = [triton.Config({"BM": 64, "BN": 64, "BK": 32}),
+                 triton.Config({"BM": 64, "BN": 128, "BK": 32}, num_warps=8, num_stages=2)]
+_TILE_LABELS = ["BMxBNxBK 64x64x32 w4 s3", "BMxBNxBK 64x128x32 w8 s2"]
+_TILE_FLAGS = {"COMPUTE": tl.bfloat16, "PRECISION": "tf32", "K": 1}
 
 
 @pytest.fixture
@@ -177,6 +187,26 @@ def registry(monkeypatch):
     return rows, tiles
 
 
+@pytest.fixture
+def only_these(registry, monkeypatch):
+    """The registry holding the two small kernels alone (what a run without --kernels builds)."""
+    monkeypatch.setattr(aot, "KERNELS", {"rows": registry[0], "tiles": registry[1]})
+    return registry
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """The kernels triton.compile returns, in order (their IR and metadata)."""
+    real, got = triton.compile, []
+
+    def keep(*args, **kwargs):
+        got.append(real(*args, **kwargs))
+        return got[-1]
+
+    monkeypatch.setattr(triton, "compile", keep)
+    return got
+
+
 def test_the_signature_types_each_argument_by_its_name_or_entry(registry):
     rows, tiles = registry
     assert aot._signature(rows, rows.flags) == {
@@ -185,7 +215,8 @@ def test_the_signature_types_each_argument_by_its_name_or_entry(registry):
     for compute, name in ((tl.bfloat16, "bf16"), (tl.float16, "fp16"), (tl.float32, "fp32")):
         sig = aot._signature(tiles, {**_TILE_FLAGS, "COMPUTE": compute})
         assert sig == {"a_ptr": "*" + name, "b_ptr": "*" + name, "c_ptr": "*fp32", "BM": "constexpr",
-                       "BN": "constexpr", "BK": "constexpr", "COMPUTE": "constexpr", "PRECISION": "constexpr"}
+                       "BN": "constexpr", "BK": "constexpr", "COMPUTE": "constexpr", "PRECISION": "constexpr",
+                       "K": "constexpr"}
     typed = aot.Entry(rows.fn, [_ROWS_CONFIG], rows.flags, {"x_ptr": "*i64", "n": "u32"})
     sig = aot._signature(typed, rows.flags)
     assert (sig["x_ptr"], sig["n"], sig["out_ptr"]) == ("*i64", "u32", "*fp32")
@@ -204,26 +235,41 @@ def test_hints_go_to_pointers_and_to_the_listed_integers_by_the_width():
     assert aot._hint_key("stride_anything") == "stride_*" and aot._hint_key("xstride_a") == "xstride_a"
 
 
-def test_a_build_reads_back_registers_hints_and_instructions(registry):
+def _hints_in(kernel) -> list:
+    """The argument names the compiled kernel's IR marks ``tt.divisibility = 16``."""
+    head = next(line for line in kernel.asm["ttir"].splitlines() if "tt.func" in line)
+    args = head.split("(", 1)[1].split(", %")
+    return [arg.split(":")[0].strip(" %") for arg in args if "tt.divisibility = 16 " in arg]
+
+
+def test_a_build_reads_back_registers_hints_and_instructions(registry, compiled):
     built = aot.compile_one("rows", _ROWS_CONFIG, {"SCALE": True})
     assert (built.kernel, built.config, built.hinted) == ("rows", "BLOCK 512 w4 s3", ["x_ptr", "out_ptr", "D", "stride_x"])
     assert 0 < built.registers <= 255 and built.stack_bytes == 0 and built.local_ops == 0
     assert (built.hgmma, built.hmma, built.dots, built.tc_dots) == (0, 0, 0, 0)
+    # the hints are the compiler's, not only the record's
+    assert _hints_in(compiled[-1]) == ["x_ptr", "out_ptr", "D", "stride_x"]
     assert aot.compile_one("rows", _ROWS_CONFIG, {"SCALE": True}, dim=500).hinted == ["x_ptr", "out_ptr"]
+    assert _hints_in(compiled[-1]) == ["x_ptr", "out_ptr"]
 
     # a bf16 product: shared memory for its operands, wgmma on sm_90, mma.sync on sm_80
     sm90 = aot.compile_one("tiles", _TILE_CONFIGS[0], _TILE_FLAGS)
-    assert sm90.config == "BMxBNxBK 64x64x32 w4 s3"
+    assert sm90.config == _TILE_LABELS[0]
     assert sm90.shared > 0 and (sm90.dots, sm90.tc_dots) == (1, 1)
     assert sm90.hgmma > 0 and sm90.hmma == 0
+    target = compiled[-1].metadata.target
+    assert (target.backend, target.arch, target.warp_size) == ("cuda", 90, 32)
     sm80 = aot.compile_one("tiles", _TILE_CONFIGS[0], _TILE_FLAGS, capability=80)
-    assert sm80.hgmma == 0 and sm80.hmma > 0
-    # fp32 at IEEE precision: no tensor core at all
-    ieee = aot.compile_one("tiles", _TILE_CONFIGS[0], {"COMPUTE": tl.float32, "PRECISION": "ieee"})
+    assert sm80.hgmma == 0 and sm80.hmma > 0 and compiled[-1].metadata.target.arch == 80
+    # fp32 at IEEE precision: no tensor core at all; K products: K dots
+    ieee = aot.compile_one("tiles", _TILE_CONFIGS[0], {**_TILE_FLAGS, "COMPUTE": tl.float32, "PRECISION": "ieee"})
     assert (ieee.dots, ieee.tc_dots, ieee.hgmma, ieee.hmma) == (1, 0, 0, 0)
-    # the config's warps and stages reach the compiler: 8 warps hold the same tile in fewer registers each
-    wide = aot.compile_one("tiles", _TILE_CONFIGS[1], _TILE_FLAGS)
-    assert wide.config == "BMxBNxBK 64x128x32 w8 s3" and wide.shared > sm90.shared
+    assert aot.compile_one("tiles", _TILE_CONFIGS[0], {**_TILE_FLAGS, "K": 3}).dots == 3
+    # the config's warps and stages reach the compiler
+    for config, label in zip(_TILE_CONFIGS, _TILE_LABELS):
+        assert aot.compile_one("tiles", config, _TILE_FLAGS).config == label
+        meta = compiled[-1].metadata
+        assert (meta.num_warps, meta.num_stages) == (config.num_warps, config.num_stages)
 
 
 def test_the_sass_reader_refuses_what_cuobjdump_does_not_give(monkeypatch, tmp_path):
@@ -249,22 +295,48 @@ def test_the_sass_reader_refuses_what_cuobjdump_does_not_give(monkeypatch, tmp_p
     assert aot._sass(b"") == dict(registers=None, stack_bytes=None, hgmma=0, hmma=1, local_ops=0)
 
 
+def test_the_sass_reader_leaves_no_file_behind(registry, compiled, monkeypatch, tmp_path):
+    aot.compile_one("rows", _ROWS_CONFIG, {"SCALE": True})
+    monkeypatch.chdir(tmp_path)
+    assert aot._sass(compiled[-1].asm["cubin"])["registers"] > 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_ir_reader_counts_tensor_core_dots_by_operand_and_precision():
+    def dot(operand: str, precision: str = "") -> str:
+        said = f", inputPrecision = {precision}" if precision else ""
+        return f"%d = tt.dot %a, %b, %c{said} : tensor<64x32x{operand}> * tensor<32x64x{operand}> -> tensor<64x64xf32>\n"
+
+    assert aot._dots(dot("f32", "ieee")) == (1, 0)
+    assert aot._dots(dot("f32")) == (1, 0)  # no precision said: what the IR prints for IEEE
+    assert aot._dots(dot("f32", "tf32")) == (1, 1)
+    assert aot._dots(dot("f32", "tf32x3")) == (1, 1)
+    assert aot._dots(dot("bf16", "ieee") + dot("f16")) == (2, 2)
+    assert aot._dots("%x = tt.dot_scaled %a\n" + "tt.load\n") == (0, 0)
+
+
 def test_build_all_builds_each_variant_that_touches_a_kernel(registry):
-    got = [(b["variant"], b["kernel"], b["config"]) for b in
-           aot.build_all(variants=("default", "raw-centres", "fp32-ieee", "smoothing+subcenters3"),
-                         kernels=["rows", "tiles"])]
-    assert got == [("default", "rows", "BLOCK 512 w4 s3"),
-                   ("default", "tiles", "BMxBNxBK 64x64x32 w4 s3"), ("default", "tiles", "BMxBNxBK 64x128x32 w8 s3"),
-                   ("raw-centres", "rows", "BLOCK 512 w4 s3"),  # SCALE=False
-                   ("fp32-ieee", "tiles", "BMxBNxBK 64x64x32 w4 s3"), ("fp32-ieee", "tiles", "BMxBNxBK 64x128x32 w8 s3")]
+    built = list(aot.build_all(variants=("default", "raw-centres", "fp32-ieee", "smoothing+subcenters3"),
+                               kernels=["rows", "tiles"]))
+    assert [(b["variant"], b["kernel"], b["config"], b["dots"]) for b in built] == [
+        ("default", "rows", "BLOCK 512 w4 s3", 0),
+        ("default", "tiles", _TILE_LABELS[0], 1), ("default", "tiles", _TILE_LABELS[1], 1),
+        ("raw-centres", "rows", "BLOCK 512 w4 s3", 0),  # SCALE=False
+        ("fp32-ieee", "tiles", _TILE_LABELS[0], 1), ("fp32-ieee", "tiles", _TILE_LABELS[1], 1),
+        ("smoothing+subcenters3", "tiles", _TILE_LABELS[0], 3), ("smoothing+subcenters3", "tiles", _TILE_LABELS[1], 3)]
+    assert all(b["tc_dots"] == 0 and b["hgmma"] == 0 for b in built if b["variant"] == "fp32-ieee")
+    keys = {f.name for f in aot.dataclasses.fields(aot.Built)} | {"variant"}
+    assert all(set(b) == keys for b in built)
     first = [(b["variant"], b["config"]) for b in aot.build_all(variants=("default", "fp32-ieee"), kernels=["tiles"],
                                                                all_configs=False)]
-    assert first == [("default", "BMxBNxBK 64x64x32 w4 s3"), ("default", "BMxBNxBK 64x128x32 w8 s3"),
-                     ("fp32-ieee", "BMxBNxBK 64x64x32 w4 s3")]
-    ieee = [b for b in aot.build_all(variants=("fp32-ieee",), kernels=["tiles"])]
-    assert all(b["tc_dots"] == 0 and b["hgmma"] == 0 for b in ieee)
-    keys = {f.name for f in aot.dataclasses.fields(aot.Built)} | {"variant"}
-    assert all(set(b) == keys for b in ieee)
+    assert first == [("default", _TILE_LABELS[0]), ("default", _TILE_LABELS[1]), ("fp32-ieee", _TILE_LABELS[0])]
+    # K reaches the kernels that take one (above, K=1 unless a variant sets it)
+    assert [b["dots"] for b in aot.build_all(K=2, kernels=["tiles"])] == [2, 2]
+    # a launcher's pick decides the configs of each variant's flags, as at run time
+    aot.KERNELS["picked"] = aot.Entry(registry[1].fn, _TILE_CONFIGS, _TILE_FLAGS, registry[1].types,
+                                      pick=lambda f: _TILE_CONFIGS[:1] if f["COMPUTE"] == tl.float32 else _TILE_CONFIGS[1:])
+    assert [(b["variant"], b["config"]) for b in aot.build_all(variants=("default", "fp32-ieee"), kernels=["picked"])] == [
+        ("default", _TILE_LABELS[1]), ("fp32-ieee", _TILE_LABELS[0])]
 
 
 def test_variant_flags_overlay_what_a_kernel_takes_and_k_only_where_it_has_one(registry):
@@ -272,6 +344,7 @@ def test_variant_flags_overlay_what_a_kernel_takes_and_k_only_where_it_has_one(r
     assert aot.variant_flags("rows", "raw-centres") == {"SCALE": False}
     assert aot.variant_flags("rows", "fp32-ieee") is None
     assert aot.variant_flags("rows", "default", K=3) == {"SCALE": True}  # no K: none added
+    assert aot.variant_flags("tiles", "default") == _TILE_FLAGS  # K=1 unless asked
     forward = aot.KERNELS["lse_forward_kernel"].flags
     assert aot.variant_flags("lse_forward_kernel", "default", K=3) == {**forward, "K": 3}
     assert aot.variant_flags("lse_forward_kernel", "smoothing+subcenters3") == {**forward, "SMOOTH": True, "K": 3}
@@ -290,8 +363,21 @@ def test_configs_for_uses_the_launchers_pick_when_it_has_one(registry):
     assert aot._label(triton.Config({"BR": 32, "BD": 128}, num_warps=2, num_stages=4)) == "BRxBD 32x128 w2 s4"
 
 
+def test_the_row_kernels_are_built_at_the_launchers_widest_tile_and_its_fewest_rows():
+    from shardfc.head.fused import chunks
+
+    wide, few = aot._row_configs((32, 128))
+    assert (wide.kwargs, wide.num_warps, wide.num_stages) == ({"BR": 32, "BD": 128}, 4, 3)
+    assert (few.kwargs, few.num_warps, few.num_stages) == ({"BR": chunks.MIN_ROW_TILE, "BD": 128}, 4, 3)
+    assert chunks.MIN_ROW_TILE < 32
+    assert [c.kwargs for c in aot._row_configs((chunks.MIN_ROW_TILE, 64))] == [{"BR": chunks.MIN_ROW_TILE, "BD": 64}]
+    br, bd = chunks.ROW_TILES
+    assert [aot._label(c) for c in aot.KERNELS["operand_rows_kernel"].configs] == [
+        f"BRxBD {br}x{bd} w4 s3", f"BRxBD {chunks.MIN_ROW_TILE}x{bd} w4 s3"]
+
+
 def test_register_names_every_problem_at_once(registry):
-    rows, _ = registry
+    rows, tiles = registry
     with pytest.raises(ValueError) as caught:
         aot.register(rows.fn, [], {"SCALE": True, "n": 3}, types={"y_ptr": "*fp32"}, name="rows")
     assert str(caught.value) == (
@@ -300,15 +386,29 @@ def test_register_names_every_problem_at_once(registry):
     assert aot.KERNELS["rows"] is rows
     # an integer typed as something else needs no hint decision; typed i32, it does
     block = [triton.Config({"BLOCK": 128})]
-    with pytest.raises(ValueError, match=r"^aot.register\(_undeclared_int_kernel\): integer 'mystery_count' is in"):
+    with pytest.raises(ValueError) as caught:
         aot.register(_undeclared_int_kernel, block, {}, types={"mystery_count": "i32"})
+    assert str(caught.value) == ("aot.register(_undeclared_int_kernel): integer 'mystery_count' is in neither "
+                                 "aot.HINTED nor aot.UNHINTED (is it a multiple of 16 at run time?)")
     assert aot.register(_undeclared_int_kernel, block, {}, types={"mystery_count": "u32"}, name="u32").types == {
         "mystery_count": "u32"}
     entry = aot.register(rows.fn, [_ROWS_CONFIG], {"SCALE": True}, types={"x_ptr": "*i64"})
     assert aot.KERNELS["_scale_rows"] is entry and entry.types == {"x_ptr": "*i64"} and entry.pick is None
+    pick = lambda flags: _TILE_CONFIGS[:1]  # noqa: E731
+    assert aot.register(tiles.fn, _TILE_CONFIGS, _TILE_FLAGS, name="picked", pick=pick).pick is pick
 
 
-def test_the_command_prints_a_table_or_json_and_fails_past_the_shared_memory(registry, monkeypatch, capsys):
+class _Flushes(io.StringIO):
+    """stdout that counts its flushes: a row reaches a pipe as soon as it is built."""
+
+    flushes = 0
+
+    def flush(self):
+        self.flushes += 1
+        super().flush()
+
+
+def test_the_command_prints_a_table_or_json_and_fails_past_the_shared_memory(only_these, monkeypatch, capsys):
     assert aot.main(["--kernels", "rows", "--json"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [json.loads(line) for line in lines] == list(aot.build_all(kernels=["rows"]))
@@ -318,27 +418,48 @@ def test_the_command_prints_a_table_or_json_and_fails_past_the_shared_memory(reg
     out = capsys.readouterr().out.splitlines()
     assert out[0] == ("sm_90, D=500, K=1; hinted: pointers, " + ", ".join(sorted(aot.HINTED)) + "; unhinted: "
                       + ", ".join(sorted(aot.UNHINTED)))
-    assert out[1].startswith("| variant | kernel | tiles, warps, stages | shared KB |") and out[2].startswith("|---|")
+    assert out[1:3] == ["| variant | kernel | tiles, warps, stages | shared KB | registers | stack bytes | LDL+STL "
+                        "| tensor-core dots | HGMMA | HMMA |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     rows = [line.split(" | ") for line in out[3:]]
     assert [(r[0], r[1], r[2]) for r in rows] == [
-        ("| default", "tiles", "BMxBNxBK 64x64x32 w4 s3"), ("| default", "tiles", "BMxBNxBK 64x128x32 w8 s3"),
-        ("| default", "rows", "BLOCK 512 w4 s3"), ("| fp32-ieee", "tiles", "BMxBNxBK 64x64x32 w4 s3")]
+        ("| default", "tiles", _TILE_LABELS[0]), ("| default", "tiles", _TILE_LABELS[1]),
+        ("| default", "rows", "BLOCK 512 w4 s3"), ("| fp32-ieee", "tiles", _TILE_LABELS[0])]
     b = aot.compile_one("tiles", _TILE_CONFIGS[0], _TILE_FLAGS, dim=500)
     assert out[3] == (f"| default | tiles | {b.config} | {b.shared / 1024:.0f} | {b.registers} | {b.stack_bytes} "
                       f"| {b.local_ops} | {b.tc_dots}/{b.dots} | {b.hgmma} | {b.hmma} |")
 
-    assert aot.main(["--kernels", "rows", "--capability", "80", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"variant": "default",
-                                                   **aot.dataclasses.asdict(aot.compile_one("rows", _ROWS_CONFIG, {"SCALE": True}, capability=80))}
-    # the largest build's shared memory decides: exactly at the limit passes, a byte over fails
-    widest = aot.compile_one("tiles", _TILE_CONFIGS[1], _TILE_FLAGS).shared
-    assert widest > b.shared
-    monkeypatch.setattr(aot, "H100_SHARED_BYTES", widest)
-    assert aot.main(["--kernels", "tiles", "--json"]) == 0
-    monkeypatch.setattr(aot, "H100_SHARED_BYTES", widest - 1)
-    assert aot.main(["--kernels", "tiles", "--json"]) == 1
+    # the largest build's shared memory decides (rows: none): exactly at the limit passes, a byte over fails
+    assert aot.compile_one("rows", _ROWS_CONFIG, {"SCALE": True}).shared == 0
+    monkeypatch.setattr(aot, "H100_SHARED_BYTES", 0)
     assert aot.main(["--kernels", "rows", "--json"]) == 0
+    monkeypatch.setattr(aot, "H100_SHARED_BYTES", -1)
+    assert aot.main(["--kernels", "rows", "--json"]) == 1
+    monkeypatch.setattr(aot, "H100_SHARED_BYTES", b.shared - 1)
+    assert aot.main(["--kernels", "tiles", "--variants", "fp32-ieee", "--first-config", "--json"]) == 1
     capsys.readouterr()
+
+    # each row is flushed as it is printed (the whole build takes minutes), in either form
+    for form in (["--json"], []):
+        monkeypatch.setattr("sys.stdout", _Flushes())
+        aot.main(["--kernels", "rows", *form])
+        assert sys.stdout.flushes == 1
+
+
+def test_the_command_builds_what_its_options_ask(only_these, monkeypatch, capsys):
+    def run(*argv: str) -> list:
+        assert aot.main([*argv, "--json"]) == 0
+        return [(b["variant"], b["kernel"], b["config"], b["dots"]) for b in map(json.loads, capsys.readouterr().out.splitlines())]
+
+    # without --kernels every registered kernel; "all": every variant that touches one
+    monkeypatch.setattr(aot, "KERNELS", {"rows": only_these[0]})
+    assert run("--variants", "all") == [("default", "rows", "BLOCK 512 w4 s3", 0), ("raw-centres", "rows", "BLOCK 512 w4 s3", 0)]
+    monkeypatch.setattr(aot, "KERNELS", {"tiles": only_these[1]})
+    # every config of a variant unless --first-config; K from --subcenters (1 unless given)
+    assert run("--variants", "fp32-ieee") == [("fp32-ieee", "tiles", label, 1) for label in _TILE_LABELS]
+    assert run("--variants", "fp32-ieee", "--first-config", "--subcenters", "2") == [("fp32-ieee", "tiles", _TILE_LABELS[0], 2)]
+    assert aot.main(["--capability", "80", "--variants", "fp32-ieee", "--first-config", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"variant": "fp32-ieee", **aot.dataclasses.asdict(
+        aot.compile_one("tiles", _TILE_CONFIGS[0], {**_TILE_FLAGS, "COMPUTE": tl.float32, "PRECISION": "ieee"}, capability=80))}
 
 
 @pytest.mark.parametrize("argv, message", [
