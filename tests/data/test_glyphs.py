@@ -589,3 +589,238 @@ def test_a_face_is_named_by_its_full_name_else_its_family_else_its_file(tmp_path
     assert [(f.name, f.family) for f, _ in faces] == [
         ("Tiny Sans Italic", "Tiny Sans"), ("Tiny Serif", "Tiny Serif"), ("none.ttf#0", "none.ttf#0")]
     assert [c for _, c in faces] == [{0x4E00}] * 3
+
+
+# --------------------------------------------------------------------------- augment, directly
+class _ScriptedRng:
+    """Stands in for ``np.random.Generator`` in :func:`glyphs.augment`: returns the values it is given
+    in turn and records each call, so one augmentation can be chosen and its draws' ranges read."""
+
+    def __init__(self, stroke=0, angle=0.0, scale=1.0, shear=0.0, shift=(0.0, 0.0), radius=0.0, sigma=0.0,
+                 noise=None):
+        self.values = [stroke, angle, scale, shear, np.array(shift), radius, sigma, noise]
+        self.calls = []
+
+    def _next(self, call):
+        self.calls.append(call)
+        return self.values[len(self.calls) - 1]
+
+    def integers(self, *args, **kw):
+        return self._next(("integers", args, kw))
+
+    def uniform(self, *args, **kw):
+        return self._next(("uniform", args, kw))
+
+    def normal(self, loc, scale, size):
+        value = self._next(("normal", (loc, scale), {"size": size}))
+        return np.zeros(size) if value is None else value
+
+
+def _block(c=64, box=(20, 10, 44, 54)):
+    from PIL import Image, ImageDraw
+
+    img = Image.new("L", (c, c), 255)
+    ImageDraw.Draw(img).rectangle(box, fill=0)
+    return img
+
+
+def test_augment_draws_each_variation_from_its_documented_range():
+    rng = _ScriptedRng(sigma=2.0)
+    glyphs.augment(_block(), 32, rng)
+    assert rng.calls == [
+        ("integers", (0, 3), {}),  # stroke: as drawn, bolder, thinner
+        ("uniform", (-6, 6), {}),  # rotation, degrees
+        ("uniform", (0.9, 1.1), {}),  # scale
+        ("uniform", (-0.1, 0.1), {}),  # shear
+        ("uniform", (-0.06, 0.06), {"size": 2}),  # shift, a share of the side
+        ("uniform", (0.0, 0.7), {}),  # blur radius
+        ("uniform", (0.0, 8.0), {}),  # noise sigma
+        ("normal", (0.0, 2.0), {"size": (32, 32)}),
+    ]
+
+
+def test_augment_without_jitter_is_the_plain_reduction_and_each_stroke_its_filter():
+    from PIL import Image, ImageFilter
+
+    img = _block()
+
+    def reduced(x):
+        return np.asarray(x.resize((32, 32), Image.LANCZOS))
+
+    assert (np.asarray(glyphs.augment(img, 32, _ScriptedRng())) == reduced(img)).all()
+    bolder = np.asarray(glyphs.augment(img, 32, _ScriptedRng(stroke=1)))
+    thinner = np.asarray(glyphs.augment(img, 32, _ScriptedRng(stroke=2)))
+    assert (bolder == reduced(img.filter(ImageFilter.MinFilter(3)))).all()
+    assert (thinner == reduced(img.filter(ImageFilter.MaxFilter(3)))).all()
+    assert (bolder < 128).sum() > (reduced(img) < 128).sum() > (thinner < 128).sum()
+
+
+@pytest.mark.parametrize("box, thinned", [
+    ((20, 20, 29, 27), True),  # 10 x 8 = 80 ink pixels, 8 x 6 = 48 thinned: 60% exactly, kept
+    ((20, 20, 29, 26), False),  # 10 x 7 = 70, 8 x 5 = 40 thinned: 57%, a hairline face's loss: as drawn
+])
+def test_thinning_is_kept_only_when_it_leaves_at_least_60_percent_of_the_ink(box, thinned):
+    from PIL import ImageFilter
+
+    img = _block(box=box)
+    thin = img.filter(ImageFilter.MaxFilter(3))
+    share = (np.asarray(thin) < 128).sum() / (np.asarray(img) < 128).sum()
+    assert (share >= 0.6) == thinned
+    got = np.asarray(glyphs.augment(img, 64, _ScriptedRng(stroke=2)))  # 64: no reduction
+    assert (got == np.asarray(thin if thinned else img)).all()
+
+
+def _ink_centre(arr):
+    ink = 255.0 - np.asarray(arr, dtype=np.float64)
+    ys, xs = np.indices(ink.shape)
+    return np.array([(xs * ink).sum(), (ys * ink).sum()]) / ink.sum()
+
+
+@pytest.mark.parametrize("angle, scale, shear, shift", [
+    (0.0, 1.0, 0.0, (0.05, -0.03)), (5.0, 1.0, 0.0, (0.0, 0.0)), (-5.0, 1.0, 0.0, (0.0, 0.0)),
+    (0.0, 1.1, 0.0, (0.0, 0.0)), (0.0, 0.9, 0.0, (0.0, 0.0)), (0.0, 1.0, 0.1, (0.0, 0.0)),
+    (4.0, 0.95, -0.08, (-0.04, 0.05)),
+])
+def test_the_affine_jitter_maps_the_ink_about_the_centre(angle, scale, shear, shift):
+    """A small blob off the centre lands where the jitter's map sends it: the inverse map (output ->
+    input) is ``M (p - c) + c - t`` with ``M`` the rotation by ``angle`` over ``scale`` plus ``shear``
+    on x by y, ``c`` the centre, ``t`` the shift (a share of the side); bilinear sampling keeps the
+    blob's ink centre to a fraction of a pixel (a quarter here; each case moves it 2 px or more, and a
+    sign or term wrong in the map moves it as far)."""
+    c = 128
+    img = _block(c, (84, 34, 91, 41))  # an 8 x 8 blob, 24 px right of and 56 px above the centre
+    got = glyphs.augment(img, c, _ScriptedRng(angle=angle, scale=scale, shear=shear, shift=shift))
+    r = np.deg2rad(angle)
+    m = np.array([[np.cos(r) / scale, np.sin(r) / scale + shear], [-np.sin(r) / scale, np.cos(r) / scale]])
+    centre = np.array([c / 2, c / 2])
+    # ink centre in the output: solve M (p - c) + c - t = q for the input centre q
+    expected = np.linalg.solve(m, _ink_centre(img) - centre + np.array(shift) * c) + centre
+    assert _ink_centre(got) == pytest.approx(expected, abs=0.25)
+    assert (np.asarray(got) < 128).sum() > 0
+
+
+@pytest.mark.parametrize("radius", [0.2, 0.21, 0.7])
+def test_blur_past_a_fifth_of_a_pixel_is_gaussian_of_that_radius(radius):
+    from PIL import Image, ImageFilter
+
+    img = _block()
+    plain = img.resize((32, 32), Image.LANCZOS)
+    got = np.asarray(glyphs.augment(img, 32, _ScriptedRng(radius=radius)))
+    want = plain.filter(ImageFilter.GaussianBlur(radius)) if radius > 0.2 else plain
+    assert (got == np.asarray(want)).all()
+    assert (got != np.asarray(plain)).any() == (radius > 0.2)
+
+
+def test_noise_is_added_rounded_to_the_nearest_level_and_clipped():
+    from PIL import Image
+
+    img = _block()
+    plain = np.asarray(img.resize((32, 32), Image.LANCZOS)).astype(np.float64)
+    noise = np.random.default_rng(0).normal(0.0, 40.0, size=(32, 32))
+    noise[0, 0], noise[0, 1] = 0.6, -0.6  # rounded, not truncated: white stays white, 255 - 1 = 254
+    got = glyphs.augment(img, 32, _ScriptedRng(sigma=40.0, noise=noise))
+    assert got.mode == "L" and got.size == (32, 32)
+    want = np.clip(np.rint(plain + noise), 0, 255)
+    assert (np.asarray(got) == want).all()
+    assert np.asarray(got)[0, :2].tolist() == [255, 254] and (want == 0).any() and (want == 255).any()
+
+
+# --------------------------------------------------------------------------- the pair makers, directly
+def _drawings(faces_of: dict, size=4) -> glyphs._Drawings:
+    """``{char: [face, ...]}`` as drawings: each (char, face) a distinct flat array."""
+    return glyphs._Drawings({ch: [(fi, np.full((size, size), 7 * i + fi, np.uint8)) for fi in fs]
+                             for i, (ch, fs) in enumerate(faces_of.items())})
+
+
+def test_fold_pairs_are_ten_folds_of_positives_then_negatives():
+    made = []
+
+    def maker(tag):
+        return lambda: made.append(tag) or (tag, len(made))
+
+    pairs = glyphs._fold_pairs(maker("pos"), maker("neg"), GlyphOptions(pairs=60))
+    assert [tag for tag, _ in pairs] == (["pos"] * 3 + ["neg"] * 3) * 10
+    assert [k for _, k in pairs] == list(range(1, 61))  # each made once, in this order
+
+
+def test_two_draws_two_different_items_as_the_generator_chooses_them():
+    items = ["a", "b", "c"]
+    drawn = [glyphs._two(np.random.default_rng(seed), items) for seed in range(60)]
+    ref = [np.random.default_rng(seed).choice(3, size=2, replace=False) for seed in range(60)]
+    assert drawn == [(items[i], items[j]) for i, j in ref]
+    assert all(x != y for x, y in drawn) and {x for x, _ in drawn} == set(items)
+
+
+def test_unseen_pairs_are_two_faces_of_one_character_or_two_characters():
+    faces_of = {"一": [0, 1, 2], "二": [1, 3], "三": [0, 2, 3, 4]}
+    drawings = _drawings(faces_of)
+    pairs = glyphs._pairs_unseen(list(faces_of), drawings, GlyphOptions(pairs=400), np.random.default_rng(0))
+    assert [same for _, _, same in pairs] == ([True] * 20 + [False] * 20) * 10
+    for (c1, f1), (c2, f2), same in pairs:
+        assert f1 in faces_of[c1] and f2 in faces_of[c2]
+        assert (c1 == c2 and f1 != f2) if same else c1 != c2
+    # every character and every face of it is drawn on both sides
+    for side in (0, 1):
+        for same in (True, False):
+            assert {p[side] for p in pairs if p[2] == same} == {(c, f) for c, fs in faces_of.items() for f in fs}
+
+
+def test_hard_negatives_are_one_face_drawing_a_character_and_its_nearest_other():
+    """Per face, the nearest other character by the squared pixel distance of the two drawings, taken
+    as numbers (uint8 arrays would wrap: 0 - 255 is 1 as bytes); faces drawing one character are not
+    used; the positives are the unseen set's (the same generator)."""
+    level = {"一": 0, "二": 255, "三": 40, "四": 125, "五": 200}
+    faces_of = {"一": [0, 1], "二": [0, 1, 2], "三": [0, 1, 3], "四": [0, 3], "五": [0, 2], "六": [4, 5]}
+    drawings = glyphs._Drawings({ch: [(fi, np.full((2, 3), level.get(ch, 9), np.uint8)) for fi in fs]
+                                 for ch, fs in faces_of.items()})  # faces 4 and 5 draw one character each
+    chars = list(faces_of)
+    o = GlyphOptions(pairs=400)
+    pairs = glyphs._pairs_hard(chars, drawings, o, np.random.default_rng(5))
+    assert [same for _, _, same in pairs] == ([True] * 20 + [False] * 20) * 10
+    positives = [p for p in glyphs._pairs_unseen(chars, drawings, o, np.random.default_rng(5)) if p[2]]
+    assert [p for p in pairs if p[2]] == positives[:200]
+
+    def nearest(ch, fi):
+        others = [c for c, fs in faces_of.items() if fi in fs and c != ch]
+        return min(others, key=lambda c: abs(level[c] - level[ch]))  # no ties in these levels
+
+    negatives = [p for p in pairs if not p[2]]
+    for (c1, f1), (c2, f2), _ in negatives:
+        assert f1 == f2 and c1 != c2 and c2 == nearest(c1, f1), (c1, c2, f1)
+    assert {f for (_, f), _, _ in negatives} == {0, 1, 2, 3}  # a face drawing two characters is used
+    assert {c for (c, _), _, _ in negatives} == set(level)
+    assert (("二", 0), ("五", 0), False) in negatives  # 255 is nearest 200, not 0 (as bytes 0 - 255 = 1)
+
+
+def test_face_pairs_join_a_held_out_drawing_with_a_training_one():
+    faces_of = {"一": [0, 1, 2], "二": [1, 3], "三": [0, 2], "四": [2, 3], "五": [3]}
+    drawings = _drawings(faces_of)
+    held = {2, 3}
+    seen_faces = {ch: [fi for fi in fs if fi not in held] for ch, fs in faces_of.items()}
+    # 四 and 五: no training face draws them; 二, 一, 三: held faces do
+    pairs = glyphs._pairs_faces(list(faces_of), drawings, held, seen_faces, GlyphOptions(pairs=400),
+                                np.random.default_rng(1))
+    assert [same for _, _, same in pairs] == ([True] * 20 + [False] * 20) * 10
+    with_held = {"一", "二", "三"}
+    for (c1, f1), (c2, f2), same in pairs:
+        assert c1 in with_held and f1 in held and f1 in faces_of[c1] and c2 in with_held and f2 in faces_of[c2]
+        assert (c1 == c2 and f2 in seen_faces[c2]) if same else c1 != c2
+    assert {p[0] for p in pairs} == {(c, f) for c in with_held for f in faces_of[c] if f in held}
+    assert {p[1] for p in pairs if p[2]} == {(c, f) for c in with_held for f in seen_faces[c]}
+    assert {p[1] for p in pairs if not p[2]} == {(c, f) for c in with_held for f in faces_of[c]}
+
+
+def test_face_pairs_are_none_without_a_held_out_face_drawing_a_training_character():
+    faces_of = {"一": [0, 1], "二": [0, 1], "三": [2]}
+    drawings = _drawings(faces_of)
+    seen = {"一": [0, 1], "二": [0, 1], "三": []}
+    o, rng = GlyphOptions(pairs=20), np.random.default_rng(0)
+    assert glyphs._pairs_faces(list(faces_of), drawings, set(), seen, o, rng) == []
+    assert glyphs._pairs_faces(["一", "二"], drawings, {2}, seen, o, rng) == []  # 三 held, not a training char
+    assert glyphs._pairs_faces(list(faces_of), drawings, {2}, seen, o, rng) == []  # 三: no training drawing
+
+
+def test_stats_are_min_mean_to_two_places_and_max():
+    assert glyphs._stats([3, 1, 2, 2, 2, 1]) == (1, 1.83, 3)
+    assert glyphs._stats([5]) == (5, 5.0, 5)
+    assert glyphs._stats([]) == (0, 0.0, 0)
