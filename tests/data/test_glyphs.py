@@ -655,14 +655,18 @@ def test_augment_without_jitter_is_the_plain_reduction_and_each_stroke_its_filte
     assert (bolder < 128).sum() > (reduced(img) < 128).sum() > (thinner < 128).sum()
 
 
-@pytest.mark.parametrize("box, thinned", [
-    ((20, 20, 29, 27), True),  # 10 x 8 = 80 ink pixels, 8 x 6 = 48 thinned: 60% exactly, kept
-    ((20, 20, 29, 26), False),  # 10 x 7 = 70, 8 x 5 = 40 thinned: 57%, a hairline face's loss: as drawn
+@pytest.mark.parametrize("box, grey, thinned", [
+    ((20, 20, 29, 27), False, True),  # 10 x 8 = 80 ink pixels, 8 x 6 = 48 thinned: 60% exactly, kept
+    ((20, 20, 29, 26), False, False),  # 10 x 7 = 70, 8 x 5 = 40 thinned: 57%, a hairline face's loss: as drawn
+    ((20, 20, 29, 27), True, True),  # a grey of 128 beside them is not ink: 48 of 80 still
+    ((20, 20, 29, 26), True, False),  # nor thinned (3 x 3 left of its 5 x 5): 40 of 70 still
 ])
-def test_thinning_is_kept_only_when_it_leaves_at_least_60_percent_of_the_ink(box, thinned):
-    from PIL import ImageFilter
+def test_thinning_is_kept_only_when_it_leaves_at_least_60_percent_of_the_ink(box, grey, thinned):
+    from PIL import ImageDraw, ImageFilter
 
     img = _block(box=box)
+    if grey:
+        ImageDraw.Draw(img).rectangle((40, 40, 44, 44), fill=128)
     thin = img.filter(ImageFilter.MaxFilter(3))
     share = (np.asarray(thin) < 128).sum() / (np.asarray(img) < 128).sum()
     assert (share >= 0.6) == thinned
@@ -679,7 +683,7 @@ def _ink_centre(arr):
 @pytest.mark.parametrize("angle, scale, shear, shift", [
     (0.0, 1.0, 0.0, (0.05, -0.03)), (5.0, 1.0, 0.0, (0.0, 0.0)), (-5.0, 1.0, 0.0, (0.0, 0.0)),
     (0.0, 1.1, 0.0, (0.0, 0.0)), (0.0, 0.9, 0.0, (0.0, 0.0)), (0.0, 1.0, 0.1, (0.0, 0.0)),
-    (4.0, 0.95, -0.08, (-0.04, 0.05)),
+    (4.0, 0.95, -0.08, (-0.04, 0.05)), (6.0, 0.9, 0.0, (0.0, 0.0)), (-6.0, 1.1, 0.0, (0.0, 0.0)),
 ])
 def test_the_affine_jitter_maps_the_ink_about_the_centre(angle, scale, shear, shift):
     """A small blob off the centre lands where the jitter's map sends it: the inverse map (output ->
@@ -824,3 +828,213 @@ def test_stats_are_min_mean_to_two_places_and_max():
     assert glyphs._stats([3, 1, 2, 2, 2, 1]) == (1, 1.83, 3)
     assert glyphs._stats([5]) == (5, 5.0, 5)
     assert glyphs._stats([]) == (0, 0.0, 0)
+
+
+# --------------------------------------------------------------------------- build, on tiny fonts
+#: Four tiny fonts (tests/tiny_fonts.py's bars): which characters each draws. 七 is drawn alike by the
+#: first two (one distinct drawing: never an identity); 八 by one face only (never a candidate).
+TINY_CHARS = "一二三四五六"
+TINY_FONTS = {"Alpha": TINY_CHARS + "七八", "Beta": TINY_CHARS + "七", "Gamma": "一二三四", "Delta": "一二"}
+TINY = GlyphOptions(image_size=8, channels=3, min_faces=2, identities=2, unseen_identities=2, holdout_faces=1,
+                    copies=2, pairs=20, seed=4)
+
+
+def _tiny_fonts(folder) -> str:
+    from tiny_fonts import bar_font
+
+    folder.mkdir(exist_ok=True)
+    for k, (family, chars) in enumerate(TINY_FONTS.items()):
+        bar_font(folder / f"{k}.ttf", family,
+                 {ch: (100 + 130 * TINY_CHARS.index(ch), 150 + 150 * k) if ch in TINY_CHARS else (300, 300)
+                  for ch in chars})
+    return str(folder)
+
+
+def _tiny_build(tmp_path, name="set", log=None, force=False, **changes):
+    fonts = _tiny_fonts(tmp_path / "fonts")
+    log = log if log is not None else open(os.devnull, "w")
+    out = tmp_path / name
+    return out, build(str(out), GlyphOptions(**{**vars(TINY), **changes}), font_dirs=[fonts], log=log, force=force)
+
+
+@pytest.fixture(scope="module")
+def tiny_set(tmp_path_factory):
+    import io
+
+    tmp = tmp_path_factory.mktemp("tiny")
+    log = io.StringIO()
+    out, summary = _tiny_build(tmp, log=log)
+    faces = [f for f, _ in read_faces(font_files([str(tmp / "fonts")]))]
+    return out, summary, faces, log.getvalue()
+
+
+def _pair_candidates(faces, chars, k, seed=TINY.seed):
+    """Each (character, face) drawing's pair image ``k`` as build makes it: its own seeded augmentation."""
+    out = {}
+    for fi, face in enumerate(faces):
+        renderer = glyphs._Renderer(face, TINY.image_size)
+        for ch in chars:
+            if ch in TINY_FONTS[face.family]:
+                img = glyphs.augment(renderer.hires(ch), TINY.image_size, glyphs._rng(seed, ch, fi, k, purpose=1))
+                out[glyphs.encode_png(img, TINY.channels)] = (ch, fi)
+    return out
+
+
+def test_a_tiny_build_summarises_what_it_built_from_what(tiny_set):
+    from dataclasses import asdict
+
+    out, summary, faces, log = tiny_set
+    held = [i for i, f in enumerate(summary["faces"]) if f["held_out"]]
+    assert len(held) == 1  # one family of four, each face its own family
+    train = (out / "classes.txt").read_text(encoding="utf-8")
+    train_chars = train.split("\n")[:-1]
+    unseen = summary["unseen_characters"]
+    assert train == "".join(ch + "\n" for ch in train_chars) and train_chars == sorted(train_chars)
+    assert len(train_chars) == len(unseen) == 2 and list(unseen) == sorted(unseen)
+    assert set(train_chars) | set(unseen) <= set(TINY_CHARS) and not set(train_chars) & set(unseen)
+    drawers = {ch: [i for i, f in enumerate(faces) if ch in TINY_FONTS[f.family]] for ch in train_chars}
+    seen = [len([i for i in drawers[ch] if i not in held]) for ch in train_chars]
+    assert summary == {
+        "identities": 2, "unseen_identities": 2, "images": TINY.copies * sum(seen), "unseen_characters": unseen,
+        "faces": [dict(asdict(f), family_id=i, held_out=i in held) for i, f in enumerate(faces)],
+        "families": 4, "held_out_families": [faces[held[0]].family],
+        "pairs": {"unseen": 20, "hard": 20, "faces": 20}, "options": asdict(TINY),
+        "drawings_per_identity": {"min": min(seen), "mean": round(sum(seen) / 2, 2), "max": max(seen)},
+    }
+    import json
+
+    assert json.loads((out / "glyphs.json").read_text(encoding="utf-8")) == summary
+    assert (out / "glyphs.json").read_text(encoding="utf-8").endswith("}\n")
+    assert sorted(os.listdir(out)) == sorted(["train.rec", "train.idx", "property", "classes.txt", "glyphs.json",
+                                              "glyphs_unseen.bin", "glyphs_hard.bin", "glyphs_faces.bin"])
+    assert log == (f"glyphs: 2 identities, {summary['images']} images at 8x8 from 4 faces in 4 families "
+                   f"(1 faces held out); 2 unseen identities; 3 verification sets of 20 pairs -> {out}\n")
+
+
+def test_a_tiny_builds_training_images_are_each_drawing_by_a_training_face_seeded_per_copy(tiny_set):
+    from shardfc.data.recordio import RecordIOReader, unpack_header
+
+    out, summary, faces, _ = tiny_set
+    train_chars = (out / "classes.txt").read_text(encoding="utf-8").split()
+    held = {i for i, f in enumerate(summary["faces"]) if f["held_out"]}
+    want = []
+    for label, ch in enumerate(train_chars):
+        for fi, face in enumerate(faces):
+            if ch in TINY_FONTS[face.family] and fi not in held:
+                hires = glyphs._Renderer(face, 8).hires(ch)
+                want += [(label, glyphs.encode_png(glyphs.augment(hires, 8, glyphs._rng(TINY.seed, ch, fi, copy)), 3))
+                         for copy in range(TINY.copies)]
+    reader = RecordIOReader(out / "train.rec")
+    got = [unpack_header(reader.read(key)) for key in range(1, len(want) + 1)]
+    assert [(int(h.label), data) for h, data in got] == want
+    assert (out / "property").read_text().strip() == f"{len(train_chars)},8,8"
+
+
+@pytest.mark.parametrize("name", ["unseen", "hard", "faces"])
+def test_a_tiny_builds_pairs_are_their_sets_drawings_each_seeded_by_its_place(tiny_set, name):
+    import pickle
+
+    out, summary, faces, _ = tiny_set
+    train_chars = (out / "classes.txt").read_text(encoding="utf-8").split()
+    unseen = summary["unseen_characters"]
+    held = {i for i, f in enumerate(summary["faces"]) if f["held_out"]}
+    with open(out / f"glyphs_{name}.bin", "rb") as f:
+        bins, issame = pickle.load(f)
+    assert issame == ([True] * 1 + [False] * 1) * 10 and len(bins) == 40
+    chars = train_chars if name == "faces" else unseen
+    for k, same in enumerate(issame):
+        (c1, f1) = _pair_candidates(faces, chars, 2 * k)[bins[2 * k]]
+        (c2, f2) = _pair_candidates(faces, chars, 2 * k + 1)[bins[2 * k + 1]]
+        assert (c1 == c2) == same and (f1 != f2 if same else True)
+        if name == "hard" and not same:
+            assert f1 == f2
+        if name == "faces":
+            assert f1 in held and (f2 not in held if same else True)
+
+
+def test_a_tiny_build_is_the_same_bytes_again_and_refuses_to_overwrite_without_force(tiny_set, tmp_path):
+    from shardfc.data.recordio_ops import CommandError
+
+    out, _, _, _ = tiny_set
+    again, _ = _tiny_build(tmp_path)
+    for name in os.listdir(out):
+        if name != "glyphs.json":  # it names the fonts' folder
+            assert (again / name).read_bytes() == (out / name).read_bytes(), name
+    with pytest.raises(CommandError, match=f"^{(str(again / 'train.rec'))!r} exists \\(use --force to replace it\\)$"):
+        _tiny_build(tmp_path)
+    _tiny_build(tmp_path, force=True)
+
+
+@pytest.mark.parametrize("changes, message", [
+    # 一..七: covered by at least two faces (七 by two alike); 八 by one
+    (dict(identities=5, unseen_identities=3), "7 characters are covered by at least 2 faces (4 faces found), fewer "
+     "than the 8 identities asked for (--identities 5 + --unseen-identities 3); install more fonts or lower them"),
+    (dict(identities=5, unseen_identities=2),
+     "only 6 characters have at least 2 distinct drawings (7 asked for); lower --min-faces or the identity counts"),
+    (dict(min_faces=3, identities=3, unseen_identities=2), "4 characters are covered by at least 3 faces (4 faces "
+     "found), fewer than the 5 identities asked for (--identities 3 + --unseen-identities 2); install more fonts "
+     "or lower them"),
+    (dict(holdout_faces=4), "--holdout-faces 4 leaves no typeface family for training (4 families found)"),
+])
+def test_a_tiny_build_refuses_what_its_fonts_cannot_give_saying_why(tmp_path, changes, message):
+    with pytest.raises(GlyphError) as e:
+        _tiny_build(tmp_path, **changes)
+    assert str(e.value) == message
+    assert not (tmp_path / "set").exists()
+
+
+@pytest.mark.parametrize("changes", [
+    dict(identities=4, unseen_identities=2),  # all six characters with two distinct drawings
+    dict(min_faces=3, identities=2, unseen_identities=2),  # all four characters three faces draw
+    dict(holdout_faces=3),  # one family left for training
+])
+def test_a_tiny_build_takes_all_its_fonts_can_give(tmp_path, changes):
+    _, summary = _tiny_build(tmp_path, **changes)
+    o = GlyphOptions(**{**vars(TINY), **changes})
+    assert (summary["identities"], summary["unseen_identities"]) == (o.identities, o.unseen_identities)
+    chars = set((tmp_path / "set" / "classes.txt").read_text(encoding="utf-8").split()) | set(
+        summary["unseen_characters"])
+    assert len(chars) == o.identities + o.unseen_identities
+    assert chars <= set(TINY_CHARS[:4] if o.min_faces == 3 else TINY_CHARS)
+    assert sum(f["held_out"] for f in summary["faces"]) == o.holdout_faces  # each face its own family
+
+
+def test_a_tiny_build_without_held_out_faces_has_no_face_pairs(tmp_path):
+    import pickle
+
+    out, summary = _tiny_build(tmp_path, holdout_faces=0)
+    assert summary["pairs"] == {"unseen": 20, "hard": 20, "faces": 0} and summary["held_out_families"] == []
+    assert not any(f["held_out"] for f in summary["faces"])
+    with open(out / "glyphs_faces.bin", "rb") as f:
+        assert pickle.load(f) == ([], [])
+
+
+def test_a_build_without_a_readable_face_names_the_folders_and_logs_each_skipped_file(tmp_path, monkeypatch):
+    import io
+
+    fonts = tmp_path / "fonts"
+    other = tmp_path / "other"
+    empty = tmp_path / "empty"
+    fonts.mkdir(), other.mkdir(), empty.mkdir()
+    (fonts / "broken.ttf").write_bytes(b"not a font at all")
+    (other / "real.ttf").write_bytes(b"not a font either")
+    (fonts / "link.ttf").symlink_to(other / "real.ttf")
+    log = io.StringIO()
+    with pytest.raises(GlyphError) as e:
+        build(str(tmp_path / "out"), GlyphOptions(), font_dirs=[str(fonts), str(empty)], log=log)
+    assert str(e.value) == glyphs.no_fonts_message(f"{fonts}, {empty}")
+    lines = log.getvalue().splitlines()
+    link, broken = str(fonts / "link.ttf"), str(fonts / "broken.ttf")
+    assert lines == [
+        f"warning: shardfc data glyphs: skipped font file {link!r}: it resolves to {other / 'real.ttf'}, outside "
+        f"{fonts}, {empty}",
+        f"warning: shardfc data glyphs: skipped font file {broken!r}: ValueError: not an uncompressed TrueType / "
+        "OpenType font (signature b'not '; WOFF is not read)",
+    ]
+    # no folder named: the system's, and the message says so
+    seen = []
+    monkeypatch.setattr(glyphs, "font_files", lambda dirs, warn: seen.append(dirs) or [])
+    with pytest.raises(GlyphError) as e:
+        build(str(tmp_path / "out"), GlyphOptions(), log=log)
+    assert str(e.value) == glyphs.no_fonts_message("the system's font folders") and seen == [None]
+    assert not (tmp_path / "out").exists()
