@@ -903,8 +903,10 @@ def test_a_tiny_build_summarises_what_it_built_from_what(tiny_set):
     }
     import json
 
-    assert json.loads((out / "glyphs.json").read_text(encoding="utf-8")) == summary
-    assert (out / "glyphs.json").read_text(encoding="utf-8").endswith("}\n")
+    text = (out / "glyphs.json").read_text(encoding="utf-8")
+    assert json.loads(text) == summary
+    # for people to read: indented, the characters as themselves, one line ending
+    assert text == json.dumps(summary, indent=2, ensure_ascii=False) + "\n" and unseen in text
     assert sorted(os.listdir(out)) == sorted(["train.rec", "train.idx", "property", "classes.txt", "glyphs.json",
                                               "glyphs_unseen.bin", "glyphs_hard.bin", "glyphs_faces.bin"])
     assert log == (f"glyphs: 2 identities, {summary['images']} images at 8x8 from 4 faces in 4 families "
@@ -1038,3 +1040,53 @@ def test_a_build_without_a_readable_face_names_the_folders_and_logs_each_skipped
         build(str(tmp_path / "out"), GlyphOptions(), log=log)
     assert str(e.value) == glyphs.no_fonts_message("the system's font folders") and seen == [None]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_build_logs_to_stderr_unless_told_where(tmp_path, capsys):
+    fonts = _tiny_fonts(tmp_path / "fonts")
+    (tmp_path / "fonts" / "broken.ttf").write_bytes(b"not a font at all")
+    summary = build(str(tmp_path / "set"), GlyphOptions(**vars(TINY)), font_dirs=[fonts])
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("warning: shardfc data glyphs: skipped font file ")
+    assert lines[1].startswith(f"glyphs: 2 identities, {summary['images']} images at 8x8 from 4 faces")
+
+
+def test_a_build_draws_candidates_in_seeded_order_a_batch_at_a_time_until_it_has_enough(tmp_path, monkeypatch):
+    """Of 46 candidates only 6 have two distinct drawings (40 are drawn alike by both faces): each batch
+    is the next ``1.2 × missing + 16`` characters of the seeded order (the whole block is never drawn
+    at once), and drawing stops once enough are kept, or the candidates run out."""
+    from tiny_fonts import bar_font
+
+    fillers = [chr(0x5000 + i) for i in range(40)]
+    fonts = tmp_path / "fonts"
+    fonts.mkdir()
+    for k, family in enumerate(["Alpha", "Beta"]):
+        shapes = {ch: (100 + 130 * j, 150 + 150 * k) for j, ch in enumerate(TINY_CHARS)}
+        bar_font(fonts / f"{k}.ttf", family, {**shapes, **{ch: (300, 300) for ch in fillers}})
+    batches = []
+    real = glyphs._draw_all
+
+    def drawing(faces, chars, *args, **kw):
+        batches.append(list(chars))
+        return real(faces, chars, *args, **kw)
+
+    monkeypatch.setattr(glyphs, "_draw_all", drawing)
+    o = GlyphOptions(**{**vars(TINY), "identities": 4, "unseen_identities": 2, "holdout_faces": 0})
+    candidates = sorted(TINY_CHARS + "".join(fillers))
+    order = [candidates[i] for i in np.random.default_rng(o.seed).permutation(len(candidates))]
+
+    def check_batches(wanted):
+        drawn = found = 0
+        for batch in batches:
+            assert found < wanted and len(batch) == min(int(1.2 * (wanted - found)) + 16, len(order) - drawn)
+            drawn += len(batch)
+            found += len(set(batch) & set(TINY_CHARS))
+        assert sum(batches, []) == order[:drawn]  # the seeded order, each character once
+        return drawn, found
+
+    summary = build(str(tmp_path / "set"), o, font_dirs=[str(fonts)], log=open(os.devnull, "w"))
+    assert check_batches(6)[1] == 6 and len(batches) >= 2 and summary["identities"] == 4
+    batches.clear()
+    with pytest.raises(GlyphError, match="^only 6 characters have at least 2 distinct drawings"):
+        build(str(tmp_path / "more"), GlyphOptions(**{**vars(o), "identities": 5}), font_dirs=[str(fonts)])
+    assert check_batches(7) == (46, 6)  # every candidate drawn once, then it stops
