@@ -857,11 +857,12 @@ def _tiny_build(tmp_path, name="set", log=None, force=False, **changes):
     return out, build(str(out), GlyphOptions(**{**vars(TINY), **changes}), font_dirs=[fonts], log=log, force=force)
 
 
-@pytest.fixture(scope="module")
-def tiny_set(tmp_path_factory):
+@pytest.fixture
+def tiny_set(tmp_path):
+    """A build per test (≈ 0.1 s): a module-scoped one would be traced by mutmut into its first test only."""
     import io
 
-    tmp = tmp_path_factory.mktemp("tiny")
+    tmp = tmp_path
     log = io.StringIO()
     out, summary = _tiny_build(tmp, log=log)
     faces = [f for f, _ in read_faces(font_files([str(tmp / "fonts")]))]
@@ -932,6 +933,20 @@ def test_a_tiny_builds_training_images_are_each_drawing_by_a_training_face_seede
     assert (out / "property").read_text().strip() == f"{len(train_chars)},8,8"
 
 
+def test_a_tiny_builds_hard_set_draws_its_positives_apart_from_the_unseen_sets(tiny_set):
+    """Both sets pair the unseen characters' drawings; each has its own generator, so their positives
+    (and so their images) are not the same draws."""
+    import pickle
+
+    out = tiny_set[0]
+    sets = {}
+    for name in ("unseen", "hard"):
+        with open(out / f"glyphs_{name}.bin", "rb") as f:
+            bins, issame = pickle.load(f)
+        sets[name] = [bins[2 * k:2 * k + 2] for k, same in enumerate(issame) if same]
+    assert len(sets["unseen"]) == len(sets["hard"]) == 10 and sets["unseen"] != sets["hard"]
+
+
 @pytest.mark.parametrize("name", ["unseen", "hard", "faces"])
 def test_a_tiny_builds_pairs_are_their_sets_drawings_each_seeded_by_its_place(tiny_set, name):
     import pickle
@@ -940,8 +955,12 @@ def test_a_tiny_builds_pairs_are_their_sets_drawings_each_seeded_by_its_place(ti
     train_chars = (out / "classes.txt").read_text(encoding="utf-8").split()
     unseen = summary["unseen_characters"]
     held = {i for i, f in enumerate(summary["faces"]) if f["held_out"]}
-    with open(out / f"glyphs_{name}.bin", "rb") as f:
-        bins, issame = pickle.load(f)
+    import pickletools
+
+    data = (out / f"glyphs_{name}.bin").read_bytes()
+    op, arg, _ = next(pickletools.genops(data))
+    assert (op.name, arg) == ("PROTO", 4)  # readable by any Python 3.4+, and the same bytes on each
+    bins, issame = pickle.loads(data)
     assert issame == ([True] * 1 + [False] * 1) * 10 and len(bins) == 40
     chars = train_chars if name == "faces" else unseen
     for k, same in enumerate(issame):
@@ -954,17 +973,19 @@ def test_a_tiny_builds_pairs_are_their_sets_drawings_each_seeded_by_its_place(ti
             assert f1 in held and (f2 not in held if same else True)
 
 
-def test_a_tiny_build_is_the_same_bytes_again_and_refuses_to_overwrite_without_force(tiny_set, tmp_path):
+def test_a_tiny_build_is_the_same_bytes_again_and_refuses_to_overwrite_without_force(tiny_set, tmp_path_factory):
     from shardfc.data.recordio_ops import CommandError
 
     out, _, _, _ = tiny_set
-    again, _ = _tiny_build(tmp_path)
+    tmp = tmp_path_factory.mktemp("again")
+    again, _ = _tiny_build(tmp)
     for name in os.listdir(out):
         if name != "glyphs.json":  # it names the fonts' folder
             assert (again / name).read_bytes() == (out / name).read_bytes(), name
-    with pytest.raises(CommandError, match=f"^{(str(again / 'train.rec'))!r} exists \\(use --force to replace it\\)$"):
-        _tiny_build(tmp_path)
-    _tiny_build(tmp_path, force=True)
+    with pytest.raises(CommandError) as e:
+        build(str(again), GlyphOptions(**vars(TINY)), font_dirs=[str(tmp / "fonts")], log=open(os.devnull, "w"))
+    assert str(e.value) == f"{str(again / 'train.rec')!r} exists (use --force to replace it)"
+    _tiny_build(tmp, force=True)
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -1054,7 +1075,10 @@ def test_a_build_logs_to_stderr_unless_told_where(tmp_path, capsys):
 def test_a_build_draws_candidates_in_seeded_order_a_batch_at_a_time_until_it_has_enough(tmp_path, monkeypatch):
     """Of 46 candidates only 6 have two distinct drawings (40 are drawn alike by both faces): each batch
     is the next ``1.2 × missing + 16`` characters of the seeded order (the whole block is never drawn
-    at once), and drawing stops once enough are kept, or the candidates run out."""
+    at once), and drawing stops once enough are kept, or the candidates run out. A third face that
+    FreeType cannot open is tried once (logged), not again in the next batches."""
+    import io
+
     from tiny_fonts import bar_font
 
     fillers = [chr(0x5000 + i) for i in range(40)]
@@ -1063,6 +1087,17 @@ def test_a_build_draws_candidates_in_seeded_order_a_batch_at_a_time_until_it_has
     for k, family in enumerate(["Alpha", "Beta"]):
         shapes = {ch: (100 + 130 * j, 150 + 150 * k) for j, ch in enumerate(TINY_CHARS)}
         bar_font(fonts / f"{k}.ttf", family, {**shapes, **{ch: (300, 300) for ch in fillers}})
+    broken = bar_font(fonts / "2.ttf", "Gamma", {ch: (300, 300 + 100 * j) for j, ch in enumerate(TINY_CHARS)})
+    tried = []
+    init = glyphs._Renderer.__init__
+
+    def renderer(self, face, size):
+        if face.path == broken:
+            tried.append(face)
+            raise RuntimeError("cannot open")
+        init(self, face, size)
+
+    monkeypatch.setattr(glyphs._Renderer, "__init__", renderer)
     batches = []
     real = glyphs._draw_all
 
@@ -1084,9 +1119,37 @@ def test_a_build_draws_candidates_in_seeded_order_a_batch_at_a_time_until_it_has
         assert sum(batches, []) == order[:drawn]  # the seeded order, each character once
         return drawn, found
 
-    summary = build(str(tmp_path / "set"), o, font_dirs=[str(fonts)], log=open(os.devnull, "w"))
-    assert check_batches(6)[1] == 6 and len(batches) >= 2 and summary["identities"] == 4
+    log = io.StringIO()
+    summary = build(str(tmp_path / "set"), o, font_dirs=[str(fonts)], log=log)
+    assert check_batches(6)[1] == 6 and len(batches) >= 2
+    assert (summary["identities"], summary["unseen_identities"]) == (4, 2)
+    assert len(tried) == 1 and log.getvalue().splitlines()[0] == (
+        f"warning: shardfc data glyphs: skipped font {broken!r} face 0: RuntimeError: cannot open")
     batches.clear()
     with pytest.raises(GlyphError, match="^only 6 characters have at least 2 distinct drawings"):
         build(str(tmp_path / "more"), GlyphOptions(**{**vars(o), "identities": 5}), font_dirs=[str(fonts)])
     assert check_batches(7) == (46, 6)  # every candidate drawn once, then it stops
+
+
+def test_encode_png_keeps_grey_or_makes_three_equal_channels():
+    import io
+
+    from PIL import Image
+
+    img = Image.fromarray(np.arange(64, dtype=np.uint8).reshape(8, 8) * 4, "L")
+    grey = Image.open(io.BytesIO(glyphs.encode_png(img, 1)))
+    rgb = Image.open(io.BytesIO(glyphs.encode_png(img, 3)))
+    assert grey.format == rgb.format == "PNG" and (grey.mode, rgb.mode) == ("L", "RGB")
+    assert (np.asarray(grey) == np.asarray(img)).all()
+    assert (np.asarray(rgb) == np.asarray(img)[..., None].repeat(3, axis=2)).all()
+
+
+def test_each_seed_field_gives_its_own_stream_and_training_copies_are_purpose_0():
+    def first(*args, **kw):
+        return glyphs._rng(*args, **kw).integers(2**62, size=4).tolist()
+
+    base = first(3, "一", 2, 1)
+    assert base == first(3, "一", 2, 1, purpose=0)
+    others = [first(4, "一", 2, 1), first(3, "二", 2, 1), first(3, "一", 3, 1), first(3, "一", 2, 2),
+              first(3, "一", 2, 1, purpose=1)]  # a pair image never repeats a training copy's augmentation
+    assert all(o != base for o in others) and len({tuple(o) for o in others}) == len(others)
