@@ -22,3 +22,33 @@ def one_glyph_font(family: str, units_per_em: int = 1000, extent: int = 900):
     fb.setupOS2()
     fb.setupPost()
     return fb
+
+
+def bar_font(path, family: str, glyphs: dict) -> str:
+    """A TrueType font named ``family`` whose glyph for each character of ``glyphs`` ``{char: (x, h)}``
+    is a bar along the bottom and a 200-unit-wide block at ``x`` units, ``h`` units tall: drawings
+    that differ by a block's place (one character from another) or height (one face from another).
+    A ``(x, h)`` of None maps the character to an empty glyph."""
+    from fontTools.fontBuilder import FontBuilder
+    from fontTools.pens.ttGlyphPen import TTGlyphPen
+
+    fb = FontBuilder(1000, isTTF=True)
+    names = [f"g{ord(ch):x}" for ch in glyphs]
+    fb.setupGlyphOrder([".notdef"] + names)
+    fb.setupCharacterMap({ord(ch): name for ch, name in zip(glyphs, names)})
+    drawn = {".notdef": TTGlyphPen(None).glyph()}
+    for name, shape in zip(names, glyphs.values()):
+        pen = TTGlyphPen(None)
+        if shape is not None:
+            x, h = shape
+            for x0, y0, x1, y1 in ((100, 0, 900, 150), (x, 250, x + 200, 250 + h)):
+                pen.moveTo((x0, y0)), pen.lineTo((x1, y0)), pen.lineTo((x1, y1)), pen.lineTo((x0, y1)), pen.closePath()
+        drawn[name] = pen.glyph()
+    fb.setupGlyf(drawn)
+    fb.setupHorizontalMetrics({name: (1000, 0) for name in drawn})
+    fb.setupHorizontalHeader(ascent=880, descent=-120)
+    fb.setupNameTable({"familyName": family, "styleName": "Regular"})
+    fb.setupOS2()
+    fb.setupPost()
+    fb.save(str(path))
+    return str(path)

@@ -673,3 +673,578 @@ def test_a_face_is_named_by_its_full_name_else_its_family_else_its_file(tmp_path
     assert [(f.name, f.family) for f, _ in faces] == [
         ("Tiny Sans Italic", "Tiny Sans"), ("Tiny Serif", "Tiny Serif"), ("none.ttf#0", "none.ttf#0")]
     assert [c for _, c in faces] == [{0x4E00}] * 3
+
+
+# --------------------------------------------------------------------------- augment, directly
+class _ScriptedRng:
+    """Stands in for ``np.random.Generator`` in :func:`glyphs.augment`: returns the values it is given
+    in turn and records each call, so one augmentation can be chosen and its draws' ranges read."""
+
+    def __init__(self, stroke=0, angle=0.0, scale=1.0, shear=0.0, shift=(0.0, 0.0), radius=0.0, sigma=0.0,
+                 noise=None):
+        self.values = [stroke, angle, scale, shear, np.array(shift), radius, sigma, noise]
+        self.calls = []
+
+    def _next(self, call):
+        self.calls.append(call)
+        return self.values[len(self.calls) - 1]
+
+    def integers(self, *args, **kw):
+        return self._next(("integers", args, kw))
+
+    def uniform(self, *args, **kw):
+        return self._next(("uniform", args, kw))
+
+    def normal(self, loc, scale, size):
+        value = self._next(("normal", (loc, scale), {"size": size}))
+        return np.zeros(size) if value is None else value
+
+
+def _block(c=64, box=(20, 10, 44, 54)):
+    from PIL import Image, ImageDraw
+
+    img = Image.new("L", (c, c), 255)
+    ImageDraw.Draw(img).rectangle(box, fill=0)
+    return img
+
+
+def test_augment_draws_each_variation_from_its_documented_range():
+    rng = _ScriptedRng(sigma=2.0)
+    glyphs.augment(_block(), 32, rng)
+    assert rng.calls == [
+        ("integers", (0, 3), {}),  # stroke: as drawn, bolder, thinner
+        ("uniform", (-6, 6), {}),  # rotation, degrees
+        ("uniform", (0.9, 1.1), {}),  # scale
+        ("uniform", (-0.1, 0.1), {}),  # shear
+        ("uniform", (-0.06, 0.06), {"size": 2}),  # shift, a share of the side
+        ("uniform", (0.0, 0.7), {}),  # blur radius
+        ("uniform", (0.0, 8.0), {}),  # noise sigma
+        ("normal", (0.0, 2.0), {"size": (32, 32)}),
+    ]
+
+
+def test_augment_without_jitter_is_the_plain_reduction_and_each_stroke_its_filter():
+    from PIL import Image, ImageFilter
+
+    img = _block()
+
+    def reduced(x):
+        return np.asarray(x.resize((32, 32), Image.LANCZOS))
+
+    assert (np.asarray(glyphs.augment(img, 32, _ScriptedRng())) == reduced(img)).all()
+    bolder = np.asarray(glyphs.augment(img, 32, _ScriptedRng(stroke=1)))
+    thinner = np.asarray(glyphs.augment(img, 32, _ScriptedRng(stroke=2)))
+    assert (bolder == reduced(img.filter(ImageFilter.MinFilter(3)))).all()
+    assert (thinner == reduced(img.filter(ImageFilter.MaxFilter(3)))).all()
+    assert (bolder < 128).sum() > (reduced(img) < 128).sum() > (thinner < 128).sum()
+
+
+@pytest.mark.parametrize("box, grey, thinned", [
+    ((20, 20, 29, 27), False, True),  # 10 x 8 = 80 ink pixels, 8 x 6 = 48 thinned: 60% exactly, kept
+    ((20, 20, 29, 26), False, False),  # 10 x 7 = 70, 8 x 5 = 40 thinned: 57%, a hairline face's loss: as drawn
+    ((20, 20, 29, 27), True, True),  # a grey of 128 beside them is not ink: 48 of 80 still
+    ((20, 20, 29, 26), True, False),  # nor thinned (3 x 3 left of its 5 x 5): 40 of 70 still
+])
+def test_thinning_is_kept_only_when_it_leaves_at_least_60_percent_of_the_ink(box, grey, thinned):
+    from PIL import ImageDraw, ImageFilter
+
+    img = _block(box=box)
+    if grey:
+        ImageDraw.Draw(img).rectangle((40, 40, 44, 44), fill=128)
+    thin = img.filter(ImageFilter.MaxFilter(3))
+    share = (np.asarray(thin) < 128).sum() / (np.asarray(img) < 128).sum()
+    assert (share >= 0.6) == thinned
+    got = np.asarray(glyphs.augment(img, 64, _ScriptedRng(stroke=2)))  # 64: no reduction
+    assert (got == np.asarray(thin if thinned else img)).all()
+
+
+def _ink_centre(arr):
+    ink = 255.0 - np.asarray(arr, dtype=np.float64)
+    ys, xs = np.indices(ink.shape)
+    return np.array([(xs * ink).sum(), (ys * ink).sum()]) / ink.sum()
+
+
+@pytest.mark.parametrize("angle, scale, shear, shift", [
+    (0.0, 1.0, 0.0, (0.05, -0.03)), (5.0, 1.0, 0.0, (0.0, 0.0)), (-5.0, 1.0, 0.0, (0.0, 0.0)),
+    (0.0, 1.1, 0.0, (0.0, 0.0)), (0.0, 0.9, 0.0, (0.0, 0.0)), (0.0, 1.0, 0.1, (0.0, 0.0)),
+    (4.0, 0.95, -0.08, (-0.04, 0.05)), (6.0, 0.9, 0.0, (0.0, 0.0)), (-6.0, 1.1, 0.0, (0.0, 0.0)),
+])
+def test_the_affine_jitter_maps_the_ink_about_the_centre(angle, scale, shear, shift):
+    """A small blob off the centre lands where the jitter's map sends it: the inverse map (output ->
+    input) is ``M (p - c) + c - t`` with ``M`` the rotation by ``angle`` over ``scale`` plus ``shear``
+    on x by y, ``c`` the centre, ``t`` the shift (a share of the side); bilinear sampling keeps the
+    blob's ink centre to a fraction of a pixel (a quarter here; each case moves it 2 px or more, and a
+    sign or term wrong in the map moves it as far)."""
+    c = 128
+    img = _block(c, (84, 34, 91, 41))  # an 8 x 8 blob, 24 px right of and 56 px above the centre
+    got = glyphs.augment(img, c, _ScriptedRng(angle=angle, scale=scale, shear=shear, shift=shift))
+    r = np.deg2rad(angle)
+    m = np.array([[np.cos(r) / scale, np.sin(r) / scale + shear], [-np.sin(r) / scale, np.cos(r) / scale]])
+    centre = np.array([c / 2, c / 2])
+    # ink centre in the output: solve M (p - c) + c - t = q for the input centre q
+    expected = np.linalg.solve(m, _ink_centre(img) - centre + np.array(shift) * c) + centre
+    assert _ink_centre(got) == pytest.approx(expected, abs=0.25)
+    assert (np.asarray(got) < 128).sum() > 0
+
+
+@pytest.mark.parametrize("radius", [0.2, 0.21, 0.7])
+def test_blur_past_a_fifth_of_a_pixel_is_gaussian_of_that_radius(radius):
+    from PIL import Image, ImageFilter
+
+    img = _block()
+    plain = img.resize((32, 32), Image.LANCZOS)
+    got = np.asarray(glyphs.augment(img, 32, _ScriptedRng(radius=radius)))
+    want = plain.filter(ImageFilter.GaussianBlur(radius)) if radius > 0.2 else plain
+    assert (got == np.asarray(want)).all()
+    assert (got != np.asarray(plain)).any() == (radius > 0.2)
+
+
+def test_noise_is_added_rounded_to_the_nearest_level_and_clipped():
+    from PIL import Image
+
+    img = _block()
+    plain = np.asarray(img.resize((32, 32), Image.LANCZOS)).astype(np.float64)
+    noise = np.random.default_rng(0).normal(0.0, 40.0, size=(32, 32))
+    noise[0, 0], noise[0, 1] = 0.6, -0.6  # rounded, not truncated: white stays white, 255 - 1 = 254
+    got = glyphs.augment(img, 32, _ScriptedRng(sigma=40.0, noise=noise))
+    assert got.mode == "L" and got.size == (32, 32)
+    want = np.clip(np.rint(plain + noise), 0, 255)
+    assert (np.asarray(got) == want).all()
+    assert np.asarray(got)[0, :2].tolist() == [255, 254] and (want == 0).any() and (want == 255).any()
+
+
+# --------------------------------------------------------------------------- the pair makers, directly
+def _drawings(faces_of: dict, size=4) -> glyphs._Drawings:
+    """``{char: [face, ...]}`` as drawings: each (char, face) a distinct flat array."""
+    return glyphs._Drawings({ch: [(fi, np.full((size, size), 7 * i + fi, np.uint8)) for fi in fs]
+                             for i, (ch, fs) in enumerate(faces_of.items())})
+
+
+def test_fold_pairs_are_ten_folds_of_positives_then_negatives():
+    made = []
+
+    def maker(tag):
+        return lambda: made.append(tag) or (tag, len(made))
+
+    pairs = glyphs._fold_pairs(maker("pos"), maker("neg"), GlyphOptions(pairs=60))
+    assert [tag for tag, _ in pairs] == (["pos"] * 3 + ["neg"] * 3) * 10
+    assert [k for _, k in pairs] == list(range(1, 61))  # each made once, in this order
+
+
+def test_two_draws_two_different_items_as_the_generator_chooses_them():
+    items = ["a", "b", "c"]
+    drawn = [glyphs._two(np.random.default_rng(seed), items) for seed in range(60)]
+    ref = [np.random.default_rng(seed).choice(3, size=2, replace=False) for seed in range(60)]
+    assert drawn == [(items[i], items[j]) for i, j in ref]
+    assert all(x != y for x, y in drawn) and {x for x, _ in drawn} == set(items)
+
+
+def test_unseen_pairs_are_two_faces_of_one_character_or_two_characters():
+    faces_of = {"一": [0, 1, 2], "二": [1, 3], "三": [0, 2, 3, 4]}
+    drawings = _drawings(faces_of)
+    pairs = glyphs._pairs_unseen(list(faces_of), drawings, GlyphOptions(pairs=400), np.random.default_rng(0))
+    assert [same for _, _, same in pairs] == ([True] * 20 + [False] * 20) * 10
+    for (c1, f1), (c2, f2), same in pairs:
+        assert f1 in faces_of[c1] and f2 in faces_of[c2]
+        assert (c1 == c2 and f1 != f2) if same else c1 != c2
+    # every character and every face of it is drawn on both sides
+    for side in (0, 1):
+        for same in (True, False):
+            assert {p[side] for p in pairs if p[2] == same} == {(c, f) for c, fs in faces_of.items() for f in fs}
+
+
+def test_hard_negatives_are_one_face_drawing_a_character_and_its_nearest_other():
+    """Per face, the nearest other character by the squared pixel distance of the two drawings, taken
+    as numbers (uint8 arrays would wrap: 0 - 255 is 1 as bytes); faces drawing one character are not
+    used; the positives are the unseen set's (the same generator)."""
+    level = {"一": 0, "二": 255, "三": 40, "四": 125, "五": 200}
+    faces_of = {"一": [0, 1], "二": [0, 1, 2], "三": [0, 1, 3], "四": [0, 3], "五": [0, 2], "六": [4, 5]}
+    drawings = glyphs._Drawings({ch: [(fi, np.full((2, 3), level.get(ch, 9), np.uint8)) for fi in fs]
+                                 for ch, fs in faces_of.items()})  # faces 4 and 5 draw one character each
+    chars = list(faces_of)
+    o = GlyphOptions(pairs=400)
+    pairs = glyphs._pairs_hard(chars, drawings, o, np.random.default_rng(5))
+    assert [same for _, _, same in pairs] == ([True] * 20 + [False] * 20) * 10
+    positives = [p for p in glyphs._pairs_unseen(chars, drawings, o, np.random.default_rng(5)) if p[2]]
+    assert [p for p in pairs if p[2]] == positives[:200]
+
+    def nearest(ch, fi):
+        others = [c for c, fs in faces_of.items() if fi in fs and c != ch]
+        return min(others, key=lambda c: abs(level[c] - level[ch]))  # no ties in these levels
+
+    negatives = [p for p in pairs if not p[2]]
+    for (c1, f1), (c2, f2), _ in negatives:
+        assert f1 == f2 and c1 != c2 and c2 == nearest(c1, f1), (c1, c2, f1)
+    assert {f for (_, f), _, _ in negatives} == {0, 1, 2, 3}  # a face drawing two characters is used
+    assert {c for (c, _), _, _ in negatives} == set(level)
+    assert (("二", 0), ("五", 0), False) in negatives  # 255 is nearest 200, not 0 (as bytes 0 - 255 = 1)
+
+
+def test_face_pairs_join_a_held_out_drawing_with_a_training_one():
+    faces_of = {"一": [0, 1, 2], "二": [1, 3], "三": [0, 2], "四": [2, 3], "五": [3]}
+    drawings = _drawings(faces_of)
+    held = {2, 3}
+    seen_faces = {ch: [fi for fi in fs if fi not in held] for ch, fs in faces_of.items()}
+    # 四 and 五: no training face draws them; 二, 一, 三: held faces do
+    pairs = glyphs._pairs_faces(list(faces_of), drawings, held, seen_faces, GlyphOptions(pairs=400),
+                                np.random.default_rng(1))
+    assert [same for _, _, same in pairs] == ([True] * 20 + [False] * 20) * 10
+    with_held = {"一", "二", "三"}
+    for (c1, f1), (c2, f2), same in pairs:
+        assert c1 in with_held and f1 in held and f1 in faces_of[c1] and c2 in with_held and f2 in faces_of[c2]
+        assert (c1 == c2 and f2 in seen_faces[c2]) if same else c1 != c2
+    assert {p[0] for p in pairs} == {(c, f) for c in with_held for f in faces_of[c] if f in held}
+    assert {p[1] for p in pairs if p[2]} == {(c, f) for c in with_held for f in seen_faces[c]}
+    assert {p[1] for p in pairs if not p[2]} == {(c, f) for c in with_held for f in faces_of[c]}
+
+
+def test_face_pairs_are_none_without_a_held_out_face_drawing_a_training_character():
+    faces_of = {"一": [0, 1], "二": [0, 1], "三": [2]}
+    drawings = _drawings(faces_of)
+    seen = {"一": [0, 1], "二": [0, 1], "三": []}
+    o, rng = GlyphOptions(pairs=20), np.random.default_rng(0)
+    assert glyphs._pairs_faces(list(faces_of), drawings, set(), seen, o, rng) == []
+    assert glyphs._pairs_faces(["一", "二"], drawings, {2}, seen, o, rng) == []  # 三 held, not a training char
+    assert glyphs._pairs_faces(list(faces_of), drawings, {2}, seen, o, rng) == []  # 三: no training drawing
+
+
+def test_stats_are_min_mean_to_two_places_and_max():
+    assert glyphs._stats([3, 1, 2, 2, 2, 1]) == (1, 1.83, 3)
+    assert glyphs._stats([5]) == (5, 5.0, 5)
+    assert glyphs._stats([]) == (0, 0.0, 0)
+
+
+# --------------------------------------------------------------------------- build, on tiny fonts
+#: Four tiny fonts (tests/tiny_fonts.py's bars): which characters each draws. 七 is drawn alike by the
+#: first two (one distinct drawing: never an identity); 八 by one face only (never a candidate).
+TINY_CHARS = "一二三四五六"
+TINY_FONTS = {"Alpha": TINY_CHARS + "七八", "Beta": TINY_CHARS + "七", "Gamma": "一二三四", "Delta": "一二"}
+TINY = GlyphOptions(image_size=8, channels=3, min_faces=2, identities=2, unseen_identities=2, holdout_faces=1,
+                    copies=2, pairs=20, seed=4)
+
+
+def _tiny_fonts(folder) -> str:
+    from tiny_fonts import bar_font
+
+    folder.mkdir(exist_ok=True)
+    for k, (family, chars) in enumerate(TINY_FONTS.items()):
+        bar_font(folder / f"{k}.ttf", family,
+                 {ch: (100 + 130 * TINY_CHARS.index(ch), 150 + 150 * k) if ch in TINY_CHARS else (300, 300)
+                  for ch in chars})
+    return str(folder)
+
+
+def _tiny_build(tmp_path, name="set", log=None, force=False, **changes):
+    fonts = _tiny_fonts(tmp_path / "fonts")
+    log = log if log is not None else open(os.devnull, "w")
+    out = tmp_path / name
+    return out, build(str(out), GlyphOptions(**{**vars(TINY), **changes}), font_dirs=[fonts], log=log, force=force)
+
+
+@pytest.fixture
+def tiny_set(tmp_path):
+    """A build per test (≈ 0.1 s): a module-scoped one would be traced by mutmut into its first test only."""
+    import io
+
+    tmp = tmp_path
+    log = io.StringIO()
+    out, summary = _tiny_build(tmp, log=log)
+    faces = [f for f, _ in read_faces(font_files([str(tmp / "fonts")]))]
+    return out, summary, faces, log.getvalue()
+
+
+def _pair_candidates(faces, chars, k, seed=TINY.seed):
+    """Each (character, face) drawing's pair image ``k`` as build makes it: its own seeded augmentation."""
+    out = {}
+    for fi, face in enumerate(faces):
+        renderer = glyphs._Renderer(face, TINY.image_size)
+        for ch in chars:
+            if ch in TINY_FONTS[face.family]:
+                img = glyphs.augment(renderer.hires(ch), TINY.image_size, glyphs._rng(seed, ch, fi, k, purpose=1))
+                out[glyphs.encode_png(img, TINY.channels)] = (ch, fi)
+    return out
+
+
+def test_a_tiny_build_summarises_what_it_built_from_what(tiny_set):
+    from dataclasses import asdict
+
+    out, summary, faces, log = tiny_set
+    held = [i for i, f in enumerate(summary["faces"]) if f["held_out"]]
+    assert len(held) == 1  # one family of four, each face its own family
+    train = (out / "classes.txt").read_text(encoding="utf-8")
+    train_chars = train.split("\n")[:-1]
+    unseen = summary["unseen_characters"]
+    assert train == "".join(ch + "\n" for ch in train_chars) and train_chars == sorted(train_chars)
+    assert len(train_chars) == len(unseen) == 2 and list(unseen) == sorted(unseen)
+    assert set(train_chars) | set(unseen) <= set(TINY_CHARS) and not set(train_chars) & set(unseen)
+    drawers = {ch: [i for i, f in enumerate(faces) if ch in TINY_FONTS[f.family]] for ch in train_chars}
+    seen = [len([i for i in drawers[ch] if i not in held]) for ch in train_chars]
+    assert summary == {
+        "identities": 2, "unseen_identities": 2, "images": TINY.copies * sum(seen), "unseen_characters": unseen,
+        "faces": [dict(asdict(f), family_id=i, held_out=i in held) for i, f in enumerate(faces)],
+        "families": 4, "held_out_families": [faces[held[0]].family],
+        "pairs": {"unseen": 20, "hard": 20, "faces": 20}, "options": asdict(TINY),
+        "drawings_per_identity": {"min": min(seen), "mean": round(sum(seen) / 2, 2), "max": max(seen)},
+    }
+    import json
+
+    text = (out / "glyphs.json").read_text(encoding="utf-8")
+    assert json.loads(text) == summary
+    # for people to read: indented, the characters as themselves, one line ending
+    assert text == json.dumps(summary, indent=2, ensure_ascii=False) + "\n" and unseen in text
+    assert sorted(os.listdir(out)) == sorted(["train.rec", "train.idx", "property", "classes.txt", "glyphs.json",
+                                              "glyphs_unseen.bin", "glyphs_hard.bin", "glyphs_faces.bin"])
+    assert log == (f"glyphs: 2 identities, {summary['images']} images at 8x8 from 4 faces in 4 families "
+                   f"(1 faces held out); 2 unseen identities; 3 verification sets of 20 pairs -> {out}\n")
+
+
+def test_a_tiny_builds_training_images_are_each_drawing_by_a_training_face_seeded_per_copy(tiny_set):
+    from shardfc.data.recordio import RecordIOReader, unpack_header
+
+    out, summary, faces, _ = tiny_set
+    train_chars = (out / "classes.txt").read_text(encoding="utf-8").split()
+    held = {i for i, f in enumerate(summary["faces"]) if f["held_out"]}
+    want = []
+    for label, ch in enumerate(train_chars):
+        for fi, face in enumerate(faces):
+            if ch in TINY_FONTS[face.family] and fi not in held:
+                hires = glyphs._Renderer(face, 8).hires(ch)
+                want += [(label, glyphs.encode_png(glyphs.augment(hires, 8, glyphs._rng(TINY.seed, ch, fi, copy)), 3))
+                         for copy in range(TINY.copies)]
+    reader = RecordIOReader(out / "train.rec")
+    got = [unpack_header(reader.read(key)) for key in range(1, len(want) + 1)]
+    assert [(int(h.label), data) for h, data in got] == want
+    assert (out / "property").read_text().strip() == f"{len(train_chars)},8,8"
+
+
+def test_a_tiny_builds_hard_set_draws_its_positives_apart_from_the_unseen_sets(tiny_set):
+    """Both sets pair the unseen characters' drawings; each has its own generator, so their positives
+    (and so their images) are not the same draws."""
+    import pickle
+
+    out = tiny_set[0]
+    sets = {}
+    for name in ("unseen", "hard"):
+        with open(out / f"glyphs_{name}.bin", "rb") as f:
+            bins, issame = pickle.load(f)
+        sets[name] = [bins[2 * k:2 * k + 2] for k, same in enumerate(issame) if same]
+    assert len(sets["unseen"]) == len(sets["hard"]) == 10 and sets["unseen"] != sets["hard"]
+
+
+@pytest.mark.parametrize("name", ["unseen", "hard", "faces"])
+def test_a_tiny_builds_pairs_are_their_sets_drawings_each_seeded_by_its_place(tiny_set, name):
+    import pickle
+
+    out, summary, faces, _ = tiny_set
+    train_chars = (out / "classes.txt").read_text(encoding="utf-8").split()
+    unseen = summary["unseen_characters"]
+    held = {i for i, f in enumerate(summary["faces"]) if f["held_out"]}
+    import pickletools
+
+    data = (out / f"glyphs_{name}.bin").read_bytes()
+    op, arg, _ = next(pickletools.genops(data))
+    assert (op.name, arg) == ("PROTO", 4)  # readable by any Python 3.4+, and the same bytes on each
+    bins, issame = pickle.loads(data)
+    assert issame == ([True] * 1 + [False] * 1) * 10 and len(bins) == 40
+    chars = train_chars if name == "faces" else unseen
+    for k, same in enumerate(issame):
+        (c1, f1) = _pair_candidates(faces, chars, 2 * k)[bins[2 * k]]
+        (c2, f2) = _pair_candidates(faces, chars, 2 * k + 1)[bins[2 * k + 1]]
+        assert (c1 == c2) == same and (f1 != f2 if same else True)
+        if name == "hard" and not same:
+            assert f1 == f2
+        if name == "faces":
+            assert f1 in held and (f2 not in held if same else True)
+
+
+def test_a_tiny_build_is_the_same_bytes_again_and_refuses_to_overwrite_without_force(tiny_set, tmp_path_factory):
+    from shardfc.data.recordio_ops import CommandError
+
+    out, _, _, _ = tiny_set
+    tmp = tmp_path_factory.mktemp("again")
+    again, _ = _tiny_build(tmp)
+    for name in os.listdir(out):
+        if name != "glyphs.json":  # it names the fonts' folder
+            assert (again / name).read_bytes() == (out / name).read_bytes(), name
+    with pytest.raises(CommandError) as e:
+        build(str(again), GlyphOptions(**vars(TINY)), font_dirs=[str(tmp / "fonts")], log=open(os.devnull, "w"))
+    assert str(e.value) == f"{str(again / 'train.rec')!r} exists (use --force to replace it)"
+    _tiny_build(tmp, force=True)
+
+
+@pytest.mark.parametrize("changes, message", [
+    # 一..七: covered by at least two faces (七 by two alike); 八 by one
+    (dict(identities=5, unseen_identities=3), "7 characters are covered by at least 2 faces (4 faces found), fewer "
+     "than the 8 identities asked for (--identities 5 + --unseen-identities 3); install more fonts or lower them"),
+    (dict(identities=5, unseen_identities=2),
+     "only 6 characters have at least 2 distinct drawings (7 asked for); lower --min-faces or the identity counts"),
+    (dict(min_faces=3, identities=3, unseen_identities=2), "4 characters are covered by at least 3 faces (4 faces "
+     "found), fewer than the 5 identities asked for (--identities 3 + --unseen-identities 2); install more fonts "
+     "or lower them"),
+    (dict(holdout_faces=4), "--holdout-faces 4 leaves no typeface family for training (4 families found)"),
+])
+def test_a_tiny_build_refuses_what_its_fonts_cannot_give_saying_why(tmp_path, changes, message):
+    with pytest.raises(GlyphError) as e:
+        _tiny_build(tmp_path, **changes)
+    assert str(e.value) == message
+    assert not (tmp_path / "set").exists()
+
+
+@pytest.mark.parametrize("changes", [
+    dict(identities=4, unseen_identities=2),  # all six characters with two distinct drawings
+    dict(min_faces=3, identities=2, unseen_identities=2),  # all four characters three faces draw
+    dict(holdout_faces=3),  # one family left for training
+])
+def test_a_tiny_build_takes_all_its_fonts_can_give(tmp_path, changes):
+    _, summary = _tiny_build(tmp_path, **changes)
+    o = GlyphOptions(**{**vars(TINY), **changes})
+    assert (summary["identities"], summary["unseen_identities"]) == (o.identities, o.unseen_identities)
+    chars = set((tmp_path / "set" / "classes.txt").read_text(encoding="utf-8").split()) | set(
+        summary["unseen_characters"])
+    assert len(chars) == o.identities + o.unseen_identities
+    assert chars <= set(TINY_CHARS[:4] if o.min_faces == 3 else TINY_CHARS)
+    assert sum(f["held_out"] for f in summary["faces"]) == o.holdout_faces  # each face its own family
+
+
+def test_a_tiny_build_without_held_out_faces_has_no_face_pairs(tmp_path):
+    import pickle
+
+    out, summary = _tiny_build(tmp_path, holdout_faces=0)
+    assert summary["pairs"] == {"unseen": 20, "hard": 20, "faces": 0} and summary["held_out_families"] == []
+    assert not any(f["held_out"] for f in summary["faces"])
+    with open(out / "glyphs_faces.bin", "rb") as f:
+        assert pickle.load(f) == ([], [])
+
+
+def test_a_build_without_a_readable_face_names_the_folders_and_logs_each_skipped_file(tmp_path, monkeypatch):
+    import io
+
+    fonts = tmp_path / "fonts"
+    other = tmp_path / "other"
+    empty = tmp_path / "empty"
+    fonts.mkdir(), other.mkdir(), empty.mkdir()
+    (fonts / "broken.ttf").write_bytes(b"not a font at all")
+    (other / "real.ttf").write_bytes(b"not a font either")
+    (fonts / "link.ttf").symlink_to(other / "real.ttf")
+    log = io.StringIO()
+    with pytest.raises(GlyphError) as e:
+        build(str(tmp_path / "out"), GlyphOptions(), font_dirs=[str(fonts), str(empty)], log=log)
+    assert str(e.value) == glyphs.no_fonts_message(f"{fonts}, {empty}")
+    lines = log.getvalue().splitlines()
+    link, broken = str(fonts / "link.ttf"), str(fonts / "broken.ttf")
+    assert lines == [
+        f"warning: shardfc data glyphs: skipped font file {link!r}: it resolves to {other / 'real.ttf'}, outside "
+        f"{fonts}, {empty}",
+        f"warning: shardfc data glyphs: skipped font file {broken!r}: ValueError: not an uncompressed TrueType / "
+        "OpenType font (signature b'not '; WOFF is not read)",
+    ]
+    # no folder named: the system's, and the message says so
+    seen = []
+    monkeypatch.setattr(glyphs, "font_files", lambda dirs, warn: seen.append(dirs) or [])
+    with pytest.raises(GlyphError) as e:
+        build(str(tmp_path / "out"), GlyphOptions(), log=log)
+    assert str(e.value) == glyphs.no_fonts_message("the system's font folders") and seen == [None]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_build_logs_to_stderr_unless_told_where(tmp_path, capsys):
+    fonts = _tiny_fonts(tmp_path / "fonts")
+    (tmp_path / "fonts" / "broken.ttf").write_bytes(b"not a font at all")
+    summary = build(str(tmp_path / "set"), GlyphOptions(**vars(TINY)), font_dirs=[fonts])
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("warning: shardfc data glyphs: skipped font file ")
+    assert lines[1].startswith(f"glyphs: 2 identities, {summary['images']} images at 8x8 from 4 faces")
+
+
+def test_a_build_draws_candidates_in_seeded_order_a_batch_at_a_time_until_it_has_enough(tmp_path, monkeypatch):
+    """Of 46 candidates only 6 have two distinct drawings (40 are drawn alike by both faces): each batch
+    is the next ``1.2 × missing + 16`` characters of the seeded order (the whole block is never drawn
+    at once), and drawing stops once enough are kept, or the candidates run out. A third face that
+    FreeType cannot open is tried once (logged), not again in the next batches."""
+    import io
+
+    from tiny_fonts import bar_font
+
+    fillers = [chr(0x5000 + i) for i in range(40)]
+    fonts = tmp_path / "fonts"
+    fonts.mkdir()
+    for k, family in enumerate(["Alpha", "Beta"]):
+        shapes = {ch: (100 + 130 * j, 150 + 150 * k) for j, ch in enumerate(TINY_CHARS)}
+        bar_font(fonts / f"{k}.ttf", family, {**shapes, **{ch: (300, 300) for ch in fillers}})
+    broken = bar_font(fonts / "2.ttf", "Gamma", {ch: (300, 300 + 100 * j) for j, ch in enumerate(TINY_CHARS)})
+    tried = []
+    init = glyphs._Renderer.__init__
+
+    def renderer(self, face, size):
+        if face.path == broken:
+            tried.append(face)
+            raise RuntimeError("cannot open")
+        init(self, face, size)
+
+    monkeypatch.setattr(glyphs._Renderer, "__init__", renderer)
+    batches = []
+    real = glyphs._draw_all
+
+    def drawing(faces, chars, *args, **kw):
+        batches.append(list(chars))
+        return real(faces, chars, *args, **kw)
+
+    monkeypatch.setattr(glyphs, "_draw_all", drawing)
+    # seed 0: 3 of the 4 wanted in the first 20 drawn, 2 more in the next 17 (one too many), 9 never drawn
+    o = GlyphOptions(**{**vars(TINY), "identities": 2, "unseen_identities": 2, "holdout_faces": 0, "seed": 0})
+    candidates = sorted(TINY_CHARS + "".join(fillers))
+    order = [candidates[i] for i in np.random.default_rng(o.seed).permutation(len(candidates))]
+
+    def check_batches(wanted):
+        drawn = found = 0
+        for batch in batches:
+            assert found < wanted and len(batch) == min(int(1.2 * (wanted - found)) + 16, len(order) - drawn)
+            drawn += len(batch)
+            found += len(set(batch) & set(TINY_CHARS))
+        assert sum(batches, []) == order[:drawn]  # the seeded order, each character once
+        return drawn, found
+
+    log = io.StringIO()
+    summary = build(str(tmp_path / "set"), o, font_dirs=[str(fonts)], log=log)
+    assert check_batches(4) == (37, 5) and len(batches) == 2
+    assert (summary["identities"], summary["unseen_identities"]) == (2, 2)
+    assert len(tried) == 1 and log.getvalue().splitlines()[0] == (
+        f"warning: shardfc data glyphs: skipped font {broken!r} face 0: RuntimeError: cannot open")
+    batches.clear()
+    with pytest.raises(GlyphError, match="^only 6 characters have at least 2 distinct drawings"):
+        build(str(tmp_path / "more"), GlyphOptions(**{**vars(o), "identities": 5, "unseen_identities": 2}),
+              font_dirs=[str(fonts)])
+    assert check_batches(7) == (46, 6)  # every candidate drawn once, then it stops
+
+
+def test_encode_png_keeps_grey_or_makes_three_equal_channels():
+    import io
+
+    from PIL import Image
+
+    img = Image.fromarray(np.arange(64, dtype=np.uint8).reshape(8, 8) * 4, "L")
+    grey = Image.open(io.BytesIO(glyphs.encode_png(img, 1)))
+    rgb = Image.open(io.BytesIO(glyphs.encode_png(img, 3)))
+    assert grey.format == rgb.format == "PNG" and (grey.mode, rgb.mode) == ("L", "RGB")
+    assert (np.asarray(grey) == np.asarray(img)).all()
+    assert (np.asarray(rgb) == np.asarray(img)[..., None].repeat(3, axis=2)).all()
+
+
+def test_each_seed_field_gives_its_own_stream_and_training_copies_are_purpose_0():
+    def first(*args, **kw):
+        return glyphs._rng(*args, **kw).integers(2**62, size=4).tolist()
+
+    base = first(3, "一", 2, 1)
+    assert base == first(3, "一", 2, 1, purpose=0)
+    others = [first(4, "一", 2, 1), first(3, "二", 2, 1), first(3, "一", 3, 1), first(3, "一", 2, 2),
+              first(3, "一", 2, 1, purpose=1)]  # a pair image never repeats a training copy's augmentation
+    assert all(o != base for o in others) and len({tuple(o) for o in others}) == len(others)
+
+
+def test_drawings_add_takes_the_kept_characters_and_sums_the_counts():
+    one = np.zeros((2, 2), np.uint8)
+    mine = glyphs._Drawings({"一": [(0, one)]}, drawn={0: 3, 1: 1}, same={(0, 1): 1})
+    other = glyphs._Drawings({"二": [(1, one), (2, one)], "三": [(0, one)]}, drawn={1: 2, 2: 5}, same={(0, 1): 2, (1, 2): 1})
+    mine.add(other, ["二"])
+    assert mine.by_char == {"一": [(0, one)], "二": other.by_char["二"]}
+    assert mine.drawn == {0: 3, 1: 3, 2: 5} and mine.same == {(0, 1): 3, (1, 2): 1}
