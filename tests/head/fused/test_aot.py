@@ -445,7 +445,11 @@ def test_the_command_prints_a_table_or_json_and_fails_past_the_shared_memory(onl
         assert sys.stdout.flushes == 1
 
 
-def test_the_command_builds_what_its_options_ask(only_these, monkeypatch, capsys):
+def test_the_command_builds_what_its_options_ask(only_these, monkeypatch, capsys, tmp_path):
+    # a cache of its own: Triton's on-disk cache keys a build by its constexprs' text, so a K of "2"
+    # (an option not converted to int) would be served the build of K = 2 instead of failing
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+
     def run(*argv: str) -> list:
         assert aot.main([*argv, "--json"]) == 0
         return [(b["variant"], b["kernel"], b["config"], b["dots"]) for b in map(json.loads, capsys.readouterr().out.splitlines())]
@@ -460,6 +464,29 @@ def test_the_command_builds_what_its_options_ask(only_these, monkeypatch, capsys
     assert aot.main(["--capability", "80", "--variants", "fp32-ieee", "--first-config", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"variant": "fp32-ieee", **aot.dataclasses.asdict(
         aot.compile_one("tiles", _TILE_CONFIGS[0], {**_TILE_FLAGS, "COMPUTE": tl.float32, "PRECISION": "ieee"}, capability=80))}
+
+
+def test_the_command_documents_each_option(monkeypatch):
+    parsers = []
+
+    def stop(parser, argv=None, namespace=None):
+        parsers.append(parser)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(aot.argparse.ArgumentParser, "parse_args", stop)
+    with pytest.raises(SystemExit):
+        aot.main([])
+    (p,) = parsers
+    assert p.prog == "python -m shardfc.head.fused.aot" and p.description == aot.__doc__.splitlines()[0]
+    assert {a.dest: (a.default, a.type, a.help) for a in p._actions if a.dest != "help"} == {
+        "dim": (aot.DIM, int, "embedding width: D and the strides are hinted when it is a multiple of 16"),
+        "subcenters": (1, int, "sub-centres per class (K) of the kernels that take one"),
+        "capability": (90, int, "compute capability x10 (90: H100/H200)"),
+        "variants": ("default", None, f"comma-separated, of {list(aot.VARIANTS)}, or 'all'"),
+        "kernels": (None, None, f"comma-separated, of {list(aot.KERNELS)} (default: all)"),
+        "first_config": (False, None, "beyond the default variant, only each kernel's first config"),
+        "json": (False, None, "one JSON object per line instead of a table"),
+    }
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -410,7 +410,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m shardfc.head.fused.aot", description=__doc__.splitlines()[0])
     p.add_argument("--dim", type=int, default=DIM,
                    help="embedding width: D and the strides are hinted when it is a multiple of 16")
-    p.add_argument("--subcenters", type=int, default=1)
+    p.add_argument("--subcenters", type=int, default=1, help="sub-centres per class (K) of the kernels that take one")
     p.add_argument("--capability", type=int, default=90, help="compute capability x10 (90: H100/H200)")
     p.add_argument("--variants", default="default", help=f"comma-separated, of {list(VARIANTS)}, or 'all'")
     p.add_argument("--kernels", default=None, help=f"comma-separated, of {list(KERNELS)} (default: all)")
