@@ -632,7 +632,8 @@ def test_head_shards_whose_extras_share_2_40_leaves_are_compared_in_bounded_time
 
     _edit_meta(path, two_shards)
     error = _bounded(lambda: ck.load_checkpoint(path, class_range=range(4), num_classes=4), megabytes=50)
-    assert f"too large to compare (more than {COMPARE_BUDGET} values)" in str(error)  # stopped by its count
+    assert str(error) == (f"the head extras of {path / 'head_1.pt'} are too large to compare "  # stopped by its count
+                          f"(more than {COMPARE_BUDGET} values)")
 
 
 class _Marker:
