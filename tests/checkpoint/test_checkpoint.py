@@ -784,8 +784,9 @@ def test_a_fingerprint_that_is_not_plain_json_is_refused_naming_it(tmp_path: Pat
     (torch.ones(2), torch.ones(2, dtype=torch.float64), False),  # torch.equal alone says True
     (torch.ones(2), torch.ones(1, 2), False),
     (torch.ones(2), torch.tensor([1.0, 2.0]), False),
-    (torch.ones(1), [1.0], False),  # a tensor and a list: tensor == list would say True
-    ([1.0], torch.ones(1), False),
+    (torch.ones(1), 1.0, False),  # a tensor and a number: tensor == 1.0 is tensor([True])
+    (1.0, torch.ones(1), False),
+    (torch.ones(1), [1.0], False),
     ({"a": torch.ones(2), "b": [1, (2, 3)]}, {"b": [1, (2, 3)], "a": torch.ones(2)}, True),
     ({"a": 1}, {"b": 1}, False),
     ({"a": 1}, [1], False),
