@@ -451,3 +451,20 @@ def test_the_metadata_is_empty_without_a_shardfc_json_and_a_large_one_is_refused
         read_exported(crafted)
     assert str(error.value) == (f"refusing to read {crafted}: its {prefix}extra/shardfc.json has {MAX_METADATA_BYTES + 1} "
                                 f"bytes, more than the {MAX_METADATA_BYTES >> 10} KiB a `shardfc export` file holds there")
+
+
+def test_a_tensor_past_the_end_of_an_empty_storage_is_refused(exported, tmp_path: Path):
+    """A storage of 0 bytes is an empty tensor: a crafted tensor of one element on it is refused by the
+    bounds check, not read from memory the file never held."""
+    from shardfc.checkpoint.weights_only import error_line
+
+    _, path = exported
+    storage = b"(" + _text("storage") + b"ctorch\nFloatStorage\n" + _text("e") + _text("cpu") + b"K\x00tQ"
+    tensor = (b"ctorch._utils\n_rebuild_tensor_v2\n(" + storage + b"K\x00(K\x01t(K\x01t"
+              + b"\x89ccollections\nOrderedDict\n)RtR")
+    crafted = _rewritten(path, tmp_path / "empty.pt", {"data/e": b"", "data.pkl": b"\x80\x02" + tensor + b"."})
+    with pytest.raises(RuntimeError) as reference:
+        torch.as_strided(torch.empty(0), (1,), (1,), 0)
+    with pytest.raises(CheckpointError) as error:
+        read_exported(crafted)
+    assert str(error.value) == f"cannot read {crafted}: its data.pkl is malformed ({error_line(reference.value)})"
