@@ -805,3 +805,17 @@ def test_objects_equal_visits_at_most_its_budget_of_values() -> None:
     with pytest.raises(CheckpointError) as error:
         ck.load.objects_equal([0] * 5, [0] * 5, budget=5)
     assert str(error.value) == "the saved values are too large to compare (more than 5 values)"
+
+
+def test_a_symlinked_file_is_refused_even_when_only_sizes_are_checked(tmp_path: Path) -> None:
+    """``verify_checkpoint(check_hashes=False)`` (what ``load_common`` runs over the head shards, which it
+    never opens) refuses a file swapped for a symlink to the same bytes elsewhere."""
+    path = _save_single(tmp_path / "run", 1)
+    other = _save_single(tmp_path / "other", 1)
+    (path / "head_0.pt").unlink()
+    (path / "head_0.pt").symlink_to(other / "head_0.pt")
+    message = f"refusing to read checkpoint file {path / 'head_0.pt'}: it is a symlink, not a regular file"
+    for check in (lambda: verify_checkpoint(path, check_hashes=False), lambda: ck.load_common(path)):
+        with pytest.raises(CheckpointError) as error:
+            check()
+        assert str(error.value) == message
