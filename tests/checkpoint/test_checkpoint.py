@@ -608,6 +608,7 @@ def _mapped(path: Path) -> list[str]:
         return sorted({Path(line.split()[-1]).name for line in f if str(path) + os.sep in line})
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mappings from /proc (Linux)")
 def test_common_is_memory_mapped_only_when_asked_and_every_file_goes_where_asked(tmp_path: Path) -> None:
     path = _save_single(tmp_path, 1)
     loaded = load_checkpoint(path, class_range=range(7), num_classes=7, rank=0)
