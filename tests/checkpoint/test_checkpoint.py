@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -499,3 +501,322 @@ def test_step_of_reads_the_name_or_else_meta(tmp_path: Path) -> None:
         ck.step_of(tmp_path / "run")
     # a step directory's name is its step: its meta.json is not read (a save in progress has none yet)
     assert ck.step_of(tmp_path / "run" / "step_00000007") == 7
+
+
+# --------------------------------------------------------------------------- loading, file by file
+
+
+def _replace(path: Path, fname: str, obj: Any) -> None:
+    """``path/fname`` replaced by ``torch.save(obj)``, its size and sha256 recorded in meta.json (as a
+    crafted or foreign checkpoint would have them)."""
+    torch.save(obj, path / fname)
+    data = (path / fname).read_bytes()
+    meta = json.loads((path / ck.META_FILE).read_text())
+    meta["files"][fname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / ck.META_FILE).write_text(json.dumps(meta))
+
+
+def _resharded(path: Path, bounds: list[int], extras: list[dict[str, Any]] | None = None) -> dict[str, torch.Tensor]:
+    """Rewrite the world-of-one checkpoint ``path`` (of ``_full_state(bounds[-1])``) as the shards
+    ``[bounds[i], bounds[i + 1])`` a larger world would have saved; ``extras``: each shard's. Returns the full state."""
+    full = _full_state(bounds[-1])
+    meta = json.loads((path / ck.META_FILE).read_text())
+    head = torch.load(path / "head_0.pt")
+    meta["files"].pop("head_0.pt")
+    (path / "head_0.pt").unlink()
+    meta["class_ranges"], meta["world_size"] = [[a, b] for a, b in zip(bounds, bounds[1:])], len(bounds) - 1
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        torch.save({"class_range": (a, b), "tensors": {k: v[a:b].clone() for k, v in full.items()},
+                    "extras": head["extras"] if extras is None else extras[i]}, path / f"head_{i}.pt")
+        data = (path / f"head_{i}.pt").read_bytes()
+        meta["files"][f"head_{i}.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / ck.META_FILE).write_text(json.dumps(meta))
+    return full
+
+
+def _flip_a_byte(f: Path) -> None:
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF  # same size, different bytes
+    f.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("wanted, kept", [(range(3, 5), [1]), (range(4, 6), [1, 2]), (range(0, 3), [0])])
+def test_only_the_shards_holding_the_rows_asked_for_are_read(tmp_path: Path, wanted: range, kept: list[int]) -> None:
+    """Shards [0, 3), [3, 5), [5, 7): a shard that only touches the range's ends is not read (the
+    others are deleted here), and rows inside a shard that starts past 0 are taken at its offset."""
+    path = _save_single(tmp_path, 1)
+    full = _resharded(path, [0, 3, 5, 7])
+    for i in {0, 1, 2} - set(kept):
+        (path / f"head_{i}.pt").unlink()
+    _assert_rows(load_checkpoint(path, class_range=wanted, num_classes=7), full, wanted)
+
+
+def test_an_empty_range_reads_only_the_smallest_shard(tmp_path: Path) -> None:
+    path = _save_single(tmp_path, 1)
+    full = _resharded(path, [0, 3, 4, 7])
+    (path / "head_0.pt").unlink()
+    (path / "head_2.pt").unlink()
+    for rows in (range(0, 0), range(7, 7)):
+        loaded = load_checkpoint(path, class_range=rows, num_classes=7)
+        _assert_rows(loaded, full, rows)  # no rows, each tensor of its dtype
+        assert loaded.head_extras["betas"] == (0.9, 0.999) and loaded.class_range == rows
+
+
+def test_a_range_one_saved_shard_holds_whole_is_that_shards_tensor_uncopied(tmp_path: Path, monkeypatch) -> None:
+    """A single fully used shard is handed out as read; a part of one (or rows of several) is copied,
+    keeping none of the rows not asked for."""
+    path = _save_single(tmp_path, 1)
+    _resharded(path, [0, 3, 7])
+    heads = {}
+    real = ck.load.load_file
+
+    def load_file(*args: Any, **kwargs: Any) -> Any:
+        heads[args[1]] = obj = real(*args, **kwargs)
+        return obj
+
+    monkeypatch.setattr(ck.load, "load_file", load_file)
+    loaded = load_checkpoint(path, class_range=range(3, 7), num_classes=7)
+    assert list(heads) == ["common.pt", "rank_0.pt", "head_1.pt"]
+    assert all(loaded.head_tensors[k] is t for k, t in heads["head_1.pt"]["tensors"].items())
+    part = load_checkpoint(path, class_range=range(4, 7), num_classes=7).head_tensors["weight"]
+    assert part.untyped_storage().nbytes() == 3 * DIM * part.element_size()
+
+
+def test_a_range_of_none_reads_no_head_file(tmp_path: Path) -> None:
+    path = _save_single(tmp_path, 1)
+    (path / "head_0.pt").unlink()
+    loaded = load_checkpoint(path, class_range=None, num_classes=7, rank=0)
+    assert (loaded.head_tensors, loaded.head_extras, loaded.class_range) == ({}, {}, range(0))
+    assert loaded.path == path and loaded.step == 1 and loaded.per_rank["rank"] == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(class_range=range(0, 8), num_classes=7), "class_range=range(0, 8) must lie within [0, num_classes=7]"),
+    (dict(class_range=None, num_classes=0), "num_classes must be an int >= 1, got 0"),
+    (dict(class_range=None, num_classes=7, rank=-1), "rank must be an int >= 0, got -1"),
+])
+def test_bad_load_arguments_are_refused_naming_them(tmp_path: Path, kwargs: dict[str, Any], message: str) -> None:
+    path = _save_single(tmp_path, 1)
+    with pytest.raises(ValueError) as error:
+        load_checkpoint(path, **kwargs)
+    assert str(error.value) == message
+
+
+def _mapped(path: Path) -> list[str]:
+    """The files of checkpoint ``path`` this process has memory-mapped now (Linux)."""
+    with open("/proc/self/maps") as f:
+        return sorted({Path(line.split()[-1]).name for line in f if str(path) + os.sep in line})
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mappings from /proc (Linux)")
+def test_common_is_memory_mapped_only_when_asked_and_every_file_goes_where_asked(tmp_path: Path) -> None:
+    path = _save_single(tmp_path, 1)
+    loaded = load_checkpoint(path, class_range=range(7), num_classes=7, rank=0)
+    assert _mapped(path) == []
+    del loaded
+    loaded = load_checkpoint(path, class_range=range(7), num_classes=7, rank=0, mmap=True)
+    assert _mapped(path) == ["common.pt"]  # rank_0.pt and head_0.pt read as usual
+    del loaded
+    on_meta = load_checkpoint(path, class_range=range(7), num_classes=7, rank=0, map_location="meta")
+    tensors = [on_meta.common["backbone"]["w"], on_meta.per_rank["rng"], *on_meta.head_tensors.values()]
+    assert [t.device.type for t in tensors] == ["meta"] * 5
+    common, _ = ck.load_common(path, map_location="meta")
+    assert common["backbone"]["w"].device.type == "meta"
+
+
+@pytest.mark.parametrize("fname", ["common.pt", "rank_0.pt", "head_0.pt"])
+def test_each_file_read_is_hash_checked_unless_verify_is_false(tmp_path: Path, fname: str) -> None:
+    path = _save_single(tmp_path, 1)
+    _flip_a_byte(path / fname)
+    with pytest.raises(CheckpointError, match=rf"^checkpoint file {path / fname} is corrupt: sha256 "):
+        load_checkpoint(path, class_range=range(7), num_classes=7, rank=0)
+    load_checkpoint(path, class_range=range(7), num_classes=7, rank=0, verify=False)  # the size still matches
+
+
+@pytest.mark.parametrize("fname", ["common.pt", "rank_0.pt", "head_0.pt"])
+def test_each_file_needing_full_unpickling_is_read_only_if_trusted(tmp_path: Path, fname: str) -> None:
+    path = _save_single(tmp_path, 1)
+    obj = torch.load(path / fname)
+    (obj["extras"] if fname == "head_0.pt" else obj)["when"] = datetime.date(2020, 1, 2)  # not weights-only data
+    _replace(path, fname, obj)
+    with pytest.raises(CheckpointError, match=rf"^refusing to load {path / fname}: it needs "):
+        load_checkpoint(path, class_range=range(7), num_classes=7, rank=0)
+    loaded = load_checkpoint(path, class_range=range(7), num_classes=7, rank=0, trust_pickle=True)
+    found = {"common.pt": loaded.common, "rank_0.pt": loaded.per_rank, "head_0.pt": loaded.head_extras}[fname]
+    assert found["when"] == datetime.date(2020, 1, 2)
+
+
+def test_a_common_file_that_is_not_a_dict_is_refused(tmp_path: Path) -> None:
+    path = _save_single(tmp_path, 1)
+    _replace(path, "common.pt", [1, 2])
+    for load in (lambda: load_checkpoint(path, class_range=range(7), num_classes=7), lambda: ck.load_common(path)):
+        with pytest.raises(CheckpointError) as error:
+            load()
+        assert str(error.value) == f"{path / 'common.pt'} does not hold a dict (got list)"
+
+
+def test_load_common_checks_every_files_size_but_only_commons_hash(tmp_path: Path) -> None:
+    path = _save_single(tmp_path, 1)
+    _flip_a_byte(path / "head_0.pt")  # a head shard can be gigabytes: its size is checked, not its hash
+    common, meta = ck.load_common(path)
+    assert common["step"] == 1 and meta == verify_checkpoint(path, check_hashes=False)
+    with pytest.raises(CheckpointError, match=rf"^checkpoint file {path / 'head_0.pt'} is corrupt: sha256 "):
+        verify_checkpoint(path)  # hashes checked by default
+    with open(path / "head_0.pt", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(CheckpointError, match=rf"^checkpoint file {path / 'head_0.pt'} is truncated or corrupt"):
+        ck.load_common(path)
+
+
+def test_load_file_refuses_a_file_meta_json_does_not_list(tmp_path: Path) -> None:
+    path = _save_single(tmp_path, 1)
+    with pytest.raises(CheckpointError) as error:
+        ck.load.load_file(path, "rank_1.pt", verify_checkpoint(path), "cpu", True, False)
+    assert str(error.value) == f"{path / 'meta.json'} does not list rank_1.pt"
+
+
+def test_load_file_follows_no_symlink_swapped_in_after_its_check(tmp_path: Path, monkeypatch) -> None:
+    """The size and hash are checked, then the file is opened: a symlink put in its place between the
+    two (to the same bytes elsewhere) is refused, not read."""
+    path = _save_single(tmp_path / "run", 1)
+    other = _save_single(tmp_path / "other", 1)
+    real = ck.load.check_file
+
+    def check_then_swap(p: Path, entry: Any, check_hash: bool) -> None:
+        real(p, entry, check_hash)
+        p.unlink()
+        p.symlink_to(other / p.name)
+
+    monkeypatch.setattr(ck.load, "check_file", check_then_swap)
+    with pytest.raises(CheckpointError) as error:
+        ck.load.load_file(path, "common.pt", verify_checkpoint(other), "cpu", True, False)
+    assert str(error.value) == f"refusing to read checkpoint file {path / 'common.pt'}: it is a symlink, not a regular file"
+
+
+def _shard_file(path: Path, fname: str, change: Any) -> Path:
+    """Replace head shard ``fname`` of ``path`` by ``change(its dict)`` (a shard file as read back)."""
+    _replace(path, fname, change(torch.load(path / fname)))
+    return path / fname
+
+
+@pytest.mark.parametrize("change", [
+    lambda h: [h],  # not a dict
+    lambda h: {k: v for k, v in h.items() if k != "extras"},
+    lambda h: dict(h, class_range="07"),
+    lambda h: dict(h, tensors=list(h["tensors"].items())),
+    lambda h: dict(h, extras=[1]),
+], ids=["list", "no extras", "class_range a str", "tensors a list", "extras a list"])
+def test_a_head_file_not_shaped_as_a_shard_is_refused(tmp_path: Path, change: Any) -> None:
+    path = _save_single(tmp_path, 1)
+    f = _shard_file(path, "head_0.pt", change)
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(path, class_range=range(7), num_classes=7)
+    assert str(error.value) == f"{f} is not a head shard file"
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda h: dict(h, class_range=(0, 6)), "holds class_range=(0, 6) but meta.json records (0, 7)"),
+    (lambda h: dict(h, tensors={**h["tensors"], "bias": torch.zeros(7)}),
+     "holds tensors ['bias', 'exp_avg', 'exp_avg_sq', 'weight'], meta.json lists ['exp_avg', 'exp_avg_sq', 'weight']"),
+    (lambda h: dict(h, tensors={**h["tensors"], "weight": torch.zeros(7, DIM + 1)}),
+     f": 'weight' is not a tensor of rows [{DIM}] as meta.json records (got [7, {DIM + 1}])"),
+    (lambda h: dict(h, tensors={**h["tensors"], "weight": [1, 2]}),
+     f": 'weight' is not a tensor of rows [{DIM}] as meta.json records (got [1, 2])"),
+    (lambda h: dict(h, tensors={**h["tensors"], "weight": torch.tensor(1.0)}),
+     f": 'weight' is not a tensor of rows [{DIM}] as meta.json records (got [])"),
+    (lambda h: dict(h, tensors={**h["tensors"], "weight": torch.zeros(6, DIM)}),
+     ": tensor 'weight' has 6 rows, its class range has 7"),
+], ids=["class_range", "names", "row shape", "not a tensor", "0-dim", "rows"])
+def test_a_head_shard_that_does_not_match_meta_json_is_refused(tmp_path: Path, change: Any, message: str) -> None:
+    path = _save_single(tmp_path, 1)
+    f = _shard_file(path, "head_0.pt", change)
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(path, class_range=range(7), num_classes=7)
+    assert str(error.value) == f"{f}{'' if message.startswith(':') else ' '}{message}"
+
+
+def test_a_meta_json_recording_a_head_tensor_without_its_row_shape_refuses_it(tmp_path: Path) -> None:
+    path = _save_single(tmp_path, 1)
+    meta = json.loads((path / ck.META_FILE).read_text())
+    meta["head_tensors"]["weight"] = "float32"  # not an object with a row_shape
+    (path / ck.META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(path, class_range=range(7), num_classes=7)
+    assert str(error.value) == (f"{path / 'head_0.pt'}: 'weight' is not a tensor of rows None as meta.json records "
+                                f"(got [7, {DIM}])")
+
+
+def test_head_extras_that_differ_between_shards_are_refused_naming_both(tmp_path: Path) -> None:
+    path = _save_single(tmp_path, 1)
+    _resharded(path, [0, 3, 5, 7], extras=[{"step": 4}, {"step": 4}, {"step": 5}])
+    assert load_checkpoint(path, class_range=range(0, 5), num_classes=7).head_extras == {"step": 4}
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(path, class_range=range(2, 7), num_classes=7)
+    assert str(error.value) == f"head extras differ between saved shards 0 and 2 of {path}: {{'step': 4}} vs {{'step': 5}}"
+
+
+def test_a_fingerprint_differing_in_any_key_is_refused_listing_each(tmp_path: Path) -> None:
+    path = _save_single(tmp_path, 1, fingerprint={**FP, "note": None})
+    current = {k: v for k, v in FP.items() if k != "embedding_dim"} | {"model": "x"}
+    with pytest.raises(ValueError) as error:
+        load_checkpoint(path, class_range=range(7), num_classes=7, fingerprint=current)
+    assert str(error.value) == (
+        f"checkpoint {path} was saved by a different model/config: embedding_dim: checkpoint={DIM}, this run=<missing>; "
+        "model: checkpoint='iresnet50', this run='x'; note: checkpoint=None, this run=<missing>"
+    )
+
+
+def test_a_fingerprint_that_is_not_plain_json_is_refused_naming_it(tmp_path: Path) -> None:
+    path = _save_single(tmp_path, 1)
+    with pytest.raises(ValueError) as error:
+        load_checkpoint(path, class_range=range(7), num_classes=7, fingerprint={1: "x"})
+    assert str(error.value) == "fingerprint keys must be str, got 1"
+    try:
+        json.dumps({1, 2})
+    except TypeError as e:
+        reason = str(e)
+    with pytest.raises(ValueError) as error:
+        load_checkpoint(path, class_range=range(7), num_classes=7, fingerprint={"x": {1, 2}})
+    assert str(error.value) == f"fingerprint must be JSON-serialisable: {reason}"
+
+
+@pytest.mark.parametrize("a, b, equal", [
+    (torch.ones(2), torch.ones(2), True),
+    (torch.ones(2), torch.ones(2, dtype=torch.float64), False),  # torch.equal alone says True
+    (torch.ones(2), torch.ones(1, 2), False),
+    (torch.ones(2), torch.tensor([1.0, 2.0]), False),
+    (torch.ones(1), 1.0, False),  # a tensor and a number: tensor == 1.0 is tensor([True])
+    (1.0, torch.ones(1), False),
+    (torch.ones(1), [1.0], False),
+    ({"a": torch.ones(2), "b": [1, (2, 3)]}, {"b": [1, (2, 3)], "a": torch.ones(2)}, True),
+    ({"a": 1}, {"b": 1}, False),
+    ({"a": 1}, [1], False),
+    ([1, 2], (1, 2), False),
+    ([1], [1, 2], False),
+    ([1, 2], [1, 3], False),
+    (np.array([1, 2]), np.array([1, 2]), False),  # no truth value: not known equal
+])
+def test_objects_equal_compares_tensors_by_dtype_shape_and_values_and_containers_by_type(a, b, equal) -> None:
+    assert ck.load.objects_equal(a, b) is equal
+    assert ck.load.objects_equal(b, a) is equal
+
+
+def test_objects_equal_visits_at_most_its_budget_of_values() -> None:
+    assert ck.load.objects_equal([0] * 4, [0] * 4, budget=5)  # the lists and their 4 items: 5 values
+    with pytest.raises(CheckpointError) as error:
+        ck.load.objects_equal([0] * 5, [0] * 5, budget=5)
+    assert str(error.value) == "the saved values are too large to compare (more than 5 values)"
+
+
+def test_a_symlinked_file_is_refused_even_when_only_sizes_are_checked(tmp_path: Path) -> None:
+    """``verify_checkpoint(check_hashes=False)`` (what ``load_common`` runs over the head shards, which it
+    never opens) refuses a file swapped for a symlink to the same bytes elsewhere."""
+    path = _save_single(tmp_path / "run", 1)
+    other = _save_single(tmp_path / "other", 1)
+    (path / "head_0.pt").unlink()
+    (path / "head_0.pt").symlink_to(other / "head_0.pt")
+    message = f"refusing to read checkpoint file {path / 'head_0.pt'}: it is a symlink, not a regular file"
+    for check in (lambda: verify_checkpoint(path, check_hashes=False), lambda: ck.load_common(path)):
+        with pytest.raises(CheckpointError) as error:
+            check()
+        assert str(error.value) == message

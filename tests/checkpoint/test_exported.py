@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import struct
+import sys
 import zipfile
 from pathlib import Path
 
@@ -214,3 +215,256 @@ def test_crafted_exports_that_would_run_code_are_refused_and_nothing_runs(export
     with pytest.raises(CheckpointError, match=rf"names the global {name}, .* it was not called"):
         read_exported(crafted)
     assert not marker.exists()
+
+
+# --------------------------------------------------------------------------- the reader piece by piece
+
+
+class _Shared(torch.nn.Module):
+    """Buffers that share a storage (one a view at an offset), empty ones of two dtypes, and a
+    layer registered under two names (TorchScript saves it twice over the same storages)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(2, 2)
+        self.b = self.a
+        whole = torch.arange(10.0)
+        self.register_buffer("whole", whole)
+        self.register_buffer("view", whole[3:6])
+        self.register_buffer("empty", torch.zeros(0))
+        self.register_buffer("empty_int", torch.zeros(0, dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x)) + self.view.sum()
+
+
+def test_views_at_an_offset_and_empty_tensors_read_back_as_saved(tmp_path: Path):
+    torch.manual_seed(0)
+    model = _Shared().eval()
+    out = tmp_path / "shared.pt"
+    export_torchscript(model, torch.zeros(1, 2), out, {"backbone": "shared"})
+    got = read_exported(out)
+    assert got.path == out and got.metadata == {"backbone": "shared"}
+    expected = model.state_dict()
+    weights = got.weights_for(expected)
+    assert list(weights) == list(expected)
+    for key, value in expected.items():
+        assert weights[key].dtype == value.dtype and torch.equal(weights[key], value), key
+    assert weights["view"].tolist() == [3.0, 4.0, 5.0]  # at its offset in the storage it shares with whole
+
+
+def test_a_symlink_the_user_names_is_read_and_a_file_swapped_after_the_check_is_refused(exported, tmp_path: Path,
+                                                                                        monkeypatch):
+    from shardfc.checkpoint import exported as module
+
+    _, path = exported
+    link = tmp_path / "link.pt"
+    link.symlink_to(path)
+    assert is_torchscript(link) and read_exported(link).tensors.keys() == read_exported(path).tensors.keys()
+
+    swapped = tmp_path / "swapped.pt"
+    swapped.write_bytes(path.read_bytes())
+    real = module.is_torchscript
+
+    def check_then_swap(p: Path) -> bool:
+        found = real(p)
+        p.unlink()
+        os.mkfifo(p)  # a FIFO would block a reader for ever
+        return found
+
+    monkeypatch.setattr(module, "is_torchscript", check_then_swap)
+    with pytest.raises(CheckpointError) as error:
+        read_exported(swapped)
+    assert str(error.value) == f"refusing to read model file {swapped}: it is a FIFO, not a regular file"
+
+
+def _zip(out: Path, members: dict) -> Path:
+    with zipfile.ZipFile(out, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return out
+
+
+def test_only_a_zip_with_one_folder_of_data_pkl_and_constants_pkl_is_torchscript(tmp_path: Path):
+    assert is_torchscript(_zip(tmp_path / "ok.pt", {"a/data.pkl": b"", "a/constants.pkl": b""}))
+    assert not is_torchscript(_zip(tmp_path / "deep.pt", {"a/b/data.pkl": b"", "a/b/constants.pkl": b""}))
+    assert not is_torchscript(_zip(tmp_path / "top.pt", {"data.pkl": b"", "a/b": b""}))
+    assert not is_torchscript(_zip(tmp_path / "no_data.pt", {"a/constants.pkl": b""}))
+    (tmp_path / "text.pt").write_text("not a zip")
+    assert not is_torchscript(tmp_path / "text.pt")
+    # an end-of-archive record (what is_zipfile looks for) whose central directory is not there
+    (tmp_path / "broken.pt").write_bytes(b"x" * 46 + b"PK\x05\x06" + struct.pack("<HHHHIIH", 0, 0, 1, 1, 46, 0, 0))
+    assert zipfile.is_zipfile(tmp_path / "broken.pt") and not is_torchscript(tmp_path / "broken.pt")
+    with pytest.raises(CheckpointError) as error:
+        read_exported(tmp_path / "text.pt")
+    assert str(error.value) == (f"{tmp_path / 'text.pt'} is not a TorchScript file (a zip with data.pkl and "
+                                "constants.pkl), as `shardfc export` writes")
+
+
+def test_weights_for_names_what_is_missing_and_what_differs_five_at_most():
+    from shardfc.checkpoint.exported import Exported
+
+    held = Exported(Path("m.pt"), {}, {f"w{i}": torch.zeros(2) for i in range(6)})
+    with pytest.raises(CheckpointError) as error:
+        held.weights_for({**{f"w{i}": torch.zeros(3) for i in range(5)}, **{f"x{i}": torch.zeros(1) for i in range(7)}})
+    wrong = ", ".join(f"w{i} [2] (expected [3])" for i in range(5))
+    assert str(error.value) == ("m.pt (exported from backbone '?', embedding_dim ?) does not hold this backbone's "
+                                f"weights: 7 missing key(s): x0, x1, x2, x3, x4 and 2 more; 5 of another shape: {wrong}")
+    assert held.weights_for({"w5": torch.ones(2)}) == {"w5": held.tensors["w5"]}
+
+
+def test_a_member_is_read_up_to_its_limit_and_refused_past_it(tmp_path: Path):
+    from shardfc.checkpoint.exported import _member
+
+    path = _zip(tmp_path / "m.pt", {"a/x": b"y" * 2048, "a/z": b"y" * 2049})
+    with zipfile.ZipFile(path) as archive:
+        assert _member(archive, "a/x", 2048, path) == b"y" * 2048
+        with pytest.raises(CheckpointError) as error:
+            _member(archive, "a/z", 2048, path)
+    assert str(error.value) == (f"refusing to read {path}: its a/z has 2049 bytes, more than the 2 KiB a "
+                                "`shardfc export` file holds there")
+
+
+def test_torchscript_classes_become_one_placeholder_class_per_qualified_name(exported):
+    from shardfc.checkpoint.exported import Scripted, _ExportUnpickler
+
+    _, path = exported
+    with zipfile.ZipFile(path) as archive:
+        unpickler = _ExportUnpickler(b"", archive, "")
+        top = unpickler.find_class("__torch__", "Net")
+        inner = unpickler.find_class("__torch__.torch.nn.modules.linear", "Linear")
+        assert issubclass(top, Scripted) and issubclass(inner, Scripted) and top is not inner
+        assert (top.torch_class, top.__name__) == ("__torch__.Net", "Net")
+        assert inner.torch_class == "__torch__.torch.nn.modules.linear.Linear"
+        assert unpickler.find_class("__torch__", "Net") is top
+
+
+def test_a_persistent_id_not_shaped_as_torch_writes_it_is_refused_naming_it(exported):
+    from shardfc.checkpoint.exported import _ExportUnpickler, _StorageDtype
+    from shardfc.checkpoint.format import short_repr
+
+    _, path = exported
+    with zipfile.ZipFile(path) as archive:
+        prefix = next(n for n in archive.namelist() if n.endswith("/data.pkl"))[: -len("data.pkl")]
+        numel = archive.getinfo(f"{prefix}data/0").file_size // 4
+        unpickler = _ExportUnpickler(b"", archive, prefix)
+        f32 = _StorageDtype(torch.float32)
+        assert unpickler.persistent_load(("storage", f32, "0", "cpu", numel)).shape == (numel,)
+        for pid in [("storage", "float", "0", "cpu", numel), ("blob", f32, "0", "cpu", numel),
+                    ("storage", f32, 0, "cpu", numel), ("storage", f32, "0", "cpu", float(numel)), ["storage"]]:
+            with pytest.raises(pickle.UnpicklingError) as error:
+                unpickler.persistent_load(pid)
+            assert str(error.value) == f"unexpected persistent id {short_repr(pid)}"
+        with pytest.raises(pickle.UnpicklingError) as error:
+            unpickler.persistent_load(("storage", f32, "99", "cpu", 1))
+        assert str(error.value) == "storage '99' is not in the archive"
+        with pytest.raises(pickle.UnpicklingError) as error:
+            unpickler.persistent_load(("storage", f32, "1", "cpu", 10**6))
+        size = archive.getinfo(f"{prefix}data/1").file_size
+        assert str(error.value) == f"storage '1' has {size} bytes for 1000000 x torch.float32"
+
+
+def test_the_tensors_of_a_placeholder_tree_each_object_walked_once():
+    from shardfc.checkpoint.exported import Scripted, _tensors
+
+    def placeholder(state):
+        obj = Scripted()
+        obj.__setstate__(state)
+        return obj
+
+    w, v = torch.zeros(1), torch.ones(1)
+    shared = placeholder({"w": w})
+    stateless = placeholder(None)
+    root = placeholder({1: v, "child": placeholder({"v": v, "up": None}), "a": shared, "b": shared,
+                        "stateless": stateless, "w": w})
+    found = _tensors(root)
+    assert found.pop("w") is w and found.pop("child.v") is v
+    assert list(found) in (["a.w"], ["b.w"])  # a crafted tree's shared object: walked once
+    assert _tensors(placeholder([w])) == {}
+
+
+def _member_names(path: Path) -> tuple:
+    with zipfile.ZipFile(path) as archive:
+        names = archive.namelist()
+    prefix = next(n for n in names if n.endswith("/data.pkl"))[: -len("data.pkl")]
+    return prefix, names
+
+
+def _rewritten(path: Path, out: Path, change: dict) -> Path:
+    """A copy of zip ``path`` with members (by name after the archive folder) replaced, or dropped for None."""
+    prefix, _ = _member_names(path)
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            rest = info.filename[len(prefix):]
+            if rest in change and change[rest] is None:
+                continue
+            dst.writestr(info, change.get(rest, src.read(info)))
+        for rest, data in change.items():
+            if data is not None and prefix + rest not in src.namelist():
+                dst.writestr(prefix + rest, data)
+    return out
+
+
+def test_the_byte_order_recorded_must_be_this_machines(exported, tmp_path: Path):
+    _, path = exported
+    prefix, _ = _member_names(path)
+    other = "big" if sys.byteorder == "little" else "little"
+    for recorded, shown in [(other.encode(), repr(other)), (b"\xff", repr("\ufffd"))]:
+        crafted = _rewritten(path, tmp_path / "order.pt", {"byteorder": recorded})
+        with pytest.raises(CheckpointError) as error:
+            read_exported(crafted)
+        assert str(error.value) == f"{crafted} was written on a {shown}-endian machine; this one is {sys.byteorder}-endian"
+    crafted = _rewritten(path, tmp_path / "long.pt", {"byteorder": sys.byteorder.encode() + b" " * (65 - len(sys.byteorder))})
+    with pytest.raises(CheckpointError) as error:
+        read_exported(crafted)
+    assert str(error.value).startswith(f"refusing to read {crafted}: its {prefix}byteorder has 65 bytes, more than the ")
+    # torch's files from before the byteorder record are little-endian
+    unrecorded = read_exported(_rewritten(path, tmp_path / "none.pt", {"byteorder": None}))
+    if sys.byteorder == "little":
+        assert unrecorded.tensors.keys() == read_exported(path).tensors.keys()
+
+
+def test_refusals_of_a_crafted_data_pkl_in_full(exported, tmp_path: Path):
+    _, path = exported
+    crafted = _with_data_pkl(path, tmp_path / "long.pt", b"\x80\x02cbuiltins\n" + b"x" * 300 + b"\n.")
+    with pytest.raises(CheckpointError) as error:
+        read_exported(crafted)
+    assert str(error.value) == (
+        f"refusing to read {crafted}: its data.pkl names the global {('builtins.' + 'x' * 300)[:200]}, which a "
+        "`shardfc export` file never holds (only tensors and TorchScript modules); it was not called. shardfc reads "
+        "exported models without running them: export the model again with `shardfc export`, or start from its checkpoint"
+    )
+    crafted = _with_data_pkl(path, tmp_path / "int.pt", pickle.dumps(5, protocol=2))
+    with pytest.raises(CheckpointError) as error:
+        read_exported(crafted)
+    assert str(error.value) == f"{crafted}: its data.pkl holds a int, not a TorchScript module"
+
+
+def test_the_metadata_is_empty_without_a_shardfc_json_and_a_large_one_is_refused(exported, tmp_path: Path):
+    from shardfc.checkpoint.exported import MAX_METADATA_BYTES
+
+    _, path = exported
+    prefix, _ = _member_names(path)
+    assert read_exported(_rewritten(path, tmp_path / "none.pt", {"extra/shardfc.json": None})).metadata == {}
+    crafted = _rewritten(path, tmp_path / "big.pt", {"extra/shardfc.json": b" " * (MAX_METADATA_BYTES + 1)})
+    with pytest.raises(CheckpointError) as error:
+        read_exported(crafted)
+    assert str(error.value) == (f"refusing to read {crafted}: its {prefix}extra/shardfc.json has {MAX_METADATA_BYTES + 1} "
+                                f"bytes, more than the {MAX_METADATA_BYTES >> 10} KiB a `shardfc export` file holds there")
+
+
+def test_a_tensor_past_the_end_of_an_empty_storage_is_refused(exported, tmp_path: Path):
+    """A storage of 0 bytes is an empty tensor: a crafted tensor of one element on it is refused by the
+    bounds check, not read from memory the file never held."""
+    from shardfc.checkpoint.weights_only import error_line
+
+    _, path = exported
+    storage = b"(" + _text("storage") + b"ctorch\nFloatStorage\n" + _text("e") + _text("cpu") + b"K\x00tQ"
+    tensor = (b"ctorch._utils\n_rebuild_tensor_v2\n(" + storage + b"K\x00(K\x01t(K\x01t"
+              + b"\x89ccollections\nOrderedDict\n)RtR")
+    crafted = _rewritten(path, tmp_path / "empty.pt", {"data/e": b"", "data.pkl": b"\x80\x02" + tensor + b"."})
+    with pytest.raises(RuntimeError) as reference:
+        torch.as_strided(torch.empty(0), (1,), (1,), 0)
+    with pytest.raises(CheckpointError) as error:
+        read_exported(crafted)
+    assert str(error.value) == f"cannot read {crafted}: its data.pkl is malformed ({error_line(reference.value)})"

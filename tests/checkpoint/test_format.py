@@ -179,3 +179,16 @@ def test_read_meta_refuses_each_wrong_meta_in_full(tmp_path: Path):
     assert refusal({**good, "num_classes": 7}) == f"{meta_path} is malformed or does not list all of its files"
     assert refusal({**good, "files": {**good["files"], "x.pt": {"size": 1}}}).startswith(f"{meta_path} lists the file 'x.pt'")
     assert refusal({**good, "step": 5}) == f"{meta_path} records step=5 but the directory is step_00000007"
+
+
+def test_regular_file_refuses_a_symlink_unless_told_to_follow_it(tmp_path: Path):
+    """By default (a file a ``meta.json`` names) a symlink is refused even to a regular file; a file the
+    user names may be one."""
+    target = tmp_path / "target.pt"
+    target.write_bytes(b"12345")
+    link = tmp_path / "link.pt"
+    link.symlink_to(target)
+    with pytest.raises(CheckpointError) as error:
+        F.regular_file(link)
+    assert str(error.value) == f"refusing to read checkpoint file {link}: it is a symlink, not a regular file"
+    assert F.regular_file(link, follow_symlinks=True).st_size == 5

@@ -25,6 +25,7 @@ from shardfc.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from shardfc.checkpoint.load import COMPARE_BUDGET
 from shardfc.checkpoint.stages import check_parts, prepare_part
 from shardfc.models import build_backbone
 from shardfc.parallel.model_split import stages as cut_stages
@@ -404,3 +405,17 @@ def test_stage_files_are_read_on_the_cpu_memory_mapped_weights_only_and_verified
 def test_only_an_optimizer_state_by_name_is_taken_for_one(saved, shaped):
     """A stage file's ``optimizer`` part is read only if it has the shape ``_merge_groups`` reads."""
     assert ck.stages._optimizer_shaped(saved) is shaped
+
+
+def test_parameter_groups_too_large_to_compare_are_refused_naming_the_stage_file():
+    """Two stages' group hyperparameters holding more values than ``objects_equal`` visits: the
+    refusal names the stage file whose group was being merged."""
+    where = Path("ckpt") / "backbone_stage1.pt"
+    big = list(range(COMPARE_BUDGET))  # with the group dict and its key, past the budget
+    groups = [{"lr": 0.1, "betas": big, "params": ["a"]}]
+    saved = [{"lr": 0.1, "betas": list(big), "params": ["b"]}]
+    with pytest.raises(CheckpointError) as error:
+        ck.stages._merge_groups(groups, saved, {"b"}, where)
+    assert str(error.value) == (f"the parameter groups of {where} are too large to compare "
+                                f"(more than {COMPARE_BUDGET} values)")
+    assert groups[0]["params"] == ["a"]  # nothing merged
