@@ -249,8 +249,9 @@ def _member(archive: zipfile.ZipFile, name: str, limit: int, path: Path) -> byte
     """Member ``name`` of the archive, refused (before reading it) above ``limit`` bytes."""
     info = archive.getinfo(name)
     if info.file_size > limit:
+        most = f"{limit >> 10} KiB" if limit % 1024 == 0 else f"{limit} bytes"
         raise CheckpointError(f"refusing to read {path}: its {name} has {info.file_size} bytes, more than the "
-                              f"{limit >> 10} KiB a `shardfc export` file holds there")
+                              f"{most} a `shardfc export` file holds there")
     return archive.read(info)
 
 
