@@ -594,6 +594,9 @@ def test_format_12_ranges_read_from_the_best_subtable_whatever_lies_outside_the_
         glyphs.cjk_coverage(_cmap12([(0x4E00, 0x4E05, 1), (0x4E03, 0x4E08, 9)]))
     # no Unicode subtable at all: nothing covered
     assert glyphs.cjk_coverage(_cmap12(run, platforms=((1, 0),))) == set()
+    # groups reaching into the block by one character at either end
+    edges = [(glyphs.CJK_FIRST - 16, glyphs.CJK_FIRST, 1), (glyphs.CJK_LAST, glyphs.CJK_LAST + 5, 20)]
+    assert glyphs.cjk_coverage(_cmap12(edges)) == {glyphs.CJK_FIRST, glyphs.CJK_LAST}
 
 
 def _cmap4(segments, glyph_array=()) -> bytes:
@@ -616,6 +619,9 @@ def test_format_4_glyph_arrays_and_deltas_read_as_the_format_says():
     # segments outside the block are not read, even overlapping ones
     outside = [(0x41, 0x50, 1, 0), (0x45, 0x60, 1, 0), (0x4E00, 0x4E01, 1, 0)]
     assert glyphs.cjk_coverage(_cmap4(outside)) == {0x4E00, 0x4E01}
+    # segments reaching into the block by one character at either end
+    edges = [(glyphs.CJK_FIRST - 16, glyphs.CJK_FIRST, 1, 0), (glyphs.CJK_LAST, glyphs.CJK_LAST + 5, 1, 0)]
+    assert glyphs.cjk_coverage(_cmap4(edges)) == {glyphs.CJK_FIRST, glyphs.CJK_LAST}
     with pytest.raises(ValueError, match="^its format 4 character map has overlapping or unsorted ranges$"):
         glyphs.cjk_coverage(_cmap4([(0x4E00, 0x4E05, 1, 0), (0x4E03, 0x4E08, 1, 0)]))
 
