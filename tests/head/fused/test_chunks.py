@@ -178,3 +178,183 @@ def test_a_row_updates_numbers_and_state():
     assert chunks.RowUpdate(w, buf, 0.5, 0.9, 0.0, False, hyper=held).hyper_on(META) is held
     assert sgd.hyper_on(torch.device("cpu")).tolist() == torch.tensor([0.5, 0.9, 1e-4]).tolist()
     assert adamw.hyper_on(META).shape == (9,) and adamw.hyper_on(META).device == META
+
+
+# The launchers around the row kernels, under the interpreter, against plain torch on the same rows.
+
+def _weight(n=21, d=24, zero_row=5):
+    """Rows of assorted norms, one of them all zeros (its 1/‖w‖ is 0, as the torch path has it)."""
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, d, generator=g) * torch.linspace(0.5, 3.0, n).unsqueeze(1)
+    w[zero_row] = 0
+    return w
+
+
+def _inv_of(rows: torch.Tensor) -> torch.Tensor:
+    norm = rows.double().norm(dim=1)
+    return torch.where(norm > 0, 1 / norm, torch.zeros_like(norm)).float()
+
+
+#: fp32 sums of D = 24 squares in another order: a few units of fp32 rounding (2⁻²⁴) a term
+FP32_TOL = 24 * 2.0**-24
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rel: float) -> bool:
+    return bool(((got.double() - want.double()).abs() <= rel * want.double().abs() + 1e-30).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [None, [3, 20, 5, 0, 11, 7]], ids=["every_row", "gathered"])
+@pytest.mark.parametrize("normalize,need_inv", [(True, True), (False, True), (False, False)])
+def test_scored_rows_are_the_rows_gathered_normalised_and_cast(dtype, rows, normalize, need_inv):
+    """``(operand, inv)``: the scored rows (through ``rows``) times ``1/‖w‖`` when normalised, in the
+    compute dtype (bf16: rounded to nearest, so within half a bf16 unit of the fp32 product's
+    rounding, one unit allowed), and the norms when asked for."""
+    w = _weight()
+    idx = None if rows is None else torch.tensor(rows)
+    picked = w if idx is None else w[idx]
+    operand, inv = chunks.scored_rows(w, idx, picked.shape[0], dtype, normalize, need_inv)
+    want_inv = _inv_of(picked)
+    want = picked * want_inv.unsqueeze(1) if normalize else picked
+    assert operand.dtype == dtype and operand.shape == picked.shape
+    rel = 2 * FP32_TOL if dtype == torch.float32 else 2.0**-8 + 2 * FP32_TOL
+    assert _close(operand, want, rel)
+    if need_inv:
+        assert inv.dtype == torch.float32 and inv.shape == (picked.shape[0],)
+        assert _close(inv, want_inv, FP32_TOL) and float(inv[rows.index(5) if rows else 5]) == 0.0
+    else:
+        assert inv is None
+
+
+def test_scored_rows_above_the_operand_budget_make_the_norms_only(monkeypatch):
+    """Past :data:`chunks.OPERAND_BYTES` no operand (each chunk makes its own), the norms still;
+    exactly at it, the operand; no rows: empty tensors and nothing launched."""
+    w = _weight()
+    monkeypatch.setattr(chunks, "OPERAND_BYTES", 21 * 24 * 2)  # the bf16 operand's size exactly
+    operand, inv = chunks.scored_rows(w, None, 21, torch.bfloat16, True, True)
+    assert operand is not None and _close(operand, w * _inv_of(w).unsqueeze(1), 2.0**-8 + 2 * FP32_TOL)
+    operand, inv = chunks.scored_rows(w, None, 21, torch.float32, True, True)
+    assert operand is None and _close(inv, _inv_of(w), FP32_TOL)
+    assert chunks.scored_rows(w, None, 21, torch.float32, False, False) == (None, None)
+    launched = []
+    monkeypatch.setattr(chunks, "_operand_launch", lambda *args: launched.append(args))
+    operand, inv = chunks.scored_rows(w, None, 0, torch.bfloat16, True, True)
+    assert operand.shape == (0, 24) and inv.shape == (0,) and launched == []
+
+
+@pytest.mark.parametrize("scale", [True, False])
+@pytest.mark.parametrize("rows", [None, [3, 20, 5, 0, 11, 7, 9, 2]], ids=["every_row", "gathered"])
+def test_operand_rows_are_one_chunks_rows_times_the_step_s_norms(rows, scale):
+    """Rows ``r0 .. r0 + n`` of the scored rows, times their entries of ``inv`` (the step's norms,
+    indexed by scored row, not by the chunk's own row) when ``scale``, in the compute dtype."""
+    w = _weight()
+    idx = None if rows is None else torch.tensor(rows)
+    picked = w if idx is None else w[idx]
+    inv = torch.linspace(0.25, 2.0, picked.shape[0])  # not the true norms: what it reads shows
+    r0, n = 2, 5
+    out = chunks.operand_rows(w, idx, inv, r0, n, torch.float32, scale)
+    want = picked[r0:r0 + n] * (inv[r0:r0 + n].unsqueeze(1) if scale else 1)
+    assert out.shape == (n, 24) and out.dtype == torch.float32
+    assert _close(out, want, 2.0**-24)
+    assert chunks.operand_rows(w, idx, inv, r0, 0, torch.float32, scale).shape == (0, 24)
+
+
+def test_raw_rows_are_a_view_of_the_chunk_or_its_rows_gathered():
+    w = _weight()
+    view = chunks._raw_rows(w, None, 4, 9)
+    assert view.data_ptr() == w[4].data_ptr() and torch.equal(view, w[4:9])
+    rows = torch.tensor([3, 20, 5, 0, 11, 7])
+    assert torch.equal(chunks._raw_rows(w, rows, 1, 4), w[[20, 5, 0]])
+
+
+def test_operand_rows_on_the_meta_device_tell_the_plan_what_they_touch():
+    from shardfc.head.fused import traffic
+
+    seen = []
+    record = lambda kernel, reads, writes, flops: seen.append((kernel, [r.part[0] + f":{r.nbytes}" for r in reads],  # noqa: E731
+                                                               [r.part[0] + f":{r.nbytes}" for r in writes]))
+    w, rows = torch.empty(100, 8, device=META), torch.arange(10, device=META)
+    with traffic.recording(record):
+        chunks.scored_rows(w, None, 100, torch.bfloat16, True, True)  # norms written, rows written
+        chunks.scored_rows(w, rows, 10, torch.bfloat16, False, False)  # gathered, no norms
+        chunks.operand_rows(w, None, torch.empty(100, device=META), 20, 30, torch.bfloat16, True)  # norms read
+        chunks.operand_rows(w, None, torch.empty(100, device=META), 20, 30, torch.bfloat16, False)
+        chunks.scored_rows(w, None, 0, torch.bfloat16, True, True)  # no rows: nothing
+    assert seen == [
+        ("operand_rows", ["span:3200"], ["span:1600", "span:400"]),
+        ("operand_rows", ["rows:320", "span:80"], ["span:160"]),
+        ("operand_rows", ["span:960", "span:120"], ["span:480"]),
+        ("operand_rows", ["span:960"], ["span:480"]),
+    ]
+
+
+def test_target_slots_name_one_sample_of_each_target_and_sum_its_terms():
+    """``slot``: −1 but at the target rows, where one of the samples with that target; ``t_sum``:
+    at the named sample's row, the sum of every such sample's terms, zero at the others."""
+    t_scored = torch.tensor([4, 1, 4, 6, 4, 1])
+    h_t = torch.arange(6 * 3, dtype=torch.float32).reshape(6, 3) + 1
+    slot, t_sum = chunks._target_slots(t_scored, h_t, 8)
+    assert slot.dtype == torch.int32 and slot.shape == (8,)
+    assert [int(s) for s in slot[[0, 2, 3, 5, 7]]] == [-1] * 5
+    for row in (1, 4, 6):
+        named = int(slot[row])
+        assert int(t_scored[named]) == row
+        assert torch.equal(t_sum[named], h_t[t_scored == row].sum(0))
+    others = [i for i in range(6) if i not in [int(slot[r]) for r in (1, 4, 6)]]
+    assert len(others) == 3 and not t_sum[others].any()
+
+
+@pytest.mark.parametrize("scatter", [False, True])
+def test_target_rows_correction_is_what_the_added_terms_changed_in_the_sum_of_squares(scatter):
+    """Against the sum of squares of the whole gradient after the terms were added less before
+    (fp64), from the ``B`` target rows only; rows ``at`` the weight rows (``scatter``: through the
+    Partial FC rows) while ``t_scored`` are scored rows."""
+    g = torch.Generator().manual_seed(3)
+    grad_w = torch.randn(12, 5, generator=g)
+    t_scored = torch.tensor([4, 1, 4, 6])
+    rows = torch.tensor([9, 3, 0, 11, 2, 7, 8, 1])  # scored row -> weight row
+    at = rows[t_scored] if scatter else t_scored
+    h_t = torch.randn(4, 5, generator=g)
+    before = grad_w.double().square().sum()
+    grad_w.index_add_(0, at, h_t)
+    want = grad_w.double().square().sum() - before
+    got = chunks._target_rows_correction(grad_w, at, t_scored, h_t, 8)
+    assert got.shape == (1,) and got.dtype == torch.float32
+    assert abs(float(got) - float(want)) <= 64 * 2.0**-24 * float(grad_w.double().square().sum())
+    empty = chunks._target_rows_correction(grad_w, at[:0], t_scored[:0], h_t[:0], 8)
+    assert empty.shape == (1,) and empty.dtype == torch.float32 and float(empty) == 0.0
+
+
+def test_a_next_operand_is_handed_out_only_for_the_weight_as_it_was_kept():
+    import copy
+    import pickle
+
+    w, other = torch.randn(6, 4), torch.randn(6, 4)
+    operand, inv = torch.randn(6, 4).bfloat16(), torch.rand(6)
+    kept = chunks.NextOperand()
+    assert (kept.operand, kept.inv, kept.nbytes) == (None, None, 0)
+    assert kept.take(w, torch.bfloat16, True, True) is None  # nothing kept
+    kept.keep(w, operand, inv, torch.bfloat16, True, True)
+    assert kept.nbytes == 6 * 4 * 2 + 6 * 4
+    got = kept.take(w, torch.bfloat16, True, True)
+    assert got[0] is operand and got[1] is inv
+    assert kept.take(w, torch.bfloat16, True, True)[0] is operand  # taking does not forget it
+    for differs in [(other, torch.bfloat16, True, True), (w, torch.float16, True, True),
+                    (w, torch.bfloat16, False, True), (w, torch.bfloat16, True, False)]:
+        kept.keep(w, operand, inv, torch.bfloat16, True, True)
+        assert kept.take(*differs) is None
+        assert (kept.operand, kept.inv, kept._key) == (None, None, None)  # forgotten
+        assert kept.take(w, torch.bfloat16, True, True) is None
+    kept.keep(w, operand, None, torch.bfloat16, False, False)
+    assert kept.take(w, torch.bfloat16, False, False) == (operand, None) and kept.nbytes == 6 * 4 * 2
+    w.mul_(2)  # an in-place change: another _version
+    assert kept.take(w, torch.bfloat16, False, False) is None
+    kept.keep(w, operand, inv, torch.bfloat16, True, True)
+    same_storage = w.view(6, 4)  # the same data, another tensor
+    assert kept.take(same_storage, torch.bfloat16, True, True) is None
+    kept.keep(w, operand, inv, torch.bfloat16, True, True)
+    for clone in (copy.deepcopy(kept), pickle.loads(pickle.dumps(kept)), copy.copy(kept)):
+        assert (clone.operand, clone.inv, clone._weight, clone._key) == (None, None, None, None)
+    assert kept.take(w, torch.bfloat16, True, True)[0] is operand  # the original keeps it
+    kept.clear()
+    assert (kept.operand, kept.inv, kept._weight, kept._key) == (None, None, None, None)
