@@ -235,6 +235,9 @@ def test_scored_rows_above_the_operand_budget_make_the_norms_only(monkeypatch):
     assert operand is not None and _close(operand, w * _inv_of(w).unsqueeze(1), 2.0**-8 + 2 * FP32_TOL)
     operand, inv = chunks.scored_rows(w, None, 21, torch.float32, True, True)
     assert operand is None and _close(inv, _inv_of(w), FP32_TOL)
+    monkeypatch.setattr(chunks, "OPERAND_BYTES", 21 * 24 * 2 - 1)  # one byte short of the bf16 operand
+    operand, inv = chunks.scored_rows(w, None, 21, torch.bfloat16, True, True)
+    assert operand is None and _close(inv, _inv_of(w), FP32_TOL)
     assert chunks.scored_rows(w, None, 21, torch.float32, False, False) == (None, None)
     launched = []
     monkeypatch.setattr(chunks, "_operand_launch", lambda *args: launched.append(args))
@@ -275,7 +278,12 @@ def test_operand_rows_on_the_meta_device_tell_the_plan_what_they_touch():
                                                                [r.part[0] + f":{r.nbytes}" for r in writes]))
     w, rows = torch.empty(100, 8, device=META), torch.arange(10, device=META)
     with traffic.recording(record):
-        chunks.scored_rows(w, None, 100, torch.bfloat16, True, True)  # norms written, rows written
+        made = chunks.scored_rows(w, None, 100, torch.bfloat16, True, True)  # norms written, rows written
+        made += (chunks.operand_rows(w, None, made[1], 0, 4, torch.bfloat16, True),)
+        assert [(t.device, t.dtype, tuple(t.shape)) for t in made] == [
+            (META, torch.bfloat16, (100, 8)), (META, torch.float32, (100,)), (META, torch.bfloat16, (4, 8))]
+        seen.clear()
+        chunks.scored_rows(w, None, 100, torch.bfloat16, True, True)
         chunks.scored_rows(w, rows, 10, torch.bfloat16, False, False)  # gathered, no norms
         chunks.operand_rows(w, None, torch.empty(100, device=META), 20, 30, torch.bfloat16, True)  # norms read
         chunks.operand_rows(w, None, torch.empty(100, device=META), 20, 30, torch.bfloat16, False)
@@ -304,17 +312,18 @@ def test_target_slots_name_one_sample_of_each_target_and_sum_its_terms():
     assert len(others) == 3 and not t_sum[others].any()
 
 
+@pytest.mark.parametrize("samples", [4, 1])
 @pytest.mark.parametrize("scatter", [False, True])
-def test_target_rows_correction_is_what_the_added_terms_changed_in_the_sum_of_squares(scatter):
+def test_target_rows_correction_is_what_the_added_terms_changed_in_the_sum_of_squares(scatter, samples):
     """Against the sum of squares of the whole gradient after the terms were added less before
     (fp64), from the ``B`` target rows only; rows ``at`` the weight rows (``scatter``: through the
     Partial FC rows) while ``t_scored`` are scored rows."""
     g = torch.Generator().manual_seed(3)
     grad_w = torch.randn(12, 5, generator=g)
-    t_scored = torch.tensor([4, 1, 4, 6])
+    t_scored = torch.tensor([4, 1, 4, 6][:samples])
     rows = torch.tensor([9, 3, 0, 11, 2, 7, 8, 1])  # scored row -> weight row
     at = rows[t_scored] if scatter else t_scored
-    h_t = torch.randn(4, 5, generator=g)
+    h_t = torch.randn(samples, 5, generator=g)
     before = grad_w.double().square().sum()
     grad_w.index_add_(0, at, h_t)
     want = grad_w.double().square().sum() - before
@@ -358,3 +367,28 @@ def test_a_next_operand_is_handed_out_only_for_the_weight_as_it_was_kept():
     assert kept.take(w, torch.bfloat16, True, True)[0] is operand  # the original keeps it
     kept.clear()
     assert (kept.operand, kept.inv, kept._weight, kept._key) == (None, None, None, None)
+
+
+def test_the_fp32_results_stay_fp32_under_another_default_dtype():
+    """The norms and the gradient's sum-of-squares correction are fp32 (what the kernels store and
+    ``grad_sq`` holds) even where torch's default dtype is fp64."""
+    w = _weight()
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        _, inv = chunks.scored_rows(w, None, 21, torch.float32, True, True)
+        empty = chunks._target_rows_correction(w, torch.tensor([], dtype=torch.int64),
+                                               torch.tensor([], dtype=torch.int64), w[:0], 21)
+    finally:
+        torch.set_default_dtype(before)
+    assert inv.dtype == torch.float32 and _close(inv, _inv_of(w), FP32_TOL)
+    assert empty.dtype == torch.float32
+
+
+def test_target_slots_and_the_correction_on_the_meta_device_stay_there():
+    """``shardfc plan`` runs the backward on meta tensors: what these make is made there too."""
+    t_scored, h_t = torch.tensor([4, 1, 4], device=META), torch.empty(3, 5, device=META)
+    slot, t_sum = chunks._target_slots(t_scored, h_t, 8)
+    assert (slot.device, slot.dtype, tuple(slot.shape), t_sum.device, tuple(t_sum.shape)) == (META, torch.int32, (8,), META, (3, 5))
+    empty = chunks._target_rows_correction(torch.empty(8, 5, device=META), t_scored[:0], t_scored[:0], h_t[:0], 8)
+    assert (empty.device, empty.dtype, tuple(empty.shape)) == (META, torch.float32, (1,))
