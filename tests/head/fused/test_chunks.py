@@ -392,3 +392,91 @@ def test_target_slots_and_the_correction_on_the_meta_device_stay_there():
     assert (slot.device, slot.dtype, tuple(slot.shape), t_sum.device, tuple(t_sum.shape)) == (META, torch.int32, (8,), META, (3, 5))
     empty = chunks._target_rows_correction(torch.empty(8, 5, device=META), t_scored[:0], t_scored[:0], h_t[:0], 8)
     assert (empty.device, empty.dtype, tuple(empty.shape)) == (META, torch.float32, (1,))
+
+
+def _forward_inputs(n_cls, B=5, D=8, device=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a, w = torch.randn(B, D, generator=g), torch.randn(n_cls, D, generator=g)
+    tcol = torch.tensor([3, -1, n_cls - 1, 0, 17][:B], dtype=torch.int32)
+    tval = torch.randn(B, generator=g)
+    if device is not None:
+        a, w, tcol, tval = (t.to(device) for t in (a, w, tcol, tval))
+    return a, w, tcol, tval
+
+
+def _combined(pmax, psum, plsum):
+    m = pmax.double().amax(dim=1, keepdim=True)
+    return m.squeeze(1), (psum.double() * (pmax.double() - m).exp()).sum(dim=1), plsum.double().sum(dim=1)
+
+
+def test_forward_stats_come_in_two_splits_a_chunk_whatever_the_chunk_scale():
+    """Under the interpreter a chunk is 16 classes × the chunk scale and takes two class splits of
+    whole 16-column tiles (one where half a chunk is under a tile): 130 classes are 9 chunks of 16
+    (8 of them one split each, the last 2 classes one) at scale 1, and at scale 8 a chunk of 128 in
+    two splits and one of 2 classes. The statistics folded over the parts are the same either way,
+    and equal those of the logits made in fp64 (the target column's value ``tval``)."""
+    a, w, tcol, tval = _forward_inputs(130)
+    operand, inv = chunks.scored_rows(w, None, 130, torch.float32, True, True)
+    got = {}
+    for scale, parts in ((1, 9), (8, 3)):
+        stats = chunks.forward_stats(a, w, None, inv, None, tcol, tval, 130, 1, 4.0, 0.0, True, True, operand,
+                                     chunk_scale=scale)
+        assert [tuple(t.shape) for t in stats] == [(5, parts)] * 3 and stats[0].dtype == torch.float32
+        got[scale] = _combined(*stats)
+    z = 4.0 * a.double() @ (w.double() / w.double().norm(dim=1, keepdim=True)).t()
+    on = tcol >= 0
+    z[on, tcol[on].long()] = tval[on].double()
+    want = (z.amax(dim=1), (z - z.amax(dim=1, keepdim=True)).exp().sum(dim=1), z.sum(dim=1))
+    # fp32: each logit a D-term dot product (D units of max|z|), each sum over 130 classes 130 units
+    # of the magnitudes summed; an exponential's relative error is its argument's absolute error
+    unit, top = 2.0**-24, z.abs().amax(dim=1)
+    bounds = (8 * unit * top, (8 * top + 130) * unit * want[1], (8 + 130) * unit * z.abs().sum(dim=1))
+    for scale in (1, 8):
+        for g_, w_, bound in zip(got[scale], want, bounds):
+            assert bool(((g_ - w_).abs() <= bound).all()), scale
+
+
+@pytest.mark.parametrize("filter_", [False, True], ids=["", "filter"])
+@pytest.mark.parametrize("smooth", [True, False])
+def test_forward_stats_on_the_meta_device_tell_the_plan_each_chunks_epilogue(smooth, filter_):
+    """40 classes: chunks of 16, 16 and 8, one split each. Per chunk one epilogue reading its block of
+    products, its rows' norms and the ``[B]`` target columns and values, writing its split's
+    columns of the statistics (two of them without smoothing: ``plsum`` is ``pmax`` then); with the
+    filter, the chunk's fp32 cosines to the target rows after the products; no pass over the rows
+    with the step's operand; the statistics made on the meta device in fp32."""
+    from shardfc.head.fused import traffic
+
+    B, D = 5, 8
+    a, w, tcol, tval = _forward_inputs(40, B, D, META)
+    inv, operand = torch.empty(40, device=META), torch.empty(40, D, device=META)
+    seen = []
+    record = lambda kernel, reads, writes, flops: seen.append((kernel, [(r.part[0], r.nbytes) for r in reads],  # noqa: E731
+                                                               [(r.part, r.nbytes) for r in writes]))
+    with traffic.recording(record):
+        tr = torch.empty(B, D, device=META) if filter_ else None
+        stats = chunks.forward_stats(a, w, None, inv, tr, tcol, tval, 40, 1, 4.0, 0.3, True, smooth, operand)
+    assert [(t.device, t.dtype, tuple(t.shape)) for t in stats] == [(META, torch.float32, (B, 3))] * 3
+    assert (stats[2] is stats[0]) == (not smooth)
+    outs = 3 if smooth else 2
+    cosines = [("span", B * n * 4) for n in (16, 16, 8)] if filter_ else [None] * 3
+    assert seen == [("forward_epilogue", [("span", B * n * 4)] + [f] * filter_ + [("span", n * 4), ("span", B * 4), ("span", B * 4)],
+                     [(("cols", part, 1), B * 4)] * outs) for part, (n, f) in enumerate(zip((16, 16, 8), cosines))]
+
+
+@pytest.mark.parametrize("filter_", [False, True], ids=["", "filter"])
+def test_forward_stats_above_the_operand_budget_equal_those_with_the_step_s_operand(filter_):
+    """bf16 centres and compute: each chunk making its own operand rows (no step operand) gives the
+    very statistics the step's operand gives (the same kernel makes the same rows), the filter's
+    cosines from the fp32 rows either way."""
+    a, w, tcol, tval = _forward_inputs(40)
+    a, w = a.bfloat16(), w.bfloat16()
+    operand, inv = chunks.scored_rows(w, None, 40, torch.bfloat16, True, True)
+    tr = w[tcol.clamp(min=0).long()].float() if filter_ else None
+    threshold = 0.2 if filter_ else 0.0
+    kept = chunks.forward_stats(a, w, None, inv, tr, tcol, tval, 40, 1, 4.0, threshold, True, True, operand)
+    own = chunks.forward_stats(a, w, None, inv, tr, tcol, tval, 40, 1, 4.0, threshold, True, True, None)
+    for x, y in zip(kept, own):
+        assert torch.equal(x, y)
+    if filter_:  # some classes filtered: fewer exponentials than without the filter
+        plain = chunks.forward_stats(a, w, None, inv, None, tcol, tval, 40, 1, 4.0, 0.0, True, True, operand)
+        assert bool((_combined(*own)[1] < _combined(*plain)[1]).any())
