@@ -370,7 +370,7 @@ def test_a_next_operand_is_handed_out_only_for_the_weight_as_it_was_kept():
 
 
 def test_the_fp32_results_stay_fp32_under_another_default_dtype():
-    """The norms and the gradient's sum-of-squares correction are fp32 (what the kernels store and
+    """The norms, the forward's partial statistics and the gradient's sum-of-squares correction are fp32 (what the kernels store and
     ``grad_sq`` holds) even where torch's default dtype is fp64."""
     w = _weight()
     before = torch.get_default_dtype()
@@ -379,8 +379,12 @@ def test_the_fp32_results_stay_fp32_under_another_default_dtype():
         _, inv = chunks.scored_rows(w, None, 21, torch.float32, True, True)
         empty = chunks._target_rows_correction(w, torch.tensor([], dtype=torch.int64),
                                                torch.tensor([], dtype=torch.int64), w[:0], 21)
+        a, w4, tcol, tval = _forward_inputs(40, device=META)
+        stats = chunks.forward_stats(a.float(), w4.float(), None, None, None, tcol, tval.float(), 40, 1, 4.0, 0.0, False,
+                                     True, None)
     finally:
         torch.set_default_dtype(before)
+    assert [t.dtype for t in stats] == [torch.float32] * 3  # the forward's statistics too
     assert inv.dtype == torch.float32 and _close(inv, _inv_of(w), FP32_TOL)
     assert empty.dtype == torch.float32
 
@@ -439,7 +443,7 @@ def test_forward_stats_come_in_two_splits_a_chunk_whatever_the_chunk_scale():
 @pytest.mark.parametrize("filter_", [False, True], ids=["", "filter"])
 @pytest.mark.parametrize("smooth", [True, False])
 def test_forward_stats_on_the_meta_device_tell_the_plan_each_chunks_epilogue(smooth, filter_):
-    """40 classes: chunks of 16, 16 and 8, one split each. Per chunk one epilogue reading its block of
+    """40 classes at chunk scale 2: chunks of 32 (two splits) and 8 (one). Per chunk one epilogue reading its block of
     products, its rows' norms and the ``[B]`` target columns and values, writing its split's
     columns of the statistics (two of them without smoothing: ``plsum`` is ``pmax`` then); with the
     filter, the chunk's fp32 cosines to the target rows after the products; no pass over the rows
@@ -454,13 +458,15 @@ def test_forward_stats_on_the_meta_device_tell_the_plan_each_chunks_epilogue(smo
                                                                [(r.part, r.nbytes) for r in writes]))
     with traffic.recording(record):
         tr = torch.empty(B, D, device=META) if filter_ else None
-        stats = chunks.forward_stats(a, w, None, inv, tr, tcol, tval, 40, 1, 4.0, 0.3, True, smooth, operand)
-    assert [(t.device, t.dtype, tuple(t.shape)) for t in stats] == [(META, torch.float32, (B, 3))] * 3
+        stats = chunks.forward_stats(a, w, None, inv, tr, tcol, tval, 40, 1, 4.0, 0.3, True, smooth, operand,
+                                     chunk_scale=2)
+    assert [(t.device, t.dtype, tuple(t.shape)) for t in stats] == [(META, torch.float32, (B, 3))] * 3  # 2 + 1 splits
     assert (stats[2] is stats[0]) == (not smooth)
     outs = 3 if smooth else 2
-    cosines = [("span", B * n * 4) for n in (16, 16, 8)] if filter_ else [None] * 3
+    cosines = [("span", B * n * 4) for n in (32, 8)] if filter_ else [None] * 2
     assert seen == [("forward_epilogue", [("span", B * n * 4)] + [f] * filter_ + [("span", n * 4), ("span", B * 4), ("span", B * 4)],
-                     [(("cols", part, 1), B * 4)] * outs) for part, (n, f) in enumerate(zip((16, 16, 8), cosines))]
+                     [(("cols", part0, splits), B * splits * 4)] * outs)
+                    for (n, part0, splits), f in zip(((32, 0, 2), (8, 2, 1)), cosines)]
 
 
 @pytest.mark.parametrize("filter_", [False, True], ids=["", "filter"])
@@ -480,3 +486,23 @@ def test_forward_stats_above_the_operand_budget_equal_those_with_the_step_s_oper
     if filter_:  # some classes filtered: fewer exponentials than without the filter
         plain = chunks.forward_stats(a, w, None, inv, None, tcol, tval, 40, 1, 4.0, 0.0, True, True, operand)
         assert bool((_combined(*own)[1] < _combined(*plain)[1]).any())
+
+
+@pytest.mark.parametrize("K,filter_,tile", [(1, False, 128), (1, True, 64), (2, False, 64)])
+def test_forward_stats_as_on_a_gpu_take_the_heavy_tiles_with_the_filter_or_sub_centres(compiled, monkeypatch, K, filter_,
+                                                                                        tile):
+    """On the meta device sized as on a GPU: 1,024 scored rows of a batch of 32 make one chunk and
+    far more programs wanted than tiles, so a split is one class tile — 128 columns, 64 with the
+    filter or sub-centres (``HEAVY_EPILOGUE_TILES``): the statistics have 1,024 / K / tile parts."""
+    from shardfc.head.fused import autotune
+
+    monkeypatch.setattr(autotune, "interpreting", lambda: False)  # the splits wanted as on a GPU too
+    n_cls = 1024 // K
+    a = torch.empty(32, 64, dtype=torch.bfloat16, device=META)
+    w = torch.empty(1024, 64, device=META)
+    tcol, tval = torch.empty(32, dtype=torch.int32, device=META), torch.empty(32, device=META)
+    tr = torch.empty(32, 64, device=META) if filter_ else None
+    stats = chunks.forward_stats(a, w, None, torch.empty(1024, device=META), tr, tcol, tval, n_cls, K, 4.0, 0.3, True,
+                                 False, torch.empty(1024, 64, dtype=torch.bfloat16, device=META))
+    assert chunks.chunk_classes(n_cls, 32, K, 64, 2, META) == n_cls  # one chunk
+    assert stats[0].shape == (32, n_cls // tile)
