@@ -506,3 +506,75 @@ def test_forward_stats_as_on_a_gpu_take_the_heavy_tiles_with_the_filter_or_sub_c
                                  False, torch.empty(1024, 64, dtype=torch.bfloat16, device=META))
     assert chunks.chunk_classes(n_cls, 32, K, 64, 2, META) == n_cls  # one chunk
     assert stats[0].shape == (32, n_cls // tile)
+
+
+def _regions_seen(run, **tensors):
+    """What ``run`` tells the plan, each region as (tensor's name, part with tensors named, bytes,
+    streamed); tensors named by their storage (a span is a view of the tensor it names)."""
+    from shardfc.head.fused import traffic
+
+    names = {t.untyped_storage().data_ptr(): name for name, t in tensors.items()}
+
+    def named(r):
+        part = tuple(names[x.untyped_storage().data_ptr()] if isinstance(x, torch.Tensor) else x for x in r.part)
+        return names[r.tensor.untyped_storage().data_ptr()], part, r.nbytes, r.streamed
+
+    seen = []
+    with traffic.recording(lambda kernel, reads, writes, flops: seen.append(
+            (kernel, [named(r) for r in reads], [named(w) for w in writes]))):
+        run()
+    return seen
+
+
+def test_note_rows_of_the_sgd_update_of_partial_fc_rows():
+    """One chunk's rows 4..7 (3 rows, D = 6, fp32) of the SGD update with momentum over Partial FC's
+    rows: reads H's rows, the weight rows gathered, their norms and index rows, the weight and
+    momentum rows (streamed) and the target slots; writes the weight and momentum rows."""
+    t = dict(h=torch.zeros(10, 6), w=torch.zeros(20, 6), buf=torch.zeros(20, 6), inv=torch.zeros(10),
+             rows=torch.arange(10), slot=torch.zeros(10, dtype=torch.int32), grad_w=torch.zeros(1, 6))
+    update = chunks.RowUpdate(t["w"], t["buf"], 0.1, 0.9, 0.0, False)
+    seen = _regions_seen(lambda: chunks._note_rows(update, t["h"], t["w"], t["rows"], t["inv"], t["rows"], t["grad_w"],
+                                                   4, 3, False, True, t["slot"]), **t)
+    state = [("w", ("rows", "rows", 4, 3), 72, True), ("buf", ("rows", "rows", 4, 3), 72, True)]
+    assert seen == [("weight_update",
+                     [("h", ("span", 0, 72), 72, False), ("w", ("rows", "rows", 4, 3), 72, False),
+                      ("inv", ("span", 16, 12), 12, False), ("rows", ("span", 32, 24), 24, False)]
+                     + state + [("slot", ("span", 16, 12), 12, False)],
+                     state)]
+
+
+def test_note_rows_of_the_adamw_update_writing_the_next_operand():
+    """AdamW over every row (rows 2..5), reading the step's operand rows (not gathered) and writing
+    the next step's operand rows and norms: the weight, both moments and the fp64 step counts
+    streamed; with Partial FC's rows the step counts are gathered by them."""
+    t = dict(h=torch.zeros(10, 6), op=torch.zeros(10, 6, dtype=torch.bfloat16), w=torch.zeros(10, 6),
+             m=torch.zeros(10, 6), v=torch.zeros(10, 6), step=torch.zeros(10, dtype=torch.float64),
+             inv=torch.zeros(10), slot=torch.zeros(10, dtype=torch.int32), rows=torch.arange(8),
+             grad_w=torch.zeros(1, 6))
+    update = chunks.RowUpdate.adamw(t["w"], t["m"], t["v"], t["step"], 0.1, (0.9, 0.99), 1e-8, 0.0)
+    seen = _regions_seen(lambda: chunks._note_rows(update, t["h"], t["op"], None, t["inv"], None, t["grad_w"], 2, 4,
+                                                   False, False, t["slot"], t["op"]), **t)
+    state = [(name, ("span", 2 * 24, 96), 96, True) for name in ("w", "m", "v")] + [("step", ("span", 16, 32), 32, True)]
+    assert seen == [("adamw_update",
+                     [("h", ("span", 0, 96), 96, False), ("op", ("span", 24, 48), 48, False),
+                      ("inv", ("span", 8, 16), 16, False)] + state + [("slot", ("span", 8, 16), 16, False)],
+                     state + [("op", ("span", 24, 48), 48, False), ("inv", ("span", 8, 16), 16, False)])]
+    seen = _regions_seen(lambda: chunks._note_rows(update, t["h"], t["w"], t["rows"], None, t["rows"], t["grad_w"], 2, 4,
+                                                   False, False, t["slot"]), **t)
+    assert seen[0][2] == [(name, ("rows", "rows", 2, 4), 96, True) for name in ("w", "m", "v")] + [
+        ("step", ("rows", "rows", 2, 4), 32, True)]
+
+
+@pytest.mark.parametrize("accumulate,scatter", [(False, False), (True, True), (True, False)])
+def test_note_rows_of_the_weight_gradient(accumulate, scatter):
+    """Without an update: the gradient rows written (streamed) at the scored rows, or at the weight
+    rows through Partial FC's (``scatter``), and read first when added to (``accumulate``)."""
+    t = dict(h=torch.zeros(10, 6), w=torch.zeros(20, 6), inv=torch.zeros(10), rows=torch.arange(10),
+             grad_w=torch.zeros(20, 6))
+    seen = _regions_seen(lambda: chunks._note_rows(None, t["h"], t["w"], t["rows"], t["inv"], t["rows"], t["grad_w"], 4, 3,
+                                                   accumulate, scatter, None), **t)
+    out = ("grad_w", ("rows", "rows", 4, 3) if scatter else ("span", 4 * 24, 72), 72, True)
+    assert seen == [("weight_grad",
+                     [("h", ("span", 0, 72), 72, False), ("w", ("rows", "rows", 4, 3), 72, False),
+                      ("inv", ("span", 16, 12), 12, False), ("rows", ("span", 32, 24), 24, False)] + [out] * accumulate,
+                     [out])]
