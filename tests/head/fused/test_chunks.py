@@ -578,3 +578,27 @@ def test_note_rows_of_the_weight_gradient(accumulate, scatter):
                      [("h", ("span", 0, 72), 72, False), ("w", ("rows", "rows", 4, 3), 72, False),
                       ("inv", ("span", 16, 12), 12, False), ("rows", ("span", 32, 24), 24, False)] + [out] * accumulate,
                      [out])]
+
+
+def _backward_refusal(**kw):
+    """``chunks.backward``'s checks of its options, made before anything is read: placeholders."""
+    x = torch.zeros(2, 4)
+    args = dict(n_cls=3, K=1, scale=1.0, threshold=0.0, eps_over_c=0.0, one_minus_eps=1.0, normalize=True,
+                accumulate=False, scatter=False)
+    args.update(kw)
+    with pytest.raises(ValueError) as err:
+        chunks.backward(x, x, args.pop("rows", None), args.pop("inv", torch.ones(3)), None, *[x[0]] * 8, x, **args)
+    return str(err.value)
+
+
+def test_backward_refuses_a_grad_sq_with_a_fused_update_and_a_next_operand_it_cannot_write():
+    update = chunks.RowUpdate(torch.zeros(3, 4), None, 0.1, 0.0, 0.0, False)
+    operand = torch.zeros(3, 4)
+    assert _backward_refusal(grad_sq=torch.zeros(1), update=update) == "grad_sq is the stored gradient's: a fused update stores none"
+    message = ("next_operand needs the fused update, every row scored, the step's operand and the norms exactly when "
+               "the rows are normalised")
+    assert _backward_refusal(next_operand=True, operand=operand) == message  # no update
+    assert _backward_refusal(next_operand=True, update=update, operand=operand, rows=torch.arange(3)) == message
+    assert _backward_refusal(next_operand=True, update=update) == message  # no operand
+    assert _backward_refusal(next_operand=True, update=update, operand=operand, inv=None) == message  # normalised, no norms
+    assert _backward_refusal(next_operand=True, update=update, operand=operand, normalize=False) == message  # norms, raw rows
