@@ -602,3 +602,28 @@ def test_backward_refuses_a_grad_sq_with_a_fused_update_and_a_next_operand_it_ca
     assert _backward_refusal(next_operand=True, update=update) == message  # no operand
     assert _backward_refusal(next_operand=True, update=update, operand=operand, inv=None) == message  # normalised, no norms
     assert _backward_refusal(next_operand=True, update=update, operand=operand, normalize=False) == message  # norms, raw rows
+
+
+def _meta_backward(n_cls=40, B=5, D=8, **kw):
+    m = lambda *shape, dtype=torch.float32: torch.empty(*shape, dtype=dtype, device=META)  # noqa: E731
+    i32 = torch.int32
+    args = dict(n_cls=n_cls, K=1, scale=4.0, threshold=0.0, eps_over_c=0.0, one_minus_eps=1.0, normalize=True,
+                accumulate=False, scatter=False, operand=m(n_cls, D))
+    args.update(kw)
+    return chunks.backward(m(B, D), m(n_cls, D), None, m(n_cls), None, m(B, dtype=i32), m(B), m(B, dtype=i32), m(B),
+                           m(B, dtype=torch.bool), m(B), m(B), m(B), m(n_cls, D), **args)
+
+
+@pytest.mark.parametrize("chunk_scale,chunk_rows", [(None, (16, 16, 8)), (2, (32, 8))])
+def test_backward_on_the_meta_device_tells_the_plan_one_epilogue_and_one_row_pass_a_chunk(chunk_scale, chunk_rows):
+    """``shardfc plan``'s backward: per chunk of 16 × the chunk scale classes, the epilogue over its
+    products and the weight-gradient pass over its rows (no option left out: the defaults, the
+    embeddings as given for the target rows); ``dJ/da`` on the meta device, fp32."""
+    from shardfc.head.fused import traffic
+
+    seen = []
+    with traffic.recording(lambda kernel, reads, writes, flops: seen.append((kernel, writes[0].nbytes))):
+        grad_a = _meta_backward(chunk_scale=chunk_scale)
+    assert (grad_a.device, grad_a.dtype, tuple(grad_a.shape)) == (META, torch.float32, (5, 8))
+    ours = [s for s in seen if s[0] in ("backward_epilogue", "weight_grad")]
+    assert ours == [x for n in chunk_rows for x in (("backward_epilogue", 5 * n * 4), ("weight_grad", n * 8 * 4))]

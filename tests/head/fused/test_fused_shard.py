@@ -288,3 +288,24 @@ def test_a_fused_update_of_a_copy_of_the_weight_is_refused():
     with pytest.raises(ValueError) as err:
         shard.shard_backward(a, w, labels, None, st, st.row_max, st.sum_exp, torch.ones(2), cfg, update=update)
     assert str(err.value) == "a fused update needs the shard's weight itself (contiguous rows), not a copy of it"
+
+
+def test_the_target_rows_gradient_reads_the_embeddings_before_their_cast():
+    """bf16 compute: the embeddings given in fp32 and the same embeddings rounded to bf16 first make
+    the same products (the kernels read the bf16 cast either way), so every weight-gradient row is
+    the same — but the target rows, whose terms are formed from the embeddings as given."""
+    from shardfc.head.fused import shard
+
+    g = torch.Generator().manual_seed(5)
+    a, w = torch.randn(6, D, generator=g), torch.randn(C, D, generator=g)
+    labels = torch.tensor([3, 10, -1, 3, 40, 52])
+    cfg = _cfg(torch.bfloat16, margin="cosface")
+    grads = []
+    for x in (a, a.bfloat16().float()):
+        st = shard.shard_forward(x, w, labels, None, cfg)
+        coef = torch.full((6,), 1 / 6)
+        grads.append(shard.shard_backward(x, w, labels, None, st, st.row_max, st.sum_exp, coef, cfg)[1])
+    targets = torch.zeros(C, dtype=torch.bool)
+    targets[[3, 10, 40, 52]] = True
+    assert torch.equal(grads[0][~targets], grads[1][~targets])
+    assert bool((grads[0][targets] != grads[1][targets]).any(dim=1).all())
