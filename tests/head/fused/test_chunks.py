@@ -629,20 +629,21 @@ def test_backward_on_the_meta_device_tells_the_plan_one_epilogue_and_one_row_pas
     assert ours == [x for n in chunk_rows for x in (("backward_epilogue", 5 * n * 4), ("weight_grad", n * 8 * 4))]
 
 
-@pytest.mark.parametrize("case", ["every_row", "partial_fc_added", "partial_fc_update"])
+@pytest.mark.parametrize("case", ["every_row", "partial_fc_added", "partial_fc_update", "partial_fc_operand_update"])
 def test_backward_on_the_meta_device_reads_and_writes_what_its_options_say(case):
     """Per chunk of 16 classes (40 classes, bf16 compute): the epilogue reads the products, the rows'
     norms and four ``[B]`` vectors and rewrites the products; the row pass reads H, the normalised
     rows from the bf16 operand (every row scored) or the fp32 rows gathered (Partial FC), the norms,
     the index rows, and writes the gradient rows at the scored rows, or adds them at the weight rows
     (``accumulate``, ``scatter``), or with an update reads and writes the weight rows and reads the
-    target slots."""
+    target slots (and writes no next operand unless asked)."""
     from shardfc.head.fused import traffic
 
     B, D, n = 5, 8, 40
     m = lambda *shape, dtype=torch.float32: torch.empty(*shape, dtype=dtype, device=META)  # noqa: E731
     rows = None if case == "every_row" else torch.arange(n, device=META)
-    update = chunks.RowUpdate(m(60, D), None, 0.1, 0.0, 0.0, False) if case == "partial_fc_update" else None
+    update = chunks.RowUpdate(m(60, D), None, 0.1, 0.0, 0.0, False) if case.endswith("update") else None
+    has_operand = rows is None or case == "partial_fc_operand_update"
     kw = dict(accumulate=True, scatter=True) if case == "partial_fc_added" else dict(accumulate=False, scatter=False)
     seen = []
     with traffic.recording(lambda kernel, reads, writes, flops: seen.append(
@@ -650,13 +651,13 @@ def test_backward_on_the_meta_device_reads_and_writes_what_its_options_say(case)
         chunks.backward(m(B, D, dtype=torch.bfloat16), m(60, D), rows, m(n), None, m(B, dtype=torch.int32), m(B),
                         m(B, dtype=torch.int32), m(B), m(B, dtype=torch.bool), m(B), m(B), m(B), m(60, D), n_cls=n, K=1,
                         scale=4.0, threshold=0.0, eps_over_c=0.0, one_minus_eps=1.0, normalize=True, a_exact=m(B, D),
-                        operand=m(n, D, dtype=torch.bfloat16) if rows is None else None, update=update, **kw)
+                        operand=m(n, D, dtype=torch.bfloat16) if has_operand else None, update=update, **kw)
     epilogues = [s for s in seen if s[0] == "backward_epilogue"]
     assert epilogues == [("backward_epilogue", [("span", B * c * 2), ("span", c * 4)] + [("span", B * 4)] * 4,
                           [("span", B * c * 2)]) for c in (16, 16, 8)]
     passes = [s for s in seen if s[0] in ("weight_grad", "weight_update")]
     for (kernel, reads, writes), c in zip(passes, (16, 16, 8), strict=True):
-        rows_read = [("span", c * D * 2)] if rows is None else [("rows", c * D * 4)]
+        rows_read = [("span", c * D * 2)] if has_operand else [("rows", c * D * 4)]
         assert reads[:4] == [("span", c * D * 4)] + rows_read + [("span", c * 4)] + ([] if rows is None else [("span", c * 8)])
         if update is not None:
             assert kernel == "weight_update" and writes == [("rows", c * D * 4)] and reads[4:] == writes + [("span", c * 4)]

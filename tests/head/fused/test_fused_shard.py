@@ -309,3 +309,4 @@ def test_the_target_rows_gradient_reads_the_embeddings_before_their_cast():
     targets[[3, 10, 40, 52]] = True
     assert torch.equal(grads[0][~targets], grads[1][~targets])
     assert bool((grads[0][targets] != grads[1][targets]).any(dim=1).all())
+
