@@ -310,3 +310,27 @@ def test_the_target_rows_gradient_reads_the_embeddings_before_their_cast():
     assert torch.equal(grads[0][~targets], grads[1][~targets])
     assert bool((grads[0][targets] != grads[1][targets]).any(dim=1).all())
 
+
+
+@pytest.mark.parametrize("K,dtype", [(1, torch.float32), (2, torch.bfloat16)])
+def test_target_logits_from_the_label_rows_alone(K, dtype):
+    """Per sample with a label here (0 included; −1: elsewhere): the best of its K sub-centres'
+    cosines (the rows normalised, in the stats dtype, bf16 rows read as they are), that sub-centre,
+    and the margin's value and derivative there; zeros elsewhere. Against plain cosines in fp64."""
+    from shardfc.head.fused import shard
+
+    g = torch.Generator().manual_seed(7)
+    a, w = torch.randn(4, D, generator=g), torch.randn(6 * K, D, generator=g).to(dtype)
+    labels = torch.tensor([0, 5, -1, 2])
+    cfg = _cfg(margin="cosface", K=K)
+    on, sub, value, d_raw, d_norm = shard.target_logits(a, w, labels, None, cfg, None)
+    assert on.tolist() == [True, True, False, True] and d_norm is None
+    wd = w.double()
+    cos = torch.stack([(wd[[int(y) * K + k for y in labels.clamp(min=0)]] @ a.double().t()).diagonal()
+                       / wd[[int(y) * K + k for y in labels.clamp(min=0)]].norm(dim=1) for k in range(K)], dim=1)
+    best, want_sub = cos.max(dim=1)
+    want_value, want_draw, _ = cfg.margin.target(best.float(), None)
+    assert sub.dtype == torch.int32 and sub[on].tolist() == want_sub[on].tolist()
+    for got, want in ((value, want_value), (d_raw, want_draw)):
+        assert got.dtype == torch.float32 and float(got[2]) == 0.0
+        assert torch.allclose(got[on].double(), want[on].double(), rtol=D * 2.0**-24 * 64, atol=D * 2.0**-24 * 64)
