@@ -208,3 +208,106 @@ def test_the_sgd_launcher_on_the_meta_device_tells_the_plan_what_it_would_touch(
     rows10, span = ("rows", 10 * 8 * 4), ("span", 100 * 8 * 4)  # the sampled rows gathered; every row a span
     assert seen == [("catch_up_sgd", [rows10, rows10, ("span", 10 * 8)], [rows10, rows10]),
                     ("catch_up_sgd", [span], [span])]
+
+
+def _adamw_clock_with_history(n_rows: int, dim: int, steps: int, dtype=torch.float32):
+    """An AdamW clock of ``steps`` recorded steps (lr, betas and weight decay changing step to step)
+    whose rows sit at assorted stamps, with per-row step counts: the weight and its moments random."""
+    from shardfc.head.catch_up import AdamWClock
+
+    g = torch.Generator().manual_seed(steps)
+    p = torch.randn(n_rows, dim, generator=g).to(dtype).to(DEVICE)
+    m = (torch.randn(n_rows, dim, generator=g) * 0.1).to(dtype).to(DEVICE)
+    v = (torch.rand(n_rows, dim, generator=g) * 0.01 + 1e-4).to(dtype).to(DEVICE)
+    row_step = torch.randint(0, 6, (n_rows,), generator=g).double().to(DEVICE)
+    clock = AdamWClock(p)
+    for s in range(steps):
+        clock.record(0.05 * (1 + s % 3), (0.5 + 0.1 * (s % 2), 0.9), 1e-3 * (1 + s % 2), 0.1 * (1 + s % 2))
+        clock.mark_current(torch.tensor([s % n_rows, (3 * s + 1) % n_rows], device=DEVICE))
+    return p, m, v, row_step, clock
+
+
+@pytest.mark.parametrize("iterate", [3, 100], ids=["tail_after_3", "every_step_iterated"])
+@pytest.mark.parametrize("rows", [None, [7, 0, 12, 3], [5]], ids=["every_row", "some_rows", "one_row"])
+def test_the_adamw_launcher_catches_up_the_rows_it_is_given_as_the_torch_form(rows, iterate):
+    """``catch_up_adamw_`` called directly against the clock's torch form on the same state and the
+    same number of iterated steps (3: the rest of a gap of up to 8 steps the closed-form tail, whose
+    moments' term is far from negligible here, so iterating more or fewer steps shows; 100: more
+    than were recorded): the rows given (or every row), and only them, brought to now, their step
+    counts advanced by their gaps and their stamps set to now."""
+    from shardfc.head.fused.idle_rows import catch_up_adamw_
+
+    p, m, v, row_step, clock = _adamw_clock_with_history(13, 5, 9)
+    clock.exact_steps = iterate
+    idx = None if rows is None else torch.tensor(rows, device=DEVICE)
+    ref = [t.clone() for t in (p, m, v, row_step)]
+    ref_clock = copy.deepcopy(clock)
+    ref_clock.catch_up_(ref[0], tuple(ref[1:]), idx, lambda x, dtype: x.to(dtype), kernel=False)
+    before = [t.clone() for t in (p, m, v, row_step)]
+    stamps_before = clock.stamps.clone()
+    catch_up_adamw_(p, m, v, row_step, idx, clock.stamps, clock.table, clock.length - 1, iterate)
+    touched = torch.zeros(13, dtype=torch.bool, device=DEVICE)
+    touched[idx if idx is not None else slice(None)] = True
+    for got, want, old in zip((p, m, v, row_step), ref, before):
+        assert _rel(got.double().cpu(), want.double().cpu()) <= 1e-6
+        assert torch.equal(got[~touched], old[~touched])
+        assert not torch.equal(got[touched], old[touched])  # the rows given were behind: they moved
+    assert bool((clock.stamps[touched] == clock.length - 1).all())
+    assert torch.equal(clock.stamps[~touched], stamps_before[~touched])
+
+
+def test_the_adamw_launcher_iterates_the_steps_it_is_told_not_more():
+    """The closed-form tail differs from iterating (the moments' term, large here): 1 step iterated
+    and the rest as tail is not the same as every step iterated, and each equals its torch form."""
+    from shardfc.head.fused.idle_rows import catch_up_adamw_
+
+    results = []
+    for iterate in (1, 8):
+        p, m, v, row_step, clock = _adamw_clock_with_history(13, 5, 9)
+        catch_up_adamw_(p, m, v, row_step, None, clock.stamps, clock.table, clock.length - 1, iterate)
+        results.append(p)
+    assert _rel(results[0].double().cpu(), results[1].double().cpu()) > 1e-3
+
+
+def test_the_adamw_launcher_rounds_bf16_once_to_nearest():
+    """bf16 weights and moments: each within half a bf16 unit of the torch form's fp32 result before
+    its rounding (the two fp32 computations apart by a few fp32 units at most), as rounding to
+    nearest leaves it; the interpreter truncates a bf16 store unless the kernel rounds first."""
+    from shardfc.head.fused.idle_rows import catch_up_adamw_
+
+    p, m, v, row_step, clock = _adamw_clock_with_history(13, 5, 9, dtype=torch.bfloat16)
+    clock.exact_steps = 3
+    ref, unrounded = [t.clone() for t in (p, m, v, row_step)], []
+
+    def rnd(x, dtype):
+        unrounded.append(x.clone())
+        return x.to(dtype)
+
+    copy.deepcopy(clock).catch_up_(ref[0], tuple(ref[1:]), None, rnd, kernel=False)
+    catch_up_adamw_(p, m, v, row_step, None, clock.stamps, clock.table, clock.length - 1, 3)
+    assert len(unrounded) == 3  # one block of rows: the weight and the two moments
+    for got, exact in zip((p, m, v), unrounded):
+        assert got.dtype == torch.bfloat16
+        exact = exact.float()
+        half_unit = torch.ldexp(torch.ones_like(exact), torch.frexp(exact).exponent - 9)  # bf16: 8 significant bits
+        assert bool(((got.float() - exact).abs() <= half_unit + exact.abs() * 2.0**-18).all())
+
+
+def test_the_adamw_launcher_on_the_meta_device_tells_the_plan_what_it_would_touch():
+    from shardfc.head.fused import traffic
+    from shardfc.head.fused.idle_rows import catch_up_adamw_
+
+    seen = []
+    p, m, v = (torch.empty(100, 8, device="meta") for _ in range(3))
+    step, stamps, table = (torch.empty(100, dtype=torch.float64, device="meta"),
+                           torch.empty(100, dtype=torch.int32, device="meta"),
+                           torch.empty(4, 8, dtype=torch.float64, device="meta"))
+    record = lambda kernel, reads, writes, flops: seen.append((kernel, [(r.part[0], r.nbytes) for r in reads],  # noqa: E731
+                                                               [(w.part[0], w.nbytes) for w in writes]))
+    with traffic.recording(record):
+        catch_up_adamw_(p, m, v, step, torch.arange(10, device="meta"), stamps, table, 3, 2)
+        catch_up_adamw_(p, m, v, step, None, stamps, table, 3, 2)
+        catch_up_adamw_(p, m, v, step, torch.arange(0, device="meta"), stamps, table, 3, 2)  # no rows: nothing
+    rows10, span = ("rows", 10 * 8 * 4), ("span", 100 * 8 * 4)  # the sampled rows gathered; every row a span
+    assert seen == [("catch_up_adamw", [rows10] * 3 + [("span", 10 * 8)], [rows10] * 3),
+                    ("catch_up_adamw", [span] * 3, [span] * 3)]

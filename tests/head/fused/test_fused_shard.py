@@ -200,3 +200,137 @@ def test_shard_above_the_operand_budget(impl, case, monkeypatch):
     tol = 2e-2 if case.get("dtype") == torch.bfloat16 else FP32
     _compare(impl, tol=tol, **case)
     assert made  # the per-chunk operand ran
+
+
+def _cfg(compute_dtype=torch.float32, margin="arcface", smoothing=0.0, K=1, impl="gemm"):
+    import copy
+
+    from shardfc.head.kernels import ShardConfig
+
+    return ShardConfig(margin=copy.deepcopy(MARGINS[margin]), num_classes=C, label_smoothing=smoothing, chunk_size=None,
+                       compute_dtype=compute_dtype, stats_dtype=torch.float32, subcenters=K, impl=impl)
+
+
+def test_the_kernels_precision_and_dtypes_follow_the_compute_dtype(monkeypatch):
+    """fp32 matmuls in full fp32 unless torch allows TF32; the operands rounded to the compute dtype,
+    multiplied in it — but bf16 in fp32 under the interpreter, which has no bf16 dot."""
+    import triton.language as tl
+
+    from shardfc.head.fused import shard
+
+    matmul, before = torch.backends.cuda.matmul, torch.backends.cuda.matmul.allow_tf32  # not a plain attribute
+    try:
+        matmul.allow_tf32 = False
+        assert [shard._precision(_cfg(dt)) for dt in (torch.float32, torch.bfloat16, torch.float16)] == ["ieee", "tf32", "tf32"]
+        assert shard._dtypes(_cfg(torch.bfloat16)) == dict(COMPUTE=tl.bfloat16, DOT=tl.float32, PRECISION="tf32")
+        assert shard._dtypes(_cfg(torch.float16)) == dict(COMPUTE=tl.float16, DOT=tl.float16, PRECISION="tf32")
+        assert shard._dtypes(_cfg(torch.float32)) == dict(COMPUTE=tl.float32, DOT=tl.float32, PRECISION="ieee")
+        matmul.allow_tf32 = True
+        assert shard._precision(_cfg(torch.float32)) == "tf32"
+    finally:
+        matmul.allow_tf32 = before
+    monkeypatch.setattr(shard, "interpreting", lambda: False)
+    assert shard._dtypes(_cfg(torch.bfloat16))["DOT"] == tl.bfloat16
+
+
+def test_the_operands_a_cast_once_w_as_stored_unless_its_rows_are_strided():
+    from shardfc.head.fused import shard
+
+    a, w = torch.randn(4, 6), torch.randn(10, 6)
+    a_k, w_k, n_cls, K = shard._common(a, w, _cfg(torch.bfloat16, K=2), None)
+    assert (a_k.dtype, a_k.is_contiguous(), w_k is w, n_cls, K) == (torch.bfloat16, True, True, 5, 2)
+    assert torch.equal(a_k, a.bfloat16())
+    a_k, w_k, n_cls, _ = shard._common(a.t().contiguous().t(), w, _cfg(), torch.tensor([1, 3, 5, 7]))
+    assert a_k.is_contiguous() and torch.equal(a_k, a) and n_cls == 4  # the rows scored, not the shard's
+    strided = torch.randn(6, 10).t()  # stride(1) == 10
+    _, w_k, n_cls, _ = shard._common(a, strided, _cfg(), None)
+    assert w_k.stride() == (6, 1) and torch.equal(w_k, strided) and n_cls == 10
+    assert shard._scored(w, None) == 10 and shard._scored(w, torch.tensor([2, 4, 6])) == 3
+
+
+@pytest.mark.parametrize("margin,smoothing", [("arcface", 0.1), ("sphereface", 0.0)])
+def test_a_shard_without_classes_has_the_statistics_of_an_empty_set(margin, smoothing):
+    """No class on the shard: max −inf, sums 0, no target here (column −1, sub-centre 0, value and
+    derivatives 0), the smoothing's sum and the norm's derivative only where they exist; and its
+    backward: no gradient for the embeddings, the weight's (of no rows) empty."""
+    from shardfc.head.fused import shard
+
+    B = 3
+    a, w, labels, norms = torch.randn(B, D), torch.empty(0, D), torch.full((B,), -1), torch.rand(B) + 1
+    cfg = _cfg(margin=margin, smoothing=smoothing)
+    st = shard.shard_forward(a, w, labels, norms, cfg)
+    zeros = torch.zeros(B)
+    assert torch.equal(st.row_max, torch.full((B,), float("-inf"))) and st.row_max.dtype == torch.float32
+    for t in (st.sum_exp, st.target, st.target_draw):
+        assert torch.equal(t, zeros) and t.dtype == torch.float32
+    assert (st.logit_sum is None) == (smoothing == 0) and (st.logit_sum is None or torch.equal(st.logit_sum, zeros))
+    needs_norm = cfg.margin.needs_norm
+    assert needs_norm == (margin == "sphereface")
+    assert (st.target_dnorm is None) != needs_norm and (st.target_dnorm is None or torch.equal(st.target_dnorm, zeros))
+    assert (st.buffers, st.inv, st.operand) == (None, None, None)
+    assert torch.equal(st.tcol, torch.full((B,), -1, dtype=torch.int32))
+    assert torch.equal(st.tsub, torch.zeros(B, dtype=torch.int32))
+    assert torch.equal(st.on_shard, torch.zeros(B, dtype=torch.bool))
+    grad_sq = torch.full((1,), 7.0)
+    grad_a, grad_w, _ = shard.shard_backward(a, w, labels, norms, st, torch.zeros(B), torch.ones(B), torch.full((B,), 0.5),
+                                             cfg, grad_sq=grad_sq)
+    assert torch.equal(grad_a, torch.zeros(B, D)) and grad_w.shape == (0, D) and float(grad_sq) == 0.0
+
+
+def test_a_fused_update_of_a_copy_of_the_weight_is_refused():
+    from shardfc.head.fused import chunks, shard
+
+    w = torch.randn(8, D)
+    a, labels = torch.randn(2, D), torch.tensor([1, 3])
+    cfg = _cfg()
+    st = shard.shard_forward(a, w, labels, None, cfg)
+    update = chunks.RowUpdate(w.clone(), None, 0.1, 0.0, 0.0, False)
+    with pytest.raises(ValueError) as err:
+        shard.shard_backward(a, w, labels, None, st, st.row_max, st.sum_exp, torch.ones(2), cfg, update=update)
+    assert str(err.value) == "a fused update needs the shard's weight itself (contiguous rows), not a copy of it"
+
+
+def test_the_target_rows_gradient_reads_the_embeddings_before_their_cast():
+    """bf16 compute: the embeddings given in fp32 and the same embeddings rounded to bf16 first make
+    the same products (the kernels read the bf16 cast either way), so every weight-gradient row is
+    the same — but the target rows, whose terms are formed from the embeddings as given."""
+    from shardfc.head.fused import shard
+
+    g = torch.Generator().manual_seed(5)
+    a, w = torch.randn(6, D, generator=g), torch.randn(C, D, generator=g)
+    labels = torch.tensor([3, 10, -1, 3, 40, 52])
+    cfg = _cfg(torch.bfloat16, margin="cosface")
+    grads = []
+    for x in (a, a.bfloat16().float()):
+        st = shard.shard_forward(x, w, labels, None, cfg)
+        coef = torch.full((6,), 1 / 6)
+        grads.append(shard.shard_backward(x, w, labels, None, st, st.row_max, st.sum_exp, coef, cfg)[1])
+    targets = torch.zeros(C, dtype=torch.bool)
+    targets[[3, 10, 40, 52]] = True
+    assert torch.equal(grads[0][~targets], grads[1][~targets])
+    assert bool((grads[0][targets] != grads[1][targets]).any(dim=1).all())
+
+
+
+@pytest.mark.parametrize("K,dtype", [(1, torch.float32), (2, torch.bfloat16)])
+def test_target_logits_from_the_label_rows_alone(K, dtype):
+    """Per sample with a label here (0 included; −1: elsewhere): the best of its K sub-centres'
+    cosines (the rows normalised, in the stats dtype, bf16 rows read as they are), that sub-centre,
+    and the margin's value and derivative there; zeros elsewhere. Against plain cosines in fp64."""
+    from shardfc.head.fused import shard
+
+    g = torch.Generator().manual_seed(7)
+    a, w = torch.randn(4, D, generator=g), torch.randn(6 * K, D, generator=g).to(dtype)
+    labels = torch.tensor([0, 5, -1, 2])
+    cfg = _cfg(margin="cosface", K=K)
+    on, sub, value, d_raw, d_norm = shard.target_logits(a, w, labels, None, cfg, None)
+    assert on.tolist() == [True, True, False, True] and d_norm is None
+    wd = w.double()
+    cos = torch.stack([(wd[[int(y) * K + k for y in labels.clamp(min=0)]] @ a.double().t()).diagonal()
+                       / wd[[int(y) * K + k for y in labels.clamp(min=0)]].norm(dim=1) for k in range(K)], dim=1)
+    best, want_sub = cos.max(dim=1)
+    want_value, want_draw, _ = cfg.margin.target(best.float(), None)
+    assert sub.dtype == torch.int32 and sub[on].tolist() == want_sub[on].tolist()
+    for got, want in ((value, want_value), (d_raw, want_draw)):
+        assert got.dtype == torch.float32 and float(got[2]) == 0.0
+        assert torch.allclose(got[on].double(), want[on].double(), rtol=D * 2.0**-24 * 64, atol=D * 2.0**-24 * 64)

@@ -411,3 +411,22 @@ def test_an_empty_batch_between_steps(optimizer):
         assert torch.equal(st["row_step"], torch.full((C,), 3.0, dtype=torch.float64))
     else:
         assert _rel(st, st_ref) < 1e-5
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_bf16_centres_are_the_fp32_update_rounded_to_nearest(optimizer):
+    """One fused step on bf16 centres and on fp32 centres of the same values (fp32 compute): the
+    kernel's fp32 arithmetic is the same from the same numbers, so the bf16 weights are exactly the
+    fp32 step's weights rounded to nearest (the interpreter truncates a bf16 store unless the
+    kernel rounds first)."""
+    h16, o16 = _make(True, optimizer=optimizer, dtype=torch.bfloat16)
+    h32, o32 = _make(True, optimizer=optimizer)
+    with torch.no_grad():
+        for w32, w16 in zip(h32.shard_weights, h16.shard_weights):
+            w32.copy_(w16.float())
+    _step(h16, o16, 0, True)
+    _step(h32, o32, 0, True)
+    assert h16.last_update == h32.last_update == "fused"
+    for w16, w32 in zip(h16.shard_weights, h32.shard_weights):
+        assert w16.dtype == torch.bfloat16 and torch.equal(w16, w32.bfloat16())
+        assert not torch.equal(w16.float(), w32)  # the fp32 step's weights were not all bf16 numbers

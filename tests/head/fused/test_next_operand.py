@@ -84,6 +84,11 @@ def test_the_kept_operand_is_the_one_the_pass_would_make(case, optimizer, passes
     if op.dtype == torch.bfloat16:  # within one ulp of bf16
         ulp = torch.finfo(torch.bfloat16).eps * fresh_op.float().abs()
         assert bool(((op.float() - fresh_op.float()).abs() <= ulp).all())
+        # ... and rounded to nearest: within half a bf16 unit of the fresh fp32 rows (which differ
+        # from the update's by the norm's fp32 rounding), not truncated
+        exact, _ = chunks.scored_rows(head.weight.detach(), None, head.weight.shape[0], torch.float32, normalize, normalize)
+        half_unit = torch.ldexp(torch.ones_like(exact), torch.frexp(exact).exponent - 9)
+        assert bool(((op.float() - exact).abs() <= half_unit + 4e-7 * exact.abs()).all())
     else:
         assert _rel(op, fresh_op) < 4e-7
 
