@@ -165,6 +165,26 @@ def _tile_product(a_ptr, b_ptr, c_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: t
     tl.store(c_ptr + r[:, None] * BN + c[None, :], acc)
 
 
+# Triton's interpreter patches triton.language (builtins, tensor methods, range, ...) for each kernel it
+# runs and restores it afterwards, but not after a @jit helper called from a kernel (Triton 3.9's
+# InterpretedFunction.__call__): a compile after such a run reads the interpreter's stand-ins and fails.
+# The language as it was when this module was imported (before any test ran a kernel) is put back
+# before each in-process build.
+_LANGUAGE = [ns for ns in (tl, tl.core, getattr(tl, "math", None), tl.core.tensor, getattr(tl.core, "condition", None),
+                           tl.core.dtype, getattr(tl.core, "tensor_descriptor_base", None)) if ns is not None]
+_PRISTINE = [(ns, dict(vars(ns))) for ns in _LANGUAGE]
+
+
+def _unpatch_language() -> None:
+    for ns, before in _PRISTINE:
+        now = vars(ns)
+        for name in [n for n in now if n not in before]:
+            delattr(ns, name)
+        for name, value in before.items():
+            if now.get(name, before) is not value:
+                setattr(ns, name, value)
+
+
 _ROWS_CONFIG = triton.Config({"BLOCK": 512})
 _TILE_CONFIGS = [triton.Config({"BM": 64, "BN": 64, "BK": 32}),
                  triton.Config({"BM": 64, "BN": 128, "BK": 32}, num_warps=8, num_stages=2)]
@@ -175,6 +195,7 @@ _TILE_FLAGS = {"COMPUTE": tl.bfloat16, "PRECISION": "tf32", "K": 1}
 @pytest.fixture
 def registry(monkeypatch):
     """The registry with two compiled (not interpreted) kernels added: "rows" and "tiles"."""
+    _unpatch_language()
     monkeypatch.setattr(aot, "KERNELS", dict(aot.KERNELS))
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # as the subprocess build (aot_build.py): Triton 3.9 warns
     with monkeypatch.context() as m:
