@@ -334,3 +334,153 @@ def test_target_logits_from_the_label_rows_alone(K, dtype):
     for got, want in ((value, want_value), (d_raw, want_draw)):
         assert got.dtype == torch.float32 and float(got[2]) == 0.0
         assert torch.allclose(got[on].double(), want[on].double(), rtol=D * 2.0**-24 * 64, atol=D * 2.0**-24 * 64)
+
+
+SHARD_CASES = {
+    "arcface": dict(),
+    "cosface_smoothing": dict(margin="cosface", smoothing=0.1),
+    "sphereface_norms": dict(margin="sphereface"),
+    "adaface_feature_norms": dict(margin="adaface", feature_norms=True),
+    "raw_softmax": dict(margin="softmax"),
+    "partial_fc_subcenters": dict(K=2, rows=True),
+    "filter_smoothing": dict(filter=0.05, smoothing=0.2),
+    "filter_partial_fc": dict(filter=0.05, rows=True, K=2),
+    "added_into_grad": dict(accumulate=True),
+    "added_into_grad_partial_fc": dict(accumulate=True, rows=True, smoothing=0.1),
+}
+
+
+def _shard_inputs(case, n_cls=13, B=7):
+    """A shard of ``n_cls`` classes (``K`` rows each); with ``rows``, Partial FC's 6 sampled classes
+    (class-major, ``K`` rows each) and labels indexing them; with ``filter``, the unit target rows."""
+    g = torch.Generator().manual_seed(21)
+    K = case.get("K", 1)
+    a, w = torch.randn(B, D, generator=g), torch.randn(n_cls * K, D, generator=g)
+    a = a / a.norm(dim=1, keepdim=True)  # unit embeddings, as the head hands them to its shards
+    rows = None
+    labels = torch.randint(0, n_cls, (B,), generator=g)
+    if case.get("rows"):
+        cls = torch.randperm(n_cls, generator=g)[:6]
+        rows = (cls.unsqueeze(1) * K + torch.arange(K)).flatten()
+        labels = torch.randint(0, 6, (B,), generator=g)
+    labels[1] = -1  # a label elsewhere
+    labels[2] = 0  # the first column
+    own = labels.clamp(min=0) * K if rows is None else rows[labels.clamp(min=0) * K]
+    tr = w[own] / w[own].norm(dim=1, keepdim=True) if case.get("filter") else None
+    return a, w, labels, torch.rand(B, generator=g) + 1, tr, rows
+
+
+@pytest.mark.parametrize("case", list(SHARD_CASES.values()), ids=list(SHARD_CASES))
+def test_shard_forward_and_backward_equal_the_torch_kernels(impl, case):
+    """One shard called directly: every statistic, ``grad_a``, the weight gradient (returned, or
+    added into ``.grad``, at the sampled rows under Partial FC) and the norm's gradient equal
+    :mod:`shardfc.head.kernels`' (the reference implementation) to fp32 accuracy."""
+    import dataclasses
+
+    from shardfc.head import kernels
+    from shardfc.head.fused import shard
+
+    a, w, labels, norms, tr, rows = _shard_inputs(case)
+    cfg = _cfg(margin=case.get("margin", "arcface"), smoothing=case.get("smoothing", 0.0), K=case.get("K", 1),
+               impl=impl)
+    cfg = dataclasses.replace(cfg, filter_threshold=case.get("filter"))
+    ref_cfg = dataclasses.replace(cfg, impl="torch")
+    ref = kernels.shard_forward(a, w, labels, norms, ref_cfg, tr, rows)
+    got = shard.shard_forward(a, w, labels, norms, cfg, tr, rows)
+    for name in ("row_max", "sum_exp", "target", "logit_sum", "target_draw", "target_dnorm"):
+        r, x = getattr(ref, name), getattr(got, name)
+        assert (x is None) == (r is None), name
+        if r is not None:  # infinities (the filter's −inf logits in the smoothing's sum) where torch has them
+            fin = torch.isfinite(r)
+            assert torch.equal(x[~fin], r[~fin]) and x.dtype == torch.float32, name
+            assert rel(x[fin], r[fin]) < FP32, (name, rel(x[fin], r[fin]))
+    coef = torch.rand(a.shape[0], generator=torch.Generator().manual_seed(2)) + 0.5
+    feature_norms = case.get("feature_norms", False)
+    out = {}
+    for name, fn, st, c in (("torch", kernels.shard_backward, ref, ref_cfg), (impl, shard.shard_backward, got, cfg)):
+        grad = torch.full_like(w, 0.25) if case.get("accumulate") else None
+        res = fn(a, w, labels, norms, st, ref.row_max, ref.sum_exp, coef, c, grad_w_out=grad, target_rows=tr,
+                 feature_norms=feature_norms, rows=rows)
+        out[name] = (res[0], res[1] if grad is None else grad, res[2], res[1] is None)
+    (ga, gw, gn, none), (ga_r, gw_r, gn_r, none_r) = out[impl], out["torch"]
+    assert none == none_r == bool(case.get("accumulate"))
+    assert ga.dtype == torch.float32 and rel(ga, ga_r) < FP32 and rel(gw, gw_r) < FP32
+    assert (gn is None) == (gn_r is None) and (gn is None or rel(gn, gn_r) < FP32)
+
+
+@pytest.mark.parametrize("case", ["rows_filter_smooth", "operand"])
+def test_the_fused_forward_on_the_meta_device_tells_the_plan_what_it_reads_and_writes(case):
+    """``shardfc plan`` runs the forward on meta tensors: one ``lse_forward`` launch reading the
+    embeddings, the scored rows (through Partial FC's index), the index, the norms, the target
+    columns and values and the filter's target rows; writing its three ``[B, splits]`` statistics
+    (two without smoothing: ``plsum`` is ``pmax``), fp32 on meta; ``2·B·n·K·D`` flops. With the step's
+    operand: the compact rows alone."""
+    from shardfc.head.fused import autotune, shard, traffic
+
+    meta = torch.device("meta")
+    B, n_cls, K, Dm = 5, 7, 3, 8
+    a_k, w = torch.empty(B, Dm, device=meta), torch.empty(40, Dm, device=meta)
+    tcol, tval = torch.empty(B, dtype=torch.int32, device=meta), torch.empty(B, device=meta)
+    full = case == "rows_filter_smooth"
+    rows = torch.empty(n_cls * K + 4, dtype=torch.int64, device=meta)[2:2 + n_cls * K] if full else None
+    inv = torch.empty(40, device=meta) if full else None
+    tr = torch.empty(B, Dm, device=meta) if full else None
+    if not full:
+        w = w[:n_cls * K]
+    seen = []
+
+    def part(r):
+        return ("rows", r.part[2], r.part[3], r.nbytes) if r.part[0] == "rows" else (r.part, r.nbytes)
+
+    with traffic.recording(lambda kernel, reads, writes, flops: seen.append(
+            (kernel, [part(r) for r in reads], [part(r) for r in writes], flops))):
+        pmax, psum, plsum = shard._fused_forward(a_k, w, rows, inv, tr, tcol, tval, n_cls, K, _cfg(K=K, impl="triton"),
+                                                 full, normalize=full)
+    n, splits = n_cls * K, -(-n_cls // autotune.class_splits(n_cls, B, meta))
+    assert [(t.device, t.dtype, tuple(t.shape)) for t in (pmax, psum, plsum)] == [(meta, torch.float32, (B, splits))] * 3
+    assert (plsum is pmax) == (not full) and psum is not pmax
+    reads = [(("span", 0, B * Dm * 4), B * Dm * 4)]
+    if full:
+        reads += [("rows", 2, n, n * Dm * 4), (("span", 2 * 8, n * 8), n * 8), (("span", 0, n * 4), n * 4)]
+    else:
+        reads += [(("span", 0, n * Dm * 4), n * Dm * 4)]
+    reads += [(("span", 0, B * 4), B * 4)] * 2 + ([(("span", 0, B * Dm * 4), B * Dm * 4)] if full else [])
+    outs = [(("span", 0, B * splits * 4), B * splits * 4)] * (3 if full else 2)
+    assert seen == [("lse_forward", reads, outs, 2.0 * B * n * Dm)]
+
+
+@pytest.mark.parametrize("margin", ["arcface", "softmax"])
+def test_the_fused_update_keeps_the_next_operand_and_the_next_forward_takes_it(impl, margin):
+    """bf16 compute, every row scored: the backward's fused update writes the next step's operand
+    over the step's and keeps it (with the norms exactly when the margin normalises); the next
+    forward scores that very tensor, and its statistics are those of a fresh forward (within bf16
+    rounding of the operand). A Partial FC step neither takes nor keeps it, and forgets it."""
+    from shardfc.head.fused import chunks, shard
+
+    g = torch.Generator().manual_seed(4)
+    a, w = torch.randn(6, D, generator=g), torch.randn(C, D, generator=g)
+    a = a / a.norm(dim=1, keepdim=True)
+    labels = torch.tensor([3, -1, 0, 52, 17, 3])
+    cfg = _cfg(torch.bfloat16, margin=margin, impl=impl)
+    normalize = cfg.margin.normalize_weights
+    nxt = chunks.NextOperand()
+    st = shard.shard_forward(a, w, labels, None, cfg, next_operand=nxt)
+    assert st.operand is not None and (st.inv is not None) == normalize
+    coef = torch.full((6,), 1 / 6)
+    update = chunks.RowUpdate(w, None, 0.5, 0.0, 0.0, False)
+    version = w._version
+    assert shard.shard_backward(a, w, labels, None, st, st.row_max, st.sum_exp, coef, cfg, update=update,
+                                next_operand=nxt)[1] is None
+    assert w._version > version  # the update bumps it, and the operand is keyed after
+    assert nxt.operand is st.operand and nxt.inv is st.inv
+    again = shard.shard_forward(a, w, labels, None, cfg, next_operand=nxt)
+    fresh = shard.shard_forward(a, w, labels, None, cfg)
+    assert again.operand is nxt.operand and fresh.operand is not nxt.operand and (again.inv is st.inv)
+    for name in ("row_max", "sum_exp", "target"):
+        assert rel(getattr(again, name), getattr(fresh, name)) < 2e-2, name
+    rows = torch.arange(0, C, 2)
+    sampled = shard.shard_forward(a, w, labels.clamp(max=rows.numel() - 1), None, cfg, rows=rows, next_operand=nxt)
+    assert sampled.operand is not nxt.operand and nxt.operand is again.operand  # not taken (nor forgotten) here
+    shard.shard_backward(a, w, labels.clamp(max=rows.numel() - 1), None, sampled, sampled.row_max, sampled.sum_exp, coef,
+                         cfg, rows=rows, update=update, next_operand=nxt)
+    assert nxt.operand is None and nxt.inv is None
