@@ -245,6 +245,9 @@ def test_the_operands_a_cast_once_w_as_stored_unless_its_rows_are_strided():
     strided = torch.randn(6, 10).t()  # stride(1) == 10
     _, w_k, n_cls, _ = shard._common(a, strided, _cfg(), None)
     assert w_k.stride() == (6, 1) and torch.equal(w_k, strided) and n_cls == 10
+    every_other = torch.randn(10, 12)[:, ::2]  # stride(1) == 2
+    _, w_k, _, _ = shard._common(a, every_other, _cfg(), None)
+    assert w_k.stride() == (6, 1) and torch.equal(w_k, every_other)
     assert shard._scored(w, None) == 10 and shard._scored(w, torch.tensor([2, 4, 6])) == 3
 
 
@@ -253,7 +256,7 @@ def test_a_shard_without_classes_has_the_statistics_of_an_empty_set(margin, smoo
     """No class on the shard: max −inf, sums 0, no target here (column −1, sub-centre 0, value and
     derivatives 0), the smoothing's sum and the norm's derivative only where they exist; and its
     backward: no gradient for the embeddings, the weight's (of no rows) empty."""
-    from shardfc.head.fused import shard
+    from shardfc.head.fused import chunks, shard
 
     B = 3
     a, w, labels, norms = torch.randn(B, D), torch.empty(0, D), torch.full((B,), -1), torch.rand(B) + 1
@@ -271,10 +274,40 @@ def test_a_shard_without_classes_has_the_statistics_of_an_empty_set(margin, smoo
     assert torch.equal(st.tcol, torch.full((B,), -1, dtype=torch.int32))
     assert torch.equal(st.tsub, torch.zeros(B, dtype=torch.int32))
     assert torch.equal(st.on_shard, torch.zeros(B, dtype=torch.bool))
+    assert st.tcol.dtype == st.tsub.dtype == torch.int32
     grad_sq = torch.full((1,), 7.0)
     grad_a, grad_w, _ = shard.shard_backward(a, w, labels, norms, st, torch.zeros(B), torch.ones(B), torch.full((B,), 0.5),
                                              cfg, grad_sq=grad_sq)
     assert torch.equal(grad_a, torch.zeros(B, D)) and grad_w.shape == (0, D) and float(grad_sq) == 0.0
+    before = torch.get_default_dtype()
+    try:  # the statistics in the stats dtype, not torch's default
+        torch.set_default_dtype(torch.float64)
+        st64 = shard.shard_forward(a, w, labels, norms, cfg)
+    finally:
+        torch.set_default_dtype(before)
+    assert all(t.dtype == torch.float32 for t in (st64.row_max, st64.sum_exp, st64.target, st64.target_draw))
+    assert st64.tcol.dtype == torch.int32
+    update = chunks.RowUpdate(w, None, 0.1, 0.0, 0.0, False)  # a fused step over no rows: nothing to zero
+    grad_a, grad_w, _ = shard.shard_backward(a, w, labels, norms, st, torch.zeros(B), torch.ones(B), torch.full((B,), 0.5),
+                                             cfg, update=update)
+    assert torch.equal(grad_a, torch.zeros(B, D)) and grad_w is None
+
+
+def test_a_partial_fc_step_sampling_none_of_the_shard_s_classes_leaves_its_gradient():
+    """Partial FC sampled no class of this shard (an empty row index): its existing ``.grad`` (of
+    every shard row) is added nothing, not zeroed; ``grad_a`` is zero."""
+    from shardfc.head.fused import shard
+
+    B = 3
+    a, w, labels = torch.randn(B, D), torch.randn(10, D), torch.full((B,), -1)
+    cfg = _cfg()
+    rows = torch.empty(0, dtype=torch.int64)
+    st = shard.shard_forward(a, w, labels, None, cfg, rows=rows)
+    grad = torch.randn(10, D)
+    want = grad.clone()
+    grad_a, grad_w, _ = shard.shard_backward(a, w, labels, None, st, st.row_max, torch.ones(B), torch.full((B,), 0.5), cfg,
+                                             grad_w_out=grad, rows=rows)
+    assert grad_w is None and torch.equal(grad, want) and torch.equal(grad_a, torch.zeros(B, D))
 
 
 def test_a_fused_update_of_a_copy_of_the_weight_is_refused():
@@ -347,14 +380,20 @@ SHARD_CASES = {
     "filter_partial_fc": dict(filter=0.05, rows=True, K=2),
     "added_into_grad": dict(accumulate=True),
     "added_into_grad_partial_fc": dict(accumulate=True, rows=True, smoothing=0.1),
+    "sphereface_smoothing": dict(margin="sphereface", smoothing=0.2),
+    "magface_feature_norms_smoothing": dict(margin="magface", feature_norms=True, smoothing=0.1),
+    "bf16_centres": dict(centres=torch.bfloat16, tol=2e-2),
+    "bf16_embeddings": dict(embeddings=torch.bfloat16, tol=2e-2),
+    "one_class": dict(n_cls=1),
+    "above_the_operand_budget": dict(budget=0),
 }
 
 
-def _shard_inputs(case, n_cls=13, B=7):
+def _shard_inputs(case, B=7):
     """A shard of ``n_cls`` classes (``K`` rows each); with ``rows``, Partial FC's 6 sampled classes
     (class-major, ``K`` rows each) and labels indexing them; with ``filter``, the unit target rows."""
     g = torch.Generator().manual_seed(21)
-    K = case.get("K", 1)
+    K, n_cls = case.get("K", 1), case.get("n_cls", C)  # C: two class splits under the interpreter
     a, w = torch.randn(B, D, generator=g), torch.randn(n_cls * K, D, generator=g)
     a = a / a.norm(dim=1, keepdim=True)  # unit embeddings, as the head hands them to its shards
     rows = None
@@ -367,18 +406,25 @@ def _shard_inputs(case, n_cls=13, B=7):
     labels[2] = 0  # the first column
     own = labels.clamp(min=0) * K if rows is None else rows[labels.clamp(min=0) * K]
     tr = w[own] / w[own].norm(dim=1, keepdim=True) if case.get("filter") else None
+    a, w = a.to(case.get("embeddings", torch.float32)), w.to(case.get("centres", torch.float32))
     return a, w, labels, torch.rand(B, generator=g) + 1, tr, rows
 
 
 @pytest.mark.parametrize("case", list(SHARD_CASES.values()), ids=list(SHARD_CASES))
-def test_shard_forward_and_backward_equal_the_torch_kernels(impl, case):
+def test_shard_forward_and_backward_equal_the_torch_kernels(impl, case, monkeypatch):
     """One shard called directly: every statistic, ``grad_a``, the weight gradient (returned, or
     added into ``.grad``, at the sampled rows under Partial FC) and the norm's gradient equal
-    :mod:`shardfc.head.kernels`' (the reference implementation) to fp32 accuracy."""
+    :mod:`shardfc.head.kernels`' (the reference implementation) to fp32 accuracy (bf16 inputs: to
+    the file's bf16 tolerance), in the dtypes torch returns them in; the label columns and
+    sub-centres int32."""
     import dataclasses
 
     from shardfc.head import kernels
-    from shardfc.head.fused import shard
+    from shardfc.head.fused import chunks, shard
+
+    if "budget" in case:
+        monkeypatch.setattr(chunks, "OPERAND_BYTES", case["budget"])
+    tol = case.get("tol", FP32)
 
     a, w, labels, norms, tr, rows = _shard_inputs(case)
     cfg = _cfg(margin=case.get("margin", "arcface"), smoothing=case.get("smoothing", 0.0), K=case.get("K", 1),
@@ -393,7 +439,8 @@ def test_shard_forward_and_backward_equal_the_torch_kernels(impl, case):
         if r is not None:  # infinities (the filter's −inf logits in the smoothing's sum) where torch has them
             fin = torch.isfinite(r)
             assert torch.equal(x[~fin], r[~fin]) and x.dtype == torch.float32, name
-            assert rel(x[fin], r[fin]) < FP32, (name, rel(x[fin], r[fin]))
+            assert rel(x[fin], r[fin]) < tol, (name, rel(x[fin], r[fin]))
+    assert got.tcol.dtype == got.tsub.dtype == torch.int32 and (got.operand is None) == ("budget" in case)
     coef = torch.rand(a.shape[0], generator=torch.Generator().manual_seed(2)) + 0.5
     feature_norms = case.get("feature_norms", False)
     out = {}
@@ -404,8 +451,9 @@ def test_shard_forward_and_backward_equal_the_torch_kernels(impl, case):
         out[name] = (res[0], res[1] if grad is None else grad, res[2], res[1] is None)
     (ga, gw, gn, none), (ga_r, gw_r, gn_r, none_r) = out[impl], out["torch"]
     assert none == none_r == bool(case.get("accumulate"))
-    assert ga.dtype == torch.float32 and rel(ga, ga_r) < FP32 and rel(gw, gw_r) < FP32
-    assert (gn is None) == (gn_r is None) and (gn is None or rel(gn, gn_r) < FP32)
+    assert (ga.dtype, gw.dtype) == (ga_r.dtype, gw_r.dtype) == (a.dtype, w.dtype)
+    assert rel(ga.float(), ga_r.float()) < tol and rel(gw.float(), gw_r.float()) < tol
+    assert (gn is None) == (gn_r is None) and (gn is None or rel(gn, gn_r) < tol)
 
 
 @pytest.mark.parametrize("case", ["rows_filter_smooth", "operand"])
@@ -432,10 +480,15 @@ def test_the_fused_forward_on_the_meta_device_tells_the_plan_what_it_reads_and_w
     def part(r):
         return ("rows", r.part[2], r.part[3], r.nbytes) if r.part[0] == "rows" else (r.part, r.nbytes)
 
-    with traffic.recording(lambda kernel, reads, writes, flops: seen.append(
-            (kernel, [part(r) for r in reads], [part(r) for r in writes], flops))):
-        pmax, psum, plsum = shard._fused_forward(a_k, w, rows, inv, tr, tcol, tval, n_cls, K, _cfg(K=K, impl="triton"),
-                                                 full, normalize=full)
+    before = torch.get_default_dtype()
+    try:  # fp32 statistics whatever torch's default dtype
+        torch.set_default_dtype(torch.float64)
+        with traffic.recording(lambda kernel, reads, writes, flops: seen.append(
+                (kernel, [part(r) for r in reads], [part(r) for r in writes], flops))):
+            pmax, psum, plsum = shard._fused_forward(a_k, w, rows, inv, tr, tcol, tval, n_cls, K,
+                                                     _cfg(K=K, impl="triton"), full, normalize=full)
+    finally:
+        torch.set_default_dtype(before)
     n, splits = n_cls * K, -(-n_cls // autotune.class_splits(n_cls, B, meta))
     assert [(t.device, t.dtype, tuple(t.shape)) for t in (pmax, psum, plsum)] == [(meta, torch.float32, (B, splits))] * 3
     assert (plsum is pmax) == (not full) and psum is not pmax
@@ -484,3 +537,66 @@ def test_the_fused_update_keeps_the_next_operand_and_the_next_forward_takes_it(i
     shard.shard_backward(a, w, labels.clamp(max=rows.numel() - 1), None, sampled, sampled.row_max, sampled.sum_exp, coef,
                          cfg, rows=rows, update=update, next_operand=nxt)
     assert nxt.operand is None and nxt.inv is None
+
+
+def test_target_logits_score_a_row_of_norm_exactly_norm_eps_as_a_unit_row():
+    """A target row whose norm is exactly ``NORM_EPS`` is normalised (the torch path's rule: rows
+    *below* it count as zero vectors): its cosine is the embedding's first coordinate. Embeddings
+    given in bf16 are read in the stats dtype."""
+    from shardfc.head.fused import shard
+    from shardfc.head.normalize import NORM_EPS
+
+    w = torch.zeros(3, D)
+    w[1, 0] = NORM_EPS
+    assert float(torch.linalg.vector_norm(w[1])) == float(torch.tensor(NORM_EPS))
+    w[2] = 1.0
+    a = torch.randn(2, D, generator=torch.Generator().manual_seed(3)).bfloat16()
+    cfg = _cfg(margin="normsoftmax")
+    on, sub, value, _, _ = shard.target_logits(a, w, torch.tensor([1, 2]), None, cfg, None)
+    want = torch.stack([a[0, 0].float(), a[1].float().sum() / D**0.5]) * cfg.margin.s
+    assert value.dtype == torch.float32 and torch.allclose(value, want, rtol=4 * D * 2.0**-24, atol=0.0)
+
+
+@pytest.mark.parametrize("impl_", ["gemm", "triton"])
+def test_the_config_s_impl_picks_the_gemm_chunks_or_the_fused_kernel_and_the_step_s_operand(impl_, monkeypatch):
+    """``impl="gemm"``: the chunks' statistics over the step's operand (no chunk makes its own);
+    ``impl="triton"``: the fused online-LSE kernel, over the step's operand unless the filter reads W."""
+    from shardfc.head.fused import chunks, shard
+
+    calls = []
+    for mod, name in ((chunks, "forward_stats"), (shard, "_fused_forward"), (chunks, "operand_rows")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    a, w, labels, _, tr, _ = _shard_inputs({"filter": 0.05})
+    st = shard.shard_forward(a, w, labels, None, _cfg(impl=impl_))
+    assert st.operand is not None
+    want = "forward_stats" if impl_ == "gemm" else "_fused_forward"
+    assert calls == [want]
+    calls.clear()
+    if impl_ == "triton":
+        seen = []
+        real = shard._fused_forward
+        monkeypatch.setattr(shard, "_fused_forward", lambda a_k, w_, *r, **k: seen.append(w_) or real(a_k, w_, *r, **k))
+        st = shard.shard_forward(a, w, labels, None, _cfg(impl=impl_))
+        import dataclasses
+
+        shard.shard_forward(a, w, labels, None, dataclasses.replace(_cfg(impl=impl_), filter_threshold=0.05), tr)
+        assert seen[0] is not w and seen[0].shape == w.shape and seen[1] is w  # the operand, then W itself
+
+
+def test_the_config_s_chunk_scale_reaches_the_gemm_chunks_forward_and_backward(monkeypatch):
+    """``cfg.chunk_scale`` sizes the GEMM path's class chunks in both passes (the plan's and
+    ``shardfc tune``'s knob): :func:`.chunks.forward_stats` and :func:`.chunks.backward` get it."""
+    import dataclasses
+
+    from shardfc.head.fused import chunks, shard
+
+    scales = []
+    for name in ("forward_stats", "backward"):
+        real = getattr(chunks, name)
+        monkeypatch.setattr(chunks, name, lambda *a, _real=real, **k: scales.append(k["chunk_scale"]) or _real(*a, **k))
+    a, w, labels, _, _, _ = _shard_inputs({})
+    cfg = dataclasses.replace(_cfg(), chunk_scale=2)
+    st = shard.shard_forward(a, w, labels, None, cfg)
+    shard.shard_backward(a, w, labels, None, st, st.row_max, st.sum_exp, torch.ones(a.shape[0]), cfg)
+    assert scales == [2, 2]
