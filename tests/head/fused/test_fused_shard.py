@@ -456,8 +456,9 @@ def test_shard_forward_and_backward_equal_the_torch_kernels(impl, case, monkeypa
     assert (gn is None) == (gn_r is None) and (gn is None or rel(gn, gn_r) < tol)
 
 
+@pytest.mark.parametrize("gpu", [False, True], ids=["", "as_on_a_gpu"])
 @pytest.mark.parametrize("case", ["rows_filter_smooth", "operand"])
-def test_the_fused_forward_on_the_meta_device_tells_the_plan_what_it_reads_and_writes(case):
+def test_the_fused_forward_on_the_meta_device_tells_the_plan_what_it_reads_and_writes(case, gpu, monkeypatch):
     """``shardfc plan`` runs the forward on meta tensors: one ``lse_forward`` launch reading the
     embeddings, the scored rows (through Partial FC's index), the index, the norms, the target
     columns and values and the filter's target rows; writing its three ``[B, splits]`` statistics
@@ -467,6 +468,8 @@ def test_the_fused_forward_on_the_meta_device_tells_the_plan_what_it_reads_and_w
 
     meta = torch.device("meta")
     B, n_cls, K, Dm = 5, 7, 3, 8
+    if gpu:  # the splits sized for the meta device's SMs and the batch, as on a GPU
+        monkeypatch.setattr(autotune, "interpreting", lambda: False)
     a_k, w = torch.empty(B, Dm, device=meta), torch.empty(40, Dm, device=meta)
     tcol, tval = torch.empty(B, dtype=torch.int32, device=meta), torch.empty(B, device=meta)
     full = case == "rows_filter_smooth"
