@@ -603,3 +603,23 @@ def test_the_config_s_chunk_scale_reaches_the_gemm_chunks_forward_and_backward(m
     st = shard.shard_forward(a, w, labels, None, cfg)
     shard.shard_backward(a, w, labels, None, st, st.row_max, st.sum_exp, torch.ones(a.shape[0]), cfg)
     assert scales == [2, 2]
+
+
+@pytest.mark.parametrize("filter_,margin", [(False, "arcface"), (True, "arcface"), (False, "softmax")])
+def test_the_fused_forward_is_tuned_per_sub_centres_filter_precision_and_normalisation(filter_, margin, monkeypatch):
+    """The fused kernel launches through the tuner of its configs (:func:`.autotune.lse_forward`:
+    sub-centres, filter, fp32 precision, rows normalised in registers; some of them share one), keyed by the class and
+    batch counts rounded up to powers of two (53 → 64, 7 → 8)."""
+    import dataclasses
+
+    from shardfc.head.fused import autotune, shard
+
+    launched = []
+    real = autotune.launch
+    monkeypatch.setattr(autotune, "launch", lambda tuned, grid, *a, **k: launched.append((tuned, a[-2:])) or real(
+        tuned, grid, *a, **k))
+    a, w, labels, _, tr, _ = _shard_inputs({"filter": 0.05 if filter_ else None, "K": 2})
+    cfg = dataclasses.replace(_cfg(margin=margin, K=2, impl="triton"), filter_threshold=0.05 if filter_ else None)
+    shard.shard_forward(a, w, labels, None, cfg, tr)
+    normalize = filter_ and cfg.margin.normalize_weights  # the step's operand is normalised already
+    assert launched == [(autotune.lse_forward(2, filter_, shard._precision(cfg), normalize), (64, 8))]
