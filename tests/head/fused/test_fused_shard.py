@@ -605,21 +605,34 @@ def test_the_config_s_chunk_scale_reaches_the_gemm_chunks_forward_and_backward(m
     assert scales == [2, 2]
 
 
-@pytest.mark.parametrize("filter_,margin", [(False, "arcface"), (True, "arcface"), (False, "softmax")])
-def test_the_fused_forward_is_tuned_per_sub_centres_filter_precision_and_normalisation(filter_, margin, monkeypatch):
+@pytest.mark.parametrize("K,filter_,margin,budget,tf32", [
+    (1, False, "arcface", None, False), (1, False, "arcface", 0, True), (2, True, "arcface", None, False),
+    (2, False, "softmax", None, False)])
+def test_the_fused_forward_is_tuned_per_sub_centres_filter_precision_and_normalisation(K, filter_, margin, budget, tf32,
+                                                                                         monkeypatch):
     """The fused kernel launches through the tuner of its configs (:func:`.autotune.lse_forward`:
-    sub-centres, filter, fp32 precision, rows normalised in registers; some of them share one), keyed by the class and
-    batch counts rounded up to powers of two (53 → 64, 7 → 8)."""
+    sub-centres, filter, fp32 precision, rows normalised in registers — above the operand budget;
+    some of them share one), keyed by the class and batch counts rounded up to powers of two
+    (53 → 64, 7 → 8)."""
     import dataclasses
 
-    from shardfc.head.fused import autotune, shard
+    from shardfc.head.fused import autotune, chunks, shard
 
     launched = []
     real = autotune.launch
     monkeypatch.setattr(autotune, "launch", lambda tuned, grid, *a, **k: launched.append((tuned, a[-2:])) or real(
         tuned, grid, *a, **k))
-    a, w, labels, _, tr, _ = _shard_inputs({"filter": 0.05 if filter_ else None, "K": 2})
-    cfg = dataclasses.replace(_cfg(margin=margin, K=2, impl="triton"), filter_threshold=0.05 if filter_ else None)
-    shard.shard_forward(a, w, labels, None, cfg, tr)
-    normalize = filter_ and cfg.margin.normalize_weights  # the step's operand is normalised already
-    assert launched == [(autotune.lse_forward(2, filter_, shard._precision(cfg), normalize), (64, 8))]
+    if budget is not None:
+        monkeypatch.setattr(chunks, "OPERAND_BYTES", budget)
+    a, w, labels, _, tr, _ = _shard_inputs({"filter": 0.05 if filter_ else None, "K": K})
+    cfg = dataclasses.replace(_cfg(margin=margin, K=K, impl="triton"), filter_threshold=0.05 if filter_ else None)
+    matmul, before = torch.backends.cuda.matmul, torch.backends.cuda.matmul.allow_tf32  # not a plain attribute
+    try:
+        matmul.allow_tf32 = tf32
+        shard.shard_forward(a, w, labels, None, cfg, tr)
+    finally:
+        matmul.allow_tf32 = before
+    # the kernel normalises the rows where it reads W: with the filter or above the budget
+    normalize = (filter_ or budget is not None) and cfg.margin.normalize_weights
+    want = autotune.lse_forward(K, filter_, "tf32" if tf32 else "ieee", normalize)
+    assert launched == [(want, (64, 8))]
