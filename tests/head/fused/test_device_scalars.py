@@ -30,6 +30,7 @@ def test_device_scalars_are_held_per_device_and_a_change_in_a_capture_says_what_
     on_meta = held.get("sgd", (0.5, 0.9), meta)
     assert on_meta.device.type == "meta" and held.get("sgd", (0.5, 0.9), cpu) is t
     monkeypatch.setattr(capture, "capturing", lambda: True)
+    assert held.get("sgd", (0.5, 0.9), cpu) is t and torch.equal(t, torch.tensor([0.5, 0.9]))  # unchanged: no copy, no error
     with pytest.raises(RuntimeError) as err:
         held.get("sgd", (0.25, 0.9), cpu)
     assert str(err.value) == (
@@ -51,3 +52,17 @@ def test_device_scalars_keep_fp64_apart_from_fp32_and_at_one_address_per_dtype()
     assert wide.tolist() == [0.1, 1 / 3]
     assert held.get("k", (0.2, 0.5), cpu, torch.float64) is wide and wide.tolist() == [0.2, 0.5]
     assert device_scalars.scalars_on((1 / 3,), cpu, dtype=torch.float64).item() == 1 / 3
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_or_a_pickle_of_device_scalars_holds_nothing_and_makes_its_tensors_again(how):
+    import copy
+    import pickle
+
+    held = device_scalars.DeviceScalars()
+    cpu = torch.device("cpu")
+    t = held.get("sgd", (0.5, 0.9), cpu)
+    other = copy.deepcopy(held) if how == "deepcopy" else pickle.loads(pickle.dumps(held))
+    assert other._held == {}
+    again = other.get("sgd", (0.5, 0.9), cpu)
+    assert again is not t and torch.equal(again, t) and held.get("sgd", (0.5, 0.9), cpu) is t

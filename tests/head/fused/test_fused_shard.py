@@ -245,6 +245,9 @@ def test_the_operands_a_cast_once_w_as_stored_unless_its_rows_are_strided():
     strided = torch.randn(6, 10).t()  # stride(1) == 10
     _, w_k, n_cls, _ = shard._common(a, strided, _cfg(), None)
     assert w_k.stride() == (6, 1) and torch.equal(w_k, strided) and n_cls == 10
+    every_other = torch.randn(10, 12)[:, ::2]  # stride(1) == 2
+    _, w_k, _, _ = shard._common(a, every_other, _cfg(), None)
+    assert w_k.stride() == (6, 1) and torch.equal(w_k, every_other)
     assert shard._scored(w, None) == 10 and shard._scored(w, torch.tensor([2, 4, 6])) == 3
 
 
@@ -253,7 +256,7 @@ def test_a_shard_without_classes_has_the_statistics_of_an_empty_set(margin, smoo
     """No class on the shard: max −inf, sums 0, no target here (column −1, sub-centre 0, value and
     derivatives 0), the smoothing's sum and the norm's derivative only where they exist; and its
     backward: no gradient for the embeddings, the weight's (of no rows) empty."""
-    from shardfc.head.fused import shard
+    from shardfc.head.fused import chunks, shard
 
     B = 3
     a, w, labels, norms = torch.randn(B, D), torch.empty(0, D), torch.full((B,), -1), torch.rand(B) + 1
@@ -271,10 +274,40 @@ def test_a_shard_without_classes_has_the_statistics_of_an_empty_set(margin, smoo
     assert torch.equal(st.tcol, torch.full((B,), -1, dtype=torch.int32))
     assert torch.equal(st.tsub, torch.zeros(B, dtype=torch.int32))
     assert torch.equal(st.on_shard, torch.zeros(B, dtype=torch.bool))
+    assert st.tcol.dtype == st.tsub.dtype == torch.int32
     grad_sq = torch.full((1,), 7.0)
     grad_a, grad_w, _ = shard.shard_backward(a, w, labels, norms, st, torch.zeros(B), torch.ones(B), torch.full((B,), 0.5),
                                              cfg, grad_sq=grad_sq)
     assert torch.equal(grad_a, torch.zeros(B, D)) and grad_w.shape == (0, D) and float(grad_sq) == 0.0
+    before = torch.get_default_dtype()
+    try:  # the statistics in the stats dtype, not torch's default
+        torch.set_default_dtype(torch.float64)
+        st64 = shard.shard_forward(a, w, labels, norms, cfg)
+    finally:
+        torch.set_default_dtype(before)
+    assert all(t.dtype == torch.float32 for t in (st64.row_max, st64.sum_exp, st64.target, st64.target_draw))
+    assert st64.tcol.dtype == torch.int32
+    update = chunks.RowUpdate(w, None, 0.1, 0.0, 0.0, False)  # a fused step over no rows: nothing to zero
+    grad_a, grad_w, _ = shard.shard_backward(a, w, labels, norms, st, torch.zeros(B), torch.ones(B), torch.full((B,), 0.5),
+                                             cfg, update=update)
+    assert torch.equal(grad_a, torch.zeros(B, D)) and grad_w is None
+
+
+def test_a_partial_fc_step_sampling_none_of_the_shard_s_classes_leaves_its_gradient():
+    """Partial FC sampled no class of this shard (an empty row index): its existing ``.grad`` (of
+    every shard row) is added nothing, not zeroed; ``grad_a`` is zero."""
+    from shardfc.head.fused import shard
+
+    B = 3
+    a, w, labels = torch.randn(B, D), torch.randn(10, D), torch.full((B,), -1)
+    cfg = _cfg()
+    rows = torch.empty(0, dtype=torch.int64)
+    st = shard.shard_forward(a, w, labels, None, cfg, rows=rows)
+    grad = torch.randn(10, D)
+    want = grad.clone()
+    grad_a, grad_w, _ = shard.shard_backward(a, w, labels, None, st, st.row_max, torch.ones(B), torch.full((B,), 0.5), cfg,
+                                             grad_w_out=grad, rows=rows)
+    assert grad_w is None and torch.equal(grad, want) and torch.equal(grad_a, torch.zeros(B, D))
 
 
 def test_a_fused_update_of_a_copy_of_the_weight_is_refused():
@@ -334,3 +367,272 @@ def test_target_logits_from_the_label_rows_alone(K, dtype):
     for got, want in ((value, want_value), (d_raw, want_draw)):
         assert got.dtype == torch.float32 and float(got[2]) == 0.0
         assert torch.allclose(got[on].double(), want[on].double(), rtol=D * 2.0**-24 * 64, atol=D * 2.0**-24 * 64)
+
+
+SHARD_CASES = {
+    "arcface": dict(),
+    "cosface_smoothing": dict(margin="cosface", smoothing=0.1),
+    "sphereface_norms": dict(margin="sphereface"),
+    "adaface_feature_norms": dict(margin="adaface", feature_norms=True),
+    "raw_softmax": dict(margin="softmax"),
+    "partial_fc_subcenters": dict(K=2, rows=True),
+    "filter_smoothing": dict(filter=0.05, smoothing=0.2),
+    "filter_partial_fc": dict(filter=0.05, rows=True, K=2),
+    "added_into_grad": dict(accumulate=True),
+    "added_into_grad_partial_fc": dict(accumulate=True, rows=True, smoothing=0.1),
+    "sphereface_smoothing": dict(margin="sphereface", smoothing=0.2),
+    "magface_feature_norms_smoothing": dict(margin="magface", feature_norms=True, smoothing=0.1),
+    "bf16_centres": dict(centres=torch.bfloat16, tol=2e-2),
+    "bf16_embeddings": dict(embeddings=torch.bfloat16, tol=2e-2),
+    "one_class": dict(n_cls=1),
+    "above_the_operand_budget": dict(budget=0),
+}
+
+
+def _shard_inputs(case, B=7):
+    """A shard of ``n_cls`` classes (``K`` rows each); with ``rows``, Partial FC's 6 sampled classes
+    (class-major, ``K`` rows each) and labels indexing them; with ``filter``, the unit target rows."""
+    g = torch.Generator().manual_seed(21)
+    K, n_cls = case.get("K", 1), case.get("n_cls", C)  # C: two class splits under the interpreter
+    a, w = torch.randn(B, D, generator=g), torch.randn(n_cls * K, D, generator=g)
+    a = a / a.norm(dim=1, keepdim=True)  # unit embeddings, as the head hands them to its shards
+    rows = None
+    labels = torch.randint(0, n_cls, (B,), generator=g)
+    if case.get("rows"):
+        cls = torch.randperm(n_cls, generator=g)[:6]
+        rows = (cls.unsqueeze(1) * K + torch.arange(K)).flatten()
+        labels = torch.randint(0, 6, (B,), generator=g)
+    labels[1] = -1  # a label elsewhere
+    labels[2] = 0  # the first column
+    own = labels.clamp(min=0) * K if rows is None else rows[labels.clamp(min=0) * K]
+    tr = w[own] / w[own].norm(dim=1, keepdim=True) if case.get("filter") else None
+    a, w = a.to(case.get("embeddings", torch.float32)), w.to(case.get("centres", torch.float32))
+    return a, w, labels, torch.rand(B, generator=g) + 1, tr, rows
+
+
+@pytest.mark.parametrize("case", list(SHARD_CASES.values()), ids=list(SHARD_CASES))
+def test_shard_forward_and_backward_equal_the_torch_kernels(impl, case, monkeypatch):
+    """One shard called directly: every statistic, ``grad_a``, the weight gradient (returned, or
+    added into ``.grad``, at the sampled rows under Partial FC) and the norm's gradient equal
+    :mod:`shardfc.head.kernels`' (the reference implementation) to fp32 accuracy (bf16 inputs: to
+    the file's bf16 tolerance), in the dtypes torch returns them in; the label columns and
+    sub-centres int32."""
+    import dataclasses
+
+    from shardfc.head import kernels
+    from shardfc.head.fused import chunks, shard
+
+    if "budget" in case:
+        monkeypatch.setattr(chunks, "OPERAND_BYTES", case["budget"])
+    tol = case.get("tol", FP32)
+
+    a, w, labels, norms, tr, rows = _shard_inputs(case)
+    cfg = _cfg(margin=case.get("margin", "arcface"), smoothing=case.get("smoothing", 0.0), K=case.get("K", 1),
+               impl=impl)
+    cfg = dataclasses.replace(cfg, filter_threshold=case.get("filter"))
+    ref_cfg = dataclasses.replace(cfg, impl="torch")
+    ref = kernels.shard_forward(a, w, labels, norms, ref_cfg, tr, rows)
+    got = shard.shard_forward(a, w, labels, norms, cfg, tr, rows)
+    for name in ("row_max", "sum_exp", "target", "logit_sum", "target_draw", "target_dnorm"):
+        r, x = getattr(ref, name), getattr(got, name)
+        assert (x is None) == (r is None), name
+        if r is not None:  # infinities (the filter's −inf logits in the smoothing's sum) where torch has them
+            fin = torch.isfinite(r)
+            assert torch.equal(x[~fin], r[~fin]) and x.dtype == torch.float32, name
+            assert rel(x[fin], r[fin]) < tol, (name, rel(x[fin], r[fin]))
+    assert got.tcol.dtype == got.tsub.dtype == torch.int32 and (got.operand is None) == ("budget" in case)
+    coef = torch.rand(a.shape[0], generator=torch.Generator().manual_seed(2)) + 0.5
+    feature_norms = case.get("feature_norms", False)
+    out = {}
+    for name, fn, st, c in (("torch", kernels.shard_backward, ref, ref_cfg), (impl, shard.shard_backward, got, cfg)):
+        grad = torch.full_like(w, 0.25) if case.get("accumulate") else None
+        res = fn(a, w, labels, norms, st, ref.row_max, ref.sum_exp, coef, c, grad_w_out=grad, target_rows=tr,
+                 feature_norms=feature_norms, rows=rows)
+        out[name] = (res[0], res[1] if grad is None else grad, res[2], res[1] is None)
+    (ga, gw, gn, none), (ga_r, gw_r, gn_r, none_r) = out[impl], out["torch"]
+    assert none == none_r == bool(case.get("accumulate"))
+    assert (ga.dtype, gw.dtype) == (ga_r.dtype, gw_r.dtype) == (a.dtype, w.dtype)
+    assert rel(ga.float(), ga_r.float()) < tol and rel(gw.float(), gw_r.float()) < tol
+    assert (gn is None) == (gn_r is None) and (gn is None or rel(gn, gn_r) < tol)
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["", "as_on_a_gpu"])
+@pytest.mark.parametrize("case", ["rows_filter_smooth", "operand"])
+def test_the_fused_forward_on_the_meta_device_tells_the_plan_what_it_reads_and_writes(case, gpu, monkeypatch):
+    """``shardfc plan`` runs the forward on meta tensors: one ``lse_forward`` launch reading the
+    embeddings, the scored rows (through Partial FC's index), the index, the norms, the target
+    columns and values and the filter's target rows; writing its three ``[B, splits]`` statistics
+    (two without smoothing: ``plsum`` is ``pmax``), fp32 on meta; ``2·B·n·K·D`` flops. With the step's
+    operand: the compact rows alone."""
+    from shardfc.head.fused import autotune, shard, traffic
+
+    meta = torch.device("meta")
+    B, n_cls, K, Dm = 5, 7, 3, 8
+    if gpu:  # the splits sized for the meta device's SMs and the batch, as on a GPU
+        monkeypatch.setattr(autotune, "interpreting", lambda: False)
+    a_k, w = torch.empty(B, Dm, device=meta), torch.empty(40, Dm, device=meta)
+    tcol, tval = torch.empty(B, dtype=torch.int32, device=meta), torch.empty(B, device=meta)
+    full = case == "rows_filter_smooth"
+    rows = torch.empty(n_cls * K + 4, dtype=torch.int64, device=meta)[2:2 + n_cls * K] if full else None
+    inv = torch.empty(40, device=meta) if full else None
+    tr = torch.empty(B, Dm, device=meta) if full else None
+    if not full:
+        w = w[:n_cls * K]
+    seen = []
+
+    def part(r):
+        return ("rows", r.part[2], r.part[3], r.nbytes) if r.part[0] == "rows" else (r.part, r.nbytes)
+
+    before = torch.get_default_dtype()
+    try:  # fp32 statistics whatever torch's default dtype
+        torch.set_default_dtype(torch.float64)
+        with traffic.recording(lambda kernel, reads, writes, flops: seen.append(
+                (kernel, [part(r) for r in reads], [part(r) for r in writes], flops))):
+            pmax, psum, plsum = shard._fused_forward(a_k, w, rows, inv, tr, tcol, tval, n_cls, K,
+                                                     _cfg(K=K, impl="triton"), full, normalize=full)
+    finally:
+        torch.set_default_dtype(before)
+    n, splits = n_cls * K, -(-n_cls // autotune.class_splits(n_cls, B, meta))
+    assert [(t.device, t.dtype, tuple(t.shape)) for t in (pmax, psum, plsum)] == [(meta, torch.float32, (B, splits))] * 3
+    assert (plsum is pmax) == (not full) and psum is not pmax
+    reads = [(("span", 0, B * Dm * 4), B * Dm * 4)]
+    if full:
+        reads += [("rows", 2, n, n * Dm * 4), (("span", 2 * 8, n * 8), n * 8), (("span", 0, n * 4), n * 4)]
+    else:
+        reads += [(("span", 0, n * Dm * 4), n * Dm * 4)]
+    reads += [(("span", 0, B * 4), B * 4)] * 2 + ([(("span", 0, B * Dm * 4), B * Dm * 4)] if full else [])
+    outs = [(("span", 0, B * splits * 4), B * splits * 4)] * (3 if full else 2)
+    assert seen == [("lse_forward", reads, outs, 2.0 * B * n * Dm)]
+
+
+@pytest.mark.parametrize("margin", ["arcface", "softmax"])
+def test_the_fused_update_keeps_the_next_operand_and_the_next_forward_takes_it(impl, margin):
+    """bf16 compute, every row scored: the backward's fused update writes the next step's operand
+    over the step's and keeps it (with the norms exactly when the margin normalises); the next
+    forward scores that very tensor, and its statistics are those of a fresh forward (within bf16
+    rounding of the operand). A Partial FC step neither takes nor keeps it, and forgets it."""
+    from shardfc.head.fused import chunks, shard
+
+    g = torch.Generator().manual_seed(4)
+    a, w = torch.randn(6, D, generator=g), torch.randn(16, D, generator=g)
+    a = a / a.norm(dim=1, keepdim=True)
+    labels = torch.tensor([3, -1, 0, 15, 7, 3])
+    cfg = _cfg(torch.bfloat16, margin=margin, impl=impl)
+    normalize = cfg.margin.normalize_weights
+    nxt = chunks.NextOperand()
+    st = shard.shard_forward(a, w, labels, None, cfg, next_operand=nxt)
+    assert st.operand is not None and (st.inv is not None) == normalize
+    coef = torch.full((6,), 1 / 6)
+    update = chunks.RowUpdate(w, None, 0.5, 0.0, 0.0, False)
+    version = w._version
+    assert shard.shard_backward(a, w, labels, None, st, st.row_max, st.sum_exp, coef, cfg, update=update,
+                                next_operand=nxt)[1] is None
+    assert w._version > version  # the update bumps it, and the operand is keyed after
+    assert nxt.operand is st.operand and nxt.inv is st.inv
+    again = shard.shard_forward(a, w, labels, None, cfg, next_operand=nxt)
+    fresh = shard.shard_forward(a, w, labels, None, cfg)
+    assert again.operand is nxt.operand and fresh.operand is not nxt.operand and (again.inv is st.inv)
+    for name in ("row_max", "sum_exp", "target"):
+        assert rel(getattr(again, name), getattr(fresh, name)) < 2e-2, name
+    rows = torch.arange(0, 16, 2)
+    sampled = shard.shard_forward(a, w, labels.clamp(max=rows.numel() - 1), None, cfg, rows=rows, next_operand=nxt)
+    assert sampled.operand is not nxt.operand and nxt.operand is again.operand  # not taken (nor forgotten) here
+    shard.shard_backward(a, w, labels.clamp(max=rows.numel() - 1), None, sampled, sampled.row_max, sampled.sum_exp, coef,
+                         cfg, rows=rows, update=update, next_operand=nxt)
+    assert nxt.operand is None and nxt.inv is None
+
+
+def test_target_logits_score_a_row_of_norm_exactly_norm_eps_as_a_unit_row():
+    """A target row whose norm is exactly ``NORM_EPS`` is normalised (the torch path's rule: rows
+    *below* it count as zero vectors): its cosine is the embedding's first coordinate. Embeddings
+    given in bf16 are read in the stats dtype."""
+    from shardfc.head.fused import shard
+    from shardfc.head.normalize import NORM_EPS
+
+    w = torch.zeros(3, D)
+    w[1, 0] = NORM_EPS
+    assert float(torch.linalg.vector_norm(w[1])) == float(torch.tensor(NORM_EPS))
+    w[2] = 1.0
+    a = torch.randn(2, D, generator=torch.Generator().manual_seed(3)).bfloat16()
+    cfg = _cfg(margin="normsoftmax")
+    on, sub, value, _, _ = shard.target_logits(a, w, torch.tensor([1, 2]), None, cfg, None)
+    want = torch.stack([a[0, 0].float(), a[1].float().sum() / D**0.5]) * cfg.margin.s
+    assert value.dtype == torch.float32 and torch.allclose(value, want, rtol=4 * D * 2.0**-24, atol=0.0)
+
+
+@pytest.mark.parametrize("impl_", ["gemm", "triton"])
+def test_the_config_s_impl_picks_the_gemm_chunks_or_the_fused_kernel_and_the_step_s_operand(impl_, monkeypatch):
+    """``impl="gemm"``: the chunks' statistics over the step's operand (no chunk makes its own);
+    ``impl="triton"``: the fused online-LSE kernel, over the step's operand unless the filter reads W."""
+    from shardfc.head.fused import chunks, shard
+
+    calls = []
+    for mod, name in ((chunks, "forward_stats"), (shard, "_fused_forward"), (chunks, "operand_rows")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    a, w, labels, _, tr, _ = _shard_inputs({"filter": 0.05})
+    st = shard.shard_forward(a, w, labels, None, _cfg(impl=impl_))
+    assert st.operand is not None
+    want = "forward_stats" if impl_ == "gemm" else "_fused_forward"
+    assert calls == [want]
+    calls.clear()
+    if impl_ == "triton":
+        seen = []
+        real = shard._fused_forward
+        monkeypatch.setattr(shard, "_fused_forward", lambda a_k, w_, *r, **k: seen.append(w_) or real(a_k, w_, *r, **k))
+        st = shard.shard_forward(a, w, labels, None, _cfg(impl=impl_))
+        import dataclasses
+
+        shard.shard_forward(a, w, labels, None, dataclasses.replace(_cfg(impl=impl_), filter_threshold=0.05), tr)
+        assert seen[0] is not w and seen[0].shape == w.shape and seen[1] is w  # the operand, then W itself
+
+
+def test_the_config_s_chunk_scale_reaches_the_gemm_chunks_forward_and_backward(monkeypatch):
+    """``cfg.chunk_scale`` sizes the GEMM path's class chunks in both passes (the plan's and
+    ``shardfc tune``'s knob): :func:`.chunks.forward_stats` and :func:`.chunks.backward` get it."""
+    import dataclasses
+
+    from shardfc.head.fused import chunks, shard
+
+    scales = []
+    for name in ("forward_stats", "backward"):
+        real = getattr(chunks, name)
+        monkeypatch.setattr(chunks, name, lambda *a, _real=real, **k: scales.append(k["chunk_scale"]) or _real(*a, **k))
+    a, w, labels, _, _, _ = _shard_inputs({})
+    cfg = dataclasses.replace(_cfg(), chunk_scale=2)
+    st = shard.shard_forward(a, w, labels, None, cfg)
+    shard.shard_backward(a, w, labels, None, st, st.row_max, st.sum_exp, torch.ones(a.shape[0]), cfg)
+    assert scales == [2, 2]
+
+
+@pytest.mark.parametrize("K,filter_,margin,budget,tf32", [
+    (1, False, "arcface", None, False), (1, False, "arcface", 0, True), (2, True, "arcface", None, False),
+    (2, False, "softmax", None, False)])
+def test_the_fused_forward_is_tuned_per_sub_centres_filter_precision_and_normalisation(K, filter_, margin, budget, tf32,
+                                                                                         monkeypatch):
+    """The fused kernel launches through the tuner of its configs (:func:`.autotune.lse_forward`:
+    sub-centres, filter, fp32 precision, rows normalised in registers — above the operand budget;
+    some of them share one), keyed by the class and batch counts rounded up to powers of two
+    (53 → 64, 7 → 8)."""
+    import dataclasses
+
+    from shardfc.head.fused import autotune, chunks, shard
+
+    launched = []
+    real = autotune.launch
+    monkeypatch.setattr(autotune, "launch", lambda tuned, grid, *a, **k: launched.append((tuned, a[-2:])) or real(
+        tuned, grid, *a, **k))
+    if budget is not None:
+        monkeypatch.setattr(chunks, "OPERAND_BYTES", budget)
+    a, w, labels, _, tr, _ = _shard_inputs({"filter": 0.05 if filter_ else None, "K": K})
+    cfg = dataclasses.replace(_cfg(margin=margin, K=K, impl="triton"), filter_threshold=0.05 if filter_ else None)
+    matmul, before = torch.backends.cuda.matmul, torch.backends.cuda.matmul.allow_tf32  # not a plain attribute
+    try:
+        matmul.allow_tf32 = tf32
+        shard.shard_forward(a, w, labels, None, cfg, tr)
+    finally:
+        matmul.allow_tf32 = before
+    # the kernel normalises the rows where it reads W: with the filter or above the budget
+    normalize = (filter_ or budget is not None) and cfg.margin.normalize_weights
+    want = autotune.lse_forward(K, filter_, "tf32" if tf32 else "ieee", normalize)
+    assert launched == [(want, (64, 8))]
