@@ -407,3 +407,81 @@ def test_a_dense_step_after_sampled_ones_leaves_no_row_behind():
         head(*_batch(step)).backward()
         opt.step()
         assert bool(opt._clocks) == training
+
+
+@pytest.mark.parametrize("momentum, weight_decay, nesterov", [(0.0, 0.0, False), (0.9, 0.1, False), (0.9, 0.1, True)])
+def test_a_bf16_sgd_step_is_the_fp32_step_rounded_once(momentum, weight_decay, nesterov):
+    # Two dense steps of bf16 weights: the weights, gradient and momentum are read into fp32, the
+    # step is formed there and only its results are rounded (to nearest) to bf16 — bit for bit the
+    # plain fp32 formula (a product formed in bf16, as `lr * g` of a bf16 g, would round early).
+    gen = torch.Generator().manual_seed(7)
+    p = torch.nn.Parameter(torch.randn(6, 40, generator=gen).to(torch.bfloat16))
+    opt = RowSparseSGD([p], lr=0.37, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+    w, buf = p.detach().float(), torch.zeros(6, 40)
+    for _ in range(2):
+        grad = torch.randn(6, 40, generator=gen).to(torch.bfloat16)
+        p.grad = grad.clone()
+        opt.step()
+        g = grad.float() + weight_decay * w if weight_decay else grad.float()
+        if momentum:
+            b = buf * momentum + g
+            buf = b.to(torch.bfloat16).float()
+            g = g + momentum * b if nesterov else b
+        w = (w - 0.37 * g).to(torch.bfloat16).float()
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(p.detach().float(), w)
+        if momentum:
+            assert torch.equal(opt.state[p]["momentum_buffer"].float(), buf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_adamw_step_is_formed_in_fp32_with_fp32_bias_corrections(dtype):
+    # Two dense steps: weights and moments read into fp32, the bias corrections (from the fp64 per-row
+    # step count) taken to fp32 before they meet the moments, results rounded (to nearest) once.
+    gen = torch.Generator().manual_seed(3)
+    lr, (b1, b2), eps, wd = 0.05, (0.8, 0.95), 1e-6, 0.1
+    p = torch.nn.Parameter(torch.randn(5, 48, generator=gen).to(dtype))
+    opt = RowSparseAdamW([p], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    w, m, v = p.detach().float().clone(), torch.zeros(5, 48), torch.zeros(5, 48)
+    for step in (1, 2):
+        grad = torch.randn(5, 48, generator=gen).to(dtype)
+        p.grad = grad.clone()
+        opt.step()
+        g = grad.float()
+        m = m.lerp(g, 1 - b1)
+        v = v.mul(b2).addcmul(g, g, value=1 - b2)
+        t = torch.full((5,), float(step), dtype=torch.float64)
+        bias1 = (1 - b1**t).float().unsqueeze(1)
+        bias2_sqrt = (1 - b2**t).sqrt().float().unsqueeze(1)
+        w = (w * (1 - lr * wd) - (lr / bias1) * m / (v.sqrt() / bias2_sqrt + eps)).to(dtype).float()
+        m, v = m.to(dtype).float(), v.to(dtype).float()
+        assert p.dtype == dtype
+        assert torch.equal(p.detach().float(), w)
+        assert torch.equal(opt.state[p]["exp_avg"].float(), m)
+        assert torch.equal(opt.state[p]["exp_avg_sq"].float(), v)
+
+
+def test_the_idle_clock_holds_full_catch_up_every_entries_and_restarts_at_the_next_step(monkeypatch):
+    # The table opens with one entry; each sampled step with momentum adds one; once it holds more
+    # than FULL_CATCH_UP_EVERY the step catches every row up and the table restarts at one entry.
+    monkeypatch.setattr("shardfc.head.partial_fc.FULL_CATCH_UP_EVERY", 3)
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    rows = torch.tensor([0, 1])
+    opt = RowSparseSGD([p], lr=0.1, momentum=0.9, sampled_rows=lambda: {p: rows})
+    lengths = []
+    for _ in range(6):
+        p.grad = torch.randn(6, 4)
+        opt.step()
+        lengths.append(opt._clocks[p].length)
+    assert lengths == [2, 3, 1, 2, 3, 1]
+
+
+def test_sampled_steps_of_sgd_without_momentum_or_decay_record_nothing_for_idle_rows():
+    # Such a step leaves an idle row as it is: nothing to record, the table keeps its opening entry.
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    rows = torch.tensor([0, 1])
+    opt = RowSparseSGD([p], lr=0.1, sampled_rows=lambda: {p: rows})
+    for _ in range(3):
+        p.grad = torch.randn(6, 4)
+        opt.step()
+    assert opt._clocks[p].length == 1
