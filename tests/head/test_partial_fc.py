@@ -8,7 +8,15 @@ import torch
 import shardfc
 from shardfc import margins as M
 from shardfc.head import sampling
-from shardfc.head.partial_fc import RowSparseAdamW, RowSparseSGD, head_optimizer, num_sampled, sample_rows
+from shardfc.head.partial_fc import (
+    RowSparseAdamW,
+    RowSparseSGD,
+    head_optimizer,
+    load_optimizer_rows,
+    num_sampled,
+    optimizer_rows,
+    sample_rows,
+)
 
 C, D = 200, 8
 
@@ -485,3 +493,76 @@ def test_sampled_steps_of_sgd_without_momentum_or_decay_record_nothing_for_idle_
         p.grad = torch.randn(6, 4)
         opt.step()
     assert opt._clocks[p].length == 1
+
+
+def test_adamw_defaults_are_torchs():
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    ours, torchs = RowSparseAdamW([p]).defaults, torch.optim.AdamW([p]).defaults
+    assert {k: ours[k] for k in ("lr", "betas", "eps", "weight_decay")} == {
+        k: torchs[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    assert ours["rounding_seed"] == RowSparseSGD([p], lr=0.1).defaults["rounding_seed"] == 0
+
+
+@pytest.mark.parametrize("kw", [dict(lr=-0.1), dict(eps=-1e-8), dict(weight_decay=-0.01), dict(betas=(1.0, 0.9)),
+                                dict(betas=(-0.1, 0.9)), dict(betas=(0.9, 1.0)), dict(betas=(0.9, -0.1))])
+def test_adamw_refuses_each_hyper_parameter_out_of_range_alone(kw):
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    args = dict(dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2), **kw)
+    with pytest.raises(ValueError) as err:
+        RowSparseAdamW([p], **kw)
+    assert str(err.value) == (f"invalid AdamW hyper-parameters lr={args['lr']}, betas={args['betas']}, "
+                              f"eps={args['eps']}, weight_decay={args['weight_decay']}")
+
+
+def test_adamw_takes_a_zero_learning_rate_and_betas_of_zero():
+    p = torch.nn.Parameter(torch.ones(2, 2))
+    opt = RowSparseAdamW([p], lr=0.0, betas=(0.0, 0.0))
+    p.grad = torch.ones(2, 2)
+    opt.step()
+    assert torch.equal(p.detach(), torch.ones(2, 2))
+
+
+def test_adamw_continues_torchs_adamw_from_its_state():
+    # torch's state keeps one scalar `step`: it becomes every row's count, so the next step's bias
+    # corrections are torch's fourth step's (equal up to fp32 rounding of the same formula).
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(4, 8, generator=gen) for _ in range(4)]
+    a = torch.nn.Parameter(torch.randn(4, 8, generator=gen))
+    b = torch.nn.Parameter(a.detach().clone())
+    ref = torch.optim.AdamW([a], lr=0.05, foreach=False)
+    for g in grads[:3]:
+        a.grad = g.clone()
+        ref.step()
+    opt = RowSparseAdamW([b], lr=0.05)
+    tensors, extras = optimizer_rows(ref, [a])
+    assert set(tensors) == {"exp_avg", "exp_avg_sq"} and extras["step"] == 3  # the scalar step is no row tensor
+    load_optimizer_rows(opt, [b], [(0, 4)], tensors, extras)
+    b.data.copy_(a.detach())
+    a.grad, b.grad = grads[3].clone(), grads[3].clone()
+    ref.step()
+    opt.step()
+    assert "step" not in opt.state[b]
+    assert torch.equal(opt.state[b]["row_step"], torch.full((4,), 4.0, dtype=torch.float64))
+    # A step moves a weight by about lr = 0.05; the two fp32 forms differ by a few ulps of that.
+    torch.testing.assert_close(b.detach(), a.detach(), rtol=0, atol=8 * 0.05 * torch.finfo(torch.float32).eps)
+
+
+def test_why_a_backward_cannot_update_a_parameter_follows_its_own_groups_rounding():
+    # On the meta device the kernel serves bf16 weights rounded to nearest, not stochastically.
+    a, b, outsider = (torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.bfloat16, device="meta")) for _ in range(3))
+    opt = RowSparseSGD([{"params": [a]}, {"params": [b], "rounding": "stochastic"}], lr=0.1)
+    assert opt.fused_update_unavailable(a) is None
+    assert opt.fused_update_unavailable(b) == "rounding='stochastic' (the kernel rounds to nearest)"
+    assert opt.fused_update_unavailable(outsider) is None  # not a parameter: the defaults' rounding
+
+
+def test_catch_up_kernel_true_refuses_a_parameter_it_cannot_serve_naming_why():
+    p = torch.nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16))
+    rows = torch.tensor([0, 1])
+    opt = RowSparseSGD([p], lr=0.1, momentum=0.9, rounding="stochastic", sampled_rows=lambda: {p: rows})
+    opt.catch_up_kernel = True
+    p.grad = torch.ones(6, 4, dtype=torch.bfloat16)
+    opt.step()  # the first sampled step: no row behind yet
+    with pytest.raises(ValueError) as err:
+        opt.step()
+    assert str(err.value) == "catch_up_kernel=True cannot serve this parameter: rounding='stochastic' (the kernel rounds to nearest)"
