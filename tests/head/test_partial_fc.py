@@ -566,3 +566,26 @@ def test_catch_up_kernel_true_refuses_a_parameter_it_cannot_serve_naming_why():
     with pytest.raises(ValueError) as err:
         opt.step()
     assert str(err.value) == "catch_up_kernel=True cannot serve this parameter: rounding='stochastic' (the kernel rounds to nearest)"
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["row_indices", "row_grad"])
+def test_a_step_over_several_update_blocks_gives_each_row_its_own_gradient(monkeypatch, sparse):
+    # Blocks of 2 rows (UPDATE_BLOCK is 65536): 5 sampled rows in 3 blocks, each row its gradient's row.
+    from shardfc.head.sampling import RowGrad
+
+    monkeypatch.setattr("shardfc.head.partial_fc.UPDATE_BLOCK", 2)
+    gen = torch.Generator().manual_seed(11)
+    p = torch.nn.Parameter(torch.randn(8, 4, generator=gen))
+    rows = torch.tensor([0, 2, 3, 5, 6])
+    values = torch.randn(5, 4, generator=gen)
+    start = p.detach().clone()
+    if sparse:
+        entry = RowGrad(rows, values)
+    else:
+        entry = rows
+        p.grad = torch.zeros(8, 4).index_copy_(0, rows, values)
+    opt = RowSparseSGD([p], lr=0.5, sampled_rows=lambda: {p: entry}, idle_rows="lazy")
+    opt.step()
+    expected = start.clone()
+    expected[rows] = start[rows] - 0.5 * values
+    assert torch.equal(p.detach(), expected)
