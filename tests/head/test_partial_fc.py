@@ -589,3 +589,41 @@ def test_a_step_over_several_update_blocks_gives_each_row_its_own_gradient(monke
     expected = start.clone()
     expected[rows] = start[rows] - 0.5 * values
     assert torch.equal(p.detach(), expected)
+
+
+def test_backward_update_hands_the_step_once_a_step_and_only_where_the_kernel_serves():
+    # On the meta device the kernel serves fp32 and bf16 rounded to nearest (nothing is launched here).
+    p = torch.nn.Parameter(torch.zeros(4, 8, device="meta"))
+    q = torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.bfloat16, device="meta"))
+    opt = RowSparseSGD([{"params": [p]}, {"params": [q], "rounding": "stochastic"}], lr=0.1, momentum=0.9,
+                       weight_decay=0.01, nesterov=True)
+    assert opt.backward_update(p) is None  # fused_update off: the step updates p
+    opt.fused_update = True
+    assert opt.backward_update(q) is None  # stochastic rounding of bf16: the kernel cannot
+    u = opt.backward_update(p)
+    assert u.param is p and u.momentum_buffer is opt.state[p]["momentum_buffer"]
+    assert (u.lr, u.momentum, u.weight_decay, u.nesterov) == (0.1, 0.9, 0.01, True)
+    assert u.hyper is not None and u.hyper.shape == (3,) and u.hyper.device == p.device
+    with pytest.raises(RuntimeError) as err:
+        opt.backward_update(p)
+    assert str(err.value) == (
+        "the head's optimizer step already ran in an earlier backward of this step "
+        "(head_optimizer(..., fused_update=True) updates the weights in the backward): "
+        "accumulating gradients over several backward passes needs fused_update=False "
+        "(shardfc train chooses it by itself when grad_accum > 1)")
+    opt.zero_grad()  # a new step
+    assert opt.backward_update(p) is not None
+    with pytest.raises(ValueError) as err:
+        opt.backward_update(torch.nn.Parameter(torch.zeros(4, 8, device="meta")))
+    assert str(err.value) == "backward_update: the tensor is not a parameter of this optimizer"
+
+
+def test_adamw_backward_update_carries_its_state_and_numbers():
+    p = torch.nn.Parameter(torch.zeros(4, 8, device="meta"))
+    opt = RowSparseAdamW([p], lr=0.01, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.05)
+    opt.fused_update = True
+    u = opt.backward_update(p)
+    state = opt.state[p]
+    assert u.exp_avg is state["exp_avg"] and u.exp_avg_sq is state["exp_avg_sq"] and u.row_step is state["row_step"]
+    assert (u.lr, u.betas, u.eps, u.weight_decay) == (0.01, (0.8, 0.9), 1e-6, 0.05)
+    assert u.hyper is not None and u.hyper.shape == (len(u.hyper_values()),) and u.hyper.device == p.device
