@@ -627,3 +627,21 @@ def test_adamw_backward_update_carries_its_state_and_numbers():
     assert u.exp_avg is state["exp_avg"] and u.exp_avg_sq is state["exp_avg_sq"] and u.row_step is state["row_step"]
     assert (u.lr, u.betas, u.eps, u.weight_decay) == (0.01, (0.8, 0.9), 1e-6, 0.05)
     assert u.hyper is not None and u.hyper.shape == (len(u.hyper_values()),) and u.hyper.device == p.device
+
+
+@pytest.mark.parametrize("kw, error, text", [
+    (dict(lr=-0.1), ValueError, "lr, momentum, weight_decay must be >= 0, got -0.1, 0.0, 0.0"),
+    (dict(lr=0.1, momentum=-0.5), ValueError, "lr, momentum, weight_decay must be >= 0, got 0.1, -0.5, 0.0"),
+    (dict(lr=0.1, weight_decay=-0.5), ValueError, "lr, momentum, weight_decay must be >= 0, got 0.1, 0.0, -0.5"),
+    (dict(lr=0.1, fused=2), TypeError, "fused must be None (automatic), True or False, got 2"),
+    (dict(lr=0.1, fused="yes"), TypeError, "fused must be None (automatic), True or False, got 'yes'"),
+])
+def test_sgd_refuses_each_bad_argument_alone(kw, error, text):
+    with pytest.raises(error) as err:
+        RowSparseSGD([torch.nn.Parameter(torch.zeros(2, 2))], **kw)
+    assert str(err.value) == text
+
+
+@pytest.mark.parametrize("fused", [None, True, False])
+def test_sgd_keeps_its_fused_choice_and_takes_a_zero_learning_rate(fused):
+    assert RowSparseSGD([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.0, fused=fused).fused is fused
