@@ -633,6 +633,7 @@ def test_adamw_backward_update_carries_its_state_and_numbers():
     (dict(lr=-0.1), ValueError, "lr, momentum, weight_decay must be >= 0, got -0.1, 0.0, 0.0"),
     (dict(lr=0.1, momentum=-0.5), ValueError, "lr, momentum, weight_decay must be >= 0, got 0.1, -0.5, 0.0"),
     (dict(lr=0.1, weight_decay=-0.5), ValueError, "lr, momentum, weight_decay must be >= 0, got 0.1, 0.0, -0.5"),
+    (dict(lr=0.1, nesterov=True), ValueError, "nesterov needs momentum > 0"),
     (dict(lr=0.1, fused=2), TypeError, "fused must be None (automatic), True or False, got 2"),
     (dict(lr=0.1, fused="yes"), TypeError, "fused must be None (automatic), True or False, got 'yes'"),
 ])
