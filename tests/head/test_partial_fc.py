@@ -646,3 +646,14 @@ def test_sgd_refuses_each_bad_argument_alone(kw, error, text):
 @pytest.mark.parametrize("fused", [None, True, False])
 def test_sgd_keeps_its_fused_choice_and_takes_a_zero_learning_rate(fused):
     assert RowSparseSGD([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.0, fused=fused).fused is fused
+
+
+def test_zero_grad_sets_the_gradients_to_none_by_default_as_torchs_optimizers_do():
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    opt = RowSparseSGD([p], lr=0.1)
+    p.grad = torch.ones(2, 2)
+    opt.zero_grad()
+    assert p.grad is None
+    p.grad = torch.ones(2, 2)
+    opt.zero_grad(set_to_none=False)
+    assert torch.equal(p.grad, torch.zeros(2, 2))
