@@ -657,3 +657,40 @@ def test_zero_grad_sets_the_gradients_to_none_by_default_as_torchs_optimizers_do
     p.grad = torch.ones(2, 2)
     opt.zero_grad(set_to_none=False)
     assert torch.equal(p.grad, torch.zeros(2, 2))
+
+
+class _SampledStandIn(torch.nn.Module):
+    """A head under Partial FC as head_optimizer sees it: a sample rate below 1 and its rows' source."""
+
+    sample_rate = 0.5
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(4, 2))
+
+    def take_sampled_rows(self):
+        return {}
+
+
+def test_head_optimizer_passes_its_numbers_and_defaults_to_the_optimizer_it_picks():
+    dense = torch.nn.Linear(2, 4)
+    sgd = head_optimizer(dense, "sgd", lr=0.1)
+    assert type(sgd) is torch.optim.SGD
+    assert (sgd.defaults["momentum"], sgd.defaults["weight_decay"], sgd.defaults["nesterov"]) == (0.9, 5e-4, False)
+    assert head_optimizer(dense, "sgd", lr=0.1, nesterov=True).defaults["nesterov"] is True
+    adamw = head_optimizer(dense, "adamw", lr=0.1, betas=(0.5, 0.6), eps=1e-3)
+    assert type(adamw) is torch.optim.AdamW and (adamw.defaults["betas"], adamw.defaults["eps"]) == ((0.5, 0.6), 1e-3)
+    assert head_optimizer(dense, "adamw", lr=0.1).defaults["eps"] == 1e-8
+    sampled = head_optimizer(_SampledStandIn(), "adamw", lr=0.1, betas=(0.5, 0.6), eps=1e-3, rounding="stochastic")
+    assert type(sampled) is RowSparseAdamW
+    assert {k: sampled.defaults[k] for k in ("betas", "eps", "rounding", "rounding_seed")} == {
+        "betas": (0.5, 0.6), "eps": 1e-3, "rounding": "stochastic", "rounding_seed": 0}
+
+
+def test_head_optimizer_refusals_name_what_they_got():
+    with pytest.raises(TypeError) as err:
+        head_optimizer(torch.nn.Linear(2, 4), "sgd", lr=0.1, fused_update=1)
+    assert str(err.value) == "fused_update must be True or False, got 1"
+    with pytest.raises(TypeError) as err:
+        head_optimizer(torch.nn.Linear(2, 4), "sgd", lr=0.1, fused_update=True)
+    assert str(err.value) == "fused_update=True needs a ShardedMarginHead, got Linear"
