@@ -8,7 +8,15 @@ import torch
 import shardfc
 from shardfc import margins as M
 from shardfc.head import sampling
-from shardfc.head.partial_fc import RowSparseAdamW, RowSparseSGD, head_optimizer, num_sampled, sample_rows
+from shardfc.head.partial_fc import (
+    RowSparseAdamW,
+    RowSparseSGD,
+    head_optimizer,
+    load_optimizer_rows,
+    num_sampled,
+    optimizer_rows,
+    sample_rows,
+)
 
 C, D = 200, 8
 
@@ -407,3 +415,282 @@ def test_a_dense_step_after_sampled_ones_leaves_no_row_behind():
         head(*_batch(step)).backward()
         opt.step()
         assert bool(opt._clocks) == training
+
+
+@pytest.mark.parametrize("momentum, weight_decay, nesterov", [(0.0, 0.0, False), (0.9, 0.1, False), (0.9, 0.1, True)])
+def test_a_bf16_sgd_step_is_the_fp32_step_rounded_once(momentum, weight_decay, nesterov):
+    # Two dense steps of bf16 weights: the weights, gradient and momentum are read into fp32, the
+    # step is formed there and only its results are rounded (to nearest) to bf16 — bit for bit the
+    # plain fp32 formula (a product formed in bf16, as `lr * g` of a bf16 g, would round early).
+    gen = torch.Generator().manual_seed(7)
+    p = torch.nn.Parameter(torch.randn(6, 40, generator=gen).to(torch.bfloat16))
+    opt = RowSparseSGD([p], lr=0.37, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+    w, buf = p.detach().float(), torch.zeros(6, 40)
+    for _ in range(2):
+        grad = torch.randn(6, 40, generator=gen).to(torch.bfloat16)
+        p.grad = grad.clone()
+        opt.step()
+        g = grad.float() + weight_decay * w if weight_decay else grad.float()
+        if momentum:
+            b = buf * momentum + g
+            buf = b.to(torch.bfloat16).float()
+            g = g + momentum * b if nesterov else b
+        w = (w - 0.37 * g).to(torch.bfloat16).float()
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(p.detach().float(), w)
+        if momentum:
+            assert torch.equal(opt.state[p]["momentum_buffer"].float(), buf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_adamw_step_is_formed_in_fp32_with_fp32_bias_corrections(dtype):
+    # Two dense steps: weights and moments read into fp32, the bias corrections (from the fp64 per-row
+    # step count) taken to fp32 before they meet the moments, results rounded (to nearest) once.
+    gen = torch.Generator().manual_seed(3)
+    lr, (b1, b2), eps, wd = 0.05, (0.8, 0.95), 1e-6, 0.1
+    p = torch.nn.Parameter(torch.randn(5, 48, generator=gen).to(dtype))
+    opt = RowSparseAdamW([p], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    w, m, v = p.detach().float().clone(), torch.zeros(5, 48), torch.zeros(5, 48)
+    for step in (1, 2):
+        grad = torch.randn(5, 48, generator=gen).to(dtype)
+        p.grad = grad.clone()
+        opt.step()
+        g = grad.float()
+        m = m.lerp(g, 1 - b1)
+        v = v.mul(b2).addcmul(g, g, value=1 - b2)
+        t = torch.full((5,), float(step), dtype=torch.float64)
+        bias1 = (1 - b1**t).float().unsqueeze(1)
+        bias2_sqrt = (1 - b2**t).sqrt().float().unsqueeze(1)
+        w = (w * (1 - lr * wd) - (lr / bias1) * m / (v.sqrt() / bias2_sqrt + eps)).to(dtype).float()
+        m, v = m.to(dtype).float(), v.to(dtype).float()
+        assert p.dtype == dtype
+        assert torch.equal(p.detach().float(), w)
+        assert torch.equal(opt.state[p]["exp_avg"].float(), m)
+        assert torch.equal(opt.state[p]["exp_avg_sq"].float(), v)
+
+
+def test_the_idle_clock_holds_full_catch_up_every_entries_and_restarts_at_the_next_step(monkeypatch):
+    # The table opens with one entry; each sampled step with momentum adds one; once it holds more
+    # than FULL_CATCH_UP_EVERY the step catches every row up and the table restarts at one entry.
+    monkeypatch.setattr("shardfc.head.partial_fc.FULL_CATCH_UP_EVERY", 3)
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    rows = torch.tensor([0, 1])
+    opt = RowSparseSGD([p], lr=0.1, momentum=0.9, sampled_rows=lambda: {p: rows})
+    lengths = []
+    for _ in range(6):
+        p.grad = torch.randn(6, 4)
+        opt.step()
+        lengths.append(opt._clocks[p].length)
+    assert lengths == [2, 3, 1, 2, 3, 1]
+
+
+def test_sampled_steps_of_sgd_without_momentum_or_decay_record_nothing_for_idle_rows():
+    # Such a step leaves an idle row as it is: nothing to record, the table keeps its opening entry.
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    rows = torch.tensor([0, 1])
+    opt = RowSparseSGD([p], lr=0.1, sampled_rows=lambda: {p: rows})
+    for _ in range(3):
+        p.grad = torch.randn(6, 4)
+        opt.step()
+    assert opt._clocks[p].length == 1
+
+
+def test_adamw_defaults_are_torchs():
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    ours, torchs = RowSparseAdamW([p]).defaults, torch.optim.AdamW([p]).defaults
+    assert {k: ours[k] for k in ("lr", "betas", "eps", "weight_decay")} == {
+        k: torchs[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    assert ours["rounding_seed"] == RowSparseSGD([p], lr=0.1).defaults["rounding_seed"] == 0
+
+
+@pytest.mark.parametrize("kw", [dict(lr=-0.1), dict(eps=-1e-8), dict(weight_decay=-0.01), dict(betas=(1.0, 0.9)),
+                                dict(betas=(-0.1, 0.9)), dict(betas=(0.9, 1.0)), dict(betas=(0.9, -0.1))])
+def test_adamw_refuses_each_hyper_parameter_out_of_range_alone(kw):
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    args = dict(dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2), **kw)
+    with pytest.raises(ValueError) as err:
+        RowSparseAdamW([p], **kw)
+    assert str(err.value) == (f"invalid AdamW hyper-parameters lr={args['lr']}, betas={args['betas']}, "
+                              f"eps={args['eps']}, weight_decay={args['weight_decay']}")
+
+
+def test_adamw_takes_a_zero_learning_rate_and_betas_of_zero():
+    p = torch.nn.Parameter(torch.ones(2, 2))
+    opt = RowSparseAdamW([p], lr=0.0, betas=(0.0, 0.0))
+    p.grad = torch.ones(2, 2)
+    opt.step()
+    assert torch.equal(p.detach(), torch.ones(2, 2))
+
+
+def test_adamw_continues_torchs_adamw_from_its_state():
+    # torch's state keeps one scalar `step`: it becomes every row's count, so the next step's bias
+    # corrections are torch's fourth step's (equal up to fp32 rounding of the same formula).
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(4, 8, generator=gen) for _ in range(4)]
+    a = torch.nn.Parameter(torch.randn(4, 8, generator=gen))
+    b = torch.nn.Parameter(a.detach().clone())
+    ref = torch.optim.AdamW([a], lr=0.05, foreach=False)
+    for g in grads[:3]:
+        a.grad = g.clone()
+        ref.step()
+    opt = RowSparseAdamW([b], lr=0.05)
+    tensors, extras = optimizer_rows(ref, [a])
+    assert set(tensors) == {"exp_avg", "exp_avg_sq"} and extras["step"] == 3  # the scalar step is no row tensor
+    load_optimizer_rows(opt, [b], [(0, 4)], tensors, extras)
+    b.data.copy_(a.detach())
+    a.grad, b.grad = grads[3].clone(), grads[3].clone()
+    ref.step()
+    opt.step()
+    assert "step" not in opt.state[b]
+    assert torch.equal(opt.state[b]["row_step"], torch.full((4,), 4.0, dtype=torch.float64))
+    # A step moves a weight by about lr = 0.05; the two fp32 forms differ by a few ulps of that.
+    torch.testing.assert_close(b.detach(), a.detach(), rtol=0, atol=8 * 0.05 * torch.finfo(torch.float32).eps)
+
+
+def test_why_a_backward_cannot_update_a_parameter_follows_its_own_groups_rounding():
+    # On the meta device the kernel serves bf16 weights rounded to nearest, not stochastically.
+    a, b, outsider = (torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.bfloat16, device="meta")) for _ in range(3))
+    opt = RowSparseSGD([{"params": [a]}, {"params": [b], "rounding": "stochastic"}], lr=0.1)
+    assert opt.fused_update_unavailable(a) is None
+    assert opt.fused_update_unavailable(b) == "rounding='stochastic' (the kernel rounds to nearest)"
+    assert opt.fused_update_unavailable(outsider) is None  # not a parameter: the defaults' rounding
+
+
+def test_catch_up_kernel_true_refuses_a_parameter_it_cannot_serve_naming_why():
+    p = torch.nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16))
+    rows = torch.tensor([0, 1])
+    opt = RowSparseSGD([p], lr=0.1, momentum=0.9, rounding="stochastic", sampled_rows=lambda: {p: rows})
+    opt.catch_up_kernel = True
+    p.grad = torch.ones(6, 4, dtype=torch.bfloat16)
+    opt.step()  # the first sampled step: no row behind yet
+    with pytest.raises(ValueError) as err:
+        opt.step()
+    assert str(err.value) == "catch_up_kernel=True cannot serve this parameter: rounding='stochastic' (the kernel rounds to nearest)"
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["row_indices", "row_grad"])
+def test_a_step_over_several_update_blocks_gives_each_row_its_own_gradient(monkeypatch, sparse):
+    # Blocks of 2 rows (UPDATE_BLOCK is 65536): 5 sampled rows in 3 blocks, each row its gradient's row.
+    from shardfc.head.sampling import RowGrad
+
+    monkeypatch.setattr("shardfc.head.partial_fc.UPDATE_BLOCK", 2)
+    gen = torch.Generator().manual_seed(11)
+    p = torch.nn.Parameter(torch.randn(8, 4, generator=gen))
+    rows = torch.tensor([0, 2, 3, 5, 6])
+    values = torch.randn(5, 4, generator=gen)
+    start = p.detach().clone()
+    if sparse:
+        entry = RowGrad(rows, values)
+    else:
+        entry = rows
+        p.grad = torch.zeros(8, 4).index_copy_(0, rows, values)
+    opt = RowSparseSGD([p], lr=0.5, sampled_rows=lambda: {p: entry}, idle_rows="lazy")
+    opt.step()
+    expected = start.clone()
+    expected[rows] = start[rows] - 0.5 * values
+    assert torch.equal(p.detach(), expected)
+
+
+def test_backward_update_hands_the_step_once_a_step_and_only_where_the_kernel_serves():
+    # On the meta device the kernel serves fp32 and bf16 rounded to nearest (nothing is launched here).
+    p = torch.nn.Parameter(torch.zeros(4, 8, device="meta"))
+    q = torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.bfloat16, device="meta"))
+    opt = RowSparseSGD([{"params": [p]}, {"params": [q], "rounding": "stochastic"}], lr=0.1, momentum=0.9,
+                       weight_decay=0.01, nesterov=True)
+    assert opt.backward_update(p) is None  # fused_update off: the step updates p
+    opt.fused_update = True
+    assert opt.backward_update(q) is None  # stochastic rounding of bf16: the kernel cannot
+    u = opt.backward_update(p)
+    assert u.param is p and u.momentum_buffer is opt.state[p]["momentum_buffer"]
+    assert (u.lr, u.momentum, u.weight_decay, u.nesterov) == (0.1, 0.9, 0.01, True)
+    assert u.hyper is not None and u.hyper.shape == (3,) and u.hyper.device == p.device
+    with pytest.raises(RuntimeError) as err:
+        opt.backward_update(p)
+    assert str(err.value) == (
+        "the head's optimizer step already ran in an earlier backward of this step "
+        "(head_optimizer(..., fused_update=True) updates the weights in the backward): "
+        "accumulating gradients over several backward passes needs fused_update=False "
+        "(shardfc train chooses it by itself when grad_accum > 1)")
+    opt.zero_grad()  # a new step
+    assert opt.backward_update(p) is not None
+    with pytest.raises(ValueError) as err:
+        opt.backward_update(torch.nn.Parameter(torch.zeros(4, 8, device="meta")))
+    assert str(err.value) == "backward_update: the tensor is not a parameter of this optimizer"
+
+
+def test_adamw_backward_update_carries_its_state_and_numbers():
+    p = torch.nn.Parameter(torch.zeros(4, 8, device="meta"))
+    opt = RowSparseAdamW([p], lr=0.01, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.05)
+    opt.fused_update = True
+    u = opt.backward_update(p)
+    state = opt.state[p]
+    assert u.exp_avg is state["exp_avg"] and u.exp_avg_sq is state["exp_avg_sq"] and u.row_step is state["row_step"]
+    assert (u.lr, u.betas, u.eps, u.weight_decay) == (0.01, (0.8, 0.9), 1e-6, 0.05)
+    assert u.hyper is not None and u.hyper.shape == (len(u.hyper_values()),) and u.hyper.device == p.device
+
+
+@pytest.mark.parametrize("kw, error, text", [
+    (dict(lr=-0.1), ValueError, "lr, momentum, weight_decay must be >= 0, got -0.1, 0.0, 0.0"),
+    (dict(lr=0.1, momentum=-0.5), ValueError, "lr, momentum, weight_decay must be >= 0, got 0.1, -0.5, 0.0"),
+    (dict(lr=0.1, weight_decay=-0.5), ValueError, "lr, momentum, weight_decay must be >= 0, got 0.1, 0.0, -0.5"),
+    (dict(lr=0.1, nesterov=True), ValueError, "nesterov needs momentum > 0"),
+    (dict(lr=0.1, fused=2), TypeError, "fused must be None (automatic), True or False, got 2"),
+    (dict(lr=0.1, fused="yes"), TypeError, "fused must be None (automatic), True or False, got 'yes'"),
+])
+def test_sgd_refuses_each_bad_argument_alone(kw, error, text):
+    with pytest.raises(error) as err:
+        RowSparseSGD([torch.nn.Parameter(torch.zeros(2, 2))], **kw)
+    assert str(err.value) == text
+
+
+@pytest.mark.parametrize("fused", [None, True, False])
+def test_sgd_keeps_its_fused_choice_and_takes_a_zero_learning_rate(fused):
+    assert RowSparseSGD([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.0, fused=fused).fused is fused
+
+
+def test_zero_grad_sets_the_gradients_to_none_by_default_as_torchs_optimizers_do():
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    opt = RowSparseSGD([p], lr=0.1)
+    p.grad = torch.ones(2, 2)
+    opt.zero_grad()
+    assert p.grad is None
+    p.grad = torch.ones(2, 2)
+    opt.zero_grad(set_to_none=False)
+    assert torch.equal(p.grad, torch.zeros(2, 2))
+
+
+class _SampledStandIn(torch.nn.Module):
+    """A head under Partial FC as head_optimizer sees it: a sample rate below 1 and its rows' source."""
+
+    sample_rate = 0.5
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(4, 2))
+
+    def take_sampled_rows(self):
+        return {}
+
+
+def test_head_optimizer_passes_its_numbers_and_defaults_to_the_optimizer_it_picks():
+    dense = torch.nn.Linear(2, 4)
+    sgd = head_optimizer(dense, "sgd", lr=0.1)
+    assert type(sgd) is torch.optim.SGD
+    assert (sgd.defaults["momentum"], sgd.defaults["weight_decay"], sgd.defaults["nesterov"]) == (0.9, 5e-4, False)
+    assert head_optimizer(dense, "sgd", lr=0.1, nesterov=True).defaults["nesterov"] is True
+    adamw = head_optimizer(dense, "adamw", lr=0.1, betas=(0.5, 0.6), eps=1e-3)
+    assert type(adamw) is torch.optim.AdamW and (adamw.defaults["betas"], adamw.defaults["eps"]) == ((0.5, 0.6), 1e-3)
+    assert head_optimizer(dense, "adamw", lr=0.1).defaults["eps"] == 1e-8
+    sampled = head_optimizer(_SampledStandIn(), "adamw", lr=0.1, betas=(0.5, 0.6), eps=1e-3, rounding="stochastic")
+    assert type(sampled) is RowSparseAdamW
+    assert {k: sampled.defaults[k] for k in ("betas", "eps", "rounding", "rounding_seed")} == {
+        "betas": (0.5, 0.6), "eps": 1e-3, "rounding": "stochastic", "rounding_seed": 0}
+
+
+def test_head_optimizer_refusals_name_what_they_got():
+    with pytest.raises(TypeError) as err:
+        head_optimizer(torch.nn.Linear(2, 4), "sgd", lr=0.1, fused_update=1)
+    assert str(err.value) == "fused_update must be True or False, got 1"
+    with pytest.raises(TypeError) as err:
+        head_optimizer(torch.nn.Linear(2, 4), "sgd", lr=0.1, fused_update=True)
+    assert str(err.value) == "fused_update=True needs a ShardedMarginHead, got Linear"
