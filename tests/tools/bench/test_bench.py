@@ -45,7 +45,11 @@ def test_peaks_rank_the_variants(bench_run):
     chunked head far less than the sharded one."""
     peak = {v: r["peak_bytes_per_rank"] for v, r in bench_run["results"].items()}
     B, C, W = (bench_run["sizes"][k] for k in "BCW")
-    assert peak["naive"][0] > max(B * C * 4, 1.5 * peak["naive"][1])  # the [B, C] logits on rank 0
+    # the gathered [B, C] logits live on rank 0 only: above what any other rank holds by at least the
+    # part that is not that rank's own [B, C / W] shard (a ratio of the two peaks is not: the other
+    # ranks' peak moves with the collectives' buffers, 1.44x of it was seen)
+    assert peak["naive"][0] > B * C * 4
+    assert min(peak["naive"][0] - p for p in peak["naive"][1:]) >= B * C * 4 * (1 - 1 / W)
     assert peak["sharded"][0] > B * (C // W) * 4 > 2 * peak["chunked"][0]
     assert peak["partial"][0] < peak["sharded"][0] / 2
 
