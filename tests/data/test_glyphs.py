@@ -313,26 +313,10 @@ def _pixel_font(path, shapes) -> glyphs.Face:
     """A face whose em is 51 units, so that opened at 51 px (a 32 px image's renderer) one unit is one
     pixel and a glyph of whole units rasterises without grey edges: ``shapes`` ``{character: [(x0, y0,
     x1, y1), ...]}``, each glyph those rectangles of ink."""
-    from fontTools.fontBuilder import FontBuilder
-    from fontTools.pens.ttGlyphPen import TTGlyphPen
+    from tiny_fonts import rect_font
 
-    names = {ch: f"g{ord(ch):x}" for ch in shapes}
-    fb = FontBuilder(51, isTTF=True)
-    fb.setupGlyphOrder([".notdef", *names.values()])
-    fb.setupCharacterMap({ord(ch): name for ch, name in names.items()})
-    glyf = {".notdef": TTGlyphPen(None).glyph()}
-    for ch, rects in shapes.items():
-        pen = TTGlyphPen(None)
-        for x0, y0, x1, y1 in rects:
-            pen.moveTo((x0, y0)), pen.lineTo((x0, y1)), pen.lineTo((x1, y1)), pen.lineTo((x1, y0)), pen.closePath()
-        glyf[names[ch]] = pen.glyph()
-    fb.setupGlyf(glyf)
-    fb.setupHorizontalMetrics({name: (51, 0) for name in [".notdef", *names.values()]})
-    fb.setupHorizontalHeader(ascent=45, descent=-6)
-    fb.setupNameTable({"familyName": "Pixel", "styleName": "Regular"})
-    fb.setupOS2(sTypoAscender=45, sTypoDescender=-6, usWinAscent=45, usWinDescent=6)
-    fb.setupPost()
-    fb.save(str(path))
+    rect_font(path, "Pixel", shapes, units_per_em=51, ascent=45, descent=-6,
+              os2=dict(sTypoAscender=45, sTypoDescender=-6, usWinAscent=45, usWinDescent=6))
     return glyphs.Face(str(path), 0, "Pixel", "Pixel")
 
 
