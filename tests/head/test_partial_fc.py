@@ -568,6 +568,56 @@ def test_catch_up_kernel_true_refuses_a_parameter_it_cannot_serve_naming_why():
     assert str(err.value) == "catch_up_kernel=True cannot serve this parameter: rounding='stochastic' (the kernel rounds to nearest)"
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_kernel_serves_a_parameter_by_choice_and_says_why_not(monkeypatch, rounding):
+    import importlib.util
+
+    from shardfc.head.partial_fc import kernel_serves
+
+    p = torch.zeros(4, 8, dtype=torch.bfloat16, device="meta")  # the kernel fits it, but it is not CUDA
+    fits = rounding == "nearest"
+    assert kernel_serves(False, p, rounding, "x=True") is False
+    assert kernel_serves(None, p, rounding, "x=True") is False  # automatic: CUDA only
+    if fits:
+        assert kernel_serves(True, p, rounding, "x=True") is True
+    else:
+        with pytest.raises(ValueError) as err:
+            kernel_serves(True, p, rounding, "x=True")
+        assert str(err.value) == "x=True cannot serve this parameter: rounding='stochastic' (the kernel rounds to nearest)"
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else find_spec(name, *a))
+    assert kernel_serves(None, p, rounding, "x=True") is False and kernel_serves(False, p, rounding, "x=True") is False
+    with pytest.raises(ValueError) as err:
+        kernel_serves(True, p, rounding, "x=True")
+    assert str(err.value) == "x=True cannot serve this parameter: Triton is not installed (pip install 'shardfc[gpu]')"
+
+
+def test_stochastic_rounding_draws_by_seed_step_and_parameter_and_a_catch_up_draws_its_own():
+    from shardfc.head.partial_fc import _CATCH_UP_DRAWS
+    from shardfc.head.rounding import round_to
+    from shardfc.seeding import mix_seed
+
+    ps = [torch.nn.Parameter(torch.zeros(64, 8, dtype=torch.bfloat16)) for _ in range(2)]
+    opt = RowSparseSGD(ps, lr=0.1, rounding="stochastic", rounding_seed=7)
+    (group,) = opt.param_groups
+    group["rounding_step"] = 3
+    x = 1 + torch.rand(64, 8, generator=torch.Generator().manual_seed(0)) / 64  # between bf16's grid points
+
+    def drawn(*seed):
+        return round_to(x, torch.bfloat16, "stochastic", torch.Generator().manual_seed(mix_seed(*seed)))
+
+    cpu = torch.device("cpu")
+    draws = {(i, c): opt._rounder(group, i, cpu, catch_up=c)(x, torch.bfloat16) for i in (0, 1) for c in (False, True)}
+    for i in (0, 1):
+        assert torch.equal(draws[i, False], drawn(7, 3, i))
+        assert torch.equal(draws[i, True], drawn(7, 3, i, _CATCH_UP_DRAWS))
+        assert torch.equal(opt._rounder(group, i, cpu)(x, torch.bfloat16), draws[i, False])  # a step's by default
+    values = list(draws.values())
+    assert all(not torch.equal(a, b) for k, a in enumerate(values) for b in values[k + 1:])
+    group["rounding"] = "nearest"
+    assert torch.equal(opt._rounder(group, 0, cpu, catch_up=True)(x, torch.bfloat16), x.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("sparse", [False, True], ids=["row_indices", "row_grad"])
 def test_a_step_over_several_update_blocks_gives_each_row_its_own_gradient(monkeypatch, sparse):
     # Blocks of 2 rows (UPDATE_BLOCK is 65536): 5 sampled rows in 3 blocks, each row its gradient's row.
@@ -694,3 +744,176 @@ def test_head_optimizer_refusals_name_what_they_got():
     with pytest.raises(TypeError) as err:
         head_optimizer(torch.nn.Linear(2, 4), "sgd", lr=0.1, fused_update=True)
     assert str(err.value) == "fused_update=True needs a ShardedMarginHead, got Linear"
+
+
+# --------------------------------------------------------------------------- a sharded head's optimizer state
+
+
+def _adamw_shards(*rows, steps=2, lr=0.05):
+    """Shards of ``rows`` rows each under one torch AdamW that took ``steps`` steps."""
+    gen = torch.Generator().manual_seed(11)
+    params = [torch.nn.Parameter(torch.randn(n, 3, generator=gen)) for n in rows]
+    opt = torch.optim.AdamW(params, lr=lr, foreach=False)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return params, opt
+
+
+def test_optimizer_rows_joins_the_shards_rows_in_order_and_keeps_a_shared_value_once():
+    params, opt = _adamw_shards(3, 2)
+    tensors, extras = optimizer_rows(opt, params)
+    assert set(tensors) == {"exp_avg", "exp_avg_sq"}
+    for key in tensors:
+        assert torch.equal(tensors[key], torch.cat([opt.state[p][key] for p in params]))
+    assert set(extras) == {"step", "param_groups"} and torch.equal(extras["step"], torch.tensor(2.0))
+    extras["step"] += 1  # a copy: the optimizer's own count stays
+    assert all(torch.equal(opt.state[p]["step"], torch.tensor(2.0)) for p in params)
+    (group,) = extras["param_groups"]
+    assert "params" not in group and group["lr"] == 0.05 and group["betas"] == (0.9, 0.999)
+    # One CPU shard's rows are its own tensors (no copy, as documented)
+    (one,), one_opt = _adamw_shards(4)
+    tensors, _ = optimizer_rows(one_opt, [one])
+    assert tensors["exp_avg"].data_ptr() == one_opt.state[one]["exp_avg"].data_ptr()
+
+
+def test_optimizer_rows_of_shards_without_state_is_the_param_groups_alone():
+    params = [torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(1, 2))]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    tensors, extras = optimizer_rows(opt, params)
+    assert tensors == {} and set(extras) == {"param_groups"} and extras["param_groups"][0]["momentum"] == 0.9
+    assert optimizer_rows(opt, []) == ({}, extras)  # no shard on this process
+
+
+def test_optimizer_rows_refuses_state_that_is_not_one_shards_worth():
+    params, opt = _adamw_shards(3, 2)
+    a, b = params
+    saved = dict(opt.state[b])
+    del opt.state[b]["exp_avg"]
+    with pytest.raises(ValueError) as err:
+        optimizer_rows(opt, params)
+    assert str(err.value) == ("the optimizer holds state ['exp_avg_sq', 'step'] for one shard but "
+                              "['exp_avg', 'exp_avg_sq', 'step'] for another")
+    opt.state[b] = dict(saved, step=torch.tensor(3.0))
+    with pytest.raises(ValueError, match=r"^optimizer state 'step' differs between shards: \[tensor\(2\.\), tensor\(3\.\)\]$"):
+        optimizer_rows(opt, params)
+    opt.state[b] = dict(saved, exp_avg=torch.zeros(5, 3))  # not b's 2 rows
+    with pytest.raises(ValueError) as err:
+        optimizer_rows(opt, params)
+    assert str(err.value) == "optimizer state 'exp_avg' is a per-row tensor for some shards only"
+    # Values that are not tensors are compared as values; one shard's tensor against another's number is no match
+    for mine, theirs in [(2, 3), (torch.tensor(2.0), 2.0), (2.0, torch.tensor(2.0)), (torch.tensor([2.0, 2.0]), torch.tensor([2.0]))]:
+        opt.state[a], opt.state[b] = dict(saved, step=mine), dict(saved, step=theirs)
+        opt.state[a]["exp_avg"] = opt.state[a]["exp_avg_sq"] = torch.zeros(3, 3)
+        with pytest.raises(ValueError, match="^optimizer state 'step' differs between shards"):
+            optimizer_rows(opt, params)
+    opt.state[b]["step"] = opt.state[a]["step"] = 7
+    _, extras = optimizer_rows(opt, params)
+    assert extras["step"] == 7
+
+
+def test_load_optimizer_rows_gives_each_shard_its_rows_and_its_own_copy_of_the_rest():
+    source, src_opt = _adamw_shards(3, 2, lr=0.05)
+    tensors, extras = optimizer_rows(src_opt, source)
+    tensors = {**tensors, "row_step": torch.arange(5, dtype=torch.float64)}  # a saved dtype is kept
+    params = [torch.nn.Parameter(torch.zeros(n, 3)) for n in (1, 4)]
+    opt = RowSparseAdamW(params, lr=0.5)
+    load_optimizer_rows(opt, params, [(0, 1), (1, 5)], tensors, extras)
+    assert opt.param_groups[0]["lr"] == 0.05 and opt.param_groups[0]["params"] == params
+    for p, (lo, hi) in zip(params, [(0, 1), (1, 5)]):
+        for key, t in tensors.items():
+            assert torch.equal(opt.state[p][key], t[lo:hi]) and opt.state[p][key].dtype == t.dtype
+        assert torch.equal(opt.state[p]["step"], torch.tensor(2.0))
+    # The optimizer's own storage and its own copies: stepping writes into neither the caller's tensors nor the other shard's
+    before = {k: v.clone() for k, v in tensors.items()}
+    opt.state[params[0]]["exp_avg"].add_(1.0)
+    opt.state[params[0]]["step"].add_(1.0)
+    assert all(torch.equal(tensors[k], before[k]) for k in tensors)
+    assert torch.equal(extras["step"], torch.tensor(2.0)) and torch.equal(opt.state[params[1]]["step"], torch.tensor(2.0))
+    # A non-tensor extra is copied per shard as well
+    load_optimizer_rows(opt, params, [(0, 1), (1, 5)], {}, {"history": [1, 2]})
+    opt.state[params[0]]["history"].append(3)
+    assert opt.state[params[1]]["history"] == [1, 2] and set(opt.state[params[1]]) == {"history"}
+    # Saved before the first step: no state at all, and any the shards held is gone
+    load_optimizer_rows(opt, params, [(0, 1), (1, 5)], {}, {})
+    assert all(p not in opt.state for p in params)
+
+
+def test_load_optimizer_rows_marks_every_row_current():
+    p = torch.nn.Parameter(torch.zeros(4, 2))
+    opt = RowSparseSGD([p], lr=0.1, momentum=0.9, sampled_rows=lambda: {p: torch.tensor([1])})
+    p.grad = torch.ones(4, 2)
+    opt.step()
+    assert opt._clocks  # rows 0, 2, 3 sat a step out
+    tensors, extras = optimizer_rows(opt, [p])
+    load_optimizer_rows(opt, [p], [(0, 4)], tensors, extras)
+    assert not opt._clocks
+
+
+def test_load_optimizer_rows_refuses_state_that_does_not_fit():
+    params = [torch.nn.Parameter(torch.zeros(n, 2)) for n in (2, 3)]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError) as err:
+        load_optimizer_rows(opt, params, [(0, 2), (2, 5)], {}, {"param_groups": [{"lr": 1.0}, {"lr": 2.0}]})
+    assert str(err.value) == "saved optimizer state has 2 param groups, this optimizer 1"
+    for bad in (torch.zeros(4, 2), torch.tensor(5.0)):
+        with pytest.raises(ValueError) as err:
+            load_optimizer_rows(opt, params, [(0, 2), (2, 5)], {"momentum_buffer": bad}, {})
+        assert str(err.value) == f"optimizer state 'momentum_buffer' has shape {tuple(bad.shape)}; expected 5 rows"
+    assert opt.state == {} and opt.param_groups[0]["lr"] == 0.1  # nothing half loaded
+
+
+def test_a_row_step_count_becomes_torchs_adamw_scalar_step_only_when_every_row_has_it():
+    params = [torch.nn.Parameter(torch.zeros(n, 2)) for n in (2, 1)]
+    moments = {"exp_avg": torch.ones(3, 2), "exp_avg_sq": torch.ones(3, 2)}
+    extras = {"param_groups": [{"lr": 0.01}], "other": 5}
+    opt = torch.optim.AdamW(params, lr=0.1)
+    load_optimizer_rows(opt, params, [(0, 2), (2, 3)], {**moments, "row_step": torch.full((3,), 4.0, dtype=torch.float64)}, extras)
+    for p in params:
+        assert set(opt.state[p]) == {"exp_avg", "exp_avg_sq", "step", "other"}
+        assert opt.state[p]["step"].dtype == torch.float32 and torch.equal(opt.state[p]["step"], torch.tensor(4.0))
+    assert opt.param_groups[0]["lr"] == 0.01 and set(extras) == {"param_groups", "other"}  # the caller's dict untouched
+    # No rows saved (a head of zero classes here): the count starts at 0
+    empty = [torch.nn.Parameter(torch.zeros(0, 2))]
+    opt0 = torch.optim.AdamW(empty, lr=0.1)
+    load_optimizer_rows(opt0, empty, [(0, 0)], {"row_step": torch.zeros(0, dtype=torch.float64)}, {})
+    assert torch.equal(opt0.state[empty[0]]["step"], torch.tensor(0.0))
+    # Counts that differ between rows (Partial FC's lazy AdamW): refused with the way out
+    with pytest.raises(ValueError) as err:
+        load_optimizer_rows(opt, params, [(0, 2), (2, 3)], {**moments, "row_step": torch.tensor([4.0, 4.0, 3.0], dtype=torch.float64)}, {})
+    assert str(err.value) == (
+        "the saved AdamW state has a step count per row that differs between rows (Partial FC's lazy row-sparse "
+        "AdamW, idle_rows='lazy'), but this optimizer is torch's AdamW, which keeps one count; load it into the "
+        "row-sparse AdamW (sample_rate < 1, or head_optimizer(..., fused_update=True))")
+    with pytest.raises(ValueError, match="differs between rows"):  # the first row is the one that differs
+        load_optimizer_rows(opt, params, [(0, 2), (2, 3)], {**moments, "row_step": torch.tensor([3.0, 4.0, 4.0], dtype=torch.float64)}, {})
+    # A scalar step already saved wins; other optimizers keep the per-row form as saved
+    load_optimizer_rows(opt, params, [(0, 2), (2, 3)], {**moments, "row_step": torch.full((3,), 4.0)}, {"step": torch.tensor(9.0)})
+    assert torch.equal(opt.state[params[0]]["step"], torch.tensor(9.0)) and torch.equal(opt.state[params[0]]["row_step"], torch.full((2,), 4.0))
+    sgd = torch.optim.SGD(params, lr=0.1)
+    load_optimizer_rows(sgd, params, [(0, 2), (2, 3)], {"row_step": torch.full((3,), 4.0)}, {})
+    assert set(sgd.state[params[0]]) == {"row_step"}
+
+
+@pytest.mark.parametrize("make", [RowSparseSGD, RowSparseAdamW], ids=["sgd", "adamw"])
+def test_step_runs_a_closure_with_gradients_and_returns_its_loss_as_torchs_optimizers_do(make):
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(2))
+    ours, theirs = torch.nn.Parameter(torch.ones(3, 2)), torch.nn.Parameter(torch.ones(3, 2))
+    opt = make([ours], lr=0.1)
+    ref = (torch.optim.SGD if make is RowSparseSGD else torch.optim.AdamW)([theirs], lr=0.1, foreach=False)
+
+    def closure_of(p, o):
+        def closure():
+            o.zero_grad()
+            loss = (x @ p).square().sum()
+            loss.backward()
+            return loss
+        return closure
+
+    with torch.no_grad():  # even so: torch's optimizers run the closure with gradients on
+        for _ in range(2):
+            loss = opt.step(closure_of(ours, opt))
+            assert torch.equal(loss, ref.step(closure_of(theirs, ref)))
+    torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=1e-6, atol=1e-7)
+    assert opt.step() is None

@@ -333,7 +333,6 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
                     return index, group
         raise ValueError("the tensor is not a parameter of this optimizer")
 
-    @torch.no_grad()
     def catch_up_(self, p: Tensor, rows: Optional[Tensor] = None) -> bool:
         """Bring ``rows`` of parameter ``p`` (None: every row) and their optimizer state to where the
         dense optimizer would have them after the steps they sat out (``idle_rows="exact"``; with
@@ -345,7 +344,9 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
             return False
         index, group = self._group_of(p)
         rnd = self._rounder(group, index, p.device, catch_up=True)
-        self._catch_up_rows(p, clock, rows, rnd, self._catch_up_by_kernel(p, group))
+        # A block, not the @torch.no_grad() decorator: mutmut 3 does not mutate decorated functions.
+        with torch.no_grad():
+            self._catch_up_rows(p, clock, rows, rnd, self._catch_up_by_kernel(p, group))
         return True
 
     def _catch_up_by_kernel(self, p: Tensor, group: dict) -> bool:
@@ -402,35 +403,39 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
     def _rows_in(entry) -> Optional[Tensor]:
         return entry.rows if isinstance(entry, RowGrad) else entry
 
-    @torch.no_grad()
     def step(self, closure=None):
-        loss = closure() if closure is not None else None
-        rows_of = self._take_rows()
-        updated, self._updated_in_backward = self._updated_in_backward, set()
-        # The head whose rows these are caught them up in the forwards that sampled them, through
-        # this optimizer (its catch_up is attached here): not again. Otherwise the step does.
-        head = self._head() if self._head is not None else None
-        forward_caught_up = head is not None and head.rows_kept_current_by(self)
-        for group in self.param_groups:
-            for index, p in enumerate(group["params"]):
-                entry = rows_of.get(p)
-                rows = self._rows_in(entry)
-                if id(p) in updated:  # the head's backward applied this step already
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():  # as torch's optimizers run it: the closure may call backward
+                loss = closure()
+        # A block, not the @torch.no_grad() decorator: mutmut 3 does not mutate decorated functions.
+        with torch.no_grad():
+            rows_of = self._take_rows()
+            updated, self._updated_in_backward = self._updated_in_backward, set()
+            # The head whose rows these are caught them up in the forwards that sampled them, through
+            # this optimizer (its catch_up is attached here): not again. Otherwise the step does.
+            head = self._head() if self._head is not None else None
+            forward_caught_up = head is not None and head.rows_kept_current_by(self)
+            for group in self.param_groups:
+                for index, p in enumerate(group["params"]):
+                    entry = rows_of.get(p)
+                    rows = self._rows_in(entry)
+                    if id(p) in updated:  # the head's backward applied this step already
+                        self._advance(p, group, rows)
+                        continue
+                    if not isinstance(entry, RowGrad) and p.grad is None:
+                        continue  # no gradient: no step at all, as torch's optimizers do
+                    if not forward_caught_up:
+                        self.catch_up_(p, rows)
+                    if not self._fused_update(p, entry, group):
+                        rnd = self._rounder(group, index, p.device)
+                        scale = self._grad_scale_on(p.device)
+                        for idx, source, at in self._blocks(p, entry):
+                            # No name holds the block's gathered gradient: it is freed before the next block's.
+                            self._update(p, idx, source[at] if scale is None else
+                                         source[at].to(update_dtype(p.dtype)) / scale, group, rnd)
                     self._advance(p, group, rows)
-                    continue
-                if not isinstance(entry, RowGrad) and p.grad is None:
-                    continue  # no gradient: no step at all, as torch's optimizers do
-                if not forward_caught_up:
-                    self.catch_up_(p, rows)
-                if not self._fused_update(p, entry, group):
-                    rnd = self._rounder(group, index, p.device)
-                    scale = self._grad_scale_on(p.device)
-                    for idx, source, at in self._blocks(p, entry):
-                        # No name holds the block's gathered gradient: it is freed before the next block's.
-                        self._update(p, idx, source[at] if scale is None else
-                                     source[at].to(update_dtype(p.dtype)) / scale, group, rnd)
-                self._advance(p, group, rows)
-            group["rounding_step"] += 1
+                group["rounding_step"] += 1
         return loss
 
     def state_dict(self) -> Dict[str, Any]:
