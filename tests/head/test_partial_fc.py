@@ -590,6 +590,8 @@ def test_kernel_serves_a_parameter_by_choice_and_says_why_not(monkeypatch, round
     with pytest.raises(ValueError) as err:
         kernel_serves(True, p, rounding, "x=True")
     assert str(err.value) == "x=True cannot serve this parameter: Triton is not installed (pip install 'shardfc[gpu]')"
+    opt = RowSparseSGD([torch.nn.Parameter(p)], lr=0.1, rounding=rounding)
+    assert opt.fused_update_unavailable(opt.param_groups[0]["params"][0]) == "Triton is not installed (pip install 'shardfc[gpu]')"
 
 
 def test_stochastic_rounding_draws_by_seed_step_and_parameter_and_a_catch_up_draws_its_own():
@@ -917,3 +919,33 @@ def test_step_runs_a_closure_with_gradients_and_returns_its_loss_as_torchs_optim
             assert torch.equal(loss, ref.step(closure_of(theirs, ref)))
     torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=1e-6, atol=1e-7)
     assert opt.step() is None
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+@pytest.mark.parametrize("make", [RowSparseSGD, RowSparseAdamW], ids=["sgd", "adamw"])
+def test_a_catch_up_hands_the_clock_the_kernel_choice_and_the_optimizers_state(monkeypatch, make, kernel):
+    # Which of the two computes a catch-up (the Triton kernel or torch) is the clock's to run; the
+    # optimizer's part is to hand it the choice made for the parameter and the state it keeps.
+    from shardfc.head import partial_fc
+    from shardfc.head.catch_up import IdleClock
+
+    seen = []
+    real = IdleClock.catch_up_
+
+    def spy(clock, p, states, rows, rnd, kernel=False):
+        seen.append((kernel, states))
+        real(clock, p, states, rows, rnd, False)  # the torch path: the kernel cannot run here
+
+    monkeypatch.setattr(IdleClock, "catch_up_", spy)
+    monkeypatch.setattr(partial_fc, "kernel_serves", lambda choice, p, rounding, what: bool(choice))
+    p = torch.nn.Parameter(torch.zeros(6, 4))
+    opt = make([p], lr=0.1, **({"momentum": 0.9} if make is RowSparseSGD else {}), sampled_rows=lambda: {p: torch.tensor([1])})
+    opt.catch_up_kernel = kernel
+    for _ in range(2):
+        p.grad = torch.ones(6, 4)
+        opt.step()
+    assert opt.catch_up_(p) is True
+    assert seen and all(k is kernel for k, _ in seen)
+    state = opt.state[p]
+    want = [state["momentum_buffer"]] if make is RowSparseSGD else [state["exp_avg"], state["exp_avg_sq"], state["row_step"]]
+    assert all(len(s) == len(want) and all(a is b for a, b in zip(s, want)) for _, s in seen)

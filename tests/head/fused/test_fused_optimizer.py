@@ -12,7 +12,7 @@ from shardfc.head.partial_fc import RowGrad, RowSparseSGD
 N, D = 45, 20
 
 
-def _run(fused, dtype, kind, momentum, nesterov, wd, steps=3):
+def _run(fused, dtype, kind, momentum, nesterov, wd, steps=3, grad_scale=None):
     g = torch.Generator().manual_seed(5)
     p = torch.nn.Parameter((torch.randn(N, D, generator=g) * 0.1).to(DEVICE, dtype))
     grads = [(torch.randn(N, D, generator=g) * 0.05).to(DEVICE, dtype) for _ in range(steps)]
@@ -31,6 +31,8 @@ def _run(fused, dtype, kind, momentum, nesterov, wd, steps=3):
     for k in range(steps):
         step["k"] = k
         p.grad = None if kind == "compact" else grads[k].clone()
+        if grad_scale is not None:  # set before each step, as shardfc train's head clip does
+            opt.grad_scale = torch.tensor([grad_scale], device=DEVICE)
         opt.step()
     buf = opt.state[p].get("momentum_buffer")
     return p.detach().float().cpu(), None if buf is None else buf.float().cpu()
@@ -55,6 +57,16 @@ def test_fused_sgd_matches_torch(kind, dtype, momentum, nesterov, wd):
             assert float((got - ref).abs().max()) <= 1e-6 * float(ref.abs().max())
         else:
             assert bool(((got - ref).abs() <= ref.abs() * 2.0**-7).all())
+
+
+@pytest.mark.parametrize("kind", ["compact", "rows", "dense"])
+def test_fused_sgd_divides_every_gradient_by_the_grad_scale_set_before_the_step(kind):
+    ref_p, ref_b = _run(False, torch.float32, kind, 0.9, False, 5e-4, grad_scale=4.0)
+    got_p, got_b = _run(True, torch.float32, kind, 0.9, False, 5e-4, grad_scale=4.0)
+    unscaled, _ = _run(False, torch.float32, kind, 0.9, False, 5e-4)
+    assert float((ref_p - unscaled).abs().max()) > 1e-3  # the scale matters at this size
+    for got, ref in ((got_p, ref_p), (got_b, ref_b)):
+        assert float((got - ref).abs().max()) <= 1e-6 * float(ref.abs().max())
 
 
 def test_untouched_rows_stay_bit_identical():
