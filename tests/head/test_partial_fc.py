@@ -923,29 +923,79 @@ def test_step_runs_a_closure_with_gradients_and_returns_its_loss_as_torchs_optim
 
 @pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("make", [RowSparseSGD, RowSparseAdamW], ids=["sgd", "adamw"])
-def test_a_catch_up_hands_the_clock_the_kernel_choice_and_the_optimizers_state(monkeypatch, make, kernel):
+def test_a_catch_up_hands_the_clock_the_kernel_choice_the_optimizers_state_and_its_own_draws(monkeypatch, make, kernel):
     # Which of the two computes a catch-up (the Triton kernel or torch) is the clock's to run; the
-    # optimizer's part is to hand it the choice made for the parameter and the state it keeps.
+    # optimizer's part is to hand it the choice made for the parameter, the state it keeps and a
+    # rounder drawing apart from the step's (stochastic rounding: the seed, the step, the parameter
+    # and the catch-up's own word).
     from shardfc.head import partial_fc
     from shardfc.head.catch_up import IdleClock
+    from shardfc.head.rounding import round_to
+    from shardfc.seeding import mix_seed
 
+    x = 1 + torch.rand(6, 4, generator=torch.Generator().manual_seed(0)) / 64
     seen = []
     real = IdleClock.catch_up_
 
     def spy(clock, p, states, rows, rnd, kernel=False):
-        seen.append((kernel, states))
+        seen.append((kernel, states, rnd(x, torch.bfloat16), opt.param_groups[0]["rounding_step"]))
         real(clock, p, states, rows, rnd, False)  # the torch path: the kernel cannot run here
 
     monkeypatch.setattr(IdleClock, "catch_up_", spy)
     monkeypatch.setattr(partial_fc, "kernel_serves", lambda choice, p, rounding, what: bool(choice))
-    p = torch.nn.Parameter(torch.zeros(6, 4))
-    opt = make([p], lr=0.1, **({"momentum": 0.9} if make is RowSparseSGD else {}), sampled_rows=lambda: {p: torch.tensor([1])})
+    p = torch.nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16))
+    opt = make([p], lr=0.1, **({"momentum": 0.9} if make is RowSparseSGD else {}), rounding="stochastic",
+               rounding_seed=3, sampled_rows=lambda: {p: torch.tensor([1])})
     opt.catch_up_kernel = kernel
     for _ in range(2):
-        p.grad = torch.ones(6, 4)
+        p.grad = torch.ones(6, 4, dtype=torch.bfloat16)
         opt.step()
     assert opt.catch_up_(p) is True
-    assert seen and all(k is kernel for k, _ in seen)
+    assert len(seen) == 2  # the second step's and the one asked for
     state = opt.state[p]
     want = [state["momentum_buffer"]] if make is RowSparseSGD else [state["exp_avg"], state["exp_avg_sq"], state["row_step"]]
-    assert all(len(s) == len(want) and all(a is b for a, b in zip(s, want)) for _, s in seen)
+    for k, states, drawn, step in seen:
+        assert k is kernel and len(states) == len(want) and all(a is b for a, b in zip(states, want))
+        gen = torch.Generator().manual_seed(mix_seed(3, step, 0, partial_fc._CATCH_UP_DRAWS))
+        assert torch.equal(drawn, round_to(x, torch.bfloat16, "stochastic", gen))
+
+
+def test_a_step_catches_up_only_what_the_heads_forward_did_not():
+    """A head built with the optimizer (sampled_rows=head.take_sampled_rows) catches its sampled rows
+    up in the forward that reads them: the step does not do it again. Built apart, the step does."""
+    def catch_ups_in_steps(attached):
+        head = shardfc.ShardedMarginHead(D, C, sample_rate=0.2, sample_seed=1)
+        source = head.take_sampled_rows if attached else (lambda: head.take_sampled_rows())
+        opt = RowSparseSGD(head.parameters(), lr=0.1, momentum=0.9, sampled_rows=source)
+        counts = {"forward": 0, "step": 0}
+        where = ["forward"]
+        rows = opt._catch_up_rows
+
+        def counted(*args):
+            counts[where[0]] += 1
+            rows(*args)
+
+        opt._catch_up_rows = counted
+        for k in range(3):
+            x, y = _batch(k)
+            where[0] = "forward"
+            head(x, y).backward()
+            where[0] = "step"
+            opt.step()
+            opt.zero_grad()
+        return counts
+
+    assert catch_ups_in_steps(attached=True) == {"forward": 2, "step": 0}
+    assert catch_ups_in_steps(attached=False) == {"forward": 0, "step": 2}
+
+
+def test_a_step_goes_on_past_a_parameter_without_a_gradient_or_updated_by_the_backward():
+    a = torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.bfloat16, device="meta"))  # the kernel's: meta
+    b, c = torch.nn.Parameter(torch.zeros(3, 2)), torch.nn.Parameter(torch.zeros(3, 2))
+    opt = RowSparseSGD([a, b, c], lr=0.5)
+    opt.fused_update = True
+    assert opt.backward_update(a) is not None  # a's step is the backward's
+    c.grad = torch.ones(3, 2)  # b has none
+    opt.step()
+    assert torch.equal(b.detach(), torch.zeros(3, 2)) and torch.equal(c.detach(), torch.full((3, 2), -0.5))
+    assert opt.param_groups[0]["rounding_step"] == 1
