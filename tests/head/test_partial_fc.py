@@ -620,23 +620,24 @@ def test_stochastic_rounding_draws_by_seed_step_and_parameter_and_a_catch_up_dra
     assert torch.equal(opt._rounder(group, 0, cpu, catch_up=True)(x, torch.bfloat16), x.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("sparse", [False, True], ids=["row_indices", "row_grad"])
-def test_a_step_over_several_update_blocks_gives_each_row_its_own_gradient(monkeypatch, sparse):
-    # Blocks of 2 rows (UPDATE_BLOCK is 65536): 5 sampled rows in 3 blocks, each row its gradient's row.
+@pytest.mark.parametrize("kind", ["row_indices", "row_grad", "dense"])
+def test_a_step_over_several_update_blocks_gives_each_row_its_own_gradient(monkeypatch, kind):
+    # Blocks of 2 rows (UPDATE_BLOCK is 65536): 5 sampled rows in 3 blocks, each row its gradient's
+    # row; a dense step: 8 rows (more than the 4 columns) in 4 blocks.
     from shardfc.head.sampling import RowGrad
 
     monkeypatch.setattr("shardfc.head.partial_fc.UPDATE_BLOCK", 2)
     gen = torch.Generator().manual_seed(11)
     p = torch.nn.Parameter(torch.randn(8, 4, generator=gen))
-    rows = torch.tensor([0, 2, 3, 5, 6])
-    values = torch.randn(5, 4, generator=gen)
+    rows = torch.tensor([0, 2, 3, 5, 6]) if kind != "dense" else torch.arange(8)
+    values = torch.randn(rows.numel(), 4, generator=gen)
     start = p.detach().clone()
-    if sparse:
-        entry = RowGrad(rows, values)
+    if kind == "row_grad":
+        entry = {p: RowGrad(rows, values)}
     else:
-        entry = rows
+        entry = {p: rows} if kind == "row_indices" else {}
         p.grad = torch.zeros(8, 4).index_copy_(0, rows, values)
-    opt = RowSparseSGD([p], lr=0.5, sampled_rows=lambda: {p: entry}, idle_rows="lazy")
+    opt = RowSparseSGD([p], lr=0.5, sampled_rows=lambda: entry, idle_rows="lazy")
     opt.step()
     expected = start.clone()
     expected[rows] = start[rows] - 0.5 * values
@@ -810,9 +811,10 @@ def test_optimizer_rows_refuses_state_that_is_not_one_shards_worth():
         opt.state[a]["exp_avg"] = opt.state[a]["exp_avg_sq"] = torch.zeros(3, 3)
         with pytest.raises(ValueError, match="^optimizer state 'step' differs between shards"):
             optimizer_rows(opt, params)
-    opt.state[b]["step"] = opt.state[a]["step"] = 7
+    opt.state[b]["step"] = opt.state[a]["step"] = [[7]]  # any value: the caller gets a copy of its own
     _, extras = optimizer_rows(opt, params)
-    assert extras["step"] == 7
+    extras["step"][0].append(8)
+    assert opt.state[a]["step"] == [[7]]
 
 
 def test_load_optimizer_rows_gives_each_shard_its_rows_and_its_own_copy_of_the_rest():
@@ -833,13 +835,17 @@ def test_load_optimizer_rows_gives_each_shard_its_rows_and_its_own_copy_of_the_r
     opt.state[params[0]]["step"].add_(1.0)
     assert all(torch.equal(tensors[k], before[k]) for k in tensors)
     assert torch.equal(extras["step"], torch.tensor(2.0)) and torch.equal(opt.state[params[1]]["step"], torch.tensor(2.0))
-    # A non-tensor extra is copied per shard as well
-    load_optimizer_rows(opt, params, [(0, 1), (1, 5)], {}, {"history": [1, 2]})
-    opt.state[params[0]]["history"].append(3)
-    assert opt.state[params[1]]["history"] == [1, 2] and set(opt.state[params[1]]) == {"history"}
+    # A non-tensor extra is copied per shard as well, to the bottom
+    history = [[1], [2]]
+    load_optimizer_rows(opt, params, [(0, 1), (1, 5)], {}, {"history": history})
+    opt.state[params[0]]["history"][0].append(3)
+    assert opt.state[params[1]]["history"] == [[1], [2]] == history and set(opt.state[params[1]]) == {"history"}
     # Saved before the first step: no state at all, and any the shards held is gone
     load_optimizer_rows(opt, params, [(0, 1), (1, 5)], {}, {})
     assert all(p not in opt.state for p in params)
+    fresh = RowSparseAdamW(params, lr=0.5)  # nor does a shard without state stop it
+    load_optimizer_rows(fresh, params, [(0, 1), (1, 5)], {}, {"param_groups": [{"lr": 0.25, "params": [0, 1]}]})
+    assert fresh.state == {} and fresh.param_groups[0]["lr"] == 0.25 and fresh.param_groups[0]["params"] == params
 
 
 def test_load_optimizer_rows_marks_every_row_current():
@@ -876,6 +882,11 @@ def test_a_row_step_count_becomes_torchs_adamw_scalar_step_only_when_every_row_h
         assert set(opt.state[p]) == {"exp_avg", "exp_avg_sq", "step", "other"}
         assert opt.state[p]["step"].dtype == torch.float32 and torch.equal(opt.state[p]["step"], torch.tensor(4.0))
     assert opt.param_groups[0]["lr"] == 0.01 and set(extras) == {"param_groups", "other"}  # the caller's dict untouched
+    # One row: its count is the step
+    one = [torch.nn.Parameter(torch.zeros(1, 2))]
+    opt1 = torch.optim.AdamW(one, lr=0.1)
+    load_optimizer_rows(opt1, one, [(0, 1)], {"row_step": torch.full((1,), 6.0, dtype=torch.float64)}, {})
+    assert torch.equal(opt1.state[one[0]]["step"], torch.tensor(6.0))
     # No rows saved (a head of zero classes here): the count starts at 0
     empty = [torch.nn.Parameter(torch.zeros(0, 2))]
     opt0 = torch.optim.AdamW(empty, lr=0.1)
