@@ -1010,3 +1010,14 @@ def test_a_step_goes_on_past_a_parameter_without_a_gradient_or_updated_by_the_ba
     opt.step()
     assert torch.equal(b.detach(), torch.zeros(3, 2)) and torch.equal(c.detach(), torch.full((3, 2), -0.5))
     assert opt.param_groups[0]["rounding_step"] == 1
+
+
+@pytest.mark.parametrize("fused_update", [False, True])
+def test_staging_the_device_numbers_makes_the_fused_updates_state_only_where_the_backward_will_update(fused_update):
+    # Meta weights are ones the kernel serves; a fused update off leaves them to step(), which makes its own state.
+    a = torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.bfloat16, device="meta"))
+    stochastic = torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.bfloat16, device="meta"))  # the kernel cannot serve it
+    opt = RowSparseSGD([{"params": [a]}, {"params": [stochastic], "rounding": "stochastic"}], lr=0.1, momentum=0.9)
+    opt.fused_update = fused_update
+    opt.stage_device_scalars()
+    assert set(opt.state) == ({a} if fused_update else set())
