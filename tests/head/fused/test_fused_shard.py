@@ -345,6 +345,24 @@ def test_the_target_rows_gradient_reads_the_embeddings_before_their_cast():
 
 
 
+def test_tiny_per_sample_weights_keep_the_fp16_weight_gradients_bits():
+    """The weight GEMM reads the embeddings times the per-sample weights, in the compute dtype. In
+    fp16, weights near 1e-6 would make those products subnormal (a few bits left), so the backward
+    scales the weights to at most 1 and puts their scale back in fp32: weights of 1e-6 give exactly
+    1e-6 times the gradient of weights of 1, up to fp32 rounding (without the scaling: ≈ 1e-2)."""
+    from shardfc.head.fused import shard
+
+    g = torch.Generator().manual_seed(6)
+    a, w = torch.randn(6, D, generator=g), torch.randn(C, D, generator=g)
+    labels = torch.tensor([3, 10, -1, 3, 40, 52])
+    cfg = _cfg(torch.float16, margin="normsoftmax")  # s = 16: nearly every class's gradient is above fp16's range's end
+    st = shard.shard_forward(a, w, labels, None, cfg)
+    one, tiny = (shard.shard_backward(a, w, labels, None, st, st.row_max, st.sum_exp, torch.full((6,), c), cfg)[1]
+                 for c in (1.0, 1e-6))
+    assert int((one != 0).any(dim=1).sum()) >= C - 3
+    assert rel(tiny / 1e-6, one) < 1e-5
+
+
 @pytest.mark.parametrize("K,dtype", [(1, torch.float32), (2, torch.bfloat16)])
 def test_target_logits_from_the_label_rows_alone(K, dtype):
     """Per sample with a label here (0 included; −1: elsewhere): the best of its K sub-centres'
