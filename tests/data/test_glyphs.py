@@ -355,6 +355,29 @@ def test_a_drawing_is_exactly_its_ink_box_scaled_with_lanczos_and_centred(tmp_pa
     assert (np.asarray(r.hires("七")) == line.T).all()
 
 
+@pytest.mark.parametrize("grey", [127, 128])
+def test_ink_is_darker_than_mid_grey_and_a_pixel_of_128_is_paper(tmp_path, monkeypatch, grey):
+    """The ink box is found at values < 128: a stray pixel of exactly 128 beside the glyph is paper
+    (the drawing is the glyph's alone), one of 127 is ink (the box grows to take it in)."""
+    from PIL import ImageDraw
+
+    face = _pixel_font(tmp_path / "pixel.ttf", {"一": [(0, 10, 30, 40)]})
+    r = glyphs._Renderer(face, 32)
+    alone = np.asarray(r.hires("一"))
+
+    class StrayPixel:
+        def __init__(self, img):
+            self.img, self.draw = img, ImageDraw.Draw(img)
+
+        def text(self, *args, **kwargs):
+            self.draw.text(*args, **kwargs)
+            self.img.putpixel((5, 5), grey)  # far from the glyph, which is drawn at the canvas's centre
+
+    monkeypatch.setattr(glyphs, "ImageDraw", type("Draws", (), {"Draw": StrayPixel}))
+    drawn = np.asarray(r.hires("一"))
+    assert bool((drawn == alone).all()) is (grey == 128)
+
+
 @needs_fonts
 def test_a_face_of_a_collection_is_opened_at_its_own_index():
     path = next(f.path for f, _ in FACES if f.index == 2)
