@@ -245,20 +245,6 @@ def test_head_optimizer_is_fused_on_cuda():
     assert not shardfc.head_optimizer(bf16, "sgd", lr=0.1).param_groups[0].get("fused")
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_positives_per_range_against_a_plain_count(seed):
-    from shardfc.head.layout import class_ranges
-    from shardfc.head.partial_fc import positives_per_range
-
-    g = torch.Generator().manual_seed(seed)
-    C = 37
-    labels = torch.randint(0, C, (int(torch.randint(0, 60, (1,), generator=g)),), generator=g)
-    valid = torch.rand(labels.shape[0], generator=g) > 0.3
-    ranges = class_ranges(C, 5) + [range(C, C)]  # an empty range too
-    plain = [len({int(v) for v, ok in zip(labels, valid) if ok and v in r}) for r in ranges]
-    assert positives_per_range(labels, valid, ranges) == plain
-
-
 def test_sampling_reads_nothing_and_its_size_depends_on_the_batch_size_only(monkeypatch):
     """Partial FC's per-step sample: no read back to the host (it was a count of every shard's
     positives, read with one .tolist(), and before that a torch.unique and an int() per shard), and a

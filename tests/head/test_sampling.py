@@ -12,6 +12,18 @@ def _plain_count(labels, valid, ranges):
     return [len({int(v) for v, ok in zip(labels, valid) if ok and v in r}) for r in ranges]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_positives_per_range_against_a_plain_count(seed):
+    from shardfc.head.layout import class_ranges
+
+    g = torch.Generator().manual_seed(seed)
+    C = 37
+    labels = torch.randint(0, C, (int(torch.randint(0, 60, (1,), generator=g)),), generator=g)
+    valid = torch.rand(labels.shape[0], generator=g) > 0.3
+    ranges = class_ranges(C, 5) + [range(C, C)]  # an empty range too
+    assert positives_per_range(labels, valid, ranges) == _plain_count(labels, valid, ranges)
+
+
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("ranges", [[range(0, 10)], [range(0, 4), range(4, 10)], [range(0, 3), range(3, 3), range(3, 10)]],
                          ids=["one", "two", "an_empty_one_between"])

@@ -410,33 +410,37 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
                 loss = closure()
         # A block, not the @torch.no_grad() decorator: mutmut 3 does not mutate decorated functions.
         with torch.no_grad():
-            rows_of = self._take_rows()
-            updated, self._updated_in_backward = self._updated_in_backward, set()
-            # The head whose rows these are caught them up in the forwards that sampled them, through
-            # this optimizer (its catch_up is attached here): not again. Otherwise the step does.
-            head = self._head() if self._head is not None else None
-            forward_caught_up = head is not None and head.rows_kept_current_by(self)
-            for group in self.param_groups:
-                for index, p in enumerate(group["params"]):
-                    entry = rows_of.get(p)
-                    rows = self._rows_in(entry)
-                    if id(p) in updated:  # the head's backward applied this step already
-                        self._advance(p, group, rows)
-                        continue
-                    if not isinstance(entry, RowGrad) and p.grad is None:
-                        continue  # no gradient: no step at all, as torch's optimizers do
-                    if not forward_caught_up:
-                        self.catch_up_(p, rows)
-                    if not self._fused_update(p, entry, group):
-                        rnd = self._rounder(group, index, p.device)
-                        scale = self._grad_scale_on(p.device)
-                        for idx, source, at in self._blocks(p, entry):
-                            # No name holds the block's gathered gradient: it is freed before the next block's.
-                            self._update(p, idx, source[at] if scale is None else
-                                         source[at].to(update_dtype(p.dtype)) / scale, group, rnd)
-                    self._advance(p, group, rows)
-                group["rounding_step"] += 1
+            self._step_params()
         return loss
+
+    def _step_params(self) -> None:
+        """One step of every parameter (:meth:`step`'s body, under ``no_grad``)."""
+        rows_of = self._take_rows()
+        updated, self._updated_in_backward = self._updated_in_backward, set()
+        # The head whose rows these are caught them up in the forwards that sampled them, through
+        # this optimizer (its catch_up is attached here): not again. Otherwise the step does.
+        head = self._head() if self._head is not None else None
+        forward_caught_up = head is not None and head.rows_kept_current_by(self)
+        for group in self.param_groups:
+            for index, p in enumerate(group["params"]):
+                entry = rows_of.get(p)
+                rows = self._rows_in(entry)
+                if id(p) in updated:  # the head's backward applied this step already
+                    self._advance(p, group, rows)
+                    continue
+                if not isinstance(entry, RowGrad) and p.grad is None:
+                    continue  # no gradient: no step at all, as torch's optimizers do
+                if not forward_caught_up:
+                    self.catch_up_(p, rows)
+                if not self._fused_update(p, entry, group):
+                    rnd = self._rounder(group, index, p.device)
+                    scale = self._grad_scale_on(p.device)
+                    for idx, source, at in self._blocks(p, entry):
+                        # No name holds the block's gathered gradient: it is freed before the next block's.
+                        self._update(p, idx, source[at] if scale is None else
+                                     source[at].to(update_dtype(p.dtype)) / scale, group, rnd)
+                self._advance(p, group, rows)
+            group["rounding_step"] += 1
 
     def state_dict(self) -> Dict[str, Any]:
         """torch's ``state_dict``, of every row caught up first (a saved state is the dense one)."""
