@@ -159,9 +159,13 @@ def _with_out_dtype(op: str, device: str, fast: Callable[[], Tensor], slow: Call
         out = fast()
     except (RuntimeError, TypeError) as e:
         OUT_DTYPE_WORKS[key] = False
-        _log.warning("torch.%s(..., out_dtype=torch.float32) is not available on %s (%s): the fp32 products "
-                     "are made from fp32 copies of the operands instead (slower, same accuracy)",
-                     op, device, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if device == "meta":  # the plan's replay: nothing runs slower, a stand-in is counted
+            _log.info("torch.%s(..., out_dtype=torch.float32) is not available on meta (%s): the plan's replay "
+                      "counts a stand-in for it", op, why)
+        else:
+            _log.warning("torch.%s(..., out_dtype=torch.float32) is not available on %s (%s): the fp32 products "
+                         "are made from fp32 copies of the operands instead (slower, same accuracy)", op, device, why)
         return slow()
     OUT_DTYPE_WORKS[key] = True
     return out
@@ -187,9 +191,22 @@ def addmm_f32(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
         return c.addmm_(a, b)
     device = _gemm_device(a)
     if device == "cuda":
+        slow = (lambda: _meta_gemm_into(c, a, b)) if a.device.type == "meta" else (lambda: c.add_(mm_f32(a, b)))
         return _with_out_dtype("addmm", a.device.type, lambda: torch.addmm(c, a, b, out_dtype=torch.float32, out=c),
-                               lambda: c.add_(mm_f32(a, b)))
+                               slow)
     return c.add_(mm_f32(a, b))
+
+
+def _meta_gemm_into(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """The meta replay's stand-in for CUDA's ``addmm(out_dtype=float32, out=c)`` where torch's meta
+    path refuses it (torch 2.11 sends it to the plain addmm decomposition, which takes ``out_dtype``
+    for ``beta``; ``mm``'s own ``out_dtype`` works there): one GEMM with an fp32 output written into
+    ``c``, as the plan must count it — no ``[M, N]`` product and no add, which CUDA does not run
+    either. A meta tensor holds no values, so nothing is lost by not adding."""
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32, out=c)
+    except (RuntimeError, TypeError):  # no out_dtype on meta at all: the products in fp32, then the add
+        return c.add_(mm_f32(a, b))
 
 
 def fp16_operand_scale(g: Tensor) -> Tensor:
