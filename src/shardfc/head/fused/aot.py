@@ -25,7 +25,8 @@ What is built is what the JIT would build at run time, as far as the arguments' 
   tensor cores (bf16/fp16 operands, or fp32 at tf32), ``dots`` all of them.
 
 The test asserts, for sm_90: every build fits the SM's shared memory and 255 registers; the
-default path spills nothing (stack 0, no ``LDL``/``STL``); every build with a tensor-core dot uses
+default path spills nothing (stack 0, no ``LDL``/``STL``; ``local_ops_in_loops`` counts those that would
+run per iteration, and the test's few named exceptions of one compiler release must have none); every build with a tensor-core dot uses
 ``HGMMA`` and no ``HMMA``; builds without one (fp32 at IEEE precision, the row kernels) use
 neither.
 
@@ -292,6 +293,9 @@ class Built:
     hmma: int
     #: LDL + STL instructions in the SASS: local memory, i.e. spilled registers.
     local_ops: int
+    #: ... of which inside a loop's body or a subroutine (which a loop may call): those run per
+    #: iteration; the others once per program.
+    local_ops_in_loops: int
     #: ``tt.dot`` ops in the Triton IR, and those that ask for tensor cores (not fp32 at IEEE).
     dots: int
     tc_dots: int
@@ -351,7 +355,24 @@ def _sass(cubin: bytes) -> dict:
     if not ops:
         raise RuntimeError("cuobjdump printed no SASS")
     return dict(registers=int(regs.group(1)) if regs else None, stack_bytes=int(stack.group(1)) if stack else None,
-                hgmma=ops.count("HGMMA"), hmma=ops.count("HMMA"), local_ops=ops.count("LDL") + ops.count("STL"))
+                hgmma=ops.count("HGMMA"), hmma=ops.count("HMMA"), local_ops=ops.count("LDL") + ops.count("STL"),
+                local_ops_in_loops=local_ops_in_loops(text))
+
+
+_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?\w+\s+)?([A-Z][A-Z0-9_]*)[^;\n]*?(?:\s0x([0-9a-f]+))?\s*;")
+
+
+def local_ops_in_loops(sass: str) -> int:
+    """``LDL``/``STL`` of one kernel's SASS that run per loop iteration: inside a loop's body — from
+    a backward branch's target to the branch — or in a subroutine, i.e. at or after the first
+    ``CALL``'s target (counted as in a loop whether or not a loop calls it). A spill outside those
+    runs once per program: a register saved before a loop and restored after it."""
+    insns = [(int(a, 16), op, int(t, 16) if t else None) for a, op, t in _INSN.findall(sass)]
+    loops = [(target, at) for at, op, target in insns if op == "BRA" and target is not None and target <= at]
+    calls = [target for _, op, target in insns if op == "CALL" and target is not None]
+    first_sub = min(calls) if calls else None
+    return sum(1 for at, op, _ in insns if op in ("LDL", "STL")
+               and (any(lo <= at <= hi for lo, hi in loops) or (first_sub is not None and at >= first_sub)))
 
 
 def _dots(ttir: str) -> tuple:
@@ -429,7 +450,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.json:
         print(f"sm_{args.capability}, D={args.dim}, K={args.subcenters}; hinted: pointers, "
               + ", ".join(sorted(HINTED)) + "; unhinted: " + ", ".join(sorted(UNHINTED)))
-        print("| variant | kernel | tiles, warps, stages | shared KB | registers | stack bytes | LDL+STL "
+        print("| variant | kernel | tiles, warps, stages | shared KB | registers | stack bytes | LDL+STL (in loops) "
               "| tensor-core dots | HGMMA | HMMA |")
         print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     worst = 0
@@ -438,7 +459,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(json.dumps(b), flush=True)
         else:
             print(f"| {b['variant']} | {b['kernel']} | {b['config']} | {b['shared'] / 1024:.0f} | {b['registers']} "
-                  f"| {b['stack_bytes']} | {b['local_ops']} | {b['tc_dots']}/{b['dots']} "
+                  f"| {b['stack_bytes']} | {b['local_ops']} ({b['local_ops_in_loops']}) | {b['tc_dots']}/{b['dots']} "
                   f"| {b['hgmma']} | {b['hmma']} |",
                   flush=True)
         worst = max(worst, b["shared"])
