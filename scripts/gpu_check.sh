@@ -17,7 +17,8 @@
 #            against float64 at C_CHECK (fp32, bf16); the head step at C = CLASSES_STEP
 #            (bench and trainer variants, Partial FC r=0.1 bf16 sparse, each chunk scale,
 #            no next operand, the CUDA graph replay; GPU ms and host issue ms) beside the
-#            matmul floor; the graph replay against eager over a learning-rate schedule;
+#            matmul floor, its headline rows again at C = CLASSES_STEP2; the graph replay
+#            against eager over a learning-rate schedule;
 #            one step profiled (kernels,
 #            the slowest ten, host syncs), and a step (plain and Partial FC) under
 #            torch.cuda.set_sync_debug_mode("error"), which must pass: no host sync
@@ -35,7 +36,7 @@
 # a trainer command), else 0.
 #
 # Environment (defaults): OUT (gpu_check_out), PYTHON (python3), DEVICE (cuda), PARTS (all), BATCH (1024),
-# DIM (512), CLASSES ("1000000 250000"), CLASSES_STEP (1000000), C_CHECK (250000), STEPS (10), WARMUP (3),
+# DIM (512), CLASSES ("1000000 250000"), CLASSES_STEP (1000000), CLASSES_STEP2 (250000), C_CHECK (250000), STEPS (10), WARMUP (3),
 # STEP_TIMEOUT (140), PEERS_TIMEOUT (90 s for the first C, 50 for the others), TESTS_TIMEOUT (80),
 # TRAINER_TIMEOUT (90: at most 50 of it for bench --trainer, the rest for the short run), WHEELS,
 # TRAIN_BACKBONE (iresnet50), TRAIN_BATCH (128), TRAIN_WORKERS (4, the bench's loader workers; 12 did not
@@ -55,6 +56,7 @@ BATCH=${BATCH:-1024}
 DIM=${DIM:-512}
 CLASSES=${CLASSES:-1000000 250000}
 CLASSES_STEP=${CLASSES_STEP:-1000000}
+CLASSES_STEP2=${CLASSES_STEP2:-250000}
 C_CHECK=${C_CHECK:-250000}
 STEPS=${STEPS:-10}
 WARMUP=${WARMUP:-3}
@@ -137,7 +139,7 @@ fi
 # ---------------------------------------------------------------- step: correctness, step, profile, plan
 if want step; then
     run "step (scripts/gpu_step.py)" "${STEP_TIMEOUT:-140}" "$PY" scripts/gpu_step.py --device "$DEVICE" \
-        --batch "$BATCH" --dim "$DIM" --classes "$CLASSES_STEP" --check-classes "$C_CHECK" \
+        --batch "$BATCH" --dim "$DIM" --classes "$CLASSES_STEP" --check-classes "$C_CHECK" --second-classes "$CLASSES_STEP2" \
         --steps "$STEPS" --warmup "$WARMUP" --json "$OUT/gpu_step.json"
 fi
 

@@ -26,8 +26,9 @@
 * ``plan``: ``shardfc plan``'s predicted step peak beside the measured one, for the configurations
   the plan models (centres and compute in one dtype), and ``plan --bytes``' chunk candidates at the
   step's shapes (launches, HBM bytes, GPU and host-issue time on paper per chunk scale).
+* ``step2`` (last): the headline rows of ``step`` again at a second C (``--second-classes``, 250k).
 
-    python scripts/gpu_step.py --parts smoke,correctness,step,graph,profile,plan --classes 1000000 --json out.json
+    python scripts/gpu_step.py --parts smoke,correctness,step,graph,profile,plan,step2 --classes 1000000 --json out.json
 
 ``--device cpu`` with tiny sizes checks the script itself (the fused impls run under
 ``TRITON_INTERPRET=1`` when it is set; otherwise their rows say why they cannot run). Exit 1 if a
@@ -448,8 +449,9 @@ def step_part(args, device: torch.device) -> Dict[str, Any]:
         variants.append((f"{impl}: Partial FC r=0.1, fp32, fused update, lazy idle rows", impl, False,
                          {"sample_rate": 0.1, "idle_rows": "lazy"}, torch.float32, True))
     wanted = [w.strip() for w in args.step_rows.split(",") if w.strip()] if args.step_rows else None
+    keep = getattr(args, "row_filter", None)
     for name, impl, clip, options, wdt, fused in variants:
-        if wanted is not None and not any(w in name for w in wanted):
+        if (wanted is not None and not any(w in name for w in wanted)) or (keep is not None and not keep(name)):
             continue
         row: Dict[str, Any] = dict(name=name, impl=impl)
         options = dict(options)
@@ -482,6 +484,23 @@ def step_part(args, device: torch.device) -> Dict[str, Any]:
         rows.append(row)
         release(device)
     return {"classes": C, "batch": B, "dim": D, "dtype": args.dtype, "rows": rows}
+
+
+#: The rows the step part times again at the second C (``--second-classes``): the bench step, the
+#: fused step eager and replayed, and Partial FC's fused step eager and replayed — ends of row names
+#: (after ``impl: ``), separated by ``;`` since the names hold commas.
+SECOND_STEP_ROWS = ("bench step;SGD step fused into the backward;fused SGD step, CUDA graph replay;"
+                    "Partial FC r=0.1, bf16 centres, fused update;"
+                    "Partial FC r=0.1, bf16 centres, fused update, CUDA graph replay")
+
+
+def second_step_part(args, device: torch.device) -> Dict[str, Any]:
+    """The step part at a second C (``--second-classes``, 250k: issue 40 asks for the step at C = 1M
+    and 250k), limited to ``--second-step-rows``; last, so that a part's timeout takes it first."""
+    ends = [e.strip() for e in args.second_step_rows.split(";") if e.strip()]
+    sub = argparse.Namespace(**{**vars(args), "classes": args.second_classes, "step_rows": None,
+                                "row_filter": lambda name: any(name.endswith(": " + e) for e in ends)})
+    return step_part(sub, device)
 
 
 # --------------------------------------------------------------------------- profile and host syncs
@@ -649,7 +668,7 @@ def plan_part(args, device: torch.device) -> Dict[str, Any]:
 
 
 PARTS = {"smoke": smoke_part, "correctness": correctness, "step": step_part, "graph": graph_part,
-         "profile": profile_part, "plan": plan_part}
+         "profile": profile_part, "plan": plan_part, "step2": second_step_part}
 
 
 def main(argv=None) -> int:
@@ -667,6 +686,9 @@ def main(argv=None) -> int:
                    help="comma-separated: an impl (the optimizer's step) or impl+fused (the step in the backward)")
     p.add_argument("--step-rows", default=None,
                    help="comma-separated parts of the step part's row names: only those rows (default: every row)")
+    p.add_argument("--second-classes", type=int, default=250_000, help="C of the step2 part")
+    p.add_argument("--second-step-rows", default=SECOND_STEP_ROWS,
+                   help="';'-separated ends of row names (after 'impl: '): the step2 part's rows")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -698,7 +720,7 @@ def main(argv=None) -> int:
     for row in result.get("correctness", {}).get("rows", []):
         if row.get("status") == "FAILED":
             status = 1
-    for part in ("smoke", "step", "graph", "plan"):
+    for part in ("smoke", "step", "graph", "plan", "step2"):
         for row in result.get(part, {}).get("rows", []):
             if row.get("status") == "FAILED":
                 status = 1
@@ -719,8 +741,7 @@ def summary(r: Dict[str, Any]) -> str:
             f = lambda k: f"{row[k]:.2e}" if isinstance(row.get(k), float) else "-"  # noqa: E731
             lines.append(f"| C={row['classes']} {row['dtype']} | {row['impl']} | {f('loss_rel_err')} | {f('x_grad_rel_err')} | "
                          f"{f('weight_grad_rel_err')} | {f('tolerance')} | {row['status']} {row.get('reason', '')[:80]} |")
-    if "step" in r and "rows" in r["step"]:
-        s = r["step"]
+    for s in [r[part] for part in ("step", "step2") if "rows" in r.get(part, {})]:
         lines += ["", f"| step C={s['classes']} B={s['batch']} D={s['dim']} {s['dtype']} | ms | host issue ms "
                       "| peak above rest MiB | status |", "|---|---:|---:|---:|---|"]
         for row in s["rows"]:

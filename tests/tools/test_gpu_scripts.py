@@ -27,7 +27,7 @@ def test_gpu_step_runs_on_the_cpu_and_checks_the_torch_path_against_float64(tmp_
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gpu_step.py"), "--device", "cpu", "--batch", "8", "--dim", "16",
          "--classes", "40", "--check-classes", "30", "--steps", "2", "--warmup", "1", "--profile-impls", "torch,triton",
-         "--json", str(out)],
+         "--second-classes", "50", "--json", str(out)],
         capture_output=True, text=True, env=_env(), timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -42,6 +42,15 @@ def test_gpu_step_runs_on_the_cpu_and_checks_the_torch_path_against_float64(tmp_
     assert steps["torch: bench step"]["status"] == "ok" and steps["torch: bench step"]["ms"] > 0
     assert steps["triton: bench step"]["status"] == "unavailable"
     assert "| C=30 float32 | torch |" in proc.stdout  # the summary table
+    # the headline rows again at the second C, last (issue 40: the step at C = 1M and 250k)
+    assert list(result)[-2:] == ["step2", "step2_seconds"] and result["step2"]["classes"] == 50
+    second = {r["name"]: r for r in result["step2"]["rows"]}
+    assert second["torch: bench step"]["status"] == "ok" and second["torch: bench step"]["ms"] > 0
+    assert set(second) == {"matmul floor (3 GEMMs)"} | {f"{impl}: bench step" for impl in ("torch", "triton", "gemm")} | {
+        f"{impl}: {row}" for impl in ("triton", "gemm") for row in (
+            "SGD step fused into the backward", "fused SGD step, CUDA graph replay",
+            "Partial FC r=0.1, bf16 centres, fused update", "Partial FC r=0.1, bf16 centres, fused update, CUDA graph replay")}
+    assert "| step C=50 B=8 D=16" in proc.stdout
     # The step under torch.cuda.set_sync_debug_mode("error") is CUDA's: skipped here, cleanly.
     torch_profile = result["profile"]["impls"]["torch"]
     assert torch_profile["host_syncs"] == 0 and torch_profile["kernels"] == 0
