@@ -8,7 +8,10 @@
 # Nothing is installed system-wide and nothing is downloaded (such machines often have no network):
 # shardfc runs from src/ (PYTHONPATH=src); torch, triton and pytest must already be there. Peers
 # (Cut Cross-Entropy, Liger) come as wheels from WHEELS (default .whl/ when it holds any), installed
-# with --no-index --no-deps into a temporary folder, never into the machine's Python.
+# with --no-index --no-deps into a temporary folder, never into the machine's Python. Fetch them here
+# first (the device tool carries .whl/, which .gitignore keeps out of git; pure-Python wheels):
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl cut-cross-entropy==25.1.1 liger-kernel==0.8.5
+# Rehearse on a CPU under the GPU machine's torch and Triton first (docs/testing.md, "Before a GPU run").
 #
 # Parts (PARTS, in this order; each time-boxed with `timeout`, a part that fails does not stop the next):
 #   env      the GPU, torch, CUDA, Triton, what is importable                       -> env.txt
