@@ -107,7 +107,7 @@ def test_a_torch_without_out_dtype_falls_back_once_to_fp32_products(monkeypatch,
     def refusing(*args, **kw):
         if "out_dtype" in kw:
             tried.append(kw["out_dtype"])
-            raise RuntimeError(f"{op}: out_dtype is not supported here")
+            raise RuntimeError(f"{op}: out_dtype is not supported here\n(the rest of torch's message)")
         return real(*args, **kw)
 
     monkeypatch.setattr(torch, op, refusing)
@@ -120,7 +120,22 @@ def test_a_torch_without_out_dtype_falls_back_once_to_fp32_products(monkeypatch,
         assert out.dtype == torch.float32 and (op == "mm" or out is c)
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     assert tried == [torch.float32] and kernels.OUT_DTYPE_WORKS[(op, "cpu")] is False
-    assert sum(f"torch.{op}(..., out_dtype=torch.float32) is not available" in r.getMessage() for r in caplog.records) == 1
+    said = [r for r in caplog.records if r.getMessage().startswith(f"torch.{op}(")]
+    assert len(said) == 1 and said[0].levelname == "WARNING"
+    assert said[0].getMessage() == (f"torch.{op}(..., out_dtype=torch.float32) is not available on cpu ({op}: out_dtype "
+                                    "is not supported here): the fp32 products are made from fp32 copies of the "
+                                    "operands instead (slower, same accuracy)")
+
+
+def test_a_refusal_without_a_message_is_named_by_its_type(monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "OUT_DTYPE_WORKS", {})
+
+    def refuse():
+        raise TypeError()
+
+    assert kernels._with_out_dtype("mm", "cuda", refuse, lambda: torch.zeros(1)).shape == (1,)
+    (said,) = [r.getMessage() for r in caplog.records if "out_dtype" in r.getMessage()]
+    assert said.startswith("torch.mm(..., out_dtype=torch.float32) is not available on cuda (TypeError): ")
 
 
 def test_out_dtype_is_kept_once_it_works(monkeypatch):

@@ -25,10 +25,10 @@ What is built is what the JIT would build at run time, as far as the arguments' 
   tensor cores (bf16/fp16 operands, or fp32 at tf32), ``dots`` all of them.
 
 The test asserts, for sm_90: every build fits the SM's shared memory and 255 registers; the
-default path spills nothing (stack 0, no ``LDL``/``STL``; ``local_ops_in_loops`` counts those that would
-run per iteration, and the test's few named exceptions of one compiler release must have none); every build with a tensor-core dot uses
-``HGMMA`` and no ``HMMA``; builds without one (fp32 at IEEE precision, the row kernels) use
-neither.
+default path spills nothing (stack 0, no ``LDL``/``STL``; ``local_ops_in_loops`` counts those that
+would run per iteration, and the test's few named exceptions of one compiler release must have
+none); every build with a tensor-core dot uses ``HGMMA`` and no ``HMMA``; builds without one (fp32
+at IEEE precision, the row kernels) use neither.
 
 Adding a kernel is one :func:`register` call (see there).
 """
