@@ -100,6 +100,15 @@ def test_local_ops_in_loops_counts_a_loop_body_and_the_subroutines_not_a_save_ar
     assert aot.local_ops_in_loops(_SASS) == 3
     assert aot.local_ops_in_loops(_SASS.replace("CALL.REL.NOINC 0x00c0", "NOP")) == 2
     assert aot.local_ops_in_loops(_SASS.replace("@!P1 BRA 0x0030", "NOP").replace("CALL.REL.NOINC 0x00c0", "NOP")) == 0
+    # addresses and targets are both hexadecimal: a save at 0x0ff0, just before a loop from 0x1000
+    save_before_a_loop = """
+        /*0ff0*/                   STL.64 [R1], R44 ;
+        /*1000*/                   FADD R2, R2, R3 ;
+        /*1100*/              @!P1 BRA 0x1000 ;
+        /*1110*/                   LDL.LU.64 R12, [R1] ;
+"""
+    assert aot.local_ops_in_loops(save_before_a_loop) == 0
+    assert aot.local_ops_in_loops(save_before_a_loop.replace("FADD R2, R2, R3", "LDL R2, [R1+0x8]")) == 1
 
 
 def test_tensor_core_dots_use_wgmma_never_mma_sync(built):
