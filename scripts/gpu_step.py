@@ -399,8 +399,11 @@ def graph_part(args, device: torch.device) -> Dict[str, Any]:
     return {"rows": rows}
 
 
-def step_part(args, device: torch.device) -> Dict[str, Any]:
-    C, B, D = args.classes, args.batch, args.dim
+def step_part(args, device: torch.device, classes: Optional[int] = None,
+              keep: Optional[Callable[[str], bool]] = None) -> Dict[str, Any]:
+    """The rows at C = ``classes`` (default ``--classes``) whose names ``keep`` takes (default: those
+    ``--step-rows`` names, or all)."""
+    C, B, D = classes or args.classes, args.batch, args.dim
     rows: List[Dict[str, Any]] = []
     batches = inputs(B, D, C, device, 4)
     ms, _, times = time_steps(floor_step(B, C, D, device, args.dtype), batches, device, args.warmup, args.steps)
@@ -448,10 +451,11 @@ def step_part(args, device: torch.device) -> Dict[str, Any]:
                          {"sample_rate": 0.1}, torch.float32, True))
         variants.append((f"{impl}: Partial FC r=0.1, fp32, fused update, lazy idle rows", impl, False,
                          {"sample_rate": 0.1, "idle_rows": "lazy"}, torch.float32, True))
-    wanted = [w.strip() for w in args.step_rows.split(",") if w.strip()] if args.step_rows else None
-    keep = getattr(args, "row_filter", None)
+    if keep is None:
+        wanted = [w.strip() for w in args.step_rows.split(",") if w.strip()] if args.step_rows else None
+        keep = lambda name: wanted is None or any(w in name for w in wanted)  # noqa: E731
     for name, impl, clip, options, wdt, fused in variants:
-        if (wanted is not None and not any(w in name for w in wanted)) or (keep is not None and not keep(name)):
+        if not keep(name):
             continue
         row: Dict[str, Any] = dict(name=name, impl=impl)
         options = dict(options)
@@ -498,9 +502,7 @@ def second_step_part(args, device: torch.device) -> Dict[str, Any]:
     """The step part at a second C (``--second-classes``, 250k: issue 40 asks for the step at C = 1M
     and 250k), limited to ``--second-step-rows``; last, so that a part's timeout takes it first."""
     ends = [e.strip() for e in args.second_step_rows.split(";") if e.strip()]
-    sub = argparse.Namespace(**{**vars(args), "classes": args.second_classes, "step_rows": None,
-                                "row_filter": lambda name: any(name.endswith(": " + e) for e in ends)})
-    return step_part(sub, device)
+    return step_part(args, device, args.second_classes, lambda name: any(name.endswith(": " + e) for e in ends))
 
 
 # --------------------------------------------------------------------------- profile and host syncs
