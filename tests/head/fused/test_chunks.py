@@ -14,6 +14,7 @@ import torch
 
 from shardfc.head import kernels
 from shardfc.head.fused import chunks
+from shardfc.tools.bench.memory import LiveTensorBytes
 
 META = torch.device("meta")
 
@@ -88,19 +89,16 @@ def test_addmm_f32_adds_the_product_into_fp32(dtype):
     torch.testing.assert_close(c.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-class _GemmSpy(torch.utils._python_dispatch.TorchDispatchMode):
-    """The operators that ran (an operator that raised is not listed) and the storages they made."""
+class _OpSpy(torch.utils._python_dispatch.TorchDispatchMode):
+    """The operators that ran (an operator that raised is not listed)."""
 
-    def __init__(self, before):
+    def __init__(self):
         super().__init__()
-        self.ran, self.made, self.known = [], [], {t.untyped_storage()._cdata for t in before}
+        self.ran = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.ran.append(func.overloadpacket.__name__)
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in self.known:
-                self.made.append(tuple(t.shape))
         return out
 
 
@@ -110,15 +108,33 @@ def _meta_operands():
     return c, a, b
 
 
+def _meta_addmm_f32():
+    """``addmm_f32`` on meta operands: its result, the operators that ran, the bytes of new storages."""
+    c, a, b = _meta_operands()
+    with LiveTensorBytes() as memory, _OpSpy() as spy:
+        out = kernels.addmm_f32(c, a, b)
+    assert out is c and out.dtype == torch.float32
+    return spy.ran, memory.peak
+
+
+def _refuse_out_dtype(monkeypatch, op: str, error: Exception) -> None:
+    """``torch.<op>`` raises ``error`` when given ``out_dtype``, as a torch without it would."""
+    real = getattr(torch, op)
+
+    def refusing(*args, **kw):
+        if "out_dtype" in kw:
+            raise error
+        return real(*args, **kw)
+
+    monkeypatch.setattr(torch, op, refusing)
+
+
 def test_addmm_f32_on_meta_is_one_gemm_with_an_fp32_output_as_on_cuda(monkeypatch):
     """The plan's replay (meta) counts one GEMM writing into ``c``, as CUDA runs it: ``addmm`` where
     torch's meta path takes ``out_dtype``, else the stand-in below; no new storage either way."""
     monkeypatch.setattr(kernels, "OUT_DTYPE_WORKS", {})
-    c, a, b = _meta_operands()
-    with _GemmSpy([c, a, b]) as spy:
-        out = kernels.addmm_f32(c, a, b)
-    assert out is c and out.dtype == torch.float32
-    assert spy.ran in (["addmm"], ["mm"]) and spy.made == []
+    ran, new_bytes = _meta_addmm_f32()
+    assert ran in (["addmm"], ["mm"]) and new_bytes == 0
 
 
 def test_addmm_f32_on_a_meta_path_that_refuses_out_dtype_stands_in_one_gemm_into_c(monkeypatch, caplog):
@@ -127,20 +143,10 @@ def test_addmm_f32_on_a_meta_path_that_refuses_out_dtype_stands_in_one_gemm_into
     ``[M, N]`` product and an add, which CUDA does not run — and says so at info level, not as a
     warning of a slower path (nothing runs slower)."""
     monkeypatch.setattr(kernels, "OUT_DTYPE_WORKS", {})
-    real = torch.addmm
-
-    def refusing(*args, **kw):
-        if "out_dtype" in kw:
-            raise TypeError("unsupported operand type(s) for *: 'torch.dtype' and 'Tensor'")
-        return real(*args, **kw)
-
-    monkeypatch.setattr(torch, "addmm", refusing)
-    c, a, b = _meta_operands()
+    _refuse_out_dtype(monkeypatch, "addmm", TypeError("unsupported operand type(s) for *: 'torch.dtype' and 'Tensor'"))
     with caplog.at_level("INFO", logger=kernels._log.name):
         for _ in range(2):
-            with _GemmSpy([c, a, b]) as spy:
-                out = kernels.addmm_f32(c, a, b)
-            assert out is c and spy.ran == ["mm"] and spy.made == []
+            assert _meta_addmm_f32() == (["mm"], 0)
     assert kernels.OUT_DTYPE_WORKS[("addmm", "meta")] is False
     said = [r for r in caplog.records if "out_dtype" in r.getMessage()]
     assert len(said) == 1 and said[0].levelname == "INFO"
@@ -152,21 +158,10 @@ def test_addmm_f32_on_a_meta_path_that_refuses_out_dtype_stands_in_one_gemm_into
 def test_addmm_f32_on_a_meta_path_without_any_out_dtype_adds_an_fp32_product(monkeypatch):
     """A torch whose meta path has no ``out_dtype`` at all: the products in fp32, then the add."""
     monkeypatch.setattr(kernels, "OUT_DTYPE_WORKS", {})
-    real_addmm, real_mm = torch.addmm, torch.mm
-
-    def refusing(real):
-        def op(*args, **kw):
-            if "out_dtype" in kw:
-                raise RuntimeError("out_dtype is not supported")
-            return real(*args, **kw)
-        return op
-
-    monkeypatch.setattr(torch, "addmm", refusing(real_addmm))
-    monkeypatch.setattr(torch, "mm", refusing(real_mm))
-    c, a, b = _meta_operands()
-    with _GemmSpy([c, a, b]) as spy:
-        out = kernels.addmm_f32(c, a, b)
-    assert out is c and spy.ran[-2:] == ["mm", "add_"] and (4, 3) in spy.made
+    for op in ("addmm", "mm"):
+        _refuse_out_dtype(monkeypatch, op, RuntimeError("out_dtype is not supported"))
+    ran, new_bytes = _meta_addmm_f32()
+    assert ran[-2:] == ["mm", "add_"] and new_bytes >= 4 * 3 * 4  # the [4, 3] fp32 product at least
 
 
 @pytest.mark.parametrize("n_cls,batch,K,D,elem,backward,expected", [
