@@ -7,61 +7,15 @@ import json
 import logging
 import os
 import re
-import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 
 from shardfc.checkpoint import CheckpointError, StagePart, load_checkpoint, save_checkpoint, verify_checkpoint
 from shardfc.checkpoint import save as S
-from shardfc.parallel.context import DistContext
-
-
-class _Comm:
-    """One rank's collectives over threads: every rank's object, in rank order, once all have arrived."""
-
-    def __init__(self, world: "_World", rank: int) -> None:
-        self.world, self.rank = world, rank
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        self.world.slots[self.rank] = obj
-        self.world.barrier.wait()
-        out = list(self.world.slots)
-        self.world.barrier.wait()
-        return out
-
-    def broadcast_object(self, obj: Any) -> Any:
-        return self.all_gather_object(obj)[0]
-
-
-class _World:
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.slots: list[Any] = [None] * size
-        self.barrier = threading.Barrier(size, timeout=30)
-        self.local = threading.local()
-
-    def run(self, fn: Callable[[int], Any], monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-        """``fn(rank)`` on every rank; each rank's result or exception."""
-        monkeypatch.setattr(DistContext, "resolve", classmethod(lambda cls, group=None, device=None: self.local.ctx))
-        out: list[Any] = [None] * self.size
-
-        def rank_main(rank: int) -> None:
-            self.local.ctx = DistContext(None, rank, self.size, True, torch.device("cpu"), _Comm(self, rank))
-            try:
-                out[rank] = fn(rank)
-            except Exception as e:  # noqa: BLE001 - returned to the test
-                out[rank] = e
-
-        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(self.size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return out
-
+from thread_world import ThreadWorld
 
 FP = {"model": "m"}
 
@@ -79,7 +33,7 @@ def _save(root: Path, rank: int, **overrides: Any) -> Path:
 
 
 def test_two_ranks_save_one_checkpoint_with_both_shards_and_rank_files(tmp_path: Path, monkeypatch) -> None:
-    out = _World(2).run(lambda rank: _save(tmp_path, rank), monkeypatch)
+    out = ThreadWorld(2).run(lambda rank: _save(tmp_path, rank), monkeypatch)
     assert out == [tmp_path / "step_00000003"] * 2
     meta = verify_checkpoint(out[0])
     assert sorted(meta["files"]) == ["common.pt", "head_0.pt", "head_1.pt", "rank_0.pt", "rank_1.pt"]
@@ -97,7 +51,7 @@ def test_failed_writes_on_some_ranks_fail_every_rank_and_leaves_nothing(tmp_path
         return real(obj, path)
 
     monkeypatch.setattr(S, "save_durable", save_durable)
-    out = _World(3).run(lambda rank: _save(tmp_path, rank, **_head(range(2 * rank, 2 * rank + 2), 6)), monkeypatch)
+    out = ThreadWorld(3).run(lambda rank: _save(tmp_path, rank, **_head(range(2 * rank, 2 * rank + 2), 6)), monkeypatch)
     for rank in (1, 2):  # a failing rank raises its own error
         assert type(out[rank]) is OSError and str(out[rank]) == f"disk full at rank_{rank}.pt"
     assert type(out[0]) is CheckpointError
@@ -122,7 +76,7 @@ def test_a_scratch_directory_that_cannot_be_made_is_the_error_raised(tmp_path: P
 
 
 def test_a_bad_argument_on_one_rank_is_a_value_error_on_every_rank(tmp_path: Path, monkeypatch) -> None:
-    out = _World(3).run(lambda rank: _save(tmp_path, rank, **_head(range(2 * rank, 2 * rank + 2), 6),
+    out = ThreadWorld(3).run(lambda rank: _save(tmp_path, rank, **_head(range(2 * rank, 2 * rank + 2), 6),
                                            **({"per_rank": [rank]} if rank else {})), monkeypatch)
     for rank in (1, 2):
         assert type(out[rank]) is ValueError and str(out[rank]) == "per_rank must be a dict or None, got list"
@@ -141,17 +95,17 @@ def test_any_other_failure_while_checking_is_a_checkpoint_error_on_the_others(tm
         return real(step, keep_last, common, per_rank, *args, **kwargs)
 
     monkeypatch.setattr(S, "_prepare", prepare)
-    out = _World(2).run(lambda rank: _save(tmp_path, rank), monkeypatch)
+    out = ThreadWorld(2).run(lambda rank: _save(tmp_path, rank), monkeypatch)
     assert type(out[1]) is RuntimeError
     assert type(out[0]) is CheckpointError and str(out[0]) == "save_checkpoint of step 3 failed on rank 1: device lost"
     # A bad argument on one rank and another failure on the other: not only bad arguments.
-    out = _World(3).run(lambda rank: _save(tmp_path, rank, **_head(range(2 * rank, 2 * rank + 2), 6),
+    out = ThreadWorld(3).run(lambda rank: _save(tmp_path, rank, **_head(range(2 * rank, 2 * rank + 2), 6),
                                            **({"per_rank": [rank]} if rank == 2 else {})), monkeypatch)
     assert type(out[0]) is CheckpointError and type(out[1]) is RuntimeError and type(out[2]) is ValueError
 
 
 def test_ranks_saving_other_steps_are_refused(tmp_path: Path, monkeypatch) -> None:
-    out = _World(3).run(lambda rank: save_checkpoint(tmp_path, 4 if rank else 3, common=None, per_rank=None,
+    out = ThreadWorld(3).run(lambda rank: save_checkpoint(tmp_path, 4 if rank else 3, common=None, per_rank=None,
                                                      fingerprint=FP, **_head(range(2 * rank, 2 * rank + 2), 6)),
                         monkeypatch)
     assert all(type(e) is ValueError and str(e) == "step differs across ranks: rank 0 has 3, rank 1 has 4" for e in out)
@@ -162,7 +116,7 @@ def test_a_failed_publish_on_rank_0_fails_every_rank(tmp_path: Path, monkeypatch
         raise OSError("rename failed")
 
     monkeypatch.setattr(S, "publish", publish)
-    out = _World(2).run(lambda rank: _save(tmp_path, rank), monkeypatch)
+    out = ThreadWorld(2).run(lambda rank: _save(tmp_path, rank), monkeypatch)
     assert type(out[0]) is OSError and str(out[0]) == "rename failed"
     assert type(out[1]) is CheckpointError
     assert str(out[1]) == f"publishing checkpoint step 3 under {tmp_path} failed on rank 0: OSError: rename failed"
@@ -228,7 +182,7 @@ def test_each_bad_argument_is_named(tmp_path: Path, overrides: dict[str, Any], s
 
 
 def test_only_rank_0_writes_common_so_only_its_common_is_checked(tmp_path: Path, monkeypatch) -> None:
-    out = _World(2).run(lambda rank: _save(tmp_path, rank, common={"x": object()} if rank else {"c": 0}), monkeypatch)
+    out = ThreadWorld(2).run(lambda rank: _save(tmp_path, rank, common={"x": object()} if rank else {"c": 0}), monkeypatch)
     assert out == [tmp_path / "step_00000003"] * 2
 
 
@@ -239,7 +193,7 @@ def test_a_group_without_torch_distributed_is_refused(tmp_path: Path) -> None:
 
 def test_rank_0_logs_the_checkpoint_it_saved(tmp_path: Path, monkeypatch, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="shardfc.checkpoint")
-    out = _World(2).run(lambda rank: _save(tmp_path, rank), monkeypatch)
+    out = ThreadWorld(2).run(lambda rank: _save(tmp_path, rank), monkeypatch)
     assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
         ("shardfc.checkpoint", logging.INFO, f"saved checkpoint {out[0]}")]
 
@@ -280,7 +234,7 @@ def _stage(index: int, key: str) -> StagePart:
 
 
 def test_a_rank_holding_only_a_stage_writes_no_head_file(tmp_path: Path, monkeypatch) -> None:
-    out = _World(2).run(lambda rank: save_checkpoint(tmp_path, 1, common=None, per_rank=None, fingerprint=FP,
+    out = ThreadWorld(2).run(lambda rank: save_checkpoint(tmp_path, 1, common=None, per_rank=None, fingerprint=FP,
                                                      stage_parts=[_stage(rank, "ab"[rank])],
                                                      **(_head(range(4)) if rank == 0 else {})), monkeypatch)
     assert out == [tmp_path / "step_00000001"] * 2
