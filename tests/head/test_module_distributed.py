@@ -1,7 +1,9 @@
 """Process-group mode against the dense float64 reference, on W = 1, 2, 3, 4 gloo ranks.
 
 One process group per world size for the whole module: each spawned rank runs every case and
-returns its measured errors; the parent asserts per case.
+returns its measured errors; the parent asserts per case. The same cases run again with ranks as
+threads of the test's process (``tests/thread_world.py``), where mutation testing sees the
+cross-rank code.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import shardfc
 from shardfc import margins as M
 from shardfc.head.baselines import NaiveParallelHead, ReplicatedHead
 from shardfc.head.module import init_rows
+from shardfc.parallel.context import DistContext
 from shardfc.parallel.launch import spawn
+from thread_world import ThreadWorld
 
 C, D, SEED = 23, 6, 1234  # 23 classes: not divisible by 2, 3 or 4
 SIZES = {1: [7], 2: [5, 3], 3: [4, 0, 6], 4: [3, 5, 0, 2]}  # unequal local batches, one empty
@@ -231,8 +235,7 @@ def _partial_fc_case(rank, world):
     loss = head(xr, y[lo:hi])
     loss.backward()
     rows = head.sampled_rows[0] + head.class_range.start
-    gathered = [None] * world
-    dist.all_gather_object(gathered, rows.tolist())
+    gathered = DistContext.resolve().all_gather_object(rows.tolist())
     kept = torch.tensor(sorted(sum(gathered, [])))
     W_full = init_rows(0, C, D, 0).double().requires_grad_()
     x_ref = x.clone().requires_grad_()
@@ -388,3 +391,35 @@ def test_explicit_subgroup_is_used_not_world(world_results):
         sub = m["subgroup"]
         for key in ("loss", "grad_embeddings", "grad_weight"):
             assert sub[key] < TOL, f"{key}: {sub[key]}"
+
+
+# ---- the same cases, ranks as threads of this process
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"threads W={w}")
+def thread_results(request):
+    world = request.param
+    with pytest.MonkeyPatch.context() as mp:
+        results = ThreadWorld(world).results(lambda rank: _thread_worker(rank, world), mp)
+    return world, results
+
+
+def _thread_worker(rank, world):
+    return {
+        "cases": {name: _run_case(rank, world, opts) for name, opts in CASES.items()},
+        "bad": _bad_input_cases(rank, world),
+        "partial": _partial_fc_case(rank, world),
+    }
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_loss_and_gradients_equal_dense_reference_over_thread_ranks(thread_results, case):
+    test_loss_and_gradients_equal_dense_reference(thread_results, case)
+
+
+def test_bad_input_raises_on_every_thread_rank(thread_results):
+    test_bad_input_raises_on_every_rank(thread_results)
+
+
+def test_partial_fc_over_thread_ranks_equals_dense_loss_over_sampled_classes(thread_results):
+    test_partial_fc_equals_dense_loss_over_sampled_classes(thread_results)
