@@ -3,7 +3,8 @@ dense float64 references of ``dense_losses``, on W = 1..4 gloo ranks (23 classes
 unequal local batches, one empty).
 
 One process group per world size for the whole module: each rank runs every case and returns its
-errors; the parent asserts per case.
+errors; the parent asserts per case. The same cases run again with ranks as threads of the test's
+process (``tests/thread_world.py``), where mutation testing sees the cross-rank code.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from dense_losses import dense_loss
 
 import shardfc
 from shardfc import margins as M
 from shardfc.head.module import init_rows
 from shardfc.head.subcenters import subcenter_counts
+from shardfc.parallel.context import DistContext
 from shardfc.parallel.launch import spawn
+from thread_world import ThreadWorld
 
 C, D, SEED = 23, 6, 99
 SIZES = {1: [7], 2: [5, 3], 3: [4, 0, 6], 4: [3, 5, 0, 2]}
@@ -132,9 +134,7 @@ def _run_case(rank, world, opts):
 
 
 def _all_gather(t):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, t)
-    return out
+    return DistContext.resolve().all_gather_object(t)
 
 
 def _counts_case(rank, world):
@@ -175,3 +175,19 @@ def test_sharded_equals_dense_reference(world_results, case):
 def test_subcenter_counts_over_ranks(world_results):
     world, results = world_results
     assert all(res["counts"] for res in results)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"threads W={w}")
+def thread_results(request):
+    world = request.param
+    with pytest.MonkeyPatch.context() as mp:
+        return world, ThreadWorld(world).results(lambda rank: _worker(rank, world), mp)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sharded_equals_dense_reference_over_thread_ranks(thread_results, case):
+    test_sharded_equals_dense_reference(thread_results, case)
+
+
+def test_subcenter_counts_over_thread_ranks(thread_results):
+    test_subcenter_counts_over_ranks(thread_results)
