@@ -178,6 +178,8 @@ class _ShardedSoftmaxCrossEntropy(torch.autograd.Function):
         # The objective is the average over ranks of what each rank back-propagates.
         coef = grad_loss.to(cfg.stats_dtype).contiguous()
         if plan.distributed:
+            # Summed in a copy: ``grad_loss`` may be the caller's own tensor (``losses.backward(g)``).
+            coef = coef.clone()
             plan.comm.all_reduce_(coef, "sum")
             coef = coef / plan.world_size
         coef = torch.where(valid, coef, torch.zeros_like(coef))
