@@ -306,3 +306,38 @@ def test_a_sparse_grad_already_there_is_added_to_not_into():
     ref_w = W.clone().requires_grad_()
     dense_loss(x, ref_w, y, cfg.margin, reduction="none").backward(up)
     assert _rel(w.grad.to_dense(), ref_w.grad + before) < 1e-12
+
+
+def test_feature_norms_of_a_lower_precision_enter_in_the_statistics_dtype():
+    """MagFace reads the norms before normalisation. Handed over in fp32 to an fp64 loss, they are
+    used in fp64 (their values exactly), in the margin and in the regulariser."""
+    C, margin = 6, M.MagFace()
+    x, W, y, up = _data(C, 1)
+    norms = torch.linspace(12.0, 105.0, x.shape[0], dtype=torch.float64).float()  # inside [l_a, u_a]
+    x = F.normalize(x, dim=1) * norms.double().unsqueeze(1)
+    w = W.clone().requires_grad_()
+    plan = ShardedLossPlan(config=_config(margin, C), num_shards=1, distributed=False, comm=None, world_size=1)
+    feature_norms = norms.clone().requires_grad_()
+    losses = sharded_cross_entropy(plan, y >= 0, [local_labels_for_range(y, range(C))], [F.normalize(x, dim=1)], [w],
+                                   feature_norms)
+    losses.backward(up)
+    ref_w = W.clone().requires_grad_()
+    ref = dense_loss(x, ref_w, y, margin, reduction="none")
+    ref.backward(up)
+    assert losses.dtype is torch.float64 and feature_norms.grad.dtype is torch.float32
+    assert _rel(losses.detach(), ref.detach()) < 1e-12
+    assert _rel(w.grad, ref_w.grad) < 1e-12
+
+
+def test_sphereface_norms_of_bf16_embeddings_are_taken_in_the_statistics_dtype():
+    """Embeddings from a bf16 backbone with fp32 centres: the norm SphereFace scales by is the fp32
+    norm of the bf16 values, not a bf16 one (whose rounding, 2⁻⁸, would show in every logit)."""
+    C, margin = 6, M.SphereFace(3)
+    x, W, y, up = _data(C, 1)
+    a = (x * 3).to(torch.bfloat16)
+    cfg = _config(margin, C, dtype=torch.float32)
+    plan = ShardedLossPlan(config=cfg, num_shards=1, distributed=False, comm=None, world_size=1)
+    losses = sharded_cross_entropy(plan, y >= 0, [local_labels_for_range(y, range(C))], [a], [W.float()])
+    valid = y >= 0
+    ref = F.cross_entropy(reference_logits(a.double(), W.float().double(), y, margin)[valid], y[valid], reduction="none")
+    assert _rel(losses[valid].double(), ref) < 1e-5
