@@ -123,8 +123,95 @@ def test_adaface_statistics_training_only_and_saved():
         (lambda: M.MagFace(u_m=2.0), ValueError, "u_m must be < pi/2, got 2.0"),
         (lambda: M.MagFace(lambda_g=math.inf), ValueError, "lambda_g must be finite, got inf"),
         (lambda: M.build_margin("adaface", t_alpha=0.1), TypeError, "margin 'adaface'"),
+        (lambda: M.AdaFace(scale=0), ValueError, "scale must be > 0, got 0.0"),
+        (lambda: M.AdaFace(scale="64"), TypeError, "scale must be a real number, got '64'"),
+        (lambda: M.AdaFace(h=-0.1), ValueError, "h must be >= 0, got -0.1"),
+        (lambda: M.AdaFace(momentum=-0.5), ValueError, "momentum must be >= 0, got -0.5"),
+        (lambda: M.AdaFace(momentum="a"), TypeError, "momentum must be a real number, got 'a'"),
+        (lambda: M.MagFace(scale=-1), ValueError, "scale must be > 0, got -1.0"),
+        (lambda: M.MagFace(scale=None), TypeError, "scale must be a real number, got None"),
+        (lambda: M.MagFace(l_a=0), ValueError, "l_a must be > 0, got 0.0"),
+        (lambda: M.MagFace(l_a="1"), TypeError, "l_a must be a real number, got '1'"),
+        (lambda: M.MagFace(l_a=-20, u_a=0), ValueError, "l_a must be > 0, got -20.0"),
+        (lambda: M.MagFace(u_a=0), ValueError, "u_a must be > 0, got 0.0"),
+        (lambda: M.MagFace(u_a="1"), TypeError, "u_a must be a real number, got '1'"),
+        (lambda: M.MagFace(l_a=50, u_a=50), ValueError, "u_a must be > l_a=50, got 50"),
+        (lambda: M.MagFace(l_m=-0.1), ValueError, "l_m must be >= 0, got -0.1"),
+        (lambda: M.MagFace(l_m="0"), TypeError, "l_m must be a real number, got '0'"),
+        (lambda: M.MagFace(l_m=-0.2, u_m=-0.1), ValueError, "l_m must be >= 0, got -0.2"),
+        (lambda: M.MagFace(u_m="0"), TypeError, "u_m must be a real number, got '0'"),
+        (lambda: M.MagFace(l_m=0.0, u_m=-0.1), ValueError, "u_m must be >= 0, got -0.1"),
+        (lambda: M.MagFace(u_m=math.pi / 2), ValueError, "u_m must be < pi/2, got 1.57"),
+        (lambda: M.MagFace(lambda_g=-1), ValueError, "lambda_g must be >= 0, got -1.0"),
     ],
 )
 def test_bad_parameters_named(make, err, match):
     with pytest.raises(err, match=match):
         make()
+
+
+def test_equal_margin_bounds_and_a_momentum_of_one_are_allowed():
+    """``u_m = l_m`` is a constant margin (ArcFace's); momentum 1 keeps only the last batch."""
+    assert M.MagFace(l_m=0.5, u_m=0.5).margin_of(torch.tensor([5.0, 50.0, 500.0])).tolist() == [0.5] * 3
+    assert M.AdaFace(momentum=1.0).momentum == 1.0
+
+
+def test_the_targets_need_the_norms():
+    for margin in (M.AdaFace(), M.MagFace()):
+        with pytest.raises(ValueError) as e:
+            margin.target(torch.zeros(2))
+        assert str(e.value) == f"{type(margin).__name__}.target needs the feature norms (norm=None given)"
+
+
+@pytest.mark.parametrize("make", [_adaface, M.MagFace], ids=["adaface", "magface"])
+def test_cosines_past_one_by_rounding_count_as_one(make):
+    norm = torch.tensor([30.0, 30.0, 80.0, 80.0], dtype=torch.float64)
+    past = torch.tensor([1.0 + 1e-12, -1.0 - 1e-12, 1.5, -1.5], dtype=torch.float64)
+    at = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
+    for got, want in zip(make().target(past, norm), make().target(at, norm)):
+        assert torch.equal(got, want)
+
+
+def test_adaface_quality_is_clipped_to_one_either_way():
+    """ẑ = h·(‖x‖ − μ)/(σ + ε) is clipped to [−1, 1]: a norm far from the mean gives ±1, not ±2."""
+    m = M.AdaFace(h=1.0)
+    m.norm_mean, m.norm_std = 50.0, 10.0
+    q = m.quality(torch.tensor([0.5, 45.0, 55.0, 99.0], dtype=torch.float64))
+    assert q[0] == -1.0 and q[3] == 1.0
+    assert q[1] == pytest.approx(-5 / (10 + 1e-3)) and q[2] == pytest.approx(5 / (10 + 1e-3))
+
+
+def test_magnitudes_at_the_clip_bounds_get_no_gradient():
+    """``a = clip(‖x‖, l_a, u_a)``: at a bound exactly, as outside, the derivative is 0."""
+    m = M.MagFace(l_a=10.0, u_a=110.0)
+    a, da = m._magnitude(torch.tensor([5.0, 10.0, 60.0, 110.0, 200.0], dtype=torch.float64))
+    assert a.tolist() == [10.0, 10.0, 60.0, 110.0, 110.0]
+    assert da.tolist() == [0.0, 0.0, 1.0, 0.0, 0.0]
+
+
+def test_magface_at_the_edge_of_its_fallback():
+    """θ = π − m(a) exactly is still ``cos(θ + m)`` (= −1), as ArcFace's."""
+    mag = M.MagFace(scale=1.0)
+    norm = torch.tensor([60.0], dtype=torch.float64)
+    m = float(mag.margin_of(norm))
+    edge = torch.tensor([math.cos(math.pi - m)], dtype=torch.float64)
+    assert float(mag.target(edge, norm)[0]) == pytest.approx(-1.0, abs=1e-12)
+
+
+def test_adaface_angles_past_pi_are_held_at_pi():
+    """θ − m·ẑ passes π for a near-opposite target of a low-quality sample (ẑ < 0): the angle is
+    clipped to π (the target is s·(−1 − m·(1 + ẑ))) and gets no gradient there."""
+    m = M.AdaFace(scale=1.0, margin=0.4, h=1.0)
+    m.norm_mean, m.norm_std = 50.0, 10.0
+    norm = torch.tensor([0.5], dtype=torch.float64)  # ẑ = −1
+    value, grad, _ = m.target(torch.tensor([-0.999], dtype=torch.float64), norm)
+    assert float(value) == pytest.approx(-1.0) and float(grad) == 0.0
+
+
+def test_adaface_on_meta_leaves_the_statistics_where_they_are():
+    """``shardfc plan`` replays the step on ``meta``: the quality has the norms' shape and the running
+    statistics keep their values and device."""
+    m = _adaface()
+    q = m.quality(torch.zeros(3, device="meta"))
+    assert q.shape == (3,) and q.device.type == "meta"
+    assert m.state() == {"norm_mean": 50.0, "norm_std": 30.0} and m._stats.device.type == "cpu"

@@ -70,6 +70,14 @@ def test_arcface_values():
         (lambda: M.SphereFace(margin=4, lambda_=-1), ValueError, "lambda_ must be >= 0"),
         (lambda: M.Combined(m1=0.0), ValueError, "m1 must be > 0"),
         (lambda: M.NormSoftmax(True), TypeError, "scale"),
+        (lambda: M.NormSoftmax(0), ValueError, "scale must be > 0, got 0.0"),
+        (lambda: M.CosFace(scale=-2), ValueError, "scale must be > 0, got -2.0"),
+        (lambda: M.CosFace(margin=-0.1), ValueError, "margin must be >= 0, got -0.1"),
+        (lambda: M.Combined(scale=0), ValueError, "scale must be > 0, got 0.0"),
+        (lambda: M.Combined(m2="0.5"), TypeError, "m2 must be a real number, got '0.5' (str)"),
+        (lambda: M.Combined(m3=float("inf")), ValueError, "m3 must be finite, got inf"),
+        (lambda: M.ArcFace(margin=math.pi), ValueError, "margin must be < pi, got 3.14159"),
+        (lambda: M.SphereFace(True), TypeError, "margin must be an integer >= 1, got True"),
         (lambda: M.build_margin("arcfase"), ValueError, "did you mean 'arcface'"),
         (lambda: M.build_margin("arcface", s=3), TypeError, "margin 'arcface'"),
     ],
@@ -79,8 +87,86 @@ def test_invalid_parameters(make, kind, text):
         make()
 
 
+def test_an_unknown_name_with_nothing_close_lists_the_names():
+    with pytest.raises(ValueError) as e:
+        M.build_margin("xyzzy")
+    assert str(e.value) == ("margin name 'xyzzy' is not one of ['adaface', 'amsoftmax', 'arcface', 'combined', "
+                            "'cosface', 'magface', 'normsoftmax', 'softmax', 'sphereface']")
+
+
+def test_the_defaults_are_the_papers():
+    """What a user gets by name alone: insightface's ArcFace (s = 64, m = 0.5) and CosFace (0.35),
+    SphereFace's m = 4 with no annealing, a combined margin that is ArcFace's."""
+    assert (M.NormSoftmax().s, M.CosFace().s, M.CosFace().m) == (64.0, 64.0, 0.35)
+    arc = M.ArcFace()
+    assert (arc.s, arc.m, arc.easy_margin) == (64.0, 0.5, False)
+    assert M.ArcFace(easy_margin=True).easy_margin is True
+    comb = M.Combined()
+    assert (comb.s, comb.m1, comb.m2, comb.m3) == (64.0, 1.0, 0.5, 0.0)
+    sphere = M.SphereFace()
+    assert (sphere.m, sphere.lambda_) == (4, 0.0)
+
+
+@pytest.mark.parametrize("make", [lambda: M.ArcFace(64.0, 0.5), lambda: M.ArcFace(64.0, 0.5, easy_margin=True),
+                                  lambda: M.Combined(32.0, 0.9, 0.4, 0.15)], ids=["arcface", "easy", "combined"])
+def test_cosines_past_one_by_rounding_count_as_one(make):
+    """A unit embedding against a unit centre can give a cosine a rounding past ±1: it is ±1."""
+    past = torch.tensor([1.0 + 1e-12, -1.0 - 1e-12, 1.5, -1.5], dtype=torch.float64)
+    at = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
+    for got, want in zip(make().target(past)[:2], make().target(at)[:2]):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_sphereface_cosines_past_one_count_as_one(m):
+    margin = M.SphereFace(m)
+    norm = torch.tensor([2.0, 2.0, 3.0, 3.0], dtype=torch.float64)
+    past = torch.tensor([1.0 + 1e-12, -1.0 - 1e-12, 1.5, -1.5], dtype=torch.float64) * norm
+    at = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64) * norm
+    for got, want in zip(margin.target(past, norm), margin.target(at, norm)):
+        assert torch.equal(got, want)
+
+
+def test_sphereface_needs_the_norms():
+    with pytest.raises(ValueError) as e:
+        M.SphereFace().target(torch.zeros(2))
+    assert str(e.value) == "SphereFace.target needs the embedding norms (norm=None given)"
+
+
+def test_arcface_at_the_edges_of_its_branches():
+    """θ = π − m exactly is still ``cos(θ + m)`` (= −1); past it, the fallback. With ``easy_margin``
+    a cosine of exactly 0 is kept as it is (the margin starts above 0)."""
+    m = 0.5
+    arc = M.ArcFace(1.0, m)
+    edge = torch.tensor([math.cos(math.pi - m)], dtype=torch.float64)
+    assert float(arc.target(edge)[0]) == pytest.approx(-1.0, abs=1e-12)
+    past = edge - 1e-9
+    assert float(arc.target(past)[0]) == pytest.approx(float(past) - m * math.sin(m), abs=1e-12)
+    easy = M.ArcFace(1.0, m, easy_margin=True)
+    value, grad, _ = easy.target(torch.tensor([0.0], dtype=torch.float64))
+    assert float(value) == 0.0 and float(grad) == 1.0
+
+
+def test_build_margin_reads_names_loosely():
+    """Case, ``-`` and ``_`` do not matter in a margin's name."""
+    assert M.build_margin("Arc_Face", scale=30.0) == M.ArcFace(30.0)
+    assert M.build_margin("norm-soft_max") == M.NormSoftmax()
+
+
 def test_build_margin_and_equality():
     assert M.build_margin("AM-Softmax", scale=30.0, margin=0.2) == M.CosFace(30.0, 0.2)
     assert M.build_margin("sphereface", margin=4) == M.SphereFace(4)
     assert M.ArcFace() != M.ArcFace(margin=0.4)
     assert "ArcFace" in repr(M.ArcFace())
+
+
+def test_repr_and_hash_follow_the_hyper_parameters():
+    """A margin reads back as the call that makes it, and hashes as it compares: by type and
+    hyper-parameters (a key of ``impl="auto"``'s timings, a set member)."""
+    assert repr(M.ArcFace(30.0, 0.4)) == "ArcFace(s=30.0, m=0.4, easy_margin=False)"
+    assert repr(M.Softmax()) == "Softmax()"
+    assert hash(M.ArcFace(30.0, 0.4)) == hash(M.ArcFace(30.0, 0.4))
+    assert hash(M.ArcFace(30.0, 0.4)) != hash(M.ArcFace(30.0, 0.5))
+    renamed = type("MyCosFace", (M.CosFace,), {})
+    assert hash(renamed(30.0, 0.2)) != hash(M.CosFace(30.0, 0.2)) and renamed(30.0, 0.2) != M.CosFace(30.0, 0.2)
+    assert len({M.ArcFace(), M.ArcFace(), M.CosFace(), M.build_margin("amsoftmax")}) == 2
