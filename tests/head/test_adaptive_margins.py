@@ -154,6 +154,7 @@ def test_equal_margin_bounds_and_a_momentum_of_one_are_allowed():
     """``u_m = l_m`` is a constant margin (ArcFace's); momentum 1 keeps only the last batch."""
     assert M.MagFace(l_m=0.5, u_m=0.5).margin_of(torch.tensor([5.0, 50.0, 500.0])).tolist() == [0.5] * 3
     assert M.AdaFace(momentum=1.0).momentum == 1.0
+    assert M.MagFace(u_m=1.5).u_m == 1.5  # any margin below π/2
 
 
 def test_the_targets_need_the_norms():
@@ -206,6 +207,9 @@ def test_adaface_angles_past_pi_are_held_at_pi():
     norm = torch.tensor([0.5], dtype=torch.float64)  # ẑ = −1
     value, grad, _ = m.target(torch.tensor([-0.999], dtype=torch.float64), norm)
     assert float(value) == pytest.approx(-1.0) and float(grad) == 0.0
+    # θ = π exactly (ẑ = 0): the bound itself is clipped too, its gradient 0, not sin(π)'s rounding.
+    _, grad, _ = m.target(torch.tensor([-1.0], dtype=torch.float64), torch.tensor([50.0], dtype=torch.float64))
+    assert float(grad) == 0.0
 
 
 def test_adaface_on_meta_leaves_the_statistics_where_they_are():
