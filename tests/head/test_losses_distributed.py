@@ -177,17 +177,18 @@ def test_subcenter_counts_over_ranks(world_results):
     assert all(res["counts"] for res in results)
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"threads W={w}")
-def thread_results(request):
-    world = request.param
-    with pytest.MonkeyPatch.context() as mp:
-        return world, ThreadWorld(world).results(lambda rank: _worker(rank, world), mp)
+# One test, one case, ranks as threads: each test's own calls are what mutation testing sees.
+THREAD_WORLDS = pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"threads W={w}")
 
 
+@THREAD_WORLDS
 @pytest.mark.parametrize("case", list(CASES))
-def test_sharded_equals_dense_reference_over_thread_ranks(thread_results, case):
-    test_sharded_equals_dense_reference(thread_results, case)
+def test_sharded_equals_dense_reference_over_thread_ranks(world, case, monkeypatch):
+    results = ThreadWorld(world).results(lambda rank: {case: _run_case(rank, world, CASES[case])}, monkeypatch)
+    test_sharded_equals_dense_reference((world, results), case)
 
 
-def test_subcenter_counts_over_thread_ranks(thread_results):
-    test_subcenter_counts_over_ranks(thread_results)
+@THREAD_WORLDS
+def test_subcenter_counts_over_thread_ranks(world, monkeypatch):
+    results = ThreadWorld(world).results(lambda rank: {"counts": _counts_case(rank, world)}, monkeypatch)
+    test_subcenter_counts_over_ranks((world, results))

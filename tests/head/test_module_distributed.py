@@ -393,33 +393,30 @@ def test_explicit_subgroup_is_used_not_world(world_results):
             assert sub[key] < TOL, f"{key}: {sub[key]}"
 
 
-# ---- the same cases, ranks as threads of this process
+# ---- the same cases, ranks as threads of this process. One test, one case: each test's own calls
+# (not a module fixture's, charged to whichever test ran first) are what mutation testing sees.
+
+THREAD_WORLDS = pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"threads W={w}")
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"threads W={w}")
-def thread_results(request):
-    world = request.param
-    with pytest.MonkeyPatch.context() as mp:
-        results = ThreadWorld(world).results(lambda rank: _thread_worker(rank, world), mp)
-    return world, results
+def _on_threads(world, fn, monkeypatch):
+    return world, ThreadWorld(world).results(lambda rank: fn(rank, world), monkeypatch)
 
 
-def _thread_worker(rank, world):
-    return {
-        "cases": {name: _run_case(rank, world, opts) for name, opts in CASES.items()},
-        "bad": _bad_input_cases(rank, world),
-        "partial": _partial_fc_case(rank, world),
-    }
-
-
+@THREAD_WORLDS
 @pytest.mark.parametrize("case", list(CASES))
-def test_loss_and_gradients_equal_dense_reference_over_thread_ranks(thread_results, case):
-    test_loss_and_gradients_equal_dense_reference(thread_results, case)
+def test_loss_and_gradients_equal_dense_reference_over_thread_ranks(world, case, monkeypatch):
+    world, results = _on_threads(world, lambda rank, w: {"cases": {case: _run_case(rank, w, CASES[case])}}, monkeypatch)
+    test_loss_and_gradients_equal_dense_reference((world, results), case)
 
 
-def test_bad_input_raises_on_every_thread_rank(thread_results):
-    test_bad_input_raises_on_every_rank(thread_results)
+@THREAD_WORLDS
+def test_bad_input_raises_on_every_thread_rank(world, monkeypatch):
+    test_bad_input_raises_on_every_rank(_on_threads(world, lambda rank, w: {"bad": _bad_input_cases(rank, w)},
+                                                    monkeypatch))
 
 
-def test_partial_fc_over_thread_ranks_equals_dense_loss_over_sampled_classes(thread_results):
-    test_partial_fc_equals_dense_loss_over_sampled_classes(thread_results)
+@THREAD_WORLDS
+def test_partial_fc_over_thread_ranks_equals_dense_loss_over_sampled_classes(world, monkeypatch):
+    test_partial_fc_equals_dense_loss_over_sampled_classes(
+        _on_threads(world, lambda rank, w: {"partial": _partial_fc_case(rank, w)}, monkeypatch))
