@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import shardfc
-from shardfc.head.validation import VALIDATE_MODES, defers
+from shardfc.head.validation import VALIDATE_MODES, HeadOptions, check_batch_deferred, check_head_options, defers
+from shardfc.parallel.context import DistContext
 
 C, D = 20, 6
 GOOD_X, GOOD_Y = torch.randn(5, D), torch.tensor([0, 4, -1, C - 1, 7])
@@ -136,3 +137,50 @@ def test_inputs_changed_in_place_are_not_described_with_their_new_values():
 def test_bad_validate_argument():
     with pytest.raises(ValueError, match=re.escape("validate must be one of ('auto', 'immediate', 'deferred'), got 'late'")):
         shardfc.ShardedMarginHead(D, C, validate="late")
+
+
+# ---- the options that constrain each other (check_head_options: the head, the trainer's config, plan)
+
+
+def test_the_options_default_and_their_closed_ends_are_taken():
+    assert check_head_options() == HeadOptions(1.0, False, 1, 0.0, None)
+    assert check_head_options(label_smoothing=1, sample_rate=1) == HeadOptions(1.0, False, 1, 1.0, None)
+    assert check_head_options(sample_rate=0.5, sparse_grad=True, subcenters=255, interclass_filter_threshold=1) == \
+        HeadOptions(0.5, True, 255, 0.0, 1.0)
+    assert check_head_options(label_smoothing=0.0, interclass_filter_threshold=0.25).interclass_filter_threshold == 0.25
+
+
+@pytest.mark.parametrize("options, kind, message", [
+    (dict(label_smoothing=1.5), ValueError, "label_smoothing must be in [0, 1], got 1.5"),
+    (dict(sample_rate=0), ValueError, "sample_rate must be in (0, 1], got 0"),
+    (dict(sparse_grad=1), TypeError, "sparse_grad must be True or False, got 1"),
+    (dict(sparse_grad=True), ValueError, "sparse_grad needs Partial FC (sample_rate < 1), got sample_rate=1.0"),
+    (dict(sparse_grad=True, sample_rate=1), ValueError, "sparse_grad needs Partial FC (sample_rate < 1), got sample_rate=1"),
+    (dict(subcenters=0), ValueError, "subcenters must be a positive integer, got 0"),
+    (dict(subcenters=256), ValueError, "subcenters must be <= 255, got 256"),
+    (dict(interclass_filter_threshold=0), ValueError, "interclass_filter_threshold must be in (0, 1], got 0"),
+    (dict(interclass_filter_threshold=1.5), ValueError, "interclass_filter_threshold must be in (0, 1], got 1.5"),
+    (dict(interclass_filter_threshold=0.3, label_smoothing=0.1), ValueError,
+     "interclass_filter_threshold=0.3 removes classes from the softmax, so label_smoothing=0.1 (spread over all "
+     "classes) is undefined with it; use one"),
+])
+def test_each_bad_option_is_named_with_its_value(options, kind, message):
+    with pytest.raises(kind) as e:
+        check_head_options(**options)
+    assert str(e.value) == message
+
+
+def test_a_deferred_check_on_meta_has_nothing_to_report():
+    """``shardfc plan`` replays a forward on ``meta``: the deferred check has no values to read."""
+    x, y = torch.zeros(3, D, device="meta"), torch.zeros(3, dtype=torch.int64, device="meta")
+    sizes, pending = check_batch_deferred(x, y, embedding_dim=D, num_classes=C, ignore_index=-1,
+                                          ctx=DistContext(device="meta"), call=1)
+    assert sizes == [3] and pending.error() is None
+
+
+def test_deferred_checks_are_for_one_process():
+    with pytest.raises(ValueError) as e:
+        check_batch_deferred(GOOD_X, GOOD_Y, embedding_dim=D, num_classes=C, ignore_index=-1,
+                             ctx=DistContext(None, 0, 2, True, torch.device("cpu"), None), call=1)
+    assert str(e.value) == ("deferred value checks are for one process; process-group mode reads them with the "
+                            "exchange")
