@@ -420,3 +420,32 @@ def test_bad_input_raises_on_every_thread_rank(world, monkeypatch):
 def test_partial_fc_over_thread_ranks_equals_dense_loss_over_sampled_classes(world, monkeypatch):
     test_partial_fc_equals_dense_loss_over_sampled_classes(
         _on_threads(world, lambda rank, w: {"partial": _partial_fc_case(rank, w)}, monkeypatch))
+
+
+@THREAD_WORLDS
+def test_every_bad_rank_is_named_and_only_those(world, monkeypatch):
+    """Every rank raises the same error, which names each rank whose batch was bad, in rank order,
+    with its own row and value, and no rank whose batch was good."""
+    def bad_labels(rank):
+        y = torch.tensor([0, 5, C - 1])
+        y[rank % 3] = C + rank  # out of range, a different row and value on each rank
+        return y
+
+    def step(rank, bad_ranks):
+        head = shardfc.ShardedMarginHead(D, C, dtype=torch.float64)
+        x = torch.randn(3, D, dtype=torch.float64)
+        try:
+            head(x, bad_labels(rank) if rank in bad_ranks else torch.tensor([0, 5, C - 1]))
+        except ValueError as e:
+            return str(e)
+        return "no error"
+
+    def text(rank):
+        return (f"rank {rank}: labels[{rank % 3}] = {C + rank} is outside [0, num_classes={C}) "
+                f"and is not ignore_index=-1")
+
+    both = (0, world - 1)
+    results = ThreadWorld(world).results(lambda rank: step(rank, both), monkeypatch)
+    assert results == [f"{text(0)}; {text(world - 1)}"] * world
+    results = ThreadWorld(world).results(lambda rank: step(rank, (1,)), monkeypatch)
+    assert results == [text(1)] * world

@@ -184,3 +184,34 @@ def test_deferred_checks_are_for_one_process():
                              ctx=DistContext(None, 0, 2, True, torch.device("cpu"), None), call=1)
     assert str(e.value) == ("deferred value checks are for one process; process-group mode reads them with the "
                             "exchange")
+
+
+def test_predict_checks_its_embeddings_too():
+    head = shardfc.ShardedMarginHead(D, C)
+    with pytest.raises(ValueError) as e:
+        head.predict(_nan_row(), k=2)
+    assert str(e.value) == (f"embeddings contain non-finite values (row 3: {_nan_row()[3][:4].tolist()}...); "
+                            "fix the backbone or skip the batch")
+    with pytest.raises(TypeError) as e:
+        head.predict([[0.0] * D], k=2)
+    assert str(e.value) == "embeddings must be a torch.Tensor, got list"
+
+
+@pytest.mark.parametrize("validate", ["immediate", "deferred"])
+def test_inputs_that_are_not_tensors_are_named(validate):
+    head = shardfc.ShardedMarginHead(D, C, validate=validate)
+    with pytest.raises(TypeError) as e:
+        head([[0.0] * D], GOOD_Y[:1])
+    assert str(e.value) == "embeddings must be a torch.Tensor, got list"
+    with pytest.raises(TypeError) as e:
+        head(GOOD_X, [0, 1, 2, 3, 4])
+    assert str(e.value) == "labels must be a torch.Tensor, got list"
+
+
+def test_a_deferred_check_starts_only_for_values_it_is_asked_for():
+    """``values=False`` (a captured step, which checks values itself) or an empty batch: no check."""
+    args = dict(embedding_dim=D, num_classes=C, ignore_index=-1, ctx=DistContext(device="cpu"), call=1)
+    assert check_batch_deferred(GOOD_X, GOOD_Y, values=False, **args) == ([5], None)
+    assert check_batch_deferred(GOOD_X[:0], GOOD_Y[:0], **args) == ([0], None)
+    sizes, pending = check_batch_deferred(GOOD_X, GOOD_Y, **args)
+    assert sizes == [5] and pending is not None and pending.error() is None

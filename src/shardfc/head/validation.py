@@ -61,8 +61,8 @@ def embeddings_value_error(embeddings: Tensor) -> Exception:
     )
 
 
-def check_labels(labels, batch: int, num_classes: int, ignore_index: int, values: bool = True) -> Optional[Exception]:
-    """Type and shape of the labels, and with ``values`` their range (a host sync)."""
+def check_labels(labels, batch: int) -> Optional[Exception]:
+    """Type and shape of the labels. Their range is checked on the device (:func:`value_flags`)."""
     if not isinstance(labels, Tensor):
         return TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
     if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
@@ -73,8 +73,6 @@ def check_labels(labels, batch: int, num_classes: int, ignore_index: int, values
         return ValueError(
             f"labels has {labels.shape[0]} entries but embeddings has {batch} rows"
         )
-    if values and labels.numel() and bool(_bad_labels(labels, num_classes, ignore_index).any()):
-        return labels_value_error(labels, num_classes, ignore_index)
     return None
 
 
@@ -158,7 +156,7 @@ def check_batch_and_exchange_sizes(
     """
     error = check_embeddings(embeddings, embedding_dim, values=False)
     if error is None:
-        error = check_labels(labels, embeddings.shape[0], num_classes, ignore_index, values=False)
+        error = check_labels(labels, embeddings.shape[0])
     flags = value_flags(embeddings, labels, num_classes, ignore_index) if error is None else None
 
     def describe(raised: List[int]) -> Exception:
@@ -304,7 +302,7 @@ def check_batch_deferred(
         raise ValueError("deferred value checks are for one process; process-group mode reads them with the exchange")
     error = check_embeddings(embeddings, embedding_dim, values=False)
     if error is None:
-        error = check_labels(labels, embeddings.shape[0], num_classes, ignore_index, values=False)
+        error = check_labels(labels, embeddings.shape[0])
     sizes = raise_or_exchange_sizes(error, embeddings.shape[0] if error is None else 0, ctx)
     started = values and embeddings.shape[0]
     pending = PendingCheck(embeddings, labels, num_classes, ignore_index, call) if started else None
