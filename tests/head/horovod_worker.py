@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# This folder (the cases) and the tests' root (their helpers, as pytest's rootdir conftest puts it).
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 import horovod.torch as hvd  # noqa: E402
 import test_module_distributed as tmd  # noqa: E402
