@@ -32,6 +32,11 @@ def _config(margin, num_classes, *, eps=0.0, K=1, filter_threshold=None, dtype=t
                        compute_dtype=dtype, stats_dtype=dtype, subcenters=K, filter_threshold=filter_threshold)
 
 
+def _plan(cfg, num_shards=1):
+    """The plan of one process, no process group."""
+    return ShardedLossPlan(config=cfg, num_shards=num_shards, distributed=False, comm=None, world_size=1)
+
+
 def _split(sizes_per_rank):
     """Class ranges of every shard of every rank, in order: ``[[range, ...] per rank]``."""
     out, start = [], 0
@@ -218,7 +223,7 @@ def test_a_step_on_the_meta_device_runs_without_autocast():
     """``shardfc plan`` replays the step on meta, which has no autocast to turn off."""
     C = 6
     cfg = _config(M.ArcFace(32.0, 0.5), C, dtype=torch.float32)
-    plan = ShardedLossPlan(config=cfg, num_shards=2, distributed=False, comm=None, world_size=1)
+    plan = _plan(cfg, num_shards=2)
     a = [torch.zeros(4, D, device="meta", requires_grad=True) for _ in range(2)]
     w = [torch.zeros(3, D, device="meta", requires_grad=True) for _ in range(2)]
     labels = torch.zeros(4, dtype=torch.int64, device="meta")
@@ -244,7 +249,7 @@ def test_autocast_outside_does_not_change_the_computation():
 
 def test_one_embedding_label_map_and_weight_per_shard():
     cfg = _config(M.ArcFace(32.0, 0.5), 4)
-    plan = ShardedLossPlan(config=cfg, num_shards=2, distributed=False, comm=None, world_size=1)
+    plan = _plan(cfg, num_shards=2)
     t = torch.zeros(3, D, dtype=torch.float64)
     labels = torch.zeros(3, dtype=torch.int64)
     with pytest.raises(ValueError) as e:
@@ -258,8 +263,7 @@ def test_one_embedding_label_map_and_weight_per_shard():
 def test_a_second_backward_of_one_forward_is_refused():
     C = 4
     x, W, y, _ = _data(C, 1)
-    plan = ShardedLossPlan(config=_config(M.ArcFace(32.0, 0.5), C), num_shards=1, distributed=False, comm=None,
-                           world_size=1)
+    plan = _plan(_config(M.ArcFace(32.0, 0.5), C))
     w = W.clone().requires_grad_()
     loss = sharded_cross_entropy(plan, y >= 0, [y.clamp(min=0)], [F.normalize(x, dim=1)], [w]).sum()
     loss.backward(retain_graph=True)
@@ -279,7 +283,7 @@ def test_a_weight_that_is_not_a_leaf_passes_its_gradient_on():
     cfg = _config(M.ArcFace(32.0, 0.5), C)
     xs = F.normalize(x, dim=1)
     p = W.clone().requires_grad_()
-    plan = ShardedLossPlan(config=cfg, num_shards=1, distributed=False, comm=None, world_size=1)
+    plan = _plan(cfg)
     for _ in range(2):
         w = p * 2.0
         w.retain_grad()
@@ -301,7 +305,7 @@ def test_a_sparse_grad_already_there_is_added_to_not_into():
     before = torch.zeros_like(W)
     before[1] = 1.0
     w.grad = before.to_sparse()
-    plan = ShardedLossPlan(config=cfg, num_shards=1, distributed=False, comm=None, world_size=1)
+    plan = _plan(cfg)
     sharded_cross_entropy(plan, y >= 0, [local_labels_for_range(y, range(C))], [F.normalize(x, dim=1)], [w]).backward(up)
     ref_w = W.clone().requires_grad_()
     dense_loss(x, ref_w, y, cfg.margin, reduction="none").backward(up)
@@ -316,7 +320,7 @@ def test_feature_norms_of_a_lower_precision_enter_in_the_statistics_dtype():
     norms = torch.linspace(12.0, 105.0, x.shape[0], dtype=torch.float64).float()  # inside [l_a, u_a]
     x = F.normalize(x, dim=1) * norms.double().unsqueeze(1)
     w = W.clone().requires_grad_()
-    plan = ShardedLossPlan(config=_config(margin, C), num_shards=1, distributed=False, comm=None, world_size=1)
+    plan = _plan(_config(margin, C))
     feature_norms = norms.clone().requires_grad_()
     losses = sharded_cross_entropy(plan, y >= 0, [local_labels_for_range(y, range(C))], [F.normalize(x, dim=1)], [w],
                                    feature_norms)
@@ -336,7 +340,7 @@ def test_sphereface_norms_of_bf16_embeddings_are_taken_in_the_statistics_dtype()
     x, W, y, up = _data(C, 1)
     a = (x * 3).to(torch.bfloat16)
     cfg = _config(margin, C, dtype=torch.float32)
-    plan = ShardedLossPlan(config=cfg, num_shards=1, distributed=False, comm=None, world_size=1)
+    plan = _plan(cfg)
     losses = sharded_cross_entropy(plan, y >= 0, [local_labels_for_range(y, range(C))], [a], [W.float()])
     valid = y >= 0
     ref = F.cross_entropy(reference_logits(a.double(), W.float().double(), y, margin)[valid], y[valid], reduction="none")
