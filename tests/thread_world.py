@@ -5,15 +5,23 @@ test's process only). A :class:`ThreadWorld` runs the same cross-rank code in th
 a :class:`ThreadCommunicator` (the six operations of :class:`shardfc.parallel.comm.Communicator`)
 and a :class:`~shardfc.parallel.context.DistContext` over it. A rank that skips a collective breaks
 the barrier after ``timeout`` seconds instead of hanging the test.
+
+:class:`TorchThreadWorld` goes one level lower, for the code that calls ``torch.distributed`` itself
+(:mod:`shardfc.parallel.collectives`, ``TorchDistCommunicator``, ``DistContext.resolve``): each thread
+initialises torch.distributed with torch's in-process ``"threaded"`` backend (the one torch's own
+``MultiThreadedTestCase`` uses), so ``dist.all_gather_into_tensor``, ``dist.new_group`` and the rest
+run for real between the threads.
 """
 
 from __future__ import annotations
 
+import datetime
 import threading
 from typing import Any, Callable, List, Optional, Sequence
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from shardfc.parallel.comm import Communicator, ReduceOpLike, reduce_op_name
@@ -110,4 +118,65 @@ class ThreadWorld:
         errors = [e for e in out if isinstance(e, Exception)]
         if errors:
             raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+        return out
+
+
+class TorchThreadWorld:
+    """``size`` ranks as threads, each with torch.distributed initialised over them (backend
+    ``"threaded"``, from ``torch.testing._internal``: the test is skipped where that torch lacks it).
+
+    :meth:`run` calls ``fn(rank)`` on every rank inside its own default group and returns each rank's
+    result or exception. torch's threaded collectives wait without a limit, so a rank that skips one
+    (or one that raised while the others wait) is ended after ``timeout`` seconds: the waiting ranks
+    are woken and report a :class:`TimeoutError` instead of hanging the test.
+    """
+
+    def __init__(self, size: int, timeout: float = 30.0) -> None:
+        self.size, self.timeout = size, timeout
+
+    def run(self, fn: Callable[[int], Any]) -> List[Any]:
+        threaded = pytest.importorskip("torch.testing._internal.distributed.multi_threaded_pg")
+        isolation = getattr(torch._C._distributed_c10d, "_set_thread_isolation_mode", None)
+        if isolation is None:
+            pytest.skip("this torch has no thread-isolated process groups")
+        out: List[Any] = [TimeoutError(f"rank {r} did not finish in {self.timeout} s") for r in range(self.size)]
+        store = dist.HashStore()
+
+        def rank_main(rank: int) -> None:
+            try:
+                dist.init_process_group("threaded", rank=rank, world_size=self.size, store=store,
+                                        timeout=datetime.timedelta(seconds=self.timeout))
+                out[rank] = fn(rank)
+            except Exception as e:  # noqa: BLE001 - returned to the test
+                out[rank] = e
+                threaded.ProcessLocalGroup.exception_handle(e)  # wake the ranks waiting for this one
+            except SystemExit:  # torch's threaded group ends a rank woken by another's failure so
+                out[rank] = TimeoutError(f"rank {rank} was waiting in a collective when another rank failed")
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+
+        isolation(True)
+        threaded._install_threaded_pg()
+        try:
+            threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(self.size)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(self.timeout)
+                if t.is_alive():  # a rank waits for a collective another skipped: wake them all
+                    threaded.ProcessLocalGroup.exception_handle(TimeoutError())
+                    t.join(self.timeout)
+        finally:
+            threaded.ProcessLocalGroup.reset()
+            threaded._uninstall_threaded_pg()
+            isolation(False)
+        return out
+
+    def results(self, fn: Callable[[int], Any]) -> List[Any]:
+        """:meth:`run`, raising the first rank's own exception (not a wait it ended)."""
+        out = self.run(fn)
+        errors = [e for e in out if isinstance(e, Exception)]
+        if errors:
+            raise next((e for e in errors if not isinstance(e, TimeoutError)), errors[0])
         return out

@@ -59,8 +59,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 def all_gather_rows(x: Tensor, sizes: Sequence[int], group: Optional[dist.ProcessGroup]) -> Tensor:
     """Concatenate every rank's ``x`` (``sizes[r]`` rows on rank r) along dim 0, in rank order."""
-    world = len(sizes)
-    width = max(sizes) if world else 0
+    world, width = len(sizes), max(sizes)
     x = x.contiguous()
     if x.shape[0] != width:
         padded = x.new_zeros((width,) + tuple(x.shape[1:]))
@@ -185,7 +184,9 @@ def gather_rows_forward_reduce_scatter_backward(
     ``grad_scale`` multiplies the returned gradient: a model-parallel head under the DDP
     convention passes the world size, because DDP will average the backbone's gradients.
     """
-    comm = group
-    if not (hasattr(comm, "all_gather_rows") and hasattr(comm, "reduce_scatter_rows")):
-        comm = _GroupRows(group)
+    has = [name for name in ("all_gather_rows", "reduce_scatter_rows") if hasattr(group, name)]
+    if len(has) == 1:  # neither a process group nor a communicator: say so, not a collective's error
+        raise TypeError(f"group must be a torch.distributed process group or have both all_gather_rows and "
+                        f"reduce_scatter_rows; got {group!r}, which has {has[0]} only")
+    comm = group if has else _GroupRows(group)
     return _GatherRowsForwardReduceScatterBackward.apply(x, list(sizes), comm, grad_scale)
