@@ -1,0 +1,207 @@
+"""``impl="auto"`` in a process group: the ranks agree on one implementation, or all raise one error.
+
+The same cases as ``fused/test_fused_distributed.py``'s gloo ranks, with ranks as threads of this
+process (``thread_world.ThreadWorld``), where mutation testing sees the head's side of the
+agreement (``_impl_for``, ``_local_view``, ``_gather_codes``, ``_choose_impl``, ``_timed_step``).
+Each rank gets what a process of its own would have: its own ``$SHARDFC_HEAD_IMPL`` (through the
+``os`` that :mod:`shardfc.head.impl_select` reads), its own selector and cache file, and Triton or
+not (a rank "with Triton" resolves as on a GPU). Nothing here runs a fused kernel: where a fused
+implementation is timed or chosen, the torch kernels stand in for it, and each rank's stub clock
+says which candidate is fastest there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+
+import pytest
+import torch
+
+import shardfc
+from shardfc.head import function, impl_select
+from shardfc.head import module as head_module
+from thread_world import ThreadWorld
+
+C, D = 11, 4
+RANK = threading.local()
+
+
+class _OsOfRank:
+    """``os`` as ``impl_select`` sees it on the calling rank: ``$SHARDFC_HEAD_IMPL`` is that rank's."""
+
+    def __init__(self, env: dict) -> None:
+        self.env = env
+
+    @property
+    def environ(self) -> dict:
+        environ = {k: v for k, v in os.environ.items() if k != impl_select.ENV_VAR}
+        if RANK.rank in self.env:
+            environ[impl_select.ENV_VAR] = self.env[RANK.rank]
+        return environ
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+
+def _clock(ms):
+    """A clock under which the i-th timed call lasts ``ms[i]`` milliseconds (one step, no warm-up:
+    each candidate reads it twice)."""
+    reads = {"n": 0, "now": 0.0}
+
+    def clock():
+        call, end = divmod(reads["n"], 2)
+        reads["n"] += 1
+        if end:
+            reads["now"] += ms[call] / 1000
+        return reads["now"]
+
+    return clock
+
+
+def _steps(world, monkeypatch, tmp_path, env=None, without_triton=(), candidates=None, ms=None, steps=2,
+           chunk_scale=None):
+    """Each rank's ``(last_impl, last_chunk_scale, its selector)`` after ``steps`` training steps of a
+    fresh head under ``impl="auto"``, or ``("error", message, this rank's cause)``."""
+    monkeypatch.setattr(impl_select, "os", _OsOfRank(env or {}))
+    real_resolve, real_kernels = head_module.resolve_impl, function.shard_kernels
+
+    def resolve(impl, *args):  # a rank with Triton resolves as on a GPU
+        if RANK.rank in without_triton:
+            return real_resolve(impl, *args)
+        return impl
+
+    def torch_kernels(cfg):  # the torch kernels stand in for the fused ones
+        return real_kernels(dataclasses.replace(cfg, impl="torch"))
+
+    monkeypatch.setattr(head_module, "resolve_impl", resolve)
+    monkeypatch.setattr(head_module, "shard_kernels", torch_kernels)
+    monkeypatch.setattr(function, "shard_kernels", torch_kernels)
+    if candidates is not None:
+        monkeypatch.setattr(head_module, "timed_candidates", lambda scale: candidates)
+    selectors = {}
+    monkeypatch.setattr(impl_select, "default_selector", lambda: selectors[RANK.rank])
+
+    def rank_main(rank):
+        RANK.rank = rank
+        clock = _clock(ms[rank]) if ms is not None else None
+        selectors[rank] = impl_select.ImplSelector(tmp_path / f"rank{rank}.json", steps=1, warmup=0, clock=clock,
+                                                   sync=lambda: None)
+        head = shardfc.ShardedMarginHead(D, C, impl="auto", dtype=torch.float64, gpu_chunk_scale=chunk_scale)
+        g = torch.Generator().manual_seed(rank)
+        x, y = torch.randn(rank + 2, D, generator=g, dtype=torch.float64), torch.randint(0, C, (rank + 2,), generator=g)
+        try:
+            for _ in range(steps):
+                head(x.requires_grad_(), y).backward()
+        except ValueError as e:
+            return "error", str(e), None if e.__cause__ is None else str(e.__cause__)
+        return head.last_impl, head.last_chunk_scale, selectors[rank]
+
+    return ThreadWorld(world).results(rank_main, monkeypatch)
+
+
+def _agreements(monkeypatch):
+    """Per rank, the collectives of the agreement it entered: ``"settle"`` (every rank's view,
+    :meth:`~shardfc.head.module.ShardedMarginHead._gather_codes`) and ``"pick"`` (rank 0's timed
+    choice, through ``choose``'s ``agree``)."""
+    calls = []
+    gather, choose = head_module.ShardedMarginHead._gather_codes, impl_select.ImplSelector.choose
+
+    def gather_codes(self, code):
+        calls.append((self.rank, "settle"))
+        return gather(self, code)
+
+    def choose_agreed(self, key, candidates, agree=None, **kwargs):
+        def counted(i):
+            calls.append((RANK.rank, "pick"))
+            return agree(i)
+
+        return choose(self, key, candidates, None if agree is None else counted, **kwargs)
+
+    monkeypatch.setattr(head_module.ShardedMarginHead, "_gather_codes", gather_codes)
+    monkeypatch.setattr(impl_select.ImplSelector, "choose", choose_agreed)
+    return calls
+
+
+def test_an_override_on_one_rank_only_is_the_same_error_on_every_rank(monkeypatch, tmp_path):
+    got = _steps(3, monkeypatch, tmp_path, env={1: "torch"})
+    message = ("SHARDFC_HEAD_IMPL differs across ranks: ranks 0,2 unset, rank 1 'torch'; "
+               "set it on every rank or on none")
+    assert got == [("error", message, None)] * 3
+
+
+def test_an_invalid_override_is_an_error_on_every_rank_caused_by_the_value_where_it_was_set(monkeypatch, tmp_path):
+    got = _steps(2, monkeypatch, tmp_path, env={0: "cudnn", 1: "torch"})
+    message = ("SHARDFC_HEAD_IMPL names no implementation of the head on rank 0 (see the error there); "
+               "set it to one of triton, gemm, torch on every rank, or leave it unset on every rank")
+    assert got[0] == ("error", message, "SHARDFC_HEAD_IMPL='cudnn' is not an implementation of the head; "
+                                        "choose from auto, triton, gemm, torch")
+    assert got[1] == ("error", message, None)
+
+
+def test_an_override_that_cannot_run_on_one_rank_is_an_error_on_every_rank(monkeypatch, tmp_path):
+    got = _steps(3, monkeypatch, tmp_path, env={0: "triton", 1: "triton", 2: "triton"}, without_triton=(2,))
+    message = ("SHARDFC_HEAD_IMPL='triton' cannot run on rank 2 (see the error there); "
+               "name an implementation every rank can run, e.g. torch")
+    assert got[0] == got[1] == ("error", message, None)
+    assert got[2][:2] == ("error", message)
+    assert got[2][2].startswith("impl='triton' cannot run: the head's tensors are on cpu, not a CUDA device")
+
+
+def test_an_override_on_every_rank_runs_without_timing_and_one_collective(monkeypatch, tmp_path, caplog):
+    calls = _agreements(monkeypatch)
+    with caplog.at_level(logging.INFO, "shardfc.head"):
+        got = _steps(2, monkeypatch, tmp_path, env={0: "gemm", 1: "gemm"}, steps=3)
+    for impl, scale, selector in got:
+        assert (impl, scale, selector.timings) == ("gemm", None, {})  # None: the GPU paths' default scale
+    assert sorted(calls) == [(0, "settle"), (1, "settle")]  # at the first step only
+    assert "(SHARDFC_HEAD_IMPL on every rank)" in caplog.text
+
+
+def test_torch_on_every_rank_when_one_cannot_run_the_fused_kernels(monkeypatch, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, "shardfc.head"):
+        got = _steps(3, monkeypatch, tmp_path, without_triton=(1,))
+    for impl, scale, selector in got:
+        assert (impl, scale, selector.timings) == ("torch", None, {})
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 3 and all("as the fused kernels cannot run on rank 1" in w for w in warned)
+    assert sum("(here: the head's tensors are on cpu, not a CUDA device" in w for w in warned) == 1
+
+
+def test_torch_without_a_word_when_no_rank_can_run_the_fused_kernels(monkeypatch, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, "shardfc.head"):
+        got = _steps(2, monkeypatch, tmp_path, without_triton=(0, 1))
+    assert [g[:2] for g in got] == [("torch", None)] * 2
+    assert not caplog.records
+
+
+def test_the_ranks_time_the_candidates_and_all_run_rank_0s_fastest(monkeypatch, tmp_path):
+    calls = _agreements(monkeypatch)
+    candidates = ("triton@1", "gemm@2", "torch")
+    ms = {0: [3.0, 1.0, 2.0], 1: [3.0, 2.0, 1.0]}  # rank 0: gemm@2 fastest; rank 1: torch
+    got = _steps(2, monkeypatch, tmp_path, candidates=candidates, ms=ms, steps=3)
+    for rank, (impl, scale, selector) in enumerate(got):
+        assert (impl, scale) == ("gemm", 2)
+        (times,) = selector.timings.values()
+        assert times == pytest.approx({"triton@1": ms[rank][0], "gemm@2": ms[rank][1], "torch": ms[rank][2]})
+    # the views, then rank 0's pick, at the first step only
+    assert sorted(calls) == [(0, "pick"), (0, "settle"), (1, "pick"), (1, "settle")]
+    written = [p.name for p in tmp_path.iterdir()]
+    assert written == ["rank0.json"]  # the choice is written by rank 0 alone
+
+
+def test_a_chunk_scale_given_times_only_that_scale(monkeypatch, tmp_path):
+    timed = []
+    real = head_module.ShardedMarginHead._timed_step
+
+    def spy(cfg, *args):
+        timed.append((cfg.impl, cfg.chunk_scale))
+        return real(cfg, *args)
+
+    monkeypatch.setattr(head_module.ShardedMarginHead, "_timed_step", staticmethod(spy))
+    ms = {r: [2.0, 1.0, 3.0] for r in range(2)}  # triton@4, gemm@4, torch
+    got = _steps(2, monkeypatch, tmp_path, ms=ms, chunk_scale=4)
+    assert [g[:2] for g in got] == [("gemm", 4)] * 2
+    assert timed == [("triton", 4), ("gemm", 4), ("torch", None)] * 2
