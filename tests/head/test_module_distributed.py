@@ -9,6 +9,7 @@ cross-rank code.
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from thread_world import ThreadWorld, TorchThreadWorld
 C, D, SEED = 23, 6, 1234  # 23 classes: not divisible by 2, 3 or 4
 SIZES = {1: [7], 2: [5, 3], 3: [4, 0, 6], 4: [3, 5, 0, 2]}  # unequal local batches, one empty
 TOL = 1e-10
+_GLOBAL_RNG = threading.Lock()
 
 MARGINS = {
     "softmax": M.Softmax(),
@@ -175,8 +177,9 @@ def _ddp_case(rank, world):
     labels = torch.randint(0, C, (B,), generator=g)
 
     def make_backbone():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, D)).double()
+        with _GLOBAL_RNG:  # ranks as threads share torch's global generator: seed and draw at once
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, D)).double()
 
     backbone = torch.nn.parallel.DistributedDataParallel(make_backbone())
     head = shardfc.ShardedMarginHead(D, C, margin=M.ArcFace(64.0, 0.5), dtype=torch.float64)
@@ -420,10 +423,9 @@ def test_loss_and_gradients_over_torch_distributed_thread_ranks(case):
 
 
 #: The rest of the gloo cases over the whole stack in this process, each with the test that checks it.
-#: Not the DDP case: DDP's reducer under torch's threaded backend hands back gradients that are not
-#: the reduced ones (seen, not traced further); the gloo ranks hold it.
 TORCH_THREAD_CASES = {
     "predict": (lambda rank, w: {"predict": _predict_case(rank, w)}, test_predict_equals_dense_topk),
+    "ddp": (lambda rank, w: {"ddp": _ddp_case(rank, w)}, test_ddp_backbone_gets_single_process_gradients),
     "baselines": (lambda rank, w: {"baselines": _baselines_case(rank, w)}, test_baselines_equal_reference),
     "partial": (lambda rank, w: {"partial": _partial_fc_case(rank, w)},
                 test_partial_fc_equals_dense_loss_over_sampled_classes),
