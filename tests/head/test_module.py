@@ -353,3 +353,28 @@ def test_init_rows_are_the_same_for_any_sharding_where_they_are_drawn():
 def test_a_head_on_a_gpu_draws_its_rows_there():
     head = shardfc.ShardedMarginHead(D, C, device="cuda")
     assert torch.equal(head.weight.detach(), init_rows(0, C, D, 0, device="cuda"))
+
+
+def test_the_repr_says_where_the_shards_are_and_every_option_off_its_default():
+    plain = shardfc.ShardedMarginHead(4, 11)
+    assert repr(plain) == ("ShardedMarginHead(embedding_dim=4, num_classes=11, margin=ArcFace(s=64.0, m=0.5, "
+                           "easy_margin=False), single shard, classes=0..10, reduction='mean', label_smoothing=0.0)")
+    every = shardfc.ShardedMarginHead(4, 11, devices=["cpu", "meta"], chunk_size=3, sample_rate=0.5, sparse_grad=True,
+                                      subcenters=2, interclass_filter_threshold=0.4, margin=M.CosFace(),
+                                      reduction="sum")
+    assert every.extra_repr() == (
+        "embedding_dim=4, num_classes=11, margin=CosFace(s=64.0, m=0.35), devices=['cpu', 'meta'], classes=0..10, "
+        "reduction='sum', label_smoothing=0.0, chunk_size=3, sample_rate=0.5, sparse_grad=True, subcenters=2, "
+        "interclass_filter_threshold=0.4")
+    dense_sampled = shardfc.ShardedMarginHead(4, 11, sample_rate=0.5, chunk_size="auto", label_smoothing=0.1)
+    assert dense_sampled.extra_repr().endswith(
+        "single shard, classes=0..10, reduction='mean', label_smoothing=0.1, chunk_size=auto, sample_rate=0.5")
+
+
+def test_the_repr_of_a_rank_names_it_and_its_classes(monkeypatch):
+    from thread_world import ThreadWorld
+
+    reprs = ThreadWorld(2).results(lambda rank: shardfc.ShardedMarginHead(4, 11, margin=M.Softmax()).extra_repr(),
+                                   monkeypatch)
+    assert reprs == [f"embedding_dim=4, num_classes=11, margin=Softmax(), rank {r}/2, classes={c}, reduction='mean', "
+                     "label_smoothing=0.0" for r, c in ((0, "0..5"), (1, "6..10"))]

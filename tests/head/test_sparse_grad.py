@@ -160,3 +160,27 @@ def test_a_full_forward_in_the_same_step_makes_the_update_dense():
             head(x, y).backward()
         opt.step()
     assert torch.equal(heads[0].weight, heads[1].weight)
+
+
+@pytest.mark.parametrize("devices", [None, ["cpu", "cpu", "cpu"]])
+def test_row_grad_values_are_the_micro_batches_summed_per_shard_in_place(devices):
+    """What clipping and overflow checks read: one compact gradient per shard, the two micro-batches
+    merged, and the same tensors the optimizer then takes (so scaling them in place scales the update)."""
+    dense, sparse = make_head(False, devices), make_head(True, devices)
+    assert sparse.row_grad_values() == []  # nothing before a backward
+    for micro in range(2):
+        x, y = batch(micro)
+        dense(x, y).backward()
+        sparse(x, y).backward()
+    values = sparse.row_grad_values()
+    assert len(values) == len(sparse.shard_weights)
+    rows = dense.sampled_rows
+    for i, (v, w_d) in enumerate(zip(values, dense.shard_weights)):
+        torch.testing.assert_close(v, w_d.grad[rows[i]], rtol=1e-12, atol=1e-14)
+    assert all(a is b for a, b in zip(values, sparse.row_grad_values()))  # merged once, kept merged
+    for v in values:
+        v.mul_(0.5)
+    taken = sparse.take_sampled_rows()
+    for i, w in enumerate(sparse.shard_weights):
+        torch.testing.assert_close(taken[w].values, 0.5 * dense.shard_weights[i].grad[rows[i]], rtol=1e-12, atol=1e-14)
+    assert sparse.row_grad_values() == []  # taken with the rows
