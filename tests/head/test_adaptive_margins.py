@@ -219,3 +219,16 @@ def test_adaface_on_meta_leaves_the_statistics_where_they_are():
     q = m.quality(torch.zeros(3, device="meta"))
     assert q.shape == (3,) and q.device.type == "meta"
     assert m.state() == {"norm_mean": 50.0, "norm_std": 30.0} and m._stats.device.type == "cpu"
+
+
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_the_norms_of_low_precision_embeddings_are_taken_in_fp32(low):
+    """AdaFace's running statistics from bf16/fp16 embeddings are those of the same values in fp32
+    (a norm summed in 8 or 11 bits of mantissa would be off by a rounding)."""
+    x, y, _ = _data(3)
+    x = (x * 7).to(low)
+    heads = [shardfc.ShardedMarginHead(D, C, margin=M.AdaFace()) for _ in range(2)]
+    heads[0](x, y)
+    heads[1](x.float(), y)
+    assert heads[0].margin.state() == heads[1].margin.state()
+    assert heads[0].margin.norm_mean != 20.0  # they moved

@@ -591,11 +591,34 @@ def test_the_heads_workload_key_tells_apart_every_workload_the_choice_may_differ
         "label smoothing": key(label_smoothing=0.1),
         "inter-class filter": key(interclass_filter_threshold=0.3),
         "shards": key(devices=["cpu", "cpu"]),
+        "chunk scale": key(gpu_chunk_scale=4),
     }
     assert [name for name, k in variants.items() if k == base] == []
     assert len(set(variants.values())) == len(variants)
     # counts are bucketed to powers of two: batches of 5..8 and 33..64 classes are one workload
     assert key(batch=5) == key(batch=8) == base and key(num_classes=64) == base != key(num_classes=65)
+
+
+def test_the_heads_workload_key_fields_say_what_they_name():
+    import shardfc
+    from shardfc import margins as margins_
+    from shardfc.head import module as M
+
+    def fields(sampling=True, world=None, **head_kw):
+        head = shardfc.ShardedMarginHead(8, 37, **head_kw)
+        if world is not None:
+            head.world_size = world  # what a rank of that many reads (the key is a function of the head's fields)
+        return json.loads(M.workload_key(head, 6, torch.float32, torch.float32, torch.device("cpu"), sampling))
+
+    plain = fields()
+    assert (plain["normalize"], plain["needs_norm"], plain["filter"], plain["smoothing"]) == (True, False, False, False)
+    assert (plain["world"], plain["shards"], plain["chunk_scale"], plain["sample_rate"]) == (1, 1, None, 1.0)
+    assert fields(margin=margins_.Softmax())["normalize"] is False
+    assert fields(margin=margins_.SphereFace(4))["needs_norm"] is True
+    assert fields(interclass_filter_threshold=0.3)["filter"] is True
+    assert fields(world=4)["world"] == 4 and fields(gpu_chunk_scale=2)["chunk_scale"] == 2
+    assert fields(sample_rate=0.3, sampling=False)["sample_rate"] == 1.0  # a dense forward's work
+    assert fields(sample_rate=0.3)["sample_rate"] == 0.3
 
 
 def test_a_cached_choice_at_a_chunk_scale_is_what_the_ranks_settle_on(tmp_path):

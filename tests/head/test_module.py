@@ -1,6 +1,7 @@
 """Single-shard and devices mode against the dense float64 reference; AMP; bad input."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -378,3 +379,191 @@ def test_the_repr_of_a_rank_names_it_and_its_classes(monkeypatch):
                                    monkeypatch)
     assert reprs == [f"embedding_dim=4, num_classes=11, margin=Softmax(), rank {r}/2, classes={c}, reduction='mean', "
                      "label_smoothing=0.0" for r, c in ((0, "0..5"), (1, "6..10"))]
+
+
+# ---- torch's state dict: the rows, and the Partial FC step in its metadata
+
+
+def _stepped_head(steps=3, **kw):
+    head = shardfc.ShardedMarginHead(4, 9, sample_rate=0.5, **kw)
+    for s in range(steps):
+        head(torch.randn(3, 4), torch.tensor([0, 5, 8])).backward()
+    return head
+
+
+def test_the_state_dict_refuses_what_torch_refuses():
+    head = shardfc.ShardedMarginHead(4, 9)
+    w = head.weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "bogus"'):
+        head.load_state_dict({"weight": w, "bogus": w})
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "weight"'):
+        head.load_state_dict({})
+    with pytest.raises(RuntimeError, match=r"size mismatch for weight: copying a param with shape "
+                                           r"torch.Size\(\[8, 4\]\)"):
+        head.load_state_dict({"weight": torch.zeros(8, 4)})
+    result = head.load_state_dict({"weight": w * 2, "bogus": w}, strict=False)
+    assert result.unexpected_keys == ["bogus"] and result.missing_keys == []
+    assert torch.equal(head.weight, w * 2)
+
+
+def test_the_state_dict_holds_the_parameter_itself_with_keep_vars_and_fills_a_plain_dict():
+    head = shardfc.ShardedMarginHead(4, 9)
+    assert head.state_dict(keep_vars=True)["weight"] is head.weight
+    assert not head.state_dict()["weight"].requires_grad
+    plain = head.state_dict(destination={})  # no _metadata to put the step in: nothing breaks
+    assert list(plain) == ["weight"]
+
+
+def test_the_sampling_step_is_saved_under_the_heads_own_prefix():
+    head = _stepped_head(3)
+    assert head.state_dict()._metadata[""]["sample_step"] == 3
+    model = torch.nn.ModuleDict({"head": head})
+    assert model.state_dict()._metadata["head"]["sample_step"] == 3
+
+
+@pytest.mark.parametrize("saved, loaded", [(0, 0), (12, 12), (True, 3), (-1, 3), ("5", 3), (None, 3), (2.0, 3)])
+def test_only_a_step_that_is_an_int_of_at_least_0_is_loaded(saved, loaded):
+    head = _stepped_head(3)
+    state = head.state_dict()
+    if saved is None:
+        del state._metadata[""]["sample_step"]
+    else:
+        state._metadata[""]["sample_step"] = saved
+    head.load_state_dict(state)
+    assert head.sample_step == loaded and type(head.sample_step) is int
+
+
+def test_a_state_dict_without_metadata_keeps_the_step():
+    """arcface_torch's checkpoints are plain dicts: no metadata, so the step stays where it is."""
+    head = _stepped_head(3)
+    head.load_state_dict({"weight": head.weight.detach().clone()})
+    assert head.sample_step == 3
+
+
+def test_loading_forgets_the_rows_and_gradients_of_the_replaced_weights_and_tells_the_catch_up():
+    class RowsKeeper:
+        def __init__(self):
+            self.current = 0
+
+        def catch_up_(self, w, rows):
+            return False
+
+        def rows_are_current(self):
+            self.current += 1
+
+    head = shardfc.ShardedMarginHead(4, 9, sample_rate=0.5, sparse_grad=True)
+    keeper = RowsKeeper()
+    head.keep_rows_current_by(keeper)
+    head(torch.randn(3, 4), torch.tensor([0, 5, 8])).backward()
+    assert head.sampled_rows is not None and head.row_grad_values() != []
+    head.load_state_dict({"weight": head.weight.detach().clone()})
+    assert head.sampled_rows is None and head.row_grad_values() == [] and head.take_sampled_rows() == {}
+    assert keeper.current == 1
+
+
+def test_a_copy_or_pickle_of_a_head_leaves_its_optimizers_behind():
+    import copy
+    import pickle
+
+    class Attached:
+        fused_update = True
+
+        def catch_up_(self, w, rows):
+            return False
+
+    head, opt = shardfc.ShardedMarginHead(4, 9), Attached()
+    head.fuse_optimizer_update(opt)
+    head.keep_rows_current_by(opt)
+    for clone in (copy.deepcopy(head), pickle.loads(pickle.dumps(head))):
+        assert clone._update_optimizer() is None and clone._catch_up_optimizer() is None
+        assert torch.equal(clone.weight, head.weight)
+    assert head._update_optimizer() is opt and head.rows_kept_current_by(opt)  # the original keeps them
+
+
+def test_rows_kept_current_by_names_only_the_attached_optimizer():
+    head, opt = shardfc.ShardedMarginHead(4, 9), object()
+    assert not head.rows_kept_current_by(None) and not head.rows_kept_current_by(opt)
+    head.keep_rows_current_by(type("Opt", (), {})())  # gone at once: the head holds it weakly
+    assert not head.rows_kept_current_by(opt) and not head.rows_kept_current_by(None)
+
+
+def test_sharded_state_catches_up_an_optimizer_that_can():
+    from shardfc.head.partial_fc import head_optimizer
+
+    head = _stepped_head(2)
+    opt = head_optimizer(head, "sgd", lr=0.1)
+    calls = []
+    real = opt.catch_up_all_
+    opt.catch_up_all_ = lambda: calls.append(1) or real()
+    head.sharded_state(opt)
+    assert calls == [1]
+    head.sharded_state(torch.optim.SGD(head.parameters(), lr=0.1))  # one without catch_up_all_: nothing to do
+    head.sharded_state()
+
+
+@pytest.mark.parametrize("devices", [None, ["cpu", "cpu"]])
+def test_a_full_forward_without_a_backward_still_makes_the_sparse_gradient_dense(devices):
+    """A sampled micro-batch with its backward, then a forward over every class without one (a loss
+    only looked at): the step's rows are every row, so each shard's compact gradient becomes a dense
+    ``.grad`` that holds it, on every shard."""
+    sparse = shardfc.ShardedMarginHead(4, 9, sample_rate=0.5, sparse_grad=True, devices=devices, dtype=torch.float64)
+    dense = shardfc.ShardedMarginHead(4, 9, sample_rate=0.5, devices=devices, dtype=torch.float64)
+    x, y = torch.randn(3, 4, dtype=torch.float64), torch.tensor([0, 5, 8])
+    for head in (sparse, dense):
+        head(x, y).backward()
+        head.eval()
+        head(x, y)
+    assert sparse.take_sampled_rows() == {}
+    for w_s, w_d in zip(sparse.shard_weights, dense.shard_weights):
+        torch.testing.assert_close(w_s.grad, w_d.grad, rtol=1e-12, atol=0)
+
+
+# ---- predict: the scores' precision, sub-centres, a shard with fewer classes than k
+
+
+@pytest.mark.parametrize("x_dtype, w_dtype, scores_dtype", [
+    (torch.float32, torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32, torch.float32),   # a bf16 backbone's embeddings, fp32 centres
+    (torch.bfloat16, torch.bfloat16, torch.float32),  # scored in fp32, not in bf16
+    (torch.float32, torch.float64, torch.float64),
+])
+def test_predict_scores_in_fp32_or_fp64_whatever_the_inputs(x_dtype, w_dtype, scores_dtype):
+    torch.manual_seed(1)
+    x = torch.randn(5, D).to(x_dtype)
+    head = shardfc.ShardedMarginHead(D, C, margin=M.CosFace(), dtype=w_dtype)
+    scores, ids = head.predict(x, k=3)
+    assert scores.dtype == scores_dtype and ids.dtype == torch.int64
+    from shardfc.head.normalize import l2_normalize
+
+    # each side normalised in its own dtype (as the forward does), the product in fp32 or fp64
+    xn, wn = l2_normalize(x).double(), l2_normalize(head.weight.detach()).double()
+    want = xn @ wn.t() * head.margin.scale
+    ref_s, ref_i = want.topk(3, dim=1)
+    assert torch.equal(ids, ref_i)
+    torch.testing.assert_close(scores.double(), ref_s, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("devices", [None, ["cpu", "cpu"]])
+def test_predict_with_two_centres_a_class_scores_its_best(devices):
+    x = torch.randn(4, D, dtype=torch.float64)
+    head = shardfc.ShardedMarginHead(D, C, subcenters=2, devices=devices, chunk_size=3, dtype=torch.float64)
+    scores, ids = head.predict(x, k=C)  # every class, once each
+    W = torch.cat([w.detach() for w in head.shard_weights])
+    cos = torch.nn.functional.normalize(x, dim=1) @ torch.nn.functional.normalize(W, dim=1).t()
+    best = cos.view(4, C, 2).amax(2) * head.margin.scale
+    ref_s, ref_i = best.topk(C, dim=1)
+    assert torch.equal(ids, ref_i)
+    torch.testing.assert_close(scores, ref_s, rtol=0, atol=1e-12)
+
+
+def test_a_shards_top_k_is_padded_to_k_with_minus_inf_and_minus_one():
+    from shardfc.head.module import _shard_topk
+
+    a, w = torch.randn(2, D, dtype=torch.float64), torch.randn(3, D, dtype=torch.float64)
+    for chunk in (None, 2):
+        s, i = _shard_topk(a, w, range(10, 13), 5, M.Softmax(), chunk, 1)
+        assert i[:, 3:].tolist() == [[-1, -1]] * 2 and s[:, 3:].tolist() == [[-math.inf] * 2] * 2
+        assert sorted(i[0, :3].tolist()) == [10, 11, 12]
+        torch.testing.assert_close(s[:, :3], (a @ w.t()).sort(dim=1, descending=True).values, rtol=0, atol=1e-12)
+    s, i = _shard_topk(a, w[:0], range(5, 5), 2, M.Softmax(), None, 1)  # a shard without classes
+    assert i.tolist() == [[-1, -1]] * 2 and s.dtype == torch.float64

@@ -1007,3 +1007,28 @@ def test_staging_the_device_numbers_makes_the_fused_updates_state_only_where_the
     opt.fused_update = fused_update
     opt.stage_device_scalars()
     assert set(opt.state) == ({a} if fused_update else set())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_r_draws_what_shard_r_of_one_process_draws(world, monkeypatch):
+    """Shard ``i`` of the logical head draws from ``(sample_seed, i, step)`` whether it is a rank of a
+    process group or a device of one process: the same global batches give the same samples."""
+    from thread_world import ThreadWorld
+
+    batches = [_batch(step, B=6) for step in range(2)]
+
+    def samples(head, rank=0, world=1):
+        out = []
+        for x, y in batches:
+            lo, hi = rank * 6 // world, (rank + 1) * 6 // world
+            head(x[lo:hi], y[lo:hi]).backward()
+            out.append([rows.clone() for rows in head.take_sampled_rows().values()])
+        return out
+
+    one = samples(shardfc.ShardedMarginHead(D, C, sample_rate=0.1, sample_seed=7, devices=["cpu"] * world))
+    ranks = ThreadWorld(world).results(
+        lambda r: samples(shardfc.ShardedMarginHead(D, C, sample_rate=0.1, sample_seed=7), r, world), monkeypatch)
+    for step in range(2):
+        for r in range(world):
+            assert torch.equal(ranks[r][step][0], one[step][r]), (step, r)
+    assert not torch.equal(one[0][0], one[0][1][: one[0][0].numel()])  # the shards' streams differ

@@ -1029,7 +1029,7 @@ def reduce_losses(losses: Tensor, valid: Tensor, sizes: Sequence[int], rank: int
     return losses[offset : offset + sizes[rank]]
 
 
-def _shard_topk(a: Tensor, w: Tensor, r: range, k: int, margin, chunk_size: Optional[int], subcenters: int = 1):
+def _shard_topk(a: Tensor, w: Tensor, r: range, k: int, margin, chunk_size: Optional[int], subcenters: int):
     """This shard's top-k margin-free logits (a class's best centre), padded with (−inf, −1) to k columns."""
     K = subcenters
     B, n = a.shape[0], w.shape[0] // K
