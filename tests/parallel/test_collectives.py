@@ -187,12 +187,14 @@ def test_a_subgroup_is_where_every_collective_runs():
             return None
         summed = c.all_reduce(torch.tensor([float(r)]), dist.ReduceOp.SUM, group).item()
         scattered = c.reduce_scatter_rows(torch.arange(2.0) * r, [1, 1], group).tolist()  # equal sizes
-        rows = c.gather_rows_forward_reduce_scatter_backward(torch.tensor([float(r)]), [1, 1], group).tolist()
+        x = torch.tensor([float(r)], requires_grad=True)
+        rows = c.gather_rows_forward_reduce_scatter_backward(x, [1, 1], group)
+        (rows * torch.tensor([1.0, 10.0]) * r).sum().backward()  # rank r weighs the rows r, 10·r
         c.barrier(group)
-        return summed, scattered, rows
+        return summed, scattered, rows.tolist(), x.grad.tolist()
 
     _, one, two = TorchThreadWorld(3, timeout=10).results(rank)
-    assert one == (3.0, [0.0], [1.0, 2.0]) and two == (3.0, [3.0], [1.0, 2.0])
+    assert one == (3.0, [0.0], [1.0, 2.0], [3.0]) and two == (3.0, [3.0], [1.0, 2.0], [30.0])
 
 
 def test_a_subgroups_object_collectives_count_its_own_size_and_root():
