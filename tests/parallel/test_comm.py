@@ -97,9 +97,15 @@ def test_a_subgroup_communicator_counts_within_the_group_and_refuses_a_non_membe
             with pytest.raises(ValueError) as e:
                 TorchDistCommunicator(group)
             return str(e.value)
-        comm = TorchDistCommunicator(group)
-        return comm.rank, comm.world_size, comm.group is group, comm.broadcast_object(r)
+        comm = TorchDistCommunicator(group)  # every operation over the group: rank 0 calls none
+        t = torch.tensor([float(r)])
+        comm.all_reduce_(t)
+        comm.barrier()
+        return (comm.rank, comm.world_size, comm.group is group, comm.broadcast_object(r), comm.all_gather_object(r),
+                comm.all_gather_rows(torch.tensor([float(r)]), [1, 1]).tolist(),
+                comm.reduce_scatter_rows(torch.tensor([1.0, 2.0]) * r, [1, 1]).tolist(), t.item())
 
-    outsider, one, two = TorchThreadWorld(3).results(rank)
+    outsider, one, two = TorchThreadWorld(3, timeout=10).results(rank)
     assert outsider.startswith("this process (global rank 0) is not a member of group=")
-    assert one == (0, 2, True, 1) and two == (1, 2, True, 1)
+    assert one == (0, 2, True, 1, [1, 2], [1.0, 2.0], [3.0], 3.0)
+    assert two == (1, 2, True, 1, [1, 2], [1.0, 2.0], [6.0], 3.0)
