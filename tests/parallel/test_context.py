@@ -40,7 +40,8 @@ def test_resolve_reads_the_default_group_and_its_communicator():
             "meta": (on_meta.device, on_meta.rank),
             "gathered": ctx.all_gather_rows(torch.tensor([float(r)]), [1, 1]).tolist(),
             "summed": ctx.reduce_scatter_rows(torch.tensor([1.0, 2.0]), [1, 1]).tolist(),
-            "max": ctx.all_reduce_(torch.tensor([float(r)]), "max").item(),
+            "max": ctx.all_reduce_(torch.tensor([float(r + 1)]), "max").item(),
+            "sum": ctx.all_reduce_(torch.tensor([float(r + 1)])).item(),  # the default op
             "objects": ctx.all_gather_object(r),
             "object": ctx.broadcast_object(r + 10),
             "barrier": ctx.barrier(),
@@ -50,7 +51,7 @@ def test_resolve_reads_the_default_group_and_its_communicator():
         assert g["ctx"] == (None, r, 2, True, torch.device("cpu"), r == 0)
         assert g["comm"] == (TorchDistCommunicator, r, "threaded", torch.device("cpu"), False)
         assert g["meta"] == (torch.device("meta"), r)
-        assert g["gathered"] == [0.0, 1.0] and g["summed"] == [[2.0], [4.0]][r] and g["max"] == 1.0
+        assert g["gathered"] == [0.0, 1.0] and g["summed"] == [[2.0], [4.0]][r] and (g["max"], g["sum"]) == (2.0, 3.0)
         assert g["objects"] == [0, 1] and g["object"] == 10 and g["barrier"] is None
 
 
@@ -93,3 +94,38 @@ def test_from_comm_and_with_device_keep_the_place_and_the_communicator():
     bare = Comm()
     del Comm.group
     assert DistContext.from_comm(bare).group is None
+
+
+def test_the_context_barrier_waits_for_every_rank():
+    arrived = []
+
+    def rank(r):
+        arrived.append(r)
+        DistContext.resolve().barrier()
+        return len(arrived)
+
+    assert TorchThreadWorld(3).results(rank) == [3, 3, 3]
+
+
+class _StandInHorovod(Communicator):
+    """What ``DistContext.horovod`` reads of Horovod's communicator (the real one runs under
+    horovodrun: ``tests/head/test_module_horovod.py``)."""
+
+    rank, world_size = 1, 2
+
+
+@pytest.mark.parametrize("cuda, device, want", [
+    (False, None, torch.device("cpu")),
+    (True, None, torch.device("cuda", 1)),  # the current CUDA device, as Horovod's recipe sets it
+    (True, "meta", torch.device("meta")),
+])
+def test_horovods_world_when_hvd_init_has_run_and_torch_distributed_has_not(monkeypatch, cuda, device, want):
+    from shardfc.parallel import context
+
+    monkeypatch.setattr(context, "HorovodCommunicator", _StandInHorovod)
+    monkeypatch.setattr(context, "horovod_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    for ctx in (DistContext.resolve(device=device), DistContext.horovod(device)):
+        assert (ctx.group, ctx.rank, ctx.world_size, ctx.distributed, ctx.device) == (None, 1, 2, True, want)
+        assert isinstance(ctx.comm, _StandInHorovod) and ctx.is_horovod
