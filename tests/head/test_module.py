@@ -567,3 +567,42 @@ def test_a_shards_top_k_is_padded_to_k_with_minus_inf_and_minus_one():
         torch.testing.assert_close(s[:, :3], (a @ w.t()).sort(dim=1, descending=True).values, rtol=0, atol=1e-12)
     s, i = _shard_topk(a, w[:0], range(5, 5), 2, M.Softmax(), None, 1)  # a shard without classes
     assert i.tolist() == [[-1, -1]] * 2 and s.dtype == torch.float64
+
+
+# ---- batches of one and of none
+
+
+@pytest.mark.parametrize("devices", [None, ["cpu", "cpu"]])
+def test_a_batch_of_one_sample_is_scored_like_any_other(devices):
+    x, y = torch.randn(1, D, dtype=torch.float64), torch.tensor([C - 1])
+    head = shardfc.ShardedMarginHead(D, C, devices=devices, dtype=torch.float64)
+    xr = x.clone().requires_grad_()
+    loss = head(xr, y)
+    loss.backward()
+    W = torch.cat([w.detach() for w in head.shard_weights]).requires_grad_()
+    x_ref = x.clone().requires_grad_()
+    ref = shardfc.reference_loss(x_ref, W, y, head.margin)
+    ref.backward()
+    assert loss.item() > 0 and _rel(loss.detach(), ref.detach()) < 1e-12 and _rel(xr.grad, x_ref.grad) < 1e-12
+
+
+def test_an_empty_batch_under_partial_fc_samples_no_row():
+    head = shardfc.ShardedMarginHead(D, C, sample_rate=0.5, devices=["cpu", "cpu"])
+    head(torch.randn(0, D), torch.zeros(0, dtype=torch.long)).backward()
+    assert [r.tolist() for r in head.sampled_rows] == [[], []]
+    dense = shardfc.ShardedMarginHead(D, C, devices=["cpu", "cpu"])
+    dense(torch.randn(0, D), torch.zeros(0, dtype=torch.long)).backward()
+    assert dense.sampled_rows == [None, None]  # every row (its zero gradient is dense)
+
+
+@pytest.mark.parametrize("B", [0, 3])
+def test_every_training_forward_counts_for_the_clipping_norm(B):
+    """A forward whose norm is measured counts as one, an empty one too: after two, the norm of
+    their summed gradient is not known (:meth:`take_weight_grad_sq_norm` says None)."""
+    head = shardfc.ShardedMarginHead(D, C)
+    head.measure_weight_grad_norm()
+    head(torch.randn(B, D), torch.zeros(B, dtype=torch.long))
+    assert head._grad_sq_forwards == 1
+    with torch.no_grad():
+        head(torch.randn(B, D), torch.zeros(B, dtype=torch.long))
+    assert head._grad_sq_forwards == 1

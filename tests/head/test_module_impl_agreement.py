@@ -62,7 +62,7 @@ def _clock(ms):
 
 
 def _steps(world, monkeypatch, tmp_path, env=None, without_triton=(), candidates=None, ms=None, steps=2,
-           chunk_scale=None):
+           chunk_scale=None, dtype=torch.float64):
     """Each rank's ``(last_impl, last_chunk_scale, its selector)`` after ``steps`` training steps of a
     fresh head under ``impl="auto"``, or ``("error", message, this rank's cause)``."""
     monkeypatch.setattr(impl_select, "os", _OsOfRank(env or {}))
@@ -89,9 +89,9 @@ def _steps(world, monkeypatch, tmp_path, env=None, without_triton=(), candidates
         clock = _clock(ms[rank]) if ms is not None else None
         selectors[rank] = impl_select.ImplSelector(tmp_path / f"rank{rank}.json", steps=1, warmup=0, clock=clock,
                                                    sync=lambda: None)
-        head = shardfc.ShardedMarginHead(D, C, impl="auto", dtype=torch.float64, gpu_chunk_scale=chunk_scale)
+        head = shardfc.ShardedMarginHead(D, C, impl="auto", dtype=dtype, gpu_chunk_scale=chunk_scale)
         g = torch.Generator().manual_seed(rank)
-        x, y = torch.randn(rank + 2, D, generator=g, dtype=torch.float64), torch.randint(0, C, (rank + 2,), generator=g)
+        x, y = torch.randn(rank + 2, D, generator=g, dtype=dtype), torch.randint(0, C, (rank + 2,), generator=g)
         try:
             for _ in range(steps):
                 head(x.requires_grad_(), y).backward()
@@ -160,14 +160,23 @@ def test_an_override_on_every_rank_runs_without_timing_and_one_collective(monkey
     assert "(SHARDFC_HEAD_IMPL on every rank)" in caplog.text
 
 
-def test_torch_on_every_rank_when_one_cannot_run_the_fused_kernels(monkeypatch, tmp_path, caplog):
+@pytest.mark.parametrize("interpreting, dtype, why", [
+    (False, torch.float64, "the head's tensors are on cpu, not a CUDA device (TRITON_INTERPRET=1 runs"),
+    (True, torch.float64, "the kernels keep fp32 statistics; inputs of torch.float64 need impl='torch')"),
+    (True, torch.float32, "the head's tensors are on cpu, not a CUDA device)"),  # the kernels could run, not auto
+], ids=["cpu", "interpreter fp64", "interpreter fp32"])
+def test_torch_on_every_rank_when_one_cannot_run_the_fused_kernels(monkeypatch, tmp_path, caplog, interpreting,
+                                                                     dtype, why):
+    from shardfc.head import fused
+
+    monkeypatch.setattr(fused, "interpreting", lambda: interpreting)
     with caplog.at_level(logging.WARNING, "shardfc.head"):
-        got = _steps(3, monkeypatch, tmp_path, without_triton=(1,))
+        got = _steps(3, monkeypatch, tmp_path, without_triton=(1,), dtype=dtype)
     for impl, scale, selector in got:
         assert (impl, scale, selector.timings) == ("torch", None, {})
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 3 and all("as the fused kernels cannot run on rank 1" in w for w in warned)
-    assert sum("(here: the head's tensors are on cpu, not a CUDA device" in w for w in warned) == 1
+    assert sum(f"(here: {why}" in w for w in warned) == 1
 
 
 def test_torch_without_a_word_when_no_rank_can_run_the_fused_kernels(monkeypatch, tmp_path, caplog):
@@ -205,3 +214,60 @@ def test_a_chunk_scale_given_times_only_that_scale(monkeypatch, tmp_path):
     got = _steps(2, monkeypatch, tmp_path, ms=ms, chunk_scale=4)
     assert [g[:2] for g in got] == [("gemm", 4)] * 2
     assert timed == [("triton", 4), ("gemm", 4), ("torch", None)] * 2
+
+
+
+# ---- one process: nothing to agree on
+
+
+def _one_process(monkeypatch, tmp_path, impl="auto", env=None, ms=None, sample_rate=1.0, steps=2):
+    """``(head, selector)`` after ``steps`` training steps of one process "with Triton"."""
+    RANK.rank = 0  # the stand-ins below are the ranks' (see _steps)
+    monkeypatch.setattr(impl_select, "os", _OsOfRank({} if env is None else {0: env}))
+    real_kernels = function.shard_kernels
+    monkeypatch.setattr(head_module, "resolve_impl", lambda impl_, *args: impl_)
+    kernels = lambda cfg: real_kernels(dataclasses.replace(cfg, impl="torch"))  # noqa: E731
+    monkeypatch.setattr(head_module, "shard_kernels", kernels)
+    monkeypatch.setattr(function, "shard_kernels", kernels)
+    selector = impl_select.ImplSelector(tmp_path / "cache.json", steps=1, warmup=0, sync=lambda: None,
+                                        clock=_clock(ms or [3.0, 1.0, 2.0] * 3))
+    monkeypatch.setattr(impl_select, "default_selector", lambda: selector)
+    monkeypatch.setattr(head_module, "timed_candidates", lambda scale: ("triton@1", "gemm@2", "torch"))
+    head = shardfc.ShardedMarginHead(D, C, impl=impl, dtype=torch.float64, sample_rate=sample_rate)
+    x, y = torch.randn(5, D, dtype=torch.float64), torch.randint(0, C, (5,))
+    for _ in range(steps):
+        head(x, y).backward()
+    return head, selector
+
+
+@pytest.mark.parametrize("impl", ["torch", "gemm", "triton"])
+def test_an_impl_named_is_run_as_named_whatever_the_environment_says(monkeypatch, tmp_path, impl):
+    head, selector = _one_process(monkeypatch, tmp_path, impl=impl, env="gemm" if impl != "gemm" else "torch")
+    assert head.last_impl == impl and selector.timings == {} and selector.choices == {}
+
+
+def test_auto_in_one_process_follows_the_environment_every_forward(monkeypatch, tmp_path):
+    head, selector = _one_process(monkeypatch, tmp_path, env="gemm")
+    assert (head.last_impl, head.last_chunk_scale, selector.timings) == ("gemm", None, {})
+
+
+@pytest.mark.parametrize("sample_rate", [1.0, 0.5])
+def test_auto_in_one_process_times_once_under_the_forwards_workload_key(monkeypatch, tmp_path, sample_rate):
+    head, selector = _one_process(monkeypatch, tmp_path, sample_rate=sample_rate, steps=3)
+    assert (head.last_impl, head.last_chunk_scale) == ("gemm", 2)  # the stub clock's fastest
+    key = head_module.workload_key(head, 5, torch.float64, torch.float64, torch.device("cpu"), sample_rate < 1.0)
+    assert list(selector.timings) == [key] and selector.choices == {key: "gemm@2"}
+    if sample_rate < 1.0:  # a sampled forward's workload is not the dense one's
+        assert key != head_module.workload_key(head, 5, torch.float64, torch.float64, torch.device("cpu"), False)
+
+
+def test_the_ranks_agree_under_the_forwards_workload_key(monkeypatch, tmp_path):
+    ms = {0: [3.0, 1.0, 2.0], 1: [3.0, 1.0, 2.0]}
+    got = _steps(2, monkeypatch, tmp_path, candidates=("triton@1", "gemm@2", "torch"), ms=ms)
+    from shardfc.parallel.context import DistContext
+
+    head = shardfc.ShardedMarginHead(D, C, dtype=torch.float64, context=DistContext())
+    head.world_size = 2  # as the ranks' heads: the key holds the world's size
+    key = head_module.workload_key(head, 2 + 3, torch.float64, torch.float64, torch.device("cpu"), False)
+    for _, _, selector in got:
+        assert list(selector.timings) == [key] and selector.choices == {key: "gemm@2"}
