@@ -606,3 +606,14 @@ def test_every_training_forward_counts_for_the_clipping_norm(B):
     with torch.no_grad():
         head(torch.randn(B, D), torch.zeros(B, dtype=torch.long))
     assert head._grad_sq_forwards == 1
+
+
+@pytest.mark.parametrize("label_dtype", [torch.int32, torch.int16, torch.uint8])
+@pytest.mark.parametrize("kw", [{}, {"sample_rate": 0.5}], ids=["full", "partial fc"])
+def test_labels_of_any_integer_dtype_give_the_int64_labels_loss(label_dtype, kw):
+    x, y = torch.randn(3, D, dtype=torch.float64), torch.tensor([0, 5, C - 1])
+    losses = []
+    for dtype in (torch.int64, label_dtype):
+        head = shardfc.ShardedMarginHead(D, C, dtype=torch.float64, **kw)
+        losses.append(head(x, y.to(dtype)))
+    assert torch.equal(losses[0], losses[1])
