@@ -271,3 +271,74 @@ def test_the_ranks_agree_under_the_forwards_workload_key(monkeypatch, tmp_path):
     key = head_module.workload_key(head, 2 + 3, torch.float64, torch.float64, torch.device("cpu"), False)
     for _, _, selector in got:
         assert list(selector.timings) == [key] and selector.choices == {key: "gemm@2"}
+
+
+# ---- what the timing runs (ShardedMarginHead._timed_step), recorded through the stand-in kernels
+
+
+@pytest.mark.parametrize("kw", [{}, {"sample_rate": 0.5}, {"subcenters": 2},
+                                {"margin": shardfc.margins.SphereFace(4)}, {"interclass_filter_threshold": 0.9}],
+                         ids=["full", "partial fc", "sub-centres", "sphereface", "filter"])
+def test_the_timing_runs_the_whole_shards_forward_and_its_backward_in_slices(monkeypatch, tmp_path, kw):
+    """Per timed call of a fused candidate: its forward over every scored class of the shard (the
+    autotune key the run uses), then the backward ``k = ⌈n / AUTO_TIMED_CLASSES⌉`` times over the
+    first ``⌈n / k⌉`` classes, from statistics made once (the first call) by the gemm forward of that
+    slice; torch's candidate runs forward and backward ``k`` times on the slice. Nothing else: the
+    batch's own rows, the labels of classes outside the slice ignored, the sample's mean as upstream
+    gradient, the norms only where the margin needs them, the target rows only with the filter."""
+    RANK.rank = 0
+    monkeypatch.setattr(head_module, "AUTO_TIMED_CLASSES", 4)  # 11 classes: k = 3 slices of 4
+    monkeypatch.setattr(impl_select, "os", _OsOfRank({}))
+    monkeypatch.setattr(head_module, "resolve_impl", lambda impl_, *args: impl_)
+    real_kernels = function.shard_kernels
+    calls = []
+
+    def recording(cfg):
+        forward, backward = real_kernels(dataclasses.replace(cfg, impl="torch"))
+
+        def fwd(a, w, labels, norm, cfg_, rows=None, **extra):
+            calls.append(("forward", cfg_.impl, cfg_.num_classes, w.shape[0] if rows is None else rows.numel(),
+                          labels.clone(), norm, sorted(extra)))
+            return forward(a, w, labels, norm, cfg_, rows=rows, **extra)
+
+        def bwd(a, w, labels, norm, stats, row_max, sum_exp, coef, cfg_, grad, rows=None, **extra):
+            calls.append(("backward", cfg_.impl, cfg_.num_classes, w.shape[0] if rows is None else rows.numel(),
+                          labels.clone(), coef.clone(), grad, sorted(extra)))
+            # the torch backward frees the forward's saved logits; a fused one reuses its statistics
+            stats = dataclasses.replace(stats, buffers=None if stats.buffers is None else list(stats.buffers))
+            return backward(a, w, labels, norm, stats, row_max, sum_exp, coef, cfg_, grad, rows=rows, **extra)
+
+        return fwd, bwd
+
+    monkeypatch.setattr(head_module, "shard_kernels", recording)
+    monkeypatch.setattr(function, "shard_kernels", lambda cfg: real_kernels(dataclasses.replace(cfg, impl="torch")))
+    monkeypatch.setattr(head_module, "timed_candidates", lambda scale: ("triton@1", "torch"))
+    selector = impl_select.ImplSelector(tmp_path / "cache.json", steps=1, warmup=1, sync=lambda: None)
+    monkeypatch.setattr(impl_select, "default_selector", lambda: selector)
+    head = shardfc.ShardedMarginHead(D, C, impl="auto", dtype=torch.float64, **kw)
+    x, y = torch.randn(5, D, dtype=torch.float64), torch.tensor([0, 3, 4, 7, 10])
+    head(x, y)  # the forward only: every kernel call recorded is the timing's
+    K = head.subcenters
+    n = head.sampled_rows[0].numel() // K if kw.get("sample_rate") else C
+    k = -(-n // 4)
+    s = -(-n // k)  # the slice's classes
+    assert selector.failures == {next(iter(selector.timings)): {}}
+    fused, plain = calls[: 3 + 2 * k], calls[3 + 2 * k:]
+    # the fused candidate, two calls (warm-up and timed): the whole shard, the slice's statistics once, k backwards
+    assert [c[:4] for c in fused] == (
+        [("forward", "triton", n, n * K), ("forward", "gemm", s, s * K)] + [("backward", "triton", s, s * K)] * k
+        + [("forward", "triton", n, n * K)] + [("backward", "triton", s, s * K)] * k)
+    # torch's, two calls: forward and backward k times each, on the slice
+    assert [c[:4] for c in plain] == [("forward", "torch", s, s * K), ("backward", "torch", s, s * K)] * k * 2
+    local = head.sampled_rows[0] if kw.get("sample_rate") else None
+    for c in calls:
+        whole = c[2] == n and c[1] == "triton" and c[0] == "forward"
+        want = y if local is None else torch.searchsorted(local[::K] // K, y)  # labels in the scored classes
+        want = want if whole else torch.where(want < s, want, torch.full_like(want, -1))
+        assert torch.equal(c[4], want), c[:4]
+        extra = ["target_rows"] if "interclass_filter_threshold" in kw else []
+        assert c[-1] == extra
+        if c[0] == "forward":
+            assert (c[5] is None) != ("margin" in kw)  # SphereFace's norms only
+        else:
+            assert torch.equal(c[5], torch.full((5,), 1 / 5, dtype=torch.float64)) and c[6] is None
