@@ -589,7 +589,7 @@ def test_a_batch_of_one_sample_is_scored_like_any_other(devices):
 def test_an_empty_batch_under_partial_fc_samples_no_row():
     head = shardfc.ShardedMarginHead(D, C, sample_rate=0.5, devices=["cpu", "cpu"])
     head(torch.randn(0, D), torch.zeros(0, dtype=torch.long)).backward()
-    assert [r.tolist() for r in head.sampled_rows] == [[], []]
+    assert [(r.tolist(), r.dtype) for r in head.sampled_rows] == [([], torch.int64)] * 2  # row ids
     dense = shardfc.ShardedMarginHead(D, C, devices=["cpu", "cpu"])
     dense(torch.randn(0, D), torch.zeros(0, dtype=torch.long)).backward()
     assert dense.sampled_rows == [None, None]  # every row (its zero gradient is dense)
@@ -617,3 +617,21 @@ def test_labels_of_any_integer_dtype_give_the_int64_labels_loss(label_dtype, kw)
         head = shardfc.ShardedMarginHead(D, C, dtype=torch.float64, **kw)
         losses.append(head(x, y.to(dtype)))
     assert torch.equal(losses[0], losses[1])
+
+
+
+def test_inside_value_checks_outside_only_types_and_shapes_are_checked():
+    """What a captured step's caller gets: the loss of the batch, no read of its values (a NaN is not
+    this forward's error), a type or shape still refused at once."""
+    head = shardfc.ShardedMarginHead(D, C, dtype=torch.float64)
+    x, y = torch.randn(3, D, dtype=torch.float64), torch.tensor([0, 5, C - 1])
+    want = head(x, y)
+    with head.value_checks_outside():
+        assert torch.equal(head(x, y), want)
+        head(torch.full((3, D), math.nan, dtype=torch.float64), y)  # not read here
+        with pytest.raises(ValueError, match=r"^embeddings has width 2 but the head's embedding_dim is 5"):
+            head(x[:, :2], y)
+        with pytest.raises(ValueError, match=r"^labels has 2 entries but embeddings has 3 rows$"):
+            head(x, y[:2])
+    with pytest.raises(ValueError, match="^embeddings contain non-finite values"):
+        head(torch.full((3, D), math.nan, dtype=torch.float64), y)  # outside: read again

@@ -181,3 +181,87 @@ def test_a_forward_without_autograd_is_not_counted_and_turning_off_forgets():
     head.measure_weight_grad_norm(False)
     assert head._grad_sq == [] and head._grad_sq_forwards == 0
     assert head._grad_sq_sink() is None and head.take_weight_grad_sq_norm() is None
+
+
+# ---- the plan each forward hands the sharded loss
+
+
+class _Planned(Exception):
+    pass
+
+
+def _planned(monkeypatch, head, x, y, run=True):
+    """The :class:`~shardfc.head.function.ShardedLossPlan` of one forward of ``head`` (``run=False``:
+    the forward stops there, for a plan whose fused kernels cannot run here)."""
+    from shardfc.head import module
+
+    plans = []
+    real = module.sharded_cross_entropy
+
+    def spy(plan, *args):
+        plans.append(plan)
+        if not run:
+            raise _Planned()
+        return real(plan, *args)
+
+    monkeypatch.setattr(module, "sharded_cross_entropy", spy)
+    try:
+        head(x, y)
+    except _Planned:
+        pass
+    (plan,) = plans
+    return plan
+
+
+@pytest.mark.parametrize("x_dtype, w_dtype, compute, stats", [
+    (torch.float32, torch.float32, torch.float32, torch.float32),
+    (torch.float32, torch.float64, torch.float64, torch.float64),  # the weights' precision counts too
+    (torch.float64, torch.float32, torch.float64, torch.float64),  # and the embeddings'
+    (torch.bfloat16, torch.float32, torch.float32, torch.float32),
+])
+def test_the_plans_precision_is_that_of_both_inputs(monkeypatch, x_dtype, w_dtype, compute, stats):
+    head = shardfc.ShardedMarginHead(4, 9, dtype=w_dtype)
+    plan = _planned(monkeypatch, head, torch.randn(3, 4).to(x_dtype), torch.tensor([0, 5, 8]))
+    assert (plan.config.compute_dtype, plan.config.stats_dtype) == (compute, stats)
+
+
+@pytest.mark.parametrize("chunk_size, batch, want", [(None, 3, None), (2, 3, 2), ("auto", 4, 2 ** 20 // (8 * 4))])
+def test_the_plan_walks_the_classes_in_the_chunks_asked_for(monkeypatch, chunk_size, batch, want):
+    head = shardfc.ShardedMarginHead(4, 9, chunk_size=chunk_size, chunk_budget_bytes=2 ** 20)
+    plan = _planned(monkeypatch, head, torch.randn(batch, 4), torch.arange(batch))
+    assert plan.config.chunk_size == want
+
+
+def test_the_plan_of_a_fused_impl_carries_the_update_the_operand_and_the_norms_sink(monkeypatch):
+    """With a fused optimizer attached and the norm measured, a "gemm" forward hands the plan its impl
+    at the head's chunk scale, the backward's update, the operands kept for the next forward and the
+    clipping norm's sink."""
+    from shardfc.head import module
+
+    monkeypatch.setattr(module, "resolve_impl", lambda impl, *args: impl)
+    head = shardfc.ShardedMarginHead(4, 9, impl="gemm", gpu_chunk_scale=4, devices=["cpu", "cpu"])
+    opt = StandInOptimizer()
+    head.fuse_optimizer_update(opt)
+    head.measure_weight_grad_norm()
+    plan = _planned(monkeypatch, head, torch.randn(3, 4), torch.tensor([0, 5, 8]), run=False)
+    assert (plan.config.impl, plan.config.chunk_scale) == ("gemm", 4)
+    assert (head.last_impl, head.last_chunk_scale, head.last_update) == ("gemm", 4, "fused")
+    assert plan.row_update(1) == ("the update of", head.shard_weights[1])
+    assert plan.next_operands is head._next_operands and len(plan.next_operands) == 2
+    plan.grad_sq_sink(0, torch.tensor(1.0))
+    assert head._grad_sq == [torch.tensor(1.0)]
+
+
+def test_the_torch_impl_has_no_chunk_scale_whatever_the_head_says(monkeypatch):
+    head = shardfc.ShardedMarginHead(4, 9, impl="torch", gpu_chunk_scale=4)
+    plan = _planned(monkeypatch, head, torch.randn(3, 4), torch.tensor([0, 5, 8]))
+    assert (head.last_impl, head.last_chunk_scale) == ("torch", None)
+    assert plan.config.impl == "torch" and plan.row_update is None and plan.next_operands is None
+
+
+def test_a_take_starts_the_count_of_forwards_again():
+    head = _head()
+    head.measure_weight_grad_norm()
+    for _ in range(2):  # forward and backward, take; forward and backward, take
+        head._grad_sq_sink()(0, torch.tensor(2.0))
+        assert head.take_weight_grad_sq_norm().item() == 2.0

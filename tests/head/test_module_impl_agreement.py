@@ -13,6 +13,7 @@ says which candidate is fastest there.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import threading
@@ -68,9 +69,10 @@ def _steps(world, monkeypatch, tmp_path, env=None, without_triton=(), candidates
     monkeypatch.setattr(impl_select, "os", _OsOfRank(env or {}))
     real_resolve, real_kernels = head_module.resolve_impl, function.shard_kernels
 
-    def resolve(impl, *args):  # a rank with Triton resolves as on a GPU
+    def resolve(impl, device, compute, stats):  # a rank with Triton resolves as on a GPU
+        assert (device, compute, stats) == (torch.device("cpu"), dtype, dtype)  # what it is asked about
         if RANK.rank in without_triton:
-            return real_resolve(impl, *args)
+            return real_resolve(impl, device, compute, stats)
         return impl
 
     def torch_kernels(cfg):  # the torch kernels stand in for the fused ones
@@ -220,12 +222,17 @@ def test_a_chunk_scale_given_times_only_that_scale(monkeypatch, tmp_path):
 # ---- one process: nothing to agree on
 
 
+def _resolves_as_on_a_gpu(impl, device, compute, stats):
+    assert (device, compute, stats) == (torch.device("cpu"), torch.float64, torch.float64)
+    return impl
+
+
 def _one_process(monkeypatch, tmp_path, impl="auto", env=None, ms=None, sample_rate=1.0, steps=2):
     """``(head, selector)`` after ``steps`` training steps of one process "with Triton"."""
     RANK.rank = 0  # the stand-ins below are the ranks' (see _steps)
     monkeypatch.setattr(impl_select, "os", _OsOfRank({} if env is None else {0: env}))
     real_kernels = function.shard_kernels
-    monkeypatch.setattr(head_module, "resolve_impl", lambda impl_, *args: impl_)
+    monkeypatch.setattr(head_module, "resolve_impl", _resolves_as_on_a_gpu)
     kernels = lambda cfg: real_kernels(dataclasses.replace(cfg, impl="torch"))  # noqa: E731
     monkeypatch.setattr(head_module, "shard_kernels", kernels)
     monkeypatch.setattr(function, "shard_kernels", kernels)
@@ -342,3 +349,36 @@ def test_the_timing_runs_the_whole_shards_forward_and_its_backward_in_slices(mon
             assert (c[5] is None) != ("margin" in kw)  # SphereFace's norms only
         else:
             assert torch.equal(c[5], torch.full((5,), 1 / 5, dtype=torch.float64)) and c[6] is None
+
+
+
+def test_the_workload_key_says_when_the_update_is_fused_into_the_backward(monkeypatch, tmp_path):
+    """The timing key of a forward whose backward also applies the optimizer's update, in one process
+    and on every rank of a group."""
+    from test_module_fused_handover import StandInOptimizer
+
+    monkeypatch.setattr(head_module, "resolve_impl", _resolves_as_on_a_gpu)
+    monkeypatch.setattr(impl_select, "os", _OsOfRank({}))
+    cpu, f64 = torch.device("cpu"), torch.float64
+    kept = []
+
+    def key_of(head):
+        opt = StandInOptimizer()
+        kept.append(opt)  # held weakly by the head
+        head.fuse_optimizer_update(opt)
+        impl, key = head._impl_for(cpu, f64, f64, f64, 6, True)
+        assert impl == "auto" and key == head_module.workload_key(head, 6, f64, f64, cpu, True, True)
+        return json.loads(key)["fused_update"]
+
+    RANK.rank = 0
+    selectors = {}
+    monkeypatch.setattr(impl_select, "default_selector", lambda: selectors[RANK.rank])
+    selectors[0] = impl_select.ImplSelector(tmp_path / "one.json")
+    assert key_of(shardfc.ShardedMarginHead(D, C, sample_rate=0.5, dtype=f64)) is True
+
+    def rank_main(rank):
+        RANK.rank = rank
+        selectors[rank] = impl_select.ImplSelector(tmp_path / f"rank{rank}.json")
+        return key_of(shardfc.ShardedMarginHead(D, C, sample_rate=0.5, dtype=f64))
+
+    assert ThreadWorld(2).results(rank_main, monkeypatch) == [True, True]

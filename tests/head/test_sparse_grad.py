@@ -162,13 +162,14 @@ def test_a_full_forward_in_the_same_step_makes_the_update_dense():
     assert torch.equal(heads[0].weight, heads[1].weight)
 
 
+@pytest.mark.parametrize("micro_batches", [1, 2])
 @pytest.mark.parametrize("devices", [None, ["cpu", "cpu", "cpu"]])
-def test_row_grad_values_are_the_micro_batches_summed_per_shard_in_place(devices):
+def test_row_grad_values_are_the_micro_batches_summed_per_shard_in_place(devices, micro_batches):
     """What clipping and overflow checks read: one compact gradient per shard, the two micro-batches
     merged, and the same tensors the optimizer then takes (so scaling them in place scales the update)."""
     dense, sparse = make_head(False, devices), make_head(True, devices)
     assert sparse.row_grad_values() == []  # nothing before a backward
-    for micro in range(2):
+    for micro in range(micro_batches):
         x, y = batch(micro)
         dense(x, y).backward()
         sparse(x, y).backward()

@@ -401,7 +401,6 @@ class ShardedMarginHead(nn.Module):
         opt = self._update_optimizer()
         if opt is None or not torch.is_grad_enabled():
             return None
-        why = None
         if impl not in ("triton", "gemm"):
             why = f"impl={impl!r} stores the gradient (the fused update needs impl 'triton' or 'gemm')"
         elif compute_dtype == torch.float16:
