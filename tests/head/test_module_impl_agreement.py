@@ -382,3 +382,24 @@ def test_the_workload_key_says_when_the_update_is_fused_into_the_backward(monkey
         return key_of(shardfc.ShardedMarginHead(D, C, sample_rate=0.5, dtype=f64))
 
     assert ThreadWorld(2).results(rank_main, monkeypatch) == [True, True]
+
+
+
+def test_auto_named_in_the_environment_is_as_if_unset(monkeypatch, tmp_path):
+    candidates, ms = ("triton@1", "gemm@2", "torch"), {0: [3.0, 1.0, 2.0], 1: [1.0, 2.0, 3.0]}
+    got = _steps(2, monkeypatch, tmp_path, env={0: "auto", 1: "auto"}, candidates=candidates, ms=ms)
+    assert [g[:2] for g in got] == [("gemm", 2)] * 2  # timed, rank 0's fastest
+
+
+def test_auto_named_in_the_environment_of_one_process_is_as_if_unset(monkeypatch, tmp_path):
+    head, selector = _one_process(monkeypatch, tmp_path, env="auto")
+    assert head.last_impl == "gemm" and len(selector.timings) == 1
+
+
+def test_one_process_takes_its_cached_choice_without_timing(monkeypatch, tmp_path):
+    """The cache file's entry for the workload (what an earlier run timed) is used as is."""
+    head = shardfc.ShardedMarginHead(D, C, dtype=torch.float64)
+    key = head_module.workload_key(head, 5, torch.float64, torch.float64, torch.device("cpu"), False)
+    (tmp_path / "cache.json").write_text(json.dumps({key: {"impl": "triton@1"}}))
+    head, selector = _one_process(monkeypatch, tmp_path)
+    assert (head.last_impl, head.last_chunk_scale, selector.timings) == ("triton", 1, {})

@@ -1032,3 +1032,14 @@ def test_rank_r_draws_what_shard_r_of_one_process_draws(world, monkeypatch):
         for r in range(world):
             assert torch.equal(ranks[r][step][0], one[step][r]), (step, r)
     assert not torch.equal(one[0][0], one[0][1][: one[0][0].numel()])  # the shards' streams differ
+
+
+def test_each_shard_draws_from_its_own_stream():
+    """Two shards of equal size and no positive (every label ignored): their negatives come from
+    ``(sample_seed, shard, step)``, so they differ, as two ranks' do."""
+    head = shardfc.ShardedMarginHead(D, C, sample_rate=0.1, sample_seed=7, devices=["cpu", "cpu"])
+    x, _ = _batch(0)
+    head(x, torch.full((x.shape[0],), -1)).backward()
+    first, second = head.sampled_rows
+    assert first.numel() == second.numel() == num_sampled(C // 2, 0.1, x.shape[0])
+    assert not torch.equal(first, second)
