@@ -1043,3 +1043,18 @@ def test_each_shard_draws_from_its_own_stream():
     first, second = head.sampled_rows
     assert first.numel() == second.numel() == num_sampled(C // 2, 0.1, x.shape[0])
     assert not torch.equal(first, second)
+
+
+def test_a_captured_steps_draw_counter_is_staged_before_and_followed_after_a_replay():
+    """What ``CapturedHeadStep`` asks of the head around a CUDA graph (no graph here): before a
+    capture or replay, the step number is written on each device's counter; after a replay of step
+    ``t``, the host counts ``t + 1`` and believes the devices do (the graph advanced them)."""
+    head = shardfc.ShardedMarginHead(D, C, sample_rate=0.5, devices=["cpu", "meta"])
+    head.sample_step = 5
+    head.stage_draw_step()
+    held = head._draw_steps._held
+    assert sorted(held) == ["cpu", "meta"] and [held[d][1] for d in ("cpu", "meta")] == [5, 5]
+    assert int(held["cpu"][0]) == 5 and head.draw_tensors() == [held["cpu"][0], held["meta"][0]]
+    head.replayed_draw(9)
+    assert head.sample_step == 10 and [held[d][1] for d in ("cpu", "meta")] == [10, 10]
+    assert int(held["cpu"][0]) == 5  # the host writes nothing: the replayed graph advanced the counter
