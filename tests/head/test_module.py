@@ -635,3 +635,34 @@ def test_inside_value_checks_outside_only_types_and_shapes_are_checked():
             head(x, y[:2])
     with pytest.raises(ValueError, match="^embeddings contain non-finite values"):
         head(torch.full((3, D), math.nan, dtype=torch.float64), y)  # outside: read again
+
+
+# ---- the constructor
+
+
+def test_a_new_head_has_run_nothing_yet():
+    head = shardfc.ShardedMarginHead(D, C)
+    assert (head.last_impl, head.last_chunk_scale, head.last_update, head.sample_step) == (None, None, None, 0)
+
+
+def test_a_bad_gpu_chunk_scale_is_refused_by_its_name():
+    with pytest.raises(ValueError, match=r"^gpu_chunk_scale must be None or one of \(1, 2, 4, 8\), got 3$"):
+        shardfc.ShardedMarginHead(D, C, gpu_chunk_scale=3)
+
+
+def test_the_weights_are_float32_by_default_whatever_torchs_default_dtype():
+    torch.set_default_dtype(torch.float64)
+    try:
+        head = shardfc.ShardedMarginHead(D, C, devices=["cpu", "cpu"])
+        single = shardfc.ShardedMarginHead(D, C)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert {w.dtype for w in head.shard_weights} == {torch.float32} and single.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("where", [dict(group="g"), dict(devices=["cpu"]), dict(group="g", devices=["cpu"])],
+                         ids=["group", "devices", "both"])
+def test_a_context_with_a_group_or_devices_is_refused(where):
+    with pytest.raises(ValueError, match=r"^pass one of context, group \(process-group mode\) or devices \(one "
+                                         r"process\), not several$"):
+        shardfc.ShardedMarginHead(D, C, context=DistContext(), **where)
