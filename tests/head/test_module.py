@@ -666,3 +666,49 @@ def test_a_context_with_a_group_or_devices_is_refused(where):
     with pytest.raises(ValueError, match=r"^pass one of context, group \(process-group mode\) or devices \(one "
                                          r"process\), not several$"):
         shardfc.ShardedMarginHead(D, C, context=DistContext(), **where)
+
+
+@pytest.mark.parametrize("kw, error, message", [
+    (dict(embedding_dim=0), ValueError, "embedding_dim must be a positive integer, got 0"),
+    (dict(chunk_budget_bytes=0), ValueError, "chunk_budget_bytes must be a positive integer, got 0"),
+    (dict(ignore_index=True), TypeError, "ignore_index must be an int, got True"),
+    (dict(ignore_index=-1.0), TypeError, "ignore_index must be an int, got -1.0"),
+    (dict(ignore_index=0), ValueError, f"ignore_index=0 is a valid class id in [0, {C})"),
+    (dict(ignore_index=C - 1), ValueError, f"ignore_index={C - 1} is a valid class id in [0, {C})"),
+    (dict(devices=["cpu"], group="g"), ValueError, "pass either devices (one process, many devices) or group, not both"),
+    (dict(devices=[]), ValueError, "devices must name at least one device, got an empty list"),
+])
+def test_the_constructor_refuses_naming_the_argument(kw, error, message):
+    args = dict(embedding_dim=D, num_classes=C)
+    args.update(kw)
+    with pytest.raises(error) as e:
+        shardfc.ShardedMarginHead(**args)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("ignore_index", [-1, -100, C, C + 5])
+def test_an_ignore_index_outside_the_classes_is_taken(ignore_index):
+    assert shardfc.ShardedMarginHead(D, C, ignore_index=ignore_index).ignore_index == ignore_index
+
+
+def test_the_head_lives_where_it_is_told():
+    assert shardfc.ShardedMarginHead(D, C, device="meta").weight.device.type == "meta"
+    in_context = shardfc.ShardedMarginHead(D, C, context=DistContext(), device="meta")
+    assert in_context.weight.device.type == "meta" and in_context.ctx.device.type == "meta"
+    on_devices = shardfc.ShardedMarginHead(D, C, devices=["meta", "cpu"])
+    assert on_devices.ctx.device.type == "meta" and [w.device.type for w in on_devices.shard_weights] == ["meta", "cpu"]
+
+
+def test_the_default_sampling_seed_is_0():
+    x, y = torch.randn(4, D), torch.tensor([0, 1, 2, 3])
+    rows = []
+    for kw in ({}, {"sample_seed": 0}):
+        head = shardfc.ShardedMarginHead(D, 40, sample_rate=0.2, **kw)
+        head(x, y)
+        rows.append(head.sampled_rows[0])
+    assert torch.equal(rows[0], rows[1])
+
+
+def test_a_fresh_head_has_noted_no_rows():
+    head = shardfc.ShardedMarginHead(D, C, sample_rate=0.5)
+    assert head.sampled_rows is None and head.take_sampled_rows() == {} and head.row_grad_values() == []
