@@ -265,3 +265,17 @@ def test_a_take_starts_the_count_of_forwards_again():
     for _ in range(2):  # forward and backward, take; forward and backward, take
         head._grad_sq_sink()(0, torch.tensor(2.0))
         assert head.take_weight_grad_sq_norm().item() == 2.0
+
+
+def test_an_fp16_forward_leaves_the_update_to_the_optimizer(monkeypatch):
+    """fp16 compute (the inputs' dtype here) hands the plan no update: a loss scaler unscales and
+    checks the gradient in ``step()``."""
+    from shardfc.head import module
+
+    monkeypatch.setattr(module, "resolve_impl", lambda impl, *args: impl)
+    head = shardfc.ShardedMarginHead(4, 9, impl="gemm", dtype=torch.float16)
+    opt = StandInOptimizer()
+    head.fuse_optimizer_update(opt)
+    plan = _planned(monkeypatch, head, torch.randn(3, 4).half(), torch.tensor([0, 5, 8]), run=False)
+    assert plan.config.compute_dtype == torch.float16 and plan.row_update is None
+    assert head.last_update == "optimizer: fp16 compute (a loss scaler's gradient is unscaled and checked in step())"

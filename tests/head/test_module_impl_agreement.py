@@ -286,7 +286,8 @@ def test_the_ranks_agree_under_the_forwards_workload_key(monkeypatch, tmp_path):
 @pytest.mark.parametrize("kw", [{}, {"sample_rate": 0.5}, {"subcenters": 2},
                                 {"margin": shardfc.margins.SphereFace(4)}, {"interclass_filter_threshold": 0.9}],
                          ids=["full", "partial fc", "sub-centres", "sphereface", "filter"])
-def test_the_timing_runs_the_whole_shards_forward_and_its_backward_in_slices(monkeypatch, tmp_path, kw):
+@pytest.mark.parametrize("x_dtype", [torch.float64, torch.bfloat16])
+def test_the_timing_runs_the_whole_shards_forward_and_its_backward_in_slices(monkeypatch, tmp_path, kw, x_dtype):
     """Per timed call of a fused candidate: its forward over every scored class of the shard (the
     autotune key the run uses), then the backward ``k = ⌈n / AUTO_TIMED_CLASSES⌉`` times over the
     first ``⌈n / k⌉`` classes, from statistics made once (the first call) by the gemm forward of that
@@ -298,7 +299,7 @@ def test_the_timing_runs_the_whole_shards_forward_and_its_backward_in_slices(mon
     monkeypatch.setattr(impl_select, "os", _OsOfRank({}))
     monkeypatch.setattr(head_module, "resolve_impl", lambda impl_, *args: impl_)
     real_kernels = function.shard_kernels
-    calls = []
+    calls, inside = [], []
 
     def recording(cfg):
         forward, backward = real_kernels(dataclasses.replace(cfg, impl="torch"))
@@ -306,6 +307,8 @@ def test_the_timing_runs_the_whole_shards_forward_and_its_backward_in_slices(mon
         def fwd(a, w, labels, norm, cfg_, rows=None, **extra):
             calls.append(("forward", cfg_.impl, cfg_.num_classes, w.shape[0] if rows is None else rows.numel(),
                           labels.clone(), norm, sorted(extra)))
+            inside.append((torch.is_autocast_enabled("cpu"), cfg_.stats_dtype, None if norm is None else
+                           (norm.shape, norm.dtype), tuple(t.dtype for t in extra.values())))
             return forward(a, w, labels, norm, cfg_, rows=rows, **extra)
 
         def bwd(a, w, labels, norm, stats, row_max, sum_exp, coef, cfg_, grad, rows=None, **extra):
@@ -322,9 +325,17 @@ def test_the_timing_runs_the_whole_shards_forward_and_its_backward_in_slices(mon
     monkeypatch.setattr(head_module, "timed_candidates", lambda scale: ("triton@1", "torch"))
     selector = impl_select.ImplSelector(tmp_path / "cache.json", steps=1, warmup=1, sync=lambda: None)
     monkeypatch.setattr(impl_select, "default_selector", lambda: selector)
-    head = shardfc.ShardedMarginHead(D, C, impl="auto", dtype=torch.float64, **kw)
-    x, y = torch.randn(5, D, dtype=torch.float64), torch.tensor([0, 3, 4, 7, 10])
-    head(x, y)  # the forward only: every kernel call recorded is the timing's
+    head_dtype = torch.float64 if x_dtype == torch.float64 else torch.float32
+    head = shardfc.ShardedMarginHead(D, C, impl="auto", dtype=head_dtype, **kw)
+    x, y = torch.randn(5, D, dtype=x_dtype), torch.tensor([0, 3, 4, 7, 10])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=x_dtype == torch.bfloat16):
+        head(x, y)  # the forward only: every kernel call recorded is the timing's
+    # autocast off inside (the kernels pick their dtypes), the norms and target rows per sample in the
+    # statistics' dtype (fp32 for bf16 embeddings)
+    sd = torch.float64 if x_dtype == torch.float64 else torch.float32
+    norms = (torch.Size([5]), sd) if "margin" in kw else None
+    extras = (sd,) if "interclass_filter_threshold" in kw else ()
+    assert set(inside) == {(False, sd, norms, extras)}
     K = head.subcenters
     n = head.sampled_rows[0].numel() // K if kw.get("sample_rate") else C
     k = -(-n // 4)
@@ -348,7 +359,7 @@ def test_the_timing_runs_the_whole_shards_forward_and_its_backward_in_slices(mon
         if c[0] == "forward":
             assert (c[5] is None) != ("margin" in kw)  # SphereFace's norms only
         else:
-            assert torch.equal(c[5], torch.full((5,), 1 / 5, dtype=torch.float64)) and c[6] is None
+            assert torch.equal(c[5], torch.full((5,), 1 / 5, dtype=sd)) and c[6] is None
 
 
 
