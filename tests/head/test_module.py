@@ -1,4 +1,10 @@
-"""Single-shard and devices mode against the dense float64 reference; AMP; bad input."""
+"""The head in one process (single shard and devices mode): the loss and gradients against the
+dense float64 reference, AMP, bad input, predict, torch's state dict with the sampling step, the
+plan's chunks, batches of one and of none, the constructor's refusals.
+
+(Long because it is the one process-level test of the head's public face; the cross-rank cases
+live in test_module_distributed.py, the implementation choice in test_module_impl_agreement.py,
+the hand-over to the fused kernels in test_module_fused_handover.py.)"""
 
 import itertools
 import math
