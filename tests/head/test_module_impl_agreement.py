@@ -62,12 +62,25 @@ def _clock(ms):
     return clock
 
 
+def _torch_kernels_stand_in(monkeypatch):
+    """The torch kernels stand in for the fused ones, in the timing and in the step; the real
+    ``shard_kernels`` is returned."""
+    real = function.shard_kernels
+
+    def kernels(cfg):
+        return real(dataclasses.replace(cfg, impl="torch"))
+
+    monkeypatch.setattr(head_module, "shard_kernels", kernels)
+    monkeypatch.setattr(function, "shard_kernels", kernels)
+    return real
+
+
 def _steps(world, monkeypatch, tmp_path, env=None, without_triton=(), candidates=None, ms=None, steps=2,
            chunk_scale=None, dtype=torch.float64):
     """Each rank's ``(last_impl, last_chunk_scale, its selector)`` after ``steps`` training steps of a
     fresh head under ``impl="auto"``, or ``("error", message, this rank's cause)``."""
     monkeypatch.setattr(impl_select, "os", _OsOfRank(env or {}))
-    real_resolve, real_kernels = head_module.resolve_impl, function.shard_kernels
+    real_resolve = head_module.resolve_impl
 
     def resolve(impl, device, compute, stats):  # a rank with Triton resolves as on a GPU
         assert (device, compute, stats) == (torch.device("cpu"), dtype, dtype)  # what it is asked about
@@ -75,12 +88,8 @@ def _steps(world, monkeypatch, tmp_path, env=None, without_triton=(), candidates
             return real_resolve(impl, device, compute, stats)
         return impl
 
-    def torch_kernels(cfg):  # the torch kernels stand in for the fused ones
-        return real_kernels(dataclasses.replace(cfg, impl="torch"))
-
     monkeypatch.setattr(head_module, "resolve_impl", resolve)
-    monkeypatch.setattr(head_module, "shard_kernels", torch_kernels)
-    monkeypatch.setattr(function, "shard_kernels", torch_kernels)
+    _torch_kernels_stand_in(monkeypatch)
     if candidates is not None:
         monkeypatch.setattr(head_module, "timed_candidates", lambda scale: candidates)
     selectors = {}
@@ -232,11 +241,8 @@ def _one_process(monkeypatch, tmp_path, impl="auto", env=None, ms=None, sample_r
     """``(head, selector)`` after ``steps`` training steps of one process "with Triton"."""
     RANK.rank = 0  # the stand-ins below are the ranks' (see _steps)
     monkeypatch.setattr(impl_select, "os", _OsOfRank({} if env is None else {0: env}))
-    real_kernels = function.shard_kernels
     monkeypatch.setattr(head_module, "resolve_impl", _resolves_as_on_a_gpu)
-    kernels = lambda cfg: real_kernels(dataclasses.replace(cfg, impl="torch"))  # noqa: E731
-    monkeypatch.setattr(head_module, "shard_kernels", kernels)
-    monkeypatch.setattr(function, "shard_kernels", kernels)
+    _torch_kernels_stand_in(monkeypatch)
     selector = impl_select.ImplSelector(tmp_path / "cache.json", steps=1, warmup=0, sync=lambda: None,
                                         clock=_clock(ms or [3.0, 1.0, 2.0] * 3))
     monkeypatch.setattr(impl_select, "default_selector", lambda: selector)
@@ -299,7 +305,7 @@ def test_the_timing_runs_the_whole_shards_forward_and_its_backward_in_slices(mon
     monkeypatch.setattr(head_module, "AUTO_TIMED_CLASSES", 4)  # 11 classes: k = 3 slices of 4
     monkeypatch.setattr(impl_select, "os", _OsOfRank({}))
     monkeypatch.setattr(head_module, "resolve_impl", lambda impl_, *args: impl_)
-    real_kernels = function.shard_kernels
+    real_kernels = _torch_kernels_stand_in(monkeypatch)  # the step's; the timing's record, below
     calls, inside = [], []
 
     def recording(cfg):
@@ -322,7 +328,6 @@ def test_the_timing_runs_the_whole_shards_forward_and_its_backward_in_slices(mon
         return fwd, bwd
 
     monkeypatch.setattr(head_module, "shard_kernels", recording)
-    monkeypatch.setattr(function, "shard_kernels", lambda cfg: real_kernels(dataclasses.replace(cfg, impl="torch")))
     monkeypatch.setattr(head_module, "timed_candidates", lambda scale: ("triton@1", "torch"))
     selector = impl_select.ImplSelector(tmp_path / "cache.json", steps=1, warmup=1, sync=lambda: None)
     monkeypatch.setattr(impl_select, "default_selector", lambda: selector)
