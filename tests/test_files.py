@@ -286,3 +286,330 @@ def test_a_fifo_swapped_in_after_the_stat_is_refused_after_the_open(tmp_path: Pa
     monkeypatch.setattr(files.os, "stat", swap)
     with pytest.raises(files.FileRefused, match="it is a FIFO"):
         files.read_bytes(path, "cache")
+
+
+# ------------------------------------------------- each entry point, its words and its arguments
+#
+# The rules above hold for whichever function a reader calls; these check that each of them names
+# the file as its caller asked (``what``, or "<kind> file"), and passes on ``root``,
+# ``follow_symlinks`` and ``max_depth`` rather than the defaults.
+
+
+def _bytes(path, **kw):
+    return files.read_bytes(path, "config", **kw)
+
+
+def _open(path, **kw):
+    with files.open_file(path, "config", **kw) as f:
+        return f.read()
+
+
+def _text(path, **kw):
+    return files.read_text(path, "config", **kw).encode()
+
+
+def _lines(path, **kw):
+    return "\n".join(line for _, line in files.iter_lines(path, "config", **kw)).encode()
+
+
+def _json(path, **kw):
+    return json.dumps(files.load_json(path, "config", **kw)).encode()
+
+
+READERS = {"open_file": _open, "read_bytes": _bytes, "read_text": _text, "iter_lines": _lines, "load_json": _json}
+
+
+@pytest.mark.parametrize("read", READERS.values(), ids=READERS.keys())
+@pytest.mark.parametrize("what, said", [(None, "config file"), ("preset", "preset")])
+def test_each_reader_names_the_file_as_asked(tmp_path: Path, monkeypatch, read, what, said):
+    kw = {} if what is None else {"what": what}
+    with pytest.raises(files.FileMissing) as info:
+        read(tmp_path / "gone.json", **kw)
+    assert str(info.value) == f"{said} {tmp_path / 'gone.json'} is missing"
+    (tmp_path / "dir.json").mkdir()
+    with pytest.raises(files.FileRefused) as info:
+        read(tmp_path / "dir.json", **kw)
+    assert str(info.value) == f"refusing to read {said} {tmp_path / 'dir.json'}: it is a folder, not a regular file"
+    big = tmp_path / "big.json"
+    big.write_bytes(b"[1, 2, 3]  ")
+    monkeypatch.setenv("SHARDFC_MAX_CONFIG_BYTES", "10")
+    with pytest.raises(files.FileRefused) as info:
+        read(big, **kw)
+    assert str(info.value) == (f"{said} {big} is 11 bytes, more than the 10 bytes a config file may have "
+                               "(raise it with SHARDFC_MAX_CONFIG_BYTES)")
+    monkeypatch.delenv("SHARDFC_MAX_CONFIG_BYTES")
+    root = tmp_path / "root"
+    root.mkdir()
+    os.symlink(big, root / "out.json")
+    with pytest.raises(files.FileRefused) as info:
+        read(root / "out.json", root=root, **kw)
+    assert str(info.value) == (f"refusing to read {said} {root / 'out.json'}: it resolves to {big}, "
+                               f"outside {root}")
+
+
+@pytest.mark.parametrize("read", [r for n, r in READERS.items() if n != "open_file"],
+                         ids=[n for n in READERS if n != "open_file"])
+def test_each_reader_that_decodes_names_the_file_and_where_it_is_not_utf8(tmp_path: Path, read):
+    path = tmp_path / "latin1.json"
+    path.write_bytes(b'["caf\xe9"]\n')
+    if read is _bytes:
+        assert read(path) == b'["caf\xe9"]\n'
+        return
+    with pytest.raises(files.FileRefused) as info:
+        read(path, what="preset")
+    where = "line 1" if read is _lines else "byte 5"
+    assert str(info.value) == f"preset {path} is not utf-8 text ({where}: invalid continuation byte)"
+
+
+@pytest.mark.parametrize("read", READERS.values(), ids=READERS.keys())
+def test_each_reader_follows_a_link_by_default_and_passes_on_follow_symlinks_and_root(tmp_path: Path, read):
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "real.json").write_text("[1]")
+    os.symlink("real.json", root / "link.json")
+    assert read(root / "link.json") == b"[1]"  # a file the user named may be a link he chose
+    assert read(root / "link.json", root=root) == b"[1]"  # ... and one found inside a folder, within it
+    with pytest.raises(files.FileRefused) as info:
+        read(root / "link.json", follow_symlinks=False)
+    assert str(info.value) == (f"refusing to read config file {root / 'link.json'}: it is a symlink, "
+                               "not a regular file")
+
+
+def test_the_gates_own_functions_follow_a_link_by_default_and_say_file(tmp_path: Path):
+    (tmp_path / "real").write_text("x")
+    os.symlink("real", tmp_path / "link")
+    assert files.regular_file(tmp_path / "link").st_size == 1
+    with pytest.raises(files.FileRefused) as info:
+        files.regular_file(tmp_path)
+    assert str(info.value) == f"refusing to read file {tmp_path}: it is a folder, not a regular file"
+    with pytest.raises(files.FileRefused) as info:
+        files.inside(tmp_path / "link", tmp_path / "elsewhere")
+    assert str(info.value).startswith(f"refusing to read file {tmp_path / 'link'}: it resolves to")
+    assert files.inside(tmp_path / "link", tmp_path) == str((tmp_path / "real").resolve())
+
+
+@pytest.mark.parametrize("kind, said", [("folder", "a folder"), ("socket", "a socket"), ("dev_zero", "a device"),
+                                        ("fifo", "a FIFO")])
+def test_what_is_not_a_regular_file_is_named(tmp_path: Path, special_file, kind, said):
+    path = tmp_path / "thing"
+    if special_file(path, kind):
+        pass
+    elif kind == "folder":
+        path.mkdir()
+    else:
+        import socket
+
+        socket.socket(socket.AF_UNIX).bind(str(path))
+    with pytest.raises(files.FileRefused) as info:
+        files.read_bytes(path, "config")
+    assert str(info.value) == f"refusing to read config file {path}: it is {said}, not a regular file"
+
+
+def test_a_path_that_cannot_be_stat_ed_or_opened_says_why(tmp_path: Path, monkeypatch):
+    (tmp_path / "plain").write_text("x")
+    with pytest.raises(files.FileRefused) as info:
+        files.read_bytes(tmp_path / "plain" / "below", "config")
+    assert str(info.value) == f"cannot stat config file {tmp_path / 'plain' / 'below'}: Not a directory"
+    os.symlink("loop", tmp_path / "loop")
+    with pytest.raises(files.FileRefused) as info:
+        files.read_bytes(tmp_path / "loop", "config", "preset")
+    assert str(info.value) == f"cannot stat preset {tmp_path / 'loop'}: Too many levels of symbolic links"
+
+    # Gone, or swapped for a link, between the check and the open.
+    check = files.regular_file
+
+    def check_then(change):
+        def run(p, *args, **kwargs):
+            st = check(p, *args, **kwargs)
+            change(Path(p))
+            return st
+        return run
+
+    path = tmp_path / "c.json"
+    path.write_text("{}")
+    monkeypatch.setattr(files, "regular_file", check_then(Path.unlink))
+    with pytest.raises(files.FileMissing) as info:
+        files.read_bytes(path, "config", "preset")
+    assert str(info.value) == f"preset {path} is missing"
+    path.write_text("{}")
+    monkeypatch.setattr(files, "regular_file", check_then(lambda p: (p.unlink(), os.symlink("real", p))))
+    with pytest.raises(files.FileRefused) as info:
+        files.read_bytes(path, "config", "preset", follow_symlinks=False)
+    assert str(info.value) == f"cannot open preset {path}: Too many levels of symbolic links"
+
+
+@pytest.mark.parametrize("setting, cap, said", [("1G", 1 << 30, "1 GiB"), ("3M", 3 << 20, "3 MiB"),
+                                                ("2K", 2048, "2 KiB"), ("1536", 1536, "1536 bytes"),
+                                                ("1025K", 1025 << 10, "1025 KiB"), ("0", 0, "0 bytes")])
+def test_a_cap_is_read_up_to_its_last_byte_and_said_in_its_largest_whole_unit(tmp_path: Path, monkeypatch,
+                                                                              setting, cap, said):
+    monkeypatch.setenv("SHARDFC_MAX_NAMES_BYTES", setting)
+    assert files.cap_bytes("names") == cap
+    path = tmp_path / "names.txt"
+    with path.open("wb") as f:
+        f.truncate(cap)  # sparse: 1 GiB costs no disk
+    if cap <= 3 << 20:
+        assert len(files.read_bytes(path, "names")) == cap
+    else:
+        assert files.open_file(path, "names").close() is None
+    with path.open("ab") as f:
+        f.write(b"x")
+    with pytest.raises(files.FileRefused) as info:
+        files.open_file(path, "names")
+    assert str(info.value) == (f"names file {path} is {cap + 1} bytes, more than the {said} a names file may "
+                               "have (raise it with SHARDFC_MAX_NAMES_BYTES)")
+
+
+@pytest.mark.parametrize("kind", [k for k, cap in files.CAPS.items() if cap is None])
+def test_a_kind_without_a_cap_gets_one_only_from_its_variable(tmp_path: Path, monkeypatch, kind):
+    name = f"SHARDFC_MAX_{kind.upper()}_BYTES"
+    monkeypatch.delenv(name, raising=False)
+    assert files.cap_bytes(kind) is None
+    monkeypatch.setenv(name, "  ")  # blank is unset, never a cap of 0 bytes
+    assert files.cap_bytes(kind) is None
+    path = tmp_path / "f"
+    path.write_bytes(b"12345")
+    assert files.read_bytes(path, kind) == b"12345"
+    monkeypatch.setenv(name, "4")
+    assert files.cap_bytes(kind) == 4
+    with pytest.raises(files.FileRefused, match=f"is 5 bytes, more than the 4 bytes a {kind} file may have"):
+        files.read_bytes(path, kind)
+    monkeypatch.setenv(name, "four")
+    with pytest.raises(files.FileRefused, match=f"{name}='four' is not a size"):
+        files.cap_bytes(kind)
+
+
+def test_an_unknown_kind_is_a_key_error_listing_the_known_ones():
+    with pytest.raises(KeyError) as info:
+        files.cap_bytes("tape")
+    assert info.value.args == (f"unknown kind of file 'tape'; known: {', '.join(files.CAPS)}",)
+    assert ", config, cache, names," in ", " + info.value.args[0].split("known: ")[1]
+
+
+class _ReadSpy:
+    """What the gate asked of an open file: ``("read", n)`` / ``("readline", n)`` per call."""
+
+    def __init__(self, f, asked):
+        self._f, self._asked = f, asked
+
+    def read(self, n=-1):
+        self._asked.append(("read", n))
+        return self._f.read(n)
+
+    def readline(self, n=-1):
+        self._asked.append(("readline", n))
+        return self._f.readline(n)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+def _spied(monkeypatch, reported_size=None):
+    """Every file the gate opens spied on; with ``reported_size``, ``fstat`` says the file has that
+    many bytes (a file that grows once checked)."""
+    asked = []
+    fdopen, fstat = os.fdopen, os.fstat
+    monkeypatch.setattr(files.os, "fdopen", lambda *a, **k: _ReadSpy(fdopen(*a, **k), asked))
+    if reported_size is not None:
+        def small(fd):
+            fields = list(fstat(fd))
+            fields[stat.ST_SIZE] = reported_size
+            return os.stat_result(fields)
+        monkeypatch.setattr(files.os, "fstat", small)
+    return asked
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("size, reads", [(0, [1]), (5, [6, MiB])])
+def test_a_file_is_read_in_one_read_of_its_size(tmp_path: Path, monkeypatch, size, reads):
+    path = tmp_path / "c.toml"
+    path.write_bytes(b"x" * size)
+    asked = _spied(monkeypatch)
+    assert files.read_bytes(path, "config") == b"x" * size
+    assert asked == [("read", n) for n in reads]  # the second read only sees that the end is reached
+
+
+def test_a_file_that_grows_after_its_check_is_read_a_mib_at_a_time_up_to_its_cap(tmp_path: Path, monkeypatch):
+    path = tmp_path / "grown.toml"
+    data = os.urandom(3 * MiB + 5)
+    path.write_bytes(data)
+    monkeypatch.setenv("SHARDFC_MAX_CONFIG_BYTES", "4M")  # the whole file is under the cap: read whole
+    asked = _spied(monkeypatch, reported_size=10)
+    assert files.read_bytes(path, "config") == data
+    assert asked == [("read", 11)] + [("read", MiB)] * 4
+    # Over the cap: one MiB past it at most, never the whole file, and refused.
+    monkeypatch.setenv("SHARDFC_MAX_CONFIG_BYTES", str(MiB + 11))  # reached exactly after two reads
+    asked.clear()
+    with pytest.raises(files.FileRefused) as info:
+        files.read_bytes(path, "config", "preset")
+    assert str(info.value) == (f"preset {path} is {2 * MiB + 11} bytes, more than the {MiB + 11} bytes a config "
+                               "file may have (raise it with SHARDFC_MAX_CONFIG_BYTES)")
+    assert asked == [("read", 11), ("read", MiB), ("read", MiB)]
+
+
+def test_lines_are_read_at_most_one_cap_at_a_time_and_keep_all_but_their_end(tmp_path: Path, monkeypatch):
+    path = tmp_path / "list.txt"
+    path.write_bytes(b"a 0 \r\nb\t1\nX\n1234567\n12345678\n")
+    asked = _spied(monkeypatch)
+    lines = files.iter_lines(path, "list", max_line=8)
+    assert [next(lines) for _ in range(4)] == [(1, "a 0 "), (2, "b\t1"), (3, "X"), (4, "1234567")]
+    with pytest.raises(files.FileRefused) as info:  # 9 bytes with its end
+        next(lines)
+    assert str(info.value) == f"list file {path}: line 5 is longer than 8 bytes"
+    assert set(asked) == {("readline", 9)}
+
+
+def test_toml_names_the_file_as_asked(tmp_path: Path, monkeypatch):
+    with pytest.raises(files.FileMissing) as info:
+        files.load_toml(tmp_path / "gone.toml")
+    assert str(info.value) == f"config file {tmp_path / 'gone.toml'} is missing"
+    (tmp_path / "big.toml").write_text("a = 12345")
+    monkeypatch.setenv("SHARDFC_MAX_CONFIG_BYTES", "5")
+    with pytest.raises(files.FileRefused) as info:
+        files.load_toml(tmp_path / "big.toml", what="preset")
+    assert str(info.value).startswith(f"preset {tmp_path / 'big.toml'} is 9 bytes, more than the 5 bytes")
+
+
+def test_max_depth_is_passed_on(tmp_path: Path):
+    (tmp_path / "c.json").write_text('{"a": [1]}')
+    (tmp_path / "c.toml").write_text("a = [1]")
+    assert files.load_json(tmp_path / "c.json", "cache", max_depth=2) == {"a": [1]}
+    assert files.load_toml(tmp_path / "c.toml", max_depth=2) == {"a": [1]}
+    with pytest.raises(files.FileRefused) as info:
+        files.load_json(tmp_path / "c.json", "cache", max_depth=1)
+    assert str(info.value) == f"cache file {tmp_path / 'c.json'} is nested more than 1 deep"
+    with pytest.raises(files.FileRefused) as info:
+        files.load_toml(tmp_path / "c.toml", what="preset", max_depth=1)
+    assert str(info.value) == f"preset {tmp_path / 'c.toml'} is nested more than 1 deep"
+    with pytest.raises(files.FileRefused, match="^x is nested more than 1 deep$"):
+        files.parse_json('{"a": [1]}', "x", max_depth=1)
+
+
+def test_a_syntax_error_says_what_the_parser_said(tmp_path: Path):
+    with pytest.raises(files.FileRefused) as info:
+        files.parse_json("[1,", "the cache")
+    assert str(info.value) == "the cache is not JSON: Expecting value: line 1 column 4 (char 3)"
+    path = tmp_path / "c.toml"
+    path.write_text("a = 1\nb = \n")
+    with pytest.raises(files.FileRefused) as info:
+        files.load_toml(path)
+    assert str(info.value) == f"config file {path} is not valid TOML: Invalid value (at line 2, column 5)"
+
+
+def test_toml_without_tomllib_or_tomli_says_what_to_install(tmp_path: Path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tomllib", None)  # an import of either now fails
+    monkeypatch.setitem(sys.modules, "tomli", None)
+    with pytest.raises(files.FileRefused) as info:
+        files.load_toml(tmp_path / "c.toml")
+    assert str(info.value) == (f"reading {tmp_path / 'c.toml'} needs Python >= 3.11 or the 'tomli' package "
+                               "(pip install tomli)")

@@ -30,7 +30,7 @@ import json
 import os
 import re
 import stat
-from typing import Any, BinaryIO, Dict, Iterator, Optional, Tuple, Union
+from typing import Any, BinaryIO, Dict, Iterator, Optional, Tuple, TypeVar, Union
 
 __all__ = [
     "CAPS",
@@ -53,6 +53,7 @@ __all__ = [
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
+_Default = TypeVar("_Default", bound=Optional[int])
 
 #: The largest file of each kind read, in bytes (None: no cap, the reader bounds its work itself).
 #: Each is far above what shardfc writes or the public data sets hold, and far below what would
@@ -92,11 +93,11 @@ class FileMissing(FileRefused, FileNotFoundError):
     """The file does not exist (also a FileNotFoundError, as callers that predate the gate expect)."""
 
 
-def env_limit(name: str, default: int) -> int:
+def env_limit(name: str, default: _Default) -> Union[int, _Default]:
     """The int in environment variable ``name`` (``K``/``M``/``G``/``T`` suffixes, powers of 1024),
-    or ``default`` when unset; a value that is not a size is a FileRefused naming the variable."""
-    text = os.environ.get(name)
-    if text is None or not text.strip():
+    or ``default`` when unset or blank; a value that is not a size is a FileRefused naming the variable."""
+    text = os.environ.get(name, "")
+    if not text.strip():
         return default
     m = _SIZE_RE.fullmatch(text)
     if not m:
@@ -108,11 +109,9 @@ def cap_bytes(kind: str) -> Optional[int]:
     """The size cap of ``kind`` (:data:`CAPS`), raised by ``SHARDFC_MAX_<KIND>_BYTES`` if set."""
     if kind not in CAPS:
         raise KeyError(f"unknown kind of file {kind!r}; known: {', '.join(CAPS)}")
-    default = CAPS[kind]
-    name = f"SHARDFC_MAX_{kind.upper()}_BYTES"
-    if default is None:
-        return None if name not in os.environ else env_limit(name, 0)
-    return env_limit(name, default)
+    # A kind without a cap (None) gets one only from a variable set to a size: a blank one is unset,
+    # as for every kind, never a cap of 0 bytes.
+    return env_limit(f"SHARDFC_MAX_{kind.upper()}_BYTES", CAPS[kind])
 
 
 def _human(n: int) -> str:
@@ -168,8 +167,8 @@ def open_file(path: PathLike, kind: str, what: Optional[str] = None, *, follow_s
     regular_file(path, what, follow_symlinks=follow_symlinks, root=root)
     target = os.path.realpath(path) if root is not None else path
     nofollow = root is not None or not follow_symlinks  # a resolved path has no link left to follow
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | \
-        (getattr(os, "O_NOFOLLOW", 0) if nofollow else 0)
+    # (os.open makes its descriptor non-inheritable itself, with O_CLOEXEC where there is one: PEP 446.)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (getattr(os, "O_NOFOLLOW", 0) if nofollow else 0)
     try:
         fd = os.open(target, flags)
     except FileNotFoundError:
