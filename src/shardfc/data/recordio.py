@@ -240,6 +240,7 @@ def scan_records(rec_path: PathLike) -> Iterator[Tuple[int, bytes]]:
 #: for other whitespace. A ``.rec`` record takes at least 8 bytes, so an ``.idx`` is at most this many
 #: bytes per 8 bytes of its ``.rec``: a longer one is not that file's index, and is not read.
 IDX_BYTES_PER_RECORD = 64
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def _read_idx(idx_path: str, rec_size: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -256,19 +257,19 @@ def _read_idx(idx_path: str, rec_size: int) -> Tuple[np.ndarray, np.ndarray]:
         table = np.array(fields, dtype=object).reshape(-1, 2)
         keys = table[:, 0].astype(np.int64)
         offsets = table[:, 1].astype(np.int64)
-    except ValueError:
+    except (ValueError, OverflowError):  # a field that is not an int, or one past int64
         # Slow path, only to name the offending line.
         for lineno, line in enumerate(text.splitlines(), start=1):
             cols = line.split()
             if not cols:
                 continue
             try:
-                if len(cols) != 2:
+                if len(cols) != 2 or not all(_INT64_MIN <= int(c) <= _INT64_MAX for c in cols):
                     raise ValueError
-                int(cols[0]), int(cols[1])
             except ValueError:
-                raise ValueError(f"{idx_path}:{lineno}: expected '<key>\\t<offset>', got {line!r}") from None
-        raise ValueError(f"{idx_path}: malformed index") from None
+                raise ValueError(f"{idx_path}:{lineno}: expected '<key>\\t<offset>' (two int64s), "
+                                 f"got {line[:200]!r}") from None
+        raise ValueError(f"{idx_path}: malformed index") from None  # not reached: a line above is named
     return keys, offsets
 
 
