@@ -1,4 +1,5 @@
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -7,7 +8,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from shardfc.data import ImageFolderDataset, ListFileDataset, image_to_tensor
+from shardfc.data import CorruptImageError, ImageFolderDataset, ListFileDataset, image_to_tensor
 
 
 def _save(path: Path, value: int, size=(5, 4)) -> Path:
@@ -206,3 +207,105 @@ def test_list_file_corrupt_skipped(tmp_path):
     ds = ListFileDataset(lst, image_size=(5, 4), train=False)
     x, y = ds[0]
     assert y == 1 and ds.corrupt_count == 1
+
+
+# ------------------------------------------------------------ what every file data set shares
+
+
+def test_hidden_files_are_not_images(tmp_path):
+    _save(tmp_path / "root" / "id" / "a.png", 1)
+    _save(tmp_path / "root" / "id" / ".a.png", 2)
+    _save(tmp_path / "root" / "id" / "b.PNG", 3)  # the extension in any case
+    ds = ImageFolderDataset(tmp_path / "root")
+    assert [Path(p).name for p, _ in ds.samples] == ["a.png", "b.PNG"]
+
+
+@pytest.mark.parametrize("make", ["folder", "list"])
+def test_settings_are_kept_and_defaults_are_a_training_set(tree, listed, make):
+    def build(**kw):
+        return ImageFolderDataset(tree, **kw) if make == "folder" else ListFileDataset(listed[0], **kw)
+
+    ds = build()
+    assert ds.train is True and ds.transform.random_flip and ds.seed == 0 and ds.epoch == 0
+    assert ds.image_size == (112, 112) and ds.transform.flip_prob == 0.5
+    ds = build(image_size=(5, 4), train=False, flip_prob=0.25, seed=9)
+    assert ds.train is False and not ds.transform.random_flip and ds.seed == 9
+    assert ds.image_size == (5, 4) and ds.transform.image_size == (5, 4) and ds.transform.flip_prob == 0.25
+    assert ds.augmentation_generator(0, 0) is None  # nothing random to draw without training flips
+
+
+def test_a_sample_s_generator_is_its_own_stream_of_the_seed(tree):
+    from shardfc.data import folder
+    from shardfc.seeding import mix_seed
+
+    ds = ImageFolderDataset(tree, seed=5)
+    gen = ds.augmentation_generator(3, 2)
+    assert gen.initial_seed() == mix_seed(5, folder._STREAM_AUGMENT, 2, 3)  # flips stay those of earlier runs
+    assert gen.initial_seed() != mix_seed(5, 2, 3)
+    ds.set_epoch(2)
+    assert ds.epoch == 2
+
+
+def test_the_bytes_and_label_of_a_sample_without_decoding(tree, tmp_path, special_file):
+    ds = ImageFolderDataset(tree, image_size=(5, 4))
+    path, label = ds.samples[1]
+    assert ds.read_image_bytes(1) == Path(path).read_bytes() and ds.label_of(1) == label == 0
+    assert [ds.label_of(i) for i in range(len(ds))] == [lab for _, lab in ds.samples]
+    bob = Path(ds.samples[2][0])
+    bob.unlink()
+    with pytest.raises(FileNotFoundError) as info:
+        ds.read_image_bytes(2)
+    assert str(info.value) == f"image file not found: {str(bob)!r}"
+    special_file(bob, "fifo")
+    with pytest.raises(CorruptImageError) as info:
+        ds.read_image_bytes(2)
+    assert info.value.path == str(bob)
+    assert info.value.reason == f"refusing to read image file {bob}: it is a FIFO, not a regular file"
+    bob.unlink()
+    os.symlink(tmp_path / "outside.png", bob)
+    _save(tmp_path / "outside.png", 1)
+    with pytest.raises(CorruptImageError) as info:  # inside the data set's folder only
+        ds.read_image_bytes(2)
+    assert "outside" in info.value.reason
+
+
+def test_a_skip_says_which_image_and_why(tree, caplog):
+    ds = ImageFolderDataset(tree, image_size=(5, 4), train=False)
+    bad = str(tree / "bob" / "b2.jpg")
+    index = [p for p, _ in ds.samples].index(bad)
+    with caplog.at_level(logging.WARNING, logger="shardfc.data"):
+        image, label, skipped = ds.load_sample(index, 0)
+    [(name, reason)] = skipped
+    assert name == bad and reason.startswith("UnidentifiedImageError: cannot identify image file")
+    assert caplog.messages == [f"skipping corrupt image {bad} ({reason}); substituting the next valid sample"]
+    assert ds._corrupt_reasons == {index: reason}
+    assert ds.load_sample(index, 0)[2] == [(bad, reason)]  # known: skipped again without decoding
+    assert len(caplog.messages) == 1
+
+
+def test_an_index_from_minus_n_to_n_minus_1(tree):
+    ds = ImageFolderDataset(tree, image_size=(5, 4), train=False)
+    n = len(ds)
+    assert torch.equal(ds[-n][0], ds[0][0]) and torch.equal(ds[n - 1][0], ds[-1][0])
+    for index in (n, -n - 1):
+        with pytest.raises(IndexError) as info:
+            ds[index]
+        assert str(info.value) == f"index {index} out of range for dataset of size {n}"
+    assert repr(ds) == f"ImageFolderDataset(samples={n}, num_classes=3)"
+
+
+def test_a_class_folder_linked_out_is_named(tmp_path):
+    _save(tmp_path / "outside" / "a.png", 1)
+    (tmp_path / "root").mkdir()
+    os.symlink(tmp_path / "outside", tmp_path / "root" / "out")
+    with pytest.raises(ValueError) as info:
+        ImageFolderDataset(tmp_path / "root")
+    assert str(info.value) == (f"refusing to read class folder {tmp_path / 'root' / 'out'}: it resolves to "
+                               f"{tmp_path / 'outside'}, outside {tmp_path / 'root'}")
+
+
+def test_a_list_file_is_named_by_the_gate(tmp_path, special_file):
+    special_file(tmp_path / "train.lst", "fifo")
+    with pytest.raises(ValueError) as info:
+        ListFileDataset(tmp_path / "train.lst")
+    assert str(info.value) == f"refusing to read list file {tmp_path / 'train.lst'}: it is a FIFO, not a regular file"

@@ -150,3 +150,126 @@ def test_random_erasing_probability():
     assert 150 <= erased <= 230, erased  # ~200 of 400, minus the few rectangles that never fit
     with pytest.raises(ValueError, match="prob must be in"):
         random_erase_(images, 1.5, torch.Generator())
+
+
+# ------------------------------------------------------------ the edges, exactly
+
+
+def test_an_encoded_array_may_be_bytes_of_any_numpy_kind_but_not_numbers(rgb):
+    data = _png_bytes(rgb)
+    expected = np.asarray(decode_image(data))
+    assert np.array_equal(np.asarray(decode_image(np.frombuffer(data, np.uint8))), expected)
+    assert np.array_equal(np.asarray(decode_image(np.array(data))), expected)  # dtype S
+    assert np.array_equal(np.asarray(decode_image(np.frombuffer(data, f"V{len(data)}"))), expected)  # dtype V
+    with pytest.raises(TypeError) as info:
+        decode_image(np.zeros(4, np.int32))
+    assert str(info.value) == "encoded image array must have dtype uint8, got int32"
+
+
+def test_a_corrupt_image_is_named_as_asked(tmp_path, special_file):
+    for source, name, said in ((b"junk", None, "<bytes>"), (b"junk", "lfw.bin[3]", "lfw.bin[3]")):
+        with pytest.raises(CorruptImageError) as info:
+            decode_image(source, name)
+        assert info.value.path == said and info.value.reason.startswith("UnidentifiedImageError: ")
+        assert str(info.value) == f"cannot decode image {said!r}: {info.value.reason}"
+    path = tmp_path / "x.png"
+    special_file(path, "fifo")
+    for name, said in ((None, str(path)), ("face 7", "face 7")):
+        with pytest.raises(CorruptImageError) as info:
+            decode_image(path, name)
+        assert info.value.path == said and info.value.reason == f"refusing to read image file {path}: it is a FIFO, not a regular file"
+
+
+def test_an_image_of_exactly_the_pixel_cap_is_decoded_and_one_more_refused(monkeypatch):
+    monkeypatch.setenv("SHARDFC_MAX_IMAGE_PIXELS", "12")
+    assert decode_image(_png_bytes(np.zeros((4, 3, 3), np.uint8))).size == (3, 4)
+    with pytest.raises(CorruptImageError) as info:
+        decode_image(_png_bytes(np.zeros((13, 1, 3), np.uint8)))
+    assert info.value.reason == ("it declares 1x13 = 13 pixels, more than the 12 allowed "
+                                 "(raise it with SHARDFC_MAX_IMAGE_PIXELS)")
+
+
+def test_pixels_are_rgb_uint8_and_normalised_to_float32():
+    gray = Image.fromarray(np.arange(6, dtype=np.uint8).reshape(2, 3))
+    x = pil_to_tensor(gray)
+    assert x.dtype == torch.uint8 and x.shape == (3, 2, 3) and torch.equal(x[0], x[2])
+    assert normalize(torch.tensor([0.0, 255.0], dtype=torch.float64)).dtype == torch.float32
+    assert image_to_tensor(gray, (1, 1)).shape == (3, 1, 1)  # the smallest size
+
+
+def test_a_resize_is_bilinear_and_of_the_image_in_rgb(rgb):
+    img = Image.fromarray(rgb)
+    expected = np.asarray(img.resize((3, 5), Image.BILINEAR), dtype=np.float32)
+    got = image_to_tensor(img, (5, 3), normalized=False).permute(1, 2, 0).numpy()
+    assert np.array_equal(got, expected)
+    palette = img.convert("P")  # Pillow resizes a palette image by its nearest pixel: convert first
+    expected = np.asarray(palette.convert("RGB").resize((3, 5), Image.BILINEAR), dtype=np.float32)
+    assert np.array_equal(image_to_tensor(palette, (5, 3), normalized=False).permute(1, 2, 0).numpy(), expected)
+    wide = np.zeros((4, 4), np.int32)
+    wide[:, 2:] = 1000  # a 32-bit image: clipped to 255 when made RGB, before the resize blends it
+    got = image_to_tensor(Image.fromarray(wide, mode="I"), (2, 3), normalized=False)[0]
+    assert got.tolist() == [[0, 128, 255]] * 2
+
+
+def test_a_transform_does_not_flip_unless_asked_and_keeps_its_output_kind(rgb):
+    img = Image.fromarray(rgb)
+    gen = torch.Generator().manual_seed(0)
+    assert all(not ImageTransform(None).draw_flip(gen) for _ in range(20))
+    raw = ImageTransform((6, 4), normalized=False)(img)
+    assert raw.dtype == torch.uint8 and torch.equal(normalize(raw), ImageTransform((6, 4))(img))
+    assert repr(ImageTransform((6, 4), random_flip=True, flip_prob=0.25, normalized=False)) == (
+        "ImageTransform(image_size=(6, 4), random_flip=True, flip_prob=0.25, normalized=False)")
+
+
+def _boxes_of(images, prob, seed, **kw):
+    from shardfc.data.transforms import random_erase_
+
+    before = images.clone()
+    return _erased_boxes(before, random_erase_(images, prob, torch.Generator().manual_seed(seed), **kw))
+
+
+def test_random_erasing_places_its_rectangle_anywhere_it_fits():
+    boxes = _boxes_of(torch.ones(600, 1, 8, 6), 1.0, 0, area=(0.25, 0.25), aspect=(4 / 3, 4 / 3))
+    assert all((b - t, r - l) == (4, 3) for t, b, l, r in boxes)  # sqrt(12 * 4/3) x sqrt(12 / (4/3))
+    assert {t for t, _, _, _ in boxes} == set(range(5)) and {l for _, _, l, _ in boxes} == set(range(4))
+
+
+def test_random_erasing_spans_its_area_and_aspect_ranges():
+    boxes = [b for b in _boxes_of(torch.ones(800, 1, 100, 100), 1.0, 1, area=(0.05, 0.2), aspect=(0.5, 2.0))
+             if b is not None]
+    areas = [(b - t) * (r - l) / 1e4 for t, b, l, r in boxes]
+    ratios = [(b - t) / (r - l) for t, b, l, r in boxes]
+    assert 0.045 < min(areas) < 0.06 and 0.18 < max(areas) < 0.21
+    assert 0.45 < min(ratios) < 0.6 and 1.7 < max(ratios) < 2.2
+
+
+def test_random_erasing_one_pixel_is_a_rectangle_and_the_whole_height_is_not():
+    boxes = _boxes_of(torch.ones(20, 1, 8, 8), 1.0, 2, area=(1 / 64, 1 / 64), aspect=(1.0, 1.0))
+    assert all(b is not None and (b[1] - b[0], b[3] - b[2]) == (1, 1) for b in boxes)
+    assert _boxes_of(torch.ones(20, 1, 8, 32), 1.0, 2, area=(0.25, 0.25), aspect=(1.0, 1.0)) == [None] * 20  # 8 x 8
+    assert _boxes_of(torch.ones(20, 1, 32, 8), 1.0, 2, area=(0.25, 0.25), aspect=(1.0, 1.0)) == [None] * 20
+
+
+def test_random_erasing_draws_again_a_rectangle_that_rounds_to_nothing():
+    boxes = _boxes_of(torch.ones(400, 1, 16, 16), 1.0, 3, area=(0.0001, 0.02))
+    assert sum(b is not None for b in boxes) >= 390
+
+
+def test_random_erasing_draws_only_from_its_generator_ten_times_at_most():
+    from shardfc.data.transforms import random_erase_
+
+    images = torch.ones(1, 1, 8, 32)  # a rectangle of 8 x 8 never fits: every try is drawn
+    gen, replay = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    random_erase_(images, 1.0, gen, area=(0.25, 0.25), aspect=(1.0, 1.0))
+    torch.rand((), generator=replay)
+    for _ in range(10):
+        torch.rand(4, generator=replay, dtype=torch.float64)
+    assert torch.equal(torch.rand(3, generator=gen), torch.rand(3, generator=replay))
+    outs = []
+    for seed in range(8):
+        torch.manual_seed(seed)  # the global generator must not matter
+        outs.append(random_erase_(torch.ones(16, 1, 8, 8), 0.5, torch.Generator().manual_seed(5)))
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    with pytest.raises(ValueError) as info:
+        random_erase_(torch.ones(3, 8, 8), 0.5, gen)
+    assert str(info.value) == "images must be [N, C, H, W], got shape (3, 8, 8)"

@@ -73,7 +73,7 @@ class FileImageDataset(Dataset):
     samples: List[Tuple[str, int]]
     num_classes: int
 
-    def __init__(self, image_size: Tuple[int, int], train: bool, flip_prob: float, seed: int = 0) -> None:
+    def __init__(self, image_size: Tuple[int, int], train: bool, flip_prob: float, seed: int) -> None:
         self.image_size = tuple(image_size)
         self.train = train
         # Flip augmentation only for training; evaluation adds flips explicitly.
@@ -129,7 +129,7 @@ class FileImageDataset(Dataset):
         """
         path = self.sample_name(index)
         try:
-            return files.read_bytes(path, "image", "image file", root=self.image_root)
+            return files.read_bytes(path, "image", root=self.image_root)
         except files.FileMissing:
             raise FileNotFoundError(f"image file not found: {path!r}") from None
         except files.FileRefused as e:
@@ -276,7 +276,7 @@ class ListFileDataset(FileImageDataset):
         self.root = os.fspath(root) if root is not None else os.path.dirname(os.path.abspath(self.list_file))
         self.samples = []
         # Streamed through the gate: a regular file, UTF-8, each line at most files.MAX_LINE_BYTES.
-        for lineno, raw in files.iter_lines(self.list_file, "list", "list file"):
+        for lineno, raw in files.iter_lines(self.list_file, "list"):
             line = raw.strip()
             if not line or line.startswith("#"):
                 continue

@@ -99,7 +99,7 @@ def decode_image(source: ImageSource, name: Optional[str] = None, *,
         path = os.fspath(source)
         label = name if name is not None else path
         try:
-            data = files.read_bytes(path, "image", "image file", root=root)
+            data = files.read_bytes(path, "image", root=root)
         except files.FileMissing:
             raise FileNotFoundError(f"image file not found: {path!r}") from None
         except files.FileRefused as e:
