@@ -88,9 +88,9 @@ class _BinUnpickler(pickle.Unpickler):
         dims = shape if isinstance(shape, (tuple, list)) else (shape,)
         if not all(isinstance(d, int) and d >= 0 for d in dims):
             raise pickle.UnpicklingError(f"{self._path!r}: an array shape {shape!r} that is not non-negative ints")
-        try:
-            itemsize = np.dtype(dtype).itemsize if not isinstance(dtype, bytes) else np.dtype(dtype.decode()).itemsize
-        except (TypeError, ValueError, UnicodeDecodeError):
+        try:  # (numpy reads a dtype given as bytes, as a Python 2 pickle holds it, itself)
+            itemsize = np.dtype(dtype).itemsize
+        except (TypeError, ValueError):
             itemsize = 1
         return math.prod(dims) * max(itemsize, 1)
 
@@ -109,15 +109,16 @@ class _BinUnpickler(pickle.Unpickler):
                 return found(*args)
             return guarded_bytearray
         if name == "_reconstruct":
+            # Its class argument is whatever the pickle named: ndarray is the only array type admitted
+            # (as the guard below), so the array is built as one whatever was passed.
             def guarded_reconstruct(cls, shape, dtype):
                 self._bounded("an array", self._items(shape, dtype))
-                return found(np.ndarray if getattr(cls, "guards_ndarray", False) else cls, shape, dtype)
+                return found(np.ndarray, shape, dtype)
             return guarded_reconstruct
-        if name == "ndarray":  # called directly (ndarray(shape, dtype)), or handed to _reconstruct above
-            def guarded_ndarray(shape, dtype=float, *args, **kwargs):
+        if name == "ndarray":  # called directly (ndarray(shape, dtype[, buffer...])): REDUCE passes no keywords
+            def guarded_ndarray(shape, dtype=float, *args):
                 self._bounded("an array", self._items(shape, dtype))
-                return np.ndarray(shape, dtype, *args, **kwargs)
-            guarded_ndarray.guards_ndarray = True
+                return np.ndarray(shape, dtype, *args)
             return guarded_ndarray
         return found
 
@@ -199,7 +200,7 @@ def load_bin(
         raise ValueError(
             f"{path!r}: {len(bins)} images for {len(issame)} pairs; expected exactly 2 images per pair"
         )
-    _check_decoded_size(path, bins, image_size)
+    _check_decoded_size(path, bins, image_size, size)
     h, w = image_size
     images = torch.empty(len(bins), 3, h, w, dtype=torch.float32)
     for i, data in enumerate(bins):
@@ -217,7 +218,7 @@ MAX_DECODED_RATIO = 1024
 MIN_DECODED_CAP = 64 << 20
 
 
-def _check_decoded_size(path: str, bins: Sequence[object], image_size: Tuple[int, int]) -> None:
+def _check_decoded_size(path: str, bins: Sequence[object], image_size: Tuple[int, int], on_disk: int) -> None:
     """Refuse a ``.bin`` whose images would decode to more than :data:`MAX_DECODED_RATIO` times its size
     (and more than :data:`MIN_DECODED_CAP`), or that holds one image object more than once (real sets
     hold each image once), before decoding."""
@@ -227,7 +228,6 @@ def _check_decoded_size(path: str, bins: Sequence[object], image_size: Tuple[int
                          f"{distinct} distinct): not an insightface verification set")
     h, w = image_size
     decoded = len(bins) * 3 * h * w * 4
-    on_disk = files.regular_file(path, "verification .bin").st_size
     if decoded > max(MAX_DECODED_RATIO * on_disk, MIN_DECODED_CAP):
         raise ValueError(
             f"{path!r} ({on_disk} bytes) holds {len(bins)} images, {decoded / 2**30:.1f} GiB decoded at {h} x {w}: "
