@@ -243,7 +243,7 @@ class AlignedFaces(Dataset):
         path = folder / self.meta.names[i]  # a name that is absolute or climbs out is refused below
         if not os.path.lexists(path):
             raise FileNotFoundError(f"IJB face image not found: {str(path)!r}")
-        face = align_face(pil_to_tensor(decode_image(str(path), name=str(path), root=folder)), self.meta.landmarks[i])
+        face = align_face(pil_to_tensor(decode_image(str(path), root=folder)), self.meta.landmarks[i])
         return image_to_tensor(Image.fromarray(face.permute(1, 2, 0).numpy()), self.image_size)
 
 
