@@ -38,3 +38,18 @@ def test_errors_name_the_folder(tmp_path):
     (tmp_path / "bounding_box_train" / "photo.jpg").write_bytes(b"x")
     with pytest.raises(ValueError, match="cannot parse person/camera id from 'photo.jpg'"):
         Market1501TrainDataset(tmp_path)
+
+
+def test_hidden_files_and_other_files_anywhere_in_the_folder_are_passed_over(tmp_path):
+    _write(tmp_path / "bounding_box_train", ["0002_c1s1_000451_03.jpg", ".0003_c1s1_000001_00.jpg"])
+    (tmp_path / "bounding_box_train" / "+notes.txt").write_text("sorted before the images")
+    ds = Market1501TrainDataset(tmp_path, image_size=(16, 8))
+    assert ds.pids == [2] and len(ds.samples) == 1
+
+
+def test_a_training_set_by_default_and_the_settings_kept(tmp_path):
+    _write(tmp_path / "bounding_box_train", ["0002_c1s1_000451_03.jpg"])
+    ds = Market1501TrainDataset(tmp_path)
+    assert ds.train is True and ds.transform.random_flip and ds.seed == 0 and ds.image_size == (256, 128)
+    ds = Market1501TrainDataset(tmp_path, image_size=(16, 8), train=False, flip_prob=0.3, seed=4)
+    assert ds.train is False and not ds.transform.random_flip and ds.seed == 4 and ds.transform.flip_prob == 0.3
