@@ -267,7 +267,8 @@ def shuffle(path: str, out: str, seed: int = 0, force: bool = False, log=None) -
 
 # ------------------------------------------------------------------ verify
 def verify(path: str) -> dict:
-    """Decode every image and check every identity record; ``{"images", "bad": [{"key", "reason"}]}``."""
+    """Decode every image and check every identity record: ``{"rec", "layout", "images", "bad": [{"key",
+    "reason"}]}`` (``layout`` None and ``images`` 0 when the file's structure is damaged)."""
     rec, idx, prop_path = resolve_recordio_paths(path)
     bad: List[dict] = []
     try:
@@ -275,7 +276,7 @@ def verify(path: str) -> dict:
         layout = detect_layout(reader)
         prop = read_property(prop_path)
     except ValueError as e:  # structural: nothing else can be trusted
-        return {"rec": rec, "images": 0, "checked": 0, "bad": [{"key": None, "reason": str(e)}]}
+        return {"rec": rec, "layout": None, "images": 0, "bad": [{"key": None, "reason": str(e)}]}
     max_label = -1
     for key in _progress(layout.image_keys.tolist(), len(layout.image_keys), "verify"):
         try:
