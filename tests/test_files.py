@@ -24,6 +24,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
+from read_spy import ReadSpy
 from shardfc import files
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -168,18 +169,22 @@ def _one_line(error: BaseException, *needles: str) -> str:
     return text
 
 
-@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "folder", "socket"])
-def test_only_a_regular_file_is_read(tmp_path: Path, special_file, kind: str):
-    path = tmp_path / "thing.toml"
+def _not_a_file(path: Path, kind: str, special_file) -> None:
+    """``path`` made a FIFO, a link to ``/dev/zero``, a folder or a socket."""
     if special_file(path, kind):
-        pass
-    elif kind == "folder":
+        return
+    if kind == "folder":
         path.mkdir()
     else:
         import socket
 
-        sock = socket.socket(socket.AF_UNIX)
-        sock.bind(str(path))
+        socket.socket(socket.AF_UNIX).bind(str(path))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "folder", "socket"])
+def test_only_a_regular_file_is_read(tmp_path: Path, special_file, kind: str):
+    path = tmp_path / "thing.toml"
+    _not_a_file(path, kind, special_file)
     for read in (lambda: files.read_bytes(path, "config"), lambda: files.load_toml(path),
                  lambda: files.load_json(path, "cache"), lambda: list(files.iter_lines(path, "list"))):
         with pytest.raises(files.FileRefused) as info:
@@ -392,14 +397,7 @@ def test_the_gates_own_functions_follow_a_link_by_default_and_say_file(tmp_path:
                                         ("fifo", "a FIFO")])
 def test_what_is_not_a_regular_file_is_named(tmp_path: Path, special_file, kind, said):
     path = tmp_path / "thing"
-    if special_file(path, kind):
-        pass
-    elif kind == "folder":
-        path.mkdir()
-    else:
-        import socket
-
-        socket.socket(socket.AF_UNIX).bind(str(path))
+    _not_a_file(path, kind, special_file)
     with pytest.raises(files.FileRefused) as info:
         files.read_bytes(path, "config")
     assert str(info.value) == f"refusing to read config file {path}: it is {said}, not a regular file"
@@ -486,36 +484,12 @@ def test_an_unknown_kind_is_a_key_error_listing_the_known_ones():
     assert ", config, cache, names," in ", " + info.value.args[0].split("known: ")[1]
 
 
-class _ReadSpy:
-    """What the gate asked of an open file: ``("read", n)`` / ``("readline", n)`` per call."""
-
-    def __init__(self, f, asked):
-        self._f, self._asked = f, asked
-
-    def read(self, n=-1):
-        self._asked.append(("read", n))
-        return self._f.read(n)
-
-    def readline(self, n=-1):
-        self._asked.append(("readline", n))
-        return self._f.readline(n)
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self._f.close()
-
-
 def _spied(monkeypatch, reported_size=None):
     """Every file the gate opens spied on; with ``reported_size``, ``fstat`` says the file has that
     many bytes (a file that grows once checked)."""
     asked = []
     fdopen, fstat = os.fdopen, os.fstat
-    monkeypatch.setattr(files.os, "fdopen", lambda *a, **k: _ReadSpy(fdopen(*a, **k), asked))
+    monkeypatch.setattr(files.os, "fdopen", lambda *a, **k: ReadSpy(fdopen(*a, **k), lambda op, n: asked.append((op, n))))
     if reported_size is not None:
         def small(fd):
             fields = list(fstat(fd))

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from read_spy import ReadSpy
 from shardfc import files
 from shardfc.data import recordio
 from shardfc.data.recordio import (
@@ -67,32 +68,13 @@ def _written(tmp_path: Path, payloads, name: str = "x", keys=None) -> Path:
     return path
 
 
-class _Spy:
-    """A file whose reads are recorded: ``asked`` gets each ``read(n)``'s n."""
-
-    def __init__(self, f, asked):
-        self._f, self.asked = f, asked
-
-    def read(self, n=-1):
-        self.asked.append(n)
-        return self._f.read(n)
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self._f.close()
-
-
 @pytest.fixture
 def reads(monkeypatch):
     """The sizes every file the RecordIO module opens is asked for."""
     asked = []
     real = files.open_file
-    monkeypatch.setattr(recordio.files, "open_file", lambda *a, **k: _Spy(real(*a, **k), asked))
+    monkeypatch.setattr(recordio.files, "open_file",
+                        lambda *a, **k: ReadSpy(real(*a, **k), lambda op, n: asked.append(n)))
     return asked
 
 
