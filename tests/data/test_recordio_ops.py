@@ -69,17 +69,25 @@ def test_an_existing_output_is_named(tmp_path: Path):
     check_outputs([str(tmp_path / "a"), str(tmp_path / "b")], force=True)
 
 
-def test_a_bar_on_a_terminal_only(monkeypatch):
-    pytest.importorskip("tqdm")
+def test_a_bar_on_a_terminal_only_and_when_tqdm_is_there(monkeypatch):
+    import sys
+    import types
 
     class Tty(io.StringIO):
         def isatty(self):
             return True
 
-    assert recordio_ops._progress([1, 2], 2, "pack") == [1, 2]  # not a terminal: the iterable itself
+    made = []
+    stand_in = types.ModuleType("tqdm")
+    stand_in.tqdm = lambda iterable, **kw: made.append(kw) or iterable  # what tqdm is asked for
+    monkeypatch.setitem(sys.modules, "tqdm", stand_in)
+    assert recordio_ops._progress([1, 2], 2, "pack") == [1, 2] and made == []  # not a terminal: no bar
     monkeypatch.setattr(recordio_ops.sys, "stderr", Tty())
-    bar = recordio_ops._progress([1, 2], 2, "verify")
-    assert bar.total == 2 and bar.desc == "verify" and bar.unit == "img" and list(bar) == [1, 2]
+    assert recordio_ops._progress([1, 2], 2, "verify") == [1, 2]
+    assert made == [dict(total=2, desc="verify", unit="img", file=recordio_ops.sys.stderr, dynamic_ncols=True,
+                         leave=False)]
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # not installed: the iterable itself
+    assert recordio_ops._progress([3], 1, "verify") == [3] and len(made) == 1
 
 
 # ------------------------------------------------------------------ verify
