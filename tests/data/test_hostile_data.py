@@ -26,6 +26,7 @@ import pytest
 from numpy._core.multiarray import _reconstruct  # what a numpy 2 pickle of an array names
 from PIL import Image
 
+from pickled_call import PickledCall
 from shardfc import files
 from shardfc.cli import data as data_cli
 from shardfc.cli import train as cli_train
@@ -297,20 +298,10 @@ def test_an_idx_larger_than_its_rec_allows_is_refused_unread(tmp_path: Path):
 # --------------------------------------------------------------------------- .bin sets
 
 
-class _Reduce:
-    """Pickles as ``func(*args)``: what a crafted .bin's REDUCE opcode calls."""
-
-    def __init__(self, func, *args):
-        self.func, self.args = func, args
-
-    def __reduce__(self):
-        return self.func, self.args
-
-
 @pytest.mark.parametrize("payload", [
-    _Reduce(bytearray, 10**12), _Reduce(bytearray, 1 << 31),
-    _Reduce(np.ndarray, (1 << 31,), np.dtype("u1")),
-    _Reduce(_reconstruct, np.ndarray, (1 << 31,), b"b"),
+    PickledCall(bytearray, 10**12), PickledCall(bytearray, 1 << 31),
+    PickledCall(np.ndarray, (1 << 31,), np.dtype("u1")),
+    PickledCall(_reconstruct, np.ndarray, (1 << 31,), b"b"),
 ], ids=["bytearray-1e12", "bytearray-2GiB", "ndarray-2GiB", "reconstruct-2GiB"])
 def test_a_bin_constructor_is_bounded_by_the_file_length(tmp_path: Path, payload):
     path = tmp_path / "crafted.bin"

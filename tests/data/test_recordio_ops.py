@@ -18,9 +18,9 @@ from shardfc.data.recordio import IRHeader, RecordIOReader, RecordIOWriter, pack
 from shardfc.data.recordio_ops import CommandError, check_outputs, verify, write_insightface
 
 
-def _png(value: int = 0, mode: str = "RGB") -> bytes:
+def _png(value: int = 0) -> bytes:
     buf = io.BytesIO()
-    Image.new(mode, (3, 2), value if mode == "L" else (value,) * len(mode)).save(buf, format="PNG")
+    Image.new("RGB", (3, 2), (value,) * 3).save(buf, format="PNG")
     return buf.getvalue()
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
+from pickled_call import PickledCall
 from shardfc import files
 from shardfc.evaluation import load_bin, verification
 from shardfc.evaluation.verification import _BinUnpickler
@@ -27,16 +28,6 @@ def _png(value: int = 0, size=(4, 2)) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(np.full((size[0], size[1], 3), value, np.uint8)).save(buf, format="PNG")
     return buf.getvalue()
-
-
-class _Reduce:
-    """Pickles as ``func(*args)``."""
-
-    def __init__(self, func, *args):
-        self.func, self.args = func, args
-
-    def __reduce__(self):
-        return self.func, self.args
 
 
 def _bin(tmp_path: Path, obj, protocol=2, name="x.bin") -> Path:
@@ -173,9 +164,9 @@ def test_each_constructor_that_takes_a_size_is_bounded_by_the_file(tmp_path: Pat
 
 
 @pytest.mark.parametrize("make, what, nbytes", [
-    (lambda n: _Reduce(bytearray, n), "bytearray", lambda n: n),
-    (lambda n: _Reduce(np.ndarray, (n,), np.dtype("u1")), "an array", lambda n: n),
-    (lambda n: _Reduce(np.ndarray, (n // 4 + 1,), np.dtype("u4")), "an array", lambda n: 4 * (n // 4 + 1)),
+    (lambda n: PickledCall(bytearray, n), "bytearray", lambda n: n),
+    (lambda n: PickledCall(np.ndarray, (n,), np.dtype("u1")), "an array", lambda n: n),
+    (lambda n: PickledCall(np.ndarray, (n // 4 + 1,), np.dtype("u4")), "an array", lambda n: 4 * (n // 4 + 1)),
 ])
 def test_a_constructor_asking_for_more_than_the_file_is_refused_in_load_bin(tmp_path: Path, make, what, nbytes):
     n = 4 << 20  # 4 MiB in a file of a few hundred bytes
@@ -191,7 +182,7 @@ def test_a_bytearray_of_the_file_s_length_is_built_and_one_more_refused(tmp_path
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (16, 16, 3), np.uint8)).save(noise, format="PNG")
 
     def file_for(n):
-        return _bin(tmp_path, ([_Reduce(bytearray, n), noise.getvalue()], [True]), name=f"{n}.bin")
+        return _bin(tmp_path, ([PickledCall(bytearray, n), noise.getvalue()], [True]), name=f"{n}.bin")
 
     size = file_for(1000).stat().st_size
     assert 1000 < size < 1 << 16
