@@ -6,7 +6,8 @@
   ``1..N``, one identity record per class), plus ``classes.txt`` (the folder
   name of each label) for folder sources. Image files are stored byte for byte
   unless ``--resize`` or ``--encode`` asks for re-encoding; every image is
-  decoded once, and undecodable ones are left out and listed.
+  decoded once, and undecodable ones (or ones the file gate refuses) are left
+  out and listed.
 * ``inspect PATH``: counts, images per class, image sizes, layout.
 * ``shuffle PATH OUT``: the images in a random order, without header and
   identity records (im2rec layout), records copied unchanged.

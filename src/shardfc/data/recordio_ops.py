@@ -48,6 +48,10 @@ def _progress(iterable: Iterable, total: int, desc: str) -> Iterable:
 
 
 # -------------------------------------------------------------------- pack
+class NoImages(ValueError):
+    """:func:`write_insightface` was given no image (told apart from any other ValueError)."""
+
+
 def _encode(img: Image.Image, fmt: str, quality: int) -> bytes:
     buf = io.BytesIO()
     if fmt == "jpeg":
@@ -120,7 +124,7 @@ def pack(
             for i in _progress(order, len(order), "pack"):
                 path, label = samples[i]
                 try:  # the gate: a regular file (inside SRC for a folder), at most the image cap
-                    data = files.read_bytes(path, "image", "image file", root=image_root)
+                    data = files.read_bytes(path, "image", root=image_root)
                 except files.FileMissing:
                     raise CommandError(f"image file not found: {path!r}") from None
                 except files.FileRefused as e:
@@ -129,7 +133,7 @@ def pack(
                 try:
                     img = decode_image(data, name=path)
                 except CorruptImageError as e:
-                    skipped.append((path, e.reason))
+                    skipped.append((path, f"undecodable: {e.reason}"))
                     continue
                 if resize is not None and img.size != (resize[1], resize[0]):
                     img = img.resize((resize[1], resize[0]), Image.BILINEAR)
@@ -139,8 +143,10 @@ def pack(
 
         try:
             key, sizes, first_size = write_insightface(tmps[0], tmps[1], tmps[2], images(), num_classes)
-        except ValueError:
-            raise CommandError(f"no decodable images in {src!r} ({len(skipped)} undecodable)") from None
+        except NoImages:
+            path, reason = skipped[0]  # every image was skipped (a missing one raised above): say why
+            raise CommandError(f"no image in {src!r} could be packed: {len(skipped)} skipped, the first "
+                               f"{path}: {reason}") from None
         key += 1
         if classes is not None:
             with open(tmps[3], "w", encoding="utf-8") as f:
@@ -163,7 +169,7 @@ def pack(
         print(f"note: images have {len(sizes)} different sizes ({', '.join(summary['image_sizes'])}); "
               f"property states the first one, use --resize for a uniform size", file=sys.stderr)
     for p, r in skipped:
-        print(f"skipped undecodable image {p}: {r}", file=sys.stderr)
+        print(f"skipped image {p}: {r}", file=sys.stderr)
     return summary
 
 
@@ -172,7 +178,7 @@ def write_insightface(rec: str, idx: str, prop: str, images: Iterable[Tuple[int,
     """Write ``(label, encoded image, (height, width))`` in label order (each label's images
     together) as insightface's layout: images at keys ``1..N``, then the header at key 0 and one
     identity record per class, and ``prop`` (``property``). Returns ``(N, sizes, first size)``;
-    ValueError when ``images`` is empty."""
+    :class:`NoImages` (a ValueError) when ``images`` is empty."""
     first = [0] * num_classes
     end = [0] * num_classes
     sizes: Counter = Counter()
@@ -188,7 +194,7 @@ def write_insightface(rec: str, idx: str, prop: str, images: Iterable[Tuple[int,
             end[label] = key + 1
             key += 1
         if first_size is None:
-            raise ValueError("no images to write")
+            raise NoImages("no images to write")
         a = key  # identity records: keys a .. a + num_classes - 1
         writer.write(0, pack_header(IRHeader(0, [a, a + num_classes], 0, 0)))
         next_start = 1
@@ -250,17 +256,21 @@ def shuffle(path: str, out: str, seed: int = 0, force: bool = False, log=None) -
     prop = os.path.join(os.path.dirname(os.path.abspath(rec)), "property")
     if os.path.abspath(rec) == os.path.abspath(ds.rec_path):
         raise CommandError(f"OUT {out!r} would overwrite the input {ds.rec_path!r}")
-    copy_property = ds.property is not None and os.path.abspath(prop) != os.path.abspath(ds.property_path)
-    check_outputs([rec, idx] + ([prop] if copy_property else []), force)
+    # The property in OUT's folder is read as the shuffled file's: it becomes the input's (the values
+    # the dataset read and checked), or, when the input has none, one already there goes — unless it
+    # is the input's own (OUT beside the input).
+    own_property = os.path.abspath(prop) == os.path.abspath(ds.property_path)
+    copy_property = ds.property is not None and not own_property
+    check_outputs([rec, idx] + ([] if own_property else [prop]), force)
     perm = np.random.default_rng(seed).permutation(len(ds))
     with staged_outputs([rec, idx] + ([prop] if copy_property else [])) as tmps:
         with RecordIOWriter(tmps[0], tmps[1]) as writer:
             for new_key, i in enumerate(_progress(perm.tolist(), len(perm), "shuffle")):
                 writer.write(new_key, ds.reader.read(int(ds.keys[i])))
         if copy_property:
-            # Read through the gate (the dataset read and checked it), written as the new file's own.
-            with open(tmps[2], "wb") as f:
-                f.write(files.read_bytes(ds.property_path, "property", "RecordIO property file"))
+            write_property(tmps[2], *ds.property)
+        elif not own_property and os.path.lexists(prop):
+            os.remove(prop)  # another data set's: it would name the wrong number of classes
     print(f"wrote {len(perm)} images in shuffled order (seed {seed}) to {rec}", file=log)
     return {"rec": rec, "images": len(perm)}
 
