@@ -278,3 +278,165 @@ def test_a_captured_head_step_is_refused_where_the_config_rules_it_out(changes, 
         assert TrainConfig(cuda_graph="head", nproc=1, device="cuda", sample_rate=0.5, **ok).validate().sample_rate == 0.5
     with pytest.raises(ConfigError, match="cuda_graph must be one of"):
         TrainConfig(cuda_graph="all").validate()
+
+
+# ---------------------------------------------------------------------------- each message in full
+
+
+def test_toml_errors_name_the_file_they_come_from(tmp_path):
+    from shardfc.train.config import toml as toml_module
+
+    assert str(_raises(config_from_mapping, {"lrr": 1})) == "unknown key 'lrr'; did you mean 'lr'?"
+    assert str(_raises(config_from_mapping, {"lrr": 1}, None, "x.toml")) == "x.toml: unknown key 'lrr'; did you mean 'lr'?"
+    assert str(_raises(config_from_mapping, {"glint": 1})) == "unknown key 'glint'; did you mean 'margin'?"  # ratio 0.55
+    assert str(_raises(config_from_mapping, {"zzzz": 1})) == "unknown key 'zzzz'"
+    assert str(_raises(config_from_mapping, {"data": {"scael": 1}})) == (
+        "unknown key data.scael; did you mean 'sampler'?")  # within the table's fields, not 'scale' of [head]
+    assert str(_raises(config_from_mapping, {"data": {"lr": 1}}, None, "x.toml")) == (
+        "x.toml: key 'lr' belongs in [optim], not [data]")
+    assert str(_raises(config_from_mapping, {"optimizer": {"name": "sgd"}}, None, "x.toml")) == (
+        "x.toml: [optimizer] is a table, but 'optimizer' is a field (str): write 'optimizer = ...' at the top or "
+        "under [optim]; the tables are [data], [model], [head], [optim], [schedule], [run], [eval], [classes]")
+    assert str(_raises(config_from_mapping, {"lr": "fast"})) == "lr must be float, got 'fast' (str)"
+    assert str(_raises(config_from_mapping, {"optim": {"lr": None}}, None, "x.toml")) == (
+        "x.toml: lr must be float, got None (NoneType)")
+    assert str(_raises(config_from_mapping, {"image_size": 5})) == "image_size must be a list of int, got 5 (int)"
+    assert str(_raises(config_from_mapping, {"image_size": [1, "a"]})) == (
+        "image_size must be a list of int, got [1, 'a'] (list)")
+    path = _write(tmp_path, "lrr = 1\n")
+    assert str(_raises(parse_config, ["--config", str(path)])) == f"{path}: unknown key 'lrr'; did you mean 'lr'?"
+    missing = tmp_path / "missing.toml"
+    assert str(_raises(load_toml, missing)) == f"config file {str(missing)!r} does not exist"
+    assert str(_raises(load_toml, tmp_path)).startswith(f"refusing to read config file {tmp_path}: ")
+    assert toml_module.available_presets() == available_presets()
+
+
+def test_a_presets_errors_name_the_preset(tmp_path, monkeypatch):
+    from shardfc.train.config import flags
+
+    bad = _write(tmp_path, "lrr = 1\n")
+    monkeypatch.setattr(flags, "preset_path", lambda name: bad)
+    assert str(_raises(parse_config, ["--preset", "mine"])) == "preset mine: unknown key 'lrr'; did you mean 'lr'?"
+
+
+def test_an_unknown_preset_lists_them():
+    assert str(_raises(preset_path, "glint360k")) == (
+        f"unknown preset 'glint360k'; available: {', '.join(available_presets())}; did you mean 'glint360k_r100_pfc'?")
+
+
+def _raises(func, *args):
+    with pytest.raises(ConfigError) as info:
+        func(*args)
+    return info.value
+
+
+def test_unknown_arguments_and_their_hints():
+    assert str(_raises(parse_config, ["--learning-rate=a=b"])) == "unknown argument '--learning-rate=a=b'; did you mean '--lr'?"
+    assert str(_raises(parse_config, ["--lrr=0.1"])) == "unknown argument '--lrr=0.1'; did you mean '--lr'?"
+    assert str(_raises(parse_config, ["lr"])) == "unknown argument 'lr'"  # not a flag: no flag suggested
+    assert parse_config(["--", "--lr", "0.2"])[0].lr == 0.2  # torchrun's separator
+    assert parse_config(["--margin-m", "0.3", "--num-procs", "3"])[0].m == 0.3
+    assert parse_config(["--num-procs", "3"])[0].nproc == 3
+
+
+def test_the_help_says_each_flags_value_and_default(monkeypatch):
+    from shardfc.train.config import flags
+
+    parser = build_parser()
+    assert parser.prog == "shardfc train" and build_parser("torchrun x").prog == "torchrun x"
+    text = parser.format_help()
+    flat = " ".join(text.split())
+    assert text.startswith("usage: shardfc train [--preset NAME] [--config PATH] [--print-config] [--FIELD VALUE ...]\n")
+    assert ("Train an embedding backbone with a class-sharded margin head. With no arguments: the synthetic demo on 2 "
+            "CPU processes. Under torchrun the launcher's processes join one group.") in flat
+    assert (f"presets: {', '.join(available_presets())}. Values: defaults < --preset < --config < flags.") in flat
+    assert "--preset NAME start from a bundled preset" in flat
+    assert "--config PATH TOML file with field values (flat or in [section] tables)" in flat
+    assert "--print-config print the resolved configuration as TOML and exit" in flat
+    for section in SECTIONS:
+        assert f"\n{section}:\n" in text
+    assert f"--lr X {field_help('lr')} (default: 0.1)" in flat
+    assert "--batch-size N" in flat and "--backbone TEXT" in flat and "--val-bins [PATH ...]" in flat
+    assert "--m X, --margin-m X" in flat and "--nproc N, --num-procs N" in flat
+    monkeypatch.setattr(flags, "field_help", lambda name: "50% of it")  # argparse's % formatting escaped
+    assert "50% of it (default: 0.1)" in " ".join(build_parser().format_help().split())
+
+
+def test_a_data_root_names_the_dataset_it_holds(tmp_path):
+    rec_dir, market, plain, rec_is_dir = (tmp_path / n for n in ("rec", "market", "plain", "recdir"))
+    (rec_dir).mkdir()
+    (rec_dir / "train.rec").write_bytes(b"")
+    (market / "bounding_box_train").mkdir(parents=True)
+    plain.mkdir()
+    (rec_is_dir / "train.rec").mkdir(parents=True)  # a folder named train.rec: not a release
+    assert parse_config(["--data-root", str(tmp_path / "x.rec")])[0].dataset == "recordio"  # not there yet: named so
+    assert parse_config(["--data-root", str(rec_dir)])[0].dataset == "recordio"
+    assert parse_config(["--data-root", str(rec_is_dir)])[0].dataset == "folder"
+    for given in ("folder", "recordio", "market1501"):  # a dataset read from a file follows the data root
+        cfg_file = _write(tmp_path, f'dataset = "{given}"\ndata_root = "{plain}"\n', f"{given}.toml")
+        assert parse_config(["--config", str(cfg_file), "--data-root", str(rec_dir)])[0].dataset == "recordio"
+        assert parse_config(["--config", str(cfg_file), "--data-root", str(market)])[0].dataset == "market1501"
+        assert parse_config(["--config", str(cfg_file), "--data-root", str(plain)])[0].dataset == "folder"
+    assert parse_config(["--dataset", "folder", "--data-root", str(rec_dir)])[0].dataset == "folder"  # said: kept
+    listed = parse_config(["--dataset", "list", "--list-file", "l.txt", "--data-root", str(rec_dir)])[0]
+    assert listed.dataset == "list"
+
+
+def test_to_toml_writes_any_string_back_as_it_was(tmp_path):
+    every = "".join(chr(c) for c in range(1, 128)) + "ü"
+    cfg = TrainConfig(output_dir=every, val_bins=["a\nb.bin", 'q"uote\\'])
+    assert config_from_mapping(load_toml(_write(tmp_path, to_toml(cfg)))) == cfg
+    from shardfc.train.config.toml import _toml_string
+
+    assert _toml_string(' ~\x1f\x7f\x00"\\\n\t') == '" ~\\u001f\\u007f\\u0000\\"\\\\\\n\\t"'
+
+
+def test_field_help_and_the_docstrings_it_reads():
+    from shardfc.train.config.fields import FIELDS
+    from shardfc.train.config.sections import _attribute_docstrings, type_name
+
+    docs = _attribute_docstrings(TrainConfig)
+    assert set(docs) == set(FIELDS) and all(docs[n] == field_help(n) for n in FIELDS)
+    assert docs["lr"] == "Peak learning rate (reached after warmup_steps)."
+    assert "\n" not in docs["dataset"] and "  " not in docs["dataset"]
+    assert field_help("no_such_field") == ""
+
+    class Some:
+        a: int = 1
+        """First
+        line."""
+        b: int = 2
+        c = 3
+        """Not annotated: not a field's."""
+        d: int = 4
+        e: int = 5
+        """E."""
+
+    assert _attribute_docstrings(Some) == {"a": "First line.", "e": "E."}
+    assert _attribute_docstrings(type("Made", (), {})) == {}  # no source: no descriptions, no error
+    assert (type_name("lr"), type_name("betas"), type_name("val_bins")) == ("float", "a list of float", "a list of str")
+
+
+def test_absolute_paths_resolves_against_the_base(tmp_path, monkeypatch):
+    from shardfc.train.config import absolute_paths
+
+    base = tmp_path / "work"
+    (base / "data").mkdir(parents=True)
+    (base / "lfw.bin").write_bytes(b"")
+    (base / "data" / "lfw.bin").write_bytes(b"")  # also beside the data: the base's wins
+    (base / "data" / "agedb.bin").write_bytes(b"")  # only beside the data
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg = TrainConfig(data_root="data", list_file="", output_dir="runs/../out", reid_root="/abs/reid",
+                      init_from="~/model", rename_classes="r.txt",
+                      val_bins=["lfw.bin", "agedb.bin", "missing.bin", "/abs/cfp.bin", "sub/../x.bin"])
+    got = absolute_paths(cfg, base)
+    assert (got.data_root, got.list_file, got.output_dir, got.reid_root, got.init_from, got.rename_classes) == (
+        str(base / "data"), "", str(base / "out"), "/abs/reid", str(tmp_path / "home" / "model"), str(base / "r.txt"))
+    assert got.val_bins == [str(base / "lfw.bin"), str(base / "data" / "agedb.bin"), str(base / "missing.bin"),
+                            "/abs/cfp.bin", str(base / "x.bin")]
+    assert (got.lr, got.dataset) == (cfg.lr, cfg.dataset)
+    monkeypatch.chdir(base)
+    assert absolute_paths(cfg).val_bins == got.val_bins  # no base: the working folder
+    (base / "agedb.bin").write_bytes(b"")  # in the working folder, not in the base given below
+    no_root = absolute_paths(TrainConfig(val_bins=["agedb.bin"]), tmp_path)
+    assert no_root.val_bins == [str(tmp_path / "agedb.bin")] and no_root.data_root == ""  # nothing beside to look in

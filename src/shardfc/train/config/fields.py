@@ -447,7 +447,7 @@ class TrainConfig:
         why = None
         if self.nproc > 1:
             why = f"nproc={self.nproc} (a head sharded over ranks exchanges batch sizes through the host)"
-        elif self.sample_rate < 1.0 and self.sparse_grad:
+        elif self.sparse_grad:  # Partial FC's alone (validate checked that before)
             why = "sparse_grad (each backward's compact gradient goes to host-side lists; the fused update needs none)"
         elif self.sample_rate < 1.0 and self.optimizer == "adamw" and self.head_idle_rows == "exact":
             why = ("optimizer='adamw' with head_idle_rows='exact' under Partial FC (its catch-up iterates a number of "

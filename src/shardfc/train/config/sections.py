@@ -7,6 +7,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import textwrap
 from typing import Any, Dict, Tuple
 
 from shardfc.train.config.fields import FIELDS, ConfigError, TrainConfig
@@ -50,8 +51,8 @@ for _f in dataclasses.fields(TrainConfig):
 
 def _attribute_docstrings(cls: type) -> Dict[str, str]:
     """``{field: docstring}`` from the string literal that follows each annotated attribute."""
-    try:
-        tree = ast.parse(inspect.getsource(cls))
+    try:  # dedented: a class defined inside a function or class is indented
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):  # no source (e.g. a zipped install): help without descriptions
         return {}
     body = tree.body[0].body  # type: ignore[attr-defined]

@@ -21,7 +21,7 @@ def load_toml(path: "str | os.PathLike[str]") -> Dict[str, Any]:
     naming the file otherwise."""
     path = Path(path)
     try:
-        return files.load_toml(path, "config", "config file")
+        return files.load_toml(path, "config")
     except files.FileMissing:
         raise ConfigError(f"config file {str(path)!r} does not exist") from None
     except files.FileRefused as e:
@@ -64,6 +64,17 @@ def config_from_mapping(
     return dataclasses.replace(base or TrainConfig(), **updates)
 
 
+#: How a TOML basic string writes the characters it cannot hold as they are.
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_string(text: str) -> str:
+    """``text`` as a TOML basic string: quotes, backslashes and every control character escaped (a
+    path may hold a newline; written raw, it would leave config.toml unreadable)."""
+    out = (_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c) for c in text)
+    return '"' + "".join(out) + '"'
+
+
 def to_toml(cfg: TrainConfig) -> str:
     """``cfg`` as a sectioned TOML document that :func:`config_from_mapping` reads back."""
 
@@ -73,7 +84,7 @@ def to_toml(cfg: TrainConfig) -> str:
         if isinstance(v, (int, float)):
             return repr(v)
         if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            return _toml_string(v)
         return "[" + ", ".join(fmt(x) for x in v) + "]"
 
     lines = []
