@@ -32,7 +32,7 @@ import torch
 
 from shardfc import checkpoint as ckpt
 from shardfc.checkpoint.weights_only import load_pt
-from shardfc.models import build_backbone, input_size
+from shardfc.models import build_backbone
 from shardfc.train.checkpointing.resume import checkpoint_root, fingerprint
 from shardfc.train.config import TrainConfig
 
@@ -51,9 +51,10 @@ def arcface_class_range(num_classes: int, world_size: int, rank: int) -> Tuple[i
 def _load(path: Path, trust_pickle: bool) -> Any:
     if not os.path.lexists(path):
         raise FileNotFoundError(f"arcface_torch file not found: {str(path)!r}")
-    # load_pt holds the gate's rule (a regular file; a FIFO or /dev/zero is one line) and reads
-    # weights only, its zip records checked stored before torch inflates anything.
-    return load_pt(path, "cpu", trust_pickle=trust_pickle, meta={}, follow_symlinks=True)
+    # load_pt holds the gate's rule (a regular file; a FIFO or /dev/zero is one line; a link is
+    # followed: the user named the file) and reads weights only, its zip records checked stored
+    # before torch inflates anything.
+    return load_pt(path, "cpu", trust_pickle=trust_pickle, meta={})
 
 
 def _strip_prefix(state: Mapping[str, Any]) -> Dict[str, Any]:
@@ -125,13 +126,27 @@ def _v2_shard(obj: Mapping[str, Any], path: Path) -> Tuple[torch.Tensor, Optiona
     opt = obj.get("state_optimizer")
     momentum = None
     if isinstance(opt, Mapping) and opt.get("param_groups"):
-        index = opt["param_groups"][-1]["params"][-1]  # arcface_torch puts the FC weight last
-        state = opt.get("state", {}).get(index, {})
+        try:  # an optimizer's state_dict: arcface_torch puts the FC weight last
+            index = opt["param_groups"][-1]["params"][-1]
+            state = opt.get("state", {}).get(index, {})
+            if not isinstance(state, Mapping):
+                raise TypeError
+        except (KeyError, IndexError, TypeError, AttributeError):
+            raise ValueError(f"{path}: state_optimizer is not an optimizer's state_dict (param_groups[-1]['params'][-1] "
+                             "should name the FC weight's entry of state)") from None
         if isinstance(state.get("momentum_buffer"), torch.Tensor) and state["momentum_buffer"].shape == weight.shape:
             momentum = state["momentum_buffer"]
         elif "exp_avg" in state:
             notes.append("AdamW moments of the FC are not imported (they restart at zero)")
     return weight, momentum, notes
+
+
+def _count(obj: Mapping[str, Any], key: str, path: Path) -> int:
+    """``obj[key]`` (0 when absent), an ``int >= 0`` as arcface_torch saves its epoch and step."""
+    value = obj.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{path}: {key} must be an int >= 0, got {value!r}")
+    return value
 
 
 def read_arcface_head(paths: Sequence["str | Path"], *, trust_pickle: bool = False) -> ArcfaceHead:
@@ -154,7 +169,7 @@ def read_arcface_head(paths: Sequence["str | Path"], *, trust_pickle: bool = Fal
         if isinstance(obj, Mapping) and "state_dict_softmax_fc" in obj:
             weight, mom, shard_notes = _v2_shard(obj, path)
             notes += shard_notes
-            steps.add((int(obj.get("epoch", 0)), int(obj.get("global_step", 0))))
+            steps.add((_count(obj, "epoch", path), _count(obj, "global_step", path)))
         elif isinstance(obj, torch.Tensor):
             weight = obj
             mom_path = path.with_name(path.name.replace("softmax_weight", "softmax_weight_mom"))
@@ -215,7 +230,7 @@ def import_arcface(
         raise ValueError(f"without --head, --num-classes must be a positive int (the classes to fine-tune on), got {num_classes!r}")
     embedding_dim = 512 if embedding_dim is None else embedding_dim
     model, state = load_arcface_backbone(backbone_path, backbone, embedding_dim, trust_pickle=trust_pickle, **backbone_kwargs)
-    size = tuple(getattr(model, "input_size", input_size(backbone)))
+    size = tuple(model.input_size)  # every backbone states the input size it was built for
     if head is None:
         weight = torch.normal(0.0, 0.01, (num_classes, embedding_dim), generator=torch.Generator().manual_seed(seed))
         tensors = {"weight": weight}
