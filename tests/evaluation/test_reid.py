@@ -175,3 +175,152 @@ def test_evaluate_reid_colour_model(market):
     model = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())  # mean colour = identity
     m = evaluate_reid(model, market, image_size=(16, 8), batch_size=2)
     assert m["rank1"] == 1.0 and m["mAP"] == 1.0 and m["num_valid_queries"] == 2
+
+
+# ------------------------------------------------------------------- each message, each pass-through
+
+
+def _refused(*args, **kwargs) -> str:
+    with pytest.raises(ValueError) as info:
+        reid_metrics(*args, **kwargs)
+    return str(info.value)
+
+
+def test_each_input_is_named_when_wrong():
+    f, p, c = torch.randn(2, 3), [1, 2], [1, 2]
+    assert _refused(torch.tensor(1.0), p, c, f, p, c) == "query_feats must be an array, got a scalar"
+    assert _refused(f, p, c, torch.tensor(1.0), p, c) == "gallery_feats must be an array, got a scalar"
+    for i, name in enumerate(("query_pids", "query_cams")):
+        args = [f, p, c, f, p, c]
+        args[1 + i] = 7
+        assert _refused(*args) == f"{name} must be an array, got a scalar"
+    for i, name in enumerate(("gallery_pids", "gallery_cams")):
+        args = [f, p, c, f, p, c]
+        args[4 + i] = 7
+        assert _refused(*args) == f"{name} must be an array, got a scalar"
+    assert _refused(torch.randn(3), p, c, f, p, c) == (
+        "query_feats and gallery_feats must be [Q, D] and [G, D] with equal D, got (3,) and (2, 3)")
+    assert _refused(f, p, c, torch.randn(3), p, c) == (
+        "query_feats and gallery_feats must be [Q, D] and [G, D] with equal D, got (2, 3) and (3,)")
+    assert _refused(f, [1], c, f, p, c) == "query_pids (1) and query_cams (2) must match query_feats (2)"
+    assert _refused(f, p, c, f, p, [1, 2, 3]) == "gallery_pids (2) and gallery_cams (3) must match gallery_feats (2)"
+    assert _refused(f, p, c, f, p, c, ranks=(1, 0)) == "ranks must be positive, got (1, 0)"
+    assert _refused(f, p, c, f, p, c, chunk_size=0) == "chunk_size must be >= 1, got 0"
+
+
+def test_ids_of_any_integer_type_and_float_features():
+    qf, qp, qc, gf, gp, gc = _hand_example()
+    expected = reid_metrics(qf, qp, qc, gf, gp, gc)
+    got = reid_metrics(qf.double(), qp.int(), qc.short(), gf.half().float(), gp.numpy().astype(np.int32),
+                       gc.numpy().astype(np.uint8))
+    assert got == pytest.approx(expected)
+
+
+def test_skipped_queries_are_counted_over_every_chunk(caplog):
+    """One query skipped in each of two chunks, a valid query after a skipped one in a chunk."""
+    qf, qp, qc, gf, gp, gc = _hand_example()
+    order = [2, 0, 2, 1]  # q3 (skipped), q1, q3 again, q2
+    with caplog.at_level(logging.WARNING, logger="shardfc.evaluation"):
+        m = reid_metrics(qf[order], qp[order], qc[order], gf, gp, gc, chunk_size=2)
+    assert (m["num_valid_queries"], m["num_skipped_queries"]) == (2, 2)
+    assert m["mAP"] == pytest.approx((5 / 6 + 1 / 2) / 2)
+    assert [r.getMessage() for r in caplog.records] == [
+        "reid_metrics: skipped 2 of 4 queries without a valid gallery match"]
+    order = [2, 2, 0, 1]  # a first chunk of skipped queries only: the next chunks still count
+    m = reid_metrics(qf[order], qp[order], qc[order], gf, gp, gc, chunk_size=2)
+    assert (m["num_valid_queries"], m["num_skipped_queries"]) == (2, 2)
+
+
+def test_features_that_require_grad_are_read_detached():
+    qf, qp, qc, gf, gp, gc = _hand_example()
+    expected = reid_metrics(qf, qp, qc, gf, gp, gc)
+    assert reid_metrics(qf.requires_grad_(), qp, qc, gf.requires_grad_(), gp, gc) == pytest.approx(expected)
+
+
+def test_the_default_chunk_is_256_queries(monkeypatch):
+    seen = []
+    real_sort = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda x, **kw: seen.append(x.shape[0]) or real_sort(x, **kw))
+    qf = torch.randn(300, 4)
+    reid_metrics(qf, torch.ones(300), torch.ones(300), qf, torch.ones(300), torch.full((300,), 2))
+    assert seen == [256, 44]
+
+
+def test_ties_keep_the_gallerys_order():
+    """Equal scores rank in gallery order (a stable sort): a wrong match listed first is ranked first."""
+    g = 4000  # long enough that an unstable sort reorders ties
+    gf = torch.ones(g, 2)
+    gp = torch.full((g,), 5)
+    gp[-1] = 1  # the only match, last of thousands of equal scores
+    m = reid_metrics(torch.ones(1, 2), [1], [1], gf, gp, torch.full((g,), 2), ranks=(1, g))
+    assert m["rank1"] == 0.0 and m[f"rank{g}"] == 1.0 and m["mAP"] == pytest.approx(1 / g)
+
+
+def test_a_query_image_linked_out_of_its_folder_is_refused(market, tmp_path):
+    outside = tmp_path / "outside.jpg"
+    _img(outside, 1)
+    (market / "query" / "0003_c1s1_000009_00.jpg").symlink_to(outside)
+    query = ReIDFolder(market / "query", image_size=(16, 8))
+    from shardfc.data import CorruptImageError
+
+    with pytest.raises(CorruptImageError, match="outside"):
+        query[2]
+
+
+def test_a_folder_skips_hidden_and_foreign_files_and_reads_on(tmp_path):
+    root = tmp_path / "q"
+    root.mkdir()
+    _img(root / "0001_c1s1_000001_00.jpg", 1)
+    _img(root / ".0002_c1s1_000001_00.jpg", 2)  # hidden: skipped
+    (root / "0002_c1.txt").write_text("x")  # not an image: skipped, and the next one still read
+    _img(root / "0003_c1s1_000001_00.jpg", 3)
+    folder = ReIDFolder(root, image_size=(4, 2))
+    assert folder.pids.tolist() == [1, 3] and folder.pids.dtype == folder.cams.dtype == torch.int64
+    assert repr(folder) == f"ReIDFolder(root={str(root)!r}, images=2)"
+
+
+class _Recorder(nn.Module):
+    """Mean colour as the embedding; records each batch's shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def forward(self, x):
+        self.shapes.append(tuple(x.shape))
+        return x.mean(dim=(2, 3))
+
+
+def test_evaluate_reid_passes_its_options_on(market):
+    model = _Recorder()
+    m = evaluate_reid(model, market)  # defaults: 256x128, batch 64, flipped too
+    assert model.shapes == [(2, 3, 256, 128)] * 2 + [(5, 3, 256, 128)] * 2
+    assert set(m) == {"rank1", "rank5", "rank10", "mAP", "num_valid_queries", "num_skipped_queries"}
+    model = _Recorder()
+    m = evaluate_reid(model, market, image_size=(16, 8), batch_size=3, flip=False, device="cpu", ranks=(2,))
+    assert model.shapes == [(2, 3, 16, 8), (3, 3, 16, 8), (2, 3, 16, 8)]
+    assert set(m) == {"rank2", "mAP", "num_valid_queries", "num_skipped_queries"}
+    query, gallery = load_reid_split(market)
+    assert query[0][0].shape == gallery[0][0].shape == (3, 256, 128)
+
+
+def test_evaluate_reid_decodes_64_images_a_batch_in_its_own_process_by_default(tmp_path, monkeypatch):
+    root = tmp_path / "m"
+    (root / "query").mkdir(parents=True)
+    (root / "bounding_box_test").mkdir()
+    _img(root / "query" / "0001_c1s1_000001_00.jpg", 1)
+    for i in range(65):
+        _img(root / "bounding_box_test" / f"0001_c2s1_{i:06d}_00.jpg", 1)
+    real = ReIDFolder.__getitem__
+    in_worker = {"expected": False}
+
+    def checked(self, index):
+        assert (torch.utils.data.get_worker_info() is not None) == in_worker["expected"], "decoded in the wrong process"
+        return real(self, index)
+
+    monkeypatch.setattr(ReIDFolder, "__getitem__", checked)
+    model = _Recorder()
+    evaluate_reid(model, root, image_size=(8, 4), flip=False)
+    assert model.shapes == [(1, 3, 8, 4), (64, 3, 8, 4), (1, 3, 8, 4)]
+    in_worker["expected"] = True  # and in a DataLoader worker when asked
+    evaluate_reid(_Recorder(), root, image_size=(8, 4), flip=False, num_workers=1)
