@@ -87,7 +87,9 @@ settings = tomllib.loads(text).get("tool", {}).get("mutmut", {})
 for old in ("paths_to_mutate", "tests_dir"):  # mutmut 2's names of the scope
     settings.pop(old, None)
 settings["source_paths"] = [module]
-settings.setdefault("also_copy", ["src/shardfc"])  # the rest of the package: tests import it from mutants/src
+# The rest of the package (tests import it from mutants/src), and docs/ (tests that compare a page with
+# the code read it from there).
+settings["also_copy"] = sorted(set(settings.get("also_copy", [])) | {"src/shardfc", "docs"})
 settings["pytest_add_cli_args_test_selection"] = tests
 text = re.sub(r"(?ms)^\[tool\.mutmut\]\n.*?(?=^\[|\Z)", "", text).rstrip() + "\n\n[tool.mutmut]\n"
 text += "".join(f"{key} = {json.dumps(value)}\n" for key, value in settings.items())
