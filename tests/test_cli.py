@@ -1,7 +1,11 @@
 """The ``shardfc`` dispatcher and the demo."""
 
+import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from shardfc import cli
 
@@ -27,3 +31,33 @@ def test_demo_trains_on_two_processes():
     assert "2 ranks; rank 0 holds classes 0..99 of 200" in out.stdout
     first, last = out.stdout.strip().splitlines()[-1].split("loss ")[1].split(" in ")[0].split(" -> ")
     assert float(last) < float(first)
+
+
+def test_the_reference_page_is_every_commands_help():
+    """docs/cli.md is what the commands print: regenerate it (python -m shardfc.cli.reference >
+    docs/cli.md) when an option, a default or a help text changes."""
+    from shardfc.cli import reference
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text(encoding="utf-8")
+    version = f"Python {sys.version_info[0]}.{sys.version_info[1]}'s argparse"
+    if version not in page:
+        pytest.skip(f"docs/cli.md was rendered by another Python's argparse (this is {version})")
+    assert reference.render() == page, "docs/cli.md is out of date: python -m shardfc.cli.reference > docs/cli.md"
+    assert {name for name, _ in reference.PAGES} == set(cli.COMMANDS)
+
+
+def test_the_reference_renders_at_its_width_and_restores_columns(monkeypatch):
+    from shardfc.cli import reference
+
+    monkeypatch.setenv("COLUMNS", "40")
+    text = reference.command_help("data", ["pack"])
+    assert text.startswith("usage: shardfc data pack [-h]") and not text.endswith("\n")
+    assert max(len(line) for line in text.splitlines()) <= reference.WIDTH
+    assert max(len(line) for line in text.splitlines()) > 40  # laid out in 100 columns, not the 40 set
+    assert os.environ["COLUMNS"] == "40"
+    monkeypatch.delenv("COLUMNS")
+    reference.command_help("demo", [])
+    assert "COLUMNS" not in os.environ
+    with pytest.raises(RuntimeError) as info:
+        reference.command_help("data", ["nosuch"])
+    assert str(info.value) == "shardfc data nosuch --help exited with status 2"

@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("path", metavar="PATH", help="folder with train.rec/train.idx, or a .rec file")
     sh.add_argument("out", metavar="OUT", help="output folder (gets train.rec/train.idx), or a .rec path")
     sh.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
-    sh.add_argument("--force", action="store_true", help="replace existing output files")
+    sh.add_argument("--force", action="store_true",
+                    help="replace existing output files (the .rec, its .idx, and a property in OUT's folder)")
 
     vf = sub.add_parser("verify", help="decode every image; exit status 1 if any record is bad", allow_abbrev=False)
     vf.add_argument("path", metavar="PATH", help="folder with train.rec/train.idx, or a .rec file")
