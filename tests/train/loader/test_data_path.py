@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch.utils.data import DistributedSampler
 
 from shardfc.data import ImageFolderDataset
 from shardfc.data.transforms import random_erase_
 from shardfc.parallel.context import DistContext
-from shardfc.train.config import TrainConfig
+from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.loader.data import EpochKeys, ShardBatches, erasing_generator, micro_batches, train_dataset
 from shardfc.train.loader.prefetch import DevicePrefetcher, to_device
 from shardfc.train.state import RunState
@@ -260,3 +261,275 @@ def test_flip_prob_reaches_the_training_images(tmp_path, dataset):
     default = flipped(TrainConfig(**options))
     assert not any(never) and 0 < sum(default) < len(default)
     assert all(flipped(TrainConfig(**options, flip_prob=1.0)))
+
+
+# ------------------------------------------------------------------ the dataset and the batches, at their edges
+
+
+@pytest.mark.parametrize("kind", ["folder", "recordio", "market1501", "list"])
+def test_each_dataset_is_built_for_training_as_configured(tmp_path, kind):
+    from shardfc.cli import data as data_cli
+    from shardfc.data import ListFileDataset
+    from shardfc.data.market1501 import Market1501TrainDataset
+    from shardfc.data.recordio import RecordIODataset
+
+    faces = _faces(tmp_path / "faces")
+    if kind == "recordio":
+        assert data_cli.main(["pack", str(faces), str(tmp_path / "rec")]) == 0
+        cfg = TrainConfig(dataset=kind, data_root=str(tmp_path / "rec"))
+    elif kind == "market1501":
+        train = tmp_path / "market" / "bounding_box_train"
+        train.mkdir(parents=True)
+        for i, png in enumerate(sorted(faces.rglob("*.png"))):
+            (train / f"{i % 3 + 1:04d}_c1s1_{i:06d}_00.jpg").write_bytes(png.read_bytes())
+        cfg = TrainConfig(dataset=kind, data_root=str(tmp_path / "market"))
+    elif kind == "list":
+        listing = tmp_path / "lists" / "train.txt"
+        listing.parent.mkdir()
+        listing.write_text("".join(f"id{i}/0.png {i}\n" for i in range(3)))  # relative to data_root
+        cfg = TrainConfig(dataset=kind, list_file=str(listing), data_root=str(faces))
+    else:
+        cfg = TrainConfig(dataset=kind, data_root=str(faces))
+    cfg = dataclasses.replace(cfg, flip_prob=0.25, seed=7)
+    ds = train_dataset(cfg, (6, 4))
+    kinds = {"folder": ImageFolderDataset, "recordio": RecordIODataset, "market1501": Market1501TrainDataset,
+             "list": ListFileDataset}
+    assert type(ds) is kinds[kind]
+    assert (ds.image_size, ds.train, ds.seed, ds.transform.flip_prob, ds.transform.random_flip) == ((6, 4), True, 7, 0.25, True)
+    assert ds.log_corrupt is False and ds.transform.normalized is False  # uint8 out, named by rank 0
+    assert len(ds) == (3 if kind == "list" else 12)
+    image, label = ds[0]
+    assert image.dtype == torch.uint8 and image.shape == (3, 6, 4)
+
+
+def test_a_list_without_data_root_reads_beside_itself(tmp_path):
+    faces = _faces(tmp_path / "faces", identities=1, per=1)
+    listing = faces / "train.txt"
+    listing.write_text("id0/0.png 0\n")
+    ds = train_dataset(TrainConfig(dataset="list", list_file=str(listing)), (6, 4))
+    assert ds.root == str(faces)
+
+
+def test_keyed_samples_read_a_plain_dataset_by_index():
+    from shardfc.train.loader.data import KeyedSamples, collate_keyed
+
+    plain = [(torch.full((2,), float(i)), i) for i in range(3)]
+    keyed = KeyedSamples(plain)
+    assert not keyed.keyed and len(keyed) == 3
+    image, label, skipped, where = keyed[(4, 2, 9)]
+    assert torch.equal(image, plain[2][0]) and (label, skipped, where) == (2, [], (4, 9))
+    images, labels, all_skipped, first = collate_keyed([(torch.zeros(2), 1, [("a", "x")], (0, 5)),
+                                                        (torch.ones(2), 2, [("b", "y")], (0, 6))])
+    assert images.shape == (2, 2) and labels.dtype == torch.int64 and labels.tolist() == [1, 2]
+    assert all_skipped == [("a", "x"), ("b", "y")] and first == (0, 5)
+
+
+def test_a_ranks_batches_are_the_distributed_samplers_indices():
+    """ShardBatches' own permutation equals torch's DistributedSampler's (shuffled, seeded by seed +
+    epoch, padded to equal ranks), for sizes that pad and sizes that do not."""
+    for size, world in ((10, 3), (9, 3), (7, 4)):
+        for rank in range(world):
+            batches = ShardBatches(size, 2, rank, world, seed=3, drop_last=False)
+            for epoch in (0, 1):
+                batches.set_epoch(epoch)
+                reference = DistributedSampler(range(size), num_replicas=world, rank=rank, shuffle=True, seed=3)
+                reference.set_epoch(epoch)
+                assert sum(list(batches), []) == list(reference), (size, world, rank, epoch)
+
+
+def test_batch_counts_and_the_folded_last_batch():
+    assert [len(b) for b in ShardBatches(7, 3, 0, 1, seed=0, drop_last=False)] == [3, 4]  # 1 left: folded
+    assert [len(b) for b in ShardBatches(8, 3, 0, 1, seed=0, drop_last=False)] == [3, 3, 2]
+    assert [len(b) for b in ShardBatches(8, 3, 0, 1, seed=0, drop_last=True)] == [3, 3]
+    assert len(ShardBatches(2, 3, 0, 1, seed=0, drop_last=False)) == 1  # fewer than a batch: one batch
+    assert len(ShardBatches(3, 3, 0, 1, seed=0, drop_last=True)) == 1  # exactly a batch
+    fresh = ShardBatches(8, 3, 0, 1, seed=0, drop_last=False)
+    assert fresh.start == 0 and len(fresh) == 3 and fresh._all() == [list(b) for b in fresh]
+    fresh.set_epoch(0, 2)
+    assert len(fresh) == 1 and fresh._all()[2:] == list(fresh)
+
+
+def test_too_few_images_for_the_ranks_are_refused():
+    with pytest.raises(ConfigError) as info:
+        ShardBatches(2, 2, 0, 2, seed=0, drop_last=False)
+    assert str(info.value) == ("the dataset has 2 images, fewer than 2 per rank for 2 rank(s); BatchNorm needs at "
+                               "least 2 images per batch")
+    assert len(ShardBatches(3, 2, 0, 2, seed=0, drop_last=False)) == 1  # 2 each, one padded
+    with pytest.raises(ConfigError) as info:
+        ShardBatches(4, 3, 0, 2, seed=0, drop_last=True)
+    assert str(info.value) == "drop_last with batch_size=3 leaves no batch: each of 2 rank(s) gets 2 images per epoch"
+    assert len(ShardBatches(6, 3, 0, 2, seed=0, drop_last=True)) == 1  # exactly a batch each
+
+
+def test_the_sampler_chooses_the_batches():
+    from shardfc.train.loader.data import rank_batches
+    from shardfc.train.loader.identity_sampler import IdentityBatches
+
+    ctx = DistContext(None, 1, 2, True)
+    shard = rank_batches(TrainConfig(seed=4, drop_last=True), list(range(9)), 2, ctx)
+    assert type(shard) is ShardBatches and shard.drop_last and shard.sampler.rank == 1 and shard.sampler.seed == 4
+    assert rank_batches(TrainConfig(drop_last=True), list(range(9)), 2, ctx, drop_last=False).drop_last is False
+    class Labelled(list):
+        samples = [("x", label) for label in (0, 0, 1, 1, 2, 2, 3, 3)]
+
+    labelled = Labelled(range(8))
+    pk = rank_batches(TrainConfig(sampler="pk", pk_instances=2, seed=6), labelled, 4, ctx)
+    assert type(pk) is IdentityBatches
+    same = IdentityBatches(np.array([0, 0, 1, 1, 2, 2, 3, 3]), 4, 2, 1, 2, 6)  # rank 1 of 2, seed 6
+    for epoch in (0, 1):
+        pk.set_epoch(epoch)
+        same.set_epoch(epoch)
+        assert list(pk) == list(same)
+
+
+def test_each_micro_batch_erases_from_its_own_stream():
+    """The random-erasing stream is a function of (seed, rank, epoch, batch) and of nothing else,
+    and not the unsalted mix of those four another stream could draw from."""
+    from shardfc.seeding import mix_seed
+    from shardfc.train.loader.data import erasing_generator
+
+    base = (1, 2, 3, 4)
+    first = erasing_generator(*base).initial_seed()
+    assert erasing_generator(*base).initial_seed() == first
+    for i in range(4):
+        moved = list(base)
+        moved[i] += 1
+        assert erasing_generator(*moved).initial_seed() != first, i
+    assert first != mix_seed(*base)
+
+
+# ------------------------------------------------------------------ micro_batches' wiring, with stand-ins
+
+
+class _Pixels(torch.utils.data.Dataset):
+    """Image i: uint8 pixels of value i, label i % 3."""
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return torch.full((3, 4, 2), i, dtype=torch.uint8), i % 3
+
+
+class _Clock:
+    def __init__(self):
+        self.laps = []
+
+    def lap(self, phase):
+        self.laps.append(phase)
+
+
+def test_the_torch_loader_is_set_up_for_the_run(monkeypatch, caplog):
+    import logging
+
+    from shardfc.parallel.lifecycle import ignore_stop_signals
+    from shardfc.train.loader import data as data_module
+
+    made = []
+    real = data_module.DataLoader
+    monkeypatch.setattr(data_module, "DataLoader", lambda *a, **kw: made.append(kw) or real(*a, **kw))
+    cfg = TrainConfig(seed=5, num_workers=0)
+    ctx = DistContext(None, 1, 2, True)
+    batches = ShardBatches(6, 2, 1, 2, seed=5, drop_last=False)
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        images, labels, skipped = next(micro_batches(_Pixels(), batches, RunState(), cfg, ctx))
+    kw = made[0]
+    assert (kw["num_workers"], kw["pin_memory"], kw["persistent_workers"]) == (0, False, False)
+    assert kw["worker_init_fn"] is ignore_stop_signals and kw["generator"].initial_seed() == 5 + 1
+    assert kw["collate_fn"] is data_module.collate_keyed and kw["batch_sampler"].batches is batches
+    assert [r.getMessage() for r in caplog.records if r.name == "shardfc.train"] == []  # rank 1 says nothing
+    made.clear()
+    clock = _Clock()
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        stream = micro_batches(_Pixels(), ShardBatches(6, 2, 0, 1, seed=5, drop_last=False), RunState(),
+                               dataclasses.replace(cfg, num_workers=1), DistContext(), clock=clock)
+        next(stream)
+    assert made[0]["persistent_workers"] is True
+    assert "loader: torch DataLoader, 1 worker process(es) (--loader torch)" in [r.getMessage() for r in caplog.records]
+    assert clock.laps[:2] == ["loader wait", "h2d"]
+    stream.close()
+
+
+def test_batches_resume_where_the_state_is_and_come_normalised(monkeypatch):
+    batches = ShardBatches(6, 2, 0, 1, seed=3, drop_last=False)
+    state = RunState(epoch=1, batch_in_epoch=2)
+    batches.set_epoch(1)
+    expected = list(batches)[2]
+    images, labels, skipped = next(micro_batches(_Pixels(), batches, state, TrainConfig(seed=3), DistContext()))
+    assert labels.tolist() == [i % 3 for i in expected] and labels.dtype == torch.int64 and skipped == []
+    assert images.dtype == torch.float32 and images.is_contiguous()  # NCHW unless asked
+    assert torch.allclose(images[0], to_device(torch.full((3, 4, 2), expected[0], dtype=torch.uint8), torch.device("cpu")))
+    assert (state.epoch, state.batch_in_epoch) == (1, 3)
+    images, _, _ = next(micro_batches(_Pixels(), batches, RunState(), TrainConfig(), DistContext(), channels_last=True))
+    assert images.is_contiguous(memory_format=torch.channels_last) and not images.is_contiguous()
+
+
+def test_erasing_draws_from_the_batchs_own_stream():
+    batches = ShardBatches(6, 3, 1, 2, seed=4, drop_last=False)
+    cfg = TrainConfig(seed=4, random_erasing=1.0)
+    state = RunState(epoch=2, batch_in_epoch=0)
+    images, _, _ = next(micro_batches(_Pixels(), batches, state, cfg, DistContext(None, 1, 2, True)))
+    batches.set_epoch(2)
+    indices = list(batches)[0]
+    plain = to_device(torch.stack([torch.full((3, 4, 2), i, dtype=torch.uint8) for i in indices]), torch.device("cpu"))
+    random_erase_(plain, 1.0, erasing_generator(4, 1, 2, 0))
+    assert torch.equal(images, plain)
+
+
+class _FakeDali:
+    """DaliBatches' stand-in: records its arguments, yields the keys' images as numpy arrays."""
+
+    made = []
+
+    def __init__(self, dataset, keys, device, threads, queue, channels_last):
+        _FakeDali.made.append((dataset, keys, device, threads, queue, channels_last))
+        self.dataset, self.keys = dataset, keys
+
+    def __iter__(self):
+        for batch in self.keys:
+            epoch, _, b = batch[0]
+            images = np.stack([self.dataset[i][0].numpy() for _, i, _ in batch])
+            labels = torch.tensor([self.dataset[i][1] for _, i, _ in batch])
+            yield images, labels, [("x", "why")], (epoch, b)
+
+    @staticmethod
+    def to_torch(images):
+        return torch.from_numpy(images)
+
+    def describe(self):
+        return "DALI stand-in"
+
+
+def test_the_dali_path_gets_the_same_keys(monkeypatch, caplog):
+    import logging
+
+    from shardfc.train.loader import data as data_module
+
+    asked = []
+    monkeypatch.setattr(data_module, "choose_loader", lambda *a: asked.append(a) or "dali")
+    monkeypatch.setattr(data_module, "DaliBatches", _FakeDali)
+    _FakeDali.made.clear()
+    batches = ShardBatches(6, 2, 0, 1, seed=1, drop_last=False)
+    cfg = TrainConfig(seed=1, loader="dali", dataset="recordio", data_root="d", num_workers=3)
+    dataset = _Pixels()
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        stream = micro_batches(dataset, batches, RunState(epoch=1), cfg, DistContext(), channels_last=True)
+        images, labels, skipped = next(stream)
+    assert asked == [("dali", "recordio", torch.device("cpu"))]
+    made = _FakeDali.made[0]
+    assert made[0] is dataset and made[1].epoch == 1 and made[1].batches is batches
+    assert made[2:] == (torch.device("cpu"), 3, 3, True)  # threads, a queue of batch_size + 1, the format
+    assert "loader: DALI stand-in (--loader dali)" in [r.getMessage() for r in caplog.records]
+    batches.set_epoch(1)
+    first = list(batches)[0]
+    assert labels.tolist() == [i % 3 for i in first] and skipped == [("x", "why")]
+    assert images.dtype == torch.float32 and images.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_ahead_batches_are_prepared_before_the_first_is_used():
+    for ahead, prepared in ((None, 1), (0, 1), (2, 3)):  # None: none ahead on the CPU
+        clock = _Clock()
+        stream = micro_batches(_Pixels(), ShardBatches(6, 2, 0, 1, seed=0, drop_last=False), RunState(), TrainConfig(),
+                               DistContext(), ahead=ahead, clock=clock)
+        next(stream)
+        assert clock.laps == ["loader wait", "h2d"] * prepared, ahead
