@@ -50,7 +50,7 @@ def _expand(patterns: List[str]) -> List[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)  # None: sys.argv[1:], as argparse reads it
     try:
         heads = _expand(args.head) if args.head else []
         path, head = import_arcface(

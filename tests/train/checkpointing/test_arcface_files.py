@@ -272,3 +272,64 @@ def test_an_imported_head_keeps_its_step_world_and_momentum_for_sgd_only(tmp_pat
         "--embedding-dim 5 but the head files hold 4-d centres")
     assert _error(import_arcface, tmp_path / "y", backbone, "tiny", shards, num_classes=4, **TINY) == (
         "--num-classes 4 but the head files hold 5 classes")
+
+
+# ------------------------------------------------------------------ the command
+
+
+def test_the_command_passes_its_flags_on_and_says_what_it_wrote(tmp_path, monkeypatch, capsys):
+    from shardfc.cli import import_arcface as cli
+    from shardfc.train.checkpointing.arcface_import import ArcfaceHead
+
+    for r in (1, 0):
+        (tmp_path / f"checkpoint_gpu_{r}.pt").write_bytes(b"")
+    seen = []
+    head = ArcfaceHead(torch.zeros(5, 4), None, 2, 1, 30, ["note one", "note two"])
+    path = _checkpoint_dir(tmp_path)
+
+    def fake(out, backbone, network, heads, **kw):
+        seen.append((out, backbone, network, heads, kw))
+        return path, head
+
+    monkeypatch.setattr(cli, "import_arcface", fake)
+    argv = ["--backbone", "b.pth", "--network", "iresnet50", "--out", "run", "--head", str(tmp_path / "checkpoint_gpu_*.pt"),
+            "x.pt", "--num-classes", "5", "--embedding-dim", "4", "--optimizer", "adamw", "--trust-checkpoint"]
+    assert cli.main(argv) == 0
+    assert seen == [("run", "b.pth", "iresnet50", [str(tmp_path / "checkpoint_gpu_0.pt"), str(tmp_path / "checkpoint_gpu_1.pt"),
+                                                   "x.pt"],
+                     dict(num_classes=5, embedding_dim=4, optimizer="adamw", trust_pickle=True))]
+    assert capsys.readouterr().out == (
+        f"wrote {path}: iresnet50, 3 classes x 8 from 2 arcface_torch rank(s), step 30\n"
+        "  note: note one\n  note: note two\n"
+        "continue with: shardfc train --output-dir run --backbone iresnet50 --resume auto ...\n")
+    seen.clear()
+    monkeypatch.setattr(cli, "import_arcface", lambda *a, **kw: seen.append((a, kw)) or (path, None))
+    assert cli.main(["--backbone", "b.pth", "--network", "mbf", "--out", "r2", "--num-classes", "3"]) == 0
+    assert seen == [(("r2", "b.pth", "mbf", []), dict(num_classes=3, embedding_dim=None, optimizer="sgd",
+                                                       trust_pickle=False))]
+    assert capsys.readouterr().out == (f"wrote {path}: mbf, 3 classes x 8 from a fresh head\n"
+                                       "continue with: shardfc train --output-dir r2 --backbone mbf --resume auto ...\n")
+
+
+def _checkpoint_dir(tmp_path):
+    return ckpt.save_checkpoint(tmp_path / "ck", 0, common={}, per_rank=None, head_tensors={"weight": torch.zeros(3, 8)},
+                                head_extras={}, class_range=range(3), num_classes=3, fingerprint={})
+
+
+def test_the_commands_errors_are_one_line(tmp_path, monkeypatch, capsys):
+    from shardfc.cli import import_arcface as cli
+
+    with pytest.raises(SystemExit):  # no flag is taken by a prefix
+        cli.main(["--backbone", "b", "--network", "mbf", "--out", "o", "--num-class", "2"])
+    assert "unrecognized arguments: --num-class" in capsys.readouterr().err
+
+    assert cli.main(["--backbone", "b", "--network", "mbf", "--out", "o", "--head", str(tmp_path / "none_*.pt")]) == 2
+    assert capsys.readouterr().err == (
+        f"shardfc import-arcface: error: --head {str(tmp_path / 'none_*.pt')!r} matches no file\n")
+    for error in (ValueError("bad shard"), FileNotFoundError("gone"), ckpt.CheckpointError("refusing")):
+        def fail(*a, _e=error, **kw):
+            raise _e
+
+        monkeypatch.setattr(cli, "import_arcface", fail)
+        assert cli.main(["--backbone", "b", "--network", "mbf", "--out", "o", "--num-classes", "2"]) == 2
+        assert capsys.readouterr().err == f"shardfc import-arcface: error: {error}\n"
