@@ -243,7 +243,8 @@ def inspect(path: str, sample: int = 8) -> dict:
 
 # ----------------------------------------------------------------- shuffle
 def shuffle(path: str, out: str, seed: int = 0, force: bool = False, log=None) -> dict:
-    """Copy the images of ``path`` in a random order, keys ``0..N-1``, without header or identity records."""
+    """Copy the images of ``path`` in a random order, keys ``0..N-1``, without header or identity records;
+    the ``property`` in OUT's folder becomes the input's (or, when it has none, one there is removed)."""
     log = log or sys.stdout
     ds = RecordIODataset(path, train=False)
     if out.endswith(".rec"):
