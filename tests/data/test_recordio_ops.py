@@ -192,6 +192,16 @@ def _noise_png(h: int, w: int, seed: int = 0) -> bytes:
     return buf.getvalue()
 
 
+def _faces(tmp_path: Path, **classes) -> Path:
+    """``tmp_path/faces/<class>/<i>.png`` holding each class's bytes, in order."""
+    src = tmp_path / "faces"
+    for name, images in classes.items():
+        (src / name).mkdir(parents=True)
+        for i, data in enumerate(images):
+            (src / name / f"{i}.png").write_bytes(data)
+    return src
+
+
 def _record_progress(monkeypatch) -> list:
     calls = []
     monkeypatch.setattr(recordio_ops, "_progress", lambda it, total, desc: calls.append((total, desc)) or it)
@@ -238,9 +248,7 @@ def test_pack_of_a_folder_keeps_the_bytes_and_says_what_it_did(tmp_path: Path, m
 
 
 def test_pack_of_one_size_prints_no_note_and_goes_to_stdout_by_default(tmp_path: Path, capsys):
-    src = tmp_path / "faces"
-    (src / "a").mkdir(parents=True)
-    (src / "a" / "0.png").write_bytes(_noise_png(2, 3))
+    src = _faces(tmp_path, a=[_noise_png(2, 3)])
     out = tmp_path / "out"
     recordio_ops.pack(str(src), str(out))
     rec = out / "train.rec"
@@ -248,9 +256,7 @@ def test_pack_of_one_size_prints_no_note_and_goes_to_stdout_by_default(tmp_path:
 
 
 def test_pack_refuses_an_existing_train_rec_without_force_only(tmp_path: Path):
-    src = tmp_path / "faces"
-    (src / "a").mkdir(parents=True)
-    (src / "a" / "0.png").write_bytes(_noise_png(2, 3))
+    src = _faces(tmp_path, a=[_noise_png(2, 3)])
     out = tmp_path / "out"
     out.mkdir()
     (out / "property").write_text("9,9,9\n")  # not train.rec or train.idx: no --force needed
@@ -297,9 +303,7 @@ def test_pack_of_a_list_resolves_against_root_and_writes_no_classes_txt(tmp_path
 
 
 def test_pack_of_a_folder_over_a_folder_pack_replaces_classes_txt(tmp_path: Path):
-    src = tmp_path / "faces"
-    (src / "z").mkdir(parents=True)
-    (src / "z" / "0.png").write_bytes(_noise_png(2, 3))
+    src = _faces(tmp_path, z=[_noise_png(2, 3)])
     out = tmp_path / "out"
     out.mkdir()
     (out / "classes.txt").write_text("old\n")
@@ -326,10 +330,7 @@ def test_pack_with_resize_reencodes_jpeg_at_quality_95_by_default(tmp_path: Path
 
 
 def test_pack_of_nothing_decodable_is_a_command_error(tmp_path: Path):
-    src = tmp_path / "faces"
-    (src / "a").mkdir(parents=True)
-    (src / "a" / "0.png").write_bytes(b"junk")
-    (src / "a" / "1.png").write_bytes(b"more junk")
+    src = _faces(tmp_path, a=[b"junk", b"more junk"])
     out = tmp_path / "out"
     with pytest.raises(CommandError) as info:
         recordio_ops.pack(str(src), str(out), log=io.StringIO())
