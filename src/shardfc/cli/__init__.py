@@ -40,7 +40,8 @@ COMMANDS = {
 }
 
 
-def _usage() -> str:
+def usage() -> str:
+    """The dispatcher's help: every command with its one-line help (also the top of docs/cli.md)."""
     width = max(map(len, COMMANDS))
     lines = ["usage: shardfc <command> [options]", "", "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
@@ -53,7 +54,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv[:1] == ["--"]:  # `torchrun ... -m shardfc -- train ...` on a Python whose argparse keeps the separator
         argv = argv[1:]
     if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
+        print(usage())
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
@@ -61,7 +62,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         close = difflib.get_close_matches(name, COMMANDS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        print(f"shardfc: unknown command {name!r}{hint}\n\n{_usage()}", file=sys.stderr)
+        print(f"shardfc: unknown command {name!r}{hint}\n\n{usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     return int(module.main(rest) or 0)

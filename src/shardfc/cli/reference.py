@@ -18,7 +18,7 @@ import os
 import sys
 from typing import List, Tuple
 
-from shardfc.cli import COMMANDS, _usage
+from shardfc.cli import COMMANDS, usage
 
 __all__ = ["PAGES", "WIDTH", "command_help", "render"]
 
@@ -67,7 +67,7 @@ def render() -> str:
         "still matches the commands.",
         "",
         "```text",
-        _usage(),
+        usage(),
         "```",
     ]
     for name, argv in PAGES:
