@@ -61,3 +61,6 @@ def test_the_reference_renders_at_its_width_and_restores_columns(monkeypatch):
     with pytest.raises(RuntimeError) as info:
         reference.command_help("data", ["nosuch"])
     assert str(info.value) == "shardfc data nosuch --help exited with status 2"
+    with pytest.raises(RuntimeError) as info:  # a command whose parser exits itself
+        reference.command_help("import-arcface", ["--network"])
+    assert str(info.value) == "shardfc import-arcface --network --help exited with status 2"
