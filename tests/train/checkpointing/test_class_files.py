@@ -157,17 +157,11 @@ def test_a_checkpoints_class_names_are_read(tmp_path):
 def test_a_checkpoint_that_needs_unpickling_is_read_only_when_trusted(tmp_path):
     import argparse
 
+    from train.legacy import rewrite_file  # tests/ is on sys.path (its conftest.py)
+
     path = _checkpoint(tmp_path, ["x"], 1)
-    common = path / ckpt.COMMON_FILE
-    obj = torch.load(common, weights_only=True)
-    obj["cfg"] = argparse.Namespace(lr=0.1)
-    torch.save(obj, common)
-    meta = path / "meta.json"
-    import hashlib
-    import json
-    info = json.loads(meta.read_text())
-    info["files"][ckpt.COMMON_FILE] = {"size": common.stat().st_size, "sha256": hashlib.sha256(common.read_bytes()).hexdigest()}
-    meta.write_text(json.dumps(info))
+    obj = torch.load(path / ckpt.COMMON_FILE, weights_only=True)
+    rewrite_file(path, ckpt.COMMON_FILE, {**obj, "cfg": argparse.Namespace(lr=0.1)})  # meta.json's hash matches
     with pytest.raises(CheckpointError, match="refusing to load"):
         saved_classes(path, False)
     assert saved_classes(path, True)[0] == ["x"]
