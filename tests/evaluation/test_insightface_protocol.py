@@ -191,3 +191,79 @@ def test_tar_at_far_needs_one_over_far_negatives_in_both_protocols(negatives, me
     # 1e-4 takes 10000: never measurable here, in either protocol.
     assert all(math.isnan(m[k]) for k in ("tar@far=1e-4", "tar_std@far=1e-4", "far@far=1e-4", "exact_tar@far=1e-4"))
     assert "10000 negative pairs" in why_undefined("exact_tar@far=1e-4", m)
+
+
+def test_distances_in_float64_whatever_the_input():
+    rng = np.random.default_rng(3)
+    a32, b32 = rng.normal(size=(50, 7)).astype(np.float32), rng.normal(size=(50, 7)).astype(np.float32)
+    got = normalized_squared_distances(a32, b32)
+    assert got.dtype == np.float64
+    assert np.array_equal(got, normalized_squared_distances(a32.astype(np.float64), b32.astype(np.float64)))
+
+
+def test_a_distance_on_the_chosen_grid_threshold_is_not_accepted():
+    # insightface predicts "same" for distance < threshold. Fold 0 trains on pairs 2, 3 (a positive just
+    # below grid threshold 0.50, a negative at 1.5): the first threshold reaching 100% is 0.50, and its
+    # held-out positive at exactly 0.50 is "different" (accuracy 1/2). Fold 1 trains on 0, 1 (0.50, 1.5):
+    # 0.51, both right. Ten folds by default.
+    grid = np.arange(0, 4, 0.01)
+    dist = np.array([grid[50], 1.5, grid[49] + 0.005, 1.5])
+    issame = np.array([True, False, True, False])
+    accs, chosen = insightface_accuracy(dist, issame, nfolds=2)
+    assert chosen.tolist() == [grid[50], grid[51]] and accs.tolist() == [0.5, 1.0]
+    assert len(insightface_accuracy(np.tile(dist, 5), np.tile(issame, 5))[0]) == 10
+
+
+def test_val_far_at_the_largest_training_far_and_on_its_threshold():
+    # Fold 1's negatives (3.9985, 3.9995) reach a training FAR of 1/2 only at the last grid threshold
+    # 3.999: a target of 1/2, the largest FAR, is still interpolated (not 0), and fold 0's held-out
+    # positive at exactly that threshold is not accepted (distance < threshold), the one at 2.0 is:
+    # TAR 1/2. Fold 0's negatives (3.9995 twice) never reach 1/2: threshold 0, fold 1's TAR 0.
+    grid = np.arange(0, 4, 0.001)
+    far_train = np.searchsorted(np.array([3.9985, 3.9995]), grid) / 2
+    t = slinear_with_duplicates(far_train, grid, 0.5)
+    assert t == pytest.approx(3.999)
+    dist = np.array([t, 2.0, 3.9995, 3.9995, 1.0, 1.0, 3.9985, 3.9995])
+    issame = np.array([True, True, False, False, True, True, False, False])
+    assert insightface_val_far(dist, issame, 0.5, nfolds=2) == (0.25, 0.25, 0.0)
+
+
+def test_val_far_with_one_or_no_training_negative():
+    # A fold without a training negative (here the one holding out the only negative) has no
+    # threshold: NaN, not an error, and so are the means.
+    dist = np.array([0.5, 1.0005, 0.7])
+    issame = np.array([True, False, True])
+    val, std, far = insightface_val_far(dist, issame, 0.5, nfolds=3)
+    assert math.isnan(val) and math.isnan(std) and math.isnan(far)  # fold 1 trains on no negative
+    dist = np.array([0.5, 0.6, 1.0005, 3.0])
+    issame = np.array([True, True, False, False])
+    val, std, far = insightface_val_far(dist, issame, 0.5, nfolds=2)  # each fold trains on one side only
+    assert math.isnan(val) and math.isnan(far)
+    # One training negative: a FAR of 1/2 is reached (FAR 1 from the first grid threshold above it).
+    dist = np.array([0.5, 1.0005, 0.7, 2.5])
+    issame = np.array([True, False, True, False])
+    # Fold 0 trains on the negative 2.5 alone: t = 2.5005 accepts 0.5 and 1.0005 (TAR 1, FAR 1); fold 1
+    # on 1.0005 alone: t = 1.0005 accepts 0.7, not 2.5 (TAR 1, FAR 0).
+    assert insightface_val_far(dist, issame, 0.5, nfolds=2) == pytest.approx((1.0, 0.0, 0.5))
+
+
+def test_slinear_of_two_points_and_its_range_in_the_error():
+    x, y = np.array([0.0, 0.2]), np.array([1.0, 3.0])
+    assert slinear_with_duplicates(x, y, 0.1) == pytest.approx(2.0)
+    assert slinear_with_duplicates(x, y, 0.0) == 1.0
+    with pytest.raises(ValueError, match=r"^xp=0\.3 is outside the interpolation range \[0\.0, 0\.2\]$"):
+        slinear_with_duplicates(x, y, 0.3)
+    with pytest.raises(ValueError, match=r"^xp=0\.5 is outside the interpolation range \[0\.5, 0\.5\]$"):
+        slinear_with_duplicates(np.array([0.5]), np.array([1.0]), 0.5)  # one point: no segment
+
+
+def test_metrics_use_the_folds_they_are_given():
+    from shardfc.evaluation.insightface_protocol import insightface_metrics
+
+    rng = np.random.default_rng(5)
+    issame = rng.random(40) < 0.5
+    dist = np.where(issame, rng.uniform(0.3, 1.6, 40), rng.uniform(1.0, 2.5, 40))
+    got = insightface_metrics(dist, issame, 4, [("2e-1", 0.2)])
+    accs, chosen = insightface_accuracy(dist, issame, nfolds=4)
+    assert got["accuracy"] == np.mean(accs) and got["best_distance_threshold"] == np.mean(chosen)
+    assert (got["tar@far=2e-1"], got["tar_std@far=2e-1"], got["far@far=2e-1"]) == insightface_val_far(dist, issame, 0.2, 4)

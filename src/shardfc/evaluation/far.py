@@ -13,8 +13,9 @@ def far_measurable(num_negatives: int, far: float) -> bool:
     """Whether ``num_negatives`` negative pairs can measure a false-accept rate of ``far``: it takes
     at least ``1 / far`` of them (with fewer, one false accept already exceeds ``far``, and "at most
     ``far``" silently becomes "none at all"). The one rule of every TAR@FAR here, both protocols."""
-    # far * n >= 1 up to the rounding of far's decimal (1e-3 * 1000 must count as measurable)
-    return num_negatives > 0 and far * num_negatives >= 1.0 - 1e-9
+    # far * n >= 1 up to the rounding of far's decimal (1e-3 * 1000 must count as measurable); no
+    # negatives are never enough (0 * far is 0, and NaN for an infinite far)
+    return far * num_negatives >= 1.0 - 1e-9
 
 
 def why_undefined(name: str, values: Dict[str, float]) -> str:

@@ -17,7 +17,7 @@ def kfold_indices(n: int, nfolds: int) -> List[Tuple[np.ndarray, np.ndarray]]:
         raise ValueError(f"nfolds must be >= 2, got {nfolds!r}")
     if n < nfolds:
         raise ValueError(f"cannot split {n} pairs into nfolds={nfolds} folds")
-    sizes = np.full(nfolds, n // nfolds, dtype=np.int64)
+    sizes = np.full(nfolds, n // nfolds)
     sizes[: n % nfolds] += 1
     bounds = np.concatenate([[0], np.cumsum(sizes)])
     idx = np.arange(n)

@@ -95,7 +95,7 @@ def slinear_with_duplicates(x: np.ndarray, y: np.ndarray, xp: float) -> float:
     (the maximum repeated) scipy's evaluation returned 0, which is kept."""
     m = len(x)
     if m < 2 or not x[0] <= xp <= x[-1]:
-        raise ValueError(f"xp={xp!r} is outside the interpolation range [{x[0]!r}, {x[-1]!r}]")
+        raise ValueError(f"xp={float(xp)!r} is outside the interpolation range [{float(x[0])!r}, {float(x[-1])!r}]")
     i = min(int(np.searchsorted(x, xp, side="right")) - 1, m - 2)
     span = x[i + 1] - x[i]
     if span == 0:

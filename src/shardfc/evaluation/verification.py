@@ -254,7 +254,7 @@ def best_threshold(scores: np.ndarray, issame: np.ndarray) -> Tuple[float, float
     Returns:
         ``(threshold, accuracy)``.
     """
-    order = np.argsort(scores, kind="stable")
+    order = np.argsort(scores)  # any sort: a split inside a run of equal scores is not considered below
     s = scores[order]
     y = issame[order].astype(np.int64)
     n = len(s)
@@ -281,6 +281,13 @@ def far_key(far: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
+def _far_target(far: float) -> float:
+    far = float(far)
+    if not 0.0 < far < 1.0:
+        raise ValueError(f"far target must be in (0, 1), got {far!r}")
+    return far
+
+
 def tar_at_far(scores: np.ndarray, issame: np.ndarray, far: float) -> Tuple[float, float, float]:
     """True-accept rate at false-accept rate ``<= far``, over all pairs.
 
@@ -294,8 +301,7 @@ def tar_at_far(scores: np.ndarray, issame: np.ndarray, far: float) -> Tuple[floa
         i.e. there are too few negative pairs to measure that FAR (the estimate
         would silently become "FAR = 0").
     """
-    if not 0.0 < far < 1.0:
-        raise ValueError(f"far target must be in (0, 1), got {far!r}")
+    far = _far_target(far)
     neg = np.sort(scores[~issame])[::-1]
     pos = scores[issame]
     if not far_measurable(len(neg), far) or len(pos) == 0:
@@ -343,10 +349,7 @@ def verification_metrics(
         )
     if len(same) != len(a):
         raise ValueError(f"issame has {len(same)} entries for {len(a)} embedding pairs")
-    far_targets = [float(f) for f in far_targets]
-    for far in far_targets:
-        if not 0.0 < far < 1.0:
-            raise ValueError(f"far target must be in (0, 1), got {far!r}")
+    far_targets = [_far_target(f) for f in far_targets]  # all refused before any is computed
     keyed = [(far_key(far), far) for far in far_targets]
     out = insightface_metrics(normalized_squared_distances(a, b), same, nfolds, keyed)
 
