@@ -60,16 +60,18 @@ def warp_affine(image: torch.Tensor, m: np.ndarray, out_size: Tuple[int, int]) -
     ``M^-1 (x, y)``: bilinear, zero outside the input. Returns ``[C, out_h, out_w]``."""
     c, h, w = image.shape
     out_h, out_w = out_size
-    full = np.vstack([np.asarray(m, dtype=np.float64), [0.0, 0.0, 1.0]])
+    full = np.vstack([m, [0.0, 0.0, 1.0]])  # float64 (the appended row), whatever m's float type
     inv = np.linalg.inv(full)[:2]
-    ys, xs = np.meshgrid(np.arange(out_h, dtype=np.float64), np.arange(out_w, dtype=np.float64), indexing="ij")
+    ys, xs = np.meshgrid(np.arange(out_h), np.arange(out_w), indexing="ij")
     src_x = inv[0, 0] * xs + inv[0, 1] * ys + inv[0, 2]
     src_y = inv[1, 0] * xs + inv[1, 1] * ys + inv[1, 2]
-    # grid_sample with align_corners=True puts -1 and 1 on the centres of the first and last pixels.
-    gx = 2.0 * src_x / max(w - 1, 1) - 1.0
-    gy = 2.0 * src_y / max(h - 1, 1) - 1.0
-    grid = torch.from_numpy(np.stack([gx, gy], axis=-1)).to(torch.float64)[None]
-    out = F.grid_sample(image[None].to(torch.float64), grid, mode="bilinear", padding_mode="zeros", align_corners=True)
+    # grid_sample with align_corners=False puts -1 and 1 on the outer edges of the first and last
+    # pixels: pixel centre i is at (2 i + 1) / size - 1, for any size (align_corners=True maps every
+    # coordinate of a 1-pixel row onto its one pixel, so nothing beside it would be black).
+    gx = (2.0 * src_x + 1.0) / w - 1.0
+    gy = (2.0 * src_y + 1.0) / h - 1.0
+    grid = torch.from_numpy(np.stack([gx, gy], axis=-1))[None]  # float64, as the image below
+    out = F.grid_sample(image[None].to(torch.float64), grid, mode="bilinear", padding_mode="zeros", align_corners=False)
     return out[0].to(image.dtype)
 
 
@@ -80,7 +82,7 @@ def align_face(
     (``x, y`` in pixels) to the ArcFace template; returns uint8 ``[3, 112, 112]``."""
     if tuple(out_size) != (112, 112):
         raise ValueError(f"the ArcFace template is defined for 112x112 crops, got out_size={tuple(out_size)}")
-    lmk = np.asarray(landmarks, dtype=np.float64)
+    lmk = np.asarray(landmarks)  # (estimate_similarity computes in float64)
     if lmk.shape != (5, 2):
         raise ValueError(f"expected 5 (x, y) landmarks, got an array of shape {lmk.shape}")
     m = estimate_similarity(lmk, ARCFACE_TEMPLATE)
