@@ -162,7 +162,7 @@ def template_features(
 ) -> Tuple[np.ndarray, np.ndarray]:
     """``(features [T, D] L2-normalised, template ids [T] ascending)``: per template, the mean
     of its faces in each media, summed over its media."""
-    feats = np.asarray(face_features, dtype=np.float64)
+    feats = np.asarray(face_features)  # summed into float64 below, whatever its dtype
     ids, template_of_face = np.unique(templates, return_inverse=True)
     # One group per (template, media): its mean; then the groups of a template are summed.
     keys = np.stack([template_of_face, np.asarray(medias)], axis=1)
@@ -189,7 +189,7 @@ def roc_curve(labels: np.ndarray, scores: np.ndarray) -> Tuple[np.ndarray, np.nd
     scores = np.asarray(scores, dtype=np.float64)
     if labels.all() or not labels.any():
         raise ValueError("the template pairs need both genuine (label 1) and impostor (label 0) pairs for a ROC")
-    order = np.argsort(-scores, kind="mergesort")
+    order = np.argsort(-scores)  # any sort: only each run of equal scores' last position is read
     s, y = scores[order], labels[order]
     last_of_value = np.r_[np.nonzero(np.diff(s))[0], len(s) - 1]
     tps = np.cumsum(y)[last_of_value].astype(np.float64)
