@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import re
 import struct
 from typing import Optional, Tuple, Union
 
@@ -124,7 +125,13 @@ def decode_image(source: ImageSource, name: Optional[str] = None, *,
     # DecompressionBombError is not an OSError; Pillow raises it at open past 2x its own limit.
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError, ValueError, EOFError,
             struct.error, IndexError, TypeError, MemoryError) as exc:
-        raise CorruptImageError(label, f"{type(exc).__name__}: {exc}") from exc
+        # Pillow names the in-memory file it was handed ("<_io.BytesIO object at 0x7f...>"): the label
+        # already says which image, and an address would make each log line unique.
+        said = _BUFFER_REPR.sub("", str(exc))
+        raise CorruptImageError(label, f"{type(exc).__name__}: {said}") from exc
+
+
+_BUFFER_REPR = re.compile(r" ?<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
 
 
 def pil_to_tensor(img: Image.Image) -> torch.Tensor:
