@@ -64,7 +64,7 @@ def _batches(files: List[Path], image_size, batch_size: int, kept: List[Path], c
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)  # None: argparse reads sys.argv[1:]
     out = Path(args.out)
     try:
         if out.suffix not in SUFFIXES:
@@ -74,11 +74,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.batch_size < 1:
             raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
         files = list_images(args.images)
+        root = Path(args.images).expanduser()  # as list_images read it: the paths below are relative to it
         device = pick_device(args.device)
         trained = load_backbone(args.checkpoint, device, trust_pickle=args.trust_checkpoint)
         kept: List[Path] = []
         corrupt: List[str] = []
-        batches = _batches(files, trained.image_size, args.batch_size, kept, corrupt, Path(args.images).expanduser())
+        batches = _batches(files, trained.image_size, args.batch_size, kept, corrupt, root)
         try:
             emb = embed_batches(trained.model, batches, flip=args.flip, device=device)
         except ValueError:  # no batch at all
@@ -88,7 +89,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if args.normalize:
         emb = torch.nn.functional.normalize(emb, dim=1)
-    root = Path(args.images)
     paths = [str(p.relative_to(root)) for p in kept]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # a crash never leaves a half-written output
