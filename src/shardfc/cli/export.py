@@ -97,7 +97,7 @@ def export_fc(folder: Path, out: Path, *, trust_pickle: bool = False) -> torch.S
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)  # None: argparse reads sys.argv[1:]
     out = Path(args.out)
     onnx_out = None if args.onnx is None else Path(args.onnx or out.with_suffix(".onnx"))
     try:
