@@ -109,9 +109,10 @@ def run(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
             f"nproc={cfg.nproc} but only {torch.cuda.device_count()} CUDA device(s) are visible: NCCL needs one "
             "device per rank (lower --nproc, or --device cpu)"
         )
-    if not _wants_cuda(cfg) and cfg.nproc > (os.cpu_count() or 1):
+    cores = os.cpu_count() or 1  # None where it cannot be told
+    if not _wants_cuda(cfg) and cfg.nproc > cores:
         logging.getLogger("shardfc.train").warning(
-            "nproc=%d exceeds the %d CPU core(s) here: processes will share cores", cfg.nproc, os.cpu_count()
+            "nproc=%d exceeds the %d CPU core(s) here: processes will share cores", cfg.nproc, cores
         )
     results = spawn(_spawned, cfg.nproc, cfg, backend="nccl" if _wants_cuda(cfg) else "gloo", timeout_s=cfg.pg_timeout)
     failed = [r for r in results if "error" in r]
