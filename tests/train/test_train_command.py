@@ -71,7 +71,7 @@ def test_one_process_trains_here(monkeypatch):
                                                    ("auto", True, "nccl"), ("cuda", True, "nccl")])
 def test_spawned_ranks_and_their_backend(monkeypatch, device, cuda, backend):
     launch = _Launch(monkeypatch, cuda=cuda, devices=4)
-    assert cli.run(_cfg(nproc=3, device=device, pg_timeout=77)) == {"step": 3}  # rank 0's
+    assert cli.run(_cfg(nproc=3, device=device, pg_timeout=77)) == {"step": 3}
     assert launch.calls == [("check_launch", "ddp"), ("spawn", 3, backend, 77)] + [("train", "ddp")] * 3
 
 
@@ -103,6 +103,7 @@ def test_dp_is_one_process_and_says_nproc_is_unused(monkeypatch, caplog):
         assert cli.run(_cfg(strategy="dp", nproc=3)) == {"step": 3}
     assert launch.calls == [("check_launch", "dp"), ("train", "dp")]
     assert caplog.messages == ["strategy='dp' is one process: --nproc 3 is not used"]
+    assert caplog.records[0].name == "shardfc.train"
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="shardfc.train"):
         cli.run(_cfg(strategy="dp", nproc=1))
@@ -158,7 +159,7 @@ def test_more_cpu_ranks_than_cores_is_a_warning(monkeypatch, caplog, nproc, cpus
     with caplog.at_level(logging.WARNING, logger="shardfc.train"):
         cli.run(_cfg(nproc=nproc))
     expected = [f"nproc={nproc} exceeds the {said} CPU core(s) here: processes will share cores"] if said else []
-    assert caplog.messages == expected
+    assert caplog.messages == expected and {r.name for r in caplog.records} <= {"shardfc.train"}
 
 
 def test_the_config_is_validated_and_made_absolute_first(monkeypatch, tmp_path):
@@ -171,6 +172,12 @@ def test_the_config_is_validated_and_made_absolute_first(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match="nproc"):
         cli.run(_cfg(nproc=0))
     assert launch.calls[-1] == ("check_launch", "ddp")  # the bad one never reached check_launch
+
+
+def test_the_run_returns_rank_0s_summary(monkeypatch):
+    launch = _Launch(monkeypatch)
+    launch.spawned = [{"step": 3, "rank": 0}, {"stopped_by": None, "rank": 1}]
+    assert cli.run(_cfg(nproc=2)) == {"step": 3, "rank": 0}
 
 
 # ------------------------------------------------------------------ spawned ranks' errors
@@ -327,6 +334,8 @@ def test_the_summary_in_words(capsys):
     ]
     cli.print_summary({"step": 1, "wall_time_s": 0.04, "output_dir": "r", "checkpoint": None, "stopped_by": None})
     assert capsys.readouterr().out == "trained 1 steps in 0.0 s; run folder r\n"
+    cli.print_summary({"step": 1, "wall_time_s": 1.0, "output_dir": "r", "metrics": {"lfw": {"accuracy": 0.5}}})
+    assert capsys.readouterr().out.splitlines()[1] == "verification accuracy on lfw: 50.00% ± 0.00 (chance: 50%)"
 
 
 def test_wants_cuda():
