@@ -365,8 +365,8 @@ def chunk_candidates(runs: Dict[int, Tuple[Dict[str, Any], int]]) -> Dict[str, A
     """One row per chunk scale from ``runs`` (scale -> (its step's :func:`summarise`, its step
     peak in bytes)): launches, HBM bytes, GPU ms on paper, host issue ms (launches ×
     :data:`HOST_LAUNCH_US`), the step on paper — the slower of the two, as the host issues while
-    the GPU runs — and ``pick``: the scale with the least step on paper (ties: the smaller scale,
-    the lesser peak). What ``impl="auto"`` times on the device; the paper is what a plan can say."""
+    the GPU runs — and ``pick``: the scale with the least step on paper (ties, to 1 ns: the smaller
+    scale). What ``impl="auto"`` times on the device; the paper is what a plan can say."""
     rows = []
     for scale, (t, peak) in sorted(runs.items()):
         host = t["launches"] * HOST_LAUNCH_US / 1e3
