@@ -88,9 +88,8 @@ class Launch:
 @dataclass
 class _Entry:
     nbytes: int
-    dirty: bool
+    dirty: bool  # written and not yet in HBM: then ``writer`` is the launch that wrote it
     writer: Optional[Launch]
-    serial: int
 
 
 @dataclass
@@ -172,20 +171,19 @@ class TrafficCounter:
         while self._used + room > self.result.l2_bytes and self._cache:
             k, entry = self._cache.popitem(last=False)
             self._used -= entry.nbytes
-            if entry.dirty and entry.writer is not None:
+            if entry.dirty:
                 entry.writer.written += entry.nbytes
 
-    def _insert(self, key, nbytes: int, serial: int, dirty: bool, writer: Optional[Launch]) -> bool:
+    def _insert(self, key, nbytes: int, dirty: bool, writer: Optional[Launch]) -> bool:
         if nbytes > self.result.l2_bytes:
             return False
         self._evict_until(nbytes)
-        self._cache[key] = _Entry(nbytes, dirty, writer, serial)
+        self._cache[key] = _Entry(nbytes, dirty, writer)
         self._used += nbytes
         return True
 
     def _read(self, launch: Launch, t: torch.Tensor, part, nbytes: int, streamed: bool = False) -> None:
-        serial = self._serial(t)
-        key = (serial, self._resolve(part))
+        key = (self._serial(t), self._resolve(part))
         launch.largest = max(launch.largest, nbytes)
         if key in self._cache:
             self._cache.move_to_end(key)
@@ -193,16 +191,15 @@ class TrafficCounter:
             return
         launch.read += nbytes
         if not streamed:  # evict_first: read once, kept out of the way of what is reused
-            self._insert(key, nbytes, serial, False, None)
+            self._insert(key, nbytes, False, None)
 
     def _write(self, launch: Launch, t: torch.Tensor, part, nbytes: int, streamed: bool = False) -> None:
-        serial = self._serial(t)
-        key = (serial, self._resolve(part))
+        key = (self._serial(t), self._resolve(part))
         launch.largest = max(launch.largest, nbytes)
         entry = self._cache.pop(key, None)
         if entry is not None:
             self._used -= entry.nbytes
-        if streamed or not self._insert(key, nbytes, serial, True, launch):
+        if streamed or not self._insert(key, nbytes, True, launch):
             launch.written += nbytes  # evict_first, or larger than L2: streams to HBM
 
     # ------------------------------------------------------------------ sources
@@ -257,7 +254,7 @@ class TrafficCounter:
                     self._read_view(launch, t)
         for t in outs:
             self._write_view(launch, t)
-        if launch.read or launch.written or launch.from_l2 or launch.largest or launch.flops:
+        if launch.largest or launch.flops:  # it touched a region of some bytes (largest > 0), or computed
             self.result.launches.append(launch)
 
     def _read_view(self, launch: Launch, t: torch.Tensor) -> None:
@@ -271,7 +268,7 @@ class TrafficCounter:
     def finish(self) -> StepTraffic:
         """The step is over: what is dirty in L2 and still alive will be written back."""
         for entry in self._cache.values():
-            if entry.dirty and entry.writer is not None:
+            if entry.dirty:
                 entry.writer.written += entry.nbytes
         self._cache.clear()
         for f in self._finalizers:
