@@ -127,6 +127,38 @@ def test_a_freed_block_is_taken_by_the_next_output_of_its_size_and_never_written
     assert (mul.written, mul2.written, add.written) == (0, 80, 40)
 
 
+def test_evictions_and_rewrites_give_back_their_room():
+    counter = TrafficCounter(100)
+    a, b, c, d = _meta(5), _meta(12), _meta(15), _meta(15)  # 20, 48, 60, 60 bytes
+    counter.kernel("a, b", [span(a), span(b)], [])  # 68 used
+    counter.kernel("c", [span(c)], [])  # 128: a goes (48 + 60 = 108, still over), then b
+    counter.kernel("b", [span(b)], [])
+    counter.kernel("writes c", [], [span(c)])  # rewriting c in L2 frees its 60 before taking them again
+    counter.kernel("d", [span(d)], [])  # 48 + 60 + 60 = 168: b goes (the least recent), then 120: c goes
+    counter.kernel("b", [span(b)], [])
+    launches = counter.finish().launches
+    assert (launches[2].read, launches[2].from_l2) == (48, 0)  # b had been evicted with a
+    assert (launches[5].read, launches[5].from_l2) == (48, 0)
+    assert launches[3].written == 60  # c's lines written back when d evicted them
+
+
+def test_operator_arguments_given_by_name():
+    counter = TrafficCounter(1000)
+    a, b = _meta(10), _meta(10)
+    counter.op(aten.add.Tensor, (a,), {"other": b}, _meta(10))
+    counter.op(aten.add_.Tensor, (), {"self": a, "other": b}, a)
+    by_name, in_place = counter.finish().launches
+    assert (by_name.read, by_name.written) == (80, 40)
+    assert in_place.read + in_place.from_l2 == 80 and in_place.largest == 40
+
+
+def test_a_fused_optimizer_writes_its_parameters_and_buffers_not_its_gradients():
+    p, g, m = [_meta(4)], [_meta(4)], [_meta(4)]
+    got = _mutated(aten._fused_sgd_.default, (p, g, m), dict(weight_decay=0.0, momentum=0.9, lr=0.1, dampening=0.0,
+                                                              nesterov=False, maximize=False, is_first_step=False))
+    assert got == [p, m]
+
+
 def test_the_counter_starts_empty():
     counter = TrafficCounter(40)
     counter.kernel("fits", [span(_meta(10))], [])
@@ -139,7 +171,7 @@ def test_the_counter_starts_empty():
 def test_an_operator_reads_each_argument_once_and_writes_its_result():
     a, keep = _meta(10), []
     (add,) = _ops(1000, lambda: keep.append(a + a))
-    assert (add.kernel, add.fused, add.read, add.written, add.largest) == ("add", False, 40, 40, 40)
+    assert (add.kernel, add.fused, add.read, add.from_l2, add.written, add.largest) == ("add", False, 40, 0, 40, 40)
 
 
 def test_out_is_written_not_read():
@@ -203,15 +235,29 @@ def test_scatters_read_and_write_the_rows_they_touch():
     assert [x.written for x in (add1, add2, fill)] == [rows, rows, rows]
 
 
-@pytest.mark.parametrize("body, touched", [
-    (lambda d, i: d.index_put_((i,), _meta(3, 4, 2)), 3 * 4 * 2 * 4),
-    (lambda d, i: d.scatter_add_(0, _meta(2, 3, 2, dtype=torch.int64), _meta(2, 3, 2)), 2 * 3 * 2 * 4),
-    (lambda d, i: d.index_copy_(1, _meta(2, dtype=torch.int64), _meta(10, 2, 2)), 2 * 10 * 2 * 4),
+@pytest.mark.parametrize("body, touched, others", [
+    (lambda d: d.index_put_((_meta(3, dtype=torch.int64),), _meta(3, 4, 2)), 3 * 4 * 2 * 4, 24 + 96),
+    (lambda d: d.scatter_add_(0, _meta(2, 3, 2, dtype=torch.int64), _meta(3, 4, 2)), 2 * 3 * 2 * 4, 96 + 96),
+    (lambda d: d.scatter_(0, _meta(2, 3, 2, dtype=torch.int64), _meta(3, 4, 2)), 2 * 3 * 2 * 4, 96 + 96),
+    (lambda d: d.scatter_reduce_(0, _meta(2, 3, 2, dtype=torch.int64), _meta(3, 4, 2), "sum"), 2 * 3 * 2 * 4, 96 + 96),
+    (lambda d: d.index_copy_(1, _meta(2, dtype=torch.int64), _meta(10, 2, 2)), 2 * 10 * 2 * 4, 16 + 160),
 ])
-def test_the_bytes_each_scatter_touches(body, touched):
-    dest, idx = _meta(10, 4, 2), _meta(3, dtype=torch.int64)
-    (launch,) = _ops(100_000, lambda: body(dest, idx))
-    assert launch.written == touched
+def test_the_bytes_each_scatter_touches(body, touched, others):
+    dest = _meta(10, 4, 2)
+    (launch,) = _ops(100_000, lambda: body(dest))
+    assert launch.written == touched and type(launch.written) is int
+    assert launch.read == touched + others  # its rows of dest, then the index and the source
+
+
+def test_index_put_without_indices_and_a_scatter_into_a_dimension_of_one():
+    from shardfc.tools.plan.traffic import _scattered_bytes
+
+    dest = _meta(10, 4)
+    for name in ("index_put_", "_index_put_impl_"):
+        assert _scattered_bytes(name, dest, (dest, [None], _meta(10, 4))) == 160  # all of dest, once
+        assert _scattered_bytes(name, dest, (dest, [_meta(3, dtype=torch.int64)], _meta(3, 4))) == 48
+        assert _scattered_bytes(name, dest, (dest, [None, _meta(2, dtype=torch.int64)], _meta(10, 2))) == 80
+    assert _scattered_bytes("index_copy_", _meta(10, 1, 2), (None, 1, _meta(1, dtype=torch.int64))) == 80
 
 
 def test_in_place_arguments_by_schema():
@@ -283,6 +329,8 @@ def test_the_bytes_table():
             dict(kernel="fwd", shape="", fused=True, launches=1, read=small, written=0, from_l2=0, flops=0.0, ms=0.125),
             dict(kernel="mul", shape="", fused=False, launches=1, read=big, written=0, from_l2=0, flops=0.0, ms=0.1),
             dict(kernel="neg", shape="", fused=False, launches=4, read=1, written=2, from_l2=3, flops=0.0, ms=0.0625),
+            dict(kernel="sub", shape="", fused=False, launches=1, read=1, written=big, from_l2=0, flops=0.0, ms=0.0),
+            dict(kernel="div", shape="", fused=False, launches=1, read=2, written=0, from_l2=big, flops=0.0, ms=0.0),
         ])
     assert format_traffic(traffic).splitlines() == [
         f"HBM traffic of one step (rank 0; L2 model of 50.00 MiB; time on paper at {HBM_BYTES_PER_S / 1e12:.1f} TB/s "
@@ -293,6 +341,8 @@ def test_the_bytes_table():
         "| mm | [1x2]·[2x3] | 2 | 1.00 KiB | 0 B | 0 B | 1.000 | 0.500 |",
         "| fwd (fused) |  | 1 | 1.00 KiB | 0 B | 0 B | 0.000 | 0.125 |",
         "| mul |  | 1 | 16.00 MiB | 0 B | 0 B | 0.000 | 0.100 |",
+        "| sub |  | 1 | 1 B | 16.00 MiB | 0 B | 0.000 | 0.000 |",
+        "| div |  | 1 | 2 B | 0 B | 16.00 MiB | 0.000 | 0.000 |",
         "| 2 other torch operators |  | 7 | 16.00 MiB | 2 B | 3 B | 0.000 | 0.312 |",
         "| **step** | | **1,234** | **3.00 GiB** | **1.00 GiB** | 1.00 MiB | 2.500 | **1.23** |",
         "HBM bytes a step: 4.29 GB (largest region a torch operator touched: 1.00 MiB)",

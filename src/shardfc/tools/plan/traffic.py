@@ -311,11 +311,14 @@ def _view_part(t: torch.Tensor) -> tuple:
 def _scattered_bytes(name: str, dest: torch.Tensor, args) -> int:
     """Bytes of ``dest`` a scatter touches: the rows (or elements) its index names."""
     if name in ("index_put_", "_index_put_impl_"):
-        indices = [i for i in args[1] if i is not None]
-        n_idx = max((i.numel() for i in indices), default=dest.shape[0] if dest.dim() else 1)
+        # the (broadcast) index tensors pick n_idx positions; a None index, and every dimension after
+        # the list, is taken whole
+        indices = list(args[1])
+        n_idx = max((i.numel() for i in indices if i is not None), default=1)
         per = dest.element_size()
-        for size in dest.shape[len(args[1]):]:
-            per *= size
+        for d, size in enumerate(dest.shape):
+            if d >= len(indices) or indices[d] is None:
+                per *= size
         return n_idx * per
     if name in ("scatter_", "scatter_add_", "scatter_reduce_"):
         return args[2].numel() * dest.element_size()
