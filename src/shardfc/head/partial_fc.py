@@ -546,14 +546,16 @@ class RowSparseSGD(_RowSparseOptimizer):
         cd = update_dtype(p.dtype)
         g = g.to(cd)
         w = p[idx].to(cd)
+        # torch.optim.SGD's own operations (``add(x, alpha=a)``: fused multiply-adds where the CPU's
+        # vector kernels use them), so that a row's update rounds as the dense optimizer's does
         if wd:
-            g = g + wd * w
+            g = g.add(w, alpha=wd)
         if mom:
             buf = self._momentum_buffer(p, group)
-            b = buf[idx].to(cd) * mom + g
+            b = buf[idx].to(cd).mul(mom).add(g)
             buf[idx] = rnd(b, buf.dtype)
-            g = g + mom * b if nesterov else b
-        p[idx] = rnd(w - lr * g, p.dtype)
+            g = g.add(b, alpha=mom) if nesterov else b
+        p[idx] = rnd(w.add(g, alpha=-lr), p.dtype)
 
 
 class RowSparseAdamW(_RowSparseOptimizer):
