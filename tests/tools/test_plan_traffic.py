@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from shardfc.head.fused.traffic import span, streamed
-from shardfc.tools.plan.replay import _MetaStep
 from shardfc.tools.plan.traffic import (
     HBM_BYTES_PER_S,
     MATMUL_FLOPS_PER_S,
@@ -26,22 +25,14 @@ from shardfc.tools.plan.traffic import (
     format_traffic,
     summarise,
 )
+from tools.test_plan_bytes import _count, _meta  # tests/ is on sys.path (its conftest.py)
 
 aten = torch.ops.aten
 
 
-def _meta(*shape, dtype=torch.float32):
-    return torch.empty(*shape, dtype=dtype, device="meta")
-
-
 def _ops(l2: int, body):
     """The launches of ``body``'s torch operators, counted with an L2 of ``l2`` bytes."""
-    counter = TrafficCounter(l2)
-    mode = _MetaStep()
-    mode.observer = counter
-    with mode:
-        body()
-    return counter.finish().launches
+    return _count(l2, body).launches
 
 
 # ------------------------------------------------------------------ the L2 model, through kernels
