@@ -65,8 +65,9 @@ class LiveTensorBytes(TorchDispatchMode):
     nor do views of them or in-place writes into them.
 
     After the ``with`` block: :attr:`peak` (bytes), :attr:`peak_live` (serial -> bytes of each
-    storage alive at the peak), :attr:`communication` (serials of the storages a collective read or
-    wrote) and :meth:`serial_of` (the serial of a tracked tensor's storage, or None while active).
+    storage alive at the peak, the first time it was reached), :attr:`communication` (serials of the
+    storages a collective read or wrote) and :meth:`serial_of` (the serial of a tracked tensor's
+    storage, or None while active).
     """
 
     def __init__(self) -> None:
