@@ -375,19 +375,34 @@ SGD_HYPER = ("lr", "momentum", "weight_decay")
 #: ... and of :func:`adamw_update_kernel`'s.
 ADAMW_HYPER = ("lr", "decay", "beta1_hi", "beta1_lo", "beta2_hi", "beta2_lo", "one_minus_beta1", "one_minus_beta2", "eps")
 
-#: Bits of a row's step count :func:`beta_powers` reads: every count an fp64 holds exactly.
+#: Bits of a row's step count :func:`beta_powers` reads at most: every count an fp64 holds exactly.
 STEP_BITS: tl.constexpr = tl.constexpr(53)
 
 
 @triton.jit
-def beta_powers(beta1, beta2, t):
+def step_bits(t_max):
+    """How many bits of the step counts up to ``t_max`` (integer-valued fp64, ≥ 0) :func:`beta_powers`
+    must read: the bit length of ``t_max``, read exactly from its fp64 exponent (a ``log2`` may
+    round up or down at a power of two); at most :data:`STEP_BITS`. A million steps read
+    20 bits, not 53: the squaring's loop follows the counts, not the type. The catch-up kernel
+    (``idle_rows``) squares once per missed step; :func:`adamw_update_kernel` once per row and
+    keeps the 53 (its loop bound read from the rows' counts cost it a register spill at 8x64)."""
+    top = tl.maximum(t_max, 1.0).to(tl.float64)
+    exponent = ((top.to(tl.int64, bitcast=True) >> 52) & 0x7FF) - 1023  # ⌊log2 top⌋, exactly
+    return tl.minimum(exponent + 1, STEP_BITS).to(tl.int32)
+
+
+@triton.jit
+def beta_powers(beta1, beta2, t, bits):
     """``(beta1 ** t, beta2 ** t)`` per row in fp64, for the integer-valued fp64 step counts ``t``
-    (below ``2 ** STEP_BITS``): by squaring, one bit of ``t`` per iteration — what ``b ** t`` in
-    fp64 gives, to fp64's rounding."""
+    (below ``2 ** bits``, ``bits`` from :func:`step_bits`): by squaring, one bit of ``t`` per
+    iteration: ``b ** t`` to a relative ``t·ε`` of fp64 (each squaring doubles the relative error),
+    so ``1 − b^t`` is at most ``t·ε·b^t ≤ ε / (e·ln(1/b))`` off, far below a unit of the fp32 it
+    is rounded to."""
     e = t.to(tl.int64)
     pow1 = t * 0.0 + 1.0
     pow2 = pow1
-    for _ in range(STEP_BITS):
+    for _ in range(bits):
         odd = (e & 1) != 0
         pow1 = tl.where(odd, pow1 * beta1, pow1)
         pow2 = tl.where(odd, pow2 * beta2, pow2)
@@ -432,7 +447,7 @@ def adamw_update_kernel(
     t = tl.load(step_ptr + wrow, mask=r_mask, other=0.0) + 1.0
     tl.store(step_ptr + wrow, t, mask=r_mask)
     pow1, pow2 = beta_powers(tl.cast(beta1_hi, tl.float64) + tl.cast(beta1_lo, tl.float64),
-                         tl.cast(beta2_hi, tl.float64) + tl.cast(beta2_lo, tl.float64), t)
+                             tl.cast(beta2_hi, tl.float64) + tl.cast(beta2_lo, tl.float64), t, STEP_BITS)
     step_size = tl.div_rn(tl.full([BR], 1.0, tl.float32), (1.0 - pow1).to(tl.float32)) * lr
     bias2_sqrt = tl.sqrt(1.0 - pow2).to(tl.float32)  # fp64: correctly rounded
     p_rows = p_ptr + wrow[:, None] * stride_p

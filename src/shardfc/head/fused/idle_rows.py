@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from shardfc.head.fused import interpreting, shapes_only, tiles
-from shardfc.head.fused.epilogue import beta_powers
+from shardfc.head.fused.epilogue import beta_powers, step_bits
 from shardfc.head.fused.traffic import gathered, note, rows_of
 
 
@@ -84,6 +84,7 @@ def catch_up_adamw_kernel(
     decay_tail = tl.exp(tl.load(now + 5) - tl.load(tail + 5)).to(tl.float32)
     beta1_tail = tl.exp(tl.load(now + 6) - tl.load(tail + 6)).to(tl.float32)
     beta2_tail = tl.exp(tl.load(now + 7) - tl.load(tail + 7)).to(tl.float32)
+    bits = step_bits(t0 + steps.to(tl.float64))  # the largest count the steps below reach
     for d0 in range(0, D, BD):
         offs_d = d0 + tl.arange(0, BD)
         mask = offs_d < D
@@ -98,7 +99,7 @@ def catch_up_adamw_kernel(
             lr = tl.load(e)
             b1 = tl.load(e + 2)
             b2 = tl.load(e + 3)
-            pow1, pow2 = beta_powers(b1, b2, t0 + i)
+            pow1, pow2 = beta_powers(b1, b2, t0 + i, bits)
             decay = (1.0 - lr * tl.load(e + 1)).to(tl.float32)
             step_size = (lr / (1.0 - pow1)).to(tl.float32)
             bias2_sqrt = tl.sqrt(1.0 - pow2).to(tl.float32)
