@@ -183,6 +183,19 @@ def correctness(args, device: torch.device) -> Dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- step timing
+def freeze_imports() -> None:
+    """Move what the imports made (torch, dynamo, Triton: a few hundred thousand objects) out of the
+    collector's reach, so that :func:`release`'s ``gc.collect()`` between rows scans only what the
+    rows made: 0.17 s a collection before, 42 of them in the step part. Nothing a row makes is
+    frozen, so each row's cycles are still freed before the next row's memory is measured."""
+    import gc
+
+    import torch._dynamo  # noqa: F401 - the first optimizer imports it (torch.optim's compile guard)
+
+    gc.collect()
+    gc.freeze()
+
+
 def release(device: torch.device) -> None:
     import gc
 
@@ -706,6 +719,7 @@ def main(argv=None) -> int:
     except Exception:
         env["triton"] = None
     result: Dict[str, Any] = {"environment": env, "args": vars(args)}
+    freeze_imports()
     status = 0
     for name in args.parts.split(","):
         t0 = time.perf_counter()
