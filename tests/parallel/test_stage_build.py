@@ -91,7 +91,7 @@ def _stage_memory(name: str, n_stages: int) -> list[tuple[int, int, int]] | None
     """For each stage k: (bytes the stage holds, the process's memory after building it, the peak
     while building it), both above what it was before; None without glibc's mallinfo2. Run in a
     fresh process: mallinfo2 walks every free chunk of the heap, so in a process that has run a few
-    thousand tests each sample takes tens of milliseconds (the test took 36 s in the suite, 6 alone),
+    thousand tests each sample takes tens of milliseconds (the test took 36 s in the suite, 6 to 8 alone),
     and a fresh heap is also the honest place to measure what a rank's build costs."""
     in_use = _malloc_in_use()
     if in_use is None:
