@@ -100,10 +100,11 @@ def test_the_json_has_the_documented_fields_and_no_others(tmp_path):
     assert doc["rows"] == json.loads(json.dumps(ROWS))
 
 
-def _drawn(monkeypatch, tmp_path, rows):
+def _drawn(monkeypatch, tmp_path, rows, result=None):
+    """The figure ``plot`` saves (and where), for ``rows`` in a made-up result, or for ``result``."""
     saved = {}
     monkeypatch.setattr(peers_report, "save_png", lambda fig, path: saved.update(fig=fig, path=path))
-    peers_report.plot(_result(rows), str(tmp_path / "p.png"))
+    peers_report.plot(result or _result(rows), str(tmp_path / "p.png"))
     return saved["fig"], saved["path"]
 
 
@@ -187,10 +188,8 @@ def test_the_plots_title_wraps_a_header_line_past_140_characters(monkeypatch, tm
     result["environment"]["device"] = "GPU" + "x" * (141 - short - 3)
     line = peers_report.header(result)[0]
     assert len(line) == 141
-    saved = {}
-    monkeypatch.setattr(peers_report, "save_png", lambda fig, path: saved.update(fig=fig))
-    peers_report.plot(result, str(tmp_path / "p.png"))
-    title = saved["fig"]._suptitle.get_text().split("\n")
+    fig, _ = _drawn(monkeypatch, tmp_path, None, result)
+    title = fig._suptitle.get_text().split("\n")
     assert title[:2] == line.rsplit(" ", 1) and max(map(len, title)) <= 140
 
 
