@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import textwrap
 from typing import Any, Dict, Tuple
@@ -69,12 +70,17 @@ def _attribute_docstrings(cls: type) -> Dict[str, str]:
     return docs
 
 
-_DOCS = _attribute_docstrings(TrainConfig)
+@functools.cache
+def _docs() -> Dict[str, str]:
+    # read on first use, not at import: parsing the class's source costs every process that imports
+    # the config (each rank a launch spawns) tens of milliseconds, and only ``--help`` and the flag
+    # parser read it
+    return _attribute_docstrings(TrainConfig)
 
 
 def field_help(name: str) -> str:
     """The help text (attribute docstring) of field ``name``."""
-    return _DOCS.get(name, "")
+    return _docs().get(name, "")
 
 
 def closest(name: str, candidates) -> str:
