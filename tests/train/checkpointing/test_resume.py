@@ -1,0 +1,234 @@
+"""``train/checkpointing/resume.py`` in the test's process: which checkpoint a run resumes from and
+what it sets aside so that nothing saved is lost, every rank learning rank 0's decision (ranks as
+threads), what a foreign checkpoint's loading errors become, and whose RNG streams a rank continues.
+
+The end-to-end resumes (other world sizes, strategies, a killed save) are in ``tests/train``; these
+hold the module's own decisions, where mutation testing sees them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from shardfc import checkpoint as ckpt
+from shardfc.checkpoint.format import rank_file
+from shardfc.checkpoint.weights_only import error_line
+from shardfc.parallel.context import DistContext
+from shardfc.train.checkpointing import resume
+from shardfc.train.config import ConfigError, TrainConfig
+from thread_world import ThreadWorld
+
+ASIDE = re.compile(r"^step_(\d{8})\.set-aside-\d{8}-\d{6}$")
+
+
+def _one() -> DistContext:
+    return DistContext(None, 0, 1, False, torch.device("cpu"))
+
+
+def _cfg(out: Path, resume_: str = "auto") -> TrainConfig:
+    return TrainConfig(output_dir=str(out), resume=resume_)
+
+
+def _saved(out: Path, *steps: int, truncated: tuple = ()) -> Path:
+    """Checkpoints of ``steps`` under ``out/checkpoints``; those in ``truncated`` lose their ``meta.json``."""
+    root = out / "checkpoints"
+    for step in steps:
+        ckpt.save_checkpoint(root, step, common={"step": step}, per_rank=None, head_tensors={"weight": torch.ones(3, 2)},
+                             class_range=range(0, 3), num_classes=3, fingerprint={})
+        if step in truncated:
+            (root / f"step_{step:08d}" / ckpt.META_FILE).unlink()
+    return root
+
+
+def _names(root: Path) -> list:
+    return sorted(p.name for p in root.iterdir())
+
+
+def test_the_fingerprint_is_what_must_match():
+    cfg = TrainConfig(backbone="iresnet18", embedding_dim=48, optimizer="adamw")
+    assert resume.fingerprint(cfg, 7, (112, 96)) == {
+        "backbone": "iresnet18", "embedding_dim": 48, "num_classes": 7, "image_size": [112, 96], "optimizer": "adamw",
+    }
+    assert resume.checkpoint_root(cfg) == Path(cfg.output_dir) / "checkpoints"
+
+
+def test_nothing_saved_resumes_from_nothing(tmp_path):
+    for value in ("auto", "none", " None "):
+        assert resume.resume_path(_cfg(tmp_path / "absent", value), _one()) is None
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    assert resume.resume_path(_cfg(tmp_path / "empty", "none"), _one()) is None
+    assert resume.resume_path(_cfg(tmp_path / "empty"), _one()) is None
+    assert not (tmp_path / "absent").exists()  # looking made nothing
+
+
+def test_auto_resumes_from_the_newest_complete_and_sets_aside_the_newer_truncated_one(tmp_path, caplog):
+    root = _saved(tmp_path, 2, 4, 6, truncated=(6,))
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        assert resume.resume_path(_cfg(tmp_path), _one()) == root / "step_00000004"
+    names = _names(root)
+    assert names[:2] == ["step_00000002", "step_00000004"] and len(names) == 3
+    assert ASIDE.match(names[2]) and names[2].startswith("step_00000006.")
+    assert not (root / names[2] / ckpt.META_FILE).exists() and (root / names[2] / ckpt.COMMON_FILE).is_file()
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "shardfc.train"]
+    assert warned == [f"{root / 'step_00000006'} is newer than the checkpoint this run resumes from (incomplete, "
+                      f"corrupt, or resume names an older one); renamed it to {names[2]} so that it is not overwritten"]
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name == "shardfc.train"]
+    assert said == [f"resuming from {root / 'step_00000004'}"]
+
+
+def test_an_older_checkpoint_named_sets_aside_every_newer_one_and_keeps_the_older(tmp_path):
+    root = _saved(tmp_path, 1, 3, 5)
+    assert resume.resume_path(_cfg(tmp_path, str(root / "step_00000003")), _one()) == root / "step_00000003"
+    names = _names(root)
+    assert names[:2] == ["step_00000001", "step_00000003"] and ASIDE.match(names[2]) and names[2][5:13] == "00000005"
+    # named relative to the checkpoint folder: the same, and nothing more set aside
+    assert resume.resume_path(_cfg(tmp_path, "step_00000001"), _one()) == root / "step_00000001"
+    assert sum(bool(ASIDE.match(n)) for n in _names(root)) == 2 and (root / "step_00000001").is_dir()
+
+
+def test_the_newest_named_sets_nothing_aside(tmp_path, caplog):
+    root = _saved(tmp_path, 1, 3)
+    with caplog.at_level(logging.WARNING, logger="shardfc.train"):
+        assert resume.resume_path(_cfg(tmp_path, str(root / "step_00000003")), _one()) == root / "step_00000003"
+    assert _names(root) == ["step_00000001", "step_00000003"] and not caplog.records
+
+
+@pytest.mark.parametrize("value", ["none", " NONE "])
+def test_resume_none_over_saved_checkpoints_is_refused_and_touches_nothing(tmp_path, value):
+    root = _saved(tmp_path, 2, 4, 6, truncated=(6,))
+    message = (f"resume='none' but {root} already holds checkpoints (newest: step_00000004); pass --resume auto to "
+               "continue that run, or choose another --output-dir")
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        resume.resume_path(_cfg(tmp_path, value), _one())
+    assert _names(root) == ["step_00000002", "step_00000004", "step_00000006"]
+
+
+def test_every_rank_gets_rank_0s_decision_and_only_rank_0_says_it(tmp_path, monkeypatch, caplog):
+    root = _saved(tmp_path, 2, 4)
+    world = ThreadWorld(3)
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        got = world.results(lambda rank: resume.resume_path(_cfg(tmp_path), world.context()), monkeypatch)
+    assert got == [root / "step_00000004"] * 3
+    assert [r.getMessage() for r in caplog.records] == [f"resuming from {root / 'step_00000004'}"]
+    # rank 0's error, raised on every rank (the others would wait for it forever)
+    got = world.run(lambda rank: resume.resume_path(_cfg(tmp_path, "none"), world.context()))
+    assert all(isinstance(e, ConfigError) and "already holds checkpoints (newest: step_00000004)" in str(e) for e in got)
+    # the other ranks look at nothing: their own folders (here, full of checkpoints) do not count
+    got = world.results(lambda rank: resume.resume_path(_cfg(tmp_path / "x" if rank == 0 else tmp_path, "none"),
+                                                        world.context()))
+    assert got == [None] * 3 and _names(root) == ["step_00000002", "step_00000004"]
+
+
+@pytest.mark.parametrize("error", [KeyError("backbone"), TypeError("not a dict"), ValueError("size mismatch"),
+                                   RuntimeError("Error(s) in loading state_dict"), IndexError("list index"),
+                                   AttributeError("no attribute 'items'")])
+def test_what_a_foreign_checkpoint_makes_a_loader_raise_is_one_error_naming_the_file(error, tmp_path):
+    where = tmp_path / "step_00000003" / "common.pt"
+    with pytest.raises(ckpt.CheckpointError) as raised:
+        with resume._reading(where):
+            raise error
+    assert str(raised.value) == (f"cannot resume from {where}: it does not hold what this run saves "
+                                 f"({error_line(error)})")
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
+
+
+@pytest.mark.parametrize("error", [ckpt.CheckpointError("hash mismatch"), ConfigError("--resume"), OSError("disk"),
+                                   ZeroDivisionError("a bug")])
+def test_shardfc_errors_and_others_pass_through_unchanged(error, tmp_path):
+    with pytest.raises(type(error)) as raised:
+        with resume._reading(tmp_path):
+            raise error
+    assert raised.value is error
+
+
+def _run(world: int, pipeline=None):
+    return SimpleNamespace(ctx=SimpleNamespace(world_size=world), pipeline=pipeline)
+
+
+def test_a_rank_continues_its_own_random_streams_only_on_the_same_layout():
+    two_stages = SimpleNamespace(layout=SimpleNamespace(stages=2), split_points=("layer3",))
+    assert resume._pipeline_layout(_run(2)) is None
+    assert resume._pipeline_layout(_run(2, two_stages)) == [2, ["layer3"]]
+    assert resume._same_layout({"world_size": 2, "pipeline": None}, _run(2))
+    assert resume._same_layout({}, _run(2))  # format 1: no world size or layout saved, nothing else to tell
+    assert resume._same_layout({"world_size": 2, "pipeline": [2, ["layer3"]]}, _run(2, two_stages))
+    assert not resume._same_layout(None, _run(2))  # no per-rank file read
+    assert not resume._same_layout({"world_size": 3}, _run(2))
+    assert not resume._same_layout({"world_size": 2, "pipeline": [2, ["layer2"]]}, _run(2, two_stages))
+    assert not resume._same_layout({"world_size": 2}, _run(2, two_stages))  # saved without a pipeline
+    assert not resume._same_layout({"world_size": 2, "pipeline": [2, ["layer3"]]}, _run(2))
+
+
+# ---------------------------------------------------------------- restoring a run saved in this process
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """3 steps of the tiny run on one process (120 images, batch 8: 15 micro-batches an epoch, 2 a
+    step), saved at step 3, with the random draws that would follow the save."""
+    from shardfc.train.loop import train
+
+    from ..tiny import tiny_config
+
+    out = tmp_path_factory.mktemp("resume") / "run"
+    cfg = tiny_config(out, nproc=1, max_steps=3, ckpt_every=3, eval_every=0, synthetic_val_pairs=0)
+    train(cfg)
+    path = out / "checkpoints" / "step_00000003"
+    resume.set_rng_state(torch.load(path / rank_file(0), weights_only=True)["rng"])
+    return cfg, path, _draws()
+
+
+def _draws():
+    import random
+
+    import numpy as np
+
+    return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+
+def _restored(cfg, path):
+    from shardfc.train.loop import load_parts
+
+    parts, state = load_parts(cfg, path)
+    return state, _draws()
+
+
+def test_the_same_run_continues_its_position_and_random_streams(saved_run, caplog):
+    cfg, path, after_save = saved_run
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        state, draws = _restored(cfg, path)
+    assert (state.step, state.epoch, state.batch_in_epoch, state.batches_per_epoch, state.samples_seen) == (3, 0, 6, 15, 48)
+    assert draws == after_save
+    said = [r.getMessage() for r in caplog.records if r.name == "shardfc.train"]
+    assert said[-1] == f"restored step 3 (epoch 0) from {path}" and not any("resuming with" in s for s in said)
+
+
+@pytest.mark.parametrize("batch, position, per_epoch", [(4, 12, 30), (16, 3, 8), (40, 1, 3)])
+def test_another_batch_size_continues_at_the_same_fraction_of_the_epoch(saved_run, caplog, batch, position, per_epoch):
+    """6 of 15 micro-batches done (40%): the same share of the new epoch's count, rounded."""
+    import dataclasses
+
+    cfg, path, after_save = saved_run
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        state, draws = _restored(dataclasses.replace(cfg, batch_size=batch), path)
+    assert (state.step, state.batch_in_epoch, state.batches_per_epoch) == (3, position, per_epoch)
+    assert draws == after_save  # the same world and layout: its own streams, whatever the batch
+    said = [r.getMessage() for r in caplog.records if r.name == "shardfc.train"]
+    assert f"resuming with 1 rank(s) x batch {batch} (saved with 1 x 8): continuing epoch 0 at 40%" in said
+
+
+def test_another_layout_reseeds_the_rank_from_seed_rank_and_step(saved_run, monkeypatch):
+    from shardfc.seeding import seed_all
+    from shardfc.train.builder.factory import rank_seed
+
+    cfg, path, after_save = saved_run
+    monkeypatch.setattr(resume, "_same_layout", lambda per_rank, run: False)
+    _, draws = _restored(cfg, path)
+    seed_all(rank_seed(cfg.seed, 0, 3))
+    assert draws == _draws() and draws != after_save
