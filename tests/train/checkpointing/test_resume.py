@@ -232,3 +232,139 @@ def test_another_layout_reseeds_the_rank_from_seed_rank_and_step(saved_run, monk
     _, draws = _restored(cfg, path)
     seed_all(rank_seed(cfg.seed, 0, 3))
     assert draws == _draws() and draws != after_save
+
+
+def _said(caplog) -> list:
+    return [r.getMessage() for r in caplog.records if r.name == "shardfc.train"]
+
+
+def test_a_run_saved_here_says_nothing_of_imports_or_new_rows(saved_run, caplog):
+    cfg, path, _ = saved_run
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        _restored(cfg, path)
+    assert not [s for s in _said(caplog) if "backbone optimizer" in s or s.startswith("head: ")]
+
+
+def test_an_imported_run_resumes_with_a_fresh_backbone_optimizer_and_says_so(tmp_path, caplog):
+    """``shardfc import-arcface`` writes no backbone optimizer state: the run says where it came from."""
+    from shardfc.models import build_backbone
+    from shardfc.train.checkpointing.arcface_import import import_arcface
+
+    from ..tiny import tiny_config
+
+    torch.save(build_backbone("tiny", 16, input_size=(16, 16)).state_dict(), tmp_path / "backbone.pth")
+    path, _ = import_arcface(tmp_path / "released", tmp_path / "backbone.pth", "tiny", num_classes=24,
+                             embedding_dim=16, input_size=(16, 16))
+    cfg = tiny_config(tmp_path / "released", nproc=1, eval_every=0, synthetic_val_pairs=0)
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        state, _ = _restored(cfg, path)
+    assert f"{path} holds no backbone optimizer state (imported from arcface_torch): it starts fresh" in _said(caplog)
+    assert state.step == resume.step_of(path)
+
+
+def test_a_dataset_that_lost_identities_resumes_with_a_fresh_head_when_told(saved_run, tmp_path, caplog):
+    """``--on-missing-classes fresh``: no saved row is kept, every row is new (imprinted here), the
+    step and the backbone are the checkpoint's."""
+    import dataclasses
+
+    cfg, path, _ = saved_run
+    fewer = dataclasses.replace(cfg, synthetic_identities=20, on_missing_classes="fresh", head_init="imprint")
+    from shardfc.train.loop import load_parts
+
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        parts, state = load_parts(fewer, path)
+    saved = torch.load(path / "head_0.pt", weights_only=True)["tensors"]["weight"]
+    weight = parts.head.sharded_state(parts.opt_head)["tensors"]["weight"]
+    assert state.step == 3 and weight.shape == (20, 16) and not torch.isclose(weight, saved[:20]).any()
+    # imprinted: each row the normalised mean embedding of its identity (unit rows, not the random init's)
+    torch.testing.assert_close(weight.norm(dim=1), torch.ones(20))
+    heads = [s for s in _said(caplog) if s.startswith("head: ")]
+    assert heads == ["head: new head of 20 classes (--on-missing-classes fresh); new rows: imprint"]
+
+
+class _Stop(Exception):
+    pass
+
+
+def _spy_run(saved_run, pipeline=None, classes="planned"):
+    cfg, path, _ = saved_run
+    from shardfc.train.checkpointing.classes import ClassPlan
+
+    plan = ClassPlan([str(i) for i in range(24)], None, 24) if classes == "planned" else None
+    return SimpleNamespace(parts=None, ctx=_one(), num_classes=24, image_size=(16, 16), batches=[0] * 15,
+                           total_steps=3, classes=plan, pipeline=pipeline), path, cfg
+
+
+@pytest.mark.parametrize("pipeline", [None, SimpleNamespace(layout=SimpleNamespace(stages=2), split_points=())])
+def test_a_pipeline_stage_maps_the_saved_files_instead_of_reading_them_whole(saved_run, monkeypatch, pipeline):
+    run, path, cfg = _spy_run(saved_run, pipeline)
+    asked = {}
+
+    def load_kept(run_, cfg_, path_, plan, fingerprint, mmap):
+        asked.update(plan=plan, fingerprint=fingerprint, mmap=mmap, path=path_)
+        raise _Stop
+
+    monkeypatch.setattr(resume, "load_kept", load_kept)
+    with pytest.raises(_Stop):
+        resume.restore(run, path, cfg)
+    assert asked["mmap"] is (pipeline is not None) and asked["plan"] is run.classes and asked["path"] == path
+    assert asked["fingerprint"] == resume.fingerprint(cfg, 24, (16, 16))
+
+
+def test_a_checkpoint_of_another_model_says_how_to_get_going(saved_run, monkeypatch):
+    run, path, cfg = _spy_run(saved_run)
+
+    def load_kept(*a, **k):
+        raise ValueError("checkpoint does not match this run: embedding_dim: checkpoint=16, this run=32")
+
+    monkeypatch.setattr(resume, "load_kept", load_kept)
+    with pytest.raises(ConfigError) as raised:
+        resume.restore(run, path, cfg)
+    assert str(raised.value) == ("cannot resume: checkpoint does not match this run: embedding_dim: checkpoint=16, "
+                                 "this run=32. Train it in a new --output-dir (or pass --resume none there)")
+
+
+def test_a_run_built_without_its_class_plan_is_a_programming_error(saved_run):
+    run, path, cfg = _spy_run(saved_run, classes=None)
+    with pytest.raises(ValueError, match=r"^restore needs the run's class plan against the checkpoint: build the run "
+                                         r"with build_run\(\.\.\., classes_from=\(path, False\)\)$"):
+        resume.restore(run, path, cfg)
+
+
+@pytest.mark.parametrize("failing", ["restore_backbone", "head"])
+def test_what_the_backbone_or_head_loader_raises_names_the_checkpoint(saved_run, monkeypatch, failing):
+    """A foreign checkpoint whose backbone or head state does not fit: one CheckpointError naming it."""
+    from shardfc.train.loop import load_parts
+
+    cfg, path, _ = saved_run
+
+    def broken(*a, **k):
+        raise KeyError("layer1.0.weight")
+
+    if failing == "restore_backbone":
+        monkeypatch.setattr(resume, "restore_backbone", broken)
+    else:
+        monkeypatch.setattr("shardfc.head.module.ShardedMarginHead.load_sharded_state", broken)
+    with pytest.raises(ckpt.CheckpointError, match=rf"^cannot resume from {re.escape(str(path))}: it does not hold "
+                                                   r"what this run saves \(KeyError: 'layer1.0.weight'\)$"):
+        load_parts(cfg, path)
+
+
+def test_a_checkpoint_saved_on_a_gpu_restores_its_cuda_stream_only_where_there_is_one(monkeypatch):
+    """The CUDA generator's state is saved and restored beside the others where CUDA is; a checkpoint
+    saved on a GPU resumes on a CPU-only machine (its CUDA state left unread), and one saved on a CPU
+    touches no CUDA state on a GPU."""
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.tensor([7, 8], dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s: restored.append(s.tolist()))
+    on_gpu = resume.rng_state()
+    assert on_gpu["cuda"].tolist() == [7, 8]
+    resume.set_rng_state(on_gpu)
+    assert restored == [[7, 8]]
+    resume.set_rng_state({k: v for k, v in on_gpu.items() if k != "cuda"})  # saved on a CPU
+    assert restored == [[7, 8]]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "cuda" not in resume.rng_state()
+    resume.set_rng_state(on_gpu)  # saved on a GPU, resumed here
+    assert restored == [[7, 8]]

@@ -23,7 +23,6 @@ from shardfc.parallel.context import DistContext
 from shardfc.seeding import seed_all
 from shardfc.train.builder.factory import Run, rank_seed
 from shardfc.train.builder.pipeline_train import restore_backbone, stage_part, stage_scaler_state
-from shardfc.train.checkpointing.classes import ClassPlan
 from shardfc.train.checkpointing.fine_tune import fresh_rows, head_state_for, load_kept
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.schedule import apply_schedule
@@ -167,7 +166,10 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
     # The classes the checkpoint keeps (all of them unless the dataset's identity set grew; none
     # for --on-missing-classes fresh), read by class range; a pipeline rank before the last stage
     # holds no head rows: it reads the common state only.
-    plan = run.classes if run.classes is not None else ClassPlan(list(map(str, range(num_classes))), None, num_classes)
+    plan = run.classes
+    if plan is None:
+        raise ValueError("restore needs the run's class plan against the checkpoint: build the run with "
+                         "build_run(..., classes_from=(path, False))")
     try:
         loaded = load_kept(run, cfg, path, plan, fingerprint(cfg, saved_num_classes(path), image_size),
                            mmap=run.pipeline is not None)  # a stage takes its part of a backbone saved whole
