@@ -101,12 +101,21 @@ def test_the_newest_named_sets_nothing_aside(tmp_path, caplog):
 
 @pytest.mark.parametrize("value", ["none", " NONE "])
 def test_resume_none_over_saved_checkpoints_is_refused_and_touches_nothing(tmp_path, value):
-    root = _saved(tmp_path, 2, 4, 6, truncated=(6,))
-    message = (f"resume='none' but {root} already holds checkpoints (newest: step_00000004); pass --resume auto to "
+    root = _saved(tmp_path, 2, 4, 6, 8, truncated=(8,))
+    message = (f"resume='none' but {root} already holds checkpoints (newest: step_00000006); pass --resume auto to "
                "continue that run, or choose another --output-dir")
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
         resume.resume_path(_cfg(tmp_path, value), _one())
-    assert _names(root) == ["step_00000002", "step_00000004", "step_00000006"]
+    assert _names(root) == ["step_00000002", "step_00000004", "step_00000006", "step_00000008"]
+
+
+def test_auto_with_only_a_truncated_save_starts_afresh_and_sets_it_aside(tmp_path):
+    """Step 0 and 1's truncated saves are newer than nothing: both set aside, none overwritten."""
+    root = _saved(tmp_path, 0, 1, truncated=(0, 1))
+    assert resume.resume_path(_cfg(tmp_path), _one()) is None
+    names = _names(root)
+    assert len(names) == 2 and all(ASIDE.match(n) for n in names) and [n[:13] for n in names] == [
+        "step_00000000", "step_00000001"]
 
 
 def test_every_rank_gets_rank_0s_decision_and_only_rank_0_says_it(tmp_path, monkeypatch, caplog):
