@@ -377,3 +377,14 @@ def test_a_checkpoint_saved_on_a_gpu_restores_its_cuda_stream_only_where_there_i
     assert "cuda" not in resume.rng_state()
     resume.set_rng_state(on_gpu)  # saved on a GPU, resumed here
     assert restored == [[7, 8]]
+
+
+def test_keep_last_leaves_that_many_newest_checkpoints(tmp_path):
+    from shardfc.train.loop import train
+
+    from ..tiny import tiny_config
+
+    cfg = tiny_config(tmp_path / "run", nproc=1, max_steps=4, ckpt_every=1, keep_last=2, eval_every=0,
+                      synthetic_val_pairs=0)
+    train(cfg)
+    assert [p.name for p in ckpt.find_checkpoints(resume.checkpoint_root(cfg))] == ["step_00000003", "step_00000004"]
