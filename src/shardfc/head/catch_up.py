@@ -325,11 +325,6 @@ class AdamWClock(IdleClock):
         m = _take(exp_avg, idx).to(cd)
         v = _take(exp_avg_sq, idx).to(cd)
         iterate = min(self.exact_steps, last)
-        if start.device.type == "cpu":
-            # Past the block's longest gap every row is masked: on the CPU, reading that gap waits for no
-            # device, so the loop stops there (the same numbers, far fewer steps when rows are sampled
-            # often). On a GPU the count stays the bound known on the host: no sync in a step.
-            iterate = min(iterate, last - int(start.min())) if start.numel() else 0
         for i in range(1, iterate + 1):  # the missed steps one by one, rows whose gap is shorter masked
             at = start + i
             live = (at <= last).unsqueeze(1)
