@@ -8,6 +8,7 @@ hold the module's own decisions, where mutation testing sees them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from pathlib import Path
@@ -22,7 +23,10 @@ from shardfc.checkpoint.weights_only import error_line
 from shardfc.parallel.context import DistContext
 from shardfc.train.checkpointing import resume
 from shardfc.train.config import ConfigError, TrainConfig
+from shardfc.train.loop import load_parts, train
 from thread_world import ThreadWorld
+
+from ..tiny import tiny_config
 
 ASIDE = re.compile(r"^step_(\d{8})\.set-aside-\d{8}-\d{6}$")
 
@@ -181,10 +185,6 @@ def test_a_rank_continues_its_own_random_streams_only_on_the_same_layout():
 def saved_run(tmp_path_factory):
     """3 steps of the tiny run on one process (120 images, batch 8: 15 micro-batches an epoch, 2 a
     step), saved at step 3, with the random draws that would follow the save."""
-    from shardfc.train.loop import train
-
-    from ..tiny import tiny_config
-
     out = tmp_path_factory.mktemp("resume") / "run"
     cfg = tiny_config(out, nproc=1, max_steps=3, ckpt_every=3, eval_every=0, synthetic_val_pairs=0)
     train(cfg)
@@ -202,8 +202,6 @@ def _draws():
 
 
 def _restored(cfg, path):
-    from shardfc.train.loop import load_parts
-
     parts, state = load_parts(cfg, path)
     return state, _draws()
 
@@ -221,8 +219,6 @@ def test_the_same_run_continues_its_position_and_random_streams(saved_run, caplo
 @pytest.mark.parametrize("batch, position, per_epoch", [(4, 12, 30), (16, 3, 8), (40, 1, 3)])
 def test_another_batch_size_continues_at_the_same_fraction_of_the_epoch(saved_run, caplog, batch, position, per_epoch):
     """6 of 15 micro-batches done (40%): the same share of the new epoch's count, rounded."""
-    import dataclasses
-
     cfg, path, after_save = saved_run
     with caplog.at_level(logging.INFO, logger="shardfc.train"):
         state, draws = _restored(dataclasses.replace(cfg, batch_size=batch), path)
@@ -259,8 +255,6 @@ def test_an_imported_run_resumes_with_a_fresh_backbone_optimizer_and_says_so(tmp
     from shardfc.models import build_backbone
     from shardfc.train.checkpointing.arcface_import import import_arcface
 
-    from ..tiny import tiny_config
-
     torch.save(build_backbone("tiny", 16, input_size=(16, 16)).state_dict(), tmp_path / "backbone.pth")
     path, _ = import_arcface(tmp_path / "released", tmp_path / "backbone.pth", "tiny", num_classes=24,
                              embedding_dim=16, input_size=(16, 16))
@@ -274,12 +268,8 @@ def test_an_imported_run_resumes_with_a_fresh_backbone_optimizer_and_says_so(tmp
 def test_a_dataset_that_lost_identities_resumes_with_a_fresh_head_when_told(saved_run, tmp_path, caplog):
     """``--on-missing-classes fresh``: no saved row is kept, every row is new (imprinted here), the
     step and the backbone are the checkpoint's."""
-    import dataclasses
-
     cfg, path, _ = saved_run
     fewer = dataclasses.replace(cfg, synthetic_identities=20, on_missing_classes="fresh", head_init="imprint")
-    from shardfc.train.loop import load_parts
-
     with caplog.at_level(logging.INFO, logger="shardfc.train"):
         parts, state = load_parts(fewer, path)
     saved = torch.load(path / "head_0.pt", weights_only=True)["tensors"]["weight"]
@@ -343,8 +333,6 @@ def test_a_run_built_without_its_class_plan_is_a_programming_error(saved_run):
 @pytest.mark.parametrize("failing", ["restore_backbone", "head"])
 def test_what_the_backbone_or_head_loader_raises_names_the_checkpoint(saved_run, monkeypatch, failing):
     """A foreign checkpoint whose backbone or head state does not fit: one CheckpointError naming it."""
-    from shardfc.train.loop import load_parts
-
     cfg, path, _ = saved_run
 
     def broken(*a, **k):
@@ -380,10 +368,6 @@ def test_a_checkpoint_saved_on_a_gpu_restores_its_cuda_stream_only_where_there_i
 
 
 def test_keep_last_leaves_that_many_newest_checkpoints(tmp_path):
-    from shardfc.train.loop import train
-
-    from ..tiny import tiny_config
-
     cfg = tiny_config(tmp_path / "run", nproc=1, max_steps=4, ckpt_every=1, keep_last=2, eval_every=0,
                       synthetic_val_pairs=0)
     train(cfg)
