@@ -1,10 +1,16 @@
-"""spawn: results by value, errors with tracebacks, no hang when a rank dies."""
+"""spawn: results by value, errors with tracebacks, no hang when a rank dies; how its ranks start."""
 
+import multiprocessing
 import os
+import signal
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from shardfc.parallel import launch
 from shardfc.parallel.launch import WorkerError, spawn
 
 
@@ -53,3 +59,85 @@ def test_group_that_never_forms_is_retried_then_reported(monkeypatch):
     monkeypatch.setattr(launch, "INIT_ATTEMPTS", 2)
     with pytest.raises(WorkerError, match="did not form in 2 attempts: rank .*process group init failed"):
         spawn(_returns_tensor, 2, backend="no-such-backend")
+
+
+# --- how ranks start: a fork server with torch imported, or a fresh interpreter each ---------------
+
+METHODS = [m for m in launch.START_METHODS if m in multiprocessing.get_all_start_methods()]
+
+
+def test_the_start_method_is_the_first_the_platform_has_unless_the_environment_names_one(monkeypatch):
+    monkeypatch.delenv(launch.START_METHOD_ENV, raising=False)
+    monkeypatch.setattr(launch.mp, "get_all_start_methods", lambda: ["fork", "spawn", "forkserver"])
+    assert launch.start_method() == "forkserver"
+    monkeypatch.setenv(launch.START_METHOD_ENV, " spawn ")
+    assert launch.start_method() == "spawn"
+    monkeypatch.setattr(launch.mp, "get_all_start_methods", lambda: ["spawn"])  # as on Windows
+    monkeypatch.delenv(launch.START_METHOD_ENV)
+    assert launch.start_method() == "spawn"
+    monkeypatch.setenv(launch.START_METHOD_ENV, "forkserver")
+    with pytest.raises(ValueError, match="SHARDFC_START_METHOD='forkserver': this platform starts processes only by spawn"):
+        launch.start_method()
+    monkeypatch.setenv(launch.START_METHOD_ENV, "fork")  # fork after torch's threads: not offered
+    with pytest.raises(ValueError, match="SHARDFC_START_METHOD must be one of forkserver, spawn, got 'fork'"):
+        spawn(_returns_tensor, 2)
+
+
+def _what_a_rank_sees(rank, world):
+    for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+        stream.write(f"rank {rank} to {name}\n")  # one write: print's text and end can interleave
+        stream.flush()
+    return {
+        "set": os.environ.get("SHARDFC_TEST_SET_AFTER_START"),
+        "unset": os.environ.get("SHARDFC_TEST_UNSET_AFTER_START"),
+        "parent": os.getppid(),
+        "forked": "shardfc.parallel.rank_server" in sys.modules,
+        "sigterm": signal.getsignal(signal.SIGTERM),
+    }
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_rank_has_the_launchers_environment_and_output_of_the_launch_not_of_the_servers_start(tmp_path, monkeypatch, method):
+    monkeypatch.setenv(launch.START_METHOD_ENV, method)
+    monkeypatch.setenv("SHARDFC_TEST_UNSET_AFTER_START", "stale")
+    spawn(_returns_tensor, 1)  # the server (if any) starts now, with this environment and output
+    monkeypatch.delenv("SHARDFC_TEST_UNSET_AFTER_START")
+    monkeypatch.setenv("SHARDFC_TEST_SET_AFTER_START", "fresh")
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    files = {fd: open(tmp_path / f"fd{fd}", "wb") for fd in (1, 2)}
+    try:
+        for fd, f in files.items():  # the launcher's output redirected after the server started
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(f.fileno(), fd)
+        seen = spawn(_what_a_rank_sees, 2)
+    finally:
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+        for f in files.values():
+            f.close()
+    assert [s["set"] for s in seen] == ["fresh", "fresh"]
+    assert [s["unset"] for s in seen] == [None, None]
+    assert sorted((tmp_path / "fd1").read_text().splitlines()) == ["rank 0 to stdout", "rank 1 to stdout"]
+    assert sorted((tmp_path / "fd2").read_text().splitlines()) == ["rank 0 to stderr", "rank 1 to stderr"]
+    assert all(s["sigterm"] == signal.SIG_DFL for s in seen)  # the server's hold is not a rank's
+    if method == "spawn":
+        assert all(s["parent"] == os.getpid() and not s["forked"] for s in seen)
+    else:  # the server is the parent, a child of this process; torch came with the fork
+        server = seen[0]["parent"]
+        assert server != os.getpid() and all(s["parent"] == server and s["forked"] for s in seen)
+        assert Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(os.getpid())
+
+
+def _signals_the_server_then_returns(rank, world):
+    if rank == 0:
+        os.kill(os.getppid(), signal.SIGTERM)  # as a SIGTERM to the whole process group would
+    time.sleep(2.0)  # time for a dying server to take its ranks' exit codes with it
+    return os.getppid()
+
+
+@pytest.mark.skipif("forkserver" not in METHODS, reason="no fork server on this platform")
+def test_a_sigterm_to_the_server_loses_no_rank(monkeypatch):
+    monkeypatch.setenv(launch.START_METHOD_ENV, "forkserver")
+    first = spawn(_signals_the_server_then_returns, 2)
+    assert spawn(_signals_the_server_then_returns, 1) == first[:1]  # the same server, still up

@@ -98,6 +98,35 @@ def test_a_child_stops_when_its_parent_is_killed(tmp_path, use_prctl, ignore):
         assert (tmp_path / "stopped").read_text() == str(int(signal.SIGTERM))
 
 
+# A child whose parent stays up (a fork server, here the test) but whose launcher is gone.
+_LAUNCHER_GONE = """
+import os, signal, subprocess, sys, time
+from shardfc.parallel import lifecycle
+launcher = int(sys.argv[1])
+if launcher == 0:  # a launcher that has already exited
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    launcher = gone.pid
+signal.signal(signal.SIGTERM, lifecycle._record)
+lifecycle.die_with_parent(os.getppid(), grace_s=30.0, poll_s=0.05, use_prctl=False, launcher_pid=launcher)
+deadline = time.monotonic() + 2.0
+while not lifecycle.received_signal() and time.monotonic() < deadline:
+    time.sleep(0.02)
+print(lifecycle.received_signal())
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+@pytest.mark.parametrize("launcher_alive", [False, True], ids=["launcher-gone", "launcher-alive"])
+def test_a_child_of_a_fork_server_stops_when_its_launcher_is_gone(launcher_alive):
+    env = {**os.environ, "PYTHONPATH": SRC}
+    launcher = os.getpid() if launcher_alive else 0
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(_LAUNCHER_GONE), str(launcher)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ("None" if launcher_alive else str(int(signal.SIGTERM)))
+
+
 class _WorkerPids(torch.utils.data.Dataset):
     """Each sample: the pid of the process that loaded it."""
 

@@ -93,12 +93,20 @@ ORPHAN_GRACE_S = 120.0
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent_pid: int, grace_s: float = ORPHAN_GRACE_S, poll_s: float = 1.0, use_prctl: bool = True) -> None:
+def die_with_parent(
+    parent_pid: int,
+    grace_s: float = ORPHAN_GRACE_S,
+    poll_s: float = 1.0,
+    use_prctl: bool = True,
+    launcher_pid: Optional[int] = None,
+) -> None:
     """Send this process SIGTERM when ``parent_pid`` (its parent now) dies; end it ``grace_s`` later.
 
     SIGTERM, not SIGKILL: a trainer that records it stops at the next step boundary and saves a
     checkpoint, as on a SIGTERM from the launcher. Call once, early in the child. ``use_prctl``
-    False leaves the watchdog alone (as off Linux).
+    False leaves the watchdog alone (as off Linux). ``launcher_pid``: the process that asked for this
+    one, when a fork server stands between them; the watchdog also stops the child once it is gone
+    (the server exits with the launcher, but may have done so before this call).
     """
     if use_prctl and sys.platform.startswith("linux"):
         try:
@@ -108,7 +116,7 @@ def die_with_parent(parent_pid: int, grace_s: float = ORPHAN_GRACE_S, poll_s: fl
             pass
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
+        while os.getppid() == parent_pid and (launcher_pid is None or _exists(launcher_pid)):
             time.sleep(poll_s)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_s)
@@ -116,6 +124,16 @@ def die_with_parent(parent_pid: int, grace_s: float = ORPHAN_GRACE_S, poll_s: fl
 
     threading.Thread(target=watch, name="shardfc-parent-watchdog", daemon=True).start()
     # The parent may have died before prctl was set: the watchdog sees it within poll_s.
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 class _Forwarder:
