@@ -1,7 +1,10 @@
 """spawn: results by value, errors with tracebacks, no hang when a rank dies; how its ranks start."""
 
+import io
 import multiprocessing
 import os
+import pickle
+import queue as queue_module
 import signal
 import sys
 import time
@@ -141,3 +144,126 @@ def test_a_sigterm_to_the_server_loses_no_rank(monkeypatch):
     monkeypatch.setenv(launch.START_METHOD_ENV, "forkserver")
     first = spawn(_signals_the_server_then_returns, 2)
     assert spawn(_signals_the_server_then_returns, 1) == first[:1]  # the same server, still up
+
+
+# --- a rank's side, run in this process (where mutmut sees it) --------------------------------------
+
+
+class _Recorded:
+    """Stands in for the launcher's stdout/stderr, or for the fork server's module."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def adopt(self):
+        self.calls += 1
+
+    release = adopt
+
+
+@pytest.fixture
+def rank_side(monkeypatch):
+    """``_worker``'s surroundings: the parent watch and the thread count recorded, not applied; the
+    environment restored after."""
+    calls = {}
+    monkeypatch.setattr(launch, "die_with_parent", lambda parent, **kw: calls.setdefault("watch", (parent, kw)))
+    monkeypatch.setattr(launch.torch, "set_num_threads", lambda n: calls.setdefault("threads", n))
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 7)
+    saved = dict(os.environ)
+    yield calls
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _reduced(rank, world, k):
+    t = torch.full((2,), float(k))
+    torch.distributed.all_reduce(t)
+    return {"t": t, "rank": rank, "world": world, "env": os.environ.get("SHARDFC_TEST_RANK_ENV")}
+
+
+def _raises(rank, world):
+    raise ValueError("bad thing in the rank")
+
+
+def _run_worker(tmp_path, fn, *args, world=1, backend="gloo", env=None, rank=0):
+    reports, stdio = queue_module.Queue(), _Recorded()
+    launch._worker(rank, world, "file://" + str(tmp_path / "rendezvous"), backend, fn, args, reports, 60.0,
+                   4242, dict(os.environ) if env is None else env, stdio)
+    assert stdio.calls == 1
+    assert not torch.distributed.is_initialized()  # a rank leaves no group behind, whatever happened
+    report = reports.get_nowait()
+    assert reports.empty()
+    return report
+
+
+def test_a_rank_takes_the_launch_environment_and_sends_its_result_by_value(rank_side, tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDFC_TEST_STALE", "from the server's start")
+    env = {k: v for k, v in os.environ.items() if k != "SHARDFC_TEST_STALE"} | {"SHARDFC_TEST_RANK_ENV": "launch"}
+    rank, ok, payload = _run_worker(tmp_path, _reduced, 3, env=env)
+    assert (rank, ok) == (0, True) and isinstance(payload, bytes)
+    out = torch.load(io.BytesIO(payload), weights_only=False)
+    assert torch.equal(out["t"], torch.full((2,), 3.0)) and (out["rank"], out["world"], out["env"]) == (0, 1, "launch")
+    assert dict(os.environ) == env
+    assert rank_side == {"watch": (os.getppid(), {"launcher_pid": 4242}), "threads": 7}
+
+
+def test_a_rank_that_raises_reports_its_traceback(rank_side, tmp_path):
+    rank, ok, message = _run_worker(tmp_path, _raises)
+    assert (rank, ok) == (0, False)
+    assert message.startswith("ValueError: bad thing in the rank\nTraceback (most recent call last):")
+    assert 'raise ValueError("bad thing in the rank")' in message
+
+
+@pytest.mark.filterwarnings("ignore:Device capability of no-such-backend unknown")
+@pytest.mark.parametrize("cpus, world, threads", [(7, 3, 2), (None, 3, 1), (2, 4, 1)])
+def test_a_group_that_does_not_form_is_reported_as_such_and_fn_never_runs(rank_side, tmp_path, monkeypatch, cpus, world, threads):
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: cpus)
+    rank, ok, message = _run_worker(tmp_path, _raises, world=world, backend="no-such-backend", rank=2)
+    assert (rank, ok) == (2, False)
+    assert message.startswith(launch._INIT_FAILED) and "bad thing" not in message
+    assert rank_side["threads"] == threads  # the cores shared between the ranks, at least one each
+
+
+def test_an_nccl_rank_takes_the_device_of_its_rank(rank_side, tmp_path, monkeypatch):
+    devices = []
+    monkeypatch.setattr(launch.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(launch.torch.cuda, "set_device", devices.append)
+    monkeypatch.setattr(launch.dist, "init_process_group", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("no NCCL here")))
+    rank, ok, message = _run_worker(tmp_path, _raises, world=4, backend="nccl", rank=3)
+    assert devices == [1] and (rank, ok, message) == (3, False, launch._INIT_FAILED + "RuntimeError: no NCCL here")
+
+
+def test_a_rank_forked_from_the_server_releases_its_sigterm_hold_first(rank_side, tmp_path, monkeypatch):
+    server = _Recorded()
+    monkeypatch.setitem(sys.modules, launch._RANK_SERVER, server)
+    assert _run_worker(tmp_path, _reduced, 1)[1] is True
+    assert server.calls == 1
+
+
+def test_the_launchers_stdout_travels_as_it_was_when_sent(tmp_path, monkeypatch):
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    monkeypatch.setattr(sys, "stdout", open(1, "w", closefd=False, buffering=1 << 16))  # as a rank's: fd 1, buffered
+    first, later = (open(tmp_path / name, "wb") for name in ("at-the-launch", "since"))
+    try:
+        sys.stdout.flush(), sys.stderr.flush()
+        for fd in (1, 2):
+            os.dup2(first.fileno(), fd)
+        sent = pickle.dumps(launch._LauncherStdio())  # outside a launch: through multiprocessing's fd sharer
+        for fd in (1, 2):
+            os.dup2(later.fileno(), fd)
+        stdio = pickle.loads(sent)
+        assert sorted(stdio.fds) == [1, 2] and all(copy not in (1, 2) for copy in stdio.fds.values())
+        sys.stdout.write("before\n")  # still buffered: adopt() flushes it to where it was headed
+        stdio.adopt()
+        os.write(1, b"out\n")
+        os.write(2, b"err\n")
+    finally:
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+        first.close(), later.close()
+    assert (tmp_path / "at-the-launch").read_bytes() == b"out\nerr\n"
+    assert (tmp_path / "since").read_bytes() == b"before\n"
+    for copy in stdio.fds.values():  # each copy closed once in place
+        with pytest.raises(OSError):
+            os.fstat(copy)

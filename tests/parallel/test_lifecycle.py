@@ -148,3 +148,126 @@ def test_the_training_loaders_workers_outlive_a_signal_to_the_process_group(tmp_
     time.sleep(1.0)
     for _ in range(20):  # the loader goes on; the trainer stops when its ranks agree, not here
         assert int(next(stream)[0][0]) == worker
+
+
+# --- the same pieces in this process, their system calls stood in for (mutmut sees only this one) ---
+
+
+class _Stop(Exception):
+    """os._exit, stood in for."""
+
+
+@pytest.fixture
+def watched(monkeypatch):
+    """die_with_parent's calls recorded: prctl, the watchdog thread (run by hand), kill, sleep, _exit."""
+    log = {"prctl": [], "kill": [], "sleep": [], "threads": []}
+
+    class Libc:
+        def prctl(self, *args):
+            log["prctl"].append(args)
+
+    class Thread:
+        def __init__(self, target, name, daemon):
+            log["threads"].append((name, daemon))
+            self.target = target
+
+        def start(self):
+            log["watch"] = self.target
+
+    def _exit(code):
+        raise _Stop(code)
+
+    monkeypatch.setattr(lifecycle.ctypes, "CDLL", lambda name, use_errno: Libc())
+    monkeypatch.setattr(lifecycle.threading, "Thread", Thread)
+    monkeypatch.setattr(lifecycle.time, "sleep", log["sleep"].append)
+    monkeypatch.setattr(lifecycle.os, "_exit", _exit)
+    monkeypatch.setattr(lifecycle.os, "getpid", lambda: 500)
+    return log
+
+
+def _kills(log, gone=()):
+    def kill(pid, signum):
+        log["kill"].append((pid, signum))
+        if pid in gone:
+            raise ProcessLookupError(pid)
+    return kill
+
+
+def test_the_watchdog_waits_for_its_parent_then_stops_this_process_gracefully_then_for_good(watched, monkeypatch):
+    parents = iter([100, 100, 100, 1])  # the parent dies after two polls
+    monkeypatch.setattr(lifecycle.os, "getppid", lambda: next(parents))
+    monkeypatch.setattr(lifecycle.os, "kill", _kills(watched))
+    lifecycle.die_with_parent(100, grace_s=7.0, poll_s=0.25)
+    assert watched["prctl"] == ([(1, int(signal.SIGTERM), 0, 0, 0)] if sys.platform.startswith("linux") else [])
+    assert watched["threads"] == [("shardfc-parent-watchdog", True)] and watched["sleep"] == []  # not waited on here
+    with pytest.raises(_Stop) as stop:
+        watched["watch"]()
+    assert watched["sleep"] == [0.25, 0.25, 0.25, 7.0] and watched["kill"] == [(500, signal.SIGTERM)]
+    assert stop.value.args == (143,)
+
+
+def test_the_watchdog_also_stops_this_process_when_the_launcher_behind_a_fork_server_is_gone(watched, monkeypatch):
+    monkeypatch.setattr(lifecycle.os, "getppid", lambda: 100)  # the server: still there
+    monkeypatch.setattr(lifecycle.os, "kill", _kills(watched, gone={77}))
+    lifecycle.die_with_parent(100, grace_s=3.0, poll_s=0.5, use_prctl=False, launcher_pid=77)
+    assert watched["prctl"] == []
+    with pytest.raises(_Stop):
+        watched["watch"]()
+    assert watched["kill"] == [(77, 0), (500, signal.SIGTERM)] and watched["sleep"] == [3.0]
+
+
+def test_a_platform_without_prctl_keeps_the_watchdog(watched, monkeypatch):
+    def no_libc(name, use_errno):
+        raise OSError("no libc here")
+
+    monkeypatch.setattr(lifecycle.ctypes, "CDLL", no_libc)
+    lifecycle.die_with_parent(100)
+    assert watched["threads"] == [("shardfc-parent-watchdog", True)]
+
+
+def test_a_process_exists_while_it_can_be_signalled_or_belongs_to_someone_else(monkeypatch):
+    assert lifecycle._exists(os.getpid())
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    assert not lifecycle._exists(int(done.stdout))  # exited and reaped
+
+    def refused(pid, signum):
+        raise PermissionError(pid)
+
+    monkeypatch.setattr(lifecycle.os, "kill", refused)
+    assert lifecycle._exists(1)
+
+
+class _Child:
+    def __init__(self, pid, exitcode=None):
+        self.pid, self.exitcode = pid, exitcode
+
+
+def test_the_forwarder_passes_the_first_signal_on_to_live_children_and_kills_them_on_the_second(monkeypatch):
+    sent = []
+    monkeypatch.setattr(lifecycle.os, "kill", _kills({"kill": sent}, gone={13}))
+    children = [_Child(11), _Child(None), _Child(12, exitcode=0), _Child(13)]  # not started, ended, just gone
+    try:
+        with lifecycle.forward_stop_signals(lambda: children) as forwarder:
+            assert forwarder.received is None
+            forwarder(signal.SIGINT)
+            assert forwarder.received == signal.SIGINT and lifecycle.received_signal() == signal.SIGINT
+            assert sent == [(11, signal.SIGINT), (13, signal.SIGINT)]
+            forwarder(signal.SIGTERM)
+            assert forwarder.received == signal.SIGINT  # the first one is what the launcher reports
+            assert sent[2:] == [(11, signal.SIGKILL), (13, signal.SIGKILL)]
+            forwarder.send(signal.SIGTERM)
+            assert sent[4:] == [(11, signal.SIGTERM), (13, signal.SIGTERM)]
+    finally:
+        lifecycle._reset_for_tests()
+    assert lifecycle.received_signal() is None
+
+
+def test_loader_workers_ignore_the_stop_signals_and_names_read_as_the_shell_writes_them():
+    before = {s: signal.getsignal(s) for s in lifecycle.STOP_SIGNALS}
+    try:
+        lifecycle.ignore_stop_signals(3)
+        assert all(signal.getsignal(s) is signal.SIG_IGN for s in lifecycle.STOP_SIGNALS)
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    assert lifecycle.signal_name(signal.SIGTERM) == "SIGTERM" and lifecycle.signal_name(2) == "SIGINT"

@@ -1,11 +1,12 @@
 """The fork server spawn's ranks come from: it survives a SIGTERM, a rank forked from it does not lose one.
 
-In a child interpreter: importing ``rank_server`` installs its SIGTERM handler, which must not reach
-the test's own process.
+Importing ``rank_server`` installs its SIGTERM handler: in a child interpreter, or here under a fixture
+that puts the handler back and forgets the module (``spawn``'s rank side looks for it in sys.modules).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
@@ -63,3 +64,40 @@ def test_the_server_outlives_a_sigterm_and_a_rank_keeps_one_that_came_before_its
         "rank released",
         f"rank ended {term}",
     ], done.stderr
+
+
+NAME = "shardfc.parallel.rank_server"
+
+
+@pytest.fixture
+def server(monkeypatch):
+    """The module imported in this process as if it were the server; everything put back after."""
+    before = signal.getsignal(signal.SIGTERM)
+    sys.modules.pop(NAME, None)
+    try:
+        yield importlib.import_module(NAME)
+    finally:
+        sys.modules.pop(NAME, None)
+        if hasattr(shardfc.parallel, "rank_server"):
+            delattr(shardfc.parallel, "rank_server")
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_importing_it_makes_this_process_the_server_that_holds_sigterm(server, monkeypatch):
+    assert server._SERVER_PID == os.getpid() and server._held == []
+    assert signal.getsignal(signal.SIGTERM) is server._hold
+    server._hold(signal.SIGTERM)  # in the server: kept for nobody
+    assert server._held == []
+    monkeypatch.setattr(server.os, "getpid", lambda: server._SERVER_PID + 1)  # a rank forked from it
+    server._hold(signal.SIGTERM)
+    assert server._held == [signal.SIGTERM]
+
+
+@pytest.mark.parametrize("held", [[], [signal.SIGTERM]], ids=["none-came", "one-came-before-the-worker"])
+def test_release_gives_sigterm_its_default_back_and_raises_one_that_came_before(server, monkeypatch, held):
+    sent = []
+    monkeypatch.setattr(server.os, "kill", lambda pid, signum: sent.append((pid, signum)))
+    monkeypatch.setattr(server, "_held", list(held))
+    server.release()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert sent == [(os.getpid(), signal.SIGTERM)] * len(held)
