@@ -8,6 +8,7 @@ import queue as queue_module
 import signal
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -215,7 +216,7 @@ def test_a_rank_that_raises_reports_its_traceback(rank_side, tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:Device capability of no-such-backend unknown")
-@pytest.mark.parametrize("cpus, world, threads", [(7, 3, 2), (None, 3, 1), (2, 4, 1)])
+@pytest.mark.parametrize("cpus, world, threads", [(7, 3, 2), (None, 1, 1), (2, 4, 1)])
 def test_a_group_that_does_not_form_is_reported_as_such_and_fn_never_runs(rank_side, tmp_path, monkeypatch, cpus, world, threads):
     monkeypatch.setattr(launch.os, "cpu_count", lambda: cpus)
     rank, ok, message = _run_worker(tmp_path, _raises, world=world, backend="no-such-backend", rank=2)
@@ -225,12 +226,19 @@ def test_a_group_that_does_not_form_is_reported_as_such_and_fn_never_runs(rank_s
 
 
 def test_an_nccl_rank_takes_the_device_of_its_rank(rank_side, tmp_path, monkeypatch):
-    devices = []
+    devices, groups = [], []
     monkeypatch.setattr(launch.torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(launch.torch.cuda, "set_device", devices.append)
-    monkeypatch.setattr(launch.dist, "init_process_group", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("no NCCL here")))
+
+    def init_process_group(*args, **kwargs):
+        groups.append((args, kwargs))
+        raise RuntimeError("no NCCL here")
+
+    monkeypatch.setattr(launch.dist, "init_process_group", init_process_group)
     rank, ok, message = _run_worker(tmp_path, _raises, world=4, backend="nccl", rank=3)
     assert devices == [1] and (rank, ok, message) == (3, False, launch._INIT_FAILED + "RuntimeError: no NCCL here")
+    assert groups == [(("nccl",), {"init_method": "file://" + str(tmp_path / "rendezvous"), "rank": 3, "world_size": 4,
+                                   "timeout": timedelta(seconds=60)})]
 
 
 def test_a_rank_forked_from_the_server_releases_its_sigterm_hold_first(rank_side, tmp_path, monkeypatch):

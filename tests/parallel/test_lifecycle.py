@@ -216,13 +216,19 @@ def test_the_watchdog_also_stops_this_process_when_the_launcher_behind_a_fork_se
     assert watched["kill"] == [(77, 0), (500, signal.SIGTERM)] and watched["sleep"] == [3.0]
 
 
-def test_a_platform_without_prctl_keeps_the_watchdog(watched, monkeypatch):
+def test_a_platform_without_prctl_keeps_the_watchdog_at_its_default_pace(watched, monkeypatch):
     def no_libc(name, use_errno):
         raise OSError("no libc here")
 
     monkeypatch.setattr(lifecycle.ctypes, "CDLL", no_libc)
+    parents = iter([100, 1])
+    monkeypatch.setattr(lifecycle.os, "getppid", lambda: next(parents))
+    monkeypatch.setattr(lifecycle.os, "kill", _kills(watched))
     lifecycle.die_with_parent(100)
     assert watched["threads"] == [("shardfc-parent-watchdog", True)]
+    with pytest.raises(_Stop):
+        watched["watch"]()
+    assert watched["sleep"] == [1.0, lifecycle.ORPHAN_GRACE_S] == [1.0, 120.0]  # polled each second
 
 
 def test_a_process_exists_while_it_can_be_signalled_or_belongs_to_someone_else(monkeypatch):
