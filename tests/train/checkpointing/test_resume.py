@@ -372,3 +372,68 @@ def test_keep_last_leaves_that_many_newest_checkpoints(tmp_path):
                       synthetic_val_pairs=0)
     train(cfg)
     assert [p.name for p in ckpt.find_checkpoints(resume.checkpoint_root(cfg))] == ["step_00000003", "step_00000004"]
+
+
+def _altered(monkeypatch, common=None, per_rank=None):
+    """load_kept as it is, then the common / this rank's saved dicts changed as a crafted file would."""
+    real = resume.load_kept
+
+    def load_kept(*args, **kwargs):
+        loaded = real(*args, **kwargs)
+        if common is not None:
+            loaded.common = common(dict(loaded.common))
+        if per_rank is not None:
+            loaded.per_rank = per_rank(dict(loaded.per_rank))
+        return loaded
+
+    monkeypatch.setattr(resume, "load_kept", load_kept)
+
+
+@pytest.mark.parametrize("where", ["common", "rank"])
+def test_a_common_or_rank_file_that_does_not_hold_a_run_state_names_that_file(saved_run, monkeypatch, where):
+    cfg, path, _ = saved_run
+    if where == "common":
+        _altered(monkeypatch, common=lambda c: {k: v for k, v in c.items() if k != "state"})
+        named, error = path / ckpt.COMMON_FILE, "KeyError: 'state'"
+    else:
+        _altered(monkeypatch, per_rank=lambda r: {**r, "rng": {"python": "not a state"}})
+        named, error = path / rank_file(0), "ValueError: too many values to unpack"
+    with pytest.raises(ckpt.CheckpointError, match=rf"^cannot resume from {re.escape(str(named))}: it does not hold "
+                                                   rf"what this run saves \({error}"):
+        load_parts(cfg, path)
+
+
+def test_a_run_without_its_batch_size_resumed_at_the_end_of_a_one_batch_epoch(saved_run, monkeypatch, caplog):
+    """An imported arcface_torch run records no batch size (shown as ``?``); an epoch saved as one
+    micro-batch, done: the new epoch's count, all of it (100%)."""
+    cfg, path, _ = saved_run
+
+    def one_batch_done(common):
+        return {**common, "batch_size": None, "state": {**common["state"], "batch_in_epoch": 1, "batches_per_epoch": 1}}
+
+    _altered(monkeypatch, common=one_batch_done)
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        state, _ = _restored(cfg, path)
+    assert (state.batch_in_epoch, state.batches_per_epoch) == (15, 15)
+    assert "resuming with 1 rank(s) x batch 8 (saved with 1 x ?): continuing epoch 0 at 100%" in _said(caplog)
+
+
+def test_the_backbone_is_restored_with_the_runs_config(saved_run, monkeypatch):
+    """Pipeline stages and format-1 checkpoints read it (which part of the backbone, which names)."""
+    cfg, path, _ = saved_run
+    seen = []
+    real = resume.restore_backbone
+    monkeypatch.setattr(resume, "restore_backbone", lambda run, loaded, c: seen.append(c) or real(run, loaded, c))
+    load_parts(cfg, path)
+    assert seen == [cfg]
+
+
+def test_a_run_without_a_class_plan_saves_its_datasets_class_names(saved_run):
+    cfg, _, _ = saved_run
+    parts = SimpleNamespace(schedulers=[], scaler=SimpleNamespace(state_dict=lambda: {}))
+    state = resume.RunState()
+    run = SimpleNamespace(parts=parts, classes=None, dataset=SimpleNamespace(class_names=["ann", "bob"]),
+                          data_ctx=SimpleNamespace(world_size=1))
+    assert resume._common(run, state, cfg, None, None)["class_names"] == ["ann", "bob"]
+    run.dataset = object()  # a dataset that names no classes (the synthetic one)
+    assert resume._common(run, state, cfg, None, None)["class_names"] is None
