@@ -275,3 +275,50 @@ def test_the_launchers_stdout_travels_as_it_was_when_sent(tmp_path, monkeypatch)
     for copy in stdio.fds.values():  # each copy closed once in place
         with pytest.raises(OSError):
             os.fstat(copy)
+
+
+# --- the small pieces: a free port, torchrun's group, the signal error ------------------------------
+
+
+def test_a_free_port_can_be_bound_on_the_loopback():
+    import socket
+
+    port = launch.free_port()
+    assert isinstance(port, int) and 1024 <= port < 65536
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_torchrun_is_recognised_by_all_four_of_its_variables(monkeypatch):
+    names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    for name in names:
+        monkeypatch.setenv(name, "1")
+    assert launch.launched_by_torchrun()
+    for name in names:
+        monkeypatch.delenv(name)
+        assert not launch.launched_by_torchrun()
+        monkeypatch.setenv(name, "1")
+
+
+@pytest.mark.parametrize("backend, device", [("gloo", []), ("nccl", [3]), (None, [])])
+def test_a_torchrun_rank_joins_its_group_on_its_local_device(monkeypatch, backend, device):
+    calls, devices = [], []
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(launch.torch.cuda, "set_device", devices.append)
+    monkeypatch.setattr(launch.dist, "init_process_group", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(launch.dist, "get_rank", lambda: 5)
+    monkeypatch.setattr(launch.dist, "get_world_size", lambda: 8)
+    monkeypatch.setattr(launch, "default_backend", lambda: "gloo")
+    assert launch.init_from_env(backend, timeout_s=42.0) == (5, 8)
+    assert calls == [((backend or "gloo",), {"init_method": "env://", "timeout": timedelta(seconds=42)})]
+    assert devices == device
+    monkeypatch.delenv("LOCAL_RANK")
+    calls.clear()
+    launch.init_from_env("nccl")  # no LOCAL_RANK: device 0, the default timeout
+    assert devices[-1] == 0 and calls[0][1]["timeout"] == timedelta(seconds=600)
+
+
+def test_stopped_by_signal_says_which_and_keeps_its_number():
+    e = launch.StoppedBySignal(signal.SIGTERM, "rank 1: killed")
+    assert str(e) == "stopped by signal SIGTERM: rank 1: killed" and e.signum == signal.SIGTERM
+    assert isinstance(e, WorkerError)
