@@ -4,7 +4,7 @@ Each rank is forked from that server with torch already imported, instead of sta
 interpreter that imports torch again (≈ 2 s of CPU a rank). Nothing else imports this module:
 importing it is what makes a process the server.
 
-The server outlives no launch of its own (it exits when the process that started it does), and it
+The server lives as long as the process that started it (it exits when that one does), and it
 must not die of a SIGTERM sent to the whole process group (Slurm's ``scancel``, ``kill -- -PGID``):
 the launcher reads its ranks' exit codes through it and would see them all gone while they are
 still saving. So the server holds SIGTERM; a rank forked from it gets the handler too, and a SIGTERM
