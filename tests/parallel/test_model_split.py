@@ -539,3 +539,128 @@ def test_cuts_between_blocks() -> None:
         stages(model, ["layer2.1"])
     with pytest.raises(ValueError, match=r"split_points must be in forward order"):
         stages(model, ["layer3.0", "layer2.0"])
+
+
+# --------------------------------------------------------------------------- devices stood in for
+
+
+def _resolve(value):
+    from shardfc.parallel.model_split import _resolve_device
+
+    return _resolve_device(value, "devices[1]")
+
+
+def test_a_device_type_this_machine_lacks_or_has_too_few_of_is_named_with_what_there_is(monkeypatch) -> None:
+    import re
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match=r"^devices\[1\]=True is not a device$"):
+        _resolve(True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # counted, but not usable: none
+    with pytest.raises(ValueError, match=r"^devices\[1\]='cuda:0' does not exist: this machine has no cuda device$"):
+        _resolve("cuda:0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match=r"^devices\[1\]='cuda:2' does not exist: this machine has 2 cuda device\(s\), "
+                                         r"cuda:0 \.\. cuda:1$"):
+        _resolve("cuda:2")
+    if not torch.backends.cuda.is_built():  # counted but absent: the allocation says so, as one error
+        with pytest.raises(ValueError, match=r"^devices\[1\]='cuda:1' is not usable on this machine: \S"):
+            _resolve("cuda:1")
+    # A backend that counts its devices but has no is_available, and one torch has no module for.
+    monkeypatch.setattr(torch, "xpu", SimpleNamespace(device_count=lambda: 1), raising=False)
+    with pytest.raises(ValueError, match=re.escape("devices[1]='xpu:1' does not exist: this machine has 1 xpu device(s), xpu:0 .. xpu:0")):
+        _resolve("xpu:1")
+    monkeypatch.delattr(torch, "hpu", raising=False)
+    with pytest.raises(ValueError, match=r"^devices\[1\]='hpu' is not usable on this machine: "):
+        _resolve("hpu")
+
+
+class _Recorder(nn.Module):
+    """A stage that keeps the shape of each input it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(tuple(x.shape))
+        return x * 2
+
+
+def test_micro_batches_are_cut_along_the_first_dimension_and_a_scalar_goes_whole() -> None:
+    first, second = _Recorder(), _Recorder()
+    piped = PipelinedModel([first, second], 2, devices=["cpu", "cpu"])
+    x = torch.arange(5.0)
+    assert torch.equal(piped(x), 4 * x)
+    assert first.seen == second.seen == [(2,), (2,), (1,)]
+    assert torch.equal(piped(torch.tensor(3.0)), torch.tensor(12.0))  # 0-d: one micro-batch, not split
+    assert first.seen[-1] == second.seen[-1] == ()
+
+
+class _Pair(nn.Module):
+    def forward(self, x):
+        return x, x
+
+
+def test_an_input_or_a_stage_output_that_is_not_one_tensor_is_named() -> None:
+    piped = PipelinedModel([nn.Identity(), _Pair(), nn.Identity()], 2, devices=["cpu"] * 3)
+    with pytest.raises(TypeError, match=r"^the input is a list; stages pass a single tensor from one to the next$"):
+        piped([torch.ones(2)])
+    with pytest.raises(TypeError, match=r"^stage 1's output is a tuple; stages pass a single tensor from one to the next$"):
+        piped(torch.ones(2))
+
+
+def test_the_batch_statistics_refusal_says_all_three_ways_out() -> None:
+    model = _tiny().train()
+    piped = PipelinedModel(split_model(model, ["cpu", "cpu"], ["body"]), split_size=2)
+    with pytest.raises(RuntimeError) as refused:
+        piped(torch.randn(5, 3, 16, 16, dtype=torch.float64))
+    assert str(refused.value).endswith(
+        "cuts this batch of 5 rows into 3 micro-batches, each of which it would normalise with its own statistics, "
+        "unlike the unsplit model. Call .eval() (exact), use split_size >= the batch (exact, no pipelining), or "
+        "pass allow_micro_batch_stats=True to accept micro-batch statistics (GPipe's behaviour)")
+
+
+def _refused(call) -> str:
+    with pytest.raises((TypeError, ValueError)) as e:
+        call()
+    return f"{type(e.value).__name__}: {e.value}"
+
+
+def test_what_cannot_be_cut_is_said_in_full_with_the_way_out() -> None:
+    from shardfc.parallel.model_split import FLATTEN
+
+    assert _refused(lambda: model_segments(3)) == "TypeError: model must be an nn.Module, got int"
+    assert _refused(lambda: split_model(nn.Linear(2, 2), ["cpu"], [])) == (
+        "TypeError: Linear declares no segments, so it cannot be cut: give the class a `segments` attribute (see "
+        "shardfc.models.IResNet.segments), or build the model as an nn.Sequential, or cut it yourself and pass the "
+        "stage modules to SplitModel")
+    own = _Declared((("one", ("a",)), ("two", ("b",))))
+    own.scale = nn.Parameter(torch.ones(1))
+    own.register_buffer("count", torch.zeros(1))
+    assert _refused(lambda: stages(own, ["one"])) == (
+        "ValueError: _Declared holds parameters/buffers directly (scale, count), outside any child module, so no "
+        "stage could own them")
+    reserved = _Declared((("one", ("a",)), ("two", ("b",))))
+    reserved.add_module(FLATTEN, nn.Flatten())
+    assert _refused(lambda: stages(reserved, ["one"])) == "ValueError: _Declared has a child named 'flatten', a reserved segment item"
+    assert _refused(lambda: stages(_Declared((("one", ("a",)),)), [])) == (
+        "ValueError: _Declared.segments does not place the children ['b']; every child must be in a segment (else "
+        "it would stay behind on its device, unused)")
+    for names, why in [(("three",), "is not one of its segments"),
+                       (("one",), "is not a single nn.Sequential child: only a plain sequence of blocks can be cut "
+                                  "between its blocks")]:
+        blocks = _Declared((("one", ("a",)), ("two", ("b",))))
+        blocks.block_segments = names
+        assert _refused(lambda: stages(blocks, ["one"])) == f"ValueError: _Declared.block_segments names {names[0]!r}, which {why}"
+    torch.manual_seed(0)
+    model = _shrink_iresnet(IResNet((2, 2, 2, 2), embedding_dim=8)).double().eval()
+    assert _refused(lambda: stages(model, ["layer2.1"])) == (
+        "ValueError: split_points: unknown split point 'layer2.1' for IResNet; valid split points, in forward order: "
+        "stem, layer1, layer2, layer3, layer4; did you mean 'layer2'? IResNet may also be cut between the blocks of "
+        "layer1, layer2, layer3, layer4 ('layer1.0': after block 0 of layer1)")
+    assert _refused(lambda: stages(model, ["zzz"])) == (  # nothing close: a sentence of its own
+        "ValueError: split_points: unknown split point 'zzz' for IResNet; valid split points, in forward order: "
+        "stem, layer1, layer2, layer3, layer4. IResNet may also be cut between the blocks of "
+        "layer1, layer2, layer3, layer4 ('layer1.0': after block 0 of layer1)")

@@ -226,7 +226,7 @@ def _check_split_points(model: nn.Module, decl: Segments, split_points: Sequence
     listing = ", ".join(valid) if valid else "(none: the model is a single segment)"
     inner = [u.point for u in units[:-1] if u.block is not None and u.point != decl[u.segment][0]]
     between = (
-        f". {cls} may also be cut between the blocks of {', '.join(dict.fromkeys(p.rsplit('.', 1)[0] for p in inner))} "
+        f"{cls} may also be cut between the blocks of {', '.join(dict.fromkeys(p.rsplit('.', 1)[0] for p in inner))} "
         f"({inner[0]!r}: after block {inner[0].rsplit('.', 1)[1]} of {inner[0].rsplit('.', 1)[0]})" if inner else ""
     )
     for i, p in enumerate(points):
@@ -240,9 +240,10 @@ def _check_split_points(model: nn.Module, decl: Segments, split_points: Sequence
         if p not in fine:
             close = difflib.get_close_matches(p, valid, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
+            also = f"{'' if close else '.'} {between}" if between else ""  # a second sentence
             raise ValueError(
                 f"split_points: unknown split point {p!r} for {cls}; valid split points, in "
-                f"forward order: {listing}{hint}{between}"
+                f"forward order: {listing}{hint}{also}"
             )
     for p in points:
         if points.count(p) > 1:
