@@ -317,7 +317,7 @@ def test_pipelined_empty_batch_and_split_size_setter() -> None:
 # --------------------------------------------------------------------------- errors
 def test_split_point_errors() -> None:
     model = _iresnet()
-    with pytest.raises(ValueError, match=r"split_points: unknown split point 'layer5' for IResNet; valid split points, in forward order: stem, layer1, layer2, layer3, layer4; did you mean 'layer4'\?"):
+    with pytest.raises(ValueError, match=r"split_points: unknown split point 'layer5' for IResNet; valid split points, in forward order: stem, layer1, layer2, layer3, layer4; did you mean 'layer4'\?$"):
         split_model(model, ["cpu", "cpu"], ["layer5"])
     with pytest.raises(ValueError, match=r"split_points: unknown split point 'fc' for IResNet"):
         stages(model, ["fc"])
@@ -370,18 +370,18 @@ def test_model_and_stage_argument_errors() -> None:
         split_model(nn.Linear(2, 2), ["cpu"], [])
     with pytest.raises(TypeError, match=r"model must be an nn\.Module, got str"):
         split_model("tiny", ["cpu"], [])
-    with pytest.raises(TypeError, match=r"single IResNet; cut it first"):
+    with pytest.raises(TypeError, match=r"single IResNet; cut it first: PipelinedModel\(split_model\(model, devices, split_points\), split_size\)$"):
         PipelinedModel(_iresnet(), 2)
     split = split_model(_plain(), ["cpu", "cpu"], ["pool"])
-    with pytest.raises(ValueError, match="a SplitModel already places its stages"):
+    with pytest.raises(ValueError, match=r"^devices: a SplitModel already places its stages; pass devices only with a list of stages$"):
         PipelinedModel(split, 2, devices=["cpu", "cpu"])
     with pytest.raises(ValueError, match=r"cannot infer the device of stages\[1\], which has no parameters or buffers; pass devices"):
         PipelinedModel([nn.Linear(2, 2), nn.Tanh()], 2)
     with pytest.raises(TypeError, match=r"stages_or_split_model\[0\] must be an nn\.Module, got str"):
         PipelinedModel(["x"], 2)
-    with pytest.raises(TypeError, match=r"stages must be a sequence of modules, got a single Linear"):
+    with pytest.raises(TypeError, match=r"stages must be a sequence of modules, got a single Linear.*; use split_model\(model, devices, split_points\) to cut a model$"):
         SplitModel(nn.Linear(2, 2), ["cpu"])
-    with pytest.raises(ValueError, match="stages is empty"):
+    with pytest.raises(ValueError, match="^stages is empty: a SplitModel needs at least one stage$"):
         SplitModel([], [])
     with pytest.raises(TypeError, match=r"stages\[1\] must be an nn\.Module, got int"):
         SplitModel([nn.Linear(2, 2), 3], ["cpu", "cpu"])
