@@ -664,3 +664,40 @@ def test_what_cannot_be_cut_is_said_in_full_with_the_way_out() -> None:
         "ValueError: split_points: unknown split point 'zzz' for IResNet; valid split points, in forward order: "
         "stem, layer1, layer2, layer3, layer4. IResNet may also be cut between the blocks of "
         "layer1, layer2, layer3, layer4 ('layer1.0': after block 0 of layer1)")
+
+
+class _OwnForward(nn.Sequential):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def test_only_a_plain_sequential_alone_in_its_segment_can_be_cut_between_blocks() -> None:
+    refusal = "which is not a single nn.Sequential child: only a plain sequence of blocks can be cut between its blocks"
+    two = _Declared((("one", ("a", "b")),))
+    two.a = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))  # a Sequential, but beside another child
+    two.block_segments = ("one",)
+    assert _refused(lambda: stages(two, [])) == f"ValueError: _Declared.block_segments names 'one', {refusal}"
+    own = _Declared((("one", ("a",)), ("two", ("b",))))
+    own.a = _OwnForward(nn.Linear(2, 2), nn.Linear(2, 2))  # its forward is not the blocks in turn
+    own.block_segments = ("one",)
+    assert _refused(lambda: stages(own, ["one"])) == f"ValueError: _Declared.block_segments names 'one', {refusal}"
+
+
+def test_each_flatten_item_of_a_stage_gets_a_key_of_its_own() -> None:
+    from shardfc.parallel.model_split import FLATTEN
+
+    model = _Declared((("one", ("a", FLATTEN, FLATTEN, "b", FLATTEN)),))
+    (stage,) = stages(model, [])
+    assert list(stage._modules) == ["a", "flatten", "flatten1", "b", "flatten2"]
+    assert all(isinstance(stage._modules[k], nn.Flatten) for k in ("flatten", "flatten1", "flatten2"))
+
+
+def test_a_split_model_refuses_stages_that_share_a_tensor_across_devices(monkeypatch) -> None:
+    from shardfc.parallel import model_split
+
+    monkeypatch.setattr(model_split, "check_devices", lambda devices, n, what: tuple(map(torch.device, devices)))
+    shared = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"^stages\[0\] and stages\[1\] share the tensor '0\.weight' but are on different "
+                                         r"devices \(cpu, meta\); a tensor cannot live on both$"):
+        SplitModel([shared, nn.Sequential(shared)], ["cpu", "meta"])
+    assert shared.weight.device.type == "cpu"  # refused before anything moved
