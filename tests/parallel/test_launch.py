@@ -110,8 +110,8 @@ def test_a_rank_has_the_launchers_environment_and_output_of_the_launch_not_of_th
     saved = {fd: os.dup(fd) for fd in (1, 2)}
     files = {fd: open(tmp_path / f"fd{fd}", "wb") for fd in (1, 2)}
     try:
+        sys.stdout.flush(), sys.stderr.flush()
         for fd, f in files.items():  # the launcher's output redirected after the server started
-            sys.stdout.flush(), sys.stderr.flush()
             os.dup2(f.fileno(), fd)
         seen = spawn(_what_a_rank_sees, 2)
     finally:

@@ -598,13 +598,8 @@ def test_micro_batches_are_cut_along_the_first_dimension_and_a_scalar_goes_whole
     assert first.seen[-1] == second.seen[-1] == ()
 
 
-class _Pair(nn.Module):
-    def forward(self, x):
-        return x, x
-
-
 def test_an_input_or_a_stage_output_that_is_not_one_tensor_is_named() -> None:
-    piped = PipelinedModel([nn.Identity(), _Pair(), nn.Identity()], 2, devices=["cpu"] * 3)
+    piped = PipelinedModel([nn.Identity(), _TupleOut(), nn.Identity()], 2, devices=["cpu"] * 3)
     with pytest.raises(TypeError, match=r"^the input is a list; stages pass a single tensor from one to the next$"):
         piped([torch.ones(2)])
     with pytest.raises(TypeError, match=r"^stage 1's output is a tuple; stages pass a single tensor from one to the next$"):
