@@ -629,3 +629,270 @@ def test_a_cached_choice_at_a_chunk_scale_is_what_the_ranks_settle_on(tmp_path):
     selector = S.ImplSelector(path=path, sync=lambda: None)
     assert selector.settle("k", None, True) == "gemm@4"
     assert selector.settle("old", None, True) is None  # not a name a choice can have: time anew
+
+
+# ---------------------------------------------------------------------- exact texts and edges (mutation testing)
+def _messages(caplog, level=logging.INFO):
+    return [r.getMessage() for r in caplog.records if r.levelno == level]
+
+
+def test_the_timing_table_reads_whole(tmp_path, caplog):
+    """The table, line by line: each candidate's median or failure, the chosen one, the fastest
+    here when rank 0 picked another, and where the choice went."""
+    b = Bench()
+    path = tmp_path / "c.json"
+    with caplog.at_level(logging.INFO, logger="shardfc.head"):
+        b.selector(path, steps=3, warmup=2).choose(
+            KEY, b.candidates(triton=RuntimeError("boom"), gemm=0.0025, torch=0.00125))
+    short = S.short_key(KEY)
+    assert _messages(caplog) == [
+        f"head impl for workload {short} (median of 3 calls after 2 warm-up; cached in {path}):\n"
+        "  triton  failed: RuntimeError: boom\n"
+        "  gemm         2.500 ms\n"
+        "  torch        1.250 ms  chosen"
+    ]
+    caplog.clear()
+    b1, rec = Bench(), []
+    with caplog.at_level(logging.INFO, logger="shardfc.head"):
+        b1.selector(tmp_path / "d.json", steps=1, warmup=0, write_cache=False).choose(
+            KEY, b1.candidates(gemm=0.002, torch=0.001), agree=_follower_agree([-1, 0], rec))
+    assert _messages(caplog) == [
+        f"head impl for workload {short} (median of 1 calls after 0 warm-up; not cached here (write disabled)):\n"
+        "  gemm         2.000 ms  chosen (rank 0's pick)\n"
+        "  torch        1.000 ms  fastest here"
+    ]
+    caplog.clear()
+    b2 = Bench()
+    with caplog.at_level(logging.INFO, logger="shardfc.head"):
+        b2.selector(tmp_path / "e.json", steps=1, warmup=0, write_cache=False).choose(
+            KEY, b2.candidates(gemm=RuntimeError("oom"), torch=0.001), agree=_follower_agree([-1, 0], []))
+    assert _messages(caplog, logging.WARNING) == [
+        f"head impl for workload {short}: rank 0 chose gemm, which failed here (RuntimeError: oom)"
+    ]
+
+
+def test_what_no_candidate_running_says_here_and_on_rank_0(tmp_path):
+    short = S.short_key(KEY)
+    b = Bench()
+    with pytest.raises(RuntimeError) as info:
+        b.selector(tmp_path / "c.json").choose(KEY, b.candidates(gemm=RuntimeError("a"), torch=ValueError("b")))
+    assert str(info.value) == (
+        f"no implementation of the head could run here (workload {short}): gemm: RuntimeError: a; torch: ValueError: b"
+    )
+    with pytest.raises(RuntimeError) as info:  # rank 0 failed, this rank did not
+        b.selector(tmp_path / "d.json").choose(KEY, b.candidates(torch=0.001), agree=lambda i: -1)
+    assert str(info.value) == (
+        f"no implementation of the head could run on rank 0 (workload {short}): none failed here"
+    )
+    with pytest.raises(RuntimeError) as info:  # rank 0 has no cache entry and picks one that fails here
+        b.selector(tmp_path / "e.json").choose(
+            KEY, b.candidates(torch=RuntimeError("c")), agree=_follower_agree([-1, 0], []))
+    assert "could run here" in str(info.value)
+
+
+def test_a_cached_first_candidate_is_a_choice_and_logged_as_cached(tmp_path, caplog):
+    """Index 0 of the candidates is a cache hit like any other (not "no entry")."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({KEY: {"impl": "triton", "times_ms": {}, "when": "x"}}))
+    b = Bench()
+    sel = b.selector(path)
+    with caplog.at_level(logging.INFO, logger="shardfc.head"):
+        assert sel.choose(KEY, b.candidates(triton=0.002, torch=0.001)) == "triton"
+    assert b.calls == [] and sel.choices == {KEY: "triton"}
+    assert _messages(caplog) == [f"head impl for workload {S.short_key(KEY)}: triton (cached in {path})"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="shardfc.head"):
+        sel1 = b.selector(tmp_path / "none.json")
+        assert sel1.choose(KEY, b.candidates(triton=0.002, torch=0.001), agree=lambda i: 0) == "triton"
+    assert b.calls == [] and sel1.choices == {KEY: "triton"}
+    assert _messages(caplog) == [f"head impl for workload {S.short_key(KEY)}: triton (rank 0's cached choice)"]
+
+
+def test_agree_may_return_minus_one_to_n_minus_one_only(tmp_path):
+    b = Bench()
+    for bad in (-2, 2):
+        with pytest.raises(RuntimeError) as info:
+            b.selector(tmp_path / "c.json").choose(KEY, b.candidates(gemm=0.001, torch=0.002), agree=lambda i: bad)
+        assert str(info.value) == f"agree(-1) returned {bad}, not an index of the 2 candidates or -1"
+    assert b.selector(tmp_path / "d.json").choose(KEY, b.candidates(gemm=0.002, torch=0.001), agree=lambda i: 1) == "torch"
+
+
+def test_only_out_of_memory_on_a_cuda_machine_empties_the_cache(tmp_path, monkeypatch):
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    b = Bench()
+    b.selector(tmp_path / "c.json").choose(KEY, b.candidates(triton=torch.cuda.OutOfMemoryError("oom"), torch=0.001))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    b.selector(tmp_path / "d.json").choose(KEY, b.candidates(triton=RuntimeError("not oom"), torch=0.001))
+    assert emptied == []
+
+
+def test_the_selectors_defaults_and_argument_names(tmp_path, monkeypatch):
+    import time
+
+    sel = S.ImplSelector(tmp_path / "c.json")
+    assert sel.clock is time.perf_counter and sel.log is logging.getLogger("shardfc.head")
+    assert sel.sync() is None  # nothing to wait for without CUDA
+    mine = logging.getLogger("mine")
+    assert S.ImplSelector(tmp_path / "c.json", log=mine).log is mine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert S.ImplSelector(tmp_path / "c.json").sync is torch.cuda.synchronize
+    with pytest.raises(ValueError) as info:
+        S.ImplSelector(tmp_path / "c.json", steps=0)
+    assert str(info.value).startswith("steps must be")
+    with pytest.raises(ValueError) as info:
+        S.ImplSelector(tmp_path / "c.json", warmup=-1)
+    assert str(info.value).startswith("warmup must be")
+
+
+def test_the_cache_file_is_indented_sorted_json_written_beside_itself(tmp_path, monkeypatch):
+    """One entry per workload, sorted and indented (a person reads it), written to a temporary
+    file in the same folder and renamed (a rename across file systems would not be atomic)."""
+    made = []
+    real = S.tempfile.mkstemp
+
+    def spy(**kw):
+        made.append(kw)
+        return real(**kw)
+
+    monkeypatch.setattr(S.tempfile, "mkstemp", spy)
+    path = tmp_path / "c.json"
+    b = Bench()
+    b.selector(path).choose(KEY, b.candidates(torch=0.00112345678, gemm=RuntimeError("x")))
+    text = path.read_text(encoding="utf-8")
+    data = json.loads(text)
+    assert text == json.dumps(data, indent=1, sort_keys=True) + "\n"
+    assert data[KEY]["times_ms"] == {"gemm": None, "torch": 1.1235}  # four decimals
+    assert made == [{"dir": tmp_path, "prefix": ".c.json.", "suffix": ".tmp"}]
+
+
+def test_what_each_unreadable_cache_says(tmp_path, caplog, monkeypatch):
+    path = tmp_path / "c.json"
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="shardfc.head"):
+        assert S.ImplSelector(path)._read() == {}
+    [refused] = _messages(caplog, logging.WARNING)
+    assert refused.startswith(f"ignoring the head-impl cache (head-impl cache {path} ")
+    assert refused.endswith("); its workloads are timed again")
+    caplog.clear()
+    path.write_text("[1, 2]")
+    with caplog.at_level(logging.WARNING, logger="shardfc.head"):
+        assert S.ImplSelector(path)._read() == {}
+    assert _messages(caplog, logging.WARNING) == [f"ignoring the head-impl cache {path}: not a JSON object"]
+    caplog.clear()
+
+    def unreadable(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(S.files, "load_json", unreadable)
+    sel = S.ImplSelector(path)
+    with caplog.at_level(logging.WARNING, logger="shardfc.head"):
+        assert sel._read() == {} and sel._read() == {}
+    assert _messages(caplog, logging.WARNING) == [
+        f"ignoring the head-impl cache {path}: PermissionError: [Errno 13] Permission denied"
+    ]
+
+
+def test_a_reason_is_one_line_of_at_most_200_characters():
+    assert S._reason(RuntimeError("first\nsecond")) == "RuntimeError: first"
+    assert S._reason(RuntimeError("  padded  ")) == "RuntimeError: padded"
+    assert S._reason(KeyError()) == "KeyError"
+    assert S._reason(RuntimeError("\n")) == "RuntimeError"
+    assert S._reason(RuntimeError("MAX")) == "RuntimeError: MAX"  # only the separator is stripped
+    exact = "x" * (200 - len("RuntimeError: "))
+    assert S._reason(RuntimeError(exact)) == f"RuntimeError: {exact}"
+    long = S._reason(RuntimeError(exact + "y"))
+    assert len(long) == 200 and long == f"RuntimeError: {exact[:-3]}..."
+
+
+def test_exact_texts_of_the_small_helpers(monkeypatch):
+    monkeypatch.setenv(S.ENV_VAR, "cudnn")
+    with pytest.raises(ValueError) as info:
+        S.env_override()
+    assert str(info.value) == (
+        f"SHARDFC_HEAD_IMPL='cudnn' is not an implementation of the head; choose from {', '.join(S.IMPLS)}"
+    )
+    with pytest.raises(ValueError) as info:
+        S.workload_key()
+    assert str(info.value) == "workload_key needs at least one field"
+    assert S.workload_key(b=torch.float32, a=1) == '{"a":1,"b":"torch.float32"}'
+    with pytest.raises(ValueError) as info:
+        S.settle_views([])
+    assert str(info.value) == "settle_views needs the view of at least one rank"
+    with pytest.raises(RuntimeError) as info:
+        S.RankView.decode(S.VIEW_CODES)
+    assert str(info.value) == f"a rank sent {S.VIEW_CODES}, not the code of a head-impl view (0 .. {S.VIEW_CODES - 1})"
+    with pytest.raises(ValueError, match="cached must be an index"):
+        S.RankView(None, True, -2)
+    assert S.settle_views([S.RankView(cached=0)]) == S.Settled(S.NAMES[0], "cached")
+
+
+def test_the_machine_fields_name_the_cuda_device_when_none_is_given(monkeypatch):
+    assert S.environment_fields()["gpu"] == "cpu"  # no CUDA here
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: asked.append(device) or "NVIDIA H200")
+    assert S.environment_fields()["gpu"] == "NVIDIA H200"
+    assert S.environment_fields("cuda:1")["gpu"] == "NVIDIA H200"
+    assert S.environment_fields("cpu")["gpu"] == "cpu"  # a CPU head on a CUDA machine
+    assert asked == [torch.device("cuda"), torch.device("cuda:1")]
+
+
+def test_settle_messages_and_what_it_reads(tmp_path, caplog, monkeypatch):
+    short = S.short_key(KEY)
+    path = tmp_path / "r0.json"
+    path.write_text(json.dumps({KEY: {"impl": "gemm", "times_ms": {}, "when": "x"}}))
+    with caplog.at_level(logging.DEBUG, logger="shardfc.head"):
+        assert S.ImplSelector(path).settle(KEY, None, True) == "gemm"
+        gather, _ = _gathers(S.RankView("torch"), S.RankView("torch"))
+        assert S.ImplSelector(path).settle(KEY, "torch", True, gather) == "torch"
+        gather, _ = _gathers(S.RankView(None, False), S.RankView(None, False))
+        assert S.ImplSelector(path).settle(KEY, None, False, gather) == "torch"
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, f"head impl for workload {short}: gemm (cached in {path})"),
+        (logging.INFO, f"head impl for workload {short}: torch (SHARDFC_HEAD_IMPL on every rank)"),
+        (logging.DEBUG, f"head impl for workload {short}: torch (the fused kernels run on no rank)"),
+    ]
+    caplog.clear()
+    gather, _ = _gathers(S.RankView(cached=1), S.RankView())  # rank 0's entry, none here
+    with caplog.at_level(logging.INFO, logger="shardfc.head"):
+        assert S.ImplSelector(tmp_path / "none.json").settle(KEY, None, True, gather) == "gemm"
+    assert _messages(caplog) == [f"head impl for workload {short}: gemm (rank 0's cached choice)"]
+    caplog.clear()
+    gather, _ = _gathers(S.RankView(), S.RankView(None, False))
+    why = RuntimeError("Triton is not installed")
+    with caplog.at_level(logging.INFO, logger="shardfc.head"):  # a rank that could run them: no "here"
+        assert S.ImplSelector(tmp_path / "x.json").settle(KEY, None, True, gather, cause=why) == "torch"
+    assert _messages(caplog, logging.WARNING) == [
+        f"head impl for workload {short}: torch on every rank, as the fused kernels cannot run on rank 1 and every "
+        "rank runs the same implementation; make Triton run there (a CUDA device, pip install 'shardfc[gpu]') or "
+        "pass impl='torch' to choose torch yourself"
+    ]
+    # an override, or a rank that cannot time the candidates, never reads the cache file
+    monkeypatch.setattr(S.ImplSelector, "_read", lambda self: pytest.fail("the cache was read"))
+    assert S.ImplSelector(path).settle(KEY, "gemm", True) == "gemm"
+    assert S.ImplSelector(path).settle(KEY, None, False) == "torch"
+
+
+def test_an_error_about_another_ranks_override_has_no_cause_here(tmp_path):
+    """``cause`` explains this rank's own override; an error about another rank's is not from it."""
+    gather, _ = _gathers(S.RankView(), S.RankView("gemm"))
+    why = RuntimeError("Triton is not installed")
+    with pytest.raises(ValueError, match="differs across ranks") as info:
+        S.ImplSelector(tmp_path / "c.json").settle(KEY, None, True, gather, cause=why)
+    assert info.value.__cause__ is None
+
+
+def test_the_table_says_when_the_choice_could_not_be_cached(tmp_path, caplog, monkeypatch):
+    def read_only(src, dst):
+        raise PermissionError(13, "Read-only file system", str(dst))
+
+    monkeypatch.setattr(S.os, "replace", read_only)
+    b = Bench()
+    with caplog.at_level(logging.INFO, logger="shardfc.head"):
+        b.selector(tmp_path / "c.json", steps=1, warmup=0).choose(KEY, b.candidates(torch=0.001))
+    assert _messages(caplog)[0] == (
+        f"head impl for workload {S.short_key(KEY)} (median of 1 calls after 0 warm-up; "
+        "not cached: the file cannot be written):\n  torch        1.000 ms  chosen"
+    )
