@@ -94,6 +94,11 @@ def test_an_impl_error_changes_no_state(monkeypatch):
 
 
 # ------------------------------------------------------------------ impl="auto" on a GPU, simulated
+#: Timed calls per candidate: two, so a candidate runs three times (its warm-up, two timed) and one
+#: that changed state would be caught; each is a step under the interpreter, the file's main cost.
+STEPS = 2
+
+
 class _Clock:
     """A stub clock: each timed call of candidate ``k`` (in the order tried) lasts ``ms[k]``."""
 
@@ -112,14 +117,14 @@ class _Clock:
 def auto_on_gpu(monkeypatch, tmp_path):
     """``impl="auto"`` as on a CUDA GPU (the candidates run under the interpreter here), with a
     selector whose clock says: triton 3 ms at every chunk scale, gemm 1.5, 1, 1.2 and 1.3 ms at
-    scales 1, 2, 4 and 8, torch 2 ms (the order of ``TIMED``)."""
+    scales 1, 2, 4 and 8, torch 2 ms (the order of ``TIMED``); a warm-up and STEPS timed calls each."""
     import shardfc.head.module as module
 
     real = module.resolve_impl
     monkeypatch.setattr(module, "resolve_impl", lambda impl, *a: "auto" if impl == "auto" else real(impl, *a))
     monkeypatch.delenv(impl_select.ENV_VAR, raising=False)
-    clock = _Clock([3.0] * 4 + [1.5, 1.0, 1.2, 1.3, 2.0], steps=3)
-    selector = impl_select.ImplSelector(path=tmp_path / "head_impl.json", steps=3, warmup=1, clock=clock,
+    clock = _Clock([3.0] * 4 + [1.5, 1.0, 1.2, 1.3, 2.0], steps=STEPS)
+    selector = impl_select.ImplSelector(path=tmp_path / "head_impl.json", steps=STEPS, warmup=1, clock=clock,
                                         sync=lambda: None)
     monkeypatch.setattr(impl_select, "default_selector", lambda: selector)
     return selector, clock
@@ -140,7 +145,7 @@ def test_auto_picks_the_fastest_and_changes_no_state(auto_on_gpu, kw):
     selector, clock = auto_on_gpu
     head, loss, gx, gw = _trained("auto", **kw)
     assert (head.last_impl, head.last_chunk_scale) == ("gemm", 2)
-    assert len(selector.timings) == 1 and clock.calls == 2 * 3 * 9  # 9 candidates x 3 timed steps
+    assert len(selector.timings) == 1 and clock.calls == 2 * STEPS * 9  # 9 candidates x STEPS timed calls, a clock read at each end
     assert list(next(iter(selector.timings.values()))) == list(TIMED)  # each implementation at each scale
     # The timing runs left nothing behind: the step equals one run with impl="gemm" from the start
     # (same loss, same gradients, Partial FC's sample step advanced once).
@@ -149,19 +154,21 @@ def test_auto_picks_the_fastest_and_changes_no_state(auto_on_gpu, kw):
     assert torch.equal(loss, ref_loss) and torch.equal(gx, ref_gx) and torch.equal(gw, ref_gw)
     # The choice is remembered: a second forward times nothing, and the cache file holds it ...
     head(torch.randn(5, 8, device=DEVICE), torch.tensor([1, 2, 3, 4, 5], device=DEVICE))  # the batch bucket of 6
-    assert clock.calls == 54 and head.last_impl == "gemm"
+    assert clock.calls == 2 * STEPS * 9 and head.last_impl == "gemm"
     # ... while a new workload (another batch bucket) is timed anew.
     _step(head, 8)
-    assert clock.calls == 108 and len(selector.timings) == 2
+    assert clock.calls == 2 * 2 * STEPS * 9 and len(selector.timings) == 2
     first = next(iter(selector.timings))
     assert json.loads(selector.path.read_text())[first]["impl"] == "gemm@2"
 
 
 def test_auto_times_only_the_chunk_scale_a_head_names(auto_on_gpu):
-    selector, clock = auto_on_gpu
+    selector, _ = auto_on_gpu
+    # gemm fastest (the fixture's clock ties all three at 3 ms: the pick would be float rounding's)
+    clock = selector.clock = _Clock([3.0, 1.0, 2.0], steps=STEPS)
     head, *_ = _trained("auto", gpu_chunk_scale=4)
     assert list(next(iter(selector.timings.values()))) == ["triton@4", "gemm@4", "torch"]
-    assert clock.calls == 2 * 3 * 3 and (head.last_impl, head.last_chunk_scale) == ("gemm", 4)
+    assert clock.calls == 2 * STEPS * 3 and (head.last_impl, head.last_chunk_scale) == ("gemm", 4)
 
 
 @pytest.mark.parametrize("bad", [0, 3, 16, True, "2", 2.0])
@@ -207,7 +214,7 @@ def test_auto_times_the_forward_in_the_real_shards_autotune_bucket(auto_on_gpu, 
     from shardfc.head.fused import autotune, shard
 
     selector, _ = auto_on_gpu
-    selector.clock = _Clock([1.0, 2.0, 3.0], steps=3)  # triton fastest: the real forward runs the kernel too
+    selector.clock = _Clock([1.0, 2.0, 3.0], steps=STEPS)  # triton fastest: the real forward runs the kernel too
     monkeypatch.setattr(module, "AUTO_TIMED_CLASSES", 8)  # 37 classes: slices of 8, 5 of them
     forwards, backwards = [], []
 
@@ -231,12 +238,12 @@ def test_auto_times_the_forward_in_the_real_shards_autotune_bucket(auto_on_gpu, 
     head(x.to(DEVICE), y.to(DEVICE))  # the forward only: every backward seen is the timing's
     assert head.last_impl == "triton"
     real = head.sampled_rows[0].numel() if kw else 37  # the classes the step's own forward scored
-    # each triton candidate (one per chunk scale) runs it at its warm-up + 3 timed calls, then the step's own
-    assert forwards[-1] == real and len(forwards) == 4 * (1 + 3) + 1
+    # each triton candidate (one per chunk scale) runs it at its warm-up + STEPS timed calls, then the step's own
+    assert forwards[-1] == real and len(forwards) == 4 * (1 + STEPS) + 1
     assert {autotune.bucket(n) for n in forwards} == {autotune.bucket(real)}
-    # each of the 9 candidates x 4 calls runs the backward k = ceil(n / 8) times on ceil(n / k) <= 8 classes
+    # each of the 9 candidates x (1 + STEPS) calls runs the backward k = ceil(n / 8) times on ceil(n / k) <= 8 classes
     k = -(-real // 8)
-    assert len(backwards) == 9 * 4 * k and set(backwards) == {-(-real // k)} and max(backwards) <= 8
+    assert len(backwards) == 9 * (1 + STEPS) * k and set(backwards) == {-(-real // k)} and max(backwards) <= 8
 
 
 def test_the_impl_names_and_their_checks():
