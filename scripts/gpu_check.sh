@@ -170,9 +170,9 @@ if want tests; then
     else
         read -r -a xdist <<<"$TESTS"
     fi
-    per_test=()
+    per_test=()  # `-o addopts=`: the repository's own ask for pytest-xdist, which that machine may lack
     "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 90)
-    run "tests" "${TESTS_TIMEOUT:-80}" "$PY" -m pytest -q -rs -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} \
+    run "tests" "${TESTS_TIMEOUT:-80}" "$PY" -m pytest -q -rs -o addopts= -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} \
         ${per_test[@]+"${per_test[@]}"} tests/head tests/parallel/test_model_split.py -k "cuda or triton or fused" \
         >"$OUT/tests.log" 2>&1
     tail -n 30 "$OUT/tests.log"

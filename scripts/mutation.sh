@@ -91,6 +91,9 @@ settings["source_paths"] = [module]
 # the code read it from there).
 settings["also_copy"] = sorted(set(settings.get("also_copy", [])) | {"src/shardfc", "docs"})
 settings["pytest_add_cli_args_test_selection"] = tests
+# In mutmut's own process: it records which tests reach which function, which test processes of
+# pytest-xdist (the repository's addopts) would hide from it.
+settings["pytest_add_cli_args"] = ["-p", "no:xdist", "-o", "addopts=-ra"]
 text = re.sub(r"(?ms)^\[tool\.mutmut\]\n.*?(?=^\[|\Z)", "", text).rstrip() + "\n\n[tool.mutmut]\n"
 text += "".join(f"{key} = {json.dumps(value)}\n" for key, value in settings.items())
 open(path, "w").write(text)
