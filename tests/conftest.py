@@ -13,22 +13,13 @@ from typing import List, Optional
 
 import pytest
 
-#: The most test processes ``-n auto`` starts: each may launch up to 4 ranks of its own.
-MAX_WORKERS = 8
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - macOS
-        return os.cpu_count() or 1
-
 
 @pytest.hookimpl(optionalhook=True)  # `-p no:xdist` (scripts/mutation.sh) leaves it unknown
 def pytest_xdist_auto_num_workers(config) -> int:
-    """``-n auto``: one test process per usable core (a container's or taskset's, not the host's), at
-    most :data:`MAX_WORKERS`."""
-    return max(1, min(_usable_cores(), MAX_WORKERS))
+    """``-n auto`` (pyproject's addopts): :func:`xdist_workers.auto_workers`."""
+    from xdist_workers import auto_workers
+
+    return auto_workers()
 
 
 #: Set to 1 (CI does) to make the Horovod tests fail instead of skipping when Horovod is missing.

@@ -1,4 +1,4 @@
-"""How the suite runs: the test processes ``-n auto`` starts (tests/conftest.py), and the
+"""How the suite runs: the test processes ``-n auto`` starts (tests/xdist_workers.py), and the
 pyproject settings that make the README's ``python -m pytest -q`` run them."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import conftest
+import xdist_workers
 from shardfc import files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,12 +15,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_auto_starts_one_process_per_usable_core_at_most_eight(monkeypatch):
     for cores, workers in ((1, 1), (2, 2), (7, 7), (8, 8), (64, 8)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
-        assert conftest.pytest_xdist_auto_num_workers(None) == workers, cores
+        assert xdist_workers.auto_workers() == workers, cores
     monkeypatch.delattr(os, "sched_getaffinity")  # macOS: no affinity, the CPU count
     monkeypatch.setattr(os, "cpu_count", lambda: 3)
-    assert conftest.pytest_xdist_auto_num_workers(None) == 3
+    assert xdist_workers.auto_workers() == 3
     monkeypatch.setattr(os, "cpu_count", lambda: None)
-    assert conftest.pytest_xdist_auto_num_workers(None) == 1
+    assert xdist_workers.auto_workers() == 1
 
 
 def test_the_test_extra_brings_what_the_addopts_ask_for():
