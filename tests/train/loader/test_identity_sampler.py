@@ -106,3 +106,20 @@ def test_dataset_labels_of_the_synthetic_set():
 
     ds = SyntheticIdentities(5, 3, (8, 8), seed=0)
     assert dataset_labels(ds).tolist() == [ds[i][1] for i in range(len(ds))]
+
+
+def test_a_new_sampler_is_epoch_0_from_its_start_and_set_epoch_starts_at_0_by_default():
+    labels = _labels()
+    fresh = IdentityBatches(labels, 8, K, 1, 2, seed=7)
+    assert len(fresh) == fresh.num_batches and list(fresh) == _epoch(labels, 8, 2, epoch=0)[1]
+    fresh.set_epoch(3, 5)
+    assert len(fresh) == fresh.num_batches - 5
+    fresh.set_epoch(4)  # a new epoch: from its first batch, not where the last resume began
+    assert len(fresh) == fresh.num_batches and list(fresh) == _epoch(labels, 8, 2, epoch=4)[1]
+
+
+def test_exactly_as_many_identities_as_a_batch_needs_is_enough():
+    labels = np.repeat(np.arange(4), [4, 5, 8, 4])  # P = 16 / K = 4 identities, no more
+    s = IdentityBatches(labels, 16, K, 0, 1, seed=0)
+    [batch] = list(s)  # 5 chunks fill one batch of 4: the third identity's second sits out
+    assert len(s) == 1 and sorted(Counter(labels[batch].tolist()).values()) == [K] * 4
