@@ -68,3 +68,64 @@ def test_imprint_sharded_over_three_ranks_equals_dense():
     got = torch.cat([c for _, c, _ in results]).double()
     assert torch.equal(torch.cat([n for _, _, n in results]), counts)
     assert (got - centres).abs().max() < 1e-6
+
+
+# ---------------------------------------------------------------- ranks as threads (mutmut sees them)
+def _thread_world_imprint(world, batches_of):
+    """Each rank ``r`` imprints its own ``class_ranges(C, world)[r]`` from ``batches_of(r)``, the ranks
+    being threads of this process (``tests/thread_world.py``)."""
+    from thread_world import ThreadWorld
+
+    tw = ThreadWorld(world)
+
+    def rank_fn(rank):
+        got = imprint_centres(iter(batches_of(rank)), class_ranges(C, world)[rank], D, context=tw.context())
+        return got.class_range, got.centres, got.counts
+
+    return tw.results(rank_fn)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_imprint_over_thread_ranks_equals_dense_whatever_each_rank_streams(world):
+    """Rank r streams 2 + 2r batches (sizes 0..8, empty ones among them): the ranks run out at
+    different rounds, and a rank whose batch is empty still takes part in the round."""
+    results = _thread_world_imprint(world, lambda rank: stream(rank, 2 + 2 * rank))
+    everything = [b for rank in range(world) for b in stream(rank, 2 + 2 * rank)]
+    centres, counts = dense(everything)
+    assert [r for r, _, _ in results] == class_ranges(C, world)
+    assert torch.equal(torch.cat([n for _, _, n in results]), counts)
+    assert (torch.cat([c for _, c, _ in results]).double() - centres).abs().max() < 1e-6
+
+
+def test_imprint_over_thread_ranks_where_one_rank_has_no_batch_at_all():
+    labelled = [(torch.eye(D, dtype=torch.float64)[:4] * 3, torch.tensor([0, 12, 22, 5]))]
+    results = _thread_world_imprint(2, lambda rank: labelled if rank == 1 else [])
+    centres, counts = dense(labelled)
+    assert torch.equal(torch.cat([n for _, _, n in results]), counts) and int(counts.sum()) == 4
+    assert (torch.cat([c for _, c, _ in results]).double() - centres).abs().max() < 1e-6
+    # no rank with any batch: one round, every count zero
+    results = _thread_world_imprint(2, lambda rank: [])
+    assert all(int(n.sum()) == 0 and not c.any() for _, c, n in results)
+
+
+def test_imprint_sums_in_fp32_from_any_label_dtype():
+    batches = [(x, y.to(torch.int32)) for x, y in stream(1, 4)]
+    centres, counts = dense(stream(1, 4))
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:  # the sums are fp32 whatever the default dtype
+        got = imprint_centres(iter(batches), range(C), D, device="cpu")
+    finally:
+        torch.set_default_dtype(before)
+    assert got.centres.dtype == torch.float32 and got.counts.dtype == torch.int64
+    assert torch.equal(got.counts, counts) and (got.centres.double() - centres).abs().max() < 1e-6
+
+
+def test_a_round_where_every_rank_has_an_empty_batch_is_not_the_end():
+    """An empty batch is a batch (size 0): only a rank that has no batch left says so (size -1)."""
+    empty = (torch.zeros(0, D, dtype=torch.float64), torch.zeros(0, dtype=torch.int64))
+    later = [(torch.eye(D, dtype=torch.float64)[:2], torch.tensor([3, 17]))]
+    results = _thread_world_imprint(2, lambda rank: [empty] + (later if rank == 0 else []))
+    assert int(sum(n.sum() for _, _, n in results)) == 2
+    single = imprint_centres(iter([empty, *later]), range(C), D)  # one process: the same
+    assert int(single.counts.sum()) == 2
