@@ -129,3 +129,19 @@ def test_a_round_where_every_rank_has_an_empty_batch_is_not_the_end():
     assert int(sum(n.sum() for _, _, n in results)) == 2
     single = imprint_centres(iter([empty, *later]), range(C), D)  # one process: the same
     assert int(single.counts.sum()) == 2
+
+
+def test_imprint_over_torch_distributed_thread_ranks_equals_dense():
+    """The same rounds through ``torch.distributed``'s own collectives (its threaded backend): the
+    gather pads to the largest batch, so the sizes must be the ints the all-reduce gives."""
+    from thread_world import TorchThreadWorld
+
+    def rank_fn(rank):
+        got = imprint_centres(iter(stream(rank, 2 + 2 * rank)), class_ranges(C, 3)[rank], D,
+                              context=DistContext.resolve())
+        return got.centres, got.counts
+
+    results = TorchThreadWorld(3).results(rank_fn)
+    centres, counts = dense([b for rank in range(3) for b in stream(rank, 2 + 2 * rank)])
+    assert torch.equal(torch.cat([n for _, n in results]), counts)
+    assert (torch.cat([c for c, _ in results]).double() - centres).abs().max() < 1e-6
