@@ -47,13 +47,15 @@ def test_fewer_classes_than_shards_gives_empty_tail() -> None:
 def test_num_classes_validation(bad: object) -> None:
     with pytest.raises(ValueError, match=rf"num_classes must be a positive integer, got {bad!r}"):
         class_ranges(bad, 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=rf"^num_classes must be a positive integer, got {bad!r}"):
+        class_range(bad, 2, 0)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, False])
 def test_num_shards_validation(bad: object) -> None:
     with pytest.raises(ValueError, match=rf"num_shards must be a positive integer, got {bad!r}"):
         class_ranges(10, bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="num_shards"):
+    with pytest.raises(ValueError, match=rf"^num_shards must be a positive integer, got {bad!r}"):
         class_range(10, bad, 0)  # type: ignore[arg-type]
 
 
@@ -61,3 +63,58 @@ def test_num_shards_validation(bad: object) -> None:
 def test_index_validation(bad: object) -> None:
     with pytest.raises(ValueError, match=rf"index must be an int in \[0, num_shards=3\), got {bad!r}"):
         class_range(10, 3, bad)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- the shared ids and the seeded rows
+def test_overlap_is_the_shared_ids_or_an_empty_range_at_the_later_start() -> None:
+    from shardfc.head.layout import overlap
+
+    assert overlap(range(0, 10), range(5, 20)) == range(5, 10)
+    assert overlap(range(5, 20), range(0, 10)) == range(5, 10)
+    assert overlap(range(0, 10), range(2, 4)) == range(2, 4)
+    assert overlap(range(0, 3), range(7, 9)) == range(7, 7)  # none: empty at the later start
+    assert overlap(range(7, 9), range(0, 3)) == range(7, 7)
+    assert overlap(range(0, 4), range(4, 6)) == range(4, 4)
+
+
+def _rows_by_definition(start: int, stop: int, dim: int, seed: int, block: int):
+    """Rows [start, stop) drawn as the docstring says: each block of ``block`` rows whole from a CPU
+    generator seeded by ``mix_seed(seed, block index)``, times 0.01."""
+    import torch
+
+    from shardfc.seeding import mix_seed
+
+    blocks = [torch.randn(block, dim, generator=torch.Generator().manual_seed(mix_seed(seed, b))) * 0.01
+              for b in range(stop // block + 1)]
+    return torch.cat(blocks)[start:stop]
+
+
+def test_init_rows_are_the_seeded_blocks_whatever_the_cut(monkeypatch) -> None:
+    import torch
+
+    from shardfc.head import layout
+
+    monkeypatch.setattr(layout, "INIT_BLOCK", 8)  # small blocks: every cut below crosses some
+    whole = layout.init_rows(0, 30, 5, seed=11)
+    assert whole.dtype == torch.float32 and whole.shape == (30, 5) and whole.device.type == "cpu"
+    assert torch.equal(whole, _rows_by_definition(0, 30, 5, 11, 8))
+    for start, stop in ((0, 1), (7, 9), (8, 16), (3, 29), (16, 30), (29, 30)):
+        assert torch.equal(layout.init_rows(start, stop, 5, seed=11), whole[start:stop]), (start, stop)
+    assert layout.init_rows(12, 12, 5, seed=11).shape == (0, 5)
+    assert not torch.equal(layout.init_rows(0, 30, 5, seed=12), whole)
+    # any device but CUDA: the CPU's draw, on the CPU
+    assert torch.equal(layout.init_rows(3, 29, 5, seed=11, device="meta"), whole[3:29])
+    assert torch.equal(layout.init_rows(3, 29, 5, seed=11, device=torch.device("cpu")), whole[3:29])
+
+
+def test_seeded_rows_of_a_range_and_of_its_subcentres(monkeypatch) -> None:
+    import torch
+
+    from shardfc.head import layout
+
+    monkeypatch.setattr(layout, "INIT_BLOCK", 8)
+    plain = layout.seeded_rows(seed=4, subcenters=1, dim=3)
+    assert torch.equal(plain(range(5, 11)), layout.init_rows(5, 11, 3, seed=4))
+    three = layout.seeded_rows(seed=4, subcenters=3, dim=3)(range(5, 11))
+    assert three.shape == (6, 3, 3)  # class c's K rows are logical rows [cK, (c + 1)K)
+    assert torch.equal(three.reshape(18, 3), layout.init_rows(15, 33, 3, seed=4))
