@@ -104,10 +104,20 @@ def _bad_input(rank, world, ctx):
     return "no error"
 
 
-@pytest.fixture(scope="module", params=[2, 3])
+@pytest.fixture(scope="module", params=["gloo-2", "gloo-3", "threads-2", "threads-3"])
 def results(request):
-    world = request.param
-    return world, spawn(_run_cases, world, backend="gloo")
+    """Every rank's cases: gloo ranks in spawned processes, and the same over ``torch.distributed``'s
+    threaded backend in this process (``tests/thread_world.py``), where mutation testing sees them."""
+    how, world = request.param.split("-")
+    world = int(world)
+    if how == "gloo":
+        return world, spawn(_run_cases, world, backend="gloo")
+    from thread_world import TorchThreadWorld
+
+    per_rank = TorchThreadWorld(world).results(lambda rank: _run_cases(rank, world))
+    for out in per_rank:  # count_comm counts the process's traffic: thread ranks would see each other's
+        del out["comm"]
+    return world, per_rank
 
 
 def test_single_process_matches_reference():
@@ -138,6 +148,8 @@ def test_global_batch_matches_dense_reference(results):
 
 def test_feature_traffic_is_counted(results):
     world, per_rank = results
+    if "comm" not in per_rank[0]:
+        pytest.skip("thread ranks share the process's traffic counter; the gloo ranks count theirs")
     sizes = SIZES[world]
     for out in per_rank:
         # float64 features [B, D]: padded to the largest local batch forward, exact rows backward
@@ -164,10 +176,66 @@ def test_rejects_bad_margin():
 def test_grad_scale_in_a_world_of_one():
     x, y = _global_data(9, 3)
     grads = []
-    for scale in (1.0, 3.0):
+    for scale in (1.0, 2.0, 3.0):
         xr = x.clone().requires_grad_()
         loss = BatchHardTripletLoss(context=DistContext(), grad_scale=scale)(xr, y)
         loss.backward()
         grads.append((float(loss.detach()), xr.grad))
-    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-12) and torch.allclose(3 * grads[0][1], grads[1][1])
+    for (value, grad), scale in zip(grads[1:], (2.0, 3.0)):
+        assert value == pytest.approx(grads[0][0], rel=1e-12) and torch.allclose(scale * grads[0][1], grad)
     assert not dist.is_initialized()
+
+
+# ---------------------------------------------------------------- refusals, defaults and dtypes, whole
+@pytest.mark.parametrize("features,labels,message", [
+    ([[0.0] * D], torch.tensor([0]), "features must be a float tensor [B, D], got list"),
+    (torch.zeros(3), torch.tensor([0, 1, 0]), "features must be a float tensor [B, D], got shape (3,), dtype torch.float32"),
+    (torch.zeros(3, D, dtype=torch.int64), torch.tensor([0, 1, 0]),
+     "features must be a float tensor [B, D], got shape (3, 5), dtype torch.int64"),
+    (torch.zeros(3, D), [0, 1, 0], "labels must be an integer tensor [B], got list"),
+    (torch.zeros(3, D), torch.zeros(3, 1, dtype=torch.int64),
+     "labels must be an integer tensor [B], got shape (3, 1), dtype torch.int64"),
+    (torch.zeros(3, D), torch.zeros(3, dtype=torch.complex64),
+     "labels must be an integer tensor [B], got shape (3,), dtype torch.complex64"),
+    (torch.zeros(3, D), torch.tensor([0, 1]), "labels has 2 entries but features has 3 rows"),
+])
+def test_each_refusal_reads_whole(features, labels, message):
+    with pytest.raises(ValueError) as info:
+        BatchHardTripletLoss(context=DistContext())(features, labels)
+    assert str(info.value) == message
+
+
+def test_defaults_margin_zero_and_what_the_module_says_of_itself():
+    plain = BatchHardTripletLoss()  # no group: this process alone
+    assert (plain.margin, plain.soft, plain.grad_scale, plain.ctx.world_size) == (0.3, False, 1.0, 1)
+    assert plain.extra_repr() == "margin=0.3, rank 0/1"
+    assert BatchHardTripletLoss(soft=True).extra_repr() == "soft, rank 0/1"
+    assert BatchHardTripletLoss(0).margin == 0.0  # the bound is >= 0
+    ctx = DistContext()
+    assert BatchHardTripletLoss(context=ctx).ctx is ctx
+    for bad in (True, "0.3", None):
+        with pytest.raises(ValueError, match=rf"^margin must be a finite number >= 0, got {bad!r}$"):
+            BatchHardTripletLoss(bad, context=ctx)
+
+
+def test_an_empty_batch_is_a_zero_loss_connected_to_the_features():
+    x = torch.zeros(0, D, requires_grad=True)
+    loss = BatchHardTripletLoss(context=DistContext())(x, torch.zeros(0, dtype=torch.int64))
+    assert float(loss.detach()) == 0.0 and loss.requires_grad
+    loss.backward()
+    assert x.grad.shape == (0, D)
+
+
+@pytest.mark.parametrize("dtype,computed", [(torch.float64, torch.float64), (torch.float32, torch.float32),
+                                            (torch.bfloat16, torch.float32)])
+def test_distances_in_fp32_at_least_also_under_autocast(dtype, computed):
+    x, y = _global_data(9, 3)
+    want = reference_loss(x, y, 0.3, False)
+    loss = BatchHardTripletLoss(context=DistContext())(x.to(dtype), y)
+    assert loss.dtype == computed
+    ref32 = BatchHardTripletLoss(context=DistContext())(x.float(), y)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a bf16 |a|^2 + |b|^2 - 2ab would cancel badly
+        under = BatchHardTripletLoss(context=DistContext())(x.float(), y)
+    assert under.dtype == torch.float32 and float(under) == pytest.approx(float(ref32), rel=1e-6)
+    tol = 1e-12 if dtype == torch.float64 else (1e-6 if dtype == torch.float32 else 2e-2)
+    assert float(loss) == pytest.approx(float(want), rel=tol)

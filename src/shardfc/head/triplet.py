@@ -103,7 +103,10 @@ class BatchHardTripletLoss(nn.Module):
         self.grad_scale = float(self.ctx.world_size if grad_scale is None else grad_scale)
 
     def forward(self, features: Tensor, labels: Tensor) -> Tensor:
-        sizes: List[int] = raise_or_exchange_sizes(_check_inputs(features, labels), features.shape[0], self.ctx)
+        error = _check_inputs(features, labels)
+        # (not features.shape on a list: its error would be an AttributeError, on this rank alone)
+        local = features.shape[0] if isinstance(features, Tensor) and features.ndim else 0
+        sizes: List[int] = raise_or_exchange_sizes(error, local, self.ctx)
         if sum(sizes) == 0:  # nothing anywhere: a zero loss still connected to the features
             return features.sum().float() * 0
         # Distances in float32 at least, also under autocast: a bf16 |a|^2 + |b|^2 - 2ab cancels badly.
