@@ -78,6 +78,7 @@ def _run_cases(rank, world):
                 "ref": want,
             }
     out["bad_input"] = _bad_input(rank, world, ctx)
+    out["bad_features"] = _bad_input(rank, world, ctx, features_as_list=True)
     out["comm"] = _counted_traffic(sizes, lo, hi, ctx)
     return out
 
@@ -91,12 +92,15 @@ def _counted_traffic(sizes, lo, hi, ctx):
     return dict(counter.bytes)
 
 
-def _bad_input(rank, world, ctx):
-    """One rank passes float labels: every rank raises naming it, none hangs."""
+def _bad_input(rank, world, ctx, features_as_list=False):
+    """One rank passes float labels (or its features as a list): every rank raises naming it, none hangs."""
     loss_fn = BatchHardTripletLoss(context=ctx)
     x, y = torch.randn(3, D), torch.tensor([0, 1, 0])
     if rank == world - 1:
-        y = y.float()
+        if features_as_list:
+            x = x.tolist()
+        else:
+            y = y.float()
     try:
         loss_fn(x, y)
     except ValueError as e:
@@ -126,6 +130,9 @@ def test_single_process_matches_reference():
         if key == "bad_input":
             assert "labels must be an integer tensor" in r
             continue
+        if key == "bad_features":
+            assert r == "features must be a float tensor [B, D], got list"
+            continue
         if key == "comm":
             assert r == {}  # one process: nothing to move
             continue
@@ -136,7 +143,7 @@ def test_global_batch_matches_dense_reference(results):
     world, per_rank = results
     for rank, out in enumerate(per_rank):
         for key, r in out.items():
-            if key in ("bad_input", "comm"):
+            if key in ("bad_input", "bad_features", "comm"):
                 continue
             assert r["loss"] < TOL, (world, rank, key, r)
             assert r["grad"] < TOL, (world, rank, key, r)
@@ -164,6 +171,8 @@ def test_bad_input_raises_on_every_rank(results):
     for out in per_rank:
         assert "labels must be an integer tensor" in out["bad_input"], out["bad_input"]
         assert f"rank {world - 1}" in out["bad_input"]
+        assert "features must be a float tensor [B, D], got list" in out["bad_features"], out["bad_features"]
+        assert f"rank {world - 1}" in out["bad_features"]
 
 
 def test_rejects_bad_margin():
