@@ -10,6 +10,7 @@ process (``tests/thread_world.py``), where mutation testing sees the cross-rank 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from dense_losses import dense_loss
 import shardfc
 from shardfc import margins as M
 from shardfc.head.module import init_rows
-from shardfc.head.subcenters import subcenter_counts
+from shardfc.head.subcenters import noisy_samples, subcenter_counts
 from shardfc.parallel.context import DistContext
 from shardfc.parallel.launch import spawn
 from thread_world import ThreadWorld
@@ -152,9 +153,25 @@ def _counts_case(rank, world):
     return torch.equal(counts, expected[head.class_range.start : head.class_range.stop])
 
 
+def _noisy_case(rank, world, max_angle=60.0):
+    """noisy_samples over ranks: this rank's samples, each flagged by the rank that holds its class
+    (an ignored label never). Returns (equal to the dense flags, the dense flags of the global batch)."""
+    sizes = SIZES[world]
+    B, lo, hi = sum(sizes), sum(sizes[:rank]), sum(sizes[: rank + 1])
+    x, y, _ = _global_data(B, ignore=True)
+    head = shardfc.ShardedMarginHead(D, C, subcenters=3, dtype=torch.float64)
+    got = noisy_samples(head, x[lo:hi], y[lo:hi], max_angle=max_angle)
+    W = torch.nn.functional.normalize(init_rows(0, C * 3, D, 0).double(), dim=1).view(C, 3, D)
+    nearest = torch.stack([(W[yi] @ xi).max() if yi >= 0 else torch.tensor(1.0, dtype=torch.float64)
+                           for xi, yi in zip(torch.nn.functional.normalize(x, dim=1), y)])
+    expected = nearest < math.cos(math.radians(max_angle))
+    return bool(torch.equal(got, expected[lo:hi])), expected
+
+
 def _worker(rank, world):
     results = {name: _run_case(rank, world, opts) for name, opts in CASES.items()}
     results["counts"] = _counts_case(rank, world)
+    results["noisy"] = _noisy_case(rank, world)
     return results
 
 
@@ -177,6 +194,13 @@ def test_subcenter_counts_over_ranks(world_results):
     assert all(res["counts"] for res in results)
 
 
+def test_noisy_samples_over_ranks(world_results):
+    world, results = world_results
+    assert all(res["noisy"][0] for res in results)
+    flags = results[0]["noisy"][1]
+    assert flags.any() and not flags.all()  # some samples far from every centre of their class, not all
+
+
 # One test, one case, ranks as threads: each test's own calls are what mutation testing sees.
 THREAD_WORLDS = pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"threads W={w}")
 
@@ -192,3 +216,9 @@ def test_sharded_equals_dense_reference_over_thread_ranks(world, case, monkeypat
 def test_subcenter_counts_over_thread_ranks(world, monkeypatch):
     results = ThreadWorld(world).results(lambda rank: {"counts": _counts_case(rank, world)}, monkeypatch)
     test_subcenter_counts_over_ranks((world, results))
+
+
+@THREAD_WORLDS
+def test_noisy_samples_over_thread_ranks(world, monkeypatch):
+    results = ThreadWorld(world).results(lambda rank: {"noisy": _noisy_case(rank, world)}, monkeypatch)
+    test_noisy_samples_over_ranks((world, results))

@@ -183,3 +183,20 @@ def test_drop_subcenters_bad_input_named():
         noisy_samples(head, torch.randn(2, D), torch.tensor([0, 1]), max_angle=200)
     with pytest.raises(ValueError, match="subcenters=1"):
         drop_subcenters(shardfc.ShardedMarginHead(D, C), torch.zeros(C, 1))
+
+
+def test_ignored_labels_are_neither_counted_nor_noisy():
+    head = shardfc.ShardedMarginHead(D, C, subcenters=K, dtype=torch.float64)
+    x, y, _ = _data(2, ignore=True)
+    counts = subcenter_counts(head, x, y)
+    assert int(counts.sum()) == int((y >= 0).sum()) < B
+    noisy = noisy_samples(head, x, y, max_angle=1.0)  # every labelled sample is farther than 1 degree
+    assert torch.equal(noisy, y >= 0)
+
+
+def test_embeddings_in_another_dtype_than_the_centres_are_compared_in_the_centres():
+    head = shardfc.ShardedMarginHead(D, C, subcenters=K, dtype=torch.float64)
+    x, y, _ = _data(3)
+    x32 = x.float()
+    assert torch.equal(subcenter_counts(head, x32, y), subcenter_counts(head, x32.double(), y))
+    assert torch.equal(noisy_samples(head, x32, y, max_angle=80.0), noisy_samples(head, x32.double(), y, max_angle=80.0))
