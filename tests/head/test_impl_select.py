@@ -58,6 +58,11 @@ class Bench:
         return S.ImplSelector(path, clock=self.clock, sync=self.sync, **kw)
 
 
+def _read_only_replace(src, dst):
+    """``os.replace`` on a read-only file system."""
+    raise PermissionError(13, "Read-only file system", str(dst))
+
+
 def _rank0_agree(record):
     def agree(i):
         record.append(i)
@@ -255,10 +260,7 @@ def test_write_disabled_writes_nothing(tmp_path, caplog):
 
 
 def test_an_unwritable_cache_is_warned_about_once_not_raised(tmp_path, caplog, monkeypatch):
-    def read_only(src, dst):
-        raise PermissionError(13, "Read-only file system", str(dst))
-
-    monkeypatch.setattr(S.os, "replace", read_only)
+    monkeypatch.setattr(S.os, "replace", _read_only_replace)
     b = Bench()
     sel = b.selector(tmp_path / "c.json")
     with caplog.at_level(logging.INFO, logger="shardfc.head"):
@@ -885,10 +887,7 @@ def test_an_error_about_another_ranks_override_has_no_cause_here(tmp_path):
 
 
 def test_the_table_says_when_the_choice_could_not_be_cached(tmp_path, caplog, monkeypatch):
-    def read_only(src, dst):
-        raise PermissionError(13, "Read-only file system", str(dst))
-
-    monkeypatch.setattr(S.os, "replace", read_only)
+    monkeypatch.setattr(S.os, "replace", _read_only_replace)
     b = Bench()
     with caplog.at_level(logging.INFO, logger="shardfc.head"):
         b.selector(tmp_path / "c.json", steps=1, warmup=0).choose(KEY, b.candidates(torch=0.001))
