@@ -489,15 +489,26 @@ def test_adamw_defaults_are_torchs():
     assert ours["rounding_seed"] == RowSparseSGD([p], lr=0.1).defaults["rounding_seed"] == 0
 
 
-@pytest.mark.parametrize("kw", [dict(lr=-0.1), dict(eps=-1e-8), dict(weight_decay=-0.01), dict(betas=(1.0, 0.9)),
-                                dict(betas=(-0.1, 0.9)), dict(betas=(0.9, 1.0)), dict(betas=(0.9, -0.1))])
-def test_adamw_refuses_each_hyper_parameter_out_of_range_alone(kw):
+@pytest.mark.parametrize("kw, text", [
+    (dict(lr=-0.1), "lr must be >= 0, got -0.1"),
+    (dict(lr=math.nan), "lr must be finite, got nan"),
+    (dict(eps=-1e-8), "eps must be >= 0, got -1e-08"),
+    (dict(eps=math.inf), "eps must be finite, got inf"),
+    (dict(weight_decay=-0.01), "weight_decay must be >= 0, got -0.01"),
+    (dict(weight_decay=math.nan), "weight_decay must be finite, got nan"),
+    (dict(betas=(1.0, 0.9)), "betas[0] must be in [0, 1), got 1.0"),
+    (dict(betas=(-0.1, 0.9)), "betas[0] must be in [0, 1), got -0.1"),
+    (dict(betas=(0.9, 1.0)), "betas[1] must be in [0, 1), got 1.0"),
+    (dict(betas=(0.9, -0.1)), "betas[1] must be in [0, 1), got -0.1"),
+    (dict(betas=(0.9, math.nan)), "betas[1] must be a finite number, got nan"),
+    (dict(betas=(0.9,)), "betas must be two numbers in [0, 1), got (0.9,)"),
+    (dict(betas="ab"), "betas must be two numbers in [0, 1), got 'ab'"),
+])
+def test_adamw_refuses_each_hyper_parameter_out_of_range_alone(kw, text):
     p = torch.nn.Parameter(torch.zeros(2, 2))
-    args = dict(dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2), **kw)
     with pytest.raises(ValueError) as err:
         RowSparseAdamW([p], **kw)
-    assert str(err.value) == (f"invalid AdamW hyper-parameters lr={args['lr']}, betas={args['betas']}, "
-                              f"eps={args['eps']}, weight_decay={args['weight_decay']}")
+    assert str(err.value) == text
 
 
 def test_adamw_takes_a_zero_learning_rate_and_betas_of_zero():
@@ -669,9 +680,13 @@ def test_adamw_backward_update_carries_its_state_and_numbers():
 
 
 @pytest.mark.parametrize("kw, error, text", [
-    (dict(lr=-0.1), ValueError, "lr, momentum, weight_decay must be >= 0, got -0.1, 0.0, 0.0"),
-    (dict(lr=0.1, momentum=-0.5), ValueError, "lr, momentum, weight_decay must be >= 0, got 0.1, -0.5, 0.0"),
-    (dict(lr=0.1, weight_decay=-0.5), ValueError, "lr, momentum, weight_decay must be >= 0, got 0.1, 0.0, -0.5"),
+    (dict(lr=-0.1), ValueError, "lr must be >= 0, got -0.1"),
+    (dict(lr=math.inf), ValueError, "lr must be finite, got inf"),
+    (dict(lr="0.1"), TypeError, "lr must be a real number, got '0.1' (str)"),
+    (dict(lr=0.1, momentum=-0.5), ValueError, "momentum must be >= 0, got -0.5"),
+    (dict(lr=0.1, momentum=math.nan), ValueError, "momentum must be finite, got nan"),
+    (dict(lr=0.1, weight_decay=-0.5), ValueError, "weight_decay must be >= 0, got -0.5"),
+    (dict(lr=0.1, weight_decay=math.nan), ValueError, "weight_decay must be finite, got nan"),
     (dict(lr=0.1, nesterov=True), ValueError, "nesterov needs momentum > 0"),
     (dict(lr=0.1, fused=2), TypeError, "fused must be None (automatic), True or False, got 2"),
     (dict(lr=0.1, fused="yes"), TypeError, "fused must be None (automatic), True or False, got 'yes'"),
@@ -1058,3 +1073,22 @@ def test_a_captured_steps_draw_counter_is_staged_before_and_followed_after_a_rep
     head.replayed_draw(9)
     assert head.sample_step == 10 and [held[d][1] for d in ("cpu", "meta")] == [10, 10]
     assert int(held["cpu"][0]) == 5  # the host writes nothing: the replayed graph advanced the counter
+
+
+@pytest.mark.parametrize("sample_rate", [1.0, 0.5])  # torch's SGD / AdamW, the row-sparse ones
+@pytest.mark.parametrize("name, kw, text", [
+    ("sgd", dict(lr=math.nan), "lr must be finite, got nan"),
+    ("sgd", dict(weight_decay=math.nan), "weight_decay must be finite, got nan"),
+    ("sgd", dict(momentum=math.inf), "momentum must be finite, got inf"),
+    ("sgd", dict(momentum=-0.1), "momentum must be >= 0, got -0.1"),
+    ("adamw", dict(lr=math.inf), "lr must be finite, got inf"),
+    ("adamw", dict(eps=math.nan), "eps must be finite, got nan"),
+    ("adamw", dict(betas=(math.nan, 0.9)), "betas[0] must be a finite number, got nan"),
+    ("adamw", dict(weight_decay=-1.0), "weight_decay must be >= 0, got -1.0"),
+])
+def test_head_optimizer_refuses_a_non_finite_hyper_parameter_under_every_optimizer(sample_rate, name, kw, text):
+    # torch.optim.SGD takes a NaN learning rate or weight decay, and the head would train to NaN.
+    head = shardfc.ShardedMarginHead(8, 6, sample_rate=sample_rate)
+    with pytest.raises(ValueError) as err:
+        shardfc.head_optimizer(head, name, **{"lr": 0.1, **kw})
+    assert str(err.value) == text

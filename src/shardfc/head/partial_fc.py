@@ -47,6 +47,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, S
 import torch
 from torch import Tensor, nn
 
+from shardfc.checks import check_probability, check_real
 from shardfc.head import capture
 from shardfc.head.catch_up import (
     FULL_CATCH_UP_EVERY,
@@ -484,8 +485,7 @@ class RowSparseSGD(_RowSparseOptimizer):
         if fused not in (None, True, False):
             raise TypeError(f"fused must be None (automatic), True or False, got {fused!r}")
         self.fused = fused
-        if lr < 0 or momentum < 0 or weight_decay < 0:
-            raise ValueError(f"lr, momentum, weight_decay must be >= 0, got {lr}, {momentum}, {weight_decay}")
+        lr, momentum, weight_decay = check_sgd_hyper_parameters(lr, momentum, weight_decay)
         if nesterov and momentum <= 0:
             raise ValueError("nesterov needs momentum > 0")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
@@ -584,8 +584,7 @@ class RowSparseAdamW(_RowSparseOptimizer):
         rounding_seed: int = 0,
         idle_rows: str = "exact",
     ):
-        if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"invalid AdamW hyper-parameters lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        lr, betas, eps, weight_decay = check_adamw_hyper_parameters(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, sampled_rows, rounding, rounding_seed, idle_rows)
 
@@ -638,6 +637,23 @@ class RowSparseAdamW(_RowSparseOptimizer):
         p[idx] = rnd(w, p.dtype)
 
 
+def check_sgd_hyper_parameters(lr, momentum, weight_decay) -> Tuple[float, float, float]:
+    """SGD's ``(lr, momentum, weight_decay)`` as finite floats ``>= 0``, else an error naming the
+    argument and its value (a NaN learning rate would train every row to NaN, silently)."""
+    return (check_real("lr", lr, nonnegative=True), check_real("momentum", momentum, nonnegative=True),
+            check_real("weight_decay", weight_decay, nonnegative=True))
+
+
+def check_adamw_hyper_parameters(lr, betas, eps, weight_decay) -> Tuple[float, Tuple[float, float], float, float]:
+    """AdamW's ``(lr, betas, eps, weight_decay)``: finite, ``>= 0``, each beta in [0, 1); else an
+    error naming the argument and its value."""
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+    pair = tuple(check_probability(f"betas[{i}]", b, low_open=False, high_open=True) for i, b in enumerate(betas))
+    return (check_real("lr", lr, nonnegative=True), pair, check_real("eps", eps, nonnegative=True),
+            check_real("weight_decay", weight_decay, nonnegative=True))
+
+
 def head_optimizer(
     head: nn.Module,
     name: str,
@@ -682,10 +698,19 @@ def head_optimizer(
     is then the row-sparse one (:class:`RowSparseSGD`, :class:`RowSparseAdamW`: for AdamW a step
     count per row, equal for every row without Partial FC) even for an fp32 head without sampling,
     where ``fused_update=False`` returns torch's: the same update.
+
+    ``momentum`` and ``nesterov`` are SGD's, ``betas`` and ``eps`` AdamW's. A learning rate, momentum,
+    weight decay or eps that is negative or not finite, or a beta outside [0, 1), is a ValueError
+    naming it, whichever optimizer serves the head (torch's own take a NaN learning rate).
     """
     key = str(name).lower()
     if key not in ("sgd", "adamw"):
         raise ValueError(f"optimizer name must be 'sgd' or 'adamw', got {name!r}")
+    # Checked here for torch's optimizers too: torch.optim.SGD takes a NaN lr or weight decay.
+    if key == "sgd":
+        lr, momentum, weight_decay = check_sgd_hyper_parameters(lr, momentum, weight_decay)
+    else:
+        lr, betas, eps, weight_decay = check_adamw_hyper_parameters(lr, betas, eps, weight_decay)
     check_rounding(rounding)
     if not isinstance(fused_update, bool):
         raise TypeError(f"fused_update must be True or False, got {fused_update!r}")
