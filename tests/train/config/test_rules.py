@@ -4,6 +4,7 @@ is accepted at its value and refused one step past it, and each refusal is one m
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -103,7 +104,7 @@ def test_chunk_size_takes_minus_one_for_auto():
 def test_each_positive_number(name):
     assert getattr(TrainConfig(**{name: 1e-12}).validate(), name) == 1e-12
     assert _refused(**{name: 0.0}) == f"{name} must be > 0, got 0.0"
-    assert _refused(**{name: math.nan}) == f"{name} must be > 0, got nan"
+    assert _refused(**{name: math.nan}) == f"{name} must be a finite number, got nan"
 
 
 @pytest.mark.parametrize("name", ["weight_decay", "grad_clip", "head_grad_clip", "poly_power", "sphereface_lambda"])
@@ -115,7 +116,7 @@ def test_each_number_at_least_0(name):
 def test_backbone_lr_mult_at_least_0():
     assert TrainConfig(backbone_lr_mult=0.0).validate().backbone_lr_mult == 0.0
     assert _refused(backbone_lr_mult=-0.5) == "backbone_lr_mult must be >= 0, got -0.5"
-    assert _refused(backbone_lr_mult=math.nan) == "backbone_lr_mult must be >= 0, got nan"
+    assert _refused(backbone_lr_mult=math.nan) == "backbone_lr_mult must be a finite number, got nan"
 
 
 @pytest.mark.parametrize("name, low, high, message", [
@@ -362,3 +363,25 @@ def test_backbone_params():
     assert TrainConfig(backbone="iresnet50").backbone_params([112, 112]) == {}
     assert TrainConfig(backbone="resnet50", neck="none").backbone_params([256, 128]) == {"neck": "none"}
     assert TrainConfig(backbone="resnet50").backbone_params([256, 128]) == {}
+
+
+# ------------------------------------------------------------------ finite numbers
+
+#: Every float field (and ``betas``'s numbers), from the dataclass itself: a field added later is covered.
+FLOAT_FIELDS = [f.name for f in dataclasses.fields(TrainConfig) if isinstance(f.default, float)]
+
+
+def test_the_float_fields_are_found():
+    assert {"lr", "weight_decay", "grad_clip", "poly_power", "scale", "sample_rate"} <= set(FLOAT_FIELDS)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("name", FLOAT_FIELDS)
+def test_a_non_finite_number_is_refused_in_every_float_field(name, value):
+    # weight_decay, grad_clip, poly_power... took NaN (they were compared with < 0) and trained to NaN.
+    assert _refused(**{name: value}) == f"{name} must be a finite number, got {value!r}"
+
+
+@pytest.mark.parametrize("betas", [[0.9, math.nan], [math.inf, 0.999]])
+def test_a_non_finite_beta_is_refused(betas):
+    assert _refused(betas=betas) == f"betas must be a finite number, got {betas!r}"

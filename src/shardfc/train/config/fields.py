@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -301,6 +302,7 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         """Check value ranges and combinations; raise :class:`ConfigError` naming the field and value."""
+        _finite_numbers(self)
         _choice(self, "dataset", ("synthetic", "folder", "recordio", "list", "market1501"))
         _choice(self, "sampler", ("random", "pk"))
         _choice(self, "loader", ("torch", "dali", "auto"))
@@ -564,6 +566,17 @@ def _validate_reid(cfg: TrainConfig) -> None:
         raise ConfigError(f"random_erasing must be a probability in [0, 1], got {cfg.random_erasing!r}")
     if not 0.0 <= cfg.flip_prob <= 1.0:
         raise ConfigError(f"flip_prob must be a probability in [0, 1], got {cfg.flip_prob!r}")
+
+
+def _finite_numbers(cfg: TrainConfig) -> None:
+    """Every number of ``cfg`` is finite: TOML and the command line both spell NaN and infinity, and
+    a NaN weight decay or an infinite learning rate trains to NaN without another word."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{f.name} must be a finite number, got {value!r}")
 
 
 def _choice(cfg: TrainConfig, name: str, choices: Sequence[str]) -> None:
