@@ -116,8 +116,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     before = [round(x, 2) for x in os.getloadavg()]
     rows = split = None
     try:
-        if args.timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {args.timeout!r}")
+        if not 0 < args.timeout < float("inf"):  # NaN too: it would wait forever
+            raise ValueError(f"timeout must be a finite number > 0 of seconds, got {args.timeout!r}")
         if args.recipes:
             names = parse_recipes(args.only)
             rows = run_recipes(names, parse_precisions(args.precisions), work, Path(args.work_dir), args.timeout, not args.quiet)
