@@ -78,3 +78,15 @@ def test_apply_schedule_says_nothing_when_the_schedule_is_the_checkpoints(caplog
         apply_schedule(parts, cfg, 10, 5)
     assert caplog.messages == []
     assert parts.opt_head.param_groups[0]["lr"] == pytest.approx(0.1 * _expected(5, 2, 10, "poly", 2.0), rel=1e-12)
+
+
+def test_apply_schedule_with_one_optimizer_a_pipeline_rank_without_the_head(caplog):
+    cfg = TrainConfig(lr=0.1, warmup_steps=2)
+    parts = _parts(0.1, 0.1, cfg, 10)
+    parts.opt_head, parts.schedulers = None, parts.schedulers[:1]
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        apply_schedule(parts, TrainConfig(lr=0.3, warmup_steps=2), 10, 4)
+    assert current_lr(parts) == pytest.approx(0.3 * _expected(4, 2, 10, "poly", 2.0), rel=1e-12)
+    assert caplog.messages == [
+        "the schedule differs from the checkpoint's (lr 0.1, {'warmup': 2, 'total': 10, 'kind': 'poly', 'power': 2.0}); "
+        "following this run's: lr 0.3, {'warmup': 2, 'total': 10, 'kind': 'poly', 'power': 2.0}"]

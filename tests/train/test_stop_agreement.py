@@ -70,11 +70,21 @@ def test_every_thread_rank_sees_the_largest_signal_at_the_check_it_was_recorded(
 def test_every_thread_rank_sees_the_lagged_agreement_one_check_later(monkeypatch):
     signals = {0: [None, signal.SIGTERM, signal.SIGTERM]}
     assert _thread_checks(monkeypatch, 2, signals, lagged=True) == [(True, [0, 0, signal.SIGTERM])] * 2
+    # two ranks signalled at once: the largest number, not their sum
+    signals = {0: [signal.SIGINT] * 3, 2: [signal.SIGTERM] * 3}
+    both = max(signal.SIGINT, signal.SIGTERM)
+    assert _thread_checks(monkeypatch, 3, signals, lagged=True) == [(True, [0, both, both])] * 3
 
 
 def test_no_signal_agrees_on_zero_and_lagged_by_default_only_on_cuda(monkeypatch):
     assert _thread_checks(monkeypatch, 2, {}, lagged=False) == [(False, [0, 0, 0])] * 2
     assert _thread_checks(monkeypatch, 2, {}, lagged=None) == [(False, [0, 0, 0])] * 2  # a CPU communicator
+
+
+def test_one_process_agrees_on_zero_without_a_signal():
+    from shardfc.train.stopping import agreed_stop_signal
+
+    assert agreed_stop_signal(DistContext()) == 0 and StopAgreement(DistContext())() == 0
 
 
 def test_one_process_asked_to_lag_reads_its_own_signal_one_check_later():
@@ -96,7 +106,7 @@ def test_crash_if_asked_ends_that_rank_at_that_step_once(monkeypatch, tmp_path):
 
     exits = []
     monkeypatch.setattr(stopping.os, "_exit", lambda code: exits.append(code))
-    marker = tmp_path / "crashed"
+    marker = tmp_path / "crashed:at 3"  # the marker's path may hold the separator
     monkeypatch.delenv(stopping.CRASH_ENV, raising=False)
     stopping.crash_if_asked(1, 3)  # not asked
     monkeypatch.setenv(stopping.CRASH_ENV, f"1:3:{marker}")
