@@ -243,6 +243,26 @@ def _said(caplog) -> list:
     return [r.getMessage() for r in caplog.records if r.name == "shardfc.train"]
 
 
+def test_a_resume_trains_with_its_own_momentum_and_weight_decay_and_says_they_changed(saved_run, caplog):
+    """The loaded optimizer states carried the saving run's settings into the param groups, so
+    --weight-decay 0.05 on a resume trained on with 5e-4, silently."""
+    cfg, path, _ = saved_run
+    changed = dataclasses.replace(cfg, momentum=0.5, weight_decay=0.05, head_momentum=0.7)
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        parts, state = load_parts(changed, path)
+    assert state.step == 3
+    for opt, momentum in ((parts.opt_backbone, 0.5), (parts.opt_head, 0.7)):
+        assert [(g["momentum"], g["weight_decay"]) for g in opt.param_groups] == [(momentum, 0.05)]
+        assert opt.state and all(s.get("momentum_buffer") is not None for s in opt.state.values())  # the checkpoint's
+    assert ("the optimizer settings differ from the checkpoint's (backbone.momentum 0.9, backbone.weight_decay 0.0005, "
+            "head.momentum 0.9, head.weight_decay 0.0005); following this run's: backbone.momentum 0.5, "
+            "backbone.weight_decay 0.05, head.momentum 0.7, head.weight_decay 0.05") in _said(caplog)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        load_parts(cfg, path)  # the same settings: not a word
+    assert not [s for s in _said(caplog) if "optimizer settings" in s]
+
+
 def test_a_run_saved_here_says_nothing_of_imports_or_new_rows(saved_run, caplog):
     cfg, path, _ = saved_run
     with caplog.at_level(logging.INFO, logger="shardfc.train"):
@@ -290,7 +310,7 @@ def _spy_run(saved_run, pipeline=None, classes="planned"):
     from shardfc.train.checkpointing.classes import ClassPlan
 
     plan = ClassPlan([str(i) for i in range(24)], None, 24) if classes == "planned" else None
-    return SimpleNamespace(parts=None, ctx=_one(), num_classes=24, image_size=(16, 16), batches=[0] * 15,
+    return SimpleNamespace(parts=SimpleNamespace(opt_backbone=None, opt_head=None), ctx=_one(), num_classes=24, image_size=(16, 16), batches=[0] * 15,
                            total_steps=3, classes=plan, pipeline=pipeline), path, cfg
 
 

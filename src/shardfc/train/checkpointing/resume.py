@@ -24,6 +24,7 @@ from shardfc.seeding import seed_all
 from shardfc.train.builder.factory import Run, rank_seed
 from shardfc.train.builder.pipeline_train import restore_backbone, stage_part, stage_scaler_state
 from shardfc.train.checkpointing.fine_tune import fresh_rows, head_state_for, load_kept
+from shardfc.train.checkpointing.optimizer_settings import keep_run_settings, restore_run_settings
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.schedule import apply_schedule
 from shardfc.train.state import RunState
@@ -163,6 +164,8 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
     """
     parts, ctx, num_classes, image_size = run.parts, run.ctx, run.num_classes, run.image_size
     batches_per_epoch, total_steps = len(run.batches), run.total_steps
+    optimizers = [parts.opt_backbone, parts.opt_head]
+    settings = keep_run_settings(optimizers)  # this run's momentum, weight decay...: the loads overwrite them
     # The classes the checkpoint keeps (all of them unless the dataset's identity set grew; none
     # for --on-missing-classes fresh), read by class range; a pipeline rank before the last stage
     # holds no head rows: it reads the common state only.
@@ -199,6 +202,7 @@ def restore(run: Run, path: Path, cfg: TrainConfig) -> RunState:
             parts.scaler.load_state_dict(common["scaler"])
         state = RunState(**common["state"])
         saved_world, saved_batch = int(common["world_size"]), common["batch_size"]
+    restore_run_settings(optimizers, settings)
     apply_schedule(parts, cfg, total_steps, state.step)
     data_ctx = run.data_ctx
     with _reading(path / rank_file(run.ctx.rank)):
