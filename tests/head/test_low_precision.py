@@ -156,3 +156,27 @@ def test_resharded_checkpoint_keeps_the_dtype(tmp_path: Path, name):
                 if torch.is_tensor(t) and key != "row_step":
                     assert t.dtype == torch.bfloat16, key
         assert other_opt.param_groups[0]["rounding_step"] == 3 and other_opt.param_groups[0]["rounding_seed"] == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stochastic_rounding_keeps_nan_and_rounds_past_the_largest_value_as_to_nearest(dtype):
+    """The docstring's edge cases, each over many draws: NaN stays NaN; a value whose upper neighbour
+    overflows, or that overflows itself, rounds as rounding to nearest does."""
+    big = torch.finfo(dtype).max
+    past = min(big * 1.5, torch.finfo(torch.float32).max)  # rounds to inf (bf16's largest is near fp32's)
+    g = torch.Generator().manual_seed(1)
+    n = 4096
+    for x in (float("nan"), big * (1 + 2**-12), -big * (1 + 2**-12), past, -past, float("inf"), float("-inf")):
+        xs = torch.full((n,), x, dtype=torch.float32)
+        r = stochastic_round(xs, dtype, g)
+        nearest = xs.to(dtype)
+        assert torch.equal(r.isnan(), nearest.isnan()) and torch.equal(r[~r.isnan()], nearest[~nearest.isnan()]), x
+
+
+def test_check_rounding_names_the_choices_and_the_value():
+    from shardfc.head.rounding import check_rounding
+
+    assert check_rounding("stochastic") == "stochastic"
+    with pytest.raises(ValueError) as err:
+        check_rounding("up")
+    assert str(err.value) == "rounding must be one of 'nearest', 'stochastic', got 'up'"
