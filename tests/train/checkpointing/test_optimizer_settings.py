@@ -56,7 +56,7 @@ def test_the_same_settings_say_nothing_and_torchs_own_choices_follow_this_run_si
     assert mine.param_groups[0]["foreach"] is None and caplog.messages == []
 
 
-def test_betas_compare_as_numbers_whatever_sequence_holds_them():
+def test_betas_compare_as_numbers_whatever_sequence_holds_them(caplog):
     p = torch.nn.Parameter(torch.zeros(2))
     mine = torch.optim.AdamW([p], betas=(0.9, 0.99))
     kept = keep_run_settings([mine])
@@ -64,7 +64,10 @@ def test_betas_compare_as_numbers_whatever_sequence_holds_them():
     assert restore_run_settings([mine], kept) == {}
     assert mine.param_groups[0]["betas"] == (0.9, 0.99)
     mine.param_groups[0]["betas"] = [0.8, 0.99]
-    assert restore_run_settings([mine], kept) == {"backbone.betas": ([0.8, 0.99], (0.9, 0.99))}
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        assert restore_run_settings([mine], kept) == {"backbone.betas": ([0.8, 0.99], (0.9, 0.99))}
+    assert caplog.messages == ["the optimizer settings differ from the checkpoint's (backbone.betas (0.8, 0.99)); "
+                               "following this run's: backbone.betas (0.9, 0.99)"]  # one spelling for both
 
 
 def test_the_row_sparse_optimizers_count_of_rounding_draws_is_state_and_stays_the_checkpoints(caplog):
