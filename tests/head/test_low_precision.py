@@ -158,6 +158,47 @@ def test_resharded_checkpoint_keeps_the_dtype(tmp_path: Path, name):
         assert other_opt.param_groups[0]["rounding_step"] == 3 and other_opt.param_groups[0]["rounding_seed"] == 3
 
 
+#: The dtype each optimizer keeps each state in for a head of each dtype (what a fresh one makes).
+STATE_DTYPES = {
+    torch.float32: {"momentum_buffer": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32},
+    torch.bfloat16: {"momentum_buffer": torch.bfloat16, "exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16},
+    torch.float16: {"momentum_buffer": torch.float16, "exp_avg": torch.float16, "exp_avg_sq": torch.float32},
+}
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.5])  # without sampling an fp32 head gets torch's SGD / AdamW
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+@pytest.mark.parametrize("saved_dtype, dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                                (torch.float32, torch.float16), (torch.float16, torch.bfloat16)])
+def test_a_state_saved_by_a_head_of_another_dtype_loads_in_this_heads_state_dtypes(saved_dtype, dtype, name, rate):
+    """A bf16 head's momentum kept as bf16 under an fp32 head would update in bf16 (and torch's fused
+    CUDA step refuses the mix); an fp32 head's kept as fp32 under a bf16 head would take twice the
+    memory asked for. Each state is loaded in the dtype a fresh optimizer of this head makes it in."""
+    head = make_head(saved_dtype, rate=rate)
+    opt = head_optimizer(head, name, lr=0.1, momentum=0.9)
+    train(head, opt, range(3))
+    state = head.sharded_state(opt)
+    other = make_head(dtype, rate=rate, init_seed=9)
+    other_opt = head_optimizer(other, name, lr=0.1, momentum=0.9)
+    fresh = make_head(dtype, rate=rate)
+    fresh_opt = head_optimizer(fresh, name, lr=0.1, momentum=0.9)
+    train(fresh, fresh_opt, range(1))
+    other.load_sharded_state(state, other_opt)
+    w, w_fresh = other.shard_weights[0], fresh.shard_weights[0]
+    assert w.dtype == dtype
+    loaded = {k: v for k, v in other_opt.state[w].items() if torch.is_tensor(v) and v.dim() >= 1}
+    made = {k: v for k, v in fresh_opt.state[w_fresh].items() if torch.is_tensor(v) and v.dim() >= 1}
+    # (torch AdamW's scalar step becomes the row-sparse AdamW's per-row count at its next step)
+    assert loaded and {k: v.dtype for k, v in loaded.items()} == {k: made[k].dtype for k in loaded}
+    assert all(v.dtype == STATE_DTYPES[dtype][k] for k, v in loaded.items() if k in STATE_DTYPES[dtype])
+    saved_rows = {k[len("optimizer."):]: v for k, v in state["tensors"].items() if k.startswith("optimizer.")}
+    for key, t in loaded.items():  # the saved values, cast once
+        if key in saved_rows:
+            assert torch.equal(t, saved_rows[key].to(t.dtype)), key
+    train(other, other_opt, range(3, 5))  # and it steps on
+    assert all(v.dtype == made[k].dtype for k, v in other_opt.state[w].items() if k in made)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_stochastic_rounding_keeps_nan_and_rounds_past_the_largest_value_as_to_nearest(dtype):
     """The docstring's edge cases, each over many draws: NaN stays NaN; a value whose upper neighbour

@@ -524,6 +524,11 @@ class RowSparseSGD(_RowSparseOptimizer):
                  grad_scale=self._grad_scale_on(p.device), hyper=hyper)
         return True
 
+    @staticmethod
+    def state_dtype(p: Tensor, key: str) -> Optional[torch.dtype]:
+        """The dtype this optimizer keeps ``p``'s state ``key`` in (None: not a key of its own)."""
+        return p.dtype if key == "momentum_buffer" else None
+
     def _momentum_buffer(self, p: Tensor, group: dict) -> Optional[Tensor]:
         """``p``'s momentum buffer (made, zero, at the first step; None without momentum)."""
         if not group["momentum"]:
@@ -594,6 +599,15 @@ class RowSparseAdamW(_RowSparseOptimizer):
     def _catch_up_rows(self, p: Tensor, clock: IdleClock, rows: Optional[Tensor], rnd, kernel: bool) -> None:
         state = self._adam_state(p)
         clock.catch_up_(p, (state["exp_avg"], state["exp_avg_sq"], state["row_step"]), rows, rnd, kernel)
+
+    @staticmethod
+    def state_dtype(p: Tensor, key: str) -> Optional[torch.dtype]:
+        """The dtype this optimizer keeps ``p``'s state ``key`` in (None: not a key of its own)."""
+        if key == "exp_avg":
+            return p.dtype
+        if key == "exp_avg_sq":
+            return torch.float32 if p.dtype == torch.float16 else p.dtype
+        return torch.float64 if key == "row_step" else None
 
     def _adam_state(self, p: Tensor) -> dict:
         """``p``'s state: the moments (zero, in ``p``'s dtype; fp16's second moment in fp32, see the
@@ -813,6 +827,18 @@ def _adamw_step_form(optimizer: torch.optim.Optimizer, tensors: Mapping[str, Ten
     return {k: v for k, v in tensors.items() if k != "row_step"}, dict(extras, step=step)
 
 
+def _state_dtype(optimizer: torch.optim.Optimizer, p: Tensor, key: str, saved: Tensor) -> torch.dtype:
+    """The dtype ``optimizer`` would make ``p``'s state ``key`` in: its own answer (the row-sparse
+    optimizers'), else ``p``'s for floating-point state as torch's optimizers keep it; a saved bf16
+    momentum put under an fp32 head as is would update in bf16 (and torch's fused CUDA step refuses
+    the mix)."""
+    own = getattr(optimizer, "state_dtype", None)
+    dtype = own(p, key) if own is not None else None
+    if dtype is None:
+        dtype = p.dtype if saved.is_floating_point() and p.is_floating_point() else saved.dtype
+    return dtype
+
+
 def load_optimizer_rows(
     optimizer: torch.optim.Optimizer,
     params: Sequence[Tensor],
@@ -823,8 +849,10 @@ def load_optimizer_rows(
     """Put state in :func:`optimizer_rows`' form back into ``optimizer``: rows ``row_slices[i]`` of
     each row tensor become ``params[i]``'s, and every shard gets its own copy of the other values.
 
-    Tensors keep their saved dtype (the optimizer chose it: e.g. a float64 per-row step) and move
-    to their parameter's device; a non-row tensor (AdamW's step) stays on the CPU as torch keeps it.
+    Row tensors take the dtype ``optimizer`` gives that state when it makes it (:func:`_state_dtype`:
+    a bf16 head's momentum in bf16, an fp32 head's in fp32, whatever head saved it, as torch's
+    ``load_state_dict`` casts) and move to their parameter's device; a non-row tensor (AdamW's step)
+    stays on the CPU as torch keeps it.
     The param groups' hyper-parameters are restored when ``extras`` holds them. Without any state
     (saved before the first step), the parameters' state is cleared.
 
@@ -852,7 +880,7 @@ def load_optimizer_rows(
     for p, (lo, hi) in zip(params, row_slices):
         state: Dict[str, Any] = {}
         for key, t in tensors.items():
-            rows = t[lo:hi].to(p.device)
+            rows = t[lo:hi].to(p.device, _state_dtype(optimizer, p, key, t))
             if rows.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
                 rows = rows.clone()  # the optimizer's own storage: stepping must not write into the caller's
             state[key] = rows
