@@ -1,11 +1,17 @@
-"""The run's picture: metrics.csv drawn into curves.png, with the metric names the trainer writes."""
+"""The run's log: train.log on rank 0 only, metrics.csv (cut back on a resume), TensorBoard, the progress bar,
+and metrics.csv drawn into curves.png, with the metric names the trainer writes."""
 
 import csv
+import logging
 import math
+import sys
+import types
 
 import numpy as np
+import pytest
 
 from shardfc.evaluation.verification import verification_metrics
+from shardfc.train.observe import runlog
 from shardfc.train.observe.runlog import RunLog, format_metrics, plot_metrics, read_series
 
 
@@ -77,3 +83,216 @@ def test_a_far_too_small_for_the_pairs_is_na_in_csv_log_and_curves(tmp_path):
     drawn = plot_metrics(tmp_path / "metrics.csv", tmp_path / "again.png")
     assert "val/lfw/tar@far=1e-2" in drawn and not any(n.endswith("@far=1e-3") for n in drawn)
     assert (tmp_path / "curves.png").is_file()
+
+
+# ---------------------------------------------------------------- the log's lifecycle, the bar, TensorBoard
+
+
+def _lines(path):
+    return path.read_text(encoding="utf-8").splitlines()
+
+
+def test_rank_0_writes_train_log_and_leaves_the_library_logger_as_it_found_it(tmp_path):
+    lib = logging.getLogger("shardfc")
+    before = (lib.level, lib.propagate, list(lib.handlers))
+    with RunLog(tmp_path / "run", is_main=True, progress=False):
+        assert lib.level == logging.INFO and lib.propagate is False and len(lib.handlers) == len(before[2]) + 2
+        logging.getLogger("shardfc.data").info("a library line")
+        logging.getLogger("shardfc.train").debug("not shown")
+    assert (lib.level, lib.propagate, list(lib.handlers)) == before
+    lines = _lines(tmp_path / "run" / "train.log")
+    assert len(lines) == 1 and lines[0].endswith(" INFO shardfc.data: a library line")
+    assert not (tmp_path / "run" / "metrics.csv").exists()  # nothing before start_at
+
+
+def test_other_ranks_write_nothing_and_only_errors_get_through(tmp_path):
+    lib = logging.getLogger("shardfc")
+    level = lib.level
+    log = RunLog(tmp_path / "run", is_main=False, progress=True)
+    with log:
+        assert lib.level == logging.ERROR
+        log.start_at(3)
+        log.scalars(4, {"train/loss": 1.0})  # no-op, not an error
+        log.open_bar(0, 10)
+        log.advance()
+        log.set_postfix({"loss": 1.0})
+    assert lib.level == level and not (tmp_path / "run").exists()
+
+
+def test_a_failed_run_keeps_its_traceback_in_train_log(tmp_path):
+    with pytest.raises(KeyError):
+        with RunLog(tmp_path, is_main=True, progress=False):
+            raise KeyError("lost")
+    text = (tmp_path / "train.log").read_text(encoding="utf-8")
+    assert " ERROR shardfc.train: run failed" in text and "Traceback" in text and "KeyError: 'lost'" in text
+
+
+def test_scalars_before_start_at_is_a_programming_error(tmp_path):
+    with RunLog(tmp_path, is_main=True, progress=False) as log:
+        with pytest.raises(RuntimeError, match=r"^RunLog.scalars\(\) before start_at\(\)$"):
+            log.scalars(1, {"train/loss": 1.0})
+
+
+def test_scalars_are_written_to_six_figures_with_the_step_and_the_time(tmp_path, monkeypatch):
+    calls = []  # the first call is the run's start, every later one 1.2345 s after it (logging reads it too)
+    monkeypatch.setattr(runlog.time, "time", lambda: 100.0 if not calls.append(1) and len(calls) == 1 else 101.2345)
+    with RunLog(tmp_path, is_main=True, progress=False) as log:
+        log.start_at(0)
+        log.scalars(7, {"train/loss": 1.23456789, "train/lr": float("inf")})
+        log.skip_curves("the test says so")
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        assert list(csv.reader(f)) == [["step", "name", "value", "elapsed_s"], ["7", "train/loss", "1.23457", "1.234"],
+                                       ["7", "train/lr", "n/a", "1.234"]]
+    assert not (tmp_path / "curves.png").exists()
+    assert _lines(tmp_path / "train.log")[-1].endswith("curves.png not redrawn: the test says so")
+
+
+def test_curves_are_drawn_on_the_way_out_and_a_drawing_failure_is_a_warning(tmp_path, monkeypatch):
+    with RunLog(tmp_path / "a", is_main=True, progress=False) as log:
+        log.start_at(0)
+        log.scalars(1, {"train/loss": 2.0})
+    assert (tmp_path / "a" / "curves.png").is_file()
+    assert _lines(tmp_path / "a" / "train.log")[-1].endswith(f"curves: {tmp_path / 'a' / 'curves.png'}")
+
+    def broken(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(runlog, "plot_metrics", broken)
+    with RunLog(tmp_path / "b", is_main=True, progress=False) as log:
+        log.start_at(0)
+        log.scalars(1, {"train/loss": 2.0})
+    assert _lines(tmp_path / "b" / "train.log")[-1].endswith("WARNING shardfc.train: could not draw curves.png: disk full")
+
+
+def test_a_resume_drops_the_rows_after_its_step_and_says_how_many(tmp_path):
+    (tmp_path / "metrics.csv").write_text("step,name,value,elapsed_s\n1,a,1,0\n2,a,2,0\n3,a,3,0\n3,b,3,0\n4,a\n",
+                                          encoding="utf-8")
+    with RunLog(tmp_path, is_main=True, progress=False) as log:
+        log.start_at(2)
+        log.scalars(3, {"a": 5.0})
+        log.skip_curves("test")
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["step", "name", "value", "elapsed_s"] and [r[:3] for r in rows[1:]] == [
+        ["1", "a", "1"], ["2", "a", "2"], ["3", "a", "5"]]
+    assert "metrics.csv: dropped 3 row(s) after step 2, written before the run was interrupted" in \
+        (tmp_path / "train.log").read_text(encoding="utf-8")
+
+
+def test_truncate_metrics_on_files_without_a_header_or_with_nothing_to_drop(tmp_path):
+    path = tmp_path / "metrics.csv"
+    path.write_text("", encoding="utf-8")
+    assert runlog.truncate_metrics(path, 5) == 0
+    path.write_text("1,a,1,0\nx,a,2,0\n9,a,3,0\n", encoding="utf-8")  # no header: a row named x is no step
+    assert runlog.truncate_metrics(path, 5) == 2
+    assert path.read_text(encoding="utf-8").splitlines() == ["step,name,value,elapsed_s", "1,a,1,0"]
+    assert runlog.truncate_metrics(path, 5) == 0 and not path.with_suffix(".csv.tmp").exists()
+    assert runlog.truncate_metrics(path, 1) == 0  # a row at the step itself is kept
+
+
+def test_the_bar_counts_steps_and_shows_the_numbers_on_a_terminal(tmp_path, monkeypatch):
+    bars = []
+
+    class Bar:
+        def __init__(self, **kw):
+            self.kw, self.n, self.postfix, self.closed = kw, kw["initial"], None, False
+            bars.append(self)
+
+        def update(self, k):
+            self.n += k
+
+        def set_postfix(self, values, refresh):
+            self.postfix = (values, refresh)
+
+        def close(self):
+            self.closed = True
+
+        @staticmethod
+        def write(text, file):
+            file.write(text + "\n")
+
+    monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=Bar))
+    monkeypatch.setattr(runlog.importlib.util, "find_spec", lambda name: object() if name == "tqdm" else None)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    with RunLog(tmp_path, is_main=True, progress=True) as log:
+        log.open_bar(3, 10)
+        log.advance()
+        log.advance()
+        log.set_postfix({"loss": 1.234567, "lr": 0.1})
+        logging.getLogger("shardfc.train").info("above the bar")
+    (bar,) = bars
+    assert bar.kw["total"] == 10 and bar.kw["initial"] == 3 and bar.kw["unit"] == "step" and bar.kw["desc"] == "train"
+    assert bar.n == 5 and bar.postfix == ({"loss": "1.235", "lr": "0.1"}, True) and bar.closed
+    assert _lines(tmp_path / "train.log")[-1].endswith("above the bar")
+    with RunLog(tmp_path, is_main=True, progress=False) as log:  # no bar asked for: none opened
+        log.open_bar(0, 10)
+        log.advance()
+    assert len(bars) == 1
+
+
+def test_tensorboard_gets_the_finite_scalars_and_is_purged_after_the_resumed_step(tmp_path, monkeypatch):
+    writers = []
+
+    class Writer:
+        def __init__(self, logdir, purge_step):
+            self.logdir, self.purge_step, self.points, self.closed = logdir, purge_step, [], False
+            writers.append(self)
+
+        def add_scalar(self, name, value, step):
+            self.points.append((name, value, step))
+
+        def close(self):
+            self.closed = True
+
+    real = runlog.importlib.util.find_spec
+    monkeypatch.setattr(runlog.importlib.util, "find_spec", lambda name: object() if name == "tensorboard" else real(name))
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    for start, purge in ((0, None), (4, 4)):
+        with RunLog(tmp_path, is_main=True, progress=False) as log:
+            log.start_at(start)
+            log.scalars(start + 1, {"train/loss": 2.0, "val/x/tar@far=1e-4": float("nan")})
+            log.skip_curves("test")
+        writer = writers[-1]
+        assert writer.logdir == str(tmp_path / "tensorboard") and writer.purge_step == purge and writer.closed
+        assert writer.points == [("train/loss", 2.0, start + 1)]
+
+
+def test_format_metrics_in_every_form():
+    assert runlog.format_metrics({"accuracy": 0.931, "accuracy_std": 0.012, "tar@far=1e-3": 0.412}) == (
+        "accuracy 93.10% ± 1.20, tar@far=1e-3 41.20%")
+    assert runlog.format_metrics({"accuracy": 0.5}) == "accuracy 50.00% ± 0.00"
+    assert runlog.format_metrics({"accuracy": 0.5, "tar@far=1e-3": 0.4, "tar@far=1e-2": 0.6}, keys=["tar@far=1e-2",
+                                                                                                      "tar@far=1e-6"]) == (
+        "accuracy 50.00% ± 0.00, tar@far=1e-2 60.00%")
+    assert runlog.format_metrics({"mAP": 0.5, "rank1": 0.75, "rank5": 0.9}) == "mAP 50.00%, rank1 75.00%, rank5 90.00%"
+    assert runlog.format_metrics({"loss": 1.23456, "n": 3}) == "loss 1.235, n 3"
+
+
+@pytest.mark.parametrize("name, drawn", [
+    ("train/loss", True), ("train/lr", True), ("train/images_per_s", True), ("train/epoch", False),
+    ("val/lfw/accuracy", True), ("val/lfw/accuracy_std", False), ("val/lfw/tar@far=1e-3", True),
+    ("val/lfw/exact_tar@far=1e-3", False), ("val/lfw/threshold", False), ("val/m/mAP", True), ("val/m/rank1", True),
+    ("val/m/rank5", False), ("other/train/loss", False),
+])
+def test_which_scalars_get_a_panel(name, drawn):
+    assert runlog._worth_a_panel(name) is drawn
+
+
+def test_the_panels_are_laid_out_loss_first_three_to_a_row(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    asked = {}
+    real = plt.subplots
+
+    def subplots(rows, cols, **kw):
+        asked.update(rows=rows, cols=cols, **kw)
+        return real(rows, cols, **kw)
+
+    monkeypatch.setattr(plt, "subplots", subplots)
+    csv_path = tmp_path / "metrics.csv"
+    names = ["val/a/accuracy", "train/lr", "train/loss", "val/b/mAP"]
+    csv_path.write_text("step,name,value,elapsed_s\n" + "".join(f"1,{n},1,0\n2,{n},2,0\n" for n in names),
+                        encoding="utf-8")
+    assert plot_metrics(csv_path, tmp_path / "c.png") == ["train/loss", "train/lr", "val/a/accuracy", "val/b/mAP"]
+    assert (asked["rows"], asked["cols"], asked["figsize"], asked["squeeze"]) == (2, 3, (13.5, 6.4), False)
+    assert not (tmp_path / "c.png.tmp").exists()
