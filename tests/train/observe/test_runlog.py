@@ -4,6 +4,7 @@ and metrics.csv drawn into curves.png, with the metric names the trainer writes.
 import csv
 import logging
 import math
+import re
 import sys
 import types
 
@@ -92,20 +93,35 @@ def _lines(path):
     return path.read_text(encoding="utf-8").splitlines()
 
 
-def test_rank_0_writes_train_log_and_leaves_the_library_logger_as_it_found_it(tmp_path):
+def test_rank_0_writes_train_log_and_leaves_the_library_logger_as_it_found_it(tmp_path, capsys):
     lib = logging.getLogger("shardfc")
     before = (lib.level, lib.propagate, list(lib.handlers))
-    with RunLog(tmp_path / "run", is_main=True, progress=False):
+    run = tmp_path / "runs" / "run"  # a folder whose parent does not exist yet
+    with RunLog(run, is_main=True, progress=False):
         assert lib.level == logging.INFO and lib.propagate is False and len(lib.handlers) == len(before[2]) + 2
         logging.getLogger("shardfc.data").info("a library line")
         logging.getLogger("shardfc.train").debug("not shown")
     assert (lib.level, lib.propagate, list(lib.handlers)) == before
-    lines = _lines(tmp_path / "run" / "train.log")
+    lines = _lines(run / "train.log")
     assert len(lines) == 1 and lines[0].endswith(" INFO shardfc.data: a library line")
-    assert not (tmp_path / "run" / "metrics.csv").exists()  # nothing before start_at
+    assert re.fullmatch(r"\d\d:\d\d:\d\d a library line\n", capsys.readouterr().err)  # the console: time and text
+    assert not (run / "metrics.csv").exists()  # nothing before start_at
 
 
-def test_other_ranks_write_nothing_and_only_errors_get_through(tmp_path):
+def test_the_saved_propagation_is_restored_whatever_it_was(tmp_path):
+    lib = logging.getLogger("shardfc")
+    saved = lib.propagate
+    try:
+        for value in (False, True):
+            lib.propagate = value
+            with RunLog(tmp_path, is_main=True, progress=False):
+                assert lib.propagate is False
+            assert lib.propagate is value
+    finally:
+        lib.propagate = saved
+
+
+def test_other_ranks_write_nothing_and_only_errors_get_through(tmp_path, capsys):
     lib = logging.getLogger("shardfc")
     level = lib.level
     log = RunLog(tmp_path / "run", is_main=False, progress=True)
@@ -117,6 +133,7 @@ def test_other_ranks_write_nothing_and_only_errors_get_through(tmp_path):
         log.advance()
         log.set_postfix({"loss": 1.0})
     assert lib.level == level and not (tmp_path / "run").exists()
+    assert log._bar is None and capsys.readouterr().err == ""  # no bar drawn by a rank that is not 0
 
 
 def test_a_failed_run_keeps_its_traceback_in_train_log(tmp_path):
@@ -175,8 +192,39 @@ def test_a_resume_drops_the_rows_after_its_step_and_says_how_many(tmp_path):
         rows = list(csv.reader(f))
     assert rows[0] == ["step", "name", "value", "elapsed_s"] and [r[:3] for r in rows[1:]] == [
         ["1", "a", "1"], ["2", "a", "2"], ["3", "a", "5"]]
-    assert "metrics.csv: dropped 3 row(s) after step 2, written before the run was interrupted" in \
-        (tmp_path / "train.log").read_text(encoding="utf-8")
+    said = [line.split(": ", 1)[1] for line in _lines(tmp_path / "train.log")]
+    assert "metrics.csv: dropped 3 row(s) after step 2, written before the run was interrupted" in said
+
+
+def test_a_fresh_start_drops_nothing_and_an_empty_metrics_file_gets_its_header(tmp_path):
+    for existing in (None, ""):
+        run = tmp_path / f"run{existing is None}"
+        run.mkdir()
+        if existing is not None:
+            (run / "metrics.csv").write_text(existing, encoding="utf-8")
+        with RunLog(run, is_main=True, progress=False) as log:
+            log.start_at(0)
+            log.scalars(1, {"a": 1.0})
+            log.skip_curves("test")
+        assert (run / "metrics.csv").read_text(encoding="utf-8").splitlines()[0] == "step,name,value,elapsed_s"
+        assert not any("dropped" in line for line in _lines(run / "train.log"))
+
+
+def test_a_stray_byte_in_metrics_csv_neither_stops_a_resume_nor_the_curves(tmp_path):
+    path = tmp_path / "metrics.csv"
+    path.write_bytes(b"step,name,value,elapsed_s\n1,train/loss,2,0\n2,train/loss,1,0\n3,caf\xe9,1,0\n9,train/loss,0,0\n")
+    assert runlog.truncate_metrics(path, 3) == 1
+    assert read_series(path) == {"train/loss": [(1, 2.0), (2, 1.0)]}
+    assert plot_metrics(path, tmp_path / "c.png") == ["train/loss"]
+
+
+def test_a_metrics_file_that_is_not_a_file_is_refused_by_its_name(tmp_path):
+    from shardfc.files import FileRefused
+
+    (tmp_path / "metrics.csv").mkdir()
+    for read in (lambda p: runlog.truncate_metrics(p, 0), read_series):
+        with pytest.raises(FileRefused, match="metrics file"):
+            read(tmp_path / "metrics.csv")
 
 
 def test_truncate_metrics_on_files_without_a_header_or_with_nothing_to_drop(tmp_path):
@@ -190,8 +238,8 @@ def test_truncate_metrics_on_files_without_a_header_or_with_nothing_to_drop(tmp_
     assert runlog.truncate_metrics(path, 1) == 0  # a row at the step itself is kept
 
 
-def test_the_bar_counts_steps_and_shows_the_numbers_on_a_terminal(tmp_path, monkeypatch):
-    bars = []
+def test_the_bar_counts_steps_and_shows_the_numbers_on_a_terminal(tmp_path, monkeypatch, capsys):
+    bars, writes = [], []
 
     class Bar:
         def __init__(self, **kw):
@@ -209,6 +257,7 @@ def test_the_bar_counts_steps_and_shows_the_numbers_on_a_terminal(tmp_path, monk
 
         @staticmethod
         def write(text, file):
+            writes.append(text.split(" ", 1)[1])
             file.write(text + "\n")
 
     monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=Bar))
@@ -220,14 +269,36 @@ def test_the_bar_counts_steps_and_shows_the_numbers_on_a_terminal(tmp_path, monk
         log.advance()
         log.set_postfix({"loss": 1.234567, "lr": 0.1})
         logging.getLogger("shardfc.train").info("above the bar")
+        log.close_bar()
+        log.close_bar()  # twice, and the bar's methods after it: nothing left to do
+        log.advance()
+        log.set_postfix({"loss": 1.0})
     (bar,) = bars
-    assert bar.kw["total"] == 10 and bar.kw["initial"] == 3 and bar.kw["unit"] == "step" and bar.kw["desc"] == "train"
+    assert bar.kw == dict(total=10, initial=3, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
     assert bar.n == 5 and bar.postfix == ({"loss": "1.235", "lr": "0.1"}, True) and bar.closed
     assert _lines(tmp_path / "train.log")[-1].endswith("above the bar")
-    with RunLog(tmp_path, is_main=True, progress=False) as log:  # no bar asked for: none opened
+    assert re.fullmatch(r"\d\d:\d\d:\d\d above the bar\n", capsys.readouterr().err)  # through tqdm.write
+    with RunLog(tmp_path, is_main=True, progress=False) as log:  # no bar asked for: none opened, no tqdm.write
         log.open_bar(0, 10)
         log.advance()
-    assert len(bars) == 1
+        logging.getLogger("shardfc.train").info("no bar")
+    assert len(bars) == 1 and writes == ["above the bar"]
+
+
+def test_a_console_that_fails_under_the_bar_never_stops_the_run(tmp_path, monkeypatch, capsys):
+    class Bar:
+        @staticmethod
+        def write(text, file):
+            raise OSError("the terminal went away")
+
+    monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=Bar))
+    monkeypatch.setattr(runlog.importlib.util, "find_spec", lambda name: object() if name == "tqdm" else None)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr(logging, "raiseExceptions", True)
+    with RunLog(tmp_path, is_main=True, progress=True):
+        logging.getLogger("shardfc.train").info("still logged")
+    assert _lines(tmp_path / "train.log")[-1].endswith("still logged")
+    assert "OSError: the terminal went away" in capsys.readouterr().err  # logging's own report of the failure
 
 
 def test_tensorboard_gets_the_finite_scalars_and_is_purged_after_the_resumed_step(tmp_path, monkeypatch):
@@ -261,9 +332,9 @@ def test_format_metrics_in_every_form():
     assert runlog.format_metrics({"accuracy": 0.931, "accuracy_std": 0.012, "tar@far=1e-3": 0.412}) == (
         "accuracy 93.10% ± 1.20, tar@far=1e-3 41.20%")
     assert runlog.format_metrics({"accuracy": 0.5}) == "accuracy 50.00% ± 0.00"
-    assert runlog.format_metrics({"accuracy": 0.5, "tar@far=1e-3": 0.4, "tar@far=1e-2": 0.6}, keys=["tar@far=1e-2",
-                                                                                                      "tar@far=1e-6"]) == (
-        "accuracy 50.00% ± 0.00, tar@far=1e-2 60.00%")
+    assert runlog.format_metrics({"accuracy": 0.5, "tar@far=1e-3": 0.4, "tar@far=1e-2": 0.6}, keys=["tar@far=1e-6",
+                                                                                                      "tar@far=1e-2"]) == (
+        "accuracy 50.00% ± 0.00, tar@far=1e-2 60.00%")  # a key not measured is left out, the rest still shown
     assert runlog.format_metrics({"mAP": 0.5, "rank1": 0.75, "rank5": 0.9}) == "mAP 50.00%, rank1 75.00%, rank5 90.00%"
     assert runlog.format_metrics({"loss": 1.23456, "n": 3}) == "loss 1.235, n 3"
 
@@ -291,8 +362,25 @@ def test_the_panels_are_laid_out_loss_first_three_to_a_row(tmp_path, monkeypatch
     monkeypatch.setattr(plt, "subplots", subplots)
     csv_path = tmp_path / "metrics.csv"
     names = ["val/a/accuracy", "train/lr", "train/loss", "val/b/mAP"]
-    csv_path.write_text("step,name,value,elapsed_s\n" + "".join(f"1,{n},1,0\n2,{n},2,0\n" for n in names),
-                        encoding="utf-8")
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at it
+    csv_path.write_text("step,name,value,elapsed_s\n" + "".join(f"{s},{n},{v},0\n" for n in names for s, v in ((1, 1), (2, 2)))
+                        + "".join(f"{s},train/loss,{30 - s},0\n" for s in range(3, 21)), encoding="utf-8")
     assert plot_metrics(csv_path, tmp_path / "c.png") == ["train/loss", "train/lr", "val/a/accuracy", "val/b/mAP"]
     assert (asked["rows"], asked["cols"], asked["figsize"], asked["squeeze"]) == (2, 3, (13.5, 6.4), False)
     assert not (tmp_path / "c.png.tmp").exists()
+    png = (tmp_path / "c.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (
+        1350, 640)  # 100 dpi
+    (fig,) = figures
+    axes = fig.axes
+    for ax, name in zip(axes, ["train/loss", "train/lr", "val/a/accuracy", "val/b/mAP"]):
+        (line,) = ax.get_lines()
+        assert ax.get_title() == name and ax.title.get_fontsize() == 10 and ax.get_xlabel() == "step"
+        points = 20 if name == "train/loss" else 2  # each panel: its steps against its values
+        assert list(line.get_xdata()) == list(range(1, points + 1))
+        assert list(line.get_ydata()) == ([1, 2] + [30 - s for s in range(3, 21)] if name == "train/loss" else [1, 2])
+        assert line.get_marker() == ("None" if points >= 20 else "o") and line.get_markersize() == 3
+        assert ax.xaxis.get_gridlines()[0].get_alpha() == 0.3 and ax.axison
+    assert [ax.axison for ax in axes[4:]] == [False, False]  # the empty places of the grid: no frame
+    close(fig)
