@@ -553,7 +553,7 @@ def _validate_reid(cfg: TrainConfig) -> None:
         raise ConfigError(f"neck={cfg.neck!r} applies to backbone='resnet50' only, got backbone={cfg.backbone!r}")
     for name in ("triplet_weight", "triplet_margin"):
         value = getattr(cfg, name)
-        if not (value >= 0 and value != float("inf")):
+        if not value >= 0:  # (infinity and NaN: refused before, by _finite_numbers)
             raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
     if cfg.triplet_weight > 0 and cfg.backbone not in WITH_FEATURES:
         raise ConfigError(
