@@ -524,11 +524,6 @@ class RowSparseSGD(_RowSparseOptimizer):
                  grad_scale=self._grad_scale_on(p.device), hyper=hyper)
         return True
 
-    @staticmethod
-    def state_dtype(p: Tensor, key: str) -> Optional[torch.dtype]:
-        """The dtype this optimizer keeps ``p``'s state ``key`` in (None: not a key of its own)."""
-        return p.dtype if key == "momentum_buffer" else None
-
     def _momentum_buffer(self, p: Tensor, group: dict) -> Optional[Tensor]:
         """``p``'s momentum buffer (made, zero, at the first step; None without momentum)."""
         if not group["momentum"]:
@@ -602,11 +597,10 @@ class RowSparseAdamW(_RowSparseOptimizer):
 
     @staticmethod
     def state_dtype(p: Tensor, key: str) -> Optional[torch.dtype]:
-        """The dtype this optimizer keeps ``p``'s state ``key`` in (None: not a key of its own)."""
-        if key == "exp_avg":
-            return p.dtype
-        if key == "exp_avg_sq":
-            return torch.float32 if p.dtype == torch.float16 else p.dtype
+        """The dtype of ``p``'s state ``key`` where it is not ``p``'s own (None): fp16's second
+        moment in fp32, the per-row step count in fp64 (see :meth:`_adam_state`)."""
+        if key == "exp_avg_sq" and p.dtype == torch.float16:
+            return torch.float32
         return torch.float64 if key == "row_step" else None
 
     def _adam_state(self, p: Tensor) -> dict:
@@ -828,14 +822,14 @@ def _adamw_step_form(optimizer: torch.optim.Optimizer, tensors: Mapping[str, Ten
 
 
 def _state_dtype(optimizer: torch.optim.Optimizer, p: Tensor, key: str, saved: Tensor) -> torch.dtype:
-    """The dtype ``optimizer`` would make ``p``'s state ``key`` in: its own answer (the row-sparse
-    optimizers'), else ``p``'s for floating-point state as torch's optimizers keep it; a saved bf16
-    momentum put under an fp32 head as is would update in bf16 (and torch's fused CUDA step refuses
-    the mix)."""
+    """The dtype ``optimizer`` would make ``p``'s state ``key`` in: the row-sparse AdamW's own answer
+    where it has one, else ``p``'s for floating-point state, as torch's optimizers and the row-sparse
+    SGD keep it; a saved bf16 momentum put under an fp32 head as is would update in bf16 (and torch's
+    fused CUDA step refuses the mix)."""
     own = getattr(optimizer, "state_dtype", None)
     dtype = own(p, key) if own is not None else None
     if dtype is None:
-        dtype = p.dtype if saved.is_floating_point() and p.is_floating_point() else saved.dtype
+        dtype = p.dtype if saved.is_floating_point() else saved.dtype
     return dtype
 
 
