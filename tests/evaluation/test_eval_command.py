@@ -49,7 +49,7 @@ def test_without_a_target_flag_the_runs_own_targets(monkeypatch, capsys):
 @pytest.mark.parametrize("flags, expected", [
     (["--bin", "a.bin", "b.bin"], dict(bins=["a.bin", "b.bin"], reid_root="", synthetic_pairs=0)),
     (["--reid-root", "m"], dict(bins=[], reid_root="m", synthetic_pairs=0)),
-    (["--synthetic-pairs", "5"], dict(bins=[], reid_root="", synthetic_pairs=5)),
+    (["--synthetic-pairs", "10"], dict(bins=[], reid_root="", synthetic_pairs=10)),
     (["--synthetic-pairs", "0"], dict(bins=[], reid_root="", synthetic_pairs=0)),
 ])
 def test_a_target_flag_names_the_targets_alone(monkeypatch, flags, expected):
@@ -81,6 +81,9 @@ def test_the_evaluation_flags_reach_it(monkeypatch):
 @pytest.mark.parametrize("flags, message", [
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     (["--workers", "-1"], "--workers must be >= 0, got -1"),
+    # fewer pairs than the protocol's 10 folds failed after embedding them; a negative count was taken for 'some'
+    (["--synthetic-pairs", "9"], "--synthetic-pairs must be 0 (none) or at least 10 (the verification protocol's folds), got 9"),
+    (["--synthetic-pairs", "-1"], "--synthetic-pairs must be 0 (none) or at least 10 (the verification protocol's folds), got -1"),
 ])
 def test_bad_numbers_are_refused(monkeypatch, capsys, flags, message):
     run = _Run(monkeypatch)

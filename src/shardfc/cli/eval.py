@@ -18,6 +18,7 @@ import torch
 
 from shardfc import checkpoint as ckpt
 from shardfc.evaluation.far import why_undefined
+from shardfc.evaluation.folds import NFOLDS
 from shardfc.train.checkpointing.artifacts import add_checkpoint_args, load_backbone, pick_device
 from shardfc.train.config import ConfigError
 from shardfc.train.observe.evaluate import IJBOptions, build_targets, run_targets
@@ -86,6 +87,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.batch_size < 1:
             raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+        if args.synthetic_pairs is not None and (args.synthetic_pairs < 0 or 0 < args.synthetic_pairs < NFOLDS):
+            raise ConfigError(f"--synthetic-pairs must be 0 (none) or at least {NFOLDS} (the verification protocol's "
+                              f"folds), got {args.synthetic_pairs}")
         if args.workers < 0:
             raise ConfigError(f"--workers must be >= 0, got {args.workers}")
         device = pick_device(args.device)

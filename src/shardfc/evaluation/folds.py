@@ -6,7 +6,11 @@ from typing import List, Tuple
 
 import numpy as np
 
-__all__ = ["kfold_indices"]
+__all__ = ["NFOLDS", "kfold_indices"]
+
+#: The folds of the verification protocols (insightface's 10-fold LFW protocol): a set of fewer pairs
+#: cannot be evaluated.
+NFOLDS = 10
 
 
 def kfold_indices(n: int, nfolds: int) -> List[Tuple[np.ndarray, np.ndarray]]:

@@ -36,7 +36,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from shardfc.evaluation.far import far_measurable
-from shardfc.evaluation.folds import kfold_indices
+from shardfc.evaluation.folds import NFOLDS, kfold_indices
 
 __all__ = [
     "ACCURACY_THRESHOLDS",
@@ -70,7 +70,7 @@ def _count_below(sorted_values: np.ndarray, thresholds: np.ndarray) -> np.ndarra
 
 
 def insightface_accuracy(
-    dist: np.ndarray, issame: np.ndarray, nfolds: int = 10, thresholds: np.ndarray = ACCURACY_THRESHOLDS
+    dist: np.ndarray, issame: np.ndarray, nfolds: int = NFOLDS, thresholds: np.ndarray = ACCURACY_THRESHOLDS
 ) -> Tuple[np.ndarray, np.ndarray]:
     """Per-fold held-out accuracies and the threshold chosen on each fold's training pairs."""
     accs: List[float] = []
@@ -107,7 +107,7 @@ def insightface_val_far(
     dist: np.ndarray,
     issame: np.ndarray,
     far_target: float,
-    nfolds: int = 10,
+    nfolds: int = NFOLDS,
     thresholds: np.ndarray = VAL_THRESHOLDS,
 ) -> Tuple[float, float, float]:
     """insightface's ``calculate_val``: ``(mean TAR, std of TAR, mean FAR)`` over the folds.

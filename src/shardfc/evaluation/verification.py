@@ -28,7 +28,7 @@ from torch import nn
 from shardfc import files
 from shardfc.data.transforms import decode_image, image_to_tensor
 from shardfc.evaluation.far import far_measurable, why_undefined
-from shardfc.evaluation.folds import kfold_indices
+from shardfc.evaluation.folds import NFOLDS, kfold_indices
 from shardfc.evaluation.insightface_protocol import insightface_metrics, normalized_squared_distances
 
 __all__ = [
@@ -314,7 +314,7 @@ def verification_metrics(
     embeddings_a: ArrayLike,
     embeddings_b: ArrayLike,
     issame: ArrayLike,
-    nfolds: int = 10,
+    nfolds: int = NFOLDS,
     far_targets: Iterable[float] = (1e-3, 1e-4),
 ) -> Dict[str, float]:
     """Verification metrics of paired embeddings under both protocols (see the module docstring).
@@ -440,7 +440,7 @@ def evaluate_verification(
     batch_size: int = 64,
     flip: bool = True,
     device: Optional[Union[str, torch.device]] = None,
-    nfolds: int = 10,
+    nfolds: int = NFOLDS,
     far_targets: Iterable[float] = (1e-3, 1e-4),
 ) -> Dict[str, float]:
     """Embed verification pairs with ``model`` and compute :func:`verification_metrics`.

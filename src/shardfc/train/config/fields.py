@@ -238,11 +238,11 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ eval
     val_bins: List[str] = field(default_factory=list)
-    """insightface verification .bin files (lfw.bin, cfp_fp.bin, agedb_30.bin, ...) evaluated during training."""
+    """insightface verification .bin files (lfw.bin, cfp_fp.bin, agedb_30.bin, ...) evaluated during training, each reported under its file's stem (two of one stem are refused), with at least 10 pairs each."""
     reid_root: str = ""
     """Re-ID dataset root with query/gallery splits (e.g. Market-1501), evaluated during training."""
     synthetic_val_pairs: int = 1000
-    """Held-out verification pairs of the synthetic dataset (unseen images of unseen identities); 0: none."""
+    """Held-out verification pairs of the synthetic dataset (unseen images of unseen identities), at least 10 (the protocol's folds); 0: none."""
     eval_batch_size: int = 256
     """Images per forward pass during evaluation."""
     eval_flip: bool = True
@@ -300,8 +300,12 @@ class TrainConfig:
                     "u_m": self.magface_u_m, "lambda_g": self.magface_lambda_g}
         return {}
 
-    def validate(self) -> "TrainConfig":
-        """Check value ranges and combinations; raise :class:`ConfigError` naming the field and value."""
+    def validate(self, *, evaluations: bool = True) -> "TrainConfig":
+        """Check value ranges and combinations; raise :class:`ConfigError` naming the field and value.
+
+        ``evaluations``: also check the plan of evaluation targets (distinct names, enough pairs:
+        :func:`~shardfc.train.observe.evaluate.plan_targets`); off for a saved config read without them.
+        """
         _finite_numbers(self)
         _choice(self, "dataset", ("synthetic", "folder", "recordio", "list", "market1501"))
         _choice(self, "sampler", ("random", "pk"))
@@ -418,6 +422,10 @@ class TrainConfig:
         if self.cuda_graph == "head":
             self._validate_cuda_graph()
         _validate_classes(self)
+        if evaluations:  # before training, on every rank, not at the first evaluation on rank 0
+            from shardfc.train.observe.evaluate import plan_targets
+
+            plan_targets(self)
         return self
 
     def head_update_not_fusable(self, device_type: Optional[str] = None) -> Optional[str]:

@@ -12,15 +12,16 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from shardfc.evaluation import evaluate_reid, evaluate_verification, load_bin, load_reid_split
+from shardfc.evaluation.folds import NFOLDS
 from shardfc.train.config import ConfigError, TrainConfig
 
-__all__ = ["EvalTarget", "IJBOptions", "LazyPairs", "build_targets", "run_targets", "synthetic_dataset"]
+__all__ = ["EvalTarget", "IJBOptions", "LazyPairs", "build_targets", "plan_targets", "run_targets", "synthetic_dataset"]
 
 logger = logging.getLogger("shardfc.train")
 
@@ -47,6 +48,51 @@ def synthetic_dataset(cfg: TrainConfig, image_size: Tuple[int, int]):
     )
 
 
+def _asked(cfg: TrainConfig, bins, reid_root, synthetic_pairs) -> Tuple[List[str], str, int]:
+    """The targets asked for: each override given, else ``cfg``'s (synthetic pairs for a synthetic run only)."""
+    if synthetic_pairs is None:
+        synthetic_pairs = cfg.synthetic_val_pairs if cfg.dataset == "synthetic" else 0
+    bins = list(cfg.val_bins) if bins is None else bins
+    return bins, (cfg.reid_root if reid_root is None else reid_root), synthetic_pairs
+
+
+def plan_targets(
+    cfg: TrainConfig,
+    *,
+    bins: Optional[List[str]] = None,
+    reid_root: Optional[str] = None,
+    synthetic_pairs: Optional[int] = None,
+    ijb_target: Optional[str] = None,
+) -> List[Tuple[str, str]]:
+    """``(name, what)`` of each target :func:`build_targets` makes, in its order, reading no file.
+
+    Raises :class:`ConfigError` for a plan that could only fail or mislead later: two targets under one
+    name (a ``.bin`` is named by its file's stem; ``synthetic``, ``reid``, ``ijbc``/``ijbb`` are taken),
+    whose metrics would overwrite each other's in the summary and ``metrics.csv``; or fewer synthetic
+    pairs than the protocol's :data:`~shardfc.evaluation.folds.NFOLDS` folds, which would fail at the
+    first evaluation, after training. :meth:`TrainConfig.validate` calls it on every rank.
+    """
+    bins, reid_root, synthetic_pairs = _asked(cfg, bins, reid_root, synthetic_pairs)
+    if synthetic_pairs < 0 or 0 < synthetic_pairs < NFOLDS:
+        raise ConfigError(f"synthetic_val_pairs must be 0 (none) or at least {NFOLDS} (the verification protocol's "
+                          f"folds), got {synthetic_pairs}")
+    plan = [("synthetic", "the held-out synthetic pairs")] if synthetic_pairs else []
+    plan += [(Path(path).stem, f"the .bin file {path!r}") for path in bins]
+    if reid_root:
+        plan.append(("reid", f"the re-ID split {reid_root!r}"))
+    if ijb_target is not None:
+        plan.append((ijb_target.lower(), f"the {ijb_target} release"))
+    seen: Dict[str, str] = {}
+    for name, what in plan:
+        if name in seen:
+            raise ConfigError(
+                f"{seen[name]} and {what} would both report as {name!r}, one's metrics overwriting the other's "
+                "(a .bin is named by its file's stem): give one file another name, or a link to it"
+            )
+        seen[name] = what
+    return plan
+
+
 def build_targets(
     cfg: TrainConfig,
     image_size: Tuple[int, int],
@@ -59,12 +105,11 @@ def build_targets(
     ijb: "IJBOptions | None" = None,
 ) -> List[EvalTarget]:
     """The targets ``cfg`` asks for (``bins``/``reid_root``/``synthetic_pairs`` override it), plus
-    an IJB release when ``ijb`` is given."""
-    bins = list(cfg.val_bins) if bins is None else bins
-    reid_root = cfg.reid_root if reid_root is None else reid_root
-    if synthetic_pairs is None:
-        synthetic_pairs = cfg.synthetic_val_pairs if cfg.dataset == "synthetic" else 0
-    kw = dict(batch_size=cfg.eval_batch_size, flip=cfg.eval_flip, device=device)
+    an IJB release when ``ijb`` is given; :func:`plan_targets`' checks first."""
+    plan_targets(cfg, bins=bins, reid_root=reid_root, synthetic_pairs=synthetic_pairs,
+                 ijb_target=ijb.target if ijb is not None else None)
+    bins, reid_root, synthetic_pairs = _asked(cfg, bins, reid_root, synthetic_pairs)
+    kw = dict(batch_size=cfg.eval_batch_size, flip=cfg.eval_flip, device=device, nfolds=NFOLDS)
     targets: List[EvalTarget] = []
 
     if synthetic_pairs:
@@ -93,6 +138,9 @@ def build_targets(
             raise
         except Exception as e:  # a broken pickle surfaces as almost any error type; name the file
             raise ConfigError(f"val_bins: cannot load {path!r}: {type(e).__name__}: {e}") from e
+        if len(issame) < NFOLDS:  # now, not at the first evaluation after training
+            raise ConfigError(f"val_bins: {path!r} holds {len(issame)} pair(s); the verification protocol needs at "
+                              f"least {NFOLDS} (one per fold)")
         logger.info("loaded %s: %d pairs", path, len(issame))
 
         def verification(model: nn.Module, images=images, issame=issame) -> Dict[str, float]:
