@@ -1,5 +1,6 @@
 import logging
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -165,6 +166,23 @@ def test_list_file_write_round_trip(tmp_path, listed):
     ListFileDataset.write(lst, [(p, i) for i, p in enumerate(paths)])
     ds = ListFileDataset(lst, train=False)
     assert [(Path(p), y) for p, y in ds.samples] == [(p, i) for i, p in enumerate(paths)]
+
+
+def test_list_file_write_keeps_inner_spaces_and_refuses_what_would_not_read_back(tmp_path):
+    lst = tmp_path / "written.lst"
+    ListFileDataset.write(lst, [("a b/c d.png", 0), ("x#.png", 2)])
+    assert lst.read_text(encoding="utf-8") == "a b/c d.png 0\nx#.png 2\n"
+    read = ListFileDataset(lst, root="/r", train=False).samples
+    assert read == [(os.path.join("/r", "a b/c d.png"), 0), (os.path.join("/r", "x#.png"), 2)]
+    # each was written as a line that read back as another path, as a comment, or as two lines
+    for path in ("#1.png", " lead.png", "trail.png ", "tab.png\t", "two\nlines.png", "\u2028sep.png", ""):
+        with pytest.raises(ValueError, match=re.escape(f"ListFileDataset.write: path {path!r} would not read back "
+                                                       "as itself (a line break in it, whitespace at either end, "
+                                                       "or a leading '#')")):
+            ListFileDataset.write(lst, [("ok.png", 1), (path, 0)])
+    with pytest.raises(ValueError, match=re.escape("ListFileDataset.write: label must be >= 0, got -1 for 'n.png'")):
+        ListFileDataset.write(lst, [("n.png", -1)])
+    assert lst.read_text(encoding="utf-8") == "a b/c d.png 0\nx#.png 2\n"  # a refused list leaves the file alone
 
 
 @pytest.mark.parametrize(

@@ -277,13 +277,12 @@ class ListFileDataset(FileImageDataset):
         self.samples = []
         # Streamed through the gate: a regular file, UTF-8, each line at most files.MAX_LINE_BYTES.
         for lineno, raw in files.iter_lines(self.list_file, "list"):
-            line = raw.strip()
-            if not line or line.startswith("#"):
+            parts = _list_entry(raw)
+            if parts is None:
                 continue
-            parts = line.rsplit(None, 1)
             if len(parts) != 2:
                 raise ValueError(
-                    f"{self.list_file}:{lineno}: expected '<path> <label>', got {line!r}"
+                    f"{self.list_file}:{lineno}: expected '<path> <label>', got {raw.strip()!r}"
                 )
             rel, label_str = parts
             try:
@@ -302,8 +301,29 @@ class ListFileDataset(FileImageDataset):
 
     @staticmethod
     def write(list_file: PathLike, samples: List[Tuple[PathLike, int]]) -> None:
-        """Write ``(path, label)`` pairs in the format this class reads."""
-        with open(list_file, "w", encoding="utf-8") as f:
-            for path, label in samples:
-                f.write(f"{os.fspath(path)} {int(label)}\n")
+        """Write ``(path, label)`` pairs in the format this class reads.
+
+        A path that would not read back as itself is refused, naming it (a line break in it, whitespace
+        at either end, a leading ``#``: the reader strips lines and skips comments), as is a negative label.
+        """
+        lines = []
+        for path, label in samples:
+            text, label = os.fspath(path), int(label)
+            if label < 0:
+                raise ValueError(f"ListFileDataset.write: label must be >= 0, got {label} for {text!r}")
+            if "\n" in text or _list_entry(f"{text} {label}") != [text, str(label)]:
+                raise ValueError(f"ListFileDataset.write: path {text!r} would not read back as itself (a line break "
+                                 "in it, whitespace at either end, or a leading '#')")
+            lines.append(f"{text} {label}\n")
+        with open(list_file, "w", encoding="utf-8") as f:  # all checked first: no half-written list
+            f.writelines(lines)
+
+
+def _list_entry(line: str) -> Optional[List[str]]:
+    """A list file's line split into ``[path, label]`` (any other length is malformed); None for a
+    blank line or a ``#`` comment. Surrounding whitespace is not part of the path."""
+    line = line.strip()
+    if not line or line.startswith("#"):
+        return None
+    return line.rsplit(None, 1)
 
