@@ -93,6 +93,26 @@ def test_embed_writes_one_row_per_decodable_image(run2, tmp_path, capsys):
     assert "holds no images" in capsys.readouterr().err
 
 
+def test_embed_to_npy_refuses_a_name_with_a_line_break_before_loading(run2, tmp_path, capsys, monkeypatch):
+    cfg, _ = run2
+    images = tmp_path / "imgs"
+    images.mkdir()
+    for name in ("a.png", "b\nc.png", "d.png"):
+        (images / name).write_bytes(_png_bytes((10, 90, 200), size=(20, 24)))
+    npy = tmp_path / "emb.npy"
+    # paths.txt would have listed it on two lines: every row after it named by the wrong path
+    loaded = []
+    real = cli_embed.load_backbone
+    monkeypatch.setattr(cli_embed, "load_backbone", lambda *a, **k: loaded.append(a) or real(*a, **k))
+    assert cli_embed.main(["--checkpoint", cfg.output_dir, "--images", str(images), "--out", str(npy)]) == 2
+    assert capsys.readouterr().err == (f"shardfc embed: error: --out {str(npy)!r} lists the paths one per line, but "
+                                       "'b\\nc.png' holds a line break: use --out FILE.pt (the paths as a list)\n")
+    assert loaded == [] and not npy.exists() and not Path(f"{npy}.paths.txt").exists()
+    out = tmp_path / "emb.pt"
+    assert cli_embed.main(["--checkpoint", cfg.output_dir, "--images", str(images), "--out", str(out)]) == 0
+    assert torch.load(out)["paths"] == ["a.png", "b\nc.png", "d.png"]
+
+
 def test_eval_synthetic_bin_and_reid(run2, tmp_path, capsys):
     cfg, _ = run2
     # Default targets: the run's own (held-out synthetic pairs).

@@ -4,7 +4,8 @@ Images are found recursively (sorted paths), resized to the training input size 
 as in training. Corrupt images are skipped, counted and named in a warning. Output by suffix:
 
 * ``.pt``: ``{"embeddings": float32 [N, D], "paths": [N paths relative to --images], "checkpoint": str}``;
-* ``.npy``: the ``[N, D]`` array, with the paths one per line in ``<out>.paths.txt``.
+* ``.npy``: the ``[N, D]`` array, with the paths one per line in ``<out>.paths.txt`` (a file name
+  holding a line break is refused before anything is embedded: use ``.pt``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
         files = list_images(args.images)
         root = Path(args.images).expanduser()  # as list_images read it: the paths below are relative to it
+        if out.suffix == ".npy":  # one path per line: a name holding a line break would shift every row after it
+            broken = next((p for p in files if len(f"{p.relative_to(root)}x".splitlines()) > 1), None)
+            if broken is not None:
+                raise ConfigError(f"--out {args.out!r} lists the paths one per line, but {str(broken.relative_to(root))!r} "
+                                  "holds a line break: use --out FILE.pt (the paths as a list)")
         device = pick_device(args.device)
         trained = load_backbone(args.checkpoint, device, trust_pickle=args.trust_checkpoint)
         kept: List[Path] = []
