@@ -104,6 +104,11 @@ class SyntheticIdentities(Dataset):
             raise ValueError(f"max_shift must be in [0, 0.5), got {max_shift!r}")
         if not 0.0 <= contrast < 1.0:
             raise ValueError(f"contrast must be in [0, 1), got {contrast!r}")
+        amplitudes = dict(identity_scale=identity_scale, brightness=brightness, color_cast=color_cast,
+                          illumination=illumination, noise_std=noise_std)
+        for name, value in amplitudes.items():  # NaN rendered a set of NaN images; a negative one flips a sign
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         self.num_identities = int(num_identities)
         self.images_per_identity = int(images_per_identity)
         self.image_size = (int(image_size[0]), int(image_size[1]))
@@ -254,6 +259,26 @@ class SyntheticIdentities(Dataset):
             ``images_a`` and ``images_b`` float32 ``[N, 3, H, W]``, ``issame``
             bool ``[N]``.
         """
+        id_a, k_a, id_b, k_b, issame = self.verification_pair_indices(
+            num_pairs, seed, unseen_identities, num_held_out_images
+        )
+        images_a = self.render_batch(id_a.tolist(), k_a.tolist())
+        return images_a, self.render_batch(id_b.tolist(), k_b.tolist()), torch.from_numpy(issame)
+
+    def verification_pair_indices(
+        self,
+        num_pairs: int = 1000,
+        seed: int = 0,
+        unseen_identities: bool = False,
+        num_held_out_images: int = 50,
+    ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The samples :meth:`verification_pairs` renders (same arguments): int64 arrays
+        ``(identity_a, index_a, identity_b, index_b)`` and bool ``issame``, each ``[num_pairs]``.
+
+        Identities are uniform over the set (shifted by ``num_identities`` when unseen); a negative
+        pair's second identity is uniform over the others, a positive pair's second index uniform over
+        the other held-out indices ``images_per_identity ..``.
+        """
         if num_pairs < 1:
             raise ValueError(f"num_pairs must be >= 1, got {num_pairs!r}")
         if num_held_out_images < 2:
@@ -273,9 +298,7 @@ class SyntheticIdentities(Dataset):
         k_neg = rng.integers(0, num_held_out_images, size=num_pairs)
         k_b = np.where(issame, (k_a + k_off) % num_held_out_images, k_neg)
         base = self.images_per_identity
-        images_a = self.render_batch((id_a + first_id).tolist(), (k_a + base).tolist())
-        images_b = self.render_batch((id_b + first_id).tolist(), (k_b + base).tolist())
-        return images_a, images_b, torch.from_numpy(issame)
+        return id_a + first_id, k_a + base, id_b + first_id, k_b + base, issame
 
 
 
