@@ -130,6 +130,13 @@ def test_inspect_prints_json_or_a_table(tmp_path, monkeypatch, capsys):
     assert seen == [(str(tmp_path), 3), (str(tmp_path), 8)]
 
 
+@pytest.mark.parametrize("value", ["-3", "2.5", "many"])
+def test_inspect_names_a_bad_sample_count(tmp_path, capsys, value):
+    # a negative count was read as 0: no image decoded, and the table's sizes said "-" as if none could be
+    assert data_cli.main(["inspect", str(tmp_path), "--sample", value]) == 2
+    assert capsys.readouterr().err.endswith(f"error: argument --sample: expected an integer >= 0, got {value!r}\n")
+
+
 def test_verify_reports_each_bad_record_and_exits_1(tmp_path, monkeypatch, capsys):
     result = {"rec": "x.rec", "layout": "im2rec", "images": 4,
               "bad": [{"key": 3, "reason": "bad magic"}, {"key": None, "reason": "property: too few"}]}

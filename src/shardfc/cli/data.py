@@ -53,6 +53,16 @@ def _quality_arg(text: str) -> int:
     return q
 
 
+def _count_arg(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shardfc data",
@@ -78,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="counts, images per class, image size, layout", allow_abbrev=False)
     ins.add_argument("path", metavar="PATH", help="folder with train.rec/train.idx, or a .rec file")
     ins.add_argument("--json", action="store_true", help="print one JSON object")
-    ins.add_argument("--sample", type=int, default=8, metavar="N", help="decode the first N images for their size (default 8)")
+    ins.add_argument("--sample", type=_count_arg, default=8, metavar="N", help="decode the first N images for their size (default 8)")
 
     sh = sub.add_parser("shuffle", help="shuffled copy without header/identity records (im2rec layout)", allow_abbrev=False)
     sh.add_argument("path", metavar="PATH", help="folder with train.rec/train.idx, or a .rec file")
