@@ -49,6 +49,16 @@ def _check_writable(path: Path, force: bool) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
 
 
+def _check_distinct(out: Path, onnx_out: Optional[Path], fc_out: Optional[Path]) -> None:
+    """Each output its own file: ``--out m.onnx --onnx`` wrote the ONNX model over the TorchScript one."""
+    named = [("--out", out), ("--onnx", onnx_out), ("--fc", fc_out)]
+    given = [(flag, path) for flag, path in named if path is not None]
+    for i, (flag, path) in enumerate(given):
+        for other, other_path in given[:i]:
+            if os.path.abspath(path) == os.path.abspath(other_path):
+                raise ConfigError(f"{other} and {flag} name one file, {str(path)!r}: each output needs its own")
+
+
 def export_torchscript(model: torch.nn.Module, example: torch.Tensor, out: Path, metadata: dict) -> float:
     """Trace ``model`` to ``out`` (written atomically); returns the max |difference| after reloading.
 
@@ -101,6 +111,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     out = Path(args.out)
     onnx_out = None if args.onnx is None else Path(args.onnx or out.with_suffix(".onnx"))
     try:
+        _check_distinct(out, onnx_out, None if args.fc is None else Path(args.fc))
         _check_writable(out, args.force)
         if onnx_out is not None:
             _check_writable(onnx_out, args.force)

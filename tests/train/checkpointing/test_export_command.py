@@ -246,3 +246,18 @@ def test_arguments_from_the_command_line(monkeypatch, tmp_path):
     monkeypatch.setattr("sys.argv", ["shardfc export", "--checkpoint", "from-argv", "--out", str(tmp_path / "m.pt")])
     assert cli.main() == 0
     assert backbone.loaded[0][0] == "from-argv"
+
+
+@pytest.mark.parametrize("argv, first, second, name", [
+    (["--out", "{d}/m.onnx", "--onnx"], "--out", "--onnx", "{d}/m.onnx"),  # the ONNX default: --out's own name
+    (["--out", "{d}/m.pt", "--onnx", "{d}/m.pt"], "--out", "--onnx", "{d}/m.pt"),
+    (["--out", "{d}/m.pt", "--fc", "{d}/./m.pt"], "--out", "--fc", "{d}/m.pt"),
+    (["--out", "{d}/m.pt", "--onnx", "{d}/c.pt", "--fc", "{d}/c.pt"], "--onnx", "--fc", "{d}/c.pt"),
+])
+def test_two_outputs_of_one_name_are_refused_before_loading(monkeypatch, tmp_path, capsys, argv, first, second, name):
+    # the later write replaced the earlier one: a "model.onnx" that was no TorchScript, or centres instead of a model
+    backbone = _Backbone(monkeypatch)
+    assert _run("--checkpoint", "ck", *[a.format(d=tmp_path) for a in argv]) == 2
+    assert capsys.readouterr().err == (f"shardfc export: error: {first} and {second} name one file, "
+                                       f"{name.format(d=tmp_path)!r}: each output needs its own\n")
+    assert backbone.loaded == [] and list(tmp_path.iterdir()) == []
