@@ -27,7 +27,7 @@ from typing import List, Optional
 from shardfc.checks import chunk_size_arg
 from shardfc.parallel.launch import WorkerError
 from shardfc.tools.bench import report
-from shardfc.tools.bench.runner import DEFAULT_CHUNK_SIZE, VARIANTS, run_bench
+from shardfc.tools.bench.runner import DEFAULT_CHUNK_SIZE, DEFAULT_SAMPLE_RATE, VARIANTS, run_bench
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
-    p.add_argument("--sample-rate", type=float, default=0.1, help="Partial FC rate r of the partial variant (default 0.1)")
+    p.add_argument("--sample-rate", type=float, default=None,
+                   help=f"Partial FC rate r of the partial variants (default {DEFAULT_SAMPLE_RATE})")
     p.add_argument(
         "--chunk-size",
         type=chunk_size_arg,

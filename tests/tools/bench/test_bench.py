@@ -126,9 +126,14 @@ def test_markdown_table_of_results():
         (["--world-size", "0"], "world_size"),
         (["--variants", "sharded,bogus"], "bogus"),
         (["--variants", "sharded,sharded"], "at most once"),
-        (["--sample-rate", "1.5"], "sample_rate"),
-        (["--sample-rate", "0"], "sample_rate"),
+        (["--sample-rate", "1.5", "--variants", "partial"], "sample_rate must be in (0, 1], got 1.5"),
+        (["--sample-rate", "0", "--variants", "partial_lazy"], "sample_rate must be in (0, 1], got 0.0"),
         (["--chunk-size", "0"], "chunk_size"),
+        # a setting of a variant that is not run was dropped silently
+        (["--sample-rate", "0.05"], "sample_rate=0.05 applies to the partial variants, not to variants "
+                                    "['sharded', 'chunked']"),
+        (["--chunk-size", "64", "--variants", "sharded,partial"], "chunk_size=64 applies to the chunked variant, not "
+                                                                  "to variants ['sharded', 'partial']"),
         (["--steps", "0"], "steps"),
         (["--warmup", "-1"], "warmup"),
         (["--dtype", "float8"], "dtype"),
@@ -159,9 +164,11 @@ def test_missing_required_argument_exits_2():
         (dict(batch=0), "batch"),
         (dict(dim=-1), "dim"),
         (dict(variants=[]), "variants"),
-        (dict(sample_rate=2.0), "sample_rate"),
-        (dict(chunk_size=-3), "chunk_size"),
-        (dict(chunk_size="big"), "chunk_size"),
+        (dict(sample_rate=2.0, variants="partial"), "sample_rate must be in"),
+        (dict(sample_rate=0.5), "sample_rate=0.5 applies to the partial variants"),
+        (dict(chunk_size=-3, variants="chunked"), "chunk_size must be"),
+        (dict(chunk_size="big", variants="chunked"), "chunk_size must be"),
+        (dict(chunk_size=8), "chunk_size=8 applies to the chunked variant"),
         (dict(margin="nope"), "nope"),
     ],
 )
@@ -172,7 +179,7 @@ def test_run_bench_rejects_bad_arguments_before_spawning(kwargs, name):
         run_bench(**args)
 
 
-@pytest.mark.parametrize("variants, rate", [("sharded,chunked", 0.1), ("partial", 1.0)])
+@pytest.mark.parametrize("variants, rate", [("sharded,chunked", None), ("partial", 1.0)])
 def test_sparse_grad_needs_the_partial_variant_below_rate_1(variants, rate):
     from shardfc.tools.bench.runner import run_bench
 

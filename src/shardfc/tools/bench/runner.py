@@ -79,6 +79,8 @@ FIELDS = ("variant", "step_time_s", "peak_bytes_per_rank", "balance", "comm_byte
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: chunk size of the ``chunked`` variant when none is given
 DEFAULT_CHUNK_SIZE = 1024
+#: Partial FC rate of the ``partial`` variants when none is given
+DEFAULT_SAMPLE_RATE = 0.1
 LR = 0.01
 MOMENTUM = 0.9
 SEED = 1234
@@ -126,6 +128,13 @@ def _check_config(world_size, batch, dim, classes, variants, steps, warmup, samp
     names = parse_variants(variants)
     check_int("steps", steps, 1)
     check_int("warmup", warmup, 0)
+    # A setting of a variant that is not run would be dropped silently: refused instead.
+    if sample_rate is not None and not {"partial", "partial_lazy"} & set(names):
+        raise ValueError(f"sample_rate={sample_rate!r} applies to the partial variants, not to variants {names}")
+    if chunk_size is not None and "chunked" not in names:
+        raise ValueError(f"chunk_size={chunk_size!r} applies to the chunked variant, not to variants {names}")
+    if sample_rate is None:
+        sample_rate = DEFAULT_SAMPLE_RATE
     if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not (0 < sample_rate <= 1):
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
     if chunk_size is None:
@@ -158,7 +167,7 @@ def run_bench(
     variants: Union[str, Sequence[str]] = ("sharded", "chunked"),
     steps: int = 5,
     warmup: int = 1,
-    sample_rate: float = 0.1,
+    sample_rate: Optional[float] = None,
     chunk_size: Union[int, str, None] = None,
     dtype: Union[str, torch.dtype] = "float32",
     margin: str = "arcface",
@@ -172,7 +181,9 @@ def run_bench(
     Each dict has exactly the keys of :data:`FIELDS` (see the module docstring). ``details``, if
     given, is filled with what the table and the plot need besides: ``memory_measure``,
     ``backend``, ``config`` (the checked arguments) and ``sizes`` (local batches).
-    Bad arguments raise ``ValueError`` naming the argument and value before anything starts.
+    Bad arguments raise ``ValueError`` naming the argument and value before anything starts, as do
+    ``sample_rate`` (default :data:`DEFAULT_SAMPLE_RATE`) and ``chunk_size`` given without a variant
+    that reads them.
     """
     from shardfc.parallel.launch import default_backend, spawn
 
