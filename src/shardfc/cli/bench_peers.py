@@ -74,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype: autocast for bfloat16/float16, none for float32 (default bfloat16)")
     p.add_argument("--margin", choices=MARGINS, default="arcface",
                    help="margin of the margin rows, with its defaults (default arcface: s=64 m=0.5)")
-    p.add_argument("--sample-rate", type=float, default=0.1, help="Partial FC rate of shardfc-partial (default 0.1)")
-    p.add_argument("--chunk-size", type=chunk_size_arg, default="auto",
+    p.add_argument("--sample-rate", type=float, default=None, help="Partial FC rate of shardfc-partial (default 0.1)")
+    p.add_argument("--chunk-size", type=chunk_size_arg, default=None,
                    help="classes per chunk of shardfc-chunked, or 'auto' (default auto)")
     p.add_argument("--steps", type=int, default=10, help="timed steps, median reported (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after the check step (default 3)")

@@ -317,6 +317,11 @@ def test_torch_without_linear_cross_entropy_leaves_the_rows_unavailable(monkeypa
         (["--margin", "sphereface"], "argument --margin: invalid choice: 'sphereface'"),
         (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
         (["--chunk-size", "big"], "argument --chunk-size: invalid"),
+        # a setting no row reads was dropped silently
+        (["--systems", "floor,shardfc-chunked", "--sample-rate", "0.2"],
+         "sample_rate=0.2 applies to the shardfc-partial row, not to systems ['floor', 'shardfc-chunked']"),
+        (["--systems", "shardfc-partial", "--chunk-size", "64"],
+         "chunk_size=64 applies to the shardfc-chunked row, not to systems ['shardfc-partial']"),
     ],
 )
 def test_bad_arguments_are_rejected_before_anything_runs(extra, message):

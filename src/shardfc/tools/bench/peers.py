@@ -639,8 +639,8 @@ def run_peers(
     systems: Union[None, str, Sequence[str]] = None,
     dtype: str = "bfloat16",
     margin: str = "arcface",
-    sample_rate: float = 0.1,
-    chunk_size: Union[int, str] = "auto",
+    sample_rate: Optional[float] = None,
+    chunk_size: Union[int, str, None] = None,
     steps: int = 10,
     warmup: int = 3,
     device: str = "auto",
@@ -651,9 +651,16 @@ def run_peers(
     Returns one object: ``workload`` (the checked arguments), ``environment`` (device and GPU
     name, torch, CUDA and triton versions), ``memory_measure``, ``loss_rtol``, ``references``
     (group -> reference loss and how it was computed) and ``rows`` (one dict per system with exactly
-    :data:`ROW_FIELDS`). Bad arguments raise ``ValueError`` naming the argument before anything runs.
+    :data:`ROW_FIELDS`). Bad arguments raise ``ValueError`` naming the argument before anything runs,
+    as do ``sample_rate`` (default 0.1) and ``chunk_size`` (default ``"auto"``) given without the
+    system that reads them (``shardfc-partial``, ``shardfc-chunked``).
     """
     names = parse_systems(systems)
+    for given, name, system in ((sample_rate, "sample_rate", "shardfc-partial"), (chunk_size, "chunk_size", "shardfc-chunked")):
+        if given is not None and system not in names:  # a setting no row reads would be dropped silently
+            raise ValueError(f"{name}={given!r} applies to the {system} row, not to systems {names}")
+    sample_rate = 0.1 if sample_rate is None else sample_rate
+    chunk_size = "auto" if chunk_size is None else chunk_size
     wl = check_workload(batch, dim, classes, dtype, margin, sample_rate, chunk_size, steps, warmup, device)
     dev = torch.device(wl.device)
     env = environment(dev)
