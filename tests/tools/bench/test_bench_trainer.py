@@ -59,6 +59,9 @@ def test_bench_trainer_names_a_bad_argument(capsys):
     assert "--steps must be an int >= 1, got 0" in capsys.readouterr().err
     assert bench_cli.main(["--trainer", "--strategy", "pipeline", *TINY]) == 2
     assert "measures one process of strategy 'ddp'; got strategy='pipeline'" in capsys.readouterr().err
+    assert bench_cli.main(["--trainer", "--nproc", "2", *TINY]) == 2
+    assert ("measures one process; got nproc=2 (time a run of several with shardfc train --profile)"
+            in capsys.readouterr().err)
     assert bench_cli.main(["--trainer", "--batch-sise", "4"]) == 2
     assert "unknown argument '--batch-sise'" in capsys.readouterr().err
 

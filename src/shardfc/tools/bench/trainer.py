@@ -273,6 +273,9 @@ def bench_trainer(cfg, steps: int = 20, warmup: int = 3, progress: bool = True,
             raise ConfigError(f"--{name} must be an int >= {1 if name == 'steps' else 0}, got {value!r}")
     if cfg.strategy != "ddp":
         raise ConfigError(f"shardfc bench --trainer measures one process of strategy 'ddp'; got strategy={cfg.strategy!r}")
+    if cfg.nproc != 1:  # was replaced by 1 silently: a figure of one process read as one of several
+        raise ConfigError(f"shardfc bench --trainer measures one process; got nproc={cfg.nproc} (time a run of several "
+                          "with shardfc train --profile)")
 
     def say(msg: str) -> None:
         if progress:
