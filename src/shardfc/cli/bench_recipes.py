@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipes", action="store_true", help="run the recipe comparison")
     p.add_argument("--split-sweep", action="store_true", help="run the single / split / pipelined sweep over --split-sizes")
     p.add_argument("--only", metavar="NAMES", help=f"comma-separated recipes, from {','.join(RECIPES)} (default: all)")
-    p.add_argument("--precisions", default="fp32,amp", help="fp32, amp or both (default fp32,amp); amp is fp16 on CUDA, bf16 on the CPU")
+    p.add_argument("--precisions", default=None, help="fp32, amp or both (default fp32,amp); amp is fp16 on CUDA, bf16 on the CPU")
     p.add_argument("--nproc", type=int, default=d.nproc, help=f"processes (ranks) per recipe (default {d.nproc})")
     p.add_argument("--backbone", default=d.backbone, help=f"backbone of the workload (default {d.backbone})")
     p.add_argument("--image-size", type=int, nargs=2, default=list(d.image_size), metavar=("H", "W"),
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="device of the runs (default auto)")
     p.add_argument("--work-dir", default="shardfc_runs/bench-recipes", help="run folders and logs (default shardfc_runs/bench-recipes)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a recipe's run is killed (default 600)")
-    p.add_argument("--split-sizes", default="2,4,8,16", help="split sizes of the sweep (default 2,4,8,16)")
+    p.add_argument("--split-sizes", default=None, help="split sizes of the sweep (default 2,4,8,16)")
     p.add_argument("--split-batch", type=int, default=None, help="rows per step of the sweep (default: batch-size x nproc)")
     p.add_argument("--json", metavar="PATH", help="write everything as one JSON object")
     p.add_argument("--plot", metavar="PATH", help="PNG of the recipes: time per step, peak memory, traffic")
@@ -84,7 +84,7 @@ def _sweep(args, threads: int) -> list:
     cuda = torch.cuda.device_count() if args.device != "cpu" and torch.cuda.is_available() else 0
     devices = ["cuda:0", "cuda:1"] if cuda >= 2 else (["cuda:0", "cuda:0"] if cuda else ["cpu", "cpu"])
     try:
-        sizes = [int(s) for s in args.split_sizes.split(",") if s.strip()]
+        sizes = [int(s) for s in (args.split_sizes or "2,4,8,16").split(",") if s.strip()]
     except ValueError:
         raise ValueError(f"--split-sizes must be comma-separated integers, got {args.split_sizes!r}") from None
     batch = args.split_batch or args.batch_size * args.nproc
@@ -97,6 +97,20 @@ def _sweep(args, threads: int) -> list:
                             warmup=args.warmup, embedding_dim=args.embedding_dim, seed=args.seed)
 
 
+#: The options only one of the two comparisons reads: given without it, each would be dropped silently.
+_RECIPES_ONLY = ("only", "precisions", "plot")
+_SWEEP_ONLY = ("split_sizes", "split_batch", "split_plot")
+
+
+def _unread_options(args) -> Optional[str]:
+    """Why an option given is read by neither comparison asked for (None: every one is read)."""
+    for names, needed, flag in ((_RECIPES_ONLY, args.recipes, "--recipes"), (_SWEEP_ONLY, args.split_sweep, "--split-sweep")):
+        for name in names:
+            if getattr(args, name) is not None and not needed:
+                return f"--{name.replace('_', '-')} applies to {flag}, which was not asked for"
+    return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     try:
@@ -105,6 +119,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return int(e.code or 0)
     if not (args.recipes or args.split_sweep):
         print("shardfc bench: error: give --recipes and/or --split-sweep", file=sys.stderr)
+        return 2
+    unread = _unread_options(args)
+    if unread:
+        print(f"shardfc bench: error: {unread}", file=sys.stderr)
         return 2
     if args.threads is not None and args.threads < 1:
         print(f"shardfc bench: error: threads must be a positive integer, got {args.threads}", file=sys.stderr)
@@ -120,7 +138,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise ValueError(f"timeout must be a finite number > 0 of seconds, got {args.timeout!r}")
         if args.recipes:
             names = parse_recipes(args.only)
-            rows = run_recipes(names, parse_precisions(args.precisions), work, Path(args.work_dir), args.timeout, not args.quiet)
+            rows = run_recipes(names, parse_precisions(args.precisions or "fp32,amp"), work, Path(args.work_dir), args.timeout,
+                               not args.quiet)
         if args.split_sweep:
             split = _sweep(args, threads)
     except ValueError as e:

@@ -143,6 +143,13 @@ def test_measure_takes_the_slowest_process_per_step_after_warmup(tmp_path):
         (["--recipes", "--timeout", "inf"], "timeout must be a finite number > 0 of seconds, got inf"),
         (["--split-sweep", "--split-sizes", "2,x"], "--split-sizes must be comma-separated integers"),
         (["--split-sweep", "--threads", "0"], "threads must be a positive integer, got 0"),
+        # an option of the comparison not asked for was dropped silently (no plot written, no recipe chosen)
+        (["--split-sweep", "--plot", "r.png"], "--plot applies to --recipes, which was not asked for"),
+        (["--split-sweep", "--only", "dp"], "--only applies to --recipes, which was not asked for"),
+        (["--split-sweep", "--precisions", "fp32"], "--precisions applies to --recipes, which was not asked for"),
+        (["--recipes", "--split-plot", "s.png"], "--split-plot applies to --split-sweep, which was not asked for"),
+        (["--recipes", "--split-sizes", "2"], "--split-sizes applies to --split-sweep, which was not asked for"),
+        (["--recipes", "--split-batch", "8"], "--split-batch applies to --split-sweep, which was not asked for"),
     ],
 )
 def test_bad_arguments_are_refused_by_name_before_anything_runs(tmp_path, argv, message):
