@@ -80,7 +80,13 @@ def test_the_evaluation_flags_reach_it(monkeypatch):
 
 @pytest.mark.parametrize("flags, message", [
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
-    (["--workers", "-1"], "--workers must be >= 0, got -1"),
+    (["--workers", "-1", "--ijb", "r"], "--workers must be >= 0, got -1"),
+    # an IJB option without --ijb was dropped silently
+    (["--workers", "4"], "--workers applies to --ijb ROOT, which was not given"),
+    (["--ijb-target", "IJBB", "--bin", "x.bin"], "--ijb-target applies to --ijb ROOT, which was not given"),
+    (["--ijb-out", "d"], "--ijb-out applies to --ijb ROOT, which was not given"),
+    (["--no-ijb-norm-score"], "--ijb-norm-score/--no-ijb-norm-score applies to --ijb ROOT, which was not given"),
+    (["--ijb-detector-score"], "--ijb-detector-score/--no-ijb-detector-score applies to --ijb ROOT, which was not given"),
     # fewer pairs than the protocol's 10 folds failed after embedding them; a negative count was taken for 'some'
     (["--synthetic-pairs", "9"], "--synthetic-pairs must be 0 (none) or at least 10 (the verification protocol's folds), got 9"),
     (["--synthetic-pairs", "-1"], "--synthetic-pairs must be 0 (none) or at least 10 (the verification protocol's folds), got -1"),

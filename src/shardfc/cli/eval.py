@@ -34,14 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reid-root", default=None, metavar="DIR", help="re-ID dataset root with query/gallery splits")
     p.add_argument("--ijb", default=None, metavar="ROOT",
                    help="IJB-B/IJB-C release folder (meta/ and loose_crop/): 1:1 template verification, TAR at FAR 1e-6..1e-1")
-    p.add_argument("--ijb-target", choices=("IJBC", "IJBB"), default="IJBC", help="which IJB protocol (default: IJBC)")
+    p.add_argument("--ijb-target", choices=("IJBC", "IJBB"), default=None, help="which IJB protocol (default: IJBC)")
     p.add_argument("--ijb-out", default=None, metavar="DIR", help="write the IJB pair scores, ROC CSV and ROC plot here")
-    p.add_argument("--ijb-norm-score", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--ijb-norm-score", action=argparse.BooleanOptionalAction, default=None,
                    help="keep each face feature's norm as its weight in the template (insightface's default; "
                         "--no-ijb-norm-score normalises faces first)")
-    p.add_argument("--ijb-detector-score", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--ijb-detector-score", action=argparse.BooleanOptionalAction, default=None,
                    help="weight each face feature by its detector score (insightface's default)")
-    p.add_argument("--workers", type=int, default=0, help="DataLoader processes decoding and aligning IJB faces (default: 0)")
+    p.add_argument("--workers", type=int, default=None, help="DataLoader processes decoding and aligning IJB faces (default: 0)")
     p.add_argument("--synthetic-pairs", type=int, default=None, metavar="N",
                    help="held-out synthetic pairs of unseen identities (for a synthetic run; 0: none)")
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default: 256)")
@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none", help="autocast dtype (default: none)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     return p
+
+
+#: The options only ``--ijb`` reads: ``(flag, attribute)``.
+IJB_ONLY = (("--ijb-target", "ijb_target"), ("--ijb-out", "ijb_out"), ("--ijb-norm-score/--no-ijb-norm-score", "ijb_norm_score"),
+            ("--ijb-detector-score/--no-ijb-detector-score", "ijb_detector_score"), ("--workers", "workers"))
 
 
 def json_report(checkpoint: str, metrics: Dict[str, Dict[str, float]]) -> str:
@@ -90,7 +95,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.synthetic_pairs is not None and (args.synthetic_pairs < 0 or 0 < args.synthetic_pairs < NFOLDS):
             raise ConfigError(f"--synthetic-pairs must be 0 (none) or at least {NFOLDS} (the verification protocol's "
                               f"folds), got {args.synthetic_pairs}")
-        if args.workers < 0:
+        if args.ijb is None:  # each would be dropped silently
+            given = [flag for flag, value in IJB_ONLY if getattr(args, value) is not None]
+            if given:
+                raise ConfigError(f"{given[0]} applies to --ijb ROOT, which was not given")
+        if args.workers is not None and args.workers < 0:
             raise ConfigError(f"--workers must be >= 0, got {args.workers}")
         device = pick_device(args.device)
         trained = load_backbone(args.checkpoint, device, trust_pickle=args.trust_checkpoint)
@@ -101,7 +110,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         ijb = None
         if args.ijb is not None:
             ijb = IJBOptions(
-                args.ijb, args.ijb_target, args.ijb_out, args.ijb_norm_score, args.ijb_detector_score, args.workers
+                args.ijb, args.ijb_target or "IJBC", args.ijb_out, args.ijb_norm_score is not False,
+                args.ijb_detector_score is not False, args.workers or 0,
             )
         dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
         autocast = contextlib.nullcontext if dtype is None else (lambda: torch.autocast(device.type, dtype=dtype))
