@@ -273,9 +273,6 @@ def bench_trainer(cfg, steps: int = 20, warmup: int = 3, progress: bool = True,
             raise ConfigError(f"--{name} must be an int >= {1 if name == 'steps' else 0}, got {value!r}")
     if cfg.strategy != "ddp":
         raise ConfigError(f"shardfc bench --trainer measures one process of strategy 'ddp'; got strategy={cfg.strategy!r}")
-    if cfg.nproc != 1:  # was replaced by 1 silently: a figure of one process read as one of several
-        raise ConfigError(f"shardfc bench --trainer measures one process; got nproc={cfg.nproc} (time a run of several "
-                          "with shardfc train --profile)")
 
     def say(msg: str) -> None:
         if progress:
@@ -594,7 +591,10 @@ def main(argv: List[str]) -> int:
     try:
         if args.no_pool and args.pool_size is not None:
             raise ConfigError(f"--no-pool and --pool-size {args.pool_size} exclude each other")
-        cfg, _ = parse_config(rest)
+        cfg, given = parse_config(rest)
+        if getattr(given, "nproc", 1) != 1:  # was replaced by 1 silently: one process's figure read as several's
+            raise ConfigError(f"shardfc bench --trainer measures one process; got --nproc {given.nproc} (time a run of "
+                              "several with shardfc train --profile)")
         pool_size = None if args.no_pool else "auto" if args.pool_size is None else args.pool_size
         result = bench_trainer(cfg, steps=args.steps, warmup=args.warmup, progress=not args.quiet, pool_size=pool_size)
     except (ConfigError, FileNotFoundError, ValueError) as e:
