@@ -82,7 +82,7 @@ def _recipe_flags(root: Path, out: Path) -> list:
         "--image-size", str(SIZE[0]), str(SIZE[1]), "--sampler", "pk", "--pk-instances", "4",
         "--random-erasing", "0.5", "--triplet-weight", "1.0", "--triplet-margin", "0.3",
         "--nproc", "2", "--batch-size", "8", "--output-dir", str(out), "--no-progress",
-        "--eval-batch-size", "64", "--synthetic-val-pairs", "0",
+        "--eval-batch-size", "64",
     ]
 
 

@@ -63,7 +63,8 @@ def test_flat_and_sectioned_toml_and_precedence(tmp_path):
     sectioned = _write(tmp_path, '[optim]\nlr = 0.05\n[head]\nmargin = "cosface"\nm = 0.4\n', "sec.toml")
     cfg, _ = parse_config(["--config", str(flat)])
     assert (cfg.lr, cfg.margin, cfg.betas, cfg.epochs) == (0.05, "cosface", [0.8, 0.99], 3)
-    cfg, _ = parse_config(["--config", str(sectioned), "--lr", "0.2", "--no-eval-flip", "--betas", "0.5", "0.6"])
+    cfg, _ = parse_config(["--config", str(sectioned), "--lr", "0.2", "--no-eval-flip", "--optimizer", "adamw",
+                           "--betas", "0.5", "0.6"])
     assert (cfg.lr, cfg.margin, cfg.m, cfg.eval_flip, cfg.betas) == (0.2, "cosface", 0.4, False, [0.5, 0.6])
     assert cfg.margin_params() == {"scale": 32.0, "margin": 0.4}
     # preset < config < flags
@@ -210,7 +211,8 @@ def test_data_root_of_a_market1501_release_is_detected(tmp_path):
     assert cfg.dataset == "market1501" and cfg.reid_root == str(tmp_path)
     cfg, _ = parse_config(["--data-root", str(tmp_path), "--reid-root", ""])
     assert cfg.reid_root == ""  # an explicit --reid-root wins
-    cfg, _ = parse_config(["--sampler", "pk", "--pk-instances", "8", "--triplet-soft", "--neck", "none", "--backbone", "resnet50"])
+    cfg, _ = parse_config(["--sampler", "pk", "--pk-instances", "8", "--triplet-weight", "1", "--triplet-soft", "--neck", "none",
+                           "--backbone", "resnet50"])
     assert (cfg.sampler, cfg.pk_instances, cfg.triplet_soft, cfg.neck) == ("pk", 8, True, "none")
 
 

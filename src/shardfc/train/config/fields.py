@@ -21,6 +21,7 @@ __all__ = [
     "TrainConfig",
     "FIELDS",
     "absolute_paths",
+    "check_flags_read",
 ]
 
 
@@ -529,6 +530,49 @@ def absolute_paths(cfg: TrainConfig, base: "str | os.PathLike[str] | None" = Non
     return dataclasses.replace(cfg, **updates)
 
 #: The fields each margin reads (named in its errors).
+#: The flags a run reads only in some configurations: ``field -> (whether this config reads it, what
+#: reads it, the setting that decides)``. A flag given for a field the run does not read is refused by
+#: :func:`check_flags_read` rather than dropped (a value in a config file or a preset is not: a run's
+#: saved config.toml holds every field).
+_READ_WHEN = {
+    "momentum": (lambda c: c.optimizer == "sgd", "optimizer 'sgd'", "optimizer"),
+    "nesterov": (lambda c: c.optimizer == "sgd", "optimizer 'sgd'", "optimizer"),
+    "betas": (lambda c: c.optimizer == "adamw", "optimizer 'adamw'", "optimizer"),
+    "eps": (lambda c: c.optimizer == "adamw", "optimizer 'adamw'", "optimizer"),
+    "poly_power": (lambda c: c.scheduler == "poly", "scheduler 'poly'", "scheduler"),
+    "pipeline_stages": (lambda c: c.strategy == "pipeline", "strategy 'pipeline'", "strategy"),
+    "pipeline_schedule": (lambda c: c.strategy == "pipeline", "strategy 'pipeline'", "strategy"),
+    "micro_batches": (lambda c: c.strategy == "pipeline", "strategy 'pipeline'", "strategy"),
+    "split_points": (lambda c: c.strategy == "pipeline", "strategy 'pipeline'", "strategy"),
+    "micro_batch_stats": (lambda c: c.strategy == "pipeline", "strategy 'pipeline'", "strategy"),
+    "list_file": (lambda c: c.dataset == "list", "dataset 'list'", "dataset"),
+    "synthetic_identities": (lambda c: c.dataset == "synthetic", "dataset 'synthetic'", "dataset"),
+    "synthetic_images_per_identity": (lambda c: c.dataset == "synthetic", "dataset 'synthetic'", "dataset"),
+    "synthetic_val_pairs": (lambda c: c.dataset == "synthetic", "dataset 'synthetic'", "dataset"),
+    "head_idle_rows": (lambda c: c.sample_rate < 1, "Partial FC (sample_rate < 1)", "sample_rate"),
+    "pk_instances": (lambda c: c.sampler == "pk", "sampler 'pk'", "sampler"),
+    "triplet_soft": (lambda c: c.triplet_weight > 0, "the triplet loss (triplet_weight > 0)", "triplet_weight"),
+    "triplet_margin": (lambda c: c.triplet_weight > 0 and not c.triplet_soft,
+                       "the hinge triplet loss (triplet_weight > 0, no triplet_soft)", "triplet_weight"),
+}
+
+
+def check_flags_read(cfg: "TrainConfig", given: Sequence[str]) -> None:
+    """Refuse a flag among ``given`` (field names set on the command line) that ``cfg`` does not read:
+    ``--momentum`` beside ``--optimizer adamw``, ``--micro-batches`` under ddp, ``--easy-margin`` with
+    cosface... (a ConfigError naming the flag and the setting that leaves it unread)."""
+    margin_fields = {name for names in _MARGIN_FIELDS.values() for name in names}
+    for name in given:
+        if name in margin_fields and name not in _MARGIN_FIELDS[cfg.margin]:
+            readers = sorted(m for m, names in _MARGIN_FIELDS.items() if name in names)
+            raise ConfigError(f"--{name.replace('_', '-')} is read by margin {' / '.join(readers)}, not by this run's "
+                              f"margin={cfg.margin!r}: remove it, or set --margin")
+        if name in _READ_WHEN and not _READ_WHEN[name][0](cfg):
+            _, what, decides = _READ_WHEN[name]
+            raise ConfigError(f"--{name.replace('_', '-')} is read only with {what}, not by this run's "
+                              f"{decides}={getattr(cfg, decides)!r}: remove it, or set --{decides.replace('_', '-')}")
+
+
 _MARGIN_FIELDS = {
     "arcface": ("scale", "m", "easy_margin"), "cosface": ("scale", "m"), "sphereface": ("m", "sphereface_lambda"),
     "combined": ("scale", "m1", "m2", "m3"), "normsoftmax": ("scale",), "softmax": (),

@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Dict, Sequence, Tuple
 
-from shardfc.train.config.fields import DEFAULT_OUTPUT_DIR, FIELDS, ConfigError, TrainConfig
+from shardfc.train.config.fields import DEFAULT_OUTPUT_DIR, FIELDS, ConfigError, TrainConfig, check_flags_read
 from shardfc.train.config.sections import SECTIONS, TYPES, closest, field_help
 from shardfc.train.config.toml import available_presets, config_from_mapping, load_toml, preset_path
 
@@ -124,4 +124,6 @@ def parse_config(argv: Sequence[str]) -> Tuple[TrainConfig, argparse.Namespace]:
     if cfg.output_dir == DEFAULT_OUTPUT_DIR and (args.preset or cfg.dataset != "synthetic"):
         # A first real run must not resume (and append to) the synthetic demo's folder.
         cfg.output_dir = f"shardfc_runs/{args.preset or cfg.dataset}"
-    return cfg.validate(), args
+    cfg.validate()
+    check_flags_read(cfg, list(overrides))  # a flag this run would not read is refused, not dropped
+    return cfg, args
