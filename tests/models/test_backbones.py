@@ -168,3 +168,105 @@ def test_glyphnet_keeps_the_layout_and_takes_its_input_size() -> None:
         # a mirrored input is another input: no pooling makes the embedding mirror-invariant
         assert not torch.allclose(model(x), model(x.flip(-1)), atol=1e-3)
     assert 250_000 < _params(build_backbone("glyphnet", embedding_dim=128)) < 300_000
+
+
+# ------------------------------------------------------------------ the architectures, counted and shaped
+@pytest.mark.parametrize(("name", "blocks"), [("iresnet18", (2, 2, 2, 2)), ("iresnet34", (3, 4, 6, 3))])
+def test_small_iresnet_param_counts_match_insightface(name: str, blocks) -> None:
+    for dim in (512, 96):
+        assert _params(build_backbone(name, embedding_dim=dim)) == _insightface_iresnet_params(blocks, dim)
+
+
+def _torchvision_resnet_trunk_params(blocks) -> int:
+    """torchvision's ResNet (Bottleneck) up to the pooling: a 7×7 stem conv + BN; per block 1×1, 3×3
+    and 1×1 (4×) convs, each with BN, the first block of each stage with a 1×1 conv + BN shortcut."""
+    n = 3 * 64 * 49 + 2 * 64
+    inplanes = 64
+    for planes, count in zip((64, 128, 256, 512), blocks):
+        for b in range(count):
+            n += inplanes * planes + 2 * planes + planes * planes * 9 + 2 * planes + planes * 4 * planes + 8 * planes
+            if b == 0:
+                n += inplanes * 4 * planes + 8 * planes
+            inplanes = 4 * planes
+    return n
+
+
+def test_resnet50_is_torchvisions_trunk_with_its_neck() -> None:
+    # torchvision documents ResNet-50 at 25,557,032 parameters, 2,049,000 of them its 1000-class fc
+    assert _torchvision_resnet_trunk_params((3, 4, 6, 3)) == 25_557_032 - 2_049_000
+    trunk = _torchvision_resnet_trunk_params((3, 4, 6, 3))
+    assert _params(build_backbone("resnet50", embedding_dim=2048)) == trunk + 2 * 2048  # + the BNNeck
+    assert _params(build_backbone("resnet50", embedding_dim=512)) == trunk + 2048 * 512 + 2 * 512  # + reduce, neck
+    assert _params(build_backbone("resnet50", embedding_dim=2048, neck="none")) == trunk
+    m = build_backbone("resnet50").eval()
+    assert m.embedding_dim == 512 and isinstance(m.neck, nn.BatchNorm1d)
+    with torch.no_grad():  # a 4x downsampling stem (stride-2 conv, stride-2 pool), last stride 1 by default
+        stem = m.stem(torch.randn(1, 3, 256, 128))
+        assert stem.shape == (1, 64, 64, 32)
+        assert m.layer4(m.layer3(m.layer2(m.layer1(stem)))).shape == (1, 2048, 16, 8)
+    from shardfc.models import ReIDResNet
+
+    small = ReIDResNet((1, 1, 1, 1))  # the class's own defaults: the strong baseline's
+    assert small.embedding_dim == 2048 and isinstance(small.neck, nn.BatchNorm1d) and small.layer4[0].conv2.stride == (1, 1)
+
+
+def test_mobilefacenet_and_the_small_nets_have_their_layout() -> None:
+    # Chen et al.: 0.99M parameters at 128-d (a dense 3x3 where a depthwise one belongs adds 36k)
+    assert 0.98e6 < _params(build_backbone("mobilefacenet", embedding_dim=128)) < 1.01e6
+    # tiny: three stride-2 3x3 convs of width w, 2w, 4w (BN each), global pooling, a bias-free fc, BN1d
+    w, d = 8, 24
+    tiny_model = build_backbone("tiny", embedding_dim=d, width=w)
+    assert _params(tiny_model) == (3 * w * 9 + 2 * w) + (w * 2 * w * 9 + 4 * w) + (2 * w * 4 * w * 9 + 8 * w) \
+        + 4 * w * d + 2 * d
+    assert tiny_model.embedding_dim == d
+    assert tiny_model.body(torch.randn(1, 3, 32, 40)).shape == (1, 4 * w, 4, 5)
+    # glyphnet: a 3x3 conv of width w, then three stages (stride 2, then stride 1) of 2w, 4w, 4w
+    g = build_backbone("glyphnet", embedding_dim=d, width=w, input_size=64)
+    convs = 3 * w * 9 + w * 2 * w * 9 + 2 * w * 2 * w * 9 + 2 * w * 4 * w * 9 + 3 * (4 * w) ** 2 * 9
+    bns = 2 * (w + 2 * 2 * w + 2 * 4 * w + 2 * 4 * w) + 2 * 4 * w
+    assert _params(g) == convs + bns + 4 * w * 8 * 8 * d + 2 * d
+    assert g.input_size == (64, 64) and g.embedding_dim == d
+    assert build_backbone("tiny", input_size=40).input_size == (40, 40)
+
+
+@pytest.mark.parametrize("name", ["iresnet18", "iresnet34", "iresnet50", "iresnet100"])
+def test_iresnet_takes_its_dropout(name: str) -> None:
+    assert build_backbone(name, embedding_dim=8, dropout=0.25).dropout.p == 0.25
+
+
+def _silence(bn: nn.BatchNorm2d) -> None:
+    nn.init.zeros_(bn.weight)
+    nn.init.zeros_(bn.bias)
+
+
+def test_each_residual_block_adds_its_shortcut() -> None:
+    """With its branch's last BN silenced, a block is its shortcut (the identity, or the projection)."""
+    from shardfc.models.iresnet import IBasicBlock
+    from shardfc.models.mobilefacenet import Bottleneck as MobileBottleneck
+    from shardfc.models.resnet import Bottleneck
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 8, 8)
+    for block in (IBasicBlock(16, 16), IBasicBlock(16, 32, stride=2)):
+        block.eval()
+        _silence(block.bn3)
+        with torch.no_grad():
+            shortcut = x if block.downsample is None else block.downsample(x)
+            assert torch.equal(block(x), shortcut)
+    assert IBasicBlock(16, 16).downsample is None and IBasicBlock(16, 16, stride=2).downsample is not None
+    for block in (Bottleneck(64, 16), Bottleneck(16, 16), Bottleneck(64, 16, stride=2)):
+        block.eval()
+        _silence(block.bn3)
+        inp = torch.randn(2, block.conv1.in_channels, 8, 8)
+        with torch.no_grad():
+            shortcut = inp if block.downsample is None else block.downsample(inp)
+            assert torch.equal(block(inp), torch.relu(shortcut))
+    assert Bottleneck(64, 16).downsample is None  # 4 x 16 = 64 in, stride 1: the identity
+    assert Bottleneck(16, 16).downsample is not None and Bottleneck(64, 16, stride=2).downsample is not None
+    residual = MobileBottleneck(16, 16, stride=1, expansion=2)
+    assert residual.use_residual and not MobileBottleneck(16, 32, stride=1, expansion=2).use_residual
+    assert not MobileBottleneck(16, 16, stride=2, expansion=2).use_residual
+    residual.eval()
+    _silence(residual.block[-1][1])
+    with torch.no_grad():
+        assert torch.equal(residual(x), x)
