@@ -25,6 +25,7 @@ CASES = {
     "split_points": (["--split-points", "layer1"], ["--strategy", "pipeline", "--nproc", "2", "--backbone", "resnet50"],
                      ["--strategy", "ddp"]),
     "micro_batch_stats": (["--micro-batch-stats"], ["--strategy", "pipeline", "--nproc", "2"], ["--strategy", "horovod"]),
+    "nproc": (["--nproc", "3"], ["--strategy", "ddp"], ["--strategy", "dp"]),
     "list_file": (["--list-file", "/l.txt"], ["--dataset", "list"], ["--dataset", "synthetic"]),
     "synthetic_identities": (["--synthetic-identities", "7"], ["--dataset", "synthetic"],
                              ["--dataset", "list", "--list-file", "/l.txt"]),
@@ -99,6 +100,14 @@ def test_a_margins_own_flags_are_taken_and_the_others_refused(margin):
 def test_an_alias_is_judged_as_the_margin_it_names():
     cfg, _ = parse_config(["--margin", "amsoftmax", "--m", "0.3"])  # cosface's other name
     assert cfg.margin == "cosface"
+
+
+def test_nproc_is_refused_by_horovod_too():
+    # horovodrun's -np decides its processes; outside horovodrun it trains as a world of one
+    with pytest.raises(ConfigError, match=re.escape("--nproc is read only with strategy 'ddp' or 'pipeline', not by "
+                                                    "this run's strategy='horovod'")):
+        parse_config(["--strategy", "horovod", "--nproc", "2"])
+    assert parse_config(["--strategy", "pipeline", "--nproc", "4"])[0].nproc == 4
 
 
 def test_values_from_a_config_file_are_not_judged(tmp_path):

@@ -209,7 +209,7 @@ class TrainConfig:
     micro_batch_stats: bool = False
     """Strategy 'pipeline': let BatchNorm normalise each micro-batch with its own statistics (as under grad_accum); without it, micro_batches > 1 with a training-mode BatchNorm is refused."""
     nproc: int = 2
-    """Processes to spawn on this machine (strategy 'ddp'; ignored under torchrun and horovodrun, whose environment decides, and by 'dp', which is one process)."""
+    """Processes to spawn on this machine (strategies 'ddp' and 'pipeline'; ignored under torchrun, whose environment decides; refused as a flag by 'dp', which is one process, and by 'horovod', whose processes horovodrun starts)."""
     device: str = "auto"
     """'auto' (one CUDA device per rank when available, else CPU), 'cpu' or 'cuda'."""
     threads: int = 0
@@ -545,6 +545,8 @@ _READ_WHEN = {
     "micro_batches": (lambda c: c.strategy == "pipeline", "strategy 'pipeline'", "strategy"),
     "split_points": (lambda c: c.strategy == "pipeline", "strategy 'pipeline'", "strategy"),
     "micro_batch_stats": (lambda c: c.strategy == "pipeline", "strategy 'pipeline'", "strategy"),
+    # dp is one process driving every visible GPU; horovodrun's -np decides horovod's processes
+    "nproc": (lambda c: c.strategy in ("ddp", "pipeline"), "strategy 'ddp' or 'pipeline'", "strategy"),
     "list_file": (lambda c: c.dataset == "list", "dataset 'list'", "dataset"),
     "synthetic_identities": (lambda c: c.dataset == "synthetic", "dataset 'synthetic'", "dataset"),
     "synthetic_images_per_identity": (lambda c: c.dataset == "synthetic", "dataset 'synthetic'", "dataset"),
