@@ -67,6 +67,21 @@ def test_a_bad_option_exits_2(planned, capsys, argv):
     assert planned == [] and "shardfc plan: error: " in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    # the torch path reads neither: each was dropped silently
+    (["--sms", "100"], "--sms 100 sizes the GPU paths' statistics: it needs --head-impl triton or gemm"),
+    (["--l2", "40MiB"], "--l2 40MiB sizes the GPU paths' chunks and the --bytes model: it needs --head-impl triton "
+                        "or gemm, or --bytes"),
+])
+def test_a_gpu_setting_without_a_gpu_path_is_refused(planned, capsys, argv, message):
+    assert cli.main(REQUIRED + argv) == 2
+    assert planned == [] and capsys.readouterr().err == f"shardfc plan: error: {message}\n"
+    assert cli.main(REQUIRED + argv[:2] + ["--head-impl", "triton"]) == 0
+    if argv[0] == "--l2":
+        assert cli.main(REQUIRED + argv + ["--bytes"]) == 0  # the torch path's --bytes model reads it
+        assert planned[-1][1]["l2_bytes"] == "40MiB"
+
+
 def test_help_exits_0(planned, capsys):
     assert cli.main(["--help"]) == 0
     assert capsys.readouterr().out.startswith("usage: shardfc plan ")

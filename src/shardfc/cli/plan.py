@@ -41,7 +41,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--head-impl", dest="impl", choices=PLAN_IMPLS, default="torch",
                    help="the head's implementation to replay: torch (default; the CPU's), triton or gemm (the GPU "
                         "paths impl=auto chooses between on a CUDA GPU; need Triton installed)")
-    p.add_argument("--sms", type=int, default=132,
+    p.add_argument("--sms", type=int, default=None,
                    help="with --head-impl triton/gemm: the GPU's SM count (default 132, an H100 SXM), which sizes "
                         "the forward's partial statistics")
     p.add_argument("--fused-update", action="store_true",
@@ -53,7 +53,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--bytes", dest="traffic", action="store_true",
                    help="also print the HBM bytes each kernel of the step reads and writes (an L2 model of --l2), "
                         "their sum and each GEMM's shape")
-    p.add_argument("--l2", dest="l2_bytes", default="50MiB",
+    p.add_argument("--l2", dest="l2_bytes", default=None,
                    help="the GPU's L2 (default 50MiB, an H100's): sizes the GPU paths' chunks and the --bytes model")
     p.add_argument("--gpu-chunk-scale", type=int, default=None,
                    help="with --head-impl triton/gemm: the chunks as a multiple of the L2-sized one, 1, 2, 4 or 8 "
@@ -64,12 +64,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     try:
+        # A GPU setting the torch path does not read would be dropped silently: refused instead.
+        if args.sms is not None and args.impl == "torch":
+            raise ValueError(f"--sms {args.sms} sizes the GPU paths' statistics: it needs --head-impl triton or gemm")
+        if args.l2_bytes is not None and args.impl == "torch" and not args.traffic:
+            raise ValueError(f"--l2 {args.l2_bytes} sizes the GPU paths' chunks and the --bytes model: it needs "
+                             "--head-impl triton or gemm, or --bytes")
         result = plan(
             args.classes, args.dim, args.batch, args.world_size, args.dtype, args.optimizer, args.sample_rate,
             args.chunk_size, args.budget, margin=args.margin, weight_decay=args.weight_decay,
             memory_model=args.memory_model, grad_in_place=args.grad_in_place, sparse_grad=args.sparse_grad,
-            subcenters=args.subcenters, impl=args.impl, sms=args.sms, fused_update=args.fused_update,
-            compute_dtype=args.compute_dtype, traffic=args.traffic, l2_bytes=args.l2_bytes,
+            subcenters=args.subcenters, impl=args.impl, sms=132 if args.sms is None else args.sms,
+            fused_update=args.fused_update, compute_dtype=args.compute_dtype, traffic=args.traffic,
+            l2_bytes="50MiB" if args.l2_bytes is None else args.l2_bytes,
             gpu_chunk_scale=args.gpu_chunk_scale,
         )
     except ValueError as e:
