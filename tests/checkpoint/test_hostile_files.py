@@ -136,7 +136,7 @@ def _every_command(capsys, path: Path, tmp_path: Path, *needles: str) -> None:
     Image.new("RGB", (16, 16)).save(images / "a.png")
     capsys.readouterr()
     commands = [
-        lambda: cli_eval.main(["--checkpoint", str(path), "--synthetic-pairs", "4", "--device", "cpu"]),
+        lambda: cli_eval.main(["--checkpoint", str(path), "--synthetic-pairs", "10", "--device", "cpu"]),
         lambda: cli_export.main(["--checkpoint", str(path), "--out", str(tmp_path / "m.pt"), "--force"]),
         lambda: cli_embed.main(["--checkpoint", str(path), "--images", str(images), "--out", str(tmp_path / "e.npy"),
                                 "--device", "cpu", "--force"]),

@@ -14,6 +14,7 @@ its attribute docstring, so the dataclass is the single source of truth for ``--
     sections.py  each field's section, type and help text; a value coerced to its field's type
     toml.py      TOML files read and written; the bundled presets
     flags.py     the flag parser (build_parser) and the resolution of it all (parse_config)
+    targets.py   the evaluation targets a config plans: one name each, enough pairs (plan_targets)
 
 The package answers every public name of its modules, as the single module ``shardfc.train.config``
 did before it was split.

@@ -305,7 +305,7 @@ class TrainConfig:
         """Check value ranges and combinations; raise :class:`ConfigError` naming the field and value.
 
         ``evaluations``: also check the plan of evaluation targets (distinct names, enough pairs:
-        :func:`~shardfc.train.observe.evaluate.plan_targets`); off for a saved config read without them.
+        :func:`~shardfc.train.config.targets.plan_targets`); off for a saved config read without them.
         """
         _finite_numbers(self)
         _choice(self, "dataset", ("synthetic", "folder", "recordio", "list", "market1501"))
@@ -424,9 +424,12 @@ class TrainConfig:
             self._validate_cuda_graph()
         _validate_classes(self)
         if evaluations:  # before training, on every rank, not at the first evaluation on rank 0
-            from shardfc.train.observe.evaluate import plan_targets
+            from shardfc.train.config.targets import plan_targets  # imports torch: only when validating
 
-            plan_targets(self)
+            try:
+                plan_targets(self)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         return self
 
     def head_update_not_fusable(self, device_type: Optional[str] = None) -> Optional[str]:

@@ -12,7 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from torch import nn
 from shardfc.evaluation import evaluate_reid, evaluate_verification, load_bin, load_reid_split
 from shardfc.evaluation.folds import NFOLDS
 from shardfc.train.config import ConfigError, TrainConfig
+from shardfc.train.config import targets as target_plan
 
 __all__ = ["EvalTarget", "IJBOptions", "LazyPairs", "build_targets", "plan_targets", "run_targets", "synthetic_dataset"]
 
@@ -48,49 +49,12 @@ def synthetic_dataset(cfg: TrainConfig, image_size: Tuple[int, int]):
     )
 
 
-def _asked(cfg: TrainConfig, bins, reid_root, synthetic_pairs) -> Tuple[List[str], str, int]:
-    """The targets asked for: each override given, else ``cfg``'s (synthetic pairs for a synthetic run only)."""
-    if synthetic_pairs is None:
-        synthetic_pairs = cfg.synthetic_val_pairs if cfg.dataset == "synthetic" else 0
-    bins = list(cfg.val_bins) if bins is None else bins
-    return bins, (cfg.reid_root if reid_root is None else reid_root), synthetic_pairs
-
-
-def plan_targets(
-    cfg: TrainConfig,
-    *,
-    bins: Optional[List[str]] = None,
-    reid_root: Optional[str] = None,
-    synthetic_pairs: Optional[int] = None,
-    ijb_target: Optional[str] = None,
-) -> List[Tuple[str, str]]:
-    """``(name, what)`` of each target :func:`build_targets` makes, in its order, reading no file.
-
-    Raises :class:`ConfigError` for a plan that could only fail or mislead later: two targets under one
-    name (a ``.bin`` is named by its file's stem; ``synthetic``, ``reid``, ``ijbc``/``ijbb`` are taken),
-    whose metrics would overwrite each other's in the summary and ``metrics.csv``; or fewer synthetic
-    pairs than the protocol's :data:`~shardfc.evaluation.folds.NFOLDS` folds, which would fail at the
-    first evaluation, after training. :meth:`TrainConfig.validate` calls it on every rank.
-    """
-    bins, reid_root, synthetic_pairs = _asked(cfg, bins, reid_root, synthetic_pairs)
-    if synthetic_pairs < 0 or 0 < synthetic_pairs < NFOLDS:
-        raise ConfigError(f"synthetic_val_pairs must be 0 (none) or at least {NFOLDS} (the verification protocol's "
-                          f"folds), got {synthetic_pairs}")
-    plan = [("synthetic", "the held-out synthetic pairs")] if synthetic_pairs else []
-    plan += [(Path(path).stem, f"the .bin file {path!r}") for path in bins]
-    if reid_root:
-        plan.append(("reid", f"the re-ID split {reid_root!r}"))
-    if ijb_target is not None:
-        plan.append((ijb_target.lower(), f"the {ijb_target} release"))
-    seen: Dict[str, str] = {}
-    for name, what in plan:
-        if name in seen:
-            raise ConfigError(
-                f"{seen[name]} and {what} would both report as {name!r}, one's metrics overwriting the other's "
-                "(a .bin is named by its file's stem): give one file another name, or a link to it"
-            )
-        seen[name] = what
-    return plan
+def plan_targets(cfg: TrainConfig, **overrides) -> List[Tuple[str, str]]:
+    """:func:`shardfc.train.config.targets.plan_targets`, its refusal a :class:`ConfigError`."""
+    try:
+        return target_plan.plan_targets(cfg, **overrides)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def build_targets(
@@ -108,7 +72,7 @@ def build_targets(
     an IJB release when ``ijb`` is given; :func:`plan_targets`' checks first."""
     plan_targets(cfg, bins=bins, reid_root=reid_root, synthetic_pairs=synthetic_pairs,
                  ijb_target=ijb.target if ijb is not None else None)
-    bins, reid_root, synthetic_pairs = _asked(cfg, bins, reid_root, synthetic_pairs)
+    bins, reid_root, synthetic_pairs = target_plan.asked_targets(cfg, bins, reid_root, synthetic_pairs)
     kw = dict(batch_size=cfg.eval_batch_size, flip=cfg.eval_flip, device=device, nfolds=NFOLDS)
     targets: List[EvalTarget] = []
 
