@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -29,6 +31,7 @@ def test_builds_and_output_shape(name: str) -> None:
         out = model(torch.randn(2, 3, h, w))
     assert out.shape == (2, 256)
     assert torch.isfinite(out).all()
+    assert model.embedding_dim == 256  # what the builder sizes the head by
 
 
 def test_input_sizes() -> None:
@@ -267,6 +270,68 @@ def test_each_residual_block_adds_its_shortcut() -> None:
     assert residual.use_residual and not MobileBottleneck(16, 32, stride=1, expansion=2).use_residual
     assert not MobileBottleneck(16, 16, stride=2, expansion=2).use_residual
     residual.eval()
-    _silence(residual.block[-1][1])
     with torch.no_grad():
+        assert torch.equal(residual(x), x + residual.block(x))
+        _silence(residual.block[-1][1])
         assert torch.equal(residual(x), x)
+
+
+def _mobilefacenet_params(dim: int) -> int:
+    """Chen et al.'s Table 1, counted: conv-BN(-PReLU) layers, bottlenecks of a 1x1 expansion, a 3x3
+    depthwise conv and a linear 1x1 projection (PReLU after all but the linear layers), the 1x1 conv to
+    512, the linear 7x7 depthwise GDC (+ BN), a bias-free linear layer to ``dim`` and a BN1d."""
+    def conv(cin, cout, k, groups=1, act=True):
+        return cin // groups * cout * k * k + 2 * cout + (cout if act else 0)
+
+    n = conv(3, 64, 3) + conv(64, 64, 3, groups=64)
+    cin = 64
+    for t, c, repeats in ((2, 64, 5), (4, 128, 1), (2, 128, 6), (4, 128, 1), (2, 128, 2)):
+        for _ in range(repeats):
+            n += conv(cin, cin * t, 1) + conv(cin * t, cin * t, 3, groups=cin * t) + conv(cin * t, c, 1, act=False)
+            cin = c
+    return n + conv(128, 512, 1) + conv(512, 512, 7, groups=512, act=False) + 512 * dim + 2 * dim
+
+
+def test_mobilefacenet_is_the_papers_table() -> None:
+    for dim in (128, 512):
+        assert _params(build_backbone("mobilefacenet", embedding_dim=dim)) == _mobilefacenet_params(dim)
+
+
+def test_weights_start_kaiming_normal_by_fan_out() -> None:
+    """Convolutions (and the Linear layers of resnet50 and mbf) start N(0, 2 / fan_out); BN as the identity."""
+    torch.manual_seed(0)
+    conv = build_backbone("iresnet18", embedding_dim=8).layer2[0].conv1  # 64 -> 128, 3x3: fan-in != fan-out
+    assert conv.weight.std().item() == pytest.approx((2 / (128 * 9)) ** 0.5, rel=0.03)
+    for name in ("resnet50", "mbf"):
+        linear = next(m for m in build_backbone(name, embedding_dim=512).modules() if isinstance(m, nn.Linear))
+        assert linear.weight.std().item() == pytest.approx((2 / 512) ** 0.5, rel=0.03), name
+    bn = build_backbone("tiny", embedding_dim=8).body[1]
+    assert torch.equal(bn.weight, torch.ones(16)) and torch.equal(bn.bias, torch.zeros(16))
+
+
+def test_the_classes_own_defaults() -> None:
+    from shardfc.models import IResNet, TinyNet, tiny
+
+    small = IResNet((1, 1, 1, 1))
+    assert small.embedding_dim == 512 and small.dropout.p == 0.0
+    for model in (TinyNet(), tiny()):
+        assert model.embedding_dim == 512 and model.body[0].out_channels == 16 and model.input_size == (32, 32)
+
+
+def test_resnet50s_stem_pools_by_3x3_and_ends_in_relu() -> None:
+    stem = build_backbone("resnet50", embedding_dim=8).stem.eval()
+    with torch.no_grad():
+        out = stem(torch.randn(2, 3, 250, 126))  # odd maps after the conv: a 4x4 pool would give 62 x 31
+    assert out.shape == (2, 64, 63, 32) and out.min() >= 0
+
+
+def test_a_bad_name_or_size_is_named() -> None:
+    from shardfc.models import ArcfaceMobileFaceNet
+
+    names = ", ".join(sorted(BACKBONES))
+    with pytest.raises(ValueError, match="^" + re.escape(f"unknown backbone 'vgg16'; valid names: {names}") + "$"):
+        build_backbone("vgg16")
+    with pytest.raises(ValueError, match=re.escape("embedding_dim must be a positive integer, got 0")):
+        ArcfaceMobileFaceNet(0)
+    with pytest.raises(ValueError, match=re.escape("blocks[2] must be a positive integer, got 0")):
+        ArcfaceMobileFaceNet(8, (1, 4, 0, 2))
