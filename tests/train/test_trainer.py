@@ -200,6 +200,19 @@ def test_fp16_on_cpu_falls_back_to_bf16_with_a_message(tmp_path, caplog, monkeyp
     assert "amp='fp16' asked for, but this run is on the CPU" in (tmp_path / "fp16" / "train.log").read_text()
 
 
+def test_a_fresh_run_says_its_checkpoint_settings_go_unread_and_a_resume_reads_them(tmp_path):
+    # --resume auto may find a checkpoint or not: the flag parser cannot refuse these, the run says it
+    cfg = tiny_config(tmp_path / "run", nproc=1, max_steps=1, grad_accum=1, synthetic_val_pairs=0,
+                      head_init="imprint", rename_classes=str(tmp_path / "renames.tsv"))
+    assert train(cfg)["step"] == 1
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert (f"head_init='imprint', rename_classes={cfg.rename_classes!r}: read only when the run starts from a "
+            "checkpoint (--init-from, or a resume); this run starts fresh, so they are unused") in log
+    (tmp_path / "renames.tsv").write_text("# nothing renamed\n", encoding="utf-8")
+    assert train(dataclasses.replace(cfg, max_steps=2))["step"] == 2  # resumed: read, nothing said
+    assert (tmp_path / "run" / "train.log").read_text().count("read only when the run starts") == 1
+
+
 def test_the_run_flushes_the_heads_deferred_input_checks(tmp_path, monkeypatch):
     """One process on CUDA defers the head's value checks one forward (validate="auto"): every
     checkpoint reads the pending ones first (sharded_state), and the loop reads the last batch's when

@@ -76,6 +76,8 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
         if cfg.init_from and resume_from is not None and ctx.is_main:
             logger.info("init_from=%s ignored: this run resumes from its own checkpoint %s", cfg.init_from, resume_from)
         start_from = (resume_from, False) if resume_from is not None else (init_path, True) if init_path else None
+        if start_from is None and ctx.is_main:
+            _warn_unread_class_settings(cfg)
         run = build_run(cfg, ctx, startup, classes_from=start_from)
         parts = run.parts
         seed_all(rank_seed(cfg.seed, run.data_ctx.rank, 0))  # then per-replica augmentation / dropout streams
@@ -233,6 +235,20 @@ def trainer_step(run, batches, state: RunState, cfg: TrainConfig, autocast, stop
         report(runlog, window, parts, state, run.total_steps, ctx)
     clock.end_step("logging/metrics")
     return 0
+
+
+#: The settings read only when a run starts from a checkpoint, with their defaults.
+CHECKPOINT_SETTINGS = (("head_init", "random"), ("on_missing_classes", "error"), ("rename_classes", ""))
+
+
+def _warn_unread_class_settings(cfg: TrainConfig) -> None:
+    """A fresh run (``--resume auto`` found nothing, no ``--init-from``) does not read what says how a
+    checkpoint's classes meet the dataset's: say so rather than ignore it (the flag parser refuses them
+    outright with ``--resume none``)."""
+    unread = [f"{name}={getattr(cfg, name)!r}" for name, default in CHECKPOINT_SETTINGS if getattr(cfg, name) != default]
+    if unread:
+        logger.warning("%s: read only when the run starts from a checkpoint (--init-from, or a resume); this run "
+                       "starts fresh, so %s unused", ", ".join(unread), "it is" if len(unread) == 1 else "they are")
 
 
 def _mark(memory: Optional[MemoryPhases], phase: str) -> None:

@@ -551,6 +551,11 @@ _READ_WHEN = {
     # dp is one process driving every visible GPU; horovodrun's -np decides horovod's processes
     "nproc": (lambda c: c.strategy in ("ddp", "pipeline"), "strategy 'ddp' or 'pipeline'", "strategy"),
     "list_file": (lambda c: c.dataset == "list", "dataset 'list'", "dataset"),
+    # read when the run starts from a checkpoint: a resume (one 'auto' may find: warned at run time if
+    # it finds none) or --init-from
+    **{name: (lambda c: bool(c.init_from) or c.resume.strip().lower() != "none",
+              "a checkpoint to start from (--init-from, or a --resume other than 'none')", "resume")
+       for name in ("head_init", "on_missing_classes", "rename_classes")},
     "synthetic_identities": (lambda c: c.dataset == "synthetic", "dataset 'synthetic'", "dataset"),
     "synthetic_images_per_identity": (lambda c: c.dataset == "synthetic", "dataset 'synthetic'", "dataset"),
     "synthetic_val_pairs": (lambda c: c.dataset == "synthetic", "dataset 'synthetic'", "dataset"),
