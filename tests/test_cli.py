@@ -64,3 +64,13 @@ def test_the_reference_renders_at_its_width_and_restores_columns(monkeypatch):
     with pytest.raises(RuntimeError) as info:  # a command whose parser exits itself
         reference.command_help("import-arcface", ["--network"])
     assert str(info.value) == "shardfc import-arcface --network --help exited with status 2"
+
+
+@pytest.mark.parametrize("flag", ["--nproc", "--classes", "--dim", "--batch", "--steps"])
+def test_demo_names_a_bad_count_in_one_line(flag, capsys):
+    from shardfc.cli import demo
+
+    # --nproc 0 and --dim 0 were tracebacks from a spawned rank; --steps 0 an IndexError after training
+    assert demo.main([flag, "0"]) == 2
+    assert capsys.readouterr().err == f"shardfc demo: error: {flag} must be >= 1, got 0\n"
+

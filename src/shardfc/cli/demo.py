@@ -7,6 +7,7 @@ batch. Features are synthetic (a random prototype per class plus noise), so it n
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import List, Optional
 
@@ -54,6 +55,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--batch", type=int, default=256, help="global batch size")
     p.add_argument("--steps", type=int, default=100, help="training steps")
     args = p.parse_args(argv)
+    for name in ("nproc", "classes", "dim", "batch", "steps"):  # one line each, before any process starts
+        if getattr(args, name) < 1:
+            print(f"shardfc demo: error: --{name} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
+            return 2
     start = time.time()
     losses = spawn(_train, args.nproc, args, backend="gloo")[0]
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {time.time() - start:.1f}s")
