@@ -179,6 +179,11 @@ def test_run_bench_rejects_bad_arguments_before_spawning(kwargs, name):
         run_bench(**args)
 
 
+def test_the_variants_settings_default_to_the_documented_values():
+    cfg = runner._check_config(2, 4, 4, 10, "chunked,partial", 1, 0, None, None, "float32", "arcface", False)
+    assert (cfg.sample_rate, cfg.chunk_size) == (0.1, 1024)  # bench --help: (default 0.1), (default 1024)
+
+
 @pytest.mark.parametrize("variants, rate", [("sharded,chunked", None), ("partial", 1.0)])
 def test_sparse_grad_needs_the_partial_variant_below_rate_1(variants, rate):
     from shardfc.tools.bench.runner import run_bench

@@ -70,6 +70,8 @@ def test_json_holds_one_row_per_system_with_the_documented_fields(cli_run):
     assert doc["environment"]["device"] == "cpu" and doc["environment"]["torch"] == torch.__version__
     assert "triton" in doc["environment"]
     assert doc["workload"]["batch"] == 32 and doc["workload"]["dtype"] == "bfloat16"
+    # the documented defaults of the Partial FC and chunked rows (given neither flag)
+    assert (doc["workload"]["sample_rate"], doc["workload"]["chunk_size"]) == (0.1, "auto")
     assert doc["memory_measure"] == "cpu_live_tensors"
     assert [r["system"] for r in doc["rows"]] == list(SYSTEMS)
     rows = _rows(doc)
