@@ -309,9 +309,23 @@ def test_weights_start_kaiming_normal_by_fan_out() -> None:
     assert torch.equal(bn.weight, torch.ones(16)) and torch.equal(bn.bias, torch.zeros(16))
 
 
-def test_the_classes_own_defaults() -> None:
-    from shardfc.models import IResNet, TinyNet, tiny
+def test_each_factorys_defaults() -> None:
+    """Called with no argument (the API, not the trainer, which always passes the width): 512-d faces and
+    glyphs, resnet50's 2048-d pooled feature (the strong baseline's), no dropout."""
+    for name, factory in BACKBONES.items():
+        model = factory()
+        assert model.embedding_dim == (2048 if name == "resnet50" else 512), name
+        if name.startswith("iresnet"):
+            assert model.dropout.p == 0.0, name
+        del model
 
+
+def test_the_classes_own_defaults() -> None:
+    from shardfc.models import ArcfaceMobileFaceNet, GlyphNet, IResNet, MobileFaceNet, TinyNet, tiny
+
+    for model in (ArcfaceMobileFaceNet(), MobileFaceNet(), GlyphNet()):
+        assert model.embedding_dim == 512
+    assert ArcfaceMobileFaceNet().scale == 2 and tuple(ArcfaceMobileFaceNet().blocks) == (1, 4, 6, 2)  # arcface_torch's mbf
     small = IResNet((1, 1, 1, 1))
     assert small.embedding_dim == 512 and small.dropout.p == 0.0
     for model in (TinyNet(), tiny()):
