@@ -74,6 +74,8 @@ def test_the_evaluation_flags_reach_it(monkeypatch):
     assert cli.main(["--checkpoint", "ck", "--amp", "fp16", "--ijb", "r"]) == 0
     _, _, _, autocast, kw = run.built[1]
     assert kw["ijb"] == IJBOptions("r", "IJBC", None, True, True, 0)
+    assert cli.main(["--checkpoint", "ck", "--ijb", "r", "--workers", "0", "--ijb-norm-score"]) == 0  # the bounds
+    assert run.built[2][4]["ijb"] == IJBOptions("r", "IJBC", None, True, True, 0)
     with autocast():
         assert torch.get_autocast_dtype("cpu") == torch.float16
 
@@ -89,6 +91,7 @@ def test_the_evaluation_flags_reach_it(monkeypatch):
     (["--ijb-detector-score"], "--ijb-detector-score/--no-ijb-detector-score applies to --ijb ROOT, which was not given"),
     # fewer pairs than the protocol's 10 folds failed after embedding them; a negative count was taken for 'some'
     (["--synthetic-pairs", "9"], "--synthetic-pairs must be 0 (none) or at least 10 (the verification protocol's folds), got 9"),
+    (["--synthetic-pairs", "1"], "--synthetic-pairs must be 0 (none) or at least 10 (the verification protocol's folds), got 1"),
     (["--synthetic-pairs", "-1"], "--synthetic-pairs must be 0 (none) or at least 10 (the verification protocol's folds), got -1"),
 ])
 def test_bad_numbers_are_refused(monkeypatch, capsys, flags, message):

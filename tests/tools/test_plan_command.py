@@ -82,6 +82,13 @@ def test_a_gpu_setting_without_a_gpu_path_is_refused(planned, capsys, argv, mess
         assert planned[-1][1]["l2_bytes"] == "40MiB"
 
 
+@pytest.mark.parametrize("missing", ["--classes", "--dim", "--batch"])
+def test_each_size_is_required(planned, capsys, missing):
+    argv = [a for i, a in enumerate(REQUIRED) if missing not in (a, REQUIRED[i - 1] if i else None)]
+    assert cli.main(argv) == 2
+    assert planned == [] and f"the following arguments are required: {missing}" in capsys.readouterr().err
+
+
 def test_help_exits_0(planned, capsys):
     assert cli.main(["--help"]) == 0
     assert capsys.readouterr().out.startswith("usage: shardfc plan ")

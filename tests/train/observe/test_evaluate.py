@@ -38,7 +38,8 @@ def _cfg(**kw) -> TrainConfig:
     return dataclasses.replace(TrainConfig(), **kw)
 
 
-CLASH = "would both report as {name!r}, one's metrics overwriting the other's"
+CLASH = ("would both report as {name!r}, one's metrics overwriting the other's (a .bin is named by its file's stem): "
+         "give one file another name, or a link to it")
 
 
 def test_the_plan_names_each_target_in_build_order():
