@@ -179,3 +179,19 @@ def test_every_recipe_builds_a_command_for_its_launcher(tmp_path):
     assert cmds["horovod"][1:4] == ["-np", "3", "--gloo"]
     assert cmds["ddp-spawn"][cmds["ddp-spawn"].index("--nproc") + 1] == "3"
     assert all("--profile" in c and c[c.index("--output-dir") + 1] == str(tmp_path) for c in cmds.values())
+
+
+def test_each_comparisons_defaults_reach_it(monkeypatch, tmp_path):
+    """Without --precisions / --split-sizes (now None until resolved): both precisions, sizes 2, 4, 8, 16."""
+    import shardfc.parallel.split_bench as split_bench
+    from shardfc.cli import bench_recipes as cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "run_recipes", lambda names, precisions, *a: seen.update(precisions=precisions) or [])
+    monkeypatch.setattr(cli.report, "recipes_table", lambda rows, meta: "")
+    monkeypatch.setattr(split_bench, "time_split_sweep", lambda backbone, batch, size, devices, sizes, steps, **kw:
+                        seen.update(sizes=sizes, batch=batch) or [])
+    monkeypatch.setattr(cli.report, "split_table", lambda split: "")
+    assert cli.main(["--recipes", "--split-sweep", "--quiet", "--work-dir", str(tmp_path), "--device", "cpu",
+                     "--nproc", "2", "--batch-size", "3"]) == 0
+    assert seen == dict(precisions=recipes.parse_precisions("fp32,amp"), sizes=[2, 4, 8, 16], batch=6)
