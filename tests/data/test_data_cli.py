@@ -128,6 +128,8 @@ def test_inspect_prints_json_or_a_table(tmp_path, monkeypatch, capsys):
     assert data_cli.main(["inspect", str(tmp_path)]) == 0
     assert capsys.readouterr().out == "table of r\n"
     assert seen == [(str(tmp_path), 3), (str(tmp_path), 8)]
+    assert data_cli.main(["inspect", str(tmp_path), "--json", "--sample", "0"]) == 0  # none decoded: allowed
+    assert seen[-1] == (str(tmp_path), 0)
 
 
 @pytest.mark.parametrize("value", ["-3", "2.5", "many"])
