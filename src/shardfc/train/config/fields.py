@@ -532,7 +532,6 @@ def absolute_paths(cfg: TrainConfig, base: "str | os.PathLike[str] | None" = Non
     updates["val_bins"] = bins
     return dataclasses.replace(cfg, **updates)
 
-#: The fields each margin reads (named in its errors).
 #: The flags a run reads only in some configurations: ``field -> (whether this config reads it, what
 #: reads it, the setting that decides)``. A flag given for a field the run does not read is refused by
 #: :func:`check_flags_read` rather than dropped (a value in a config file or a preset is not: a run's
@@ -583,6 +582,7 @@ def check_flags_read(cfg: "TrainConfig", given: Sequence[str]) -> None:
                               f"{decides}={getattr(cfg, decides)!r}: remove it, or set --{decides.replace('_', '-')}")
 
 
+#: The fields each margin reads (named in its errors).
 _MARGIN_FIELDS = {
     "arcface": ("scale", "m", "easy_margin"), "cosface": ("scale", "m"), "sphereface": ("m", "sphereface_lambda"),
     "combined": ("scale", "m1", "m2", "m3"), "normsoftmax": ("scale",), "softmax": (),
