@@ -36,8 +36,6 @@ CASES = {
                              ["--dataset", "list", "--list-file", "/l.txt"]),
     "synthetic_images_per_identity": (["--synthetic-images-per-identity", "3"], ["--dataset", "synthetic"],
                                       ["--dataset", "list", "--list-file", "/l.txt"]),
-    "synthetic_val_pairs": (["--synthetic-val-pairs", "20"], ["--dataset", "synthetic"],
-                            ["--dataset", "list", "--list-file", "/l.txt"]),
     "head_idle_rows": (["--head-idle-rows", "lazy"], ["--sample-rate", "0.5"], ["--sample-rate", "1"]),
     "pk_instances": (["--pk-instances", "3"], ["--sampler", "pk"], ["--sampler", "random"]),
     "triplet_soft": (["--triplet-soft"], ["--triplet-weight", "1"], ["--triplet-weight", "0"]),
@@ -113,6 +111,12 @@ def test_nproc_is_refused_by_horovod_too():
                                                     "this run's strategy='horovod'")):
         parse_config(["--strategy", "horovod", "--nproc", "2"])
     assert parse_config(["--strategy", "pipeline", "--nproc", "4"])[0].nproc == 4
+
+
+def test_turning_the_synthetic_pairs_off_is_taken_on_any_dataset():
+    # how scripts sharing flags across datasets turn evaluation off: harmless where there are none
+    cfg, _ = parse_config(["--dataset", "list", "--list-file", "/l.txt", "--synthetic-val-pairs", "0"])
+    assert cfg.synthetic_val_pairs == 0
 
 
 def test_values_from_a_config_file_are_not_judged(tmp_path):

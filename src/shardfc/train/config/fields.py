@@ -557,7 +557,6 @@ _READ_WHEN = {
        for name in ("head_init", "on_missing_classes", "rename_classes")},
     "synthetic_identities": (lambda c: c.dataset == "synthetic", "dataset 'synthetic'", "dataset"),
     "synthetic_images_per_identity": (lambda c: c.dataset == "synthetic", "dataset 'synthetic'", "dataset"),
-    "synthetic_val_pairs": (lambda c: c.dataset == "synthetic", "dataset 'synthetic'", "dataset"),
     "head_idle_rows": (lambda c: c.sample_rate < 1, "Partial FC (sample_rate < 1)", "sample_rate"),
     "pk_instances": (lambda c: c.sampler == "pk", "sampler 'pk'", "sampler"),
     "triplet_soft": (lambda c: c.triplet_weight > 0, "the triplet loss (triplet_weight > 0)", "triplet_weight"),
