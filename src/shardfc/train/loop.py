@@ -32,6 +32,7 @@ from shardfc.train.builder.strategy import signal_deadline_note, sync_after_rest
 from shardfc.train.checkpointing.fine_tune import init_from, resolve_init_from
 from shardfc.train.checkpointing.resume import restore, resume_path, save, step_of
 from shardfc.train.config import TrainConfig, absolute_paths, to_toml
+from shardfc.train.config.fields import CHECKPOINT_SETTINGS, FIELDS
 from shardfc.train.loader.data import micro_batches
 from shardfc.train.observe.evaluate import build_targets
 from shardfc.train.observe.memory_phases import MemoryPhases
@@ -237,15 +238,12 @@ def trainer_step(run, batches, state: RunState, cfg: TrainConfig, autocast, stop
     return 0
 
 
-#: The settings read only when a run starts from a checkpoint, with their defaults.
-CHECKPOINT_SETTINGS = (("head_init", "random"), ("on_missing_classes", "error"), ("rename_classes", ""))
-
-
 def _warn_unread_class_settings(cfg: TrainConfig) -> None:
     """A fresh run (``--resume auto`` found nothing, no ``--init-from``) does not read what says how a
     checkpoint's classes meet the dataset's: say so rather than ignore it (the flag parser refuses them
     outright with ``--resume none``)."""
-    unread = [f"{name}={getattr(cfg, name)!r}" for name, default in CHECKPOINT_SETTINGS if getattr(cfg, name) != default]
+    unread = [f"{name}={getattr(cfg, name)!r}" for name in CHECKPOINT_SETTINGS
+              if getattr(cfg, name) != FIELDS[name].default]
     if unread:
         logger.warning("%s: read only when the run starts from a checkpoint (--init-from, or a resume); this run "
                        "starts fresh, so %s unused", ", ".join(unread), "it is" if len(unread) == 1 else "they are")

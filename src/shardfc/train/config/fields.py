@@ -532,6 +532,9 @@ def absolute_paths(cfg: TrainConfig, base: "str | os.PathLike[str] | None" = Non
     updates["val_bins"] = bins
     return dataclasses.replace(cfg, **updates)
 
+#: The settings read only when a run starts from a checkpoint: how its classes meet the dataset's.
+CHECKPOINT_SETTINGS = ("head_init", "on_missing_classes", "rename_classes")
+
 #: The flags a run reads only in some configurations: ``field -> (whether this config reads it, what
 #: reads it, the setting that decides)``. A flag given for a field the run does not read is refused by
 #: :func:`check_flags_read` rather than dropped (a value in a config file or a preset is not: a run's
@@ -554,7 +557,7 @@ _READ_WHEN = {
     # it finds none) or --init-from
     **{name: (lambda c: bool(c.init_from) or c.resume.strip().lower() != "none",
               "a checkpoint to start from (--init-from, or a --resume other than 'none')", "resume")
-       for name in ("head_init", "on_missing_classes", "rename_classes")},
+       for name in CHECKPOINT_SETTINGS},
     "synthetic_identities": (lambda c: c.dataset == "synthetic", "dataset 'synthetic'", "dataset"),
     "synthetic_images_per_identity": (lambda c: c.dataset == "synthetic", "dataset 'synthetic'", "dataset"),
     "head_idle_rows": (lambda c: c.sample_rate < 1, "Partial FC (sample_rate < 1)", "sample_rate"),
