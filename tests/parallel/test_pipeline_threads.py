@@ -65,11 +65,21 @@ def test_create_layout_places_the_ranks_stage_major_with_their_two_groups():
         ), r
 
 
+def test_the_layouts_contexts_are_on_the_worlds_device():
+    def rank(r):
+        layout = create_layout(DistContext.resolve(device="meta"), 2)
+        return layout.pipe_ctx.device, layout.replica_ctx.device
+
+    meta = torch.device("meta")
+    assert TorchThreadWorld(4).results(rank) == [(meta, meta)] * 4
+
+
 def test_create_layout_refuses_a_sub_group_horovod_and_an_impossible_grid_on_every_rank():
     def sub_group(r):
         group = dist.new_group([0, 1])
-        with pytest.raises(ValueError, match="runs over torch's default group; a sub-group was given"):
+        with pytest.raises(ValueError) as e:
             create_layout(DistContext.resolve(group), 2)
+        assert str(e.value) == "the pipeline strategy runs over torch's default group; a sub-group was given"
         with pytest.raises(ValueError, match="pipeline_stages=2 but the backbone has 0 split point"):
             create_layout(DistContext.resolve(), 2, 0)
         with pytest.raises(ValueError, match="world size 2 is not divisible by pipeline_stages=3"):
@@ -85,8 +95,9 @@ def test_create_layout_refuses_a_sub_group_horovod_and_an_impossible_grid_on_eve
         mp.setattr(context, "HorovodCommunicator", StandInHorovod)
         horovod = DistContext(None, 0, 2, True, CPU, StandInHorovod())
         assert horovod.is_horovod
-        with pytest.raises(ValueError, match="the pipeline strategy needs torch.distributed to be initialised"):
+        with pytest.raises(ValueError) as e:
             create_layout(horovod, 2)
+        assert str(e.value) == "the pipeline strategy needs torch.distributed to be initialised (spawn or torchrun)"
 
 
 def test_replicas_and_stage_counts_are_ints_and_their_errors_name_the_values():
@@ -119,22 +130,27 @@ def test_gather_object_to_collects_replica_zeros_pipeline_on_the_chosen_stage():
             assert out == (from_replica_0 if (j == 0 and s == dst) else None), (r, dst)
 
 
-def test_average_gradients_is_the_mean_over_the_group_and_keeps_shapes_and_missing_grads():
+@pytest.mark.parametrize("size", [2, 3])
+def test_average_gradients_is_the_mean_over_the_group_and_keeps_shapes_and_missing_grads(size):
     def rank(r):
         ctx = DistContext.resolve()
         a = nn.Parameter(torch.zeros(2, 3, dtype=torch.float64))
         b = nn.Parameter(torch.zeros(4, dtype=torch.float64))
         c = nn.Parameter(torch.zeros(1))  # no gradient on any rank: left None
+        d = nn.Parameter(torch.zeros(2, dtype=torch.float64))
         a.grad = torch.arange(6, dtype=torch.float64).view(2, 3) * (r + 1)
-        b.grad = torch.full((4,), 3.0 * r, dtype=torch.float64)
-        grads_before = (a.grad, b.grad)
-        average_gradients_([a, c, b], ctx)
-        assert a.grad is grads_before[0] and b.grad is grads_before[1]  # in place
-        return a.grad.clone(), b.grad.clone(), c.grad
+        b.grad = torch.full((4,), 2.0 * r, dtype=torch.float64)
+        d.grad = torch.tensor([-4.0, 6.0], dtype=torch.float64) * r
+        grads_before = (a.grad, b.grad, d.grad)
+        average_gradients_([a, c, b, d], ctx)
+        assert all(x is y for x, y in zip((a.grad, b.grad, d.grad), grads_before))  # in place
+        return a.grad.clone(), b.grad.clone(), c.grad, d.grad.clone()
 
-    for a, b, c in TorchThreadWorld(3).results(rank):
-        torch.testing.assert_close(a, torch.arange(6, dtype=torch.float64).view(2, 3) * 2, rtol=0, atol=0)
-        torch.testing.assert_close(b, torch.full((4,), 3.0, dtype=torch.float64), rtol=0, atol=0)
+    mean_r = (size - 1) / 2  # the ranks' mean
+    for a, b, c, d in TorchThreadWorld(size).results(rank):
+        torch.testing.assert_close(a, torch.arange(6, dtype=torch.float64).view(2, 3) * (mean_r + 1), rtol=0, atol=0)
+        torch.testing.assert_close(b, torch.full((4,), 2.0 * mean_r, dtype=torch.float64), rtol=0, atol=0)
+        torch.testing.assert_close(d, torch.tensor([-4.0, 6.0], dtype=torch.float64) * mean_r, rtol=0, atol=0)
         assert c is None
 
 
@@ -212,17 +228,38 @@ def test_chained_activation_specs_pass_each_stages_output_spec_on_to_the_next():
         assert seen == [((2, *want[stage][0]), want[stage][1], False, False)], r
 
 
+def test_chained_activation_specs_probe_on_the_device_and_under_the_autocast_given():
+    class Where(nn.Module):
+        def forward(self, x):
+            self.seen = x.device
+            return x
+
+    def rank(r):
+        layout = create_layout(DistContext.resolve(), 2)
+        where, linear = Where(), nn.Linear(3, 4, device="meta")
+        on_meta = chained_activation_specs(where if layout.stage == 0 else linear, layout, ((3,), torch.float32),
+                                           torch.device("meta"))
+        autocast = chained_activation_specs(nn.Identity() if layout.stage == 0 else nn.Linear(3, 4), layout,
+                                            ((3,), torch.float32), CPU, lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+        return on_meta, autocast, getattr(where, "seen", None)
+
+    got = TorchThreadWorld(2).results(rank)
+    assert got[0][2] == torch.device("meta")
+    assert [g[:2] for g in got] == [([((3,), torch.float32), ((3,), torch.float32), ((4,), torch.float32)],
+                                     [((3,), torch.float32), ((3,), torch.float32), ((4,), torch.bfloat16)])] * 2
+
+
 def test_a_failing_stage_is_the_same_error_on_every_rank():
     def rank(r):
         layout = create_layout(DistContext.resolve(), 3)
-        module = nn.Linear(4, 5) if layout.stage != 1 else nn.Linear(3, 2)
+        module = [_Recorder(5), _Recorder(6, torch.float64), nn.Linear(3, 2)][layout.stage]
         with pytest.raises(RuntimeError) as e:
             chained_activation_specs(module, layout, ((4,), torch.float32), CPU)
         return str(e.value)
 
     for msg in TorchThreadWorld(3).results(rank):
-        assert msg.startswith("pipeline stage 1 fails on an input of shape [2, 5] (torch.float32): RuntimeError: mat1 "
-                              "and mat2 shapes cannot be multiplied"), msg
+        assert msg.startswith("pipeline stage 2 fails on an input of shape [2, 6] (torch.float64): RuntimeError: mat1 "
+                              "and mat2 "), msg
 
 
 def _alone(fn):
@@ -279,11 +316,18 @@ def test_the_runner_refuses_a_batch_of_another_size_and_batch_statistics_over_mi
                                                  r"local_batch=4 \(micro-batches have a fixed shape"):
                 runner.step(images, labels)
             assert runner.schedule.calls == []
-        bn = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).train()
-        with pytest.raises(RuntimeError, match=r"pipeline: BatchNorm1d '1' normalises with batch statistics, and "
-                                               r"micro_batches=2 would normalise each micro-batch on its own"):
-            _runner(1, module=bn).step(None, None)
-        for runner in (_runner(1, module=bn, micro=1), _runner(1, module=bn, allow=True), _runner(1, module=bn.eval())):
+        def bn():
+            return nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).train()
+
+        with pytest.raises(RuntimeError) as e:
+            _runner(1, module=bn()).step(None, None)
+        assert str(e.value) == (
+            "pipeline: BatchNorm1d '1' normalises with batch statistics, and micro_batches=2 would normalise each "
+            "micro-batch on its own, unlike an unpipelined step; opt in with allow_micro_batch_stats "
+            "(--micro-batch-stats: the semantics of gradient accumulation over micro-batches), use micro_batches=1, "
+            "or eval-mode BatchNorm")
+        for runner in (_runner(1, module=bn(), micro=1), _runner(1, module=bn(), allow=True),
+                       _runner(1, module=bn().eval())):
             runner.schedule = _Schedule()
             runner.step(None, None)  # one micro-batch, opted in, or running statistics: the step runs
             assert runner.schedule.calls == [((), {})]
@@ -316,9 +360,14 @@ def test_the_runner_builds_the_stage_and_schedule_asked_for():
 
 def test_the_runner_refuses_bad_settings_naming_them():
     def body():
-        with pytest.raises(ValueError, match="the last stage needs a loss_fn"):
-            PipelineRunner(nn.Identity(), PipelineLayout(2, 1, 1, 0, None, DistContext(), DistContext()), CPU,
-                           schedule="gpipe", micro_batches=1, local_batch=2, specs=(((3,), torch.float32),) * 2)
+        layout = PipelineLayout(2, 1, 1, 0, None, DistContext(), DistContext())
+        spec = ((3,), torch.float32)
+        with pytest.raises(ValueError) as e:
+            PipelineRunner(nn.Identity(), layout, CPU, schedule="gpipe", micro_batches=1, local_batch=2, specs=(spec, spec))
+        assert str(e.value) == "the last stage needs a loss_fn"
+        by_default = PipelineRunner(nn.Identity(), layout, CPU, schedule="gpipe", micro_batches=1, local_batch=2,
+                                    specs=(spec, spec), loss_fn=lambda e, y: e.sum())
+        assert by_default.allow_micro_batch_stats is False
         with pytest.raises(ValueError, match="micro_batches must be a positive integer, got 0"):
             _runner(0, micro=0)
         with pytest.raises(ValueError, match="local_batch must be a positive integer, got 0"):
@@ -331,8 +380,9 @@ def test_the_runner_refuses_bad_settings_naming_them():
         with pytest.raises(ValueError, match="micro_batches >= pipeline_stages, got micro_batches=2 for 3 stages"):
             _runner(0, stages=3, micro=2, local=4, schedule="1f1b")
         assert _runner(0).allow_micro_batch_stats is False and _runner(0, allow=1).allow_micro_batch_stats is True
-        with pytest.raises(RuntimeError, match="the loss is computed on the last pipeline stage only"):
+        with pytest.raises(RuntimeError) as e:
             pipeline._no_loss_here(torch.zeros(1), torch.zeros(1))
+        assert str(e.value) == "the loss is computed on the last pipeline stage only"
 
     _alone(body)
 
