@@ -101,10 +101,23 @@ EOF
 echo "mutation.sh: mutating $module against ${tests[*]} in $work ($jobs jobs)"
 cd "$work"
 # One thread per test process: mutmut runs $jobs of them, and forked torch with an OpenMP pool can hang.
-# PYTHONPATH is dropped so that the tests import the mutated copy, not a checkout's src/.
+# The processes the tests start (spawned ranks, `shardfc` subprocesses) run the mutant too:
+# - they inherit MUTANT_UNDER_TEST, and import the mutated copy (scripts/mutation_ranks/sitecustomize.py
+#   puts SHARDFC_MUTMUT_SRC first on their path; the caller's PYTHONPATH, which could hold a checkout's
+#   src/, is replaced);
+# - ranks start as fresh interpreters (SHARDFC_START_METHOD=spawn), not from launch.spawn's fork server:
+#   mutmut forks each mutant's test process from its own, so a server started by the clean run would be
+#   shared by every mutant and fork ranks with the clean run's environment, running the unmutated code;
+# - in mutmut's stats run, scripts/mutation_ranks/ (sitecustomize.py in each such process, a pytest
+#   plugin in mutmut's) adds what those processes reached to the test that started them: without it a
+#   function called only inside ranks counts as reached by no test and its mutants are never run.
 start=$(date +%s)
 read -r -a names <<< "${MUTANTS:-}"
-env -u PYTHONPATH OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$mutmut" run --max-children "$jobs" "${names[@]}" || status=$?
+hits=$PWD/rank_hits
+mkdir -p "$hits"
+PYTHONPATH="$root/scripts/mutation_ranks" SHARDFC_MUTMUT_SRC="$PWD/mutants/src" PYTEST_PLUGINS=shardfc_mutmut_ranks \
+    SHARDFC_MUTMUT_HITS="$hits" \
+    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 SHARDFC_START_METHOD=spawn "$mutmut" run --max-children "$jobs" "${names[@]}" || status=$?
 echo "mutation.sh: $module took $(( $(date +%s) - start )) s"
 env -u PYTHONPATH "$mutmut" results
 echo "mutation.sh: $module, mutants by state:"

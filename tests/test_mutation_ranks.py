@@ -1,0 +1,111 @@
+"""scripts/mutation_ranks/: how a mutation run sees what the processes its tests start do.
+
+The two pieces are run here against a stand-in of the two names of mutmut they touch (mutmut is not
+installed in CI), and those names are checked on the real mutmut where it is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+RANKS = Path(__file__).resolve().parents[1] / "scripts" / "mutation_ranks"
+
+
+def _stand_in_mutmut(root: Path) -> Path:
+    """A package ``mutmut`` whose trampoline's recorder raises: only sitecustomize's may be called."""
+    pkg = root / "mutmut"
+    (pkg / "mutation").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mutation" / "__init__.py").write_text("")
+    (pkg / "mutation" / "trampoline.py").write_text(
+        "def record_trampoline_hit(name, caller=None):\n    raise AssertionError('mutmut recorded ' + name)\n")
+    return root
+
+
+def _started_process(tmp_path: Path, mutant: str | None):
+    """A process a test starts: records three calls of two functions, prints its pid and whether ``src``
+    comes first on its path (after ``python -c``'s own '' or a script's folder, put there after start-up)."""
+    hits, src = tmp_path / "hits", tmp_path / "src"
+    hits.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "MUTANT_UNDER_TEST"}
+    env.update(PYTHONPATH=f"{RANKS}{os.pathsep}{_stand_in_mutmut(tmp_path / 'site')}", SHARDFC_MUTMUT_HITS=str(hits),
+               SHARDFC_MUTMUT_SRC=str(src))
+    if mutant is not None:
+        env["MUTANT_UNDER_TEST"] = mutant
+    code = ("import os, sys\nimport mutmut.mutation.trampoline as t\nprint(os.getpid(), sys.path[1] == os.environ['SHARDFC_MUTMUT_SRC'])\n"
+            "try:\n    [t.record_trampoline_hit(n) for n in ('a.f', 'a.f', 'b.g')]\n"
+            "except AssertionError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    return out.splitlines(), hits, src
+
+
+def test_in_the_stats_run_a_started_process_writes_each_function_it_reaches_once(tmp_path):
+    (first, *rest), hits, src = _started_process(tmp_path, "stats")
+    pid, src_first = first.split(" ", 1)
+    assert rest == [] and src_first == "True"  # nothing reached mutmut's own recorder; the mutated copy first
+    assert [p.name for p in hits.iterdir()] == [f"{pid}.hits"]
+    assert (hits / f"{pid}.hits").read_text() == "a.f\nb.g\n"
+
+
+@pytest.mark.parametrize("mutant", ["shardfc.parallel.pipeline.x_create_layout__mutmut_3", None])
+def test_outside_the_stats_run_nothing_is_recorded(tmp_path, mutant):
+    # a mutant's run: the process imports the mutated copy and runs the mutant, records nothing;
+    # mutmut's own process (no MUTANT_UNDER_TEST when it starts): left as it is
+    (first, *rest), hits, src = _started_process(tmp_path, mutant)
+    assert rest == ["mutmut recorded a.f"] and list(hits.iterdir()) == []
+    assert first.split(" ", 1)[1] == str(mutant is not None)
+
+
+@pytest.fixture
+def plugin(monkeypatch, tmp_path):
+    """The pytest plugin, with a stand-in for mutmut's state and this folder's sitecustomize."""
+    recorded = types.SimpleNamespace(_stats={"seen.in.process"})
+    state = types.ModuleType("mutmut.state")
+    state.state = lambda: recorded
+    monkeypatch.setitem(sys.modules, "mutmut.state", state)
+    monkeypatch.setitem(sys.modules, "mutmut", types.ModuleType("mutmut"))
+    site = types.ModuleType("sitecustomize")
+    site.seen = {"a.f"}
+    monkeypatch.setitem(sys.modules, "sitecustomize", site)
+    spec = importlib.util.spec_from_file_location("shardfc_mutmut_ranks", RANKS / "shardfc_mutmut_ranks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    hits = tmp_path / "hits"
+    hits.mkdir()
+    (hits / "11.hits").write_text("a.f\nb.g\n")
+    (hits / "12.hits").write_text("c.h\n")
+    monkeypatch.setenv("SHARDFC_MUTMUT_HITS", str(hits))
+    return module, recorded, site, hits
+
+
+def test_at_a_tests_end_what_its_processes_reached_joins_mutmuts_record(plugin, monkeypatch):
+    module, recorded, site, hits = plugin
+    monkeypatch.setenv("MUTANT_UNDER_TEST", "stats")
+    module.pytest_runtest_teardown(None, None)
+    assert recorded._stats == {"seen.in.process", "a.f", "b.g", "c.h"}
+    assert list(hits.iterdir()) == [] and site.seen == set()  # the next test starts its record afresh
+
+
+@pytest.mark.parametrize("env", [{"MUTANT_UNDER_TEST": "shardfc.x__mutmut_1"}, {}, {"SHARDFC_MUTMUT_HITS": ""}])
+def test_outside_the_stats_run_the_plugin_does_nothing(plugin, monkeypatch, env):
+    module, recorded, site, hits = plugin
+    monkeypatch.delenv("MUTANT_UNDER_TEST", raising=False)
+    if "SHARDFC_MUTMUT_HITS" in env:
+        monkeypatch.setenv("MUTANT_UNDER_TEST", "stats")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    module.pytest_runtest_teardown(None, None)
+    assert recorded._stats == {"seen.in.process"} and len(list(hits.iterdir())) == 2 and site.seen == {"a.f"}
+
+
+def test_the_names_it_touches_are_mutmuts():
+    trampoline = pytest.importorskip("mutmut.mutation.trampoline")  # the 'mutation' extra
+    from mutmut.state import state
+
+    assert callable(trampoline.record_trampoline_hit) and isinstance(state()._stats, set)
