@@ -229,6 +229,23 @@ def _baselines_case(rank, world):
     return out
 
 
+def _naive_low_precision_case(rank, world):
+    """The naive head on fp16 / bf16 weights: rank 0 computes the loss in fp32 and broadcasts it, so
+    every rank must hold an fp32 buffer for it (a bf16 one of half the size aborted gloo)."""
+    B, lo, hi = _rows(rank, world)
+    x, y, _ = _global_data(B, ignore=True)
+    out = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        naive = NaiveParallelHead(D, C, margin=M.CosFace(8.0, 0.35), dtype=dtype)
+        xr = x[lo:hi].to(dtype).requires_grad_()
+        loss = naive(xr, y[lo:hi])
+        loss.backward()
+        # one process over the whole batch, the same weights: the logits rounded alike
+        alone = NaiveParallelHead(D, C, margin=M.CosFace(8.0, 0.35), dtype=dtype, context=DistContext())
+        out[str(dtype)] = (loss.item(), loss.dtype, alone(x.to(dtype), y).item(), bool(torch.isfinite(xr.grad).all()))
+    return out
+
+
 def _partial_fc_case(rank, world):
     """Partial FC equals the dense loss over exactly the sampled classes (positives included)."""
     B, lo, hi = _rows(rank, world)
@@ -305,6 +322,7 @@ def _worker(rank, world):
         "predict": _predict_case(rank, world),
         "ddp": _ddp_case(rank, world),
         "baselines": _baselines_case(rank, world),
+        "naive_low_precision": _naive_low_precision_case(rank, world),
         "partial": _partial_fc_case(rank, world),
         "subgroup": _subgroup_case(rank, world) if world >= 3 else None,
     }
@@ -369,6 +387,16 @@ def test_baselines_equal_reference(world_results):
     for res in results:
         for key, errs in res["baselines"].items():
             assert max(errs) < TOL, f"{key}: {errs}"
+
+
+def test_the_naive_heads_low_precision_loss_is_fp32_and_the_same_on_every_rank(world_results):
+    world, results = world_results
+    for dtype in ("torch.bfloat16", "torch.float16"):
+        losses = [res["naive_low_precision"][dtype] for res in results]
+        value, loss_dtype, alone, grads_finite = losses[0]
+        assert loss_dtype == torch.float32 and grads_finite
+        assert all(other[:2] == (value, torch.float32) and other[3] for other in losses), (dtype, losses)
+        assert abs(value - alone) <= 1e-2 * abs(alone), (dtype, value, alone)
 
 
 def test_partial_fc_equals_dense_loss_over_sampled_classes(world_results):

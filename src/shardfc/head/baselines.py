@@ -35,9 +35,14 @@ from shardfc.parallel.collectives import (
 from shardfc.parallel.context import DistContext
 
 
+def _loss_dtype(logits_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the losses of logits of ``logits_dtype`` are computed in: fp32 for fp16 / bf16."""
+    return torch.float32 if logits_dtype in (torch.float16, torch.bfloat16) else logits_dtype
+
+
 def _dense_losses(logits: Tensor, labels: Tensor, head) -> Tensor:
     return F.cross_entropy(
-        logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits,
+        logits.to(_loss_dtype(logits.dtype)),
         labels,
         label_smoothing=head.label_smoothing,
         ignore_index=head.ignore_index,
@@ -102,7 +107,8 @@ class NaiveParallelHead(ShardedMarginHead):
             full = _GatherColumnsToRoot.apply(logits[0], widths, self.group)
         else:
             full = torch.cat([z.to(home) for z in logits], dim=1)
-        value = torch.zeros((), dtype=full.dtype if full.is_floating_point() else torch.float32, device=home)
+        # The loss's dtype on every rank (rank 0 broadcasts it: a buffer of another size elsewhere aborts gloo)
+        value = torch.zeros((), dtype=_loss_dtype(full.dtype), device=home)
         loss = None
         if full.shape[1] == self.num_classes:  # rank 0 / device 0: the whole [B, C] is here
             losses = _dense_losses(full, labels.to(home), self)
