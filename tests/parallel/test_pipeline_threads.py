@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from test_context import _StandInHorovod
 from torch import nn
 
 from shardfc.parallel import context, pipeline
 from shardfc.parallel.collectives import count_comm
-from shardfc.parallel.comm import Communicator
 from shardfc.parallel.context import DistContext
 from shardfc.parallel.pipeline import (
     STAGE_ACTIVATIONS,
@@ -88,12 +88,9 @@ def test_create_layout_refuses_a_sub_group_horovod_and_an_impossible_grid_on_eve
 
     assert TorchThreadWorld(2).results(sub_group) == [True, True]
 
-    class StandInHorovod(Communicator):
-        rank, world_size = 0, 2
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(context, "HorovodCommunicator", StandInHorovod)
-        horovod = DistContext(None, 0, 2, True, CPU, StandInHorovod())
+        mp.setattr(context, "HorovodCommunicator", _StandInHorovod)
+        horovod = DistContext(None, 0, 2, True, CPU, _StandInHorovod())
         assert horovod.is_horovod
         with pytest.raises(ValueError) as e:
             create_layout(horovod, 2)
