@@ -21,7 +21,9 @@
 # Environment: PYTHON (default: python), MUTMUT (default: mutmut beside $PYTHON, else on PATH),
 # JOBS (default: the number of CPUs), FRESH=1 to forget the previous results of this module,
 # MUTANTS="GLOB ..." to (re)run only those mutants (e.g. after adding a test: the names survivors had,
-# "shardfc.checkpoint.format.x_short_repr*").
+# "shardfc.checkpoint.format.x_short_repr*"), LAUNCH_TIMEOUT_S (default 30): the longest a world that
+# launch.spawn starts in a test's process waits in a collective (tests' own timeouts are minutes; a
+# mutant that leaves a rank out of a collective would hold its world that long).
 set -euo pipefail
 
 if [[ $# -lt 1 || $1 == -h || $1 == --help ]]; then
@@ -110,13 +112,14 @@ cd "$work"
 #   shared by every mutant and fork ranks with the clean run's environment, running the unmutated code;
 # - in mutmut's stats run, scripts/mutation_ranks/ (sitecustomize.py in each such process, a pytest
 #   plugin in mutmut's) adds what those processes reached to the test that started them: without it a
-#   function called only inside ranks counts as reached by no test and its mutants are never run.
+#   function called only inside ranks counts as reached by no test and its mutants are never run;
+# - the plugin also caps the collectives' timeout of the worlds the tests launch (LAUNCH_TIMEOUT_S).
 start=$(date +%s)
 read -r -a names <<< "${MUTANTS:-}"
 hits=$PWD/rank_hits
 mkdir -p "$hits"
 PYTHONPATH="$root/scripts/mutation_ranks" SHARDFC_MUTMUT_SRC="$PWD/mutants/src" PYTEST_PLUGINS=shardfc_mutmut_ranks \
-    SHARDFC_MUTMUT_HITS="$hits" \
+    SHARDFC_MUTMUT_HITS="$hits" SHARDFC_MUTMUT_LAUNCH_TIMEOUT_S="${LAUNCH_TIMEOUT_S:-30}" \
     OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 SHARDFC_START_METHOD=spawn "$mutmut" run --max-children "$jobs" "${names[@]}" || status=$?
 echo "mutation.sh: $module took $(( $(date +%s) - start )) s"
 env -u PYTHONPATH "$mutmut" results

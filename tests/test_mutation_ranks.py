@@ -5,7 +5,9 @@ installed in CI), and those names are checked on the real mutmut where it is ins
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import os
 import subprocess
 import sys
@@ -109,3 +111,32 @@ def test_the_names_it_touches_are_mutmuts():
     from mutmut.state import state
 
     assert callable(trampoline.record_trampoline_hit) and isinstance(state()._stats, set)
+
+
+def _timeout_seen_by_run(monkeypatch):
+    """``launch._run`` stood in for by one that returns the ``timeout_s`` spawn hands it (its real signature)."""
+    from shardfc.parallel import launch
+
+    real = launch._run
+    monkeypatch.setattr(launch, "_run", functools.wraps(real)(
+        lambda *a, **k: inspect.signature(real).bind(*a, **k).arguments["timeout_s"]))
+    return launch
+
+
+def test_a_capped_launch_waits_at_most_the_cap_in_a_collective(plugin, monkeypatch):
+    module = plugin[0]
+    launch = _timeout_seen_by_run(monkeypatch)
+    monkeypatch.setenv("SHARDFC_MUTMUT_LAUNCH_TIMEOUT_S", "30")
+    module.pytest_runtest_setup(None)
+    module.pytest_runtest_setup(None)  # every test's setup: capped once, not wrapped again
+    assert launch._run.capped_at == 30.0 and not hasattr(launch._run.__wrapped__, "capped_at")
+    assert launch.spawn(print, 1, timeout_s=300.0) == 30.0  # the default of spawn and of the tests
+    assert launch.spawn(print, 2, timeout_s=5.0) == 5.0  # a shorter one stays
+
+
+def test_without_a_cap_launches_keep_their_timeout(plugin, monkeypatch):
+    module = plugin[0]
+    launch = _timeout_seen_by_run(monkeypatch)
+    monkeypatch.delenv("SHARDFC_MUTMUT_LAUNCH_TIMEOUT_S", raising=False)
+    module.pytest_runtest_setup(None)
+    assert launch.spawn(print, 1) == 300.0 and not hasattr(launch._run, "capped_at")
