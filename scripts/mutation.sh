@@ -113,7 +113,9 @@ cd "$work"
 # - in mutmut's stats run, scripts/mutation_ranks/ (sitecustomize.py in each such process, a pytest
 #   plugin in mutmut's) adds what those processes reached to the test that started them: without it a
 #   function called only inside ranks counts as reached by no test and its mutants are never run;
-# - the plugin also caps the collectives' timeout of the worlds the tests launch (LAUNCH_TIMEOUT_S).
+# - the plugin also gives each test what the setups of the fixtures it uses reached, and their seconds
+#   (mutmut counts both only for the test inside which a shared fixture was set up), and caps the
+#   collectives' timeout of the worlds the tests launch (LAUNCH_TIMEOUT_S).
 start=$(date +%s)
 read -r -a names <<< "${MUTANTS:-}"
 hits=$PWD/rank_hits

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["pytester"]
+
 RANKS = Path(__file__).resolve().parents[1] / "scripts" / "mutation_ranks"
 
 
@@ -140,3 +142,73 @@ def test_without_a_cap_launches_keep_their_timeout(plugin, monkeypatch):
     monkeypatch.delenv("SHARDFC_MUTMUT_LAUNCH_TIMEOUT_S", raising=False)
     module.pytest_runtest_setup(None)
     assert launch.spawn(print, 1) == 300.0 and not hasattr(launch._run, "capped_at")
+
+
+_SHARED_FIXTURE_TESTS = '''
+import os, time, pytest
+from mutmut.state import state
+
+@pytest.fixture(scope="module", params=[1, 2])
+def world(request):  # as a module's spawned worlds: reached here and in a "rank", set up once per parameter
+    state()._stats.add(f"setup.here.{request.param}")
+    with open(os.path.join(os.environ["SHARDFC_MUTMUT_HITS"], f"rank{request.param}.hits"), "w") as f:
+        f.write(f"setup.in.rank.{request.param}\\n")
+    time.sleep(0.3)
+    return request.param
+
+def test_first(world):
+    state()._stats.add("first.call")
+
+def test_second(world):
+    pass
+
+def test_alone():
+    pass
+'''
+
+
+def test_each_test_of_a_shared_fixture_counts_as_reaching_and_taking_what_its_setup_did(pytester, monkeypatch,
+                                                                                        tmp_path):
+    """mutmut's stats run as harness.py records it (a stand-in of its collector), with the plugin: every test
+    that uses a module fixture reaches what the fixture's setup reached (here and in the processes it
+    started) and takes its seconds, not only the test inside whose setup it ran."""
+    recorded = types.SimpleNamespace(_stats=set(), duration_by_test={})
+    state = types.ModuleType("mutmut.state")
+    state.state = lambda: recorded
+    monkeypatch.setitem(sys.modules, "mutmut.state", state)
+    monkeypatch.setitem(sys.modules, "mutmut", types.ModuleType("mutmut"))
+    hits = tmp_path / "hits"
+    hits.mkdir()
+    monkeypatch.setenv("SHARDFC_MUTMUT_HITS", str(hits))
+    monkeypatch.setenv("MUTANT_UNDER_TEST", "stats")
+    monkeypatch.delenv("SHARDFC_MUTMUT_LAUNCH_TIMEOUT_S", raising=False)
+    reached = {}
+
+    class MutmutsCollector:  # what mutmut's StatsCollector does (runners/harness.py)
+        def pytest_runtest_logstart(self, nodeid, location):
+            recorded.duration_by_test[nodeid] = 0
+
+        def pytest_runtest_teardown(self, item, nextitem):
+            reached[item.name] = set(recorded._stats)
+            recorded._stats.clear()
+
+        def pytest_runtest_makereport(self, item, call):
+            if call.when == "call":
+                recorded.duration_by_test[item.nodeid] += call.duration
+
+    spec = importlib.util.spec_from_file_location("shardfc_mutmut_ranks", RANKS / "shardfc_mutmut_ranks.py")
+    plugin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plugin)
+    pytester.makepyfile(test_shared=_SHARED_FIXTURE_TESTS)
+    result = pytester.inline_run("-p", "no:xdist", "-p", "no:cacheprovider", "-p", "no:randomly",
+                                 plugins=[plugin, MutmutsCollector()])
+    result.assertoutcome(passed=5)
+    for p in (1, 2):
+        setup = {f"setup.here.{p}", f"setup.in.rank.{p}"}
+        assert reached[f"test_first[{p}]"] == setup | {"first.call"}
+        assert reached[f"test_second[{p}]"] == setup  # without the plugin: nothing, its fixture set up earlier
+    assert reached["test_alone"] == set()
+    seconds = {nodeid.split("::")[1]: s for nodeid, s in recorded.duration_by_test.items()}
+    assert all(seconds[f"test_{which}[{p}]"] >= 0.3 for which in ("first", "second") for p in (1, 2))
+    assert seconds["test_alone"] < 0.3
+    assert list(hits.iterdir()) == []
