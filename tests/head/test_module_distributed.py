@@ -351,7 +351,7 @@ def test_bad_input_raises_on_every_rank(world_results):
         "float_labels": ("TypeError", "integer"),
         "wrong_width": ("ValueError", "width 7"),
         "count_mismatch": ("ValueError", "labels has 2 entries"),
-        "non_finite": ("ValueError", "non-finite"),
+        "non_finite": ("NonFiniteEmbeddingsError", "non-finite"),  # a ValueError that says what it is
         "three_d": ("ValueError", "2-D"),
         "predict_bad_k": ("ValueError", "k must be"),
     }

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 import shardfc
-from shardfc.head.validation import VALIDATE_MODES, HeadOptions, check_batch_deferred, check_head_options, defers
+from shardfc.head.validation import (
+    VALIDATE_MODES,
+    HeadOptions,
+    NonFiniteEmbeddingsError,
+    check_batch_deferred,
+    check_head_options,
+    defers,
+)
 from shardfc.parallel.context import DistContext
 
 C, D = 20, 6
@@ -44,6 +51,7 @@ def test_deferred_errors_surface_at_the_next_forward(case, options):
     with pytest.raises(ValueError, match=re.escape(text)) as err:
         head(GOOD_X, GOOD_Y)  # call 3 reads call 2's checks first
     assert "forward call 2" in str(err.value) and "validate='deferred'" in str(err.value)
+    assert isinstance(err.value, NonFiniteEmbeddingsError) == (case in ("non_finite", "infinite"))
     head(GOOD_X, GOOD_Y)  # reported once; the head goes on
     head.check_pending()
 
@@ -55,6 +63,7 @@ def test_immediate_errors_surface_in_the_bad_call(case):
     with pytest.raises(ValueError, match=re.escape(text)) as err:
         head(x, y)
     assert "deferred" not in str(err.value)
+    assert isinstance(err.value, NonFiniteEmbeddingsError) == (case in ("non_finite", "infinite"))
 
 
 def test_auto_is_immediate_on_the_cpu():
@@ -130,8 +139,15 @@ def test_inputs_changed_in_place_are_not_described_with_their_new_values():
     head = shardfc.ShardedMarginHead(D, C, validate="deferred")
     head(x, GOOD_Y)
     x.zero_()
-    with pytest.raises(ValueError, match="embeddings contain non-finite values .the tensor was changed in place"):
+    with pytest.raises(NonFiniteEmbeddingsError, match="embeddings contain non-finite values .the tensor was changed in"):
         head.check_pending()
+    y = GOOD_Y.clone()
+    y[0] = C
+    head(GOOD_X, y)
+    y.zero_()
+    with pytest.raises(ValueError, match="labels hold a value outside .0, num_classes=20. that is not") as err:
+        head.check_pending()
+    assert not isinstance(err.value, NonFiniteEmbeddingsError)
 
 
 def test_bad_validate_argument():

@@ -20,12 +20,14 @@ from PIL import Image
 
 from shardfc.checkpoint import CheckpointError, find_checkpoints
 from shardfc.cli import train as train_cli
+from shardfc.head.validation import NonFiniteEmbeddingsError
 from shardfc.parallel.context import DistContext
 from shardfc.parallel.launch import spawn
 from shardfc.train.builder.factory import build_parts, resolve_amp_dtype
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.loader.data import ShardBatches
-from shardfc.train.loop import load_parts, train
+from shardfc.train.loop import _divergence_named, load_parts, train
+from shardfc.train.state import RunState
 from shardfc.train.step import apply_gradients, clip_head_grad_
 
 from .legacy import as_format_1
@@ -351,6 +353,32 @@ def test_a_run_stops_past_max_corrupt_images_naming_the_count(tmp_path):
         train(cfg)
     assert "\n" not in str(info.value)
     assert train(dataclasses.replace(cfg, max_corrupt_images=2, output_dir=str(tmp_path / "ok")))["step"] == 4
+
+
+def test_a_run_whose_backbone_diverges_stops_saying_so_and_keeps_its_checkpoint(tmp_path):
+    """The head refuses non-finite embeddings; in a run, after its first step, that is the backbone
+    diverging: the run stops with what to change, the head's error as the cause, the last checkpoint kept."""
+    cfg = tiny_config(tmp_path / "run", nproc=1, lr=1e30, warmup_steps=0, max_steps=6, ckpt_every=1, eval_every=0,
+                      synthetic_val_pairs=0)
+    with pytest.raises(FloatingPointError) as info:
+        train(cfg)
+    assert str(info.value) == ("the backbone's embeddings are not finite at step 2: training diverged; lower --lr, "
+                               "raise --warmup-steps or set --grad-clip")
+    assert isinstance(info.value.__cause__, NonFiniteEmbeddingsError)
+    assert [p.name for p in find_checkpoints(tmp_path / "run" / "checkpoints")] == ["step_00000001"]
+
+
+@pytest.mark.parametrize("step", [0, 4])
+def test_only_after_a_step_is_a_refusal_of_the_embeddings_a_divergence(step):
+    refused = NonFiniteEmbeddingsError("embeddings contain non-finite values (row 0: [nan]...)")
+    with pytest.raises((NonFiniteEmbeddingsError, FloatingPointError)) as info, _divergence_named(RunState(step=step)):
+        raise refused
+    if step == 0:  # nothing trained yet: the data or the starting weights, as the head says
+        assert info.value is refused
+    else:
+        assert str(info.value).startswith("the backbone's embeddings are not finite at step 5: training diverged")
+    with pytest.raises(ValueError, match="^labels"), _divergence_named(RunState(step=step)):
+        raise ValueError("labels[0] = 9 is outside [0, num_classes=3)")  # other refusals pass as they are
 
 
 # ---------------------------------------------------------------------------- data order

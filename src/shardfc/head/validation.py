@@ -26,8 +26,14 @@ from torch import Tensor
 from shardfc.checks import check_positive_int, check_probability
 from shardfc.parallel.context import DistContext
 
-_KINDS = {None: 0, ValueError: 1, TypeError: 2}
-_TYPES = {1: ValueError, 2: TypeError}
+
+class NonFiniteEmbeddingsError(ValueError):
+    """The embeddings hold a NaN or an infinity. In training, after the first step, most often the
+    backbone diverged (the trainer says so: :mod:`shardfc.train.loop`)."""
+
+
+_KINDS = {None: 0, ValueError: 1, TypeError: 2, NonFiniteEmbeddingsError: 3}
+_TYPES = {1: ValueError, 2: TypeError, 3: NonFiniteEmbeddingsError}
 #: Device-side checks read with the exchange (:func:`value_flags`): non-finite embeddings, bad labels.
 _FLAGS = 2
 
@@ -55,7 +61,7 @@ def check_embeddings(embeddings, embedding_dim: int, values: bool = True) -> Opt
 def embeddings_value_error(embeddings: Tensor) -> Exception:
     """The error for embeddings known to hold a non-finite value, naming the first bad row."""
     bad = int((~torch.isfinite(embeddings)).any(dim=1).nonzero()[0])
-    return ValueError(
+    return NonFiniteEmbeddingsError(
         f"embeddings contain non-finite values (row {bad}: {embeddings[bad][:4].tolist()}...); "
         "fix the backbone or skip the batch"
     )
@@ -130,7 +136,10 @@ def raise_or_exchange_sizes(
         mine = table[ctx.rank, 2:].tolist()
         if error is None and any(mine):
             error = describe(mine)
-        table[:, 1] = torch.where(table[:, 2:].any(dim=1), table[:, 1].clamp(min=1), table[:, 1])
+        # a rank whose only failure is a flag: the kind of the error its describe() makes (embeddings first)
+        flagged = (table[:, 1] == 0) & table[:, 2:].any(dim=1)
+        kind = torch.where(table[:, 2] != 0, _KINDS[NonFiniteEmbeddingsError], _KINDS[ValueError])
+        table[:, 1] = torch.where(flagged, kind, table[:, 1])
     kinds = table[:, 1].tolist()
     if any(kinds):
         messages = ctx.all_gather_object(None if error is None else str(error))
@@ -278,10 +287,10 @@ class PendingCheck:
             return None
         changed = (self._embeddings._version, self._labels._version) != self._versions
         if changed:  # the values that failed are gone: say which check failed, without a row
-            what = ("embeddings contain non-finite values" if raised[0] else
-                    f"labels hold a value outside [0, num_classes={self.num_classes}) that is not "
-                    f"ignore_index={self.ignore_index}")
-            error: Exception = ValueError(f"{what} (the tensor was changed in place since, so not which row)")
+            what, kind = (("embeddings contain non-finite values", NonFiniteEmbeddingsError) if raised[0] else
+                          (f"labels hold a value outside [0, num_classes={self.num_classes}) that is not "
+                           f"ignore_index={self.ignore_index}", ValueError))
+            error: Exception = kind(f"{what} (the tensor was changed in place since, so not which row)")
         elif raised[0]:
             error = embeddings_value_error(self._embeddings)
         else:

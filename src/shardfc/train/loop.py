@@ -23,6 +23,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from shardfc.head.validation import NonFiniteEmbeddingsError
 from shardfc.parallel.lifecycle import record_stop_signals, signal_name
 from shardfc.seeding import seed_all
 from shardfc.train.builder.cpu import apply_threads
@@ -38,7 +39,7 @@ from shardfc.train.observe.evaluate import build_targets
 from shardfc.train.observe.memory_phases import MemoryPhases
 from shardfc.train.observe.phases import OFF, PhaseClock, format_phases, summarize_phases
 from shardfc.train.observe.profile import StartupClock, StepProfiler, count_ddp_traffic, profile_path
-from shardfc.train.observe.reporting import ReportWindow, evaluate_targets, log_setup, report
+from shardfc.train.observe.reporting import ReportWindow, diverged, evaluate_targets, log_setup, report
 from shardfc.train.observe.runlog import RunLog
 from shardfc.train.state import Parts, RunState
 from shardfc.train.step import apply_gradients, train_step
@@ -218,7 +219,7 @@ def trainer_step(run, batches, state: RunState, cfg: TrainConfig, autocast, stop
     frozen = state.step < cfg.head_warmup_steps  # head-only warm-up: the backbone frozen
     if frozen or state.step == cfg.head_warmup_steps:
         parts.backbone.train(not frozen)
-    with profiler.step(state) if profiler else contextlib.nullcontext():
+    with profiler.step(state) if profiler else contextlib.nullcontext(), _divergence_named(state):
         if run.pipeline is None:
             loss, corrupt = train_step(parts, batches, state, cfg, ctx, autocast, clock, frozen=frozen)
         else:
@@ -236,6 +237,19 @@ def trainer_step(run, batches, state: RunState, cfg: TrainConfig, autocast, stop
         report(runlog, window, parts, state, run.total_steps, ctx)
     clock.end_step("logging/metrics")
     return 0
+
+
+@contextlib.contextmanager
+def _divergence_named(state: RunState):
+    """The head's refusal of non-finite embeddings, after the run's first step, as what it is: the
+    backbone diverged (before any step of this run, the data or the starting weights are to blame, and
+    the head's own error stands)."""
+    try:
+        yield
+    except NonFiniteEmbeddingsError as e:
+        if state.step == 0:
+            raise
+        raise diverged("the backbone's embeddings are not finite", state.step + 1) from e  # the head's: the cause
 
 
 def _warn_unread_class_settings(cfg: TrainConfig) -> None:

@@ -118,10 +118,7 @@ def report(runlog: RunLog, window: ReportWindow, parts: Parts, state: RunState, 
     """Log loss, lr, throughput and the corrupt images skipped on all ranks since the last report."""
     loss, rate, corrupt = window.take()
     if not math.isfinite(loss):
-        raise FloatingPointError(
-            f"the training loss is {loss} at step {state.step}: training diverged; lower --lr, raise "
-            "--warmup-steps or set --grad-clip"
-        )
+        raise diverged(f"the training loss is {loss}", state.step)
     skipped = torch.tensor([len(corrupt)], dtype=torch.int64, device=ctx.device)
     ctx.all_reduce_(skipped)
     skipped_total = int(skipped)
@@ -149,6 +146,12 @@ def report(runlog: RunLog, window: ReportWindow, parts: Parts, state: RunState, 
     if parts.scaler.is_enabled():
         values["train/loss_scale"] = parts.scaler.get_scale()
     runlog.scalars(state.step, values)
+
+
+def diverged(what: str, step: int) -> FloatingPointError:
+    """The error that stops a run whose numbers went non-finite at ``step``, with what to change."""
+    return FloatingPointError(f"{what} at step {step}: training diverged; lower --lr, raise --warmup-steps or set "
+                              "--grad-clip")
 
 
 def _name_corrupt_images(corrupt: List[Tuple[str, str]], named: Set[str], ctx: DistContext) -> None:
