@@ -1,0 +1,123 @@
+"""The designs shardfc replaces (``head/baselines.py``) against the dense float64 reference, in the
+test's process: one process (the naive head over several devices too) and ranks as threads running
+torch.distributed's in-process backend (the heads call torch.distributed themselves), with every
+reduction, ignored and all-ignored labels, unequal and empty batches; and their refusals. The gloo
+runs of the same heads are in test_module_distributed.py (``_baselines_case``)."""
+
+from __future__ import annotations
+
+import pytest
+import test_module_distributed as cases
+import torch
+
+import shardfc
+from shardfc.head.baselines import NaiveParallelHead, ReplicatedHead
+from shardfc.head.module import init_rows
+from thread_world import TorchThreadWorld
+
+C, D, TOL = cases.C, cases.D, cases.TOL
+F64 = torch.float64
+
+
+def _against_reference(rank: int, world: int, kind: str, reduction: str, labels: str = "some_ignored",
+                       devices=None) -> dict:
+    """This rank's loss and gradients, each as its relative error from the reference's (gradients by the
+    project's convention: the objective is the mean over ranks of what each rank back-propagates)."""
+    B, lo, hi = cases._rows(rank, world)
+    x, y, upstream = cases._global_data(B, ignore=labels == "some_ignored", all_ignored=labels == "all_ignored")
+    margin = cases.MARGINS["arcface"]
+    if kind == "naive":
+        head = NaiveParallelHead(D, C, margin=margin, label_smoothing=0.1, reduction=reduction, dtype=F64,
+                                 **({"devices": devices} if devices else {}))
+    else:
+        head = ReplicatedHead(D, C, margin=margin, label_smoothing=0.1, reduction=reduction, dtype=F64)
+    xr = x[lo:hi].clone().requires_grad_()
+    loss = head(xr, y[lo:hi])
+    mine = upstream[lo:hi] if reduction == "none" else torch.tensor(1.3, dtype=F64)
+    loss.backward(mine)
+    if kind == "replicated":
+        head.average_gradients()
+
+    W = init_rows(0, C, D, 0).double().requires_grad_()
+    x_ref = x.clone().requires_grad_()
+    ref = shardfc.reference_loss(x_ref, W, y, margin, label_smoothing=0.1, reduction=reduction)
+    ref.backward(upstream / world if reduction == "none" else torch.tensor(1.3, dtype=F64))
+    if kind == "naive":
+        weights = [(w.grad, W.grad[r.start : r.stop]) for w, r in zip(head.shard_weights, head.shard_ranges)]
+    else:
+        weights = [(head.weight.grad, W.grad)]
+    return {
+        "loss": cases._rel(loss.detach(), (ref[lo:hi] if reduction == "none" else ref).detach()),
+        "loss_shape": tuple(loss.shape) == ((hi - lo,) if reduction == "none" else ()),
+        "grad_embeddings": cases._rel(xr.grad, world * x_ref.grad[lo:hi]),
+        "grad_weight": max(cases._rel(mine_, ref_) for mine_, ref_ in weights),
+        "shards": len(weights),
+    }
+
+
+def _assert_exact(results: list, shards: int = 1) -> None:
+    for rank, res in enumerate(results):
+        assert res["loss_shape"] and res["shards"] == shards, (rank, res)
+        for key in ("loss", "grad_embeddings", "grad_weight"):
+            assert res[key] < TOL, f"rank {rank}: {key} rel err {res[key]:.3g}"
+
+
+REDUCTIONS = {"naive": ["mean", "sum"], "replicated": ["mean", "sum", "none"]}
+KINDS_AND_REDUCTIONS = [(kind, red) for kind, reds in REDUCTIONS.items() for red in reds]
+
+
+@pytest.mark.parametrize("labels", ["some_ignored", "all_ignored"])
+@pytest.mark.parametrize("kind, reduction", KINDS_AND_REDUCTIONS)
+def test_one_process_equals_the_reference(kind, reduction, labels):
+    _assert_exact([_against_reference(0, 1, kind, reduction, labels)])
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS["naive"])
+def test_the_naive_head_over_devices_of_one_process_equals_the_reference(reduction):
+    """Device 0 holds the [B, C] logits: each device's shard of the weight gets its rows' gradient."""
+    _assert_exact([_against_reference(0, 1, "naive", reduction, devices=["cpu"] * 3)], shards=3)
+
+
+@cases.THREAD_WORLDS
+@pytest.mark.parametrize("labels", ["some_ignored", "all_ignored"])
+@pytest.mark.parametrize("kind, reduction", KINDS_AND_REDUCTIONS)
+def test_ranks_with_unequal_and_empty_batches_equal_the_reference(world, kind, reduction, labels):
+    _assert_exact(TorchThreadWorld(world).results(lambda rank: _against_reference(rank, world, kind, reduction, labels)))
+
+
+@cases.THREAD_WORLDS
+def test_the_naive_heads_low_precision_loss_over_thread_ranks(world):
+    results = TorchThreadWorld(world).results(lambda rank: {"naive_low_precision": cases._naive_low_precision_case(rank, world)})
+    cases.test_the_naive_heads_low_precision_loss_is_fp32_and_the_same_on_every_rank((world, results))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"chunk_size": 4}, "NaiveParallelHead does not support chunk_size=4"),
+    ({"sample_rate": 0.5}, "NaiveParallelHead does not support sample_rate=0.5"),
+    ({"reduction": "none"}, "NaiveParallelHead supports reduction 'mean' or 'sum', got 'none'"),
+])
+def test_the_naive_head_refuses_what_it_cannot_do(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        NaiveParallelHead(D, C, **kwargs)
+    assert str(info.value) == message
+    # what it can do: the defaults spelt out
+    assert NaiveParallelHead(D, C, chunk_size=None, sample_rate=1.0, reduction="sum").reduction == "sum"
+
+
+def test_the_replicated_head_refuses_an_unknown_reduction():
+    with pytest.raises(ValueError) as info:
+        ReplicatedHead(D, C, reduction="avg")
+    assert str(info.value) == "reduction must be 'mean', 'sum' or 'none', got 'avg'"
+
+
+def test_the_replicated_head_holds_every_class_and_averages_nothing_alone():
+    head = ReplicatedHead(D, C, margin=cases.MARGINS["cosface"], init_seed=5, dtype=F64)
+    assert head.weight.shape == (C, D) and head.weight.dtype == F64
+    assert torch.equal(head.weight.detach(), init_rows(0, C, D, 5).double())
+    assert head.margin is cases.MARGINS["cosface"]
+    assert type(ReplicatedHead(D, C).margin).__name__ == "ArcFace"
+    head.average_gradients()  # no gradient yet: nothing to do
+    assert head.weight.grad is None
+    head.weight.grad = torch.ones_like(head.weight)
+    head.average_gradients()  # one process: the gradient as it is
+    assert torch.equal(head.weight.grad, torch.ones_like(head.weight))
