@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import test_module_distributed as cases
 import torch
+import torch.distributed as dist
 
 import shardfc
 from shardfc.head.baselines import NaiveParallelHead, ReplicatedHead
@@ -20,19 +21,23 @@ F64 = torch.float64
 
 
 def _against_reference(rank: int, world: int, kind: str, reduction: str, labels: str = "some_ignored",
-                       devices=None) -> dict:
+                       devices=None, margin: str = "arcface", group=None) -> dict:
     """This rank's loss and gradients, each as its relative error from the reference's (gradients by the
-    project's convention: the objective is the mean over ranks of what each rank back-propagates)."""
+    project's convention: the objective is the mean over ranks of what each rank back-propagates).
+    ``rank`` and ``world``: in ``group`` when one is given."""
     B, lo, hi = cases._rows(rank, world)
     x, y, upstream = cases._global_data(B, ignore=labels == "some_ignored", all_ignored=labels == "all_ignored")
-    margin = cases.MARGINS["arcface"]
+    if labels == "one_valid":  # a mean over one sample
+        y = torch.full_like(y, -1)
+        y[1] = 5
+    margin = cases.MARGINS[margin]
     if kind == "naive":
-        head = NaiveParallelHead(D, C, margin=margin, label_smoothing=0.1, reduction=reduction, dtype=F64,
+        head = NaiveParallelHead(D, C, margin=margin, label_smoothing=0.1, reduction=reduction, dtype=F64, group=group,
                                  **({"devices": devices} if devices else {}))
     else:
-        head = ReplicatedHead(D, C, margin=margin, label_smoothing=0.1, reduction=reduction, dtype=F64)
+        head = ReplicatedHead(D, C, margin=margin, label_smoothing=0.1, reduction=reduction, dtype=F64, group=group)
     xr = x[lo:hi].clone().requires_grad_()
-    loss = head(xr, y[lo:hi])
+    loss = head(xr, y[lo:hi].to(torch.int32))  # int32 labels accepted, as by ShardedMarginHead
     mine = upstream[lo:hi] if reduction == "none" else torch.tensor(1.3, dtype=F64)
     loss.backward(mine)
     if kind == "replicated":
@@ -66,10 +71,22 @@ REDUCTIONS = {"naive": ["mean", "sum"], "replicated": ["mean", "sum", "none"]}
 KINDS_AND_REDUCTIONS = [(kind, red) for kind, reds in REDUCTIONS.items() for red in reds]
 
 
-@pytest.mark.parametrize("labels", ["some_ignored", "all_ignored"])
+LABELS = ["some_ignored", "all_ignored", "one_valid"]
+
+
+@pytest.mark.parametrize("margin", ["arcface", "cosface"])
+@pytest.mark.parametrize("labels", LABELS)
 @pytest.mark.parametrize("kind, reduction", KINDS_AND_REDUCTIONS)
-def test_one_process_equals_the_reference(kind, reduction, labels):
-    _assert_exact([_against_reference(0, 1, kind, reduction, labels)])
+def test_one_process_equals_the_reference(kind, reduction, labels, margin):
+    _assert_exact([_against_reference(0, 1, kind, reduction, labels, margin=margin)])
+
+
+def test_the_defaults_are_the_references():
+    """No label smoothing, -1 ignored, the mean, ArcFace: as ``reference_loss`` and ``ShardedMarginHead``."""
+    x, y, _ = cases._global_data(7, ignore=True)
+    ref = shardfc.reference_loss(x.float(), init_rows(0, C, D, 0), y, shardfc.margins.ArcFace())
+    for head in (ReplicatedHead(D, C), NaiveParallelHead(D, C)):
+        assert torch.allclose(head(x.float(), y), ref, rtol=1e-5, atol=0), type(head).__name__
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS["naive"])
@@ -79,10 +96,26 @@ def test_the_naive_head_over_devices_of_one_process_equals_the_reference(reducti
 
 
 @cases.THREAD_WORLDS
-@pytest.mark.parametrize("labels", ["some_ignored", "all_ignored"])
+@pytest.mark.parametrize("labels", LABELS)
 @pytest.mark.parametrize("kind, reduction", KINDS_AND_REDUCTIONS)
 def test_ranks_with_unequal_and_empty_batches_equal_the_reference(world, kind, reduction, labels):
     _assert_exact(TorchThreadWorld(world).results(lambda rank: _against_reference(rank, world, kind, reduction, labels)))
+
+
+@pytest.mark.parametrize("kind, reduction", KINDS_AND_REDUCTIONS)
+def test_a_subgroup_of_ranks_is_the_heads_world(kind, reduction):
+    """``group=`` ranks 1 and 2 of 3: rank 1 is the group's root, and rank 0 takes no part (a collective
+    over the whole world would wait for it)."""
+
+    def rank_main(rank):
+        sub = dist.new_group([1, 2])  # every rank takes part in making it
+        if rank == 0:
+            return None
+        return _against_reference(dist.get_rank(sub), 2, kind, reduction, group=sub)
+
+    outside, *members = TorchThreadWorld(3, timeout=15.0).results(rank_main)
+    assert outside is None
+    _assert_exact(members)
 
 
 @cases.THREAD_WORLDS

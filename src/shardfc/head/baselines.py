@@ -98,8 +98,7 @@ class NaiveParallelHead(ShardedMarginHead):
             x = embeddings
         logits = []
         for w, r, d in zip(self.shard_weights, self.shard_ranges, self.devices):
-            local = labels.to(d) - r.start
-            local = torch.where((local >= 0) & (local < len(r)), local, torch.full_like(local, -1))
+            local = labels.to(d) - r.start  # outside [0, len(r)): no target here (reference_logits skips it)
             logits.append(reference_logits(x.to(d), w, local, self.margin))
         home = self.devices[0]
         if self.distributed:
