@@ -107,9 +107,12 @@ def test_a_report_logs_the_step_and_writes_its_scalars(runlog, clock, tmp_path, 
     state.samples_seen = 512
     window.add(torch.tensor(3.0), [])
     window.add(torch.tensor(4.0), [])
+    shown = []
+    runlog.set_postfix = shown.append  # the progress bar's (drawn only on a terminal)
     with caplog.at_level(logging.INFO, logger="shardfc.train"):
         report(runlog, window, _parts(lr=0.0125), state, 100, ALONE)
     assert caplog.messages[-1] == "step 40/100  epoch 3  loss 3.5000  lr 0.0125  256 images/s"
+    assert shown == [{"loss": 3.5, "lr": 0.0125, "img/s": 256.0}]
     assert _rows(tmp_path / "metrics.csv") == [
         (40, "train/loss", "3.5"), (40, "train/lr", "0.0125"), (40, "train/images_per_s", "256"), (40, "train/epoch", "3"),
     ]
@@ -157,7 +160,7 @@ def _report_on_ranks(tmp_path, corrupt_by_rank, named=(), max_corrupt=-1, step=1
 
     def rank(r):
         window = ReportWindow(RunState(step=step), max_corrupt)
-        window.named = set(named)
+        window.named.update(named)  # a new window names none yet
         window.add(torch.tensor(1.0), corrupt_by_rank[r])
         report(log, window, _parts(), window.state, 100, world.context())
         return window.named
@@ -212,17 +215,23 @@ def test_a_report_without_corrupt_images_says_nothing_of_them(tmp_path):
 # ---------------------------------------------------------------------------- evaluation
 
 
-def test_targets_are_evaluated_logged_and_recorded_unless_told_not_to(runlog, tmp_path, caplog, monkeypatch):
+def test_targets_are_evaluated_logged_and_recorded_unless_told_not_to(runlog, tmp_path, caplog, monkeypatch, clock):
     target = types.SimpleNamespace(name="lfw", description="1000 pairs")
     seen = []
-    monkeypatch.setattr(reporting, "run_targets", lambda ts, module: seen.append((ts, module)) or {"lfw": {"accuracy": 0.75}})
+
+    def run_targets(targets, module):
+        seen.append((targets, module))
+        clock.now += 2.5
+        return {"lfw": {"accuracy": 0.75}}
+
+    monkeypatch.setattr(reporting, "run_targets", run_targets)
     parts = _parts()
     with caplog.at_level(logging.INFO, logger="shardfc.train"):
         assert evaluate_targets([target], parts, 30, runlog) == {"lfw": {"accuracy": 0.75}}
         assert evaluate_targets([target], parts, 30, runlog, record=False) == {"lfw": {"accuracy": 0.75}}
     assert seen == [([target], parts.module)] * 2
     assert _rows(tmp_path / "metrics.csv") == [(30, "val/lfw/accuracy", "0.75")]  # once
-    assert sum(m.startswith("eval step 30  lfw: ") and m.endswith("(1000 pairs)") for m in caplog.messages) == 2
+    assert caplog.messages == ["eval step 30  lfw: accuracy 75.00% ± 0.00  (1000 pairs)", "evaluation took 2.5 s"] * 2
     assert evaluate_targets([], parts, 31, runlog) == {} and len(seen) == 2  # nothing to evaluate: nothing run
 
 
@@ -237,31 +246,114 @@ class _Data(list):
 
 
 class _Batches:
-    batch_size = 8
+    batch_size, p, k = 8, 16, 4
 
     def __len__(self):
         return 3
 
 
-def test_the_setup_lines_say_the_global_batch_and_warn_of_a_warm_up_past_the_run(tmp_path, caplog):
-    cfg = TrainConfig(output_dir=str(tmp_path), batch_size=8, grad_accum=3, warmup_steps=50, lr=0.1)
+def _setup_lines(cfg: TrainConfig, ctx, head, pipeline=None, triplet=None, amp=torch.bfloat16, **run) -> list:
+    """What ``log_setup`` logs for a run of 500 steps on 40 images (a backbone of 1.00M parameters)."""
     parts = _parts()
-    parts.head = types.SimpleNamespace(devices=[torch.device("cpu")], mode="ranks", margin="ArcFace(s=32.0, m=0.5)",
-                                       num_classes=10, class_range=range(0, 5))
-    run = types.SimpleNamespace(dataset=_Data(range(40)), parts=parts, image_size=(16, 16), amp_dtype=torch.bfloat16,
-                                batches=_Batches(), total_steps=50, pipeline=None,
-                                data_ctx=types.SimpleNamespace(world_size=2))
-    with caplog.at_level(logging.INFO, logger="shardfc.train"):
-        log_setup(cfg, DistContext(world_size=2), run)
-    text = "\n".join(caplog.messages)
-    assert "data: synthetic, 40 images, 10 classes, 16x16 input" in text
-    assert "head ArcFace(s=32.0, m=0.5) over 10 classes, 5 per rank (rank 0: 0..4)" in text
-    assert ("50 steps of 48 images (8 per rank x 2 rank(s) x 3 accumulated), 3 micro-batches per epoch per rank; "
-            "precision bfloat16") in text
-    assert caplog.records[-1].levelno == logging.WARNING
-    assert caplog.messages[-1] == "warmup_steps=50 >= the 50 steps of this run: the learning rate never reaches lr=0.1"
-    run.total_steps = 51
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="shardfc.train"):
-        log_setup(cfg, DistContext(world_size=2), run)
-    assert all(r.levelno == logging.INFO for r in caplog.records)  # warm-up ends inside the run: no warning
+    parts.backbone = torch.nn.Linear(1000, 1001)
+    parts.head, parts.triplet = head, triplet
+    replicas = 2 if pipeline is not None else ctx.world_size
+    run = types.SimpleNamespace(**{"dataset": _Data(range(40)), "parts": parts, "image_size": (112, 96), "amp_dtype": amp,
+                                   "batches": _Batches(), "total_steps": 500, "pipeline": pipeline,
+                                   "data_ctx": types.SimpleNamespace(world_size=replicas), **run})
+    records = []
+    keep = logging.Handler()
+    keep.emit = records.append
+    lib = logging.getLogger("shardfc.train")
+    lib.addHandler(keep)
+    level = lib.level
+    lib.setLevel(logging.INFO)
+    try:
+        log_setup(cfg, ctx, run)
+    finally:
+        lib.removeHandler(keep)
+        lib.setLevel(level)
+    return [(r.levelname, r.getMessage()) for r in records]
+
+
+def test_the_setup_lines_of_a_plain_run():
+    cfg = TrainConfig(output_dir="/runs/a", batch_size=8, grad_accum=3, warmup_steps=10, lr=0.1)
+    head = types.SimpleNamespace(devices=[torch.device("cpu")], mode="ranks", margin="ArcFace(s=64.0, m=0.5)",
+                                 num_classes=10, class_range=range(0, 5))
+    ctx = types.SimpleNamespace(world_size=2, device=torch.device("cpu"), backend="gloo")
+    assert _setup_lines(cfg, ctx, head) == [
+        ("INFO", "shardfc train: 2 rank(s) on cpu (gloo), strategy ddp, output /runs/a"),
+        ("INFO", "data: synthetic, 40 images, 10 classes, 112x96 input"),
+        ("INFO", "model: tiny (1.00M parameters) -> 128-d embeddings; head ArcFace(s=64.0, m=0.5) over 10 classes, "
+                 "5 per rank (rank 0: 0..4)"),
+        ("INFO", "optimisation: sgd lr 0.1, poly schedule, 10 warm-up steps; 500 steps of 48 images (8 per rank x 2 "
+                 "rank(s) x 3 accumulated), 3 micro-batches per epoch per rank; precision bfloat16"),
+    ]
+
+
+def test_the_setup_lines_of_a_re_id_run_over_the_devices_of_one_process():
+    cfg = TrainConfig(output_dir="/runs/b", strategy="dp", batch_size=8, warmup_steps=10, lr=0.05, optimizer="adamw",
+                      scheduler="cosine", sample_rate=0.1, subcenters=2, interclass_filter_threshold=0.75, compile=False,
+                      num_workers=4, triplet_weight=1.5, sampler="pk", random_erasing=0.5)
+    head = types.SimpleNamespace(devices=[torch.device("cuda", 0), torch.device("cuda", 1)], mode="devices",
+                                 margin="CosFace(s=64.0, m=0.35)", num_classes=10, class_range=range(0, 10))
+    ctx = types.SimpleNamespace(world_size=1, device=torch.device("cuda"), backend=None)
+    assert _setup_lines(cfg, ctx, head, triplet="BatchHardTriplet(margin=0.3)", amp=None, channels_last=True) == [
+        ("INFO", "shardfc train: 1 rank(s) on 2 cuda devices (no process group), strategy dp, output /runs/b"),
+        ("INFO", "data: synthetic, 40 images, 10 classes, 112x96 input"),
+        ("INFO", "model: tiny (1.00M parameters) -> 128-d embeddings; head CosFace(s=64.0, m=0.35) over 10 classes, "
+                 "10 per rank (rank 0: 0..9), 2 sub-centres per class, inter-class filter at cos > 0.75"),
+        ("INFO", "optimisation: adamw lr 0.05, cosine schedule, 10 warm-up steps; 500 steps of 8 images (8 per rank x 1 "
+                 "rank(s) x 1 accumulated), 3 micro-batches per epoch per rank; precision fp32; Partial FC sample_rate 0.1"),
+        ("INFO", "speed: backbone in channels_last memory format; 4 loader worker(s) per rank, the next batch copied to "
+                 "the GPU on a side stream"),
+        ("INFO", "re-ID recipe: + 1.5 x batch-hard triplet (BatchHardTriplet(margin=0.3)) on the pre-neck features; "
+                 "sampler pk (16 identities x 4 images per global batch); random erasing p=0.5"),
+    ]
+
+
+def test_the_setup_lines_of_a_pipelined_run():
+    cfg = TrainConfig(output_dir="/runs/c", strategy="pipeline", batch_size=8, warmup_steps=10, lr=0.1, micro_batches=4,
+                      backbone="iresnet50", compile=True, random_erasing=0.25)
+    layout = types.SimpleNamespace(stages=3, replicas=2, rank_of=lambda stage, replica: 2 * stage + replica)
+    plan = types.SimpleNamespace(layout=layout, split_points=["body.2", "body.5"])
+    ctx = types.SimpleNamespace(world_size=6, device=torch.device("cpu"), backend="gloo")
+    assert _setup_lines(cfg, ctx, None, pipeline=plan, amp=torch.float16) == [
+        ("INFO", "shardfc train: 6 rank(s) on cpu (gloo), strategy pipeline, output /runs/c"),
+        ("INFO", "data: synthetic, 40 images, 10 classes, 112x96 input"),
+        ("INFO", "pipeline: 3 stages x 2 replicas, cut after body.2, body.5; 1f1b schedule over 4 micro-batches; head "
+                 "sharded over the last stage's 2 rank(s) (ranks 4..5); rank 0's stage: 1.00M parameters"),
+        ("INFO", "model: iresnet50 -> 128-d embeddings; head arcface over 10 classes"),
+        ("INFO", "optimisation: sgd lr 0.1, poly schedule, 10 warm-up steps; 500 steps of 16 images (8 per rank x 2 "
+                 "rank(s) x 1 accumulated), 3 micro-batches per epoch per rank; precision float16"),
+        ("INFO", "speed: backbone in contiguous (NCHW) memory format, torch.compile'd; 0 loader worker(s) per rank"),
+        ("INFO", "re-ID recipe: no triplet loss; sampler random; random erasing p=0.25"),
+    ]
+
+
+@pytest.mark.parametrize("recipe, line", [
+    ({"triplet": "Triplet", "triplet_weight": 0.5}, "re-ID recipe: + 0.5 x batch-hard triplet (Triplet) on the pre-neck "
+                                                    "features; sampler random; random erasing p=0"),
+    ({"sampler": "pk"}, "re-ID recipe: no triplet loss; sampler pk (16 identities x 4 images per global batch); random "
+                        "erasing p=0"),
+    ({"random_erasing": 0.1}, "re-ID recipe: no triplet loss; sampler random; random erasing p=0.1"),
+    ({}, None),
+])
+def test_any_part_of_the_re_id_recipe_gets_its_line(recipe, line):
+    cfg = TrainConfig(output_dir="/runs/e", **{k: v for k, v in recipe.items() if k != "triplet"})
+    ctx = types.SimpleNamespace(world_size=1, device=torch.device("cpu"), backend=None)
+    head = types.SimpleNamespace(devices=[torch.device("cpu")], mode="ranks", margin="ArcFace", num_classes=10,
+                                 class_range=range(0, 10))
+    last = _setup_lines(cfg, ctx, head, triplet=recipe.get("triplet"))[-1][1]
+    assert last == line if line else last.startswith("optimisation: ")
+
+
+@pytest.mark.parametrize("total, warned", [(10, True), (9, True), (11, False)])
+def test_a_warm_up_as_long_as_the_run_is_warned_of(total, warned):
+    cfg = TrainConfig(output_dir="/runs/d", warmup_steps=10, lr=0.1)
+    head = types.SimpleNamespace(devices=[torch.device("cpu")], mode="ranks", margin="ArcFace", num_classes=10,
+                                 class_range=range(0, 10))
+    ctx = types.SimpleNamespace(world_size=1, device=torch.device("cpu"), backend=None)
+    lines = _setup_lines(cfg, ctx, head, total_steps=total)
+    warning = ("WARNING", f"warmup_steps=10 >= the {total} steps of this run: the learning rate never reaches lr=0.1")
+    assert (lines[-1] == warning) == warned and len(lines) == 4 + warned
