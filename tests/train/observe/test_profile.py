@@ -13,7 +13,8 @@ import torch
 from shardfc.cli import train as train_cli
 from shardfc.models import build_backbone
 from shardfc.parallel.collectives import count_comm
-from shardfc.train.observe.profile import count_horovod_gradients, profile_path
+from shardfc.train.config import TrainConfig
+from shardfc.train.observe.profile import StepProfiler, count_horovod_gradients, profile_path
 
 from ..tiny import STEPS, tiny_config
 
@@ -130,3 +131,25 @@ def test_horovod_profile_counts_the_optimizer_all_reduce(horovodrun, tmp_path):
         assert (p["launcher"], p["strategy"], p["world_size"]) == ("horovodrun", "horovod", 2)
         assert p["comm_bytes_by_kind"]["horovod_gradients"] == 3 * params
         assert "ddp_buffers" not in p["comm_bytes_by_kind"]  # Horovod does not broadcast buffers per step
+
+
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+@pytest.mark.parametrize("env, world, launcher", [
+    ({}, 1, "one process"),
+    ({}, 2, "spawn"),  # ddp or pipeline, started by shardfc train itself
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, 2, "torchrun"),
+    ({"HOROVOD_RANK": "0"}, 2, "horovodrun"),
+    ({"OMPI_COMM_WORLD_RANK": "0"}, 2, "horovodrun"),
+])
+def test_the_profile_says_what_started_the_process(monkeypatch, env, world, launcher):
+    for key in _LAUNCH_ENV:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    summary = StepProfiler(torch.device("cpu")).summary(
+        rank=0, world_size=world, cfg=TrainConfig(strategy="pipeline" if world > 1 else "dp"),
+        backbone=torch.nn.Linear(2, 2), amp_dtype=None)
+    assert summary["launcher"] == launcher
+    assert summary["backbone_traffic_counted"] == (world > 1)  # dp's own copies are not collectives

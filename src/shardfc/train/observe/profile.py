@@ -94,12 +94,14 @@ def count_horovod_gradients(opt: torch.optim.Optimizer) -> None:
     record_comm_bytes("horovod_gradients", nbytes)
 
 
-def _launcher(world_size: int, strategy: str) -> str:
+def _launcher(world_size: int) -> str:
+    """What started this process: torchrun, horovodrun, ``shardfc train``'s own spawn (ddp or pipeline
+    over several processes) or nothing (one process, dp included)."""
     if launched_by_torchrun():
         return "torchrun"
     if launched_by_horovodrun():
         return "horovodrun"
-    return "spawn" if world_size > 1 and strategy == "ddp" else "one process"
+    return "spawn" if world_size > 1 else "one process"
 
 
 class StartupClock:
@@ -173,7 +175,7 @@ class StepProfiler:
             "rank": rank,
             "world_size": world_size,
             "strategy": cfg.strategy,
-            "launcher": _launcher(world_size, cfg.strategy),
+            "launcher": _launcher(world_size),
             "device": str(self.device),
             "amp": "fp32" if amp_dtype is None else str(amp_dtype).replace("torch.", ""),
             "backbone": cfg.backbone,
