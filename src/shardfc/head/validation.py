@@ -319,6 +319,7 @@ def check_batch_deferred(
 
 
 __all__ = [
+    "NonFiniteEmbeddingsError",
     "HeadOptions",
     "check_head_options",
     "check_embeddings",
