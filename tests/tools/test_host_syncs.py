@@ -63,8 +63,12 @@ def test_each_kind_of_sync_is_counted_once_where_it_happens():
         torch.bincount(t)
         t[t > 1] = 5  # index_put with a boolean mask
         torch.repeat_interleave(t, 2)  # repeats given as a number: the size is known
+        reps = torch.tensor([2, 1])
+        torch.repeat_interleave(reps, reps, output_size=3)  # ... or given
+        torch.repeat_interleave(reps)  # repeats as a tensor: the size is their sum
         t[torch.tensor([0, 2])] = 1  # integer indices: no sync
-    assert syncs.count == 6, syncs.report()
+        t.tolist()
+    assert syncs.count == 8, syncs.report()
     by_op = {site.split(": ", 1)[1]: n for site, n in syncs.sites.items()}
     assert by_op == {
         "aten._local_scalar_dense.default": 2,
@@ -72,8 +76,11 @@ def test_each_kind_of_sync_is_counted_once_where_it_happens():
         "aten.nonzero.default": 1,
         "aten.bincount.default": 1,
         "aten.index_put_.default with a boolean mask (nonzero)": 1,
+        "aten.repeat_interleave.Tensor without output_size": 1,
+        "Tensor.tolist": 1,
     }
-    assert syncs.report().splitlines()[0].startswith("  x2 ") and len(syncs.report().splitlines()) == 5
+    report = syncs.report().split("\n")
+    assert report[0].startswith("  x2 ") and len(report) == 7 and all(line.startswith("  x1 ") for line in report[1:])
 
 
 def test_each_site_is_the_line_outside_torch_that_asked():
