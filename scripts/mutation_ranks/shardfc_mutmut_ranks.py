@@ -27,6 +27,7 @@ its world for the tests' own timeout, minutes, and fails in seconds instead, as 
 import functools
 import inspect
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -54,8 +55,6 @@ def _rank_hits() -> set:
 def _this_process_writes_again() -> None:
     """This process's own recorder (sitecustomize's, where it replaced mutmut's) writes each name once
     per record: a new record starts, so it writes them again."""
-    import sys
-
     site = sys.modules.get("sitecustomize")
     if site is not None and hasattr(site, "seen"):
         site.seen.clear()
