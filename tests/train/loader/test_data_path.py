@@ -121,6 +121,37 @@ def test_the_prefetcher_yields_the_same_items_in_order_with_any_lookahead():
         DevicePrefetcher(source(), "cpu", prepare, ahead=-1)
 
 
+def test_the_prefetcher_refuses_an_ahead_that_is_not_a_count():
+    for bad in (True, 1.5, -1):
+        with pytest.raises(ValueError, match=f"ahead must be an int >= 0, got {bad!r}"):
+            DevicePrefetcher(range(3), "cpu", lambda x: x, ahead=bad)
+
+
+def test_the_prefetcher_asks_nothing_more_of_a_source_that_has_ended():
+    """A source that would go on after its StopIteration (an iterator restarted underneath) is not
+    read past its end: the stream ends with the source's first end."""
+
+    class Restarting:
+        def __init__(self):
+            self.asked, self.i = 0, 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            self.asked += 1
+            assert self.asked <= 3, "the source was read past its end"
+            self.i += 1
+            if self.i == 3:
+                raise StopIteration
+            return self.i
+
+    for ahead in (0, 2):
+        source = Restarting()
+        assert list(DevicePrefetcher(source, "cpu", lambda x: x, ahead=ahead)) == [1, 2]
+        assert source.asked == 3
+
+
 def test_uint8_batches_normalised_after_the_loader_equal_the_float_pipeline(tmp_path):
     """The trainer's stream (uint8 from the workers; normalised, erased in the training process)
     gives, bit for bit, what the datasets' own float tensors with the erasing would."""
@@ -155,6 +186,23 @@ def test_to_device_normalises_uint8_and_sets_the_memory_format():
     assert torch.equal(y, (x.float() / 255 - 0.5) / 0.5)
     f = torch.randn(2, 3, 5, 4)
     assert to_device(f, torch.device("cpu")) is f  # float images (the synthetic set) pass as they are
+
+
+def test_to_device_copies_to_the_device_without_blocking_the_host():
+    """The copy is asked for with ``non_blocking`` (a pinned batch's copy then overlaps the step on CUDA),
+    to the device given (the meta device here: no data, but a device that is not the CPU)."""
+
+    class Recorded(torch.Tensor):
+        calls: list = []
+
+        def to(self, *args, **kwargs):
+            Recorded.calls.append((args, kwargs))
+            return super().to(*args, **kwargs)
+
+    x = torch.Tensor._make_subclass(Recorded, torch.zeros(2, 3, 4, 4, dtype=torch.uint8))
+    y = to_device(x, torch.device("meta"))
+    assert y.device.type == "meta" and y.dtype == torch.float32
+    assert Recorded.calls[0] == ((torch.device("meta"),), {"non_blocking": True})
 
 
 @pytest.mark.parametrize("size,batch,world,drop_last", [(10, 3, 1, False), (23, 4, 3, False), (5, 4, 4, False),
@@ -235,6 +283,51 @@ def test_on_cuda_each_batch_is_prepared_on_the_side_stream_and_waited_for_by_its
         ("prepare", 2, "side"), ("record", 2, "side"), ("wait", 1, "main"), ("out", 1),
         ("wait", 2, "main"), ("out", 2),
     ]
+
+
+def test_on_cuda_every_cuda_tensor_of_a_batch_is_kept_for_the_stream_that_uses_it(monkeypatch):
+    """A batch allocated on the side stream and freed on the training stream is recorded on the
+    training stream (else the caching allocator may hand its memory to the next batch while the step
+    still reads it): each CUDA tensor of the batch, however nested, and no CPU tensor (a stand-in
+    tensor that reports a CUDA device; the stream API stubbed). The streams are the prefetcher's device's."""
+    import contextlib
+
+    recorded, devices = [], []
+
+    class OnCuda(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda", 1)
+
+        def record_stream(self, stream):
+            recorded.append((int(self), stream))
+
+    class Stream:
+        def __init__(self, device=None):
+            devices.append(device)
+
+        def wait_event(self, event):
+            pass
+
+    class Event:
+        def record(self, stream=None):
+            pass
+
+    main = Stream("training stream")
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: devices.append(device) or main)
+
+    def cuda(k):
+        return torch.Tensor._make_subclass(OnCuda, torch.tensor(float(k)))
+
+    cpu = torch.zeros(1)  # a CPU tensor's record_stream would fail: it must not be called
+    batches = [(cuda(0), [cuda(1), (cuda(2), cpu)], "name"), (cuda(3), cpu)]
+    out = list(DevicePrefetcher(batches, torch.device("cuda", 1), lambda item: item))
+    assert out == batches
+    assert recorded == [(0, main), (1, main), (2, main), (3, main)]
+    assert devices == ["training stream"] + [torch.device("cuda", 1)] * 3  # main, the side stream, 2 batches
 
 
 @pytest.mark.parametrize("dataset", ["folder", "synthetic"])
