@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from shardfc.tools.bench import recipes_report as report
-from shardfc.tools.bench.recipes import RECIPES, Workload, parse_precisions, parse_recipes, run_recipes
+from shardfc.tools.bench.recipes import RECIPES, Workload, check_workload, parse_precisions, parse_recipes, run_recipes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,7 +87,7 @@ def _sweep(args, threads: int) -> list:
         sizes = [int(s) for s in (args.split_sizes or "2,4,8,16").split(",") if s.strip()]
     except ValueError:
         raise ValueError(f"--split-sizes must be comma-separated integers, got {args.split_sizes!r}") from None
-    batch = args.split_batch or args.batch_size * args.nproc
+    batch = args.split_batch if args.split_batch is not None else args.batch_size * args.nproc
     # One process's share of the CPU, as each recipe's process gets: on a loaded machine more OpenMP
     # threads than free cores wait on each other at every barrier and time nothing useful.
     torch.set_num_threads(threads)
@@ -136,6 +136,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if not 0 < args.timeout < float("inf"):  # NaN too: it would wait forever
             raise ValueError(f"timeout must be a finite number > 0 of seconds, got {args.timeout!r}")
+        if args.split_batch is not None and args.split_batch < 1:
+            raise ValueError(f"--split-batch must be a positive integer, got {args.split_batch}")
+        if args.split_sweep:  # the sweep trains the workload too: refused before either comparison runs
+            check_workload(work, Path(args.work_dir))  # (run_recipes checks it itself)
         if args.recipes:
             names = parse_recipes(args.only)
             rows = run_recipes(names, parse_precisions(args.precisions or "fp32,amp"), work, Path(args.work_dir), args.timeout,

@@ -143,6 +143,21 @@ def test_measure_takes_the_slowest_process_per_step_after_warmup(tmp_path):
         (["--recipes", "--timeout", "inf"], "timeout must be a finite number > 0 of seconds, got inf"),
         (["--split-sweep", "--split-sizes", "2,x"], "--split-sizes must be comma-separated integers"),
         (["--split-sweep", "--threads", "0"], "threads must be a positive integer, got 0"),
+        # the workload both comparisons train: a ZeroDivisionError, a silently replaced --split-batch, a
+        # misnamed --nproc and tracebacks from inside the sweep's model before these were checked up front
+        (["--recipes", "--classes", "0"], "classes must be a positive integer, got 0"),
+        (["--split-sweep", "--classes", "0"], "classes must be a positive integer, got 0"),
+        (["--split-sweep", "--split-batch", "0"], "--split-batch must be a positive integer, got 0"),
+        (["--split-sweep", "--nproc", "0"], "nproc must be a positive integer, got 0"),
+        (["--split-sweep", "--batch-size", "0"], "batch_size must be a positive integer, got 0"),
+        (["--recipes", "--embedding-dim", "0"], "embedding_dim must be a positive integer, got 0"),
+        (["--split-sweep", "--embedding-dim", "0"], "embedding_dim must be a positive integer, got 0"),
+        (["--split-sweep", "--steps", "0"], "steps must be a positive integer, got 0"),
+        (["--recipes", "--warmup", "-1"], "warmup must be an int >= 0, got -1"),
+        (["--split-sweep", "--backbone", "tiny", "--image-size", "0", "0"], "image_size must be empty or two ints"),
+        (["--recipes", "--backbone", "tiny", "--image-size", "3", "8"],
+         "image_size must be a (height, width) pair of ints >= 4, got (3, 8)"),
+        (["--split-sweep", "--backbone", "vgg"], "unknown backbone 'vgg'"),
         # an option of the comparison not asked for was dropped silently (no plot written, no recipe chosen)
         (["--split-sweep", "--plot", "r.png"], "--plot applies to --recipes, which was not asked for"),
         (["--split-sweep", "--only", "dp"], "--only applies to --recipes, which was not asked for"),

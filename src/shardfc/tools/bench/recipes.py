@@ -191,15 +191,21 @@ def train_refuses(argv: Sequence[str]) -> Optional[str]:
 
 
 def check_workload(work: Workload, work_dir: Path) -> None:
-    """A ValueError naming what is wrong with the workload itself, raised once before anything runs."""
+    """A ValueError naming what is wrong with the workload itself, raised once before anything runs
+    (the recipes and the split sweep both train it)."""
     from shardfc.models import input_size
     from shardfc.train.builder.factory import resolve_image_size
     from shardfc.train.config import parse_config
+    from shardfc.train.loader.data import train_dataset
 
+    for name in ("nproc", "batch_size", "classes", "embedding_dim", "steps", "threads"):
+        check_positive_int(name, getattr(work, name))  # before train_args divides by the classes
+    check_int("warmup", work.warmup, 0)
     input_size(work.backbone)  # names the valid backbones
     cfg, _ = parse_config(RECIPES["ddp-spawn"].flags(work.nproc) + work.train_args(work_dir / "check"))
     cfg.validate()
-    resolve_image_size(cfg)  # the face backbones take only their own input size
+    train_dataset(cfg, resolve_image_size(cfg))  # the face backbones take only their own input size; the
+    # synthetic identities need 4x4 pixels or more
 
 
 # ---------------------------------------------------------------------- running one recipe
@@ -328,10 +334,6 @@ def run_recipes(
     progress: bool = True,
 ) -> List[Dict[str, Any]]:
     """Every recipe of ``names`` at every precision of ``precisions``: one row each, in that order."""
-    check_positive_int("nproc", work.nproc)
-    check_positive_int("steps", work.steps)
-    check_int("warmup", work.warmup, 0)
-    check_positive_int("threads", work.threads)
     check_workload(work, Path(work_dir))
     rows = []
     for name in names:
