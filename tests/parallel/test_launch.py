@@ -57,6 +57,24 @@ def test_world_size_must_be_positive():
         spawn(_returns_tensor, 0)
 
 
+def test_nccl_without_a_cuda_device_per_rank_is_refused_before_any_rank_starts(monkeypatch):
+    started = []
+    monkeypatch.setattr(launch, "_run", lambda *args: started.append(args[3]) or ["ran"])
+    devices = 0 if not torch.cuda.is_available() else torch.cuda.device_count()
+    with pytest.raises(ValueError, match=rf"^backend 'nccl' needs a CUDA device per rank: world_size={devices + 1} "
+                                         rf"but {devices} CUDA device\(s\) are visible \(use backend 'gloo', or "
+                                         r"fewer ranks\)$"):
+        spawn(_returns_tensor, devices + 1, backend="nccl")
+    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(launch.torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="world_size=3 but 2 CUDA device"):
+        spawn(_returns_tensor, 3, backend="nccl")
+    assert started == []
+    assert spawn(_returns_tensor, 2, backend="nccl") == ["ran"] and started == [2]  # one rank a device: launched
+    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: False)  # gloo needs no device
+    assert spawn(_returns_tensor, 3, backend="gloo") == ["ran"]
+
+
 def test_group_that_never_forms_is_retried_then_reported(monkeypatch):
     import shardfc.parallel.launch as launch
 

@@ -220,7 +220,9 @@ def spawn(
 ) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes in one process group.
 
-    ``fn`` must be importable (module level). Returns the ranks' return values in rank order
+    ``fn`` must be importable (module level). ``backend`` defaults to NCCL where CUDA is usable,
+    else gloo; NCCL takes one CUDA device per rank (rank r on device r), so more ranks than visible
+    devices is a ValueError before any rank starts. Returns the ranks' return values in rank order
     (sent by value through ``torch.save``), or raises :class:`WorkerError` with the failing rank's
     traceback. A rank that dies without reporting, or fails while its peers wait in a collective,
     does not hang the caller: the others are stopped. SIGINT / SIGTERM to the caller are sent on to
@@ -234,6 +236,13 @@ def spawn(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     backend = backend or default_backend()
+    if backend == "nccl":  # refused here, not by a rank: each would fail alone, the launch retried in vain
+        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if world_size > devices:
+            raise ValueError(
+                f"backend 'nccl' needs a CUDA device per rank: world_size={world_size} but {devices} CUDA device(s) "
+                "are visible (use backend 'gloo', or fewer ranks)"
+            )
     method = start_method()
     ctx = mp.get_context(method)
     if method == "forkserver":

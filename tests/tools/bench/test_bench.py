@@ -138,6 +138,9 @@ def test_markdown_table_of_results():
         (["--warmup", "-1"], "warmup"),
         (["--dtype", "float8"], "dtype"),
         (["--classes", "1"], "classes"),
+        # NCCL without a CUDA device per rank: every rank failed to join, three launches in a row, and the
+        # error was a ZeroDivisionError from inside a rank
+        (["--backend", "nccl", "--world-size", "9"], "backend 'nccl' needs a CUDA device per rank: world_size=9 but"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(extra, message):
