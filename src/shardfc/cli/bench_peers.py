@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated rows, from {','.join(SYSTEMS)} (default: all)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
                    help="compute dtype: autocast for bfloat16/float16, none for float32 (default bfloat16)")
-    p.add_argument("--margin", choices=MARGINS, default="arcface",
+    p.add_argument("--margin", choices=MARGINS, default=None,
                    help="margin of the margin rows, with its defaults (default arcface: s=64 m=0.5)")
     p.add_argument("--sample-rate", type=float, default=None, help="Partial FC rate of shardfc-partial (default 0.1)")
     p.add_argument("--chunk-size", type=chunk_size_arg, default=None,

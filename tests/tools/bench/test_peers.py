@@ -324,6 +324,9 @@ def test_torch_without_linear_cross_entropy_leaves_the_rows_unavailable(monkeypa
          "sample_rate=0.2 applies to the shardfc-partial row, not to systems ['floor', 'shardfc-chunked']"),
         (["--systems", "shardfc-partial", "--chunk-size", "64"],
          "chunk_size=64 applies to the shardfc-chunked row, not to systems ['shardfc-partial']"),
+        (["--systems", "floor,softmax-dense", "--margin", "cosface"],
+         "margin='cosface' applies to the margin rows (the systems not named softmax-* or floor), not to systems "
+         "['floor', 'softmax-dense']"),
     ],
 )
 def test_bad_arguments_are_rejected_before_anything_runs(extra, message):

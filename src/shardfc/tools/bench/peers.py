@@ -638,7 +638,7 @@ def run_peers(
     classes: int,
     systems: Union[None, str, Sequence[str]] = None,
     dtype: str = "bfloat16",
-    margin: str = "arcface",
+    margin: Optional[str] = None,
     sample_rate: Optional[float] = None,
     chunk_size: Union[int, str, None] = None,
     steps: int = 10,
@@ -652,13 +652,20 @@ def run_peers(
     name, torch, CUDA and triton versions), ``memory_measure``, ``loss_rtol``, ``references``
     (group -> reference loss and how it was computed) and ``rows`` (one dict per system with exactly
     :data:`ROW_FIELDS`). Bad arguments raise ``ValueError`` naming the argument before anything runs,
-    as do ``sample_rate`` (default 0.1) and ``chunk_size`` (default ``"auto"``) given without the
-    system that reads them (``shardfc-partial``, ``shardfc-chunked``).
+    as do ``margin`` (default ``"arcface"``), ``sample_rate`` (default 0.1) and ``chunk_size`` (default
+    ``"auto"``) given without a system that reads them (a margin row; ``shardfc-partial``;
+    ``shardfc-chunked``).
     """
     names = parse_systems(systems)
-    for given, name, system in ((sample_rate, "sample_rate", "shardfc-partial"), (chunk_size, "chunk_size", "shardfc-chunked")):
-        if given is not None and system not in names:  # a setting no row reads would be dropped silently
-            raise ValueError(f"{name}={given!r} applies to the {system} row, not to systems {names}")
+    margin_rows = [n for n in names if SYSTEMS[n].group == "margin"]
+    for given, name, readers, rows in (
+        (margin, "margin", margin_rows, "margin rows (the systems not named softmax-* or floor)"),
+        (sample_rate, "sample_rate", [n for n in names if n == "shardfc-partial"], "shardfc-partial row"),
+        (chunk_size, "chunk_size", [n for n in names if n == "shardfc-chunked"], "shardfc-chunked row"),
+    ):
+        if given is not None and not readers:  # a setting no row reads would be dropped silently
+            raise ValueError(f"{name}={given!r} applies to the {rows}, not to systems {names}")
+    margin = "arcface" if margin is None else margin
     sample_rate = 0.1 if sample_rate is None else sample_rate
     chunk_size = "auto" if chunk_size is None else chunk_size
     wl = check_workload(batch, dim, classes, dtype, margin, sample_rate, chunk_size, steps, warmup, device)
