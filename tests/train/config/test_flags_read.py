@@ -40,6 +40,14 @@ CASES = {
     "pk_instances": (["--pk-instances", "3"], ["--sampler", "pk"], ["--sampler", "random"]),
     "triplet_soft": (["--triplet-soft"], ["--triplet-weight", "1"], ["--triplet-weight", "0"]),
     "triplet_margin": (["--triplet-margin", "0.2"], ["--triplet-weight", "1"], ["--triplet-weight", "1", "--triplet-soft"]),
+    # dropped without a word before: evaluation settings of a run that evaluates nothing, synthetic pairs of a
+    # dataset that has none, the rounding of a head that is not rounded
+    "synthetic_val_pairs": (["--synthetic-val-pairs", "100"], ["--dataset", "synthetic"],
+                            ["--dataset", "list", "--list-file", "/l.txt"]),
+    "eval_flip": (["--no-eval-flip"], ["--synthetic-val-pairs", "20"], ["--synthetic-val-pairs", "0"]),
+    "eval_batch_size": (["--eval-batch-size", "8"], ["--dataset", "synthetic"],
+                        ["--dataset", "list", "--list-file", "/l.txt"]),
+    "head_rounding": (["--head-rounding", "stochastic"], ["--head-dtype", "bfloat16"], ["--head-dtype", "float32"]),
 }
 
 
@@ -117,6 +125,21 @@ def test_turning_the_synthetic_pairs_off_is_taken_on_any_dataset():
     # how scripts sharing flags across datasets turn evaluation off: harmless where there are none
     cfg, _ = parse_config(["--dataset", "list", "--list-file", "/l.txt", "--synthetic-val-pairs", "0"])
     assert cfg.synthetic_val_pairs == 0
+
+
+def test_the_evaluation_settings_are_read_by_every_target_and_by_imprinting():
+    off = ["--synthetic-val-pairs", "0"]
+    for reading in (["--val-bins", "/lfw.bin"], ["--reid-root", "/market"], ["--synthetic-val-pairs", "20"],
+                    ["--head-init", "imprint", "--init-from", "/m.pt"]):
+        cfg, _ = parse_config([*off, *reading, "--eval-batch-size", "8"])
+        assert cfg.eval_batch_size == 8
+    for reading in (["--val-bins", "/lfw.bin"], ["--reid-root", "/market"]):
+        assert parse_config([*off, *reading, "--no-eval-flip"])[0].eval_flip is False
+    with pytest.raises(ConfigError, match="^--eval-flip is read only with an evaluation target"):
+        parse_config([*off, "--head-init", "imprint", "--init-from", "/m.pt", "--no-eval-flip"])  # imprinting never flips
+    # a dataset other than the synthetic one has no synthetic pairs: its default 1000 is no target
+    with pytest.raises(ConfigError, match="not by this run's val_bins=\\[\\]: remove it, or set --val-bins$"):
+        parse_config(["--dataset", "list", "--list-file", "/l.txt", "--no-eval-flip"])
 
 
 def test_values_from_a_config_file_are_not_judged(tmp_path):

@@ -535,6 +535,16 @@ def absolute_paths(cfg: TrainConfig, base: "str | os.PathLike[str] | None" = Non
 #: The settings read only when a run starts from a checkpoint: how its classes meet the dataset's.
 CHECKPOINT_SETTINGS = ("head_init", "on_missing_classes", "rename_classes")
 
+def _evaluates(cfg: "TrainConfig") -> bool:
+    """The run has an evaluation target (the one rule :func:`~shardfc.train.config.targets.asked_targets`)."""
+    from shardfc.train.config.targets import asked_targets  # imports torch: only when such a flag is given
+
+    bins, reid_root, synthetic_pairs = asked_targets(cfg, None, None, None)
+    return bool(bins or reid_root or synthetic_pairs)
+
+
+_TARGETS = "an evaluation target (--val-bins, --reid-root, or --synthetic-val-pairs > 0 with dataset 'synthetic')"
+
 #: The flags a run reads only in some configurations: ``field -> (whether this config reads it, what
 #: reads it, the setting that decides)``. A flag given for a field the run does not read is refused by
 #: :func:`check_flags_read` rather than dropped (a value in a config file or a preset is not: a run's
@@ -560,6 +570,13 @@ _READ_WHEN = {
        for name in CHECKPOINT_SETTINGS},
     "synthetic_identities": (lambda c: c.dataset == "synthetic", "dataset 'synthetic'", "dataset"),
     "synthetic_images_per_identity": (lambda c: c.dataset == "synthetic", "dataset 'synthetic'", "dataset"),
+    # 0 (no synthetic evaluation) is taken on any dataset: scripts share it across datasets to turn it off
+    "synthetic_val_pairs": (lambda c: c.dataset == "synthetic" or c.synthetic_val_pairs == 0, "dataset 'synthetic'",
+                            "dataset"),
+    "eval_flip": (_evaluates, _TARGETS, "val_bins"),
+    "eval_batch_size": (lambda c: _evaluates(c) or c.head_init == "imprint", f"{_TARGETS} or --head-init imprint",
+                        "val_bins"),
+    "head_rounding": (lambda c: c.head_dtype != "float32", "a bfloat16 or float16 head", "head_dtype"),
     "head_idle_rows": (lambda c: c.sample_rate < 1, "Partial FC (sample_rate < 1)", "sample_rate"),
     "pk_instances": (lambda c: c.sampler == "pk", "sampler 'pk'", "sampler"),
     "triplet_soft": (lambda c: c.triplet_weight > 0, "the triplet loss (triplet_weight > 0)", "triplet_weight"),
