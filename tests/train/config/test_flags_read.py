@@ -48,6 +48,10 @@ CASES = {
     "eval_batch_size": (["--eval-batch-size", "8"], ["--dataset", "synthetic"],
                         ["--dataset", "list", "--list-file", "/l.txt"]),
     "head_rounding": (["--head-rounding", "stochastic"], ["--head-dtype", "bfloat16"], ["--head-dtype", "float32"]),
+    "eval_every": (["--eval-every", "100"], ["--synthetic-val-pairs", "20"], ["--synthetic-val-pairs", "0"]),
+    "epochs": (["--epochs", "3"], ["--max-steps", "0"], ["--max-steps", "100"]),
+    "drop_last": (["--drop-last"], ["--sampler", "random"], ["--sampler", "pk"]),
+    "trust_checkpoint": (["--trust-checkpoint"], ["--resume", "auto"], ["--resume", "none"]),
 }
 
 
@@ -61,6 +65,8 @@ def test_a_flag_is_taken_where_it_is_read_and_refused_where_it_is_not(name):
     cfg, _ = parse_config([*reading, *flag])
     assert getattr(cfg, name) != getattr(TrainConfig(), name)  # taken
     _, what, decides = _READ_WHEN[name]
+    if callable(decides):
+        decides = decides(parse_config(not_reading)[0])
     with pytest.raises(ConfigError) as refused:
         parse_config([*not_reading, *flag])
     message = str(refused.value)
@@ -140,6 +146,15 @@ def test_the_evaluation_settings_are_read_by_every_target_and_by_imprinting():
     # a dataset other than the synthetic one has no synthetic pairs: its default 1000 is no target
     with pytest.raises(ConfigError, match="not by this run's val_bins=\\[\\]: remove it, or set --val-bins$"):
         parse_config(["--dataset", "list", "--list-file", "/l.txt", "--no-eval-flip"])
+
+
+def test_turning_evaluation_off_is_taken_with_no_target_and_a_pipeline_always_drops_the_last_batch():
+    assert parse_config(["--synthetic-val-pairs", "0", "--eval-every", "0"])[0].eval_every == 0
+    with pytest.raises(ConfigError, match=re.escape(
+            "--drop-last is read only with sampler 'random' outside strategy 'pipeline' (P x K batches are always "
+            "whole, and so are a pipeline's, whose micro-batches divide them), not by this run's strategy='pipeline': "
+            "remove it, or set --strategy")):
+        parse_config(["--strategy", "pipeline", "--nproc", "2", "--no-drop-last"])
 
 
 def test_values_from_a_config_file_are_not_judged(tmp_path):

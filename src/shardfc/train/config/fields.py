@@ -546,7 +546,7 @@ def _evaluates(cfg: "TrainConfig") -> bool:
 _TARGETS = "an evaluation target (--val-bins, --reid-root, or --synthetic-val-pairs > 0 with dataset 'synthetic')"
 
 #: The flags a run reads only in some configurations: ``field -> (whether this config reads it, what
-#: reads it, the setting that decides)``. A flag given for a field the run does not read is refused by
+#: reads it, the setting that decides, or a function of the config naming it)``. A flag given for a field the run does not read is refused by
 #: :func:`check_flags_read` rather than dropped (a value in a config file or a preset is not: a run's
 #: saved config.toml holds every field).
 _READ_WHEN = {
@@ -577,6 +577,15 @@ _READ_WHEN = {
     "eval_batch_size": (lambda c: _evaluates(c) or c.head_init == "imprint", f"{_TARGETS} or --head-init imprint",
                         "val_bins"),
     "head_rounding": (lambda c: c.head_dtype != "float32", "a bfloat16 or float16 head", "head_dtype"),
+    # 0 (evaluate at the end only) is taken anywhere, as synthetic_val_pairs 0 is
+    "eval_every": (lambda c: c.eval_every == 0 or _evaluates(c), _TARGETS, "val_bins"),
+    "epochs": (lambda c: c.max_steps == 0, "max_steps 0 (a run as long as its epochs)", "max_steps"),
+    "drop_last": (lambda c: c.sampler == "random" and c.strategy != "pipeline",
+                  "sampler 'random' outside strategy 'pipeline' (P x K batches are always whole, and so are a "
+                  "pipeline's, whose micro-batches divide them)",
+                  lambda c: "sampler" if c.sampler != "random" else "strategy"),
+    "trust_checkpoint": (lambda c: bool(c.init_from) or c.resume.strip().lower() != "none",
+                         "a checkpoint to start from (--init-from, or a --resume other than 'none')", "resume"),
     "head_idle_rows": (lambda c: c.sample_rate < 1, "Partial FC (sample_rate < 1)", "sample_rate"),
     "pk_instances": (lambda c: c.sampler == "pk", "sampler 'pk'", "sampler"),
     "triplet_soft": (lambda c: c.triplet_weight > 0, "the triplet loss (triplet_weight > 0)", "triplet_weight"),
@@ -597,6 +606,7 @@ def check_flags_read(cfg: "TrainConfig", given: Sequence[str]) -> None:
                               f"margin={cfg.margin!r}: remove it, or set --margin")
         if name in _READ_WHEN and not _READ_WHEN[name][0](cfg):
             _, what, decides = _READ_WHEN[name]
+            decides = decides(cfg) if callable(decides) else decides
             raise ConfigError(f"--{name.replace('_', '-')} is read only with {what}, not by this run's "
                               f"{decides}={getattr(cfg, decides)!r}: remove it, or set --{decides.replace('_', '-')}")
 
