@@ -69,7 +69,7 @@ class TrainConfig:
     loader: str = "torch"
     """Who reads and decodes the 'recordio' and 'folder' images: 'torch' (PIL in DataLoader workers; a corrupt image is skipped and counted), 'dali' (NVIDIA DALI, the 'dali' extra: decoded on the GPU on CUDA, on the CPU otherwise, with num_workers threads; a corrupt image stops the run with an error naming its batch) or 'auto' (dali when installed and the run is on CUDA, else torch). Same order, augmentation and resume either way."""
     drop_last: bool = False
-    """Drop each epoch's last partial batch; by default it is trained on (the head accepts unequal per-rank batches)."""
+    """Drop each epoch's last partial batch; by default it is trained on (the head accepts unequal per-rank batches). Sampler 'random' only, outside strategy 'pipeline': P x K batches are always whole, and a pipeline always drops a partial one (its micro-batches divide the batch)."""
     sampler: str = "random"
     """Order of the training images: 'random' (a shuffled pass over the data per epoch) or 'pk' (every global micro-batch holds P identities x pk_instances images, for the triplet loss; identities with fewer images are topped up with repeats)."""
     pk_instances: int = 4
