@@ -395,3 +395,39 @@ def test_shard_batches_fold_single_image_tails_and_resume_mid_epoch():
     assert [len(x) for x in dropped] == [4, 4] and len(dropped) == 2
     with pytest.raises(ConfigError, match="fewer than 2 per rank"):
         ShardBatches(3, 4, 0, 3, seed=0, drop_last=False)
+
+
+def test_one_process_run_evaluates_on_schedule_records_it_and_times_no_start_up_unasked(tmp_path):
+    """Every ``eval_every`` steps the evaluation is logged to metrics.csv (the final one too, once), and
+    a run without ``--profile`` neither times its start-up nor says so."""
+    cfg = tiny_config(tmp_path / "run", nproc=1, grad_accum=1, max_steps=4, eval_every=2, ckpt_every=0,
+                      synthetic_val_pairs=20)
+    summary = train(cfg)
+    with open(tmp_path / "run" / "metrics.csv", newline="") as f:
+        evaluated = [int(r["step"]) for r in csv.DictReader(f) if r["name"] == "val/synthetic/accuracy"]
+    assert evaluated == [2, 4] and "accuracy" in summary["metrics"]["synthetic"]
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "start-up" not in log and not (tmp_path / "run" / "profile").exists()
+
+
+def test_the_backbone_trains_and_is_evaluated_under_the_runs_autocast(tmp_path):
+    """``--amp bf16``: the backbone's forward passes, in training and in the evaluation, all run under
+    bf16 autocast (a hook on every module records the autocast state at the backbone's own forward)."""
+    from shardfc.models.tiny import TinyNet
+
+    seen = []
+
+    def hook(module, args):
+        if isinstance(module, TinyNet):
+            dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+            seen.append((module.training, dtype))
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    try:
+        cfg = tiny_config(tmp_path / "run", nproc=1, grad_accum=1, max_steps=2, eval_every=0, ckpt_every=0,
+                          synthetic_val_pairs=20, amp="bf16")
+        train(cfg)
+    finally:
+        handle.remove()
+    assert {training for training, _ in seen} == {True, False}  # both kinds of forward were seen
+    assert all(dtype == torch.bfloat16 for _, dtype in seen), seen
