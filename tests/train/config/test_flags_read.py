@@ -52,7 +52,18 @@ CASES = {
     "epochs": (["--epochs", "3"], ["--max-steps", "0"], ["--max-steps", "100"]),
     "drop_last": (["--drop-last"], ["--sampler", "random"], ["--sampler", "pk"]),
     "trust_checkpoint": (["--trust-checkpoint"], ["--resume", "auto"], ["--resume", "none"]),
+    "chunk_size": (["--chunk-size", "64"], ["--head-impl", "auto"], ["--head-impl", "triton"]),
+    "max_corrupt_images": (["--max-corrupt-images", "5"], ["--dataset", "folder", "--data-root", "/faces"],
+                           ["--loader", "dali", "--dataset", "folder", "--data-root", "/faces"]),
 }
+
+
+@pytest.fixture(autouse=True)
+def _dali_installed(monkeypatch):
+    """--loader dali is checked for its package before the flags are: here it is taken as installed."""
+    from shardfc.train.loader import dali_loader
+
+    monkeypatch.setattr(dali_loader, "dali_missing", lambda: None)
 
 
 def test_every_conditional_field_has_a_case():

@@ -65,7 +65,7 @@ class TrainConfig:
     num_workers: int = 0
     """DataLoader worker processes per rank, started once and kept for the whole run (they load the next epoch's first batches while this epoch's last ones train); 0: load in the training process (synthetic images render faster than workers could ship them on a small CPU)."""
     max_corrupt_images: int = 1000
-    """Distinct corrupt images a run skips before it stops: an image that does not decode, declares more pixels than SHARDFC_MAX_IMAGE_PIXELS allows, or is not a regular file inside data_root is skipped (the next valid sample is used) and named once in train.log; past this many different ones the run stops at the next report with an error naming the count (a folder of broken files is a data problem, not noise). -1: no limit."""
+    """Distinct corrupt images a run skips before it stops: an image that does not decode, declares more pixels than SHARDFC_MAX_IMAGE_PIXELS allows, or is not a regular file inside data_root is skipped (the next valid sample is used) and named once in train.log; past this many different ones the run stops at the next report with an error naming the count (a folder of broken files is a data problem, not noise). -1: no limit. Loader 'torch' (or 'auto' when it picks torch): DALI stops at the first corrupt image."""
     loader: str = "torch"
     """Who reads and decodes the 'recordio' and 'folder' images: 'torch' (PIL in DataLoader workers; a corrupt image is skipped and counted), 'dali' (NVIDIA DALI, the 'dali' extra: decoded on the GPU on CUDA, on the CPU otherwise, with num_workers threads; a corrupt image stops the run with an error naming its batch) or 'auto' (dali when installed and the run is on CUDA, else torch). Same order, augmentation and resume either way."""
     drop_last: bool = False
@@ -125,7 +125,7 @@ class TrainConfig:
     sample_rate: float = 1.0
     """Partial FC: fraction of each shard's negative classes sampled per step (1.0: all classes, exact softmax)."""
     chunk_size: int = 0
-    """Walk each shard's classes this many at a time to bound activation memory (logits never stored); 0: all at once; -1: auto (the largest chunk whose logits fit 64 MiB)."""
+    """Walk each shard's classes this many at a time to bound activation memory (logits never stored); 0: all at once; -1: auto (the largest chunk whose logits fit 64 MiB). head_impl 'torch' (or 'auto' when it picks torch): the GPU paths hold no logits to chunk."""
     head_impl: str = "auto"
     """Which code computes the head's loss: auto (on CUDA with Triton, the fastest of triton, gemm and torch, timed once per workload and cached; else torch; SHARDFC_HEAD_IMPL names one instead), triton (a fused forward kernel; no [B, C] logits; needs CUDA and pip install 'shardfc[gpu]'), gemm (cuBLAS GEMMs over class chunks with Triton epilogues; same needs), torch (the reference)."""
     label_smoothing: float = 0.0
@@ -584,6 +584,10 @@ _READ_WHEN = {
                   "sampler 'random' outside strategy 'pipeline' (P x K batches are always whole, and so are a "
                   "pipeline's, whose micro-batches divide them)",
                   lambda c: "sampler" if c.sampler != "random" else "strategy"),
+    # the fused GPU paths hold no [B, n] logits to walk in chunks (docs/head.md)
+    "chunk_size": (lambda c: c.head_impl in ("torch", "auto"), "head_impl 'torch' or 'auto'", "head_impl"),
+    # DALI stops at the first corrupt image, naming its batch (docs/data.md)
+    "max_corrupt_images": (lambda c: c.loader != "dali", "loader 'torch' or 'auto'", "loader"),
     "trust_checkpoint": (lambda c: bool(c.init_from) or c.resume.strip().lower() != "none",
                          "a checkpoint to start from (--init-from, or a --resume other than 'none')", "resume"),
     "head_idle_rows": (lambda c: c.sample_rate < 1, "Partial FC (sample_rate < 1)", "sample_rate"),
