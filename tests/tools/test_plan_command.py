@@ -45,26 +45,36 @@ def test_every_flag_reaches_the_plan(planned, capsys, tmp_path):
     out = tmp_path / "plan.json"
     assert cli.main(REQUIRED + [
         "--world-size", "8", "--dtype", "bfloat16", "--optimizer", "adamw", "--sample-rate", "0.1",
-        "--chunk-size", "auto", "--budget", "16GiB", "--margin", "cosface", "--weight-decay", "5e-4",
+        "--budget", "16GiB", "--margin", "cosface", "--weight-decay", "5e-4",
         "--memory-model", "allocated", "--no-grads-kept", "--sparse-grad", "--subcenters", "3", "--head-impl", "gemm",
         "--sms", "114", "--fused-update", "--compute-dtype", "bfloat16", "--bytes", "--l2", "40MiB",
         "--gpu-chunk-scale", "4", "--json", str(out)]) == 0
     (args, kwargs), = planned
-    assert args == (20, 8, 4, 8, "bfloat16", "adamw", 0.1, "auto", "16GiB")
+    assert args == (20, 8, 4, 8, "bfloat16", "adamw", 0.1, None, "16GiB")
     assert kwargs == dict(margin="cosface", weight_decay=5e-4, memory_model="allocated", grad_in_place=False,
                           sparse_grad=True, subcenters=3, impl="gemm", sms=114, fused_update=True,
                           compute_dtype="bfloat16", traffic=True, l2_bytes="40MiB", gpu_chunk_scale=4)
     assert capsys.readouterr().out == "PLAN 123\n\nTRAFFIC {'t': 1}\n\nCHUNKS {'c': 2}\n"
     assert out.read_text() == json.dumps(RESULT, indent=2) + "\n"
     planned.clear()
-    assert cli.main(REQUIRED + ["--chunk-size", "512"]) == 0
-    assert planned[0][0][7] == 512
+    assert cli.main(REQUIRED + ["--chunk-size", "512"]) == 0  # the torch path's own
+    assert cli.main(REQUIRED + ["--chunk-size", "auto", "--head-impl", "torch"]) == 0
+    assert [call[0][7] for call in planned] == [512, "auto"]
 
 
 @pytest.mark.parametrize("argv", [["--dtype", "int8"], ["--classes", "many"], ["--weight-decay", "x"], ["--bogus"]])
 def test_a_bad_option_exits_2(planned, capsys, argv):
     assert cli.main(REQUIRED + argv) == 2
     assert planned == [] and "shardfc plan: error: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("impl", ["triton", "gemm"])
+def test_a_chunk_size_with_a_gpu_path_is_refused(planned, capsys, impl):
+    # the GPU paths hold no logits to walk in chunks: the flag was dropped silently
+    assert cli.main(REQUIRED + ["--chunk-size", "auto", "--head-impl", impl]) == 2
+    assert planned == [] and capsys.readouterr().err == (
+        f"shardfc plan: error: --chunk-size auto walks the torch path's logits in chunks: --head-impl {impl} holds "
+        "none (its chunks are --gpu-chunk-scale's)\n")
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -67,6 +67,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         # A GPU setting the torch path does not read would be dropped silently: refused instead.
         if args.sms is not None and args.impl == "torch":
             raise ValueError(f"--sms {args.sms} sizes the GPU paths' statistics: it needs --head-impl triton or gemm")
+        if args.chunk_size is not None and args.impl != "torch":  # and the other way round
+            raise ValueError(f"--chunk-size {args.chunk_size} walks the torch path's logits in chunks: --head-impl "
+                             f"{args.impl} holds none (its chunks are --gpu-chunk-scale's)")
         if args.l2_bytes is not None and args.impl == "torch" and not args.traffic:
             raise ValueError(f"--l2 {args.l2_bytes} sizes the GPU paths' chunks and the --bytes model: it needs "
                              "--head-impl triton or gemm, or --bytes")
