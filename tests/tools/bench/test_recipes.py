@@ -98,6 +98,29 @@ def test_a_recipe_this_build_refuses_is_named_with_the_cli_error(tmp_path):
     assert row["command"].endswith("--amp none")  # fp32 said outright: the trainer's default is 'auto'
 
 
+def test_run_recipes_runs_each_recipe_at_each_precision_in_order_and_says_how_each_went(monkeypatch, tmp_path, capsys):
+    calls = []
+
+    def run_recipe(recipe, precision, work, work_dir, timeout_s):
+        calls.append((recipe.name, precision, work, work_dir, timeout_s))
+        ok = precision == "fp32"
+        return {"status": "ok" if ok else "failed", "step_time_s": 0.25 if ok else None, "reason": "boom"}
+
+    monkeypatch.setattr(recipes, "run_recipe", run_recipe)
+    work = Workload(backbone="tiny", image_size=(16, 16), batch_size=8, classes=24, embedding_dim=16, steps=2, warmup=1)
+    rows = recipes.run_recipes(["ddp-spawn", "pipeline"], ["fp32", "amp"], work, str(tmp_path), 12.5)
+    assert calls == [(name, precision, work, tmp_path, 12.5) for name in ("ddp-spawn", "pipeline")
+                     for precision in ("fp32", "amp")]
+    assert [r["status"] for r in rows] == ["ok", "failed"] * 2
+    assert capsys.readouterr().err == "".join(
+        f"[bench --recipes] {name} fp32 ...\n[bench --recipes]   0.250 s/step\n"
+        f"[bench --recipes] {name} amp ...\n[bench --recipes]   failed: boom\n" for name in ("ddp-spawn", "pipeline"))
+    calls.clear()
+    recipes.run_recipes(["dp"], ["amp"], work, tmp_path, progress=False)
+    assert calls == [("dp", "amp", work, tmp_path, 600.0)]  # the default timeout
+    assert capsys.readouterr().err == ""
+
+
 def test_a_run_past_its_timeout_is_killed_and_reported(tmp_path):
     work = Workload(backbone="tiny", image_size=(16, 16), batch_size=8, classes=24, embedding_dim=16, steps=2, warmup=1)
     row = run_recipe(RECIPES["ddp-spawn"], "fp32", work, tmp_path, timeout_s=0.5)
