@@ -233,3 +233,51 @@ def test_each_comparisons_defaults_reach_it(monkeypatch, tmp_path):
     assert cli.main(["--recipes", "--split-sweep", "--quiet", "--work-dir", str(tmp_path), "--device", "cpu",
                      "--nproc", "2", "--batch-size", "3"]) == 0
     assert seen == dict(precisions=recipes.parse_precisions("fp32,amp"), sizes=[2, 4, 8, 16], batch=6)
+
+
+def test_the_sweep_trains_the_workload_with_its_own_batch_and_says_so(monkeypatch, tmp_path, capsys):
+    """Every setting of the workload and of the sweep reaches time_split_sweep; --split-batch replaces
+    batch_size x nproc (0 is refused, not read as 'unset'); the progress line names what runs."""
+    import shardfc.parallel.split_bench as split_bench
+    from shardfc.cli import bench_recipes as cli
+
+    calls = []
+    monkeypatch.setattr(split_bench, "time_split_sweep", lambda *args, **kw: calls.append((args, kw)) or [])
+    monkeypatch.setattr(cli.report, "split_table", lambda split: "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["--split-sweep", "--backbone", "tiny", "--image-size", "16", "8", "--embedding-dim", "12", "--steps", "3",
+            "--warmup", "2", "--seed", "5", "--nproc", "2", "--batch-size", "3", "--split-sizes", "1,3",
+            "--work-dir", str(tmp_path)]
+    assert cli.main(argv) == 0
+    assert cli.main(argv + ["--split-batch", "7", "--quiet"]) == 0
+    kw = dict(warmup=2, embedding_dim=12, seed=5)
+    assert calls == [(("tiny", 6, (16, 8), ["cpu", "cpu"], [1, 3], 3), kw), (("tiny", 7, (16, 8), ["cpu", "cpu"], [1, 3], 3), kw)]
+    err = capsys.readouterr().err
+    assert err.count("[bench --split-sweep]") == 1
+    assert "[bench --split-sweep] tiny batch 6 on ['cpu', 'cpu'], split sizes [1, 3] ...\n" in err
+
+
+def test_neither_comparison_asked_for_is_an_error(tmp_path, capsys):
+    from shardfc.cli import bench_recipes as cli
+
+    assert cli.main(["--work-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "shardfc bench: error: give --recipes and/or --split-sweep\n"
+
+
+@pytest.mark.parametrize("count, device, expected", [
+    (1, "auto", ["cuda:0", "cuda:0"]), (2, "auto", ["cuda:0", "cuda:1"]), (3, "cuda", ["cuda:0", "cuda:1"]),
+    (2, "cpu", ["cpu", "cpu"]), (0, "auto", ["cpu", "cpu"]),
+])
+def test_the_sweep_splits_over_two_gpus_where_there_are_two(monkeypatch, tmp_path, count, device, expected):
+    import shardfc.parallel.split_bench as split_bench
+    from shardfc.cli import bench_recipes as cli
+
+    devices = []
+    monkeypatch.setattr(split_bench, "time_split_sweep", lambda *args, **kw: devices.append(args[3]) or [])
+    monkeypatch.setattr(cli.report, "split_table", lambda split: "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "a GPU")
+    assert cli.main(["--split-sweep", "--backbone", "tiny", "--image-size", "16", "16", "--device", device, "--quiet",
+                     "--work-dir", str(tmp_path)]) == 0
+    assert devices == [expected]
