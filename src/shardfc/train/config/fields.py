@@ -535,6 +535,7 @@ def absolute_paths(cfg: TrainConfig, base: "str | os.PathLike[str] | None" = Non
 #: The settings read only when a run starts from a checkpoint: how its classes meet the dataset's.
 CHECKPOINT_SETTINGS = ("head_init", "on_missing_classes", "rename_classes")
 
+
 def _evaluates(cfg: "TrainConfig") -> bool:
     """The run has an evaluation target (the one rule :func:`~shardfc.train.config.targets.asked_targets`)."""
     from shardfc.train.config.targets import asked_targets  # imports torch: only when such a flag is given
@@ -546,8 +547,8 @@ def _evaluates(cfg: "TrainConfig") -> bool:
 _TARGETS = "an evaluation target (--val-bins, --reid-root, or --synthetic-val-pairs > 0 with dataset 'synthetic')"
 
 #: The flags a run reads only in some configurations: ``field -> (whether this config reads it, what
-#: reads it, the setting that decides, or a function of the config naming it)``. A flag given for a field the run does not read is refused by
-#: :func:`check_flags_read` rather than dropped (a value in a config file or a preset is not: a run's
+#: reads it, the setting that decides, or a function of the config naming it)``. A flag given for a
+#: field the run does not read is refused by :func:`check_flags_read` rather than dropped (a value in a config file or a preset is not: a run's
 #: saved config.toml holds every field).
 _READ_WHEN = {
     "momentum": (lambda c: c.optimizer == "sgd", "optimizer 'sgd'", "optimizer"),
