@@ -548,8 +548,8 @@ _TARGETS = "an evaluation target (--val-bins, --reid-root, or --synthetic-val-pa
 
 #: The flags a run reads only in some configurations: ``field -> (whether this config reads it, what
 #: reads it, the setting that decides, or a function of the config naming it)``. A flag given for a
-#: field the run does not read is refused by :func:`check_flags_read` rather than dropped (a value in a config file or a preset is not: a run's
-#: saved config.toml holds every field).
+#: field the run does not read is refused by :func:`check_flags_read` rather than dropped (a value in a
+#: config file or a preset is not: a run's saved config.toml holds every field).
 _READ_WHEN = {
     "momentum": (lambda c: c.optimizer == "sgd", "optimizer 'sgd'", "optimizer"),
     "nesterov": (lambda c: c.optimizer == "sgd", "optimizer 'sgd'", "optimizer"),
