@@ -250,8 +250,10 @@ def test_the_sweep_trains_the_workload_with_its_own_batch_and_says_so(monkeypatc
             "--work-dir", str(tmp_path)]
     assert cli.main(argv) == 0
     assert cli.main(argv + ["--split-batch", "7", "--quiet"]) == 0
+    assert cli.main(argv + ["--split-batch", "1", "--quiet"]) == 0  # the smallest count (the sweep itself
+    # refuses 1 row in training mode, where BatchNorm needs two)
     kw = dict(warmup=2, embedding_dim=12, seed=5)
-    assert calls == [(("tiny", 6, (16, 8), ["cpu", "cpu"], [1, 3], 3), kw), (("tiny", 7, (16, 8), ["cpu", "cpu"], [1, 3], 3), kw)]
+    assert calls == [(("tiny", batch, (16, 8), ["cpu", "cpu"], [1, 3], 3), kw) for batch in (6, 7, 1)]
     err = capsys.readouterr().err
     assert err.count("[bench --split-sweep]") == 1
     assert "[bench --split-sweep] tiny batch 6 on ['cpu', 'cpu'], split sizes [1, 3] ...\n" in err
@@ -281,3 +283,15 @@ def test_the_sweep_splits_over_two_gpus_where_there_are_two(monkeypatch, tmp_pat
     assert cli.main(["--split-sweep", "--backbone", "tiny", "--image-size", "16", "16", "--device", device, "--quiet",
                      "--work-dir", str(tmp_path)]) == 0
     assert devices == [expected]
+
+
+def test_the_recipes_get_the_workload_the_timeout_and_whether_to_say_how_they_go(monkeypatch, tmp_path):
+    from shardfc.cli import bench_recipes as cli
+
+    calls = []
+    monkeypatch.setattr(cli, "run_recipes", lambda *args: calls.append(args) or [])
+    monkeypatch.setattr(cli.report, "recipes_table", lambda rows, meta: "")
+    argv = ["--recipes", "--only", "dp", "--precisions", "amp", *TINY, "--timeout", "42", "--work-dir", str(tmp_path)]
+    assert cli.main(argv) == 0 and cli.main(argv + ["--quiet"]) == 0
+    work = Workload(nproc=2, backbone="tiny", image_size=(16, 16), batch_size=8, classes=24, embedding_dim=16, threads=1)
+    assert calls == [(["dp"], ["amp"], work, tmp_path, 42.0, progress) for progress in (True, False)]
