@@ -391,3 +391,13 @@ def test_a_reason_is_one_line_of_at_most_300_characters():
     assert peers._reason(ValueError(whole)) == "ValueError: a b " + "z" * 296
     assert peers._reason(ValueError(whole + "!")) == "ValueError: " + ("a b " + "z" * 296)[:297] + "..."
     assert peers._reason(RuntimeError("CUDA out of memory. Tried")) == "out of memory: CUDA out of memory. Tried"
+
+
+def test_a_margin_is_taken_by_the_margin_rows_and_arcface_by_default():
+    """--margin reaches the workload when a margin row reads it (with softmax rows beside it, too);
+    without --margin the margin rows are ArcFace's."""
+    given = run_peers(**TINY, device="cpu", progress=False, systems="floor,shardfc-torch,softmax-dense",
+                      margin="cosface")
+    default = run_peers(**TINY, device="cpu", progress=False, systems="dense")
+    assert (given["workload"]["margin"], default["workload"]["margin"]) == ("cosface", "arcface")
+    assert all(r["status"] == "ok" for r in given["rows"] + default["rows"])
