@@ -401,3 +401,11 @@ def test_a_margin_is_taken_by_the_margin_rows_and_arcface_by_default():
     default = run_peers(**TINY, device="cpu", progress=False, systems="dense")
     assert (given["workload"]["margin"], default["workload"]["margin"]) == ("cosface", "arcface")
     assert all(r["status"] == "ok" for r in given["rows"] + default["rows"])
+
+
+def test_the_command_line_gives_no_margin_unless_asked():
+    """The flag's default is no margin at all (run_peers' ArcFace): a run of rows that read none is not
+    refused for a margin nobody gave."""
+    code, out, err = _run([*TINY_ARGV, "--systems", "floor", "--quiet"])
+    assert code == 0, err
+    assert "matmul floor" in out
