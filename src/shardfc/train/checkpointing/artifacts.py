@@ -201,9 +201,23 @@ def list_images(folder: "str | os.PathLike[str]") -> List[Path]:
 
 
 def pick_device(name: str) -> torch.device:
-    """``auto``: CUDA when available, else the CPU."""
+    """``--device``: ``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Anything else is refused by name before a checkpoint is read: torch would otherwise take
+    ``meta`` (and fail copying the weights out of it) or raise its own list of a dozen device types.
+    """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"--device {name!r} but CUDA is not available here")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise ConfigError(f"--device {name!r} but CUDA is not available here")
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"--device {name!r} but this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
+    return device
