@@ -49,11 +49,11 @@ def _train(rank: int, world: int, args) -> List[float]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="shardfc demo", description=__doc__)
-    p.add_argument("--nproc", type=int, default=2, help="processes to spawn (gloo on CPU)")
-    p.add_argument("--classes", type=int, default=2_000, help="number of classes, sharded over the processes")
-    p.add_argument("--dim", type=int, default=64, help="embedding width")
-    p.add_argument("--batch", type=int, default=256, help="global batch size")
-    p.add_argument("--steps", type=int, default=100, help="training steps")
+    p.add_argument("--nproc", type=int, default=2, help="processes to spawn (gloo on CPU; default: 2)")
+    p.add_argument("--classes", type=int, default=2_000, help="number of classes, sharded over the processes (default: 2000)")
+    p.add_argument("--dim", type=int, default=64, help="embedding width (default: 64)")
+    p.add_argument("--batch", type=int, default=256, help="global batch size (default: 256)")
+    p.add_argument("--steps", type=int, default=100, help="training steps (default: 100)")
     args = p.parse_args(argv)
     for name in ("nproc", "classes", "dim", "batch", "steps"):  # one line each, before any process starts
         if getattr(args, name) < 1:
