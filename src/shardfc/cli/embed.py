@@ -11,7 +11,6 @@ as in training. Corrupt images are skipped, counted and named in a warning. Outp
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Iterator, List, Optional
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 
 from shardfc import checkpoint as ckpt
+from shardfc.cli.outputs import check_output, write_atomically
 from shardfc.data import CorruptImageError, decode_image, image_to_tensor
 from shardfc.evaluation.verification import embed_batches
 from shardfc.train.checkpointing.artifacts import add_checkpoint_args, list_images, load_backbone, pick_device
@@ -70,8 +70,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if out.suffix not in SUFFIXES:
             raise ConfigError(f"--out {args.out!r} must end in {' or '.join(SUFFIXES)}")
-        if out.exists() and not args.force:
-            raise FileExistsError(f"{out} exists; pass --force to replace it")
+        check_output("--out", out, args.force)
+        if out.suffix == ".npy":  # its paths go beside it, and are the user's file as much as the embeddings
+            check_output("--out", Path(f"{out}.paths.txt"), args.force)
         if args.batch_size < 1:
             raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
         files = list_images(args.images)
@@ -96,16 +97,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.normalize:
         emb = torch.nn.functional.normalize(emb, dim=1)
     paths = [str(p.relative_to(root)) for p in kept]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # a crash never leaves a half-written output
-    if out.suffix == ".pt":
-        torch.save({"embeddings": emb, "paths": paths, "checkpoint": str(trained.path)}, tmp)
-        os.replace(tmp, out)
-    else:
-        with open(tmp, "wb") as f:
-            np.save(f, emb.numpy())
-        os.replace(tmp, out)
-        Path(f"{out}.paths.txt").write_text("".join(p + "\n" for p in paths), encoding="utf-8")
+    try:  # each file whole or not at all: a crash never leaves a half-written output under the user's name
+        if out.suffix == ".pt":
+            write_atomically(out, lambda scratch: torch.save(
+                {"embeddings": emb, "paths": paths, "checkpoint": str(trained.path)}, scratch))
+        else:
+            def save_npy(scratch: Path) -> None:
+                with open(scratch, "wb") as f:  # np.save given a name would add ".npy" to the scratch name
+                    np.save(f, emb.numpy(), allow_pickle=False)
+
+            write_atomically(out, save_npy)
+            write_atomically(Path(f"{out}.paths.txt"),
+                             lambda scratch: scratch.write_text("".join(p + "\n" for p in paths), encoding="utf-8"))
+    except OSError as e:
+        print(f"shardfc embed: error: {e}", file=sys.stderr)
+        return 2
     if corrupt:
         print(f"warning: skipped {len(corrupt)} corrupt image(s): " + "; ".join(corrupt[:5])
               + (" ..." if len(corrupt) > 5 else ""), file=sys.stderr)

@@ -22,6 +22,7 @@ import torch
 
 from shardfc import checkpoint as ckpt
 from shardfc.checkpoint.format import saved_num_classes
+from shardfc.cli.outputs import check_output, write_atomically
 from shardfc.train.checkpointing.artifacts import add_checkpoint_args, load_backbone
 from shardfc.train.config import ConfigError
 
@@ -41,12 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write the head's class centres, all shards joined, as one float tensor [C, D] (torch.save)")
     p.add_argument("--force", action="store_true", help="replace existing output files")
     return p
-
-
-def _check_writable(path: Path, force: bool) -> None:
-    if path.exists() and not force:
-        raise FileExistsError(f"{path} exists; pass --force to replace it")
-    path.parent.mkdir(parents=True, exist_ok=True)
 
 
 def _check_distinct(out: Path, onnx_out: Optional[Path], fc_out: Optional[Path]) -> None:
@@ -70,10 +65,7 @@ def export_torchscript(model: torch.nn.Module, example: torch.Tensor, out: Path,
         buffer = io.BytesIO()
         torch.jit.save(traced, buffer, _extra_files={"shardfc.json": json.dumps(metadata)})
         data = buffer.getvalue()
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        with open(tmp, "xb") as f:
-            f.write(data)
-        os.replace(tmp, out)
+        write_atomically(out, lambda scratch: scratch.write_bytes(data))
         reloaded = torch.jit.load(io.BytesIO(data), map_location="cpu")
     probe = torch.randn(3, *example.shape[1:], generator=torch.Generator().manual_seed(0)).clamp(-1, 1)
     with torch.no_grad():
@@ -82,14 +74,15 @@ def export_torchscript(model: torch.nn.Module, example: torch.Tensor, out: Path,
 
 def export_onnx(model: torch.nn.Module, example: torch.Tensor, out: Path) -> None:
     """Write ``model`` as ONNX with a dynamic batch dimension (input ``images``, output ``embeddings``)."""
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.onnx.export(
-            model, (example,), str(tmp), input_names=["images"], output_names=["embeddings"],
-            dynamic_axes={"images": {0: "batch"}, "embeddings": {0: "batch"}}, dynamo=False,
-        )
-    os.replace(tmp, out)
+    def write(scratch: Path) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            torch.onnx.export(
+                model, (example,), str(scratch), input_names=["images"], output_names=["embeddings"],
+                dynamic_axes={"images": {0: "batch"}, "embeddings": {0: "batch"}}, dynamo=False,
+            )
+
+    write_atomically(out, write)
 
 
 def export_fc(folder: Path, out: Path, *, trust_pickle: bool = False) -> torch.Size:
@@ -100,9 +93,7 @@ def export_fc(folder: Path, out: Path, *, trust_pickle: bool = False) -> torch.S
         folder, class_range=range(num_classes), num_classes=num_classes, rank=0, trust_pickle=trust_pickle
     )
     weight = loaded.head_tensors["weight"].contiguous()
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    torch.save(weight, tmp)
-    os.replace(tmp, out)
+    write_atomically(out, lambda scratch: torch.save(weight, scratch))
     return weight.shape
 
 
@@ -112,11 +103,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     onnx_out = None if args.onnx is None else Path(args.onnx or out.with_suffix(".onnx"))
     try:
         _check_distinct(out, onnx_out, None if args.fc is None else Path(args.fc))
-        _check_writable(out, args.force)
+        if onnx_out is not None and importlib.util.find_spec("onnx") is None:  # before minutes of work, not after
+            raise ConfigError("--onnx needs the 'onnx' package, which is not installed (pip install onnx)")
+        check_output("--out", out, args.force)
         if onnx_out is not None:
-            _check_writable(onnx_out, args.force)
+            check_output("--onnx", onnx_out, args.force)
         if args.fc is not None:
-            _check_writable(Path(args.fc), args.force)
+            check_output("--fc", Path(args.fc), args.force)
         trained = load_backbone(args.checkpoint, "cpu", trust_pickle=args.trust_checkpoint)
         h, w = trained.image_size
         example = torch.zeros(2, 3, h, w)
@@ -129,7 +122,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         }
         diff = export_torchscript(trained.model, example, out, metadata)
         fc_shape = export_fc(trained.path, Path(args.fc), trust_pickle=args.trust_checkpoint) if args.fc else None
-    except (ConfigError, ckpt.CheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
+    except (ConfigError, ckpt.CheckpointError, OSError, ValueError) as e:
         print(f"shardfc export: error: {e}", file=sys.stderr)
         return 2
     if diff > TOLERANCE:
@@ -142,10 +135,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"wrote {args.fc} (class centres, one tensor {list(fc_shape)})")
     if onnx_out is None:
         return 0
-    if importlib.util.find_spec("onnx") is None:
-        print(f"shardfc export: ONNX export needs the 'onnx' package, which is not installed (pip install onnx); "
-              f"{onnx_out} was not written", file=sys.stderr)
-        return 1
     try:
         export_onnx(trained.model, example, onnx_out)
     except Exception as e:  # the exporter's many failure types all mean the same thing to a user

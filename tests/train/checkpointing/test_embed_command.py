@@ -138,12 +138,17 @@ def test_an_image_outside_the_folder_is_skipped(monkeypatch, images, tmp_path, c
     (["--out", "{tmp}/e.csv"], "--out '{tmp}/e.csv' must end in .pt or .npy"),
     (["--out", "{tmp}/e.pt", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     (["--out", "{tmp}/taken.pt"], "{tmp}/taken.pt exists; pass --force to replace it"),
+    (["--out", "{tmp}/taken.npy"], "{tmp}/taken.npy.paths.txt exists; pass --force to replace it"),
+    (["--out", "{tmp}/dir.pt", "--force"], "--out '{tmp}/dir.pt' is a folder; name the file to write"),
+    (["--out", "{tmp}/taken.pt/e.pt"], "--out '{tmp}/taken.pt/e.pt': '{tmp}/taken.pt' is a file, not a folder"),
     (["--out", "{tmp}/e.pt", "--images", "{tmp}/none"], "--images '{tmp}/none' does not exist or is not a folder"),
     (["--out", "{tmp}/e.pt", "--images", "{tmp}/bad"], "none of the 2 images under '{tmp}/bad' could be decoded"),
 ])
 def test_refusals_are_one_line(monkeypatch, images, tmp_path, capsys, argv, message):
     backbone = _Backbone(monkeypatch)
     (tmp_path / "taken.pt").write_bytes(b"keep")
+    (tmp_path / "taken.npy.paths.txt").write_bytes(b"keep")  # the paths of a .npy are the user's file too
+    (tmp_path / "dir.pt").mkdir()
     (tmp_path / "bad").mkdir()
     for name in ("1.png", "2.jpg"):
         (tmp_path / "bad" / name).write_bytes(b"junk")
@@ -152,10 +157,24 @@ def test_refusals_are_one_line(monkeypatch, images, tmp_path, capsys, argv, mess
         argv += ["--images", str(images)]
     assert cli.main(["--checkpoint", "ck", *argv]) == 2
     assert capsys.readouterr() == ("", f"shardfc embed: error: {message.format(tmp=tmp_path)}\n")
-    assert (tmp_path / "taken.pt").read_bytes() == b"keep"
-    assert not (tmp_path / "e.pt").exists() and not (tmp_path / "e.csv").exists()
+    assert (tmp_path / "taken.pt").read_bytes() == b"keep" and (tmp_path / "taken.npy.paths.txt").read_bytes() == b"keep"
+    assert not (tmp_path / "e.pt").exists() and not (tmp_path / "e.csv").exists() and not (tmp_path / "taken.npy").exists()
+    assert os.listdir(tmp_path / "dir.pt") == []
     if "decoded" not in message:
         assert backbone.model.batches == []
+
+
+def test_a_write_that_fails_names_the_file_and_leaves_no_scratch_file(monkeypatch, images, tmp_path, capsys):
+    _Backbone(monkeypatch)
+
+    def full_disk(obj, f, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cli.torch, "save", full_disk)
+    assert _run("--checkpoint", "ck", "--images", images, "--out", tmp_path / "out" / "e.pt") == 2
+    assert capsys.readouterr().err.endswith(
+        f"shardfc embed: error: cannot write {tmp_path / 'out' / 'e.pt'}: No space left on device\n")
+    assert os.listdir(tmp_path / "out") == []
 
 
 def test_batch_size_one(monkeypatch, images, tmp_path):

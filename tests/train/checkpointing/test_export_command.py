@@ -102,15 +102,44 @@ def test_class_centres_and_the_trusted_checkpoint(monkeypatch, tmp_path, capsys)
     assert capsys.readouterr().out.splitlines()[1] == f"wrote {fc} (class centres, one tensor [10, 6])"
 
 
-@pytest.mark.parametrize("flag, default", [(["--onnx"], True), (["--onnx", "{tmp}/other.onnx"], False)])
-def test_onnx_needs_its_package(monkeypatch, tmp_path, capsys, flag, default):
-    _Backbone(monkeypatch)
+@pytest.mark.parametrize("flag", [["--onnx"], ["--onnx", "{tmp}/other.onnx"]])
+def test_onnx_without_its_package_is_refused_before_any_work(monkeypatch, tmp_path, capsys, flag):
+    backbone = _Backbone(monkeypatch)
     monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
-    onnx = tmp_path / ("m.onnx" if default else "other.onnx")
-    assert _run("--checkpoint", "ck", "--out", tmp_path / "m.pt", *[f.format(tmp=tmp_path) for f in flag]) == 1
-    assert capsys.readouterr().err == (f"shardfc export: ONNX export needs the 'onnx' package, which is not installed "
-                                       f"(pip install onnx); {onnx} was not written\n")
-    assert (tmp_path / "m.pt").is_file() and not onnx.exists()
+    assert _run("--checkpoint", "ck", "--out", tmp_path / "m.pt", *[f.format(tmp=tmp_path) for f in flag]) == 2
+    assert capsys.readouterr() == ("", "shardfc export: error: --onnx needs the 'onnx' package, which is not installed "
+                                       "(pip install onnx)\n")
+    assert os.listdir(tmp_path) == [] and backbone.loaded == []
+    assert _run("--checkpoint", "ck", "--out", tmp_path / "m.pt") == 0  # without --onnx it is not needed
+
+
+@pytest.mark.parametrize("flag", ["--out", "--onnx", "--fc"])
+def test_a_folder_or_a_file_in_the_path_is_refused_by_flag_before_any_work(monkeypatch, tmp_path, capsys, flag):
+    backbone = _Backbone(monkeypatch)
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: object())
+    (tmp_path / "dir.pt").mkdir()
+    (tmp_path / "file").write_bytes(b"keep")
+    outs = {"--out": tmp_path / "m.pt", "--onnx": tmp_path / "m.onnx", "--fc": tmp_path / "fc.pt"}
+    for given, said in ((tmp_path / "dir.pt", f"{str(tmp_path / 'dir.pt')!r} is a folder; name the file to write"),
+                        (tmp_path / "file" / "sub" / "m.x",
+                         f"{str(tmp_path / 'file' / 'sub' / 'm.x')!r}: {str(tmp_path / 'file')!r} is a file, not a folder")):
+        argv = [a for f, path in {**outs, flag: given}.items() for a in (f, path)]
+        assert _run("--checkpoint", "ck", *argv, "--force") == 2
+        assert capsys.readouterr() == ("", f"shardfc export: error: {flag} {said}\n")
+    assert sorted(os.listdir(tmp_path)) == ["dir.pt", "file"] and backbone.loaded == []
+    assert (tmp_path / "file").read_bytes() == b"keep" and os.listdir(tmp_path / "dir.pt") == []
+
+
+def test_a_write_that_fails_names_the_file_and_leaves_no_scratch_file(monkeypatch, tmp_path, capsys):
+    _Backbone(monkeypatch)
+
+    def full_disk(path, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", lambda self, data: full_disk(self, data))
+    assert _run("--checkpoint", "ck", "--out", tmp_path / "m.pt") == 2
+    assert capsys.readouterr() == ("", f"shardfc export: error: cannot write {tmp_path / 'm.pt'}: No space left on device\n")
+    assert os.listdir(tmp_path) == []
 
 
 def test_onnx_written_or_its_failure_named(monkeypatch, tmp_path, capsys):

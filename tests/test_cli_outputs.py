@@ -1,0 +1,92 @@
+"""``shardfc.cli.outputs``: the files ``export`` and ``embed`` write, refused by flag before the work
+and written whole or not at all (``tests/train/checkpointing/test_export_command.py`` and
+``test_embed_command.py`` run them through the commands)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from shardfc.cli.outputs import check_output, write_atomically
+from shardfc.train.config import ConfigError
+
+
+def test_check_output_makes_the_missing_folders(tmp_path):
+    check_output("--out", tmp_path / "a" / "b" / "m.pt", force=False)
+    assert (tmp_path / "a" / "b").is_dir() and not (tmp_path / "a" / "b" / "m.pt").exists()
+
+
+def test_check_output_keeps_an_existing_file_unless_forced(tmp_path):
+    (tmp_path / "m.pt").write_bytes(b"keep")
+    with pytest.raises(FileExistsError) as err:
+        check_output("--out", tmp_path / "m.pt", force=False)
+    assert str(err.value) == f"{tmp_path / 'm.pt'} exists; pass --force to replace it"
+    check_output("--out", tmp_path / "m.pt", force=True)
+    assert (tmp_path / "m.pt").read_bytes() == b"keep"  # checked, not touched
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_check_output_refuses_a_folder_even_when_forced(tmp_path, force):
+    (tmp_path / "m.pt").mkdir()
+    with pytest.raises(ConfigError) as err:
+        check_output("--fc", tmp_path / "m.pt", force=force)
+    assert str(err.value) == f"--fc {str(tmp_path / 'm.pt')!r} is a folder; name the file to write"
+
+
+def test_check_output_names_the_file_standing_where_a_folder_must_be(tmp_path):
+    (tmp_path / "f").write_bytes(b"keep")
+    with pytest.raises(ConfigError) as err:
+        check_output("--onnx", tmp_path / "f" / "g" / "m.onnx", force=True)
+    assert str(err.value) == f"--onnx {str(tmp_path / 'f' / 'g' / 'm.onnx')!r}: {str(tmp_path / 'f')!r} is a file, not a folder"
+    assert (tmp_path / "f").read_bytes() == b"keep"
+
+
+def test_check_output_says_why_a_folder_cannot_be_made(tmp_path, monkeypatch):
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(type(tmp_path), "mkdir", refuse)
+    with pytest.raises(ConfigError) as err:
+        check_output("--out", tmp_path / "new" / "m.pt", force=False)
+    assert str(err.value) == f"--out {str(tmp_path / 'new' / 'm.pt')!r}: cannot make its folder (Permission denied)"
+
+
+def test_write_atomically_writes_through_a_scratch_file_that_is_gone_after(tmp_path):
+    seen = []
+
+    def write(scratch):
+        seen.append((scratch.name, sorted(os.listdir(tmp_path))))
+        scratch.write_bytes(b"new")
+
+    (tmp_path / "m.pt").write_bytes(b"old")
+    write_atomically(tmp_path / "m.pt", write)
+    scratch = f".m.pt.tmp-{os.getpid()}"
+    assert seen == [(scratch, sorted([scratch, "m.pt"]))]  # the old file stays until the new one is whole
+    assert os.listdir(tmp_path) == ["m.pt"] and (tmp_path / "m.pt").read_bytes() == b"new"
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), RuntimeError("the writer broke")])
+def test_a_failed_write_keeps_the_old_file_and_removes_the_scratch_file(tmp_path, error):
+    def write(scratch):
+        scratch.write_bytes(b"half")
+        raise error
+
+    (tmp_path / "m.pt").write_bytes(b"old")
+    with pytest.raises(type(error)) as err:
+        write_atomically(tmp_path / "m.pt", write)
+    said = f"cannot write {tmp_path / 'm.pt'}: No space left on device" if isinstance(error, OSError) else "the writer broke"
+    assert str(err.value) == said
+    assert os.listdir(tmp_path) == ["m.pt"] and (tmp_path / "m.pt").read_bytes() == b"old"
+
+
+def test_a_link_planted_under_the_scratch_name_is_neither_followed_nor_removed(tmp_path):
+    target = tmp_path / "victim"
+    target.write_bytes(b"keep")
+    (tmp_path / f".m.pt.tmp-{os.getpid()}").symlink_to(target)
+    written = []
+    with pytest.raises(OSError) as err:
+        write_atomically(tmp_path / "m.pt", lambda scratch: written.append(scratch))
+    assert str(err.value) == f"cannot write {tmp_path / 'm.pt'}: File exists"
+    assert written == [] and target.read_bytes() == b"keep"
+    assert (tmp_path / f".m.pt.tmp-{os.getpid()}").is_symlink() and not (tmp_path / "m.pt").exists()
