@@ -17,6 +17,7 @@ from torch import nn
 from shardfc.evaluation.folds import NFOLDS
 from shardfc.train.checkpointing.artifacts import check_saved_config
 from shardfc.train.config import ConfigError, TrainConfig
+from shardfc.train.config.targets import MAX_SYNTHETIC_PAIR_BYTES
 from shardfc.train.observe.evaluate import build_targets, plan_targets, run_targets
 
 
@@ -101,6 +102,32 @@ def test_fewer_synthetic_pairs_than_folds_are_refused(pairs):
 def test_none_or_as_many_pairs_as_folds_are_taken(pairs):
     _cfg(synthetic_val_pairs=pairs).validate()
     assert len(plan_targets(_cfg(), synthetic_pairs=pairs)) == (pairs > 0)
+
+
+@pytest.mark.parametrize("backbone, image_size, most", [
+    ("tiny", [], (8 << 30) // (2 * 3 * 32 * 32 * 4)),           # the backbone's default size
+    ("mobilefacenet", [], (8 << 30) // (2 * 3 * 112 * 112 * 4)),
+    ("tiny", [64, 48], (8 << 30) // (2 * 3 * 64 * 48 * 4)),    # the run's own size
+])
+def test_more_synthetic_pairs_than_fit_in_memory_are_refused_before_training(backbone, image_size, most):
+    """Rendered at the first evaluation (after the training) and kept, too many pairs would end the
+    run out of memory there: refused by validate (every rank, at start) and by eval's flag."""
+    cfg = _cfg(backbone=backbone, image_size=image_size)
+    h, w = image_size or ((32, 32) if backbone == "tiny" else (112, 112))
+    assert most == MAX_SYNTHETIC_PAIR_BYTES // (2 * 3 * h * w * 4)
+    dataclasses.replace(cfg, synthetic_val_pairs=most).validate()
+    assert len(plan_targets(cfg, synthetic_pairs=most)) == 1
+    gib = (most + 1) * 2 * 3 * h * w * 4 / 2**30
+    tail = (f" would render {gib:,.1f} GiB of images in memory ({h}x{w}, two float32 images a pair); "
+            f"at most {most:,} pairs at this size (8 GiB)")
+    with pytest.raises(ConfigError) as err:
+        dataclasses.replace(cfg, synthetic_val_pairs=most + 1).validate()
+    assert str(err.value) == f"synthetic_val_pairs={most + 1}" + tail
+    with pytest.raises(ConfigError) as err:
+        plan_targets(cfg, synthetic_pairs=most + 1)
+    assert str(err.value) == f"--synthetic-pairs {most + 1}" + tail
+    dataclasses.replace(cfg, synthetic_val_pairs=most + 1).validate(evaluations=False)  # a saved config read back
+    assert plan_targets(_cfg(dataset="folder", data_root="/x", synthetic_val_pairs=10**9)) == []  # not synthetic: none
 
 
 def test_built_targets_have_the_planned_names_and_keep_their_own_metrics(tmp_path):

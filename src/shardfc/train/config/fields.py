@@ -243,7 +243,7 @@ class TrainConfig:
     reid_root: str = ""
     """Re-ID dataset root with query/gallery splits (e.g. Market-1501), evaluated during training."""
     synthetic_val_pairs: int = 1000
-    """Held-out verification pairs of the synthetic dataset (unseen images of unseen identities), at least 10 (the protocol's folds); 0: none."""
+    """Held-out verification pairs of the synthetic dataset (unseen images of unseen identities), at least 10 (the protocol's folds) and at most as many as fit in 8 GiB of images (28,532 at 112x112); 0: none."""
     eval_batch_size: int = 256
     """Images per forward pass during evaluation."""
     eval_flip: bool = True

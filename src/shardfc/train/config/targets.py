@@ -5,8 +5,10 @@ then ``synthetic``, ``reid``, ``ijbc``/``ijbb``. :meth:`TrainConfig.validate
 <shardfc.train.config.TrainConfig.validate>` (every rank, before training) and
 :func:`~shardfc.train.observe.evaluate.build_targets` (``shardfc eval``'s flags) both ask
 :func:`plan_targets`, so that two targets of one name, which would overwrite each other's metrics, or
-a synthetic set smaller than the protocol's folds, which could only fail at the first evaluation, are
-refused at once. It raises ValueError; its callers name it a ConfigError.
+a synthetic set smaller than the protocol's folds, which could only fail at the first evaluation, or
+one too large to render in memory (:data:`MAX_SYNTHETIC_PAIR_BYTES`: rendered at the first evaluation,
+after the training, it would end the run out of memory there) are refused at once. It raises
+ValueError; its callers name it a ConfigError.
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ from typing import Dict, List, Optional, Tuple
 
 from shardfc.evaluation.folds import NFOLDS
 
-__all__ = ["asked_targets", "plan_targets"]
+__all__ = ["MAX_SYNTHETIC_PAIR_BYTES", "asked_targets", "plan_targets"]
+
+#: Most bytes the held-out synthetic pairs may take (both images of each pair, float32, rendered
+#: and kept in memory): 8 GiB is 28,532 pairs at 112x112, enough for TAR at FAR 1e-4 (10,000
+#: negative pairs); the verification .bin sets hold 6,000 to 12,000.
+MAX_SYNTHETIC_PAIR_BYTES = 8 << 30
 
 
 def asked_targets(cfg, bins: Optional[List[str]], reid_root: Optional[str],
@@ -40,13 +47,27 @@ def plan_targets(
     order, reading no file (``bins``/``reid_root``/``synthetic_pairs`` override ``cfg``'s, as
     ``shardfc eval``'s flags do; ``ijb_target``: an IJB release's protocol).
 
-    Raises ValueError for two targets under one name or for fewer synthetic pairs than
-    :data:`~shardfc.evaluation.folds.NFOLDS` (0 means none).
+    Raises ValueError for two targets under one name, for fewer synthetic pairs than
+    :data:`~shardfc.evaluation.folds.NFOLDS` (0 means none), or for more than fit in
+    :data:`MAX_SYNTHETIC_PAIR_BYTES` at the run's image size.
     """
+    # the count as the user gave it: shardfc eval's flag overrides the run's field
+    given = "synthetic_val_pairs={}" if synthetic_pairs is None else "--synthetic-pairs {}"
     bins, reid_root, synthetic_pairs = asked_targets(cfg, bins, reid_root, synthetic_pairs)
     if synthetic_pairs < 0 or 0 < synthetic_pairs < NFOLDS:
         raise ValueError(f"synthetic_val_pairs must be 0 (none) or at least {NFOLDS} (the verification protocol's "
                          f"folds), got {synthetic_pairs}")
+    if synthetic_pairs:
+        from shardfc.models import input_size
+
+        h, w = cfg.image_size if cfg.image_size else input_size(cfg.backbone)
+        pair_bytes = 2 * 3 * int(h) * int(w) * 4
+        if synthetic_pairs * pair_bytes > MAX_SYNTHETIC_PAIR_BYTES:
+            raise ValueError(
+                f"{given.format(synthetic_pairs)} would render {synthetic_pairs * pair_bytes / 2**30:,.1f} GiB of "
+                f"images in memory ({h}x{w}, two float32 images a pair); at most "
+                f"{MAX_SYNTHETIC_PAIR_BYTES // pair_bytes:,} pairs at this size ({MAX_SYNTHETIC_PAIR_BYTES >> 30} GiB)"
+            )
     plan = [("synthetic", "the held-out synthetic pairs")] if synthetic_pairs else []
     plan += [(Path(path).stem, f"the .bin file {path!r}") for path in bins]
     if reid_root:
