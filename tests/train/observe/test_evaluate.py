@@ -148,9 +148,23 @@ def test_two_bins_of_one_stem_are_refused_before_either_loads(tmp_path, monkeypa
         build_targets(_cfg(), (8, 8), torch.device("cpu"), bins=bins, synthetic_pairs=0)
 
 
-def test_a_bin_of_fewer_pairs_than_folds_is_refused_when_loaded(tmp_path):
+@pytest.mark.parametrize("from_eval", [False, True])
+def test_a_bin_of_fewer_pairs_than_folds_is_refused_when_loaded(tmp_path, from_eval):
+    """Named as the user gave it: the run's val_bins, or shardfc eval's --bin."""
     small = _bin(tmp_path / "small.bin", NFOLDS - 1)
-    with pytest.raises(ConfigError, match=f"^val_bins: {re.escape(repr(small))} holds {NFOLDS - 1} "
+    given = "--bin" if from_eval else "val_bins:"
+    cfg, bins = (_cfg(), [small]) if from_eval else (_cfg(val_bins=[small]), None)
+    with pytest.raises(ConfigError, match=f"^{given} {re.escape(repr(small))} holds {NFOLDS - 1} "
                                           rf"pair\(s\); the verification protocol needs at least {NFOLDS} "
                                           r"\(one per fold\)$"):
-        build_targets(_cfg(), (8, 8), torch.device("cpu"), bins=[small], synthetic_pairs=0)
+        build_targets(cfg, (8, 8), torch.device("cpu"), bins=bins, synthetic_pairs=0)
+
+
+@pytest.mark.parametrize("from_eval", [False, True])
+def test_a_file_that_is_no_bin_is_named_as_the_user_gave_it(tmp_path, from_eval):
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"not a pickle")
+    cfg, bins = (_cfg(), [str(junk)]) if from_eval else (_cfg(val_bins=[str(junk)]), None)
+    with pytest.raises(ConfigError) as err:
+        build_targets(cfg, (8, 8), torch.device("cpu"), bins=bins, synthetic_pairs=0)
+    assert str(err.value).startswith(f"{'--bin' if from_eval else 'val_bins:'} cannot load {str(junk)!r}: ")

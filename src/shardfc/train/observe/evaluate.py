@@ -72,6 +72,7 @@ def build_targets(
     an IJB release when ``ijb`` is given; :func:`plan_targets`' checks first."""
     plan_targets(cfg, bins=bins, reid_root=reid_root, synthetic_pairs=synthetic_pairs,
                  ijb_target=ijb.target if ijb is not None else None)
+    bins_flag = "val_bins:" if bins is None else "--bin"  # as the user named them: the run's field or eval's flag
     bins, reid_root, synthetic_pairs = target_plan.asked_targets(cfg, bins, reid_root, synthetic_pairs)
     kw = dict(batch_size=cfg.eval_batch_size, flip=cfg.eval_flip, device=device, nfolds=NFOLDS)
     targets: List[EvalTarget] = []
@@ -101,9 +102,9 @@ def build_targets(
         except FileNotFoundError:
             raise
         except Exception as e:  # a broken pickle surfaces as almost any error type; name the file
-            raise ConfigError(f"val_bins: cannot load {path!r}: {type(e).__name__}: {e}") from e
+            raise ConfigError(f"{bins_flag} cannot load {path!r}: {type(e).__name__}: {e}") from e
         if len(issame) < NFOLDS:  # now, not at the first evaluation after training
-            raise ConfigError(f"val_bins: {path!r} holds {len(issame)} pair(s); the verification protocol needs at "
+            raise ConfigError(f"{bins_flag} {path!r} holds {len(issame)} pair(s); the verification protocol needs at "
                               f"least {NFOLDS} (one per fold)")
         logger.info("loaded %s: %d pairs", path, len(issame))
 
