@@ -168,3 +168,23 @@ def test_a_file_that_is_no_bin_is_named_as_the_user_gave_it(tmp_path, from_eval)
     with pytest.raises(ConfigError) as err:
         build_targets(cfg, (8, 8), torch.device("cpu"), bins=bins, synthetic_pairs=0)
     assert str(err.value).startswith(f"{'--bin' if from_eval else 'val_bins:'} cannot load {str(junk)!r}: ")
+
+
+@pytest.mark.parametrize("from_eval", [False, True])
+@pytest.mark.parametrize("layout, said", [
+    ({}, "ReIDFolder root '{root}/query' does not exist or is not a directory"),
+    ({"query": [], "bounding_box_test": []}, "ReIDFolder root '{root}/query' contains no usable images"),
+    ({"query": ["0001_c1s1_000100_01.jpg"], "bounding_box_test": ["photo.jpg"]}, "photo.jpg"),
+])
+def test_a_reid_root_that_is_no_split_is_named_as_the_user_gave_it_before_training(tmp_path, from_eval, layout, said):
+    root = tmp_path / "market"
+    root.mkdir()
+    for folder, names in layout.items():
+        (root / folder).mkdir()
+        for name in names:
+            (root / folder / name).write_bytes(_png(3))
+    cfg, override = (_cfg(), str(root)) if from_eval else (_cfg(reid_root=str(root)), None)
+    with pytest.raises(ConfigError) as err:
+        build_targets(cfg, (8, 8), torch.device("cpu"), reid_root=override, synthetic_pairs=0)
+    given = f"--reid-root {str(root)!r}" if from_eval else f"reid_root={str(root)!r}"
+    assert str(err.value).startswith(f"{given}: ") and said.format(root=root) in str(err.value)

@@ -72,7 +72,9 @@ def build_targets(
     an IJB release when ``ijb`` is given; :func:`plan_targets`' checks first."""
     plan_targets(cfg, bins=bins, reid_root=reid_root, synthetic_pairs=synthetic_pairs,
                  ijb_target=ijb.target if ijb is not None else None)
-    bins_flag = "val_bins:" if bins is None else "--bin"  # as the user named them: the run's field or eval's flag
+    # each named as the user gave it: the run's field, or shardfc eval's flag
+    bins_flag = "val_bins:" if bins is None else "--bin"
+    reid_flag = f"reid_root={cfg.reid_root!r}" if reid_root is None else f"--reid-root {reid_root!r}"
     bins, reid_root, synthetic_pairs = target_plan.asked_targets(cfg, bins, reid_root, synthetic_pairs)
     kw = dict(batch_size=cfg.eval_batch_size, flip=cfg.eval_flip, device=device, nfolds=NFOLDS)
     targets: List[EvalTarget] = []
@@ -115,7 +117,7 @@ def build_targets(
         targets.append(EvalTarget(Path(path).stem, f"{len(issame)} pairs of {path}", verification))
 
     if reid_root:
-        targets.append(_reid_target(reid_root, image_size, cfg, device, autocast))
+        targets.append(_reid_target(reid_root, image_size, cfg, device, autocast, reid_flag))
     if ijb is not None:
         targets.append(_ijb_target(ijb, image_size, cfg, device, autocast))
     return targets
@@ -180,8 +182,11 @@ def _ijb_target(opts: IJBOptions, image_size, cfg: TrainConfig, device, autocast
     )
 
 
-def _reid_target(root: str, image_size, cfg: TrainConfig, device, autocast) -> EvalTarget:
-    query, gallery = load_reid_split(root, image_size=tuple(image_size))  # scan now: a bad root fails early
+def _reid_target(root: str, image_size, cfg: TrainConfig, device, autocast, given: str) -> EvalTarget:
+    try:  # scan now: a bad root fails before training, not at the first evaluation
+        query, gallery = load_reid_split(root, image_size=tuple(image_size))
+    except (FileNotFoundError, ValueError) as e:  # no query/ or gallery folder, no images, a name that does not parse
+        raise ConfigError(f"{given}: {e}") from None
     logger.info("loaded re-ID split %s: %d query, %d gallery images", root, len(query), len(gallery))
 
     def evaluate(model: nn.Module) -> Dict[str, float]:
