@@ -216,3 +216,30 @@ def test_torchs_default_turned_off_by_its_variable_does_not_turn_off_the_check(t
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     with pytest.raises(CheckpointError, match="refusing to load"):
         load_pt(tmp_path / "pickled.pt", "cpu", trust_pickle=False, meta={})
+
+
+@pytest.mark.parametrize("trust", [False, True])
+@pytest.mark.parametrize("content, said", [
+    (b"", "it is empty"),
+    (b"2026-11-29 a log line\n", "no torch.save file (neither a zip archive nor a pickle): it starts with b'2026-11-'"),
+    (b"\x08\x07ONNX", "no torch.save file (neither a zip archive nor a pickle): it starts with b'\\x08\\x07ONNX'"),
+])
+def test_a_file_that_is_no_torch_file_is_said_to_be_so_not_sent_to_the_unsafe_opt_in(tmp_path: Path, monkeypatch,
+                                                                                      content: bytes, said: str,
+                                                                                      trust: bool) -> None:
+    from shardfc.checkpoint import weights_only as W
+
+    path = tmp_path / "model.pt"
+    path.write_bytes(content)
+    monkeypatch.setattr(W, "_torch_load", lambda *a: pytest.fail("torch.load of a file that is no torch file"))
+    with pytest.raises(CheckpointError) as err:
+        W.load_pt(path, "cpu", trust_pickle=trust, meta={})
+    assert str(err.value) == f"cannot read checkpoint file {path}: {said}"
+
+
+def test_a_legacy_non_zip_torch_file_still_loads(tmp_path: Path) -> None:
+    from shardfc.checkpoint.weights_only import load_pt
+
+    torch.save({"w": torch.arange(3.0)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    assert (tmp_path / "legacy.pt").read_bytes()[:1] == b"\x80"
+    assert torch.equal(load_pt(tmp_path / "legacy.pt", "cpu", trust_pickle=False, meta={})["w"], torch.arange(3.0))

@@ -100,11 +100,25 @@ def check_stored(archive: zipfile.ZipFile, path: Path, names: Any = None) -> Non
                                   f"extends past the end of the file")
 
 
+#: The first byte of a pickle of protocol 2 or later (torch.save's legacy format writes protocol 2).
+_PICKLE_PROTO = b"\x80"
+
+
 def _check_zip(path: Path, follow_symlinks: bool) -> None:
-    """:func:`check_stored` over a ``torch.save`` file (a legacy, non-zip one is read as torch reads it)."""
+    """:func:`check_stored` over a ``torch.save`` file; a legacy, non-zip one must at least open as
+    the pickle torch writes (PROTO first). Else it is no torch file at all (a text, an image, an
+    ONNX model named by mistake): said so, not "it needs objects ... --trust-checkpoint", which
+    would send the user to the unsafe opt-in for a file it could not read either."""
     try:
         with open_regular(path, follow_symlinks=follow_symlinks) as f:
             if not zipfile.is_zipfile(f):
+                f.seek(0)
+                head = f.read(8)
+                if not head.startswith(_PICKLE_PROTO):
+                    raise CheckpointError(
+                        f"cannot read checkpoint file {path}: " + ("it is empty" if not head else
+                        f"no torch.save file (neither a zip archive nor a pickle): it starts with {head!r}")
+                    )
                 return
             with zipfile.ZipFile(f) as archive:
                 check_stored(archive, path)
