@@ -174,6 +174,57 @@ def test_bad_shards_are_named(tmp_path, capsys):
     assert "matches no file" in capsys.readouterr().err
 
 
+def test_what_cannot_be_imported_is_refused_by_flag_before_the_backbone_is_read(tmp_path, capsys, monkeypatch):
+    import shardfc.train.checkpointing.arcface_import as arcface_import
+
+    monkeypatch.setattr(arcface_import, "load_arcface_backbone", lambda *a, **k: pytest.fail("the backbone was read"))
+    (tmp_path / "file").write_text("keep")
+    fresh = dict(num_classes=10, input_size=(16, 16))
+    with pytest.raises(ValueError) as err:
+        import_arcface(tmp_path / "file", tmp_path / "b.pth", "tiny", embedding_dim=16, **fresh)
+    assert str(err.value) == f"--out {str(tmp_path / 'file')!r} is a file; name the folder to create the run in"
+    for dim in (0, -1, (1 << 16) + 1):
+        with pytest.raises(ValueError) as err:
+            import_arcface(tmp_path / "run", tmp_path / "b.pth", "tiny", embedding_dim=dim, **fresh)
+        assert str(err.value) == f"--embedding-dim must be in [1, 65536], got {dim}"
+    monkeypatch.setattr(arcface_import, "_physical_memory", lambda: 10 * 16 * 4 - 1)  # one byte short of the head
+    with pytest.raises(ValueError) as err:
+        import_arcface(tmp_path / "run", tmp_path / "b.pth", "tiny", embedding_dim=16, **fresh)
+    assert str(err.value) == ("--num-classes 10 x --embedding-dim 16: the fresh head's 0.0 GiB of float32 centres "
+                              "exceed this machine's 0.0 GiB of memory")
+    assert (tmp_path / "file").read_text() == "keep" and not (tmp_path / "run").exists()
+    assert cli_import.main(["--backbone", str(tmp_path / "b.pth"), "--network", "tiny", "--out", str(tmp_path / "file"),
+                            "--num-classes", "3"]) == 2
+    assert capsys.readouterr().err == (f"shardfc import-arcface: error: --out {str(tmp_path / 'file')!r} is a file; "
+                                       "name the folder to create the run in\n")
+
+
+def test_the_machines_memory_is_read_from_the_os(monkeypatch):
+    import shardfc.train.checkpointing.arcface_import as arcface_import
+
+    values = {"SC_PHYS_PAGES": 1000, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(arcface_import.os, "sysconf", lambda name: values[name])
+    assert arcface_import._physical_memory() == 4_096_000
+
+    def unknown(name):
+        raise ValueError(f"unrecognized configuration name {name!r}")
+
+    monkeypatch.setattr(arcface_import.os, "sysconf", unknown)
+    assert arcface_import._physical_memory() is None
+
+
+def test_a_head_that_fits_the_machine_exactly_is_drawn(tmp_path, monkeypatch):
+    import shardfc.train.checkpointing.arcface_import as arcface_import
+
+    torch.save(build_backbone("tiny", 16, input_size=(16, 16)).state_dict(), tmp_path / "b.pth")
+    monkeypatch.setattr(arcface_import, "_physical_memory", lambda: 10 * 16 * 4)
+    path, _ = import_arcface(tmp_path / "run", tmp_path / "b.pth", "tiny", num_classes=10, embedding_dim=16,
+                             input_size=(16, 16))
+    assert ckpt.load_checkpoint(path, class_range=range(10), num_classes=10).head_tensors["weight"].shape == (10, 16)
+    monkeypatch.setattr(arcface_import, "_physical_memory", lambda: None)  # an OS that does not say: not checked
+    import_arcface(tmp_path / "run2", tmp_path / "b.pth", "tiny", num_classes=10, embedding_dim=16, input_size=(16, 16))
+
+
 def test_fresh_head_for_fine_tuning_and_resume_on_another_world_size(tmp_path):
     """A released backbone with a fresh head, then an arcface run of 3 ranks resumed by 2 processes."""
     sd = build_backbone("tiny", 16, input_size=(16, 16)).state_dict()

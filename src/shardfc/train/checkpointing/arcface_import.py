@@ -34,7 +34,7 @@ from shardfc import checkpoint as ckpt
 from shardfc.checkpoint.weights_only import load_pt
 from shardfc.models import build_backbone
 from shardfc.train.checkpointing.resume import checkpoint_root, fingerprint
-from shardfc.train.config import TrainConfig
+from shardfc.train.config import MAX_EMBEDDING_DIM, TrainConfig
 
 __all__ = ["arcface_class_range", "load_arcface_backbone", "ArcfaceHead", "read_arcface_head", "import_arcface"]
 
@@ -198,6 +198,14 @@ def read_arcface_head(paths: Sequence["str | Path"], *, trust_pickle: bool = Fal
     return ArcfaceHead(torch.cat(weights), momentum, world, epoch, step, sorted(set(notes)))
 
 
+def _physical_memory() -> Optional[int]:
+    """Bytes of this machine's memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def import_arcface(
     out_dir: "str | Path",
     backbone_path: "str | Path",
@@ -216,6 +224,10 @@ def import_arcface(
     N(0, 0.01), for fine-tuning a released backbone). Backbone optimizer, schedule and scaler are
     absent: ``shardfc train --resume`` starts them fresh at the imported step.
     """
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ValueError(f"--out {str(out_dir)!r} is a file; name the folder to create the run in")
+    if embedding_dim is not None and not 1 <= embedding_dim <= MAX_EMBEDDING_DIM:
+        raise ValueError(f"--embedding-dim must be in [1, {MAX_EMBEDDING_DIM}], got {embedding_dim}")
     existing = ckpt.find_checkpoints(checkpoint_root(TrainConfig(output_dir=str(out_dir))))
     if existing:
         raise ValueError(f"{out_dir} already holds checkpoints (newest: {existing[-1].name}); import into a new folder")
@@ -229,6 +241,11 @@ def import_arcface(
     elif num_classes is None or num_classes < 1:
         raise ValueError(f"without --head, --num-classes must be a positive int (the classes to fine-tune on), got {num_classes!r}")
     embedding_dim = 512 if embedding_dim is None else embedding_dim
+    if head is None:  # drawn whole in this process's memory: more than the machine has would fail in the allocator
+        need, have = num_classes * embedding_dim * 4, _physical_memory()
+        if have is not None and need > have:
+            raise ValueError(f"--num-classes {num_classes} x --embedding-dim {embedding_dim}: the fresh head's "
+                             f"{need / 2**30:,.1f} GiB of float32 centres exceed this machine's {have / 2**30:,.1f} GiB of memory")
     model, state = load_arcface_backbone(backbone_path, backbone, embedding_dim, trust_pickle=trust_pickle, **backbone_kwargs)
     size = tuple(model.input_size)  # every backbone states the input size it was built for
     if head is None:
