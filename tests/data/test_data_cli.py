@@ -20,7 +20,7 @@ def _parse(*argv):
 def test_each_actions_defaults():
     pack = _parse("pack", "s", "o")
     assert (pack.list_file, pack.root, pack.resize, pack.encode, pack.quality, pack.force) == (
-        False, None, None, "auto", 95, False)
+        False, None, None, "auto", None, False)  # quality: 95 when a JPEG is encoded, refused when none is
     inspect = _parse("inspect", "p")
     assert (inspect.path, inspect.json, inspect.sample) == ("p", False, 8)
     shuffle = _parse("shuffle", "p", "o")
@@ -51,11 +51,16 @@ def test_a_size_is_height_x_width(text, size):
     assert data_cli._size_arg(text) == size
 
 
-@pytest.mark.parametrize("text", ["0x6", "6x0", "4y6", "4x", "-1x4"])
+@pytest.mark.parametrize("text", ["0x6", "6x0", "4y6", "4x", "-1x4", "4097x4", "4x4097", "99999x99999"])
 def test_a_size_that_is_not_one_is_refused(text):
+    """Each side 1..4096, training's bound: a 99999x99999 resize asked 30 GB an image and never ended."""
     with pytest.raises(argparse.ArgumentTypeError) as info:
         data_cli._size_arg(text)
-    assert str(info.value) == f"expected HEIGHTxWIDTH such as 112x112, got {text!r}"
+    assert str(info.value) == f"expected HEIGHTxWIDTH such as 112x112, each side 1..4096, got {text!r}"
+
+
+def test_the_largest_size_is_trainings():
+    assert data_cli._size_arg("4096x4096") == (4096, 4096) and data_cli.MAX_IMAGE_SIDE == 4096
 
 
 @pytest.mark.parametrize("text, quality", [("1", 1), ("100", 100), ("95", 95)])
@@ -84,12 +89,68 @@ def calls(monkeypatch):
 def test_pack_passes_every_flag_on(tmp_path, calls):
     src = tmp_path / "faces"
     src.mkdir()
-    assert data_cli.main(["pack", str(src), "out", "--resize", "4x6", "--encode", "png", "--quality", "7", "--force"]) == 0
+    assert data_cli.main(["pack", str(src), "out", "--resize", "4x6", "--encode", "jpeg", "--quality", "7", "--force"]) == 0
     listing = tmp_path / "l.txt"
     listing.write_text("")
     assert data_cli.main(["pack", str(listing), "out", "--list-file", "--root", "base"]) == 0
-    assert calls == [("pack", (str(src), "out", False, None, (4, 6), "png", 7, True)),
-                     ("pack", (str(listing), "out", True, "base", None, "auto", 95, False))]
+    assert data_cli.main(["pack", str(src), "out", "--resize", "4x6", "--quality", "8"]) == 0  # auto: JPEG when resized
+    assert data_cli.main(["pack", str(src), "out", "--encode", "jpeg", "--quality", "9"]) == 0
+    assert data_cli.main(["pack", str(src), "out", "--encode", "png"]) == 0
+    assert calls == [("pack", (str(src), "out", False, None, (4, 6), "jpeg", 7, True)),
+                     ("pack", (str(listing), "out", True, "base", None, "auto", 95, False)),
+                     ("pack", (str(src), "out", False, None, (4, 6), "auto", 8, False)),
+                     ("pack", (str(src), "out", False, None, None, "jpeg", 9, False)),
+                     ("pack", (str(src), "out", False, None, None, "png", 95, False))]
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--encode", "png", "--quality", "7"], "got --encode png"),
+    (["--encode", "png", "--resize", "4x6", "--quality", "7"], "got --encode png"),
+    (["--quality", "7"], "got --encode auto without --resize"),
+])
+def test_a_quality_that_no_jpeg_encoding_would_use_is_refused(tmp_path, capsys, calls, argv, said):
+    src = tmp_path / "faces"
+    src.mkdir()
+    assert data_cli.main(["pack", str(src), "out", *argv]) == 2
+    assert capsys.readouterr().err == ("shardfc data pack: error: --quality applies to re-encoding as JPEG "
+                                       f"(--encode jpeg, or --resize with --encode auto); {said}\n")
+    assert calls == []
+
+
+@pytest.mark.parametrize("action, out, blocking", [
+    ("pack", "{tmp}/file", "{tmp}/file"),
+    ("pack", "{tmp}/file/sub", "{tmp}/file"),
+    ("shuffle", "{tmp}/file", "{tmp}/file"),
+    ("shuffle", "{tmp}/file/x.rec", "{tmp}/file"),
+    ("glyphs", "{tmp}/file", "{tmp}/file"),
+    ("glyphs", "{tmp}/file/a/b", "{tmp}/file"),
+])
+def test_an_out_folder_where_a_file_stands_is_refused_before_any_work(tmp_path, capsys, calls, action, out, blocking):
+    (tmp_path / "file").write_text("keep")
+    (tmp_path / "faces").mkdir()
+    out = out.format(tmp=tmp_path)
+    argv = {"pack": ["pack", str(tmp_path / "faces"), out], "shuffle": ["shuffle", str(tmp_path), out],
+            "glyphs": ["glyphs", out]}[action]
+    assert data_cli.main(argv) == 2
+    assert capsys.readouterr().err == (f"shardfc data {action}: error: OUT {out!r}: "
+                                       f"{blocking.format(tmp=tmp_path)!r} is a file, not a folder\n")
+    assert calls == [] and (tmp_path / "file").read_text() == "keep"
+
+
+@pytest.mark.parametrize("folder", ["", ".", "new/deeper", "there", "/"])
+def test_a_folder_that_exists_or_can_be_made_is_no_obstacle(tmp_path, monkeypatch, folder):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "there").mkdir()
+    assert data_cli._not_a_folder(folder) is None
+
+
+@pytest.mark.parametrize("action", ["shuffle", "glyphs"])
+def test_a_negative_seed_is_refused_by_its_flag(tmp_path, capsys, calls, action):
+    argv = ["shuffle", str(tmp_path), "out"] if action == "shuffle" else ["glyphs", "out"]
+    assert data_cli.main([*argv, "--seed", "-1"]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"shardfc data {action}: error: argument --seed: expected an integer >= 0, got '-1'\n")
+    assert calls == []
 
 
 def test_shuffle_passes_its_flags_on(tmp_path, calls):

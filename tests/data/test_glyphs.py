@@ -203,6 +203,7 @@ def test_bad_options_name_the_option(field, value, words):
     ("image_size", [7, 513, 64.0, True], [8, 512]), ("min_faces", [1, 0, True], [2]),
     ("identities", [0, -3, True, 2.0], [1]), ("unseen_identities", [0, False], [1]), ("copies", [0, True], [1]),
     ("holdout_faces", [-1, True, 1.0], [0]), ("pairs", [0, 30, 610, True], [20]), ("channels", [0, 2, 4], [1, 3]),
+    ("seed", [-1, True, 1.5], [0, 2**40]),  # numpy's generators take no negative seed
 ])
 def test_each_option_is_refused_just_past_its_bounds_and_accepted_at_them(field, refused, accepted):
     for value in refused:

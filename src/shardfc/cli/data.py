@@ -32,14 +32,17 @@ import sys
 from typing import List, Optional, Tuple
 
 from shardfc.data.recordio_ops import CommandError, inspect, pack, shuffle, verify
+from shardfc.train.config.fields import MAX_IMAGE_SIDE
 
 __all__ = ["main", "build_parser", "pack", "inspect", "shuffle", "verify"]
 
 
 def _size_arg(text: str) -> Tuple[int, int]:
+    """``HxW``, each side 1..MAX_IMAGE_SIDE (training's bound: a 99999x99999 resize would ask 30 GB an image)."""
     m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
-    if not m or int(m.group(1)) <= 0 or int(m.group(2)) <= 0:
-        raise argparse.ArgumentTypeError(f"expected HEIGHTxWIDTH such as 112x112, got {text!r}")
+    if not m or not all(1 <= int(side) <= MAX_IMAGE_SIDE for side in m.groups()):
+        raise argparse.ArgumentTypeError(
+            f"expected HEIGHTxWIDTH such as 112x112, each side 1..{MAX_IMAGE_SIDE}, got {text!r}")
     return int(m.group(1)), int(m.group(2))
 
 
@@ -82,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--resize", type=_size_arg, metavar="HxW", help="resize every image to HEIGHTxWIDTH (re-encodes)")
     pk.add_argument("--encode", choices=("auto", "jpeg", "png"), default="auto",
                     help="auto (default): keep the file's bytes, JPEG when resized; jpeg/png: always re-encode")
-    pk.add_argument("--quality", type=_quality_arg, default=95, help="JPEG quality when re-encoding (default 95)")
+    pk.add_argument("--quality", type=_quality_arg, default=None,
+                    help="JPEG quality when re-encoding to JPEG: --encode jpeg, or --resize with --encode auto (default 95)")
     pk.add_argument("--force", action="store_true", help="replace an existing OUT/train.rec")
 
     ins = sub.add_parser("inspect", help="counts, images per class, image size, layout", allow_abbrev=False)
@@ -93,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     sh = sub.add_parser("shuffle", help="shuffled copy without header/identity records (im2rec layout)", allow_abbrev=False)
     sh.add_argument("path", metavar="PATH", help="folder with train.rec/train.idx, or a .rec file")
     sh.add_argument("out", metavar="OUT", help="output folder (gets train.rec/train.idx), or a .rec path")
-    sh.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
+    sh.add_argument("--seed", type=_count_arg, default=0, help="shuffle seed, an integer >= 0 (default 0)")
     sh.add_argument("--force", action="store_true",
                     help="replace existing output files (the .rec, its .idx, and a property in OUT's folder)")
 
@@ -125,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"typeface families kept out of training for glyphs_faces.bin (default {d.holdout_faces})")
     gl.add_argument("--copies", type=int, default=d.copies, help=f"augmented images per training drawing (default {d.copies})")
     gl.add_argument("--pairs", type=int, default=d.pairs, help=f"pairs per verification set (default {d.pairs}, as LFW)")
-    gl.add_argument("--seed", type=int, default=d.seed, help=f"seed of every choice and augmentation (default {d.seed})")
+    gl.add_argument("--seed", type=_count_arg, default=d.seed,
+                    help=f"seed of every choice and augmentation, an integer >= 0 (default {d.seed})")
     gl.add_argument("--force", action="store_true", help="replace an existing set in OUT")
     return p
 
@@ -156,6 +161,18 @@ def _print_inspect(info: dict, out=None) -> None:
         print(f"undecodable: {line}", file=out)
 
 
+def _not_a_folder(folder: str) -> Optional[str]:
+    """Why output folder ``folder`` cannot be made (a file stands at it or above it), or None."""
+    path = os.path.abspath(folder or ".")
+    while True:
+        if os.path.exists(path):
+            return None if os.path.isdir(path) else f"{path!r} is a file, not a folder"
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+
+
 # -------------------------------------------------------------------- main
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
@@ -164,6 +181,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except SystemExit as e:  # --help (0) or a usage error (2, message already printed)
         return int(e.code or 0)
     if args.action == "glyphs":
+        blocked = _not_a_folder(args.out)
+        if blocked:
+            print(f"shardfc data glyphs: error: OUT {args.out!r}: {blocked}", file=sys.stderr)
+            return 2
         return _glyphs(args)
     where = args.path if hasattr(args, "path") else args.src
     if not os.path.exists(where):
@@ -171,12 +192,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"shardfc data {args.action}: error: {what} {where!r} does not exist", file=sys.stderr)
         return 2
     try:
+        if args.action in ("pack", "shuffle"):  # OUT is a folder (shuffle: or a .rec file in one)
+            folder = os.path.dirname(args.out) if args.action == "shuffle" and args.out.endswith(".rec") else args.out
+            blocked = _not_a_folder(folder)
+            if blocked:
+                raise CommandError(f"OUT {args.out!r}: {blocked}")
         if args.action == "pack":
+            jpeg = args.encode == "jpeg" or (args.encode == "auto" and args.resize is not None)
+            if args.quality is not None and not jpeg:
+                raise CommandError(f"--quality applies to re-encoding as JPEG (--encode jpeg, or --resize with "
+                                   f"--encode auto); got --encode {args.encode}"
+                                   + ("" if args.resize is not None or args.encode == "png" else " without --resize"))
             if args.list_file and not os.path.isfile(args.src):
                 raise CommandError(f"--list-file given but SRC {args.src!r} is not a file")
             if not args.list_file and not os.path.isdir(args.src):
                 raise CommandError(f"SRC {args.src!r} is not a folder (pass --list-file for a list file)")
-            pack(args.src, args.out, args.list_file, args.root, args.resize, args.encode, args.quality, args.force)
+            pack(args.src, args.out, args.list_file, args.root, args.resize, args.encode,
+                 95 if args.quality is None else args.quality, args.force)
         elif args.action == "inspect":
             info = inspect(args.path, args.sample)
             if args.json:

@@ -108,6 +108,8 @@ class GlyphOptions:
             raise GlyphError(f"min_faces must be at least 2 (a positive pair needs two drawings), got {self.min_faces}")
         if isinstance(self.holdout_faces, bool) or not isinstance(self.holdout_faces, int) or self.holdout_faces < 0:
             raise GlyphError(f"holdout_faces must be an integer >= 0, got {self.holdout_faces!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise GlyphError(f"seed must be an integer >= 0, got {self.seed!r}")  # numpy seeds only those
         if self.pairs % (2 * FOLDS):
             raise GlyphError(f"pairs must be a multiple of {2 * FOLDS} (10 folds of equal positives and negatives), "
                              f"got {self.pairs}")
