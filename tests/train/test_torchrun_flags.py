@@ -85,3 +85,41 @@ def test_rank_0_warns_when_torchrun_restarts_with_a_shared_store(monkeypatch, ca
         assert caplog.records == []  # only rank 0 speaks
         warn_if_restarts_unsafe(rank=0)
     assert (f"{SHARE_STORE_ENV}=1" in caplog.text) == warns
+
+
+@pytest.fixture
+def execs(monkeypatch):
+    """What ``shardfc torchrun`` would hand to torchrun (``parallel.torchrun.main``, which execs it), recorded."""
+    from shardfc.cli import torchrun as cli_torchrun
+
+    seen = []
+    monkeypatch.setattr(cli_torchrun.torchrun, "main", lambda argv: seen.append(argv) or 0)
+    return seen
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--bogus"], "unknown argument '--bogus'"),
+    (["--lr", "-1"], "lr must be > 0, got -1.0"),
+    (["--strategy", "dp", "--nproc", "3"], "--nproc is read only with strategy 'ddp' or 'pipeline'"),
+])
+def test_shardfc_torchrun_refuses_bad_training_flags_before_torchrun_starts(execs, capsys, flags, said):
+    """One line, exit 2, no worker: each worker would otherwise fail in turn, with torchrun's report each."""
+    from shardfc.cli import main
+
+    assert main(["torchrun", "--standalone", "--nproc-per-node", "2", "--", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"shardfc torchrun: error: {said}") and err.count("\n") == 1
+    assert execs == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["--standalone", "--nproc-per-node", "2", "--", "--max-steps", "3", "--lr", "0.2"],
+    ["--standalone"],  # no training flags: the defaults
+    ["--help"],
+    ["--standalone", "--", "--help"],  # shardfc train's help, printed by the workers' parser
+])
+def test_shardfc_torchrun_hands_good_flags_and_help_on(execs, argv):
+    from shardfc.cli import main
+
+    assert main(["torchrun", *argv]) == 0
+    assert execs == [argv]

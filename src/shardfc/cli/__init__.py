@@ -14,9 +14,9 @@ parse their arguments and call the library, whose implementation stays in its ow
     bench_peers.py     shardfc bench --peers
     plan.py            shardfc plan (shardfc.tools.plan)
     demo.py            shardfc demo: a sharded head on 2 spawned CPU processes
+    torchrun.py        shardfc torchrun: the training flags checked, then torchrun (shardfc.parallel.torchrun)
 
-``shardfc torchrun`` is :mod:`shardfc.parallel.torchrun`. The modules' names before this layout
-(``shardfc.train.cli``, ``shardfc.data.cli``, ...) import these for one release (:mod:`shardfc._moved`).
+The modules' names before this layout (``shardfc.train.cli``, ``shardfc.data.cli``, ...) import these for one release (:mod:`shardfc._moved`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import List, Optional
 # name -> (module with a ``main(argv) -> int``, one-line help)
 COMMANDS = {
     "train": ("shardfc.cli.train", "train an embedding model with a sharded margin head (default: synthetic demo)"),
-    "torchrun": ("shardfc.parallel.torchrun", "run `shardfc train` under torchrun, set up for elastic restarts"),
+    "torchrun": ("shardfc.cli.torchrun", "run `shardfc train` under torchrun, set up for elastic restarts"),
     "eval": ("shardfc.cli.eval", "evaluate a checkpoint: face verification (.bin) or re-ID (query/gallery)"),
     "export": ("shardfc.cli.export", "write the backbone for inference (TorchScript / ONNX)"),
     "embed": ("shardfc.cli.embed", "write embeddings for a folder of images"),

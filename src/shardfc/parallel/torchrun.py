@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 #: The variable that gives every rendezvous round its own store (read by torchrun, not the workers).
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -31,13 +31,17 @@ Run `shardfc train` under torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so
 TORCHRUN OPTIONS are torchrun's own (torchrun --help); the flags after `--` are shardfc train's."""
 
 
-def torchrun_command(argv: List[str]) -> List[str]:
-    """The torchrun command line for ``shardfc torchrun ARGV``."""
+def split_argv(argv: List[str]) -> Tuple[List[str], List[str]]:
+    """``(torchrun's options, shardfc train's flags)`` of ``shardfc torchrun ARGV``: split at the first ``--``."""
     if "--" in argv:
         split = argv.index("--")
-        launcher, train_flags = argv[:split], argv[split + 1 :]
-    else:
-        launcher, train_flags = argv, []
+        return argv[:split], argv[split + 1 :]
+    return argv, []
+
+
+def torchrun_command(argv: List[str]) -> List[str]:
+    """The torchrun command line for ``shardfc torchrun ARGV``."""
+    launcher, train_flags = split_argv(argv)
     return [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "shardfc", "train", "--", *train_flags]
 
 
@@ -68,4 +72,4 @@ def warn_if_restarts_unsafe(rank: int) -> None:
         )
 
 
-__all__ = ["SHARE_STORE_ENV", "main", "torchrun_command", "warn_if_restarts_unsafe"]
+__all__ = ["SHARE_STORE_ENV", "USAGE", "main", "split_argv", "torchrun_command", "warn_if_restarts_unsafe"]

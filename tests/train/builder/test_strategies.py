@@ -301,7 +301,7 @@ def hvd(monkeypatch):
     return fake
 
 
-def test_launch_checks_say_what_to_use_instead(launched, hvd, caplog):
+def test_launch_checks_say_what_to_use_instead(launched, hvd, caplog, monkeypatch):
     check = strategy_module.check_launch
     dp_refused = ("strategy='dp' is one process driving every GPU; do not start it under torchrun or horovodrun "
                   "(use --strategy ddp under torchrun, --strategy horovod under horovodrun)")
@@ -321,6 +321,7 @@ def test_launch_checks_say_what_to_use_instead(launched, hvd, caplog):
     # pipeline: its layout is checked before any process starts, with --nproc; under torchrun, by the ranks
     bad = TrainConfig(strategy="pipeline", pipeline_stages=2, nproc=3, micro_batches=2, batch_size=8,
                       micro_batch_stats=True)
+    monkeypatch.setenv("WORLD_SIZE", "3")  # torchrun's world as --nproc says (one that disagrees: refused, below)
     check(bad)
     launched(None)
     with pytest.raises(ConfigError, match=r"^strategy='pipeline' on 3 rank\(s\) with backbone='tiny': "):
@@ -556,3 +557,21 @@ def test_the_head_is_placed_and_the_optimizer_wrapped_as_the_strategy_says(monke
     assert strategy_module.wrap_backbone_optimizer(TrainConfig(strategy="horovod", grad_accum=3), None, backbone,
                                                    opt) == "wrapped"
     assert hvd.calls == [("DistributedOptimizer", opt, ["weight", "bias"], "average", 3)]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "pipeline"])
+def test_an_nproc_that_disagrees_with_torchruns_world_is_refused(launched, monkeypatch, strategy):
+    """torchrun makes the ranks: --nproc 4 under a 2-process torchrun was dropped without a word."""
+    launched("torchrun")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    kw = {}
+    for nproc in (1, 4):
+        with pytest.raises(ConfigError) as err:
+            strategy_module.check_launch(TrainConfig(strategy=strategy, nproc=nproc, **kw))
+        assert str(err.value) == (f"--nproc {nproc} under torchrun, which started 3 process(es) (WORLD_SIZE): "
+                                  "torchrun's --nproc-per-node and --nnodes set the ranks; leave --nproc out")
+    strategy_module.check_launch(TrainConfig(strategy=strategy, nproc=3, **kw))  # the same world
+    strategy_module.check_launch(TrainConfig(strategy=strategy, **kw))  # the default: cannot be told from unset
+    assert TrainConfig().nproc == 2
+    launched(None)
+    strategy_module.check_launch(TrainConfig(strategy="ddp", nproc=1))  # spawned: --nproc makes the ranks

@@ -23,6 +23,7 @@ how big one process's loader batch is, and what to synchronise after a restore.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -41,6 +42,15 @@ logger = logging.getLogger("shardfc.train")
 
 def check_launch(cfg: TrainConfig) -> None:
     """Refuse, before any process starts, a strategy this machine or launcher cannot run."""
+    if launched_by_torchrun() and cfg.strategy in ("ddp", "pipeline"):
+        # torchrun's --nproc-per-node and --nnodes make the ranks: an --nproc that disagrees would be
+        # dropped (its default, 2, cannot be told from one given, and is let through)
+        world = int(os.environ["WORLD_SIZE"])
+        if cfg.nproc not in (TrainConfig.nproc, world):
+            raise ConfigError(
+                f"--nproc {cfg.nproc} under torchrun, which started {world} process(es) (WORLD_SIZE): torchrun's "
+                "--nproc-per-node and --nnodes set the ranks; leave --nproc out"
+            )
     if cfg.strategy == "dp":
         if launched_by_torchrun() or launched_by_horovodrun():
             raise ConfigError(
