@@ -123,3 +123,25 @@ def test_shardfc_torchrun_hands_good_flags_and_help_on(execs, argv):
 
     assert main(["torchrun", *argv]) == 0
     assert execs == [argv]
+
+
+@pytest.mark.parametrize("launcher, count", [
+    (["--nproc-per-node", "0"], "0"), (["--nproc_per_node=-2"], "-2"), (["--nproc-per-node=4", "--nproc-per-node", "0"], "0"),
+])
+def test_shardfc_torchrun_refuses_fewer_than_one_process_per_node(execs, capsys, launcher, count):
+    from shardfc.cli import main
+
+    assert main(["torchrun", "--standalone", *launcher, "--", "--max-steps", "1"]) == 2
+    assert capsys.readouterr().err == (
+        f"shardfc torchrun: error: --nproc-per-node must be >= 1 (or auto, cpu, gpu), got {count}\n")
+    assert execs == []
+
+
+@pytest.mark.parametrize("launcher, count", [
+    ([], None), (["--nproc-per-node", "2"], "2"), (["--nproc_per_node=auto"], "auto"), (["--nproc-per-node"], None),
+    (["--nnodes", "0"], None),
+])
+def test_the_per_node_count_is_read_as_torchrun_spells_it(launcher, count):
+    from shardfc.cli.torchrun import nproc_per_node
+
+    assert nproc_per_node(launcher) == count

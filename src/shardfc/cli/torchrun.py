@@ -18,10 +18,29 @@ from shardfc.train.config import ConfigError, parse_config
 __all__ = ["main"]
 
 
+#: torchrun's spellings of its per-node process count.
+NPROC_FLAGS = ("--nproc-per-node", "--nproc_per_node")
+
+
+def nproc_per_node(launcher: List[str]) -> Optional[str]:
+    """The value torchrun's options give ``--nproc-per-node`` (the last one given), or None."""
+    value = None
+    for i, arg in enumerate(launcher):
+        name, eq, given = arg.partition("=")
+        if name in NPROC_FLAGS:
+            value = given if eq else (launcher[i + 1] if i + 1 < len(launcher) else None)
+    return value
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    _, train_flags = torchrun.split_argv(argv)
+    launcher, train_flags = torchrun.split_argv(argv)
     if argv[:1] not in (["-h"], ["--help"]) and not {"-h", "--help"} & set(train_flags):
+        count = nproc_per_node(launcher)
+        if count is not None and count.lstrip("-").isdigit() and int(count) < 1:  # torchrun: an AssertionError
+            print(f"shardfc torchrun: error: --nproc-per-node must be >= 1 (or auto, cpu, gpu), got {count}",
+                  file=sys.stderr)
+            return 2
         try:
             parse_config(train_flags)
         except ConfigError as e:
