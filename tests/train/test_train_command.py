@@ -221,6 +221,40 @@ def test_an_input_error_is_one_line_and_exit_2(monkeypatch, capsys, raised):
     assert capsys.readouterr() == ("", f"shardfc train: error: {raised}\n")
 
 
+HINT = (". `shardfc plan --classes C --dim D --batch B --world-size N` predicts the head's memory per rank; more ranks "
+        "(--nproc), Partial FC (--sample-rate), a bf16 head (--head-dtype bfloat16) or a smaller --batch-size need less")
+
+
+@pytest.mark.parametrize("raised, said", [
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                  "tried to allocate 51200000000 bytes. Error code 12 (Cannot allocate memory)"),
+     "DefaultCPUAllocator could not allocate 47.7 GiB"),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB.\nGPU 0 has a total capacity of 79 GiB"),
+     "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79 GiB"),
+    (MemoryError(), "MemoryError"),
+    (torch.OutOfMemoryError("x" * 300), "x" * 237 + "..."),
+])
+def test_running_out_of_memory_is_one_line_with_what_needs_less(monkeypatch, capsys, raised, said):
+    """Too large a run for its machine is the input's size: a line, as other input errors, in-process
+    and from a spawned rank (--synthetic-identities 100000000 ended in the allocator's traceback)."""
+    assert cli.out_of_memory(raised) == f"out of memory: {said}{HINT}"
+    monkeypatch.setattr(cli, "run", lambda cfg: (_ for _ in ()).throw(raised))
+    assert cli.main([]) == 2
+    assert capsys.readouterr() == ("", f"shardfc train: error: out of memory: {said}{HINT}\n")
+    monkeypatch.setattr(cli, "train", lambda cfg: (_ for _ in ()).throw(raised))
+    got = cli._spawned(1, 2, _cfg())
+    assert (got["error"], got["user_error"]) == (f"out of memory: {said}{HINT}", True)
+
+
+def test_another_runtime_error_keeps_its_traceback(monkeypatch):
+    assert cli.out_of_memory(RuntimeError("shape mismatch")) is None and cli.out_of_memory(KeyError("k")) is None
+    monkeypatch.setattr(cli, "run", lambda cfg: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        cli.main([])
+    monkeypatch.setattr(cli, "train", lambda cfg: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+    assert cli._spawned(0, 2, _cfg())["user_error"] is False
+
+
 def test_a_bug_is_not_swallowed(monkeypatch):
     monkeypatch.setattr(cli, "run", lambda cfg: (_ for _ in ()).throw(KeyError("bug")))
     with pytest.raises(KeyError):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import traceback
@@ -62,6 +63,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside the run's own handling (e.g. while importing)
         print("shardfc train: interrupted", file=sys.stderr)
         return exit_code(signal.SIGINT)
+    except (RuntimeError, MemoryError) as e:  # (after StoppedBySignal, a RuntimeError) the allocator: one line; any other error keeps its traceback
+        oom = out_of_memory(e)
+        if oom is None:
+            raise
+        print(f"shardfc train: error: {oom}", file=sys.stderr)
+        return 2
     if summary is not None:
         if "step" in summary:
             print_summary(summary)
@@ -143,13 +150,33 @@ def _stopped_only(summary: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return {"stopped_by": summary["stopped_by"]} if summary.get("stopped_by") else None
 
 
+def out_of_memory(error: BaseException) -> Optional[str]:
+    """One line for the allocator running out (host or CUDA memory), with what needs less; None for
+    any other error. Too large a run for its machine is the input's size, not a fault in shardfc:
+    said in a line, as other input errors are, not as an allocator traceback."""
+    oom = isinstance(error, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
+    if not oom:
+        return None
+    text = " ".join(str(error).split())
+    text = re.sub(r"^\[enforce fail at [^\]]*\] err == 0\. ", "", text)  # the CPU allocator's assertion
+    asked = re.search(r"you tried to allocate (\d+) bytes", text)
+    if asked:
+        text = f"{text.split(':')[0]} could not allocate {int(asked.group(1)) / 2**30:,.1f} GiB"
+    text = text if len(text) <= 240 else text[:237] + "..."
+    return (f"out of memory: {text or type(error).__name__}. `shardfc plan --classes C --dim D --batch B "
+            "--world-size N` predicts the head's memory per rank; more ranks (--nproc), Partial FC (--sample-rate), "
+            "a bf16 head (--head-dtype bfloat16) or a smaller --batch-size need less")
+
+
 def _spawned(rank: int, world_size: int, cfg: TrainConfig) -> Dict[str, Any]:
     """Entry point of a spawned rank: its summary, or its error as data for the parent to report."""
     try:
         return train(cfg)
     except Exception as e:  # the parent decides how to report; a raise here would print every rank's traceback
-        user = isinstance(e, USER_ERRORS)
-        return {"error": str(e), "rank": rank, "user_error": user, "traceback": traceback.format_exc()}
+        oom = out_of_memory(e)
+        user = isinstance(e, USER_ERRORS) or oom is not None
+        return {"error": oom or str(e), "rank": rank, "user_error": user, "traceback": traceback.format_exc()}
 
 
 def _wants_cuda(cfg: TrainConfig) -> bool:
