@@ -90,3 +90,21 @@ def test_a_link_planted_under_the_scratch_name_is_neither_followed_nor_removed(t
     assert str(err.value) == f"cannot write {tmp_path / 'm.pt'}: File exists"
     assert written == [] and target.read_bytes() == b"keep"
     assert (tmp_path / f".m.pt.tmp-{os.getpid()}").is_symlink() and not (tmp_path / "m.pt").exists()
+
+
+def test_the_written_file_has_the_mode_a_new_file_gets(tmp_path):
+    """0o666 less the umask, as ``open(path, "w")`` makes it: an output is never executable."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    write_atomically(tmp_path / "m.pt", lambda scratch: scratch.write_bytes(b"x"))
+    assert (tmp_path / "m.pt").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_a_writer_that_fails_after_removing_the_scratch_file_keeps_its_own_error(tmp_path):
+    def write(scratch):
+        scratch.unlink()
+        raise RuntimeError("the writer broke")
+
+    with pytest.raises(RuntimeError, match="^the writer broke$"):
+        write_atomically(tmp_path / "m.pt", write)
+    assert os.listdir(tmp_path) == []

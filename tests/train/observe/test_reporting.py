@@ -357,3 +357,19 @@ def test_a_warm_up_as_long_as_the_run_is_warned_of(total, warned):
     lines = _setup_lines(cfg, ctx, head, total_steps=total)
     warning = ("WARNING", f"warmup_steps=10 >= the {total} steps of this run: the learning rate never reaches lr=0.1")
     assert (lines[-1] == warning) == warned and len(lines) == 4 + warned
+
+
+@pytest.mark.parametrize("per_rank_images, warned", [(7, True), (8, False), (20, False), (None, False)])
+def test_a_batch_larger_than_a_ranks_epoch_is_warned_of(per_rank_images, warned):
+    """--batch-size 100000000 on 20,000 images logged '1 steps of 100000000 images' and trained on 20,000."""
+    cfg = TrainConfig(output_dir="/runs/f", warmup_steps=10, lr=0.1)
+    head = types.SimpleNamespace(devices=[torch.device("cpu")], mode="ranks", margin="ArcFace", num_classes=10,
+                                 class_range=range(0, 10))
+    ctx = types.SimpleNamespace(world_size=2, device=torch.device("cpu"), backend="gloo")
+    batches = _Batches()  # 8 images a micro-batch
+    if per_rank_images is not None:  # ShardBatches' sampler; P x K batches have none (always full)
+        batches.sampler = types.SimpleNamespace(num_samples=per_rank_images)
+    lines = _setup_lines(cfg, ctx, head, batches=batches)
+    warning = ("WARNING", f"batch_size=8 exceeds the {per_rank_images} images each rank gets per epoch (40 in the set "
+                          f"over 2 rank(s)): every micro-batch is a whole epoch of {per_rank_images}, not 8")
+    assert (warning in lines) == warned and len(lines) == 4 + warned

@@ -76,6 +76,13 @@ def log_setup(cfg, ctx: DistContext, run) -> None:
             f"pk ({run.batches.p} identities x {run.batches.k} images per global batch)" if cfg.sampler == "pk" else cfg.sampler,
             cfg.random_erasing,
         )
+    per_rank_images = getattr(getattr(run.batches, "sampler", None), "num_samples", None)  # ShardBatches' epoch
+    if per_rank_images is not None and per_rank_images < per_rank:
+        logger.warning(
+            "batch_size=%d exceeds the %d images each rank gets per epoch (%d in the set over %d rank(s)): every "
+            "micro-batch is a whole epoch of %d, not %d",
+            per_rank, per_rank_images, len(dataset), replicas, per_rank_images, per_rank,
+        )
     if cfg.warmup_steps >= total_steps:
         logger.warning(
             "warmup_steps=%d >= the %d steps of this run: the learning rate never reaches lr=%g",
