@@ -145,3 +145,25 @@ def test_the_per_node_count_is_read_as_torchrun_spells_it(launcher, count):
     from shardfc.cli.torchrun import nproc_per_node
 
     assert nproc_per_node(launcher) == count
+
+
+@pytest.mark.parametrize("argv", [
+    ["--standalone", "--", "-h"], ["--standalone", "--", "--lr", "-1", "--help"],
+    ["--standalone", "--nproc-per-node", "1", "--", "--max-steps", "1"],  # one process a node: the least there is
+])
+def test_help_among_the_training_flags_and_one_process_a_node_go_on_to_torchrun(execs, argv):
+    from shardfc.cli import main
+
+    assert main(["torchrun", *argv]) == 0
+    assert execs == [argv]
+
+
+def test_shardfc_torchrun_reads_the_command_line_when_given_none(execs, monkeypatch, capsys):
+    from shardfc.cli import torchrun as cli_torchrun
+
+    monkeypatch.setattr(sys, "argv", ["shardfc-torchrun", "--standalone", "--", "--bogus"])
+    assert cli_torchrun.main() == 2
+    assert "unknown argument '--bogus'" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["shardfc-torchrun", "--standalone", "--", "--max-steps", "2"])
+    assert cli_torchrun.main() == 0
+    assert execs == [["--standalone", "--", "--max-steps", "2"]]

@@ -35,7 +35,7 @@ def nproc_per_node(launcher: List[str]) -> Optional[str]:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     launcher, train_flags = torchrun.split_argv(argv)
-    if argv[:1] not in (["-h"], ["--help"]) and not {"-h", "--help"} & set(train_flags):
+    if not {"-h", "--help"} & set(train_flags):  # the workers print train's help (parse_config would exit)
         count = nproc_per_node(launcher)
         if count is not None and count.lstrip("-").isdigit() and int(count) < 1:  # torchrun: an AssertionError
             print(f"shardfc torchrun: error: --nproc-per-node must be >= 1 (or auto, cpu, gpu), got {count}",
