@@ -233,6 +233,8 @@ HINT = (". `shardfc plan --classes C --dim D --batch B --world-size N` predicts 
      "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79 GiB"),
     (MemoryError(), "MemoryError"),
     (torch.OutOfMemoryError("x" * 300), "x" * 237 + "..."),
+    (torch.OutOfMemoryError("x" * 241), "x" * 237 + "..."),
+    (torch.OutOfMemoryError("x" * 240), "x" * 240),  # the longest kept whole
 ])
 def test_running_out_of_memory_is_one_line_with_what_needs_less(monkeypatch, capsys, raised, said):
     """Too large a run for its machine is the input's size: a line, as other input errors, in-process
