@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from shardfc import checkpoint as ckpt
-from shardfc.cli.outputs import check_output, write_atomically
 from shardfc.data import CorruptImageError, decode_image, image_to_tensor
 from shardfc.evaluation.verification import embed_batches
+from shardfc.outputs import check_output, write_atomically
 from shardfc.train.checkpointing.artifacts import add_checkpoint_args, list_images, load_backbone, pick_device
 from shardfc.train.config import ConfigError
 

@@ -22,7 +22,7 @@ import torch
 
 from shardfc import checkpoint as ckpt
 from shardfc.checkpoint.format import saved_num_classes
-from shardfc.cli.outputs import check_output, write_atomically
+from shardfc.outputs import check_output, write_atomically
 from shardfc.train.checkpointing.artifacts import add_checkpoint_args, load_backbone
 from shardfc.train.config import ConfigError
 

@@ -1,4 +1,4 @@
-"""``shardfc.cli.outputs``: the files ``export`` and ``embed`` write, refused by flag before the work
+"""``shardfc.outputs``: the files ``export`` and ``embed`` write, refused by flag before the work
 and written whole or not at all (``tests/train/checkpointing/test_export_command.py`` and
 ``test_embed_command.py`` run them through the commands)."""
 
@@ -8,8 +8,7 @@ import os
 
 import pytest
 
-from shardfc.cli.outputs import check_output, write_atomically
-from shardfc.train.config import ConfigError
+from shardfc.outputs import OutputRefused, check_output, write_atomically
 
 
 def test_check_output_makes_the_missing_folders(tmp_path):
@@ -29,14 +28,14 @@ def test_check_output_keeps_an_existing_file_unless_forced(tmp_path):
 @pytest.mark.parametrize("force", [False, True])
 def test_check_output_refuses_a_folder_even_when_forced(tmp_path, force):
     (tmp_path / "m.pt").mkdir()
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(OutputRefused) as err:
         check_output("--fc", tmp_path / "m.pt", force=force)
     assert str(err.value) == f"--fc {str(tmp_path / 'm.pt')!r} is a folder; name the file to write"
 
 
 def test_check_output_names_the_file_standing_where_a_folder_must_be(tmp_path):
     (tmp_path / "f").write_bytes(b"keep")
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(OutputRefused) as err:
         check_output("--onnx", tmp_path / "f" / "g" / "m.onnx", force=True)
     assert str(err.value) == f"--onnx {str(tmp_path / 'f' / 'g' / 'm.onnx')!r}: {str(tmp_path / 'f')!r} is a file, not a folder"
     assert (tmp_path / "f").read_bytes() == b"keep"
@@ -47,7 +46,7 @@ def test_check_output_says_why_a_folder_cannot_be_made(tmp_path, monkeypatch):
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(type(tmp_path), "mkdir", refuse)
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(OutputRefused) as err:
         check_output("--out", tmp_path / "new" / "m.pt", force=False)
     assert str(err.value) == f"--out {str(tmp_path / 'new' / 'm.pt')!r}: cannot make its folder (Permission denied)"
 

@@ -1,5 +1,7 @@
-"""The files a command writes for the user (``export --out/--onnx/--fc``, ``embed --out``): checked
-by flag before any work, and written whole or not at all.
+"""The files a command writes for the user (``export --out/--onnx/--fc``, ``embed --out``, the
+``--json`` / ``--plot`` of ``bench`` and ``plan``): checked by flag before any work, and written
+whole or not at all. A bottom layer, as :mod:`shardfc.files` (the reading gate) is: it imports
+nothing of shardfc, so the commands and ``shardfc.tools`` both use it.
 
 Checked up front because the work before the write (loading a checkpoint, tracing a model,
 embedding a folder of images) can take minutes: a folder named as the file, or a folder that cannot
@@ -14,24 +16,27 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from shardfc.train.config import ConfigError
+__all__ = ["OutputRefused", "check_output", "write_atomically"]
 
-__all__ = ["check_output", "write_atomically"]
+
+class OutputRefused(ValueError):
+    """A path named to write to cannot be one (a folder, a file in the way, a folder not makeable);
+    the message names the flag and the path."""
 
 
 def check_output(flag: str, path: Path, force: bool) -> None:
     """Refuse ``path`` (named by ``flag``) unless a file can be written there; make its folder."""
     if path.is_dir():
-        raise ConfigError(f"{flag} {str(path)!r} is a folder; name the file to write")
+        raise OutputRefused(f"{flag} {str(path)!r} is a folder; name the file to write")
     if path.exists() and not force:
         raise FileExistsError(f"{path} exists; pass --force to replace it")
     blocking = next((f for f in (path.parent, *path.parent.parents) if f.exists() and not f.is_dir()), None)
     if blocking is not None:
-        raise ConfigError(f"{flag} {str(path)!r}: {str(blocking)!r} is a file, not a folder")
+        raise OutputRefused(f"{flag} {str(path)!r}: {str(blocking)!r} is a file, not a folder")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"{flag} {str(path)!r}: cannot make its folder ({e.strerror or e})") from None
+        raise OutputRefused(f"{flag} {str(path)!r}: cannot make its folder ({e.strerror or e})") from None
 
 
 def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
