@@ -107,3 +107,38 @@ def test_a_writer_that_fails_after_removing_the_scratch_file_keeps_its_own_error
     with pytest.raises(RuntimeError, match="^the writer broke$"):
         write_atomically(tmp_path / "m.pt", write)
     assert os.listdir(tmp_path) == []
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("the work ran before its output path was checked")
+
+
+@pytest.mark.parametrize("command, argv, runner", [
+    ("bench", ["--world-size", "1", "--batch", "8", "--dim", "4", "--classes", "10"], ("shardfc.cli.bench", "run_bench")),
+    ("bench --peers", ["--peers", "--batch", "8", "--dim", "4", "--classes", "10"], ("shardfc.cli.bench_peers", "run_peers")),
+    ("bench", ["--recipes", "--split-sweep"], ("shardfc.cli.bench_recipes", "run_recipes")),
+    ("bench --trainer", ["--trainer"], ("shardfc.tools.bench.trainer", "bench_trainer")),
+    ("plan", ["--classes", "10", "--dim", "4", "--batch", "8"], ("shardfc.cli.plan", "plan")),
+])
+@pytest.mark.parametrize("flag", ["--json", "--plot", "--split-plot"])
+def test_every_benchmark_checks_the_files_it_will_write_before_it_runs(tmp_path, monkeypatch, capsys, command, argv,
+                                                                      runner, flag):
+    """A folder named as --json (or a file where its folder must be) ended the run in a traceback at the end."""
+    import importlib
+
+    from shardfc.cli import main
+
+    takes = {"bench --trainer": ["--json"], "plan": ["--json"]}.get(command, ["--json", "--plot"])
+    if "--recipes" in argv:
+        takes = ["--json", "--plot", "--split-plot"]
+    if flag not in takes:
+        pytest.skip(f"{command} has no {flag}")
+    monkeypatch.setattr(importlib.import_module(runner[0]), runner[1], _never)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("keep")
+    for path, said in ((tmp_path / "dir", f"{str(tmp_path / 'dir')!r} is a folder; name the file to write"),
+                       (tmp_path / "file" / "x", f"{str(tmp_path / 'file' / 'x')!r}: {str(tmp_path / 'file')!r} is a "
+                                                  "file, not a folder")):
+        assert main([command.split()[0], *argv, flag, str(path)]) == 2
+        assert capsys.readouterr().err.endswith(f"shardfc {command}: error: {flag} {said}\n")
+    assert (tmp_path / "file").read_text() == "keep" and os.listdir(tmp_path / "dir") == []

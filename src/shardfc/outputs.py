@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
-__all__ = ["OutputRefused", "check_output", "write_atomically"]
+__all__ = ["OutputRefused", "check_output", "check_outputs", "write_atomically"]
 
 
 class OutputRefused(ValueError):
@@ -37,6 +37,14 @@ def check_output(flag: str, path: Path, force: bool) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OutputRefused(f"{flag} {str(path)!r}: cannot make its folder ({e.strerror or e})") from None
+
+
+def check_outputs(**given: "Optional[str]") -> None:
+    """:func:`check_output` of each path given (None: not asked for), replacing allowed: the
+    ``--json`` / ``--plot`` files of a benchmark, named by their flag (``json="a.json"`` is ``--json``)."""
+    for name, path in given.items():
+        if path is not None:
+            check_output("--" + name.replace("_", "-"), Path(path), force=True)
 
 
 def write_atomically(path: Path, write: Callable[[Path], None]) -> None:

@@ -25,6 +25,7 @@ import sys
 from typing import List, Optional
 
 from shardfc.checks import chunk_size_arg
+from shardfc.outputs import check_outputs
 from shardfc.parallel.launch import WorkerError
 from shardfc.tools.bench import report
 from shardfc.tools.bench.runner import DEFAULT_CHUNK_SIZE, DEFAULT_SAMPLE_RATE, VARIANTS, run_bench
@@ -93,6 +94,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return int(e.code or 0)
     details: dict = {}
     try:
+        check_outputs(json=args.json, plot=args.plot)  # before the run, not after it
         results = run_bench(
             world_size=args.world_size,
             batch=args.batch,

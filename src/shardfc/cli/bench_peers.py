@@ -22,6 +22,7 @@ import sys
 from typing import Iterator, List, Optional, TextIO
 
 from shardfc.checks import chunk_size_arg
+from shardfc.outputs import check_outputs
 from shardfc.tools.bench.peers import DTYPES, MARGINS, SYSTEMS, failures, run_peers
 
 #: the logger the head reports on (``impl="auto"``'s timing table, at INFO)
@@ -95,6 +96,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except SystemExit as e:  # --help (0) or a usage error (2, message already printed)
         return int(e.code or 0)
     try:
+        check_outputs(json=args.json, plot=args.plot)  # before the run, not after it
         with head_log(sys.stderr, logging.WARNING if args.quiet else logging.INFO):
             result = run_peers(
                 batch=args.batch, dim=args.dim, classes=args.classes, systems=args.systems, dtype=args.dtype,

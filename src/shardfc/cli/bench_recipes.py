@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from shardfc.outputs import check_outputs
 from shardfc.tools.bench import recipes_report as report
 from shardfc.tools.bench.recipes import RECIPES, Workload, check_workload, parse_precisions, parse_recipes, run_recipes
 
@@ -134,6 +135,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     before = [round(x, 2) for x in os.getloadavg()]
     rows = split = None
     try:
+        check_outputs(json=args.json, plot=args.plot, split_plot=args.split_plot)  # before the runs, not after them
         if not 0 < args.timeout < float("inf"):  # NaN too: it would wait forever
             raise ValueError(f"timeout must be a finite number > 0 of seconds, got {args.timeout!r}")
         if args.split_batch is not None and args.split_batch < 1:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 from shardfc.checks import chunk_size_arg
+from shardfc.outputs import check_outputs, write_atomically
 from shardfc.tools.plan import DTYPES, MEMORY_MODELS, OPTIMIZERS, PLAN_IMPLS, format_plan, plan
 from shardfc.tools.plan.traffic import format_chunk_candidates, format_traffic
 
@@ -64,6 +66,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     try:
+        check_outputs(json=args.json)
         # A GPU setting the torch path does not read would be dropped silently: refused instead.
         if args.sms is not None and args.impl == "torch":
             raise ValueError(f"--sms {args.sms} sizes the GPU paths' statistics: it needs --head-impl triton or gemm")
@@ -93,7 +96,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print()
         print(format_chunk_candidates(result["chunk_candidates"]))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+        try:
+            write_atomically(Path(args.json), lambda scratch: scratch.write_text(json.dumps(result, indent=2) + "\n"))
+        except OSError as e:
+            print(f"shardfc plan: error: {e}", file=sys.stderr)
+            return 2
     return 0

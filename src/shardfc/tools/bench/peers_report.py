@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import textwrap
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from shardfc.head.margins import build_margin
+from shardfc.outputs import write_atomically
 from shardfc.tools.bench.peers import ROW_FIELDS
 from shardfc.tools.bench.recipes_report import pyplot, save_png
 from shardfc.tools.bench.report import MEASURES
@@ -73,9 +75,7 @@ def write_json(result: Dict[str, Any], path: str) -> None:
     doc = {k: result[k] for k in ("workload", "environment", "memory_measure", "loss_rtol", "references")}
     doc["rows"] = [{k: r[k] for k in ROW_FIELDS} for r in result["rows"]]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
+    write_atomically(Path(path), lambda scratch: scratch.write_text(json.dumps(doc, indent=2) + "\n"))
 
 
 def plot(result: Dict[str, Any], path: str) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import textwrap
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from shardfc.outputs import write_atomically
 from shardfc.parallel.split_bench import FIELDS as SPLIT_FIELDS
 from shardfc.tools.bench.recipes import ROW_FIELDS
 
@@ -88,9 +90,7 @@ def write_json(path: str, meta: Dict[str, Any], rows: Optional[Sequence[Dict[str
         "split_sweep": None if split is None else [{k: r[k] for k in SPLIT_FIELDS} for r in split],
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
+    write_atomically(Path(path), lambda scratch: scratch.write_text(json.dumps(doc, indent=2) + "\n"))
 
 
 def pyplot():

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from shardfc.outputs import write_atomically
 from shardfc.tools.bench.runner import FIELDS
 
 #: what ``peak_bytes_per_rank`` counts, by measure (see :mod:`shardfc.tools.bench.memory`)
@@ -64,11 +66,8 @@ def write_json(results: Sequence[Dict[str, Any]], path: str) -> None:
     + optimizer state, measured after warm-up (gradients are kept between steps), counted as
     :data:`MEASURES` says for the run's measure."""
     clean = [{k: r[k] for k in FIELDS} for r in results]
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(clean, f, indent=2)
-        f.write("\n")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_atomically(Path(path), lambda scratch: scratch.write_text(json.dumps(clean, indent=2) + "\n"))
 
 
 def plot(results: Sequence[Dict[str, Any]], path: str, details: Optional[Dict[str, Any]] = None) -> None:

@@ -70,9 +70,12 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
+
+from shardfc.outputs import check_outputs, write_atomically
 
 __all__ = ["bench_trainer", "format_report", "main"]
 
@@ -591,6 +594,7 @@ def main(argv: List[str]) -> int:
     try:
         if args.no_pool and args.pool_size is not None:
             raise ConfigError(f"--no-pool and --pool-size {args.pool_size} exclude each other")
+        check_outputs(json=args.json)  # before the run, not after it
         cfg, given = parse_config(rest)
         if getattr(given, "nproc", 1) != 1:  # was replaced by 1 silently: one process's figure read as several's
             raise ConfigError(f"shardfc bench --trainer measures one process; got --nproc {given.nproc} (time a run of "
@@ -602,7 +606,6 @@ def main(argv: List[str]) -> int:
         return 2
     print(format_report(result))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
+        write_atomically(Path(args.json), lambda scratch: scratch.write_text(json.dumps(result, indent=1), encoding="utf-8"))
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
