@@ -125,7 +125,11 @@ def test_a_quality_that_no_jpeg_encoding_would_use_is_refused(tmp_path, capsys, 
     ("glyphs", "{tmp}/file", "{tmp}/file"),
     ("glyphs", "{tmp}/file/a/b", "{tmp}/file"),
 ])
-def test_an_out_folder_where_a_file_stands_is_refused_before_any_work(tmp_path, capsys, calls, action, out, blocking):
+def test_an_out_folder_where_a_file_stands_is_refused_before_any_work(tmp_path, capsys, calls, action, out, blocking,
+                                                                      monkeypatch):
+    from shardfc.data import glyphs
+
+    monkeypatch.setattr(glyphs, "build", lambda *a, **k: calls.append(("glyphs", a)))  # not the system's fonts
     (tmp_path / "file").write_text("keep")
     (tmp_path / "faces").mkdir()
     out = out.format(tmp=tmp_path)
@@ -274,3 +278,15 @@ def test_the_inspect_table_of_an_im2rec_file(capsys):
         "size          0.5 MiB, 2 records\n"
         "undecodable: x.rec#key 0: bad\n"
         "undecodable: x.rec#key 1: worse\n")
+
+
+def test_shuffle_into_an_existing_rec_file_checks_its_folder_not_the_file(tmp_path, calls):
+    """OUT ending in .rec names the file (replaced with --force): its folder must be one, the file may exist."""
+    (tmp_path / "old.rec").write_bytes(b"rec")
+    assert data_cli.main(["shuffle", str(tmp_path), str(tmp_path / "old.rec"), "--force"]) == 0
+    assert calls == [("shuffle", (str(tmp_path), str(tmp_path / "old.rec"), 0, True))]
+
+
+def test_help_exits_0_and_a_usage_error_2(capsys):
+    assert data_cli.main(["--help"]) == 0
+    assert data_cli.main(["pack"]) == 2

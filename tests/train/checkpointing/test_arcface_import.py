@@ -192,11 +192,29 @@ def test_what_cannot_be_imported_is_refused_by_flag_before_the_backbone_is_read(
         import_arcface(tmp_path / "run", tmp_path / "b.pth", "tiny", embedding_dim=16, **fresh)
     assert str(err.value) == ("--num-classes 10 x --embedding-dim 16: the fresh head's 0.0 GiB of float32 centres "
                               "exceed this machine's 0.0 GiB of memory")
+    monkeypatch.setattr(arcface_import, "_physical_memory", lambda: 3 << 29)  # 1.5 GiB; the head 2 GiB
+    with pytest.raises(ValueError) as err:
+        import_arcface(tmp_path / "run", tmp_path / "b.pth", "tiny", num_classes=1 << 20, input_size=(16, 16))
+    assert str(err.value) == ("--num-classes 1048576 x --embedding-dim 512: the fresh head's 2.0 GiB of float32 "
+                              "centres exceed this machine's 1.5 GiB of memory")
     assert (tmp_path / "file").read_text() == "keep" and not (tmp_path / "run").exists()
     assert cli_import.main(["--backbone", str(tmp_path / "b.pth"), "--network", "tiny", "--out", str(tmp_path / "file"),
                             "--num-classes", "3"]) == 2
     assert capsys.readouterr().err == (f"shardfc import-arcface: error: --out {str(tmp_path / 'file')!r} is a file; "
                                        "name the folder to create the run in\n")
+
+
+@pytest.mark.parametrize("dim", [1, 1 << 16])
+def test_the_widest_and_narrowest_embeddings_reach_the_backbone(tmp_path, monkeypatch, dim):
+    import shardfc.train.checkpointing.arcface_import as arcface_import
+
+    def reached(path, network, embedding_dim, **kwargs):
+        raise LookupError(f"backbone asked for {embedding_dim}")
+
+    monkeypatch.setattr(arcface_import, "load_arcface_backbone", reached)
+    monkeypatch.setattr(arcface_import, "_physical_memory", lambda: None)
+    with pytest.raises(LookupError, match=f"^backbone asked for {dim}$"):
+        import_arcface(tmp_path / "run", tmp_path / "b.pth", "tiny", num_classes=2, embedding_dim=dim)
 
 
 def test_the_machines_memory_is_read_from_the_os(monkeypatch):
