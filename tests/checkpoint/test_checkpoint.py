@@ -309,6 +309,24 @@ def test_resolve_resume(tmp_path: Path) -> None:
         resolve_resume(tmp_path, "step_00000010")
 
 
+def test_resume_takes_a_run_folder_or_a_root_as_init_from_does(tmp_path: Path) -> None:
+    """--resume RUN was refused ('meta.json is missing') where --init-from RUN and --checkpoint RUN take it."""
+    run = tmp_path / "run"
+    _save_single(run / "checkpoints", 3)
+    newest = _save_single(run / "checkpoints", 5)
+    assert resolve_resume(tmp_path / "elsewhere", str(run)) == newest  # the run folder
+    assert resolve_resume(tmp_path / "elsewhere", str(run / "checkpoints")) == newest  # its checkpoint root
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError) as err:
+        resolve_resume(tmp_path / "elsewhere", str(tmp_path / "empty"))
+    assert str(err.value) == (f"resume={str(tmp_path / 'empty')!r}: {tmp_path / 'empty'} is neither a checkpoint (it "
+                              "has no meta.json) nor a run folder holding complete ones")
+    with pytest.raises(FileNotFoundError) as err:
+        resolve_resume(tmp_path, "never")
+    assert str(err.value) == ("resume='never': no checkpoint directory at never (resume is 'auto', 'none', a checkpoint "
+                              "folder or a run folder)")
+
+
 def test_resolve_resume_edge_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_resume(tmp_path, None) is None and resolve_resume(None, " NONE ") is None
     with pytest.raises(ValueError, match=r"^resume='auto' needs a checkpoint root, got root=None$"):
@@ -321,7 +339,8 @@ def test_resolve_resume_edge_values(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     (mine.parent / "elsewhere").mkdir()
     monkeypatch.chdir(mine.parent / "elsewhere")
     assert resolve_resume(root, "step_00000009") == theirs
-    with pytest.raises(FileNotFoundError, match=r"^resume='step_00000009': no checkpoint directory at step_00000009$"):
+    with pytest.raises(FileNotFoundError, match=r"^resume='step_00000009': no checkpoint directory at step_00000009 "
+                                                r"\(resume is 'auto', 'none', a checkpoint folder or a run folder\)$"):
         resolve_resume(None, "step_00000009")
 
 

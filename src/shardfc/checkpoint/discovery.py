@@ -63,11 +63,13 @@ def resolve_resume(root: str | os.PathLike[str] | None, resume: str | os.PathLik
         root: The run's checkpoint directory (used by ``"auto"`` and for relative names).
         resume: ``"auto"``: the latest valid checkpoint under ``root`` (None if there is
             none); ``"none"``, ``""`` or None: None; anything else: a checkpoint directory,
-            absolute, relative to the working directory, or relative to ``root``.
+            absolute, relative to the working directory, or relative to ``root``, or a run
+            folder (or a checkpoint root): its newest complete checkpoint, as ``--init-from``
+            and ``--checkpoint`` take them.
 
     Raises:
         FileNotFoundError: ``resume`` names a directory that does not exist.
-        CheckpointError: The named checkpoint is incomplete or corrupt.
+        CheckpointError: The named checkpoint is incomplete or corrupt, or the folder holds none.
     """
     key = "" if resume is None else os.fspath(resume).strip()
     if key.lower() in ("", "none"):
@@ -80,6 +82,10 @@ def resolve_resume(root: str | os.PathLike[str] | None, resume: str | os.PathLik
     if not path.exists() and not path.is_absolute() and root is not None and (Path(root) / path).exists():
         path = Path(root) / path
     if not path.is_dir():
-        raise FileNotFoundError(f"resume={key!r}: no checkpoint directory at {path}")
-    verify_checkpoint(path)
-    return path
+        raise FileNotFoundError(f"resume={key!r}: no checkpoint directory at {path} (resume is 'auto', 'none', a "
+                                "checkpoint folder or a run folder)")
+    found = checkpoint_at(path)  # the checkpoint itself (verified), or the newest complete one of a run folder
+    if found is None:
+        raise CheckpointError(f"resume={key!r}: {path} is neither a checkpoint (it has no {META_FILE}) nor a run "
+                              "folder holding complete ones")
+    return found

@@ -217,7 +217,7 @@ class TrainConfig:
     output_dir: str = "shardfc_runs/synthetic"
     """Run folder: checkpoints/, metrics.csv, train.log, config.toml (default: shardfc_runs/<preset or dataset>)."""
     resume: str = "auto"
-    """'auto': continue from the newest complete checkpoint in output_dir (if any); 'none': start fresh (refused if output_dir holds checkpoints); or a checkpoint folder."""
+    """'auto': continue from the newest complete checkpoint in output_dir (if any); 'none': start fresh (refused if output_dir holds checkpoints); or a checkpoint folder, or a run folder (its newest complete checkpoint)."""
     log_every: int = 50
     """Log loss, learning rate and throughput every this many steps."""
     progress: bool = True
