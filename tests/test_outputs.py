@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from shardfc.outputs import OutputRefused, check_output, write_atomically
+from shardfc.outputs import OutputRefused, check_output, check_outputs, write_atomically
 
 
 def test_check_output_makes_the_missing_folders(tmp_path):
@@ -142,3 +142,13 @@ def test_every_benchmark_checks_the_files_it_will_write_before_it_runs(tmp_path,
         assert main([command.split()[0], *argv, flag, str(path)]) == 2
         assert capsys.readouterr().err.endswith(f"shardfc {command}: error: {flag} {said}\n")
     assert (tmp_path / "file").read_text() == "keep" and os.listdir(tmp_path / "dir") == []
+
+
+def test_a_benchmarks_existing_json_is_replaced_not_refused(tmp_path):
+    """--json / --plot have no --force: a benchmark rerun writes over its last figures."""
+    (tmp_path / "bench.json").write_text("[]")
+    check_outputs(json=str(tmp_path / "bench.json"), plot=None, split_plot=str(tmp_path / "new" / "s.png"))
+    assert (tmp_path / "new").is_dir() and (tmp_path / "bench.json").read_text() == "[]"
+    with pytest.raises(OutputRefused) as err:
+        check_outputs(split_plot=str(tmp_path))
+    assert str(err.value) == f"--split-plot {str(tmp_path)!r} is a folder; name the file to write"

@@ -140,6 +140,7 @@ def test_an_image_outside_the_folder_is_skipped(monkeypatch, images, tmp_path, c
     (["--out", "{tmp}/taken.pt"], "{tmp}/taken.pt exists; pass --force to replace it"),
     (["--out", "{tmp}/taken.npy"], "{tmp}/taken.npy.paths.txt exists; pass --force to replace it"),
     (["--out", "{tmp}/dir.pt", "--force"], "--out '{tmp}/dir.pt' is a folder; name the file to write"),
+    (["--out", "{tmp}/d.npy", "--force"], "--out '{tmp}/d.npy.paths.txt' is a folder; name the file to write"),
     (["--out", "{tmp}/taken.pt/e.pt"], "--out '{tmp}/taken.pt/e.pt': '{tmp}/taken.pt' is a file, not a folder"),
     (["--out", "{tmp}/e.pt", "--images", "{tmp}/none"], "--images '{tmp}/none' does not exist or is not a folder"),
     (["--out", "{tmp}/e.pt", "--images", "{tmp}/bad"], "none of the 2 images under '{tmp}/bad' could be decoded"),
@@ -149,6 +150,7 @@ def test_refusals_are_one_line(monkeypatch, images, tmp_path, capsys, argv, mess
     (tmp_path / "taken.pt").write_bytes(b"keep")
     (tmp_path / "taken.npy.paths.txt").write_bytes(b"keep")  # the paths of a .npy are the user's file too
     (tmp_path / "dir.pt").mkdir()
+    (tmp_path / "d.npy.paths.txt").mkdir()  # where the .npy's list of paths would go
     (tmp_path / "bad").mkdir()
     for name in ("1.png", "2.jpg"):
         (tmp_path / "bad" / name).write_bytes(b"junk")
@@ -222,3 +224,16 @@ def test_batches_of_256_by_default(monkeypatch, tmp_path):
         (root / f"{i:03d}.png").write_bytes(png)
     assert _run("--checkpoint", "ck", "--images", root, "--out", tmp_path / "e.pt", "--no-flip") == 0
     assert backbone.model.batches == [256, 1]
+
+
+def test_a_name_with_a_line_break_is_refused_for_npy_and_kept_in_a_pt(monkeypatch, images, tmp_path, capsys):
+    """A .npy lists its paths one per line: a name holding a line break would shift every row after it."""
+    backbone = _Backbone(monkeypatch)
+    (images / "b" / "two\nlines.png").write_bytes(_png(7))
+    assert _run("--checkpoint", "ck", "--images", images, "--out", tmp_path / "e.npy") == 2
+    assert capsys.readouterr().err == (
+        f"shardfc embed: error: --out {str(tmp_path / 'e.npy')!r} lists the paths one per line, but "
+        f"{'b/two' + chr(10) + 'lines.png'!r} holds a line break: use --out FILE.pt (the paths as a list)\n")
+    assert backbone.model.batches == [] and not (tmp_path / "e.npy").exists()
+    assert _run("--checkpoint", "ck", "--images", images, "--out", tmp_path / "e.pt") == 0
+    assert "b/two\nlines.png" in torch.load(tmp_path / "e.pt", weights_only=True)["paths"]
