@@ -88,6 +88,20 @@ def test_unknown_toml_key_names_the_closest(tmp_path):
         config_from_mapping({"data": {"lr": 0.1}})
 
 
+@pytest.mark.parametrize("text", ["lr = 0.1\n[optim]\nlr = 0.2\n", "[optim]\nlr = 0.2\n[run]\nseed = 1\n"])
+def test_a_field_set_at_the_top_and_under_its_section_is_refused(tmp_path, text):
+    """Two TOML tables, so TOML itself allows it; one value won without a word."""
+    path = _write(tmp_path, text)
+    if text.startswith("lr"):
+        with pytest.raises(ConfigError) as err:
+            parse_config(["--config", str(path)])
+        assert str(err.value) == f"{path}: key 'lr' is set twice, at the top and under [optim]: keep one"
+    else:  # each field once: taken
+        assert parse_config(["--config", str(path)])[0].lr == 0.2
+    with pytest.raises(ConfigError, match=r"^key 'lr' is set twice, at the top and under \[optim\]: keep one$"):
+        config_from_mapping({"optim": {"lr": 0.2}, "lr": 0.1})  # whichever comes first
+
+
 def test_unknown_flag_and_preset_name_the_closest():
     with pytest.raises(ConfigError, match=r"unknown argument '--sample-rat'.*did you mean '--sample-rate'"):
         parse_config(["--sample-rat", "0.1"])

@@ -28,6 +28,13 @@ def load_toml(path: "str | os.PathLike[str]") -> Dict[str, Any]:
         raise ConfigError(str(e)) from None
 
 
+def _once(flat: Dict[str, Any], name: str, where: str) -> None:
+    """TOML refuses a key twice in one table; a field at the top and again under its section is two
+    tables, and one of the values would win without a word."""
+    if name in flat:
+        raise ConfigError(f"{where}key {name!r} is set twice, at the top and under [{SECTION_OF[name]}]: keep one")
+
+
 def _flatten(data: Mapping[str, Any], source: str) -> Dict[str, Any]:
     """Flat ``{field: value}`` from a TOML mapping with optional section tables."""
     flat: Dict[str, Any] = {}
@@ -39,6 +46,7 @@ def _flatten(data: Mapping[str, Any], source: str) -> Dict[str, Any]:
                     raise ConfigError(f"{where}key {sub!r} belongs in [{SECTION_OF[sub]}], not [{key}]")
                 if sub not in FIELDS:
                     raise ConfigError(f"{where}unknown key {key}.{sub}{closest(sub, SECTIONS[key] or FIELDS)}")
+                _once(flat, sub, where)
                 flat[sub] = subvalue
         elif key in FIELDS:
             if isinstance(value, Mapping):
@@ -46,6 +54,7 @@ def _flatten(data: Mapping[str, Any], source: str) -> Dict[str, Any]:
                     f"{where}[{key}] is a table, but {key!r} is a field ({type_name(key)}): write '{key} = ...' "
                     f"at the top or under [{SECTION_OF[key]}]; the tables are {', '.join(f'[{s}]' for s in SECTIONS)}"
                 )
+            _once(flat, key, where)
             flat[key] = value
         else:
             raise ConfigError(f"{where}unknown key {key!r}{closest(key, list(FIELDS) + list(SECTIONS))}")
