@@ -181,6 +181,34 @@ def test_embedding_dim_within_the_cap():
         f"embedding_dim must be <= {MAX_EMBEDDING_DIM}, got {MAX_EMBEDDING_DIM + 1}")
 
 
+def test_pg_timeout_seed_and_threads_within_what_torch_takes():
+    """Past these, every rank's group init overflowed (pg_timeout 1e15), a seed past int64 failed in a
+    rank's generator ('Overflow when unpacking long long'), and 100,000 threads killed the process."""
+    top = TrainConfig(pg_timeout=1e9, seed=2**63 - 1, threads=1024).validate()
+    assert (top.pg_timeout, top.seed, top.threads) == (1e9, 2**63 - 1, 1024)
+    assert _refused(pg_timeout=1000000000.5) == "pg_timeout must be at most 1e+09 seconds (31 years), got 1000000000.5"
+    assert _refused(seed=2**63) == ("seed must be at most 2**63 - 1 (torch's generators take a signed 64-bit seed), "
+                                    "got 9223372036854775808")
+    assert _refused(threads=1025) == "threads must be at most 1024 (0: one per core), got 1025"
+
+
+@pytest.mark.parametrize("name", ["lr", "scale", "weight_decay", "pg_timeout", "m"])
+def test_a_number_past_float32s_range_is_refused(name):
+    """lr 1e308 raised 'value cannot be converted to type float without overflow' in the first step."""
+    assert _refused(**{name: 1e39}) == f"{name} must be within float32's range (|x| <= 3.4e38), got 1e+39"
+    assert _refused(**{name: -1e39}) == f"{name} must be within float32's range (|x| <= 3.4e38), got -1e+39"
+
+
+def test_float32s_largest_is_the_bound():
+    import numpy as np
+
+    from shardfc.train.config import fields
+
+    assert fields.FLOAT32_MAX == float(np.finfo(np.float32).max)
+    assert _refused(betas=[0.9, fields.FLOAT32_MAX * 1.0000001]).startswith("betas must be within float32's range")
+    TrainConfig(lr=0.1, weight_decay=fields.FLOAT32_MAX).validate()  # at the bound: taken by this rule
+
+
 def test_how_long_to_train_is_said_once_at_least():
     assert TrainConfig(max_steps=1, epochs=0).validate().max_steps == 1
     assert TrainConfig(max_steps=0, epochs=1).validate().epochs == 1

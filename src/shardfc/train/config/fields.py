@@ -33,6 +33,15 @@ class ConfigError(ValueError):
 #: the first activations [batch, C, H, W]: a saved config naming 2^25 would allocate gigabytes).
 MAX_EMBEDDING_DIM = 1 << 16
 MAX_IMAGE_SIDE = 4096
+#: Largest ``pg_timeout`` (seconds, 31 years): ``datetime.timedelta`` ends at 8.6e13 seconds.
+MAX_PG_TIMEOUT = 1e9
+#: Largest ``seed``: torch's generators take a signed 64-bit seed.
+MAX_SEED = 2**63 - 1
+#: Most intra-op threads per process (16,384 killed the process here; a machine has far fewer cores).
+MAX_THREADS = 1024
+#: float32's largest finite value: a float field past it cannot reach an fp32 tensor (lr 1e308 raised
+#: "value cannot be converted to type float without overflow" in the first optimizer step).
+FLOAT32_MAX = 3.4028234663852886e38
 
 #: Values of ``TrainConfig.strategy`` (what each does: :mod:`shardfc.train.builder.strategy`).
 STRATEGIES = ("ddp", "dp", "horovod", "pipeline")
@@ -197,7 +206,7 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the backbone (in place, nn.Module.compile: checkpoints keep the plain parameter names; under strategy 'pipeline', each rank's stage; refused by 'dp', whose replicas would not run it); the first steps are slower while it compiles."""
     seed: int = 0
-    """Seed of the model initialisation, data order, augmentation and the synthetic dataset."""
+    """Seed of the model initialisation, data order, augmentation and the synthetic dataset (0 to 2**63 - 1)."""
     pipeline_stages: int = 2
     """Strategy 'pipeline': stages the backbone is cut into; nproc must be a multiple of it (nproc / pipeline_stages data-parallel replicas)."""
     pipeline_schedule: str = "1f1b"
@@ -213,7 +222,7 @@ class TrainConfig:
     device: str = "auto"
     """'auto' (one CUDA device per rank when available, else CPU), 'cpu' or 'cuda'."""
     threads: int = 0
-    """Intra-op CPU threads per process; 0: OMP_NUM_THREADS when set, else the usable cores divided by the training processes on this machine."""
+    """Intra-op CPU threads per process (at most 1024); 0: OMP_NUM_THREADS when set, else the usable cores divided by the training processes on this machine."""
     output_dir: str = "shardfc_runs/synthetic"
     """Run folder: checkpoints/, metrics.csv, train.log, config.toml (default: shardfc_runs/<preset or dataset>)."""
     resume: str = "auto"
@@ -233,7 +242,7 @@ class TrainConfig:
     save_on_signal: bool = True
     """On SIGINT / SIGTERM, stop after the current step on every rank and save a checkpoint there (--no-save-on-signal: stop without saving)."""
     pg_timeout: float = 300.0
-    """Seconds a torch.distributed collective (and joining the process group) may wait for its peers before the run fails, so that a dead or stuck peer does not hang the others; must exceed rank 0's longest evaluation, during which the other ranks wait."""
+    """Seconds a torch.distributed collective (and joining the process group) may wait for its peers before the run fails, so that a dead or stuck peer does not hang the others; must exceed rank 0's longest evaluation, during which the other ranks wait (at most 1e9)."""
     trust_checkpoint: bool = False
     """Resume from a checkpoint even if its files need full unpickling (written by shardfc before checkpoint format 2, or not by shardfc): unpickling can run arbitrary code, so only for checkpoints you trust."""
 
@@ -344,6 +353,13 @@ class TrainConfig:
         for name in ("lr", "scale", "eps", "pg_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.pg_timeout > MAX_PG_TIMEOUT:  # past datetime.timedelta's range: every rank's group init overflowed
+            raise ConfigError(f"pg_timeout must be at most {MAX_PG_TIMEOUT:.0e} seconds (31 years), got {self.pg_timeout!r}")
+        if self.seed > MAX_SEED:
+            raise ConfigError(f"seed must be at most 2**63 - 1 (torch's generators take a signed 64-bit seed), "
+                              f"got {self.seed!r}")
+        if self.threads > MAX_THREADS:  # OpenMP fails to make them, or the process dies outright
+            raise ConfigError(f"threads must be at most {MAX_THREADS} (0: one per core), got {self.threads!r}")
         for name in ("weight_decay", "grad_clip", "head_grad_clip", "poly_power", "sphereface_lambda"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -665,14 +681,17 @@ def _validate_reid(cfg: TrainConfig) -> None:
 
 
 def _finite_numbers(cfg: TrainConfig) -> None:
-    """Every number of ``cfg`` is finite: TOML and the command line both spell NaN and infinity, and
-    a NaN weight decay or an infinite learning rate trains to NaN without another word."""
+    """Every number of ``cfg`` is finite and within float32's range: TOML and the command line both
+    spell NaN and infinity, and a NaN weight decay or an infinite learning rate trains to NaN
+    without another word; 1e308 cannot reach an fp32 tensor at all."""
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         values = value if isinstance(value, list) else [value]
         for v in values:
             if isinstance(v, float) and not math.isfinite(v):
                 raise ConfigError(f"{f.name} must be a finite number, got {value!r}")
+            if isinstance(v, float) and abs(v) > FLOAT32_MAX:
+                raise ConfigError(f"{f.name} must be within float32's range (|x| <= 3.4e38), got {value!r}")
 
 
 def _choice(cfg: TrainConfig, name: str, choices: Sequence[str]) -> None:
