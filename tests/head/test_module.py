@@ -683,6 +683,12 @@ def test_a_context_with_a_group_or_devices_is_refused(where):
     (dict(ignore_index=C - 1), ValueError, f"ignore_index={C - 1} is a valid class id in [0, {C})"),
     (dict(devices=["cpu"], group="g"), ValueError, "pass either devices (one process, many devices) or group, not both"),
     (dict(devices=[]), ValueError, "devices must name at least one device, got an empty list"),
+    (dict(dtype=torch.int32), ValueError, "dtype must be a floating-point torch.dtype (torch.float32, torch.bfloat16, "
+                                          "torch.float16 or torch.float64), got torch.int32"),  # was torch's requires_grad error
+    (dict(dtype="float32"), ValueError, "dtype must be a floating-point torch.dtype (torch.float32, torch.bfloat16, "
+                                        "torch.float16 or torch.float64), got 'float32'"),
+    (dict(dtype=torch.float8_e4m3fn), ValueError, "dtype must be a floating-point torch.dtype (torch.float32, "
+                                                  "torch.bfloat16, torch.float16 or torch.float64), got torch.float8_e4m3fn"),
 ])
 def test_the_constructor_refuses_naming_the_argument(kw, error, message):
     args = dict(embedding_dim=D, num_classes=C)
@@ -690,6 +696,11 @@ def test_the_constructor_refuses_naming_the_argument(kw, error, message):
     with pytest.raises(error) as e:
         shardfc.ShardedMarginHead(**args)
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_each_storage_dtype_is_taken(dtype):
+    assert shardfc.ShardedMarginHead(D, C, dtype=dtype).weight.dtype == (dtype or torch.float32)
 
 
 @pytest.mark.parametrize("ignore_index", [-1, -100, C, C + 5])

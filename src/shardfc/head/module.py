@@ -278,6 +278,9 @@ class ShardedMarginHead(nn.Module):
         self._grad_sq_forwards = 0
         self.init_seed = int(init_seed)
         dtype = torch.float32 if dtype is None else dtype
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):  # (int32: a torch error; fp8: no matmul)
+            raise ValueError(f"dtype must be a floating-point torch.dtype (torch.float32, torch.bfloat16, torch.float16 "
+                             f"or torch.float64), got {dtype!r}")
 
         if context is not None and (group is not None or devices is not None):
             raise ValueError("pass one of context, group (process-group mode) or devices (one process), not several")
