@@ -104,7 +104,7 @@ def pyplot():
 
 def save_png(fig, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, format="png", dpi=110)
+    write_atomically(Path(path), lambda scratch: fig.savefig(scratch, format="png", dpi=110))
 
 
 def plot_recipes(rows: Sequence[Dict[str, Any]], path: str, meta: Optional[Dict[str, Any]] = None) -> None:

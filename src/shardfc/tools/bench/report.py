@@ -126,7 +126,7 @@ def plot(results: Sequence[Dict[str, Any]], path: str, details: Optional[Dict[st
     fig.tight_layout()
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fig.savefig(path, format="png", dpi=110)
+    write_atomically(Path(path), lambda scratch: fig.savefig(scratch, format="png", dpi=110))
     plt.close(fig)
 
 
