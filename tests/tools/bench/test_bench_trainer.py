@@ -66,6 +66,40 @@ def test_bench_trainer_names_a_bad_argument(capsys):
     assert "unknown argument '--batch-sise'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--output-dir", "mine"], "--output-dir"), (["--resume", "none"], "--resume"),
+    (["--ckpt-every", "5", "--keep-last", "2"], "--ckpt-every, --keep-last"), (["--no-save-on-signal"], "--save-on-signal"),
+    (["--profile"], "--profile"), (["--no-progress"], "--progress"), (["--print-config"], "--print-config"),
+])
+def test_bench_trainer_refuses_the_train_flags_it_would_not_read(capsys, monkeypatch, flags, named):
+    """Its output folder is a scratch one it removes, and it saves, resumes and prints nothing of a run:
+    --output-dir mine was replaced without a word."""
+    from shardfc.tools.bench import trainer
+
+    monkeypatch.setattr(trainer, "bench_trainer", lambda *a, **k: pytest.fail("the bench ran"))
+    assert bench_cli.main(["--trainer", *flags, *TINY]) == 2
+    assert capsys.readouterr().err == (
+        f"shardfc bench --trainer: error: shardfc bench --trainer saves, resumes and prints nothing of a run: {named} "
+        "would not be read (it times steps in a scratch folder it removes)\n")
+
+
+def test_bench_trainer_reads_the_flags_that_shape_the_step(monkeypatch):
+    """--max-steps sets the schedule the timed steps follow; --log-every the loop's report points."""
+    from shardfc.tools.bench import trainer
+
+    class Reached(Exception):
+        pass
+
+    def bench(cfg, **kwargs):
+        raise Reached(cfg)
+
+    monkeypatch.setattr(trainer, "bench_trainer", bench)
+    with pytest.raises(Reached) as reached:
+        bench_cli.main(["--trainer", "--max-steps", "7", "--log-every", "3", *TINY])
+    cfg = reached.value.args[0]
+    assert (cfg.max_steps, cfg.log_every) == (7, 3)
+
+
 def test_bench_trainer_loader_column_rates_the_torch_loader_and_dali(tmp_path, capsys, dali):
     import numpy as np
     from PIL import Image

@@ -564,6 +564,12 @@ def format_report(r: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: ``shardfc train`` flags the bench replaces or never reaches: its output folder is a scratch one,
+#: it neither saves nor resumes, and it prints its own progress.
+UNREAD_TRAIN_FLAGS = ("output_dir", "resume", "ckpt_every", "keep_last", "save_on_signal", "profile", "progress",
+                      "print_config")
+
+
 def main(argv: List[str]) -> int:
     from shardfc.train.config import ConfigError, parse_config
 
@@ -596,6 +602,12 @@ def main(argv: List[str]) -> int:
             raise ConfigError(f"--no-pool and --pool-size {args.pool_size} exclude each other")
         check_outputs(json=args.json)  # before the run, not after it
         cfg, given = parse_config(rest)
+        # (the namespace holds the flags given, and print_config always)
+        unread = [f"--{name.replace('_', '-')}" for name in UNREAD_TRAIN_FLAGS
+                  if (given.print_config if name == "print_config" else name in vars(given))]
+        if unread:  # replaced or ignored by the bench: refused, as shardfc train refuses a flag its run would not read
+            raise ConfigError(f"shardfc bench --trainer saves, resumes and prints nothing of a run: {', '.join(unread)} "
+                              "would not be read (it times steps in a scratch folder it removes)")
         if getattr(given, "nproc", 1) != 1:  # was replaced by 1 silently: one process's figure read as several's
             raise ConfigError(f"shardfc bench --trainer measures one process; got --nproc {given.nproc} (time a run of "
                               "several with shardfc train --profile)")
