@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from shardfc.outputs import OutputRefused, check_output, check_outputs, write_atomically
+from shardfc.outputs import OutputRefused, blocking_file, check_folder, check_output, check_outputs, write_atomically
 
 
 def test_check_output_makes_the_missing_folders(tmp_path):
@@ -152,3 +152,22 @@ def test_a_benchmarks_existing_json_is_replaced_not_refused(tmp_path):
     with pytest.raises(OutputRefused) as err:
         check_outputs(split_plot=str(tmp_path))
     assert str(err.value) == f"--split-plot {str(tmp_path)!r} is a folder; name the file to write"
+
+
+def test_blocking_file_is_the_file_at_or_above_a_folder(tmp_path):
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "d").mkdir()
+    assert blocking_file(tmp_path / "f") == tmp_path / "f"
+    assert blocking_file(tmp_path / "f" / "a" / "b") == tmp_path / "f"
+    for free in (tmp_path, tmp_path / "d", tmp_path / "d" / "new" / "deeper", tmp_path / "new"):
+        assert blocking_file(free) is None
+
+
+def test_check_folder_names_the_flag_and_the_file_in_the_way(tmp_path):
+    (tmp_path / "f").write_text("keep")
+    check_folder("--ijb-out", tmp_path / "new" / "report")  # a folder to be made: no obstacle, nothing made
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(OutputRefused) as err:
+        check_folder("--ijb-out", tmp_path / "f" / "report")
+    assert str(err.value) == f"--ijb-out {str(tmp_path / 'f' / 'report')!r}: {str(tmp_path / 'f')!r} is a file, not a folder"
+    assert (tmp_path / "f").read_text() == "keep"

@@ -16,12 +16,26 @@ import os
 from pathlib import Path
 from typing import Callable, Optional
 
-__all__ = ["OutputRefused", "check_output", "check_outputs", "write_atomically"]
+__all__ = ["OutputRefused", "blocking_file", "check_folder", "check_output", "check_outputs", "write_atomically"]
 
 
 class OutputRefused(ValueError):
     """A path named to write to cannot be one (a folder, a file in the way, a folder not makeable);
     the message names the flag and the path."""
+
+
+def blocking_file(folder: Path) -> Optional[Path]:
+    """The file standing at ``folder`` or at one of the folders above it (so that it cannot be made
+    or written into), or None."""
+    return next((f for f in (folder, *folder.parents) if f.exists() and not f.is_dir()), None)
+
+
+def check_folder(flag: str, folder: Path) -> None:
+    """Refuse output folder ``folder`` (named by ``flag``) when a file stands at it or above it:
+    said before the work, not as ``FileExistsError`` when the results are to be written."""
+    blocking = blocking_file(Path(folder))
+    if blocking is not None:
+        raise OutputRefused(f"{flag} {str(folder)!r}: {str(blocking)!r} is a file, not a folder")
 
 
 def check_output(flag: str, path: Path, force: bool) -> None:
@@ -30,7 +44,7 @@ def check_output(flag: str, path: Path, force: bool) -> None:
         raise OutputRefused(f"{flag} {str(path)!r} is a folder; name the file to write")
     if path.exists() and not force:
         raise FileExistsError(f"{path} exists; pass --force to replace it")
-    blocking = next((f for f in (path.parent, *path.parent.parents) if f.exists() and not f.is_dir()), None)
+    blocking = blocking_file(path.parent)
     if blocking is not None:
         raise OutputRefused(f"{flag} {str(path)!r}: {str(blocking)!r} is a file, not a folder")
     try:

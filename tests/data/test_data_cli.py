@@ -141,11 +141,12 @@ def test_an_out_folder_where_a_file_stands_is_refused_before_any_work(tmp_path, 
     assert calls == [] and (tmp_path / "file").read_text() == "keep"
 
 
-@pytest.mark.parametrize("folder", ["", ".", "new/deeper", "there", "/"])
-def test_a_folder_that_exists_or_can_be_made_is_no_obstacle(tmp_path, monkeypatch, folder):
+@pytest.mark.parametrize("out", [".", "new/deeper", "there", "there/x.rec"])
+def test_an_out_folder_that_exists_or_can_be_made_is_no_obstacle(tmp_path, monkeypatch, calls, out):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "there").mkdir()
-    assert data_cli._not_a_folder(folder) is None
+    assert data_cli.main(["shuffle", str(tmp_path), out]) == 0
+    assert calls == [("shuffle", (str(tmp_path), out, 0, False))]
 
 
 @pytest.mark.parametrize("action", ["shuffle", "glyphs"])

@@ -143,3 +143,14 @@ def test_the_ijb_line(monkeypatch, capsys):
     assert capsys.readouterr().out == ("checkpoint /runs/a/step_1 (tiny, 8-d)\n"
                                        "  ijbc: TAR@FAR 0.1 12.50%, AUC 50.00%  [ijbc pairs]\n"
                                        "  lfw: acc 1  [lfw pairs]\n")
+
+
+def test_an_ijb_out_where_a_file_stands_is_refused_before_the_checkpoint_is_read(monkeypatch, capsys, tmp_path):
+    """The report is written after the whole IJB run: a file in its way ended it in a FileExistsError."""
+    run = _Run(monkeypatch)
+    (tmp_path / "report").write_text("keep")
+    for out in (tmp_path / "report", tmp_path / "report" / "deeper"):
+        assert cli.main(["--checkpoint", "ck", "--ijb", "root", "--ijb-out", str(out)]) == 2
+        assert capsys.readouterr().err == (f"shardfc eval: error: --ijb-out {str(out)!r}: {str(tmp_path / 'report')!r} "
+                                           "is a file, not a folder\n")
+    assert run.loaded == [] and (tmp_path / "report").read_text() == "keep"

@@ -29,9 +29,11 @@ import json
 import os
 import re
 import sys
+from pathlib import Path
 from typing import List, Optional, Tuple
 
 from shardfc.data.recordio_ops import CommandError, inspect, pack, shuffle, verify
+from shardfc.outputs import OutputRefused, blocking_file, check_folder
 from shardfc.train.config.fields import MAX_IMAGE_SIDE
 
 __all__ = ["main", "build_parser", "pack", "inspect", "shuffle", "verify"]
@@ -161,18 +163,6 @@ def _print_inspect(info: dict, out=None) -> None:
         print(f"undecodable: {line}", file=out)
 
 
-def _not_a_folder(folder: str) -> Optional[str]:
-    """Why output folder ``folder`` cannot be made (a file stands at it or above it), or None."""
-    path = os.path.abspath(folder or ".")
-    while True:
-        if os.path.exists(path):
-            return None if os.path.isdir(path) else f"{path!r} is a file, not a folder"
-        parent = os.path.dirname(path)
-        if parent == path:
-            return None
-        path = parent
-
-
 # -------------------------------------------------------------------- main
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
@@ -181,9 +171,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except SystemExit as e:  # --help (0) or a usage error (2, message already printed)
         return int(e.code or 0)
     if args.action == "glyphs":
-        blocked = _not_a_folder(args.out)
-        if blocked:
-            print(f"shardfc data glyphs: error: OUT {args.out!r}: {blocked}", file=sys.stderr)
+        try:
+            check_folder("OUT", Path(args.out))
+        except OutputRefused as e:
+            print(f"shardfc data glyphs: error: {e}", file=sys.stderr)
             return 2
         return _glyphs(args)
     where = args.path if hasattr(args, "path") else args.src
@@ -194,9 +185,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.action in ("pack", "shuffle"):  # OUT is a folder (shuffle: or a .rec file in one)
             folder = os.path.dirname(args.out) if args.action == "shuffle" and args.out.endswith(".rec") else args.out
-            blocked = _not_a_folder(folder)
-            if blocked:
-                raise CommandError(f"OUT {args.out!r}: {blocked}")
+            blocking = blocking_file(Path(os.path.abspath(folder or ".")))
+            if blocking is not None:
+                raise CommandError(f"OUT {args.out!r}: {str(blocking)!r} is a file, not a folder")
         if args.action == "pack":
             jpeg = args.encode == "jpeg" or (args.encode == "auto" and args.resize is not None)
             if args.quality is not None and not jpeg:

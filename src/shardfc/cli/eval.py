@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import sys
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from shardfc import checkpoint as ckpt
 from shardfc.evaluation.far import why_undefined
 from shardfc.evaluation.folds import NFOLDS
+from shardfc.outputs import check_folder
 from shardfc.train.checkpointing.artifacts import add_checkpoint_args, load_backbone, pick_device
 from shardfc.train.config import ConfigError
 from shardfc.train.observe.evaluate import IJBOptions, build_targets, run_targets
@@ -101,6 +103,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise ConfigError(f"{given[0]} applies to --ijb ROOT, which was not given")
         if args.workers is not None and args.workers < 0:
             raise ConfigError(f"--workers must be >= 0, got {args.workers}")
+        if args.ijb_out is not None:  # before the IJB run (minutes to hours), not when its report is written
+            check_folder("--ijb-out", Path(args.ijb_out))
         device = pick_device(args.device)
         trained = load_backbone(args.checkpoint, device, trust_pickle=args.trust_checkpoint)
         cfg = dataclasses.replace(trained.config, eval_batch_size=args.batch_size, eval_flip=args.flip)
