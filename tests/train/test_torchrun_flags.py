@@ -167,3 +167,11 @@ def test_shardfc_torchrun_reads_the_command_line_when_given_none(execs, monkeypa
     monkeypatch.setattr(sys, "argv", ["shardfc-torchrun", "--standalone", "--", "--max-steps", "2"])
     assert cli_torchrun.main() == 0
     assert execs == [["--standalone", "--", "--max-steps", "2"]]
+
+
+def test_shardfc_torchrun_refuses_a_run_folder_where_a_file_stands(execs, capsys, tmp_path):
+    from shardfc.cli import main
+
+    (tmp_path / "taken").write_text("keep")
+    assert main(["torchrun", "--standalone", "--", "--output-dir", str(tmp_path / "taken")]) == 2
+    assert capsys.readouterr().err.endswith("is a file, not a folder\n") and execs == []

@@ -379,3 +379,27 @@ def test_wants_cuda():
     assert cli._wants_cuda(_cfg(device="cpu")) is False
     assert cli._wants_cuda(_cfg(device="auto")) is torch.cuda.is_available()
 
+
+
+@pytest.mark.parametrize("below", ["", "deeper"])
+def test_a_run_folder_where_a_file_stands_is_refused_before_the_ranks_start(monkeypatch, tmp_path, capsys, below):
+    """Each rank's mkdir raised FileExistsError (or NotADirectoryError) as a traceback."""
+    (tmp_path / "taken").write_text("keep")
+    out = tmp_path / "taken" / below if below else tmp_path / "taken"
+    monkeypatch.setattr(cli, "spawn", lambda *a, **k: pytest.fail("ranks started"))
+    monkeypatch.setattr(cli, "train", lambda cfg: pytest.fail("trained"))
+    assert cli.main(["--output-dir", str(out), "--nproc", "2"]) == 2
+    assert capsys.readouterr().err == (f"shardfc train: error: output_dir={str(out)!r}: {str(tmp_path / 'taken')!r} is a "
+                                       "file, not a folder\n")
+    cli.check_output_dir(_cfg(output_dir=str(tmp_path / "new" / "run")))  # to be made: no obstacle
+    assert (tmp_path / "taken").read_text() == "keep" and not (tmp_path / "new").exists()
+
+
+def test_under_torchrun_each_rank_checks_the_run_folder_before_joining(monkeypatch, tmp_path):
+    (tmp_path / "taken").write_text("keep")
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(cli, "die_with_parent", lambda pid: None)
+    monkeypatch.setattr(cli, "init_from_env", lambda *a, **k: pytest.fail("joined the group"))
+    with pytest.raises(ConfigError, match="is a file, not a folder$"):
+        cli.run(_cfg(output_dir=str(tmp_path / "taken"), nproc=2))

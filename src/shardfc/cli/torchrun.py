@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
+from shardfc.cli.train import check_output_dir
 from shardfc.parallel import torchrun
 from shardfc.train.config import ConfigError, parse_config
 
@@ -42,7 +43,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   file=sys.stderr)
             return 2
         try:
-            parse_config(train_flags)
+            check_output_dir(parse_config(train_flags)[0])
         except ConfigError as e:
             print(f"shardfc torchrun: error: {e}", file=sys.stderr)
             return 2

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from shardfc import checkpoint as ckpt
+from shardfc.outputs import blocking_file
 from shardfc.parallel.launch import StoppedBySignal, WorkerError, init_from_env, launched_by_torchrun, spawn
 from shardfc.parallel.lifecycle import die_with_parent, exit_code
 from shardfc.parallel.torchrun import warn_if_restarts_unsafe
@@ -96,6 +97,7 @@ def run(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
         return train(cfg)
     if launched_by_torchrun():
         die_with_parent(os.getppid())  # torchrun's agent: if it is killed outright, stop too
+        check_output_dir(cfg)  # every rank, before the group forms: one line each, not a traceback each
         backend = "nccl" if _wants_cuda(cfg) else "gloo"
         rank, _ = init_from_env(backend, timeout_s=cfg.pg_timeout)
         warn_if_restarts_unsafe(rank)
@@ -183,9 +185,18 @@ def _wants_cuda(cfg: TrainConfig) -> bool:
     return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
 
+def check_output_dir(cfg: TrainConfig) -> None:
+    """The run folder can be made: no file stands at it or above it (the ranks' ``mkdir`` raised
+    ``FileExistsError`` as a traceback, from each rank)."""
+    blocking = blocking_file(Path(cfg.output_dir).expanduser().absolute())
+    if blocking is not None:
+        raise ConfigError(f"output_dir={cfg.output_dir!r}: {str(blocking)!r} is a file, not a folder")
+
+
 def preflight(cfg: TrainConfig) -> None:
     """Cheap checks of the input before any process starts, so that mistakes fail in a second."""
     cfg.validate()
+    check_output_dir(cfg)
     if cfg.dataset == "folder":
         root = Path(cfg.data_root)
         if not root.is_dir():
