@@ -16,7 +16,8 @@ parse their arguments and call the library, whose implementation stays in its ow
     demo.py            shardfc demo: a sharded head on 2 spawned CPU processes
     torchrun.py        shardfc torchrun: the training flags checked, then torchrun (shardfc.parallel.torchrun)
 
-The modules' names before this layout (``shardfc.train.cli``, ``shardfc.data.cli``, ...) import these for one release (:mod:`shardfc._moved`).
+The modules' names before this layout (``shardfc.train.cli``, ``shardfc.data.cli``, ...) import these
+for one release (:mod:`shardfc._moved`).
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside the run's own handling (e.g. while importing)
         print("shardfc train: interrupted", file=sys.stderr)
         return exit_code(signal.SIGINT)
-    except (RuntimeError, MemoryError) as e:  # (after StoppedBySignal, a RuntimeError) the allocator: one line; any other error keeps its traceback
+    # After StoppedBySignal (a RuntimeError too): the allocator's failure is one line, any other keeps its traceback.
+    except (RuntimeError, MemoryError) as e:
         oom = out_of_memory(e)
         if oom is None:
             raise
