@@ -113,14 +113,22 @@ def _never(*args, **kwargs):
     raise AssertionError("the work ran before its output path was checked")
 
 
-@pytest.mark.parametrize("command, argv, runner", [
-    ("bench", ["--world-size", "1", "--batch", "8", "--dim", "4", "--classes", "10"], ("shardfc.cli.bench", "run_bench")),
-    ("bench --peers", ["--peers", "--batch", "8", "--dim", "4", "--classes", "10"], ("shardfc.cli.bench_peers", "run_peers")),
-    ("bench", ["--recipes", "--split-sweep"], ("shardfc.cli.bench_recipes", "run_recipes")),
-    ("bench --trainer", ["--trainer"], ("shardfc.tools.bench.trainer", "bench_trainer")),
-    ("plan", ["--classes", "10", "--dim", "4", "--batch", "8"], ("shardfc.cli.plan", "plan")),
+_BENCH = ["--world-size", "1", "--batch", "8", "--dim", "4", "--classes", "10"]
+_PEERS = ["--peers", "--batch", "8", "--dim", "4", "--classes", "10"]
+_PLAN = ["--classes", "10", "--dim", "4", "--batch", "8"]
+
+
+@pytest.mark.parametrize("command, argv, runner, flag", [
+    ("bench", _BENCH, ("shardfc.cli.bench", "run_bench"), "--json"),
+    ("bench", _BENCH, ("shardfc.cli.bench", "run_bench"), "--plot"),
+    ("bench --peers", _PEERS, ("shardfc.cli.bench_peers", "run_peers"), "--json"),
+    ("bench --peers", _PEERS, ("shardfc.cli.bench_peers", "run_peers"), "--plot"),
+    ("bench", ["--recipes", "--split-sweep"], ("shardfc.cli.bench_recipes", "run_recipes"), "--json"),
+    ("bench", ["--recipes", "--split-sweep"], ("shardfc.cli.bench_recipes", "run_recipes"), "--plot"),
+    ("bench", ["--recipes", "--split-sweep"], ("shardfc.cli.bench_recipes", "run_recipes"), "--split-plot"),
+    ("bench --trainer", ["--trainer"], ("shardfc.tools.bench.trainer", "bench_trainer"), "--json"),
+    ("plan", _PLAN, ("shardfc.cli.plan", "plan"), "--json"),
 ])
-@pytest.mark.parametrize("flag", ["--json", "--plot", "--split-plot"])
 def test_every_benchmark_checks_the_files_it_will_write_before_it_runs(tmp_path, monkeypatch, capsys, command, argv,
                                                                       runner, flag):
     """A folder named as --json (or a file where its folder must be) ended the run in a traceback at the end."""
@@ -128,11 +136,6 @@ def test_every_benchmark_checks_the_files_it_will_write_before_it_runs(tmp_path,
 
     from shardfc.cli import main
 
-    takes = {"bench --trainer": ["--json"], "plan": ["--json"]}.get(command, ["--json", "--plot"])
-    if "--recipes" in argv:
-        takes = ["--json", "--plot", "--split-plot"]
-    if flag not in takes:
-        pytest.skip(f"{command} has no {flag}")
     monkeypatch.setattr(importlib.import_module(runner[0]), runner[1], _never)
     (tmp_path / "dir").mkdir()
     (tmp_path / "file").write_text("keep")
