@@ -35,10 +35,13 @@ LAYERS: Dict[str, Tuple[str, ...]] = {
     # the file gate is the bottom layer: every package that reads a user's file imports it
     "shardfc.files": _ABOVE + ("shardfc.evaluation", "shardfc.data", "shardfc.head", "shardfc.parallel",
                                "shardfc.checkpoint", "shardfc.models", "shardfc.checks", "shardfc.seeding"),
-    # the writing side of it, as low
+    # the writing side of it, and the commands' progress bar, as low
     "shardfc.outputs": _ABOVE + ("shardfc.evaluation", "shardfc.data", "shardfc.head", "shardfc.parallel",
                                  "shardfc.checkpoint", "shardfc.models", "shardfc.checks", "shardfc.seeding",
                                  "shardfc.files"),
+    "shardfc.progress": _ABOVE + ("shardfc.evaluation", "shardfc.data", "shardfc.head", "shardfc.parallel",
+                                  "shardfc.checkpoint", "shardfc.models", "shardfc.checks", "shardfc.seeding",
+                                  "shardfc.files", "shardfc.outputs"),
 }
 
 

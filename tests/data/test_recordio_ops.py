@@ -69,27 +69,6 @@ def test_an_existing_output_is_named(tmp_path: Path):
     check_outputs([str(tmp_path / "a"), str(tmp_path / "b")], force=True)
 
 
-def test_a_bar_on_a_terminal_only_and_when_tqdm_is_there(monkeypatch):
-    import sys
-    import types
-
-    class Tty(io.StringIO):
-        def isatty(self):
-            return True
-
-    made = []
-    stand_in = types.ModuleType("tqdm")
-    stand_in.tqdm = lambda iterable, **kw: made.append(kw) or iterable  # what tqdm is asked for
-    monkeypatch.setitem(sys.modules, "tqdm", stand_in)
-    assert recordio_ops._progress([1, 2], 2, "pack") == [1, 2] and made == []  # not a terminal: no bar
-    monkeypatch.setattr(recordio_ops.sys, "stderr", Tty())
-    assert recordio_ops._progress([1, 2], 2, "verify") == [1, 2]
-    assert made == [dict(total=2, desc="verify", unit="img", file=recordio_ops.sys.stderr, dynamic_ncols=True,
-                         leave=False)]
-    monkeypatch.setitem(sys.modules, "tqdm", None)  # not installed: the iterable itself
-    assert recordio_ops._progress([3], 1, "verify") == [3] and len(made) == 1
-
-
 # ------------------------------------------------------------------ verify
 
 
@@ -105,7 +84,7 @@ def _im2rec(root: Path, payloads, prop=None) -> Path:
 
 def test_verify_names_each_bad_image_record(tmp_path: Path, monkeypatch):
     calls = []
-    monkeypatch.setattr(recordio_ops, "_progress", lambda it, total, desc: calls.append((total, desc)) or it)
+    monkeypatch.setattr(recordio_ops, "progress", lambda it, total, desc: calls.append((total, desc)) or it)
     root = _im2rec(tmp_path / "r", [pack_header(IRHeader(0, 0.0, 0, 0), _png()), b"short",
                                      pack_header(IRHeader(0, -1.0, 0, 0), _png()),
                                      pack_header(IRHeader(0, 0.0, 0, 0), b"junk")])
@@ -204,7 +183,7 @@ def _faces(tmp_path: Path, **classes) -> Path:
 
 def _record_progress(monkeypatch) -> list:
     calls = []
-    monkeypatch.setattr(recordio_ops, "_progress", lambda it, total, desc: calls.append((total, desc)) or it)
+    monkeypatch.setattr(recordio_ops, "progress", lambda it, total, desc: calls.append((total, desc)) or it)
     return calls
 
 

@@ -22,6 +22,7 @@ from shardfc import checkpoint as ckpt
 from shardfc.data import CorruptImageError, decode_image, image_to_tensor
 from shardfc.evaluation.verification import embed_batches
 from shardfc.outputs import check_output, write_atomically
+from shardfc.progress import progress
 from shardfc.train.checkpointing.artifacts import add_checkpoint_args, list_images, load_backbone, pick_device
 from shardfc.train.config import ConfigError
 
@@ -50,7 +51,7 @@ def _batches(files: List[Path], image_size, batch_size: int, kept: List[Path], c
     """Decoded image batches; appends each decoded file to ``kept`` and each undecodable one (or one
     that is not a regular file inside ``root``) to ``corrupt``."""
     batch: List[torch.Tensor] = []
-    for path in files:
+    for path in progress(files, len(files), "embed"):
         try:
             batch.append(image_to_tensor(decode_image(path, root=root), image_size))
         except CorruptImageError as e:

@@ -29,22 +29,13 @@ from shardfc.data.recordio import (
     write_property,
 )
 from shardfc.data.transforms import CorruptImageError, decode_image
+from shardfc.progress import progress
 
 __all__ = ["CommandError", "pack", "inspect", "shuffle", "verify"]
 
 
 class CommandError(Exception):
     """A failure to report as ``shardfc data <action>: error: ...`` with exit status 1."""
-
-
-def _progress(iterable: Iterable, total: int, desc: str) -> Iterable:
-    if not sys.stderr.isatty():
-        return iterable
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return iterable
-    return tqdm(iterable, total=total, desc=desc, unit="img", file=sys.stderr, dynamic_ncols=True, leave=False)
 
 
 # -------------------------------------------------------------------- pack
@@ -121,7 +112,7 @@ def pack(
         skipped: List[Tuple[str, str]] = []
 
         def images():
-            for i in _progress(order, len(order), "pack"):
+            for i in progress(order, len(order), "pack"):
                 path, label = samples[i]
                 try:  # the gate: a regular file (inside SRC for a folder), at most the image cap
                     data = files.read_bytes(path, "image", root=image_root)
@@ -266,7 +257,7 @@ def shuffle(path: str, out: str, seed: int = 0, force: bool = False, log=None) -
     perm = np.random.default_rng(seed).permutation(len(ds))
     with staged_outputs([rec, idx] + ([prop] if copy_property else [])) as tmps:
         with RecordIOWriter(tmps[0], tmps[1]) as writer:
-            for new_key, i in enumerate(_progress(perm.tolist(), len(perm), "shuffle")):
+            for new_key, i in enumerate(progress(perm.tolist(), len(perm), "shuffle")):
                 writer.write(new_key, ds.reader.read(int(ds.keys[i])))
         if copy_property:
             write_property(tmps[2], *ds.property)
@@ -289,7 +280,7 @@ def verify(path: str) -> dict:
     except ValueError as e:  # structural: nothing else can be trusted
         return {"rec": rec, "layout": None, "images": 0, "bad": [{"key": None, "reason": str(e)}]}
     max_label = -1
-    for key in _progress(layout.image_keys.tolist(), len(layout.image_keys), "verify"):
+    for key in progress(layout.image_keys.tolist(), len(layout.image_keys), "verify"):
         try:
             header, image = unpack_header(reader.read(key), reader.name(key))
             max_label = max(max_label, class_id(reader, key, first_label(header)))

@@ -237,3 +237,12 @@ def test_a_name_with_a_line_break_is_refused_for_npy_and_kept_in_a_pt(monkeypatc
     assert backbone.model.batches == [] and not (tmp_path / "e.npy").exists()
     assert _run("--checkpoint", "ck", "--images", images, "--out", tmp_path / "e.pt") == 0
     assert "b/two\nlines.png" in torch.load(tmp_path / "e.pt", weights_only=True)["paths"]
+
+
+def test_the_images_go_through_the_progress_bar(monkeypatch, images, tmp_path):
+    """A folder of 100,000 images takes minutes: a bar on a terminal (shardfc.progress decides)."""
+    _Backbone(monkeypatch)
+    asked = []
+    monkeypatch.setattr(cli, "progress", lambda it, total, desc: asked.append((len(list(it)), total, desc)) or it)
+    assert _run("--checkpoint", "ck", "--images", images, "--out", tmp_path / "e.pt") == 0
+    assert asked == [(4, 4, "embed")]  # every file listed, the undecodable one too
