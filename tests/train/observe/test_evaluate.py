@@ -167,7 +167,7 @@ def test_a_file_that_is_no_bin_is_named_as_the_user_gave_it(tmp_path, from_eval)
     cfg, bins = (_cfg(), [str(junk)]) if from_eval else (_cfg(val_bins=[str(junk)]), None)
     with pytest.raises(ConfigError) as err:
         build_targets(cfg, (8, 8), torch.device("cpu"), bins=bins, synthetic_pairs=0)
-    assert str(err.value).startswith(f"{'--bin' if from_eval else 'val_bins:'} cannot load {str(junk)!r}: ")
+    assert str(err.value).startswith(f"{'--bin' if from_eval else 'val_bins:'} cannot load {str(junk)!r}: ValueError: ")
 
 
 @pytest.mark.parametrize("from_eval", [False, True])
@@ -188,3 +188,95 @@ def test_a_reid_root_that_is_no_split_is_named_as_the_user_gave_it_before_traini
         build_targets(cfg, (8, 8), torch.device("cpu"), reid_root=override, synthetic_pairs=0)
     given = f"--reid-root {str(root)!r}" if from_eval else f"reid_root={str(root)!r}"
     assert str(err.value).startswith(f"{given}: ") and said.format(root=root) in str(err.value)
+
+
+# ---------------------------------------------------------------- what each target hands the evaluation
+# (the untouched lines the fifty-sixth mutation round found unread: the run's evaluation settings
+# reaching each target, and a .bin looked up beside the dataset)
+
+
+def _record(monkeypatch, name):
+    import shardfc.train.observe.evaluate as evaluate
+
+    calls = []
+    monkeypatch.setattr(evaluate, name, lambda *args, **kw: calls.append((args, kw)) or {"accuracy": 1.0})
+    return calls
+
+
+def test_each_verification_target_gets_the_runs_batch_size_flip_device_and_folds(tmp_path, monkeypatch):
+    calls = _record(monkeypatch, "evaluate_verification")
+    cfg = _cfg(eval_batch_size=7, eval_flip=False, synthetic_val_pairs=NFOLDS, synthetic_identities=4,
+               synthetic_images_per_identity=2)
+    path = _bin(tmp_path / "lfw.bin", NFOLDS)
+    targets = build_targets(cfg, (8, 8), torch.device("cpu"), bins=[path])
+    assert [t.name for t in targets] == ["synthetic", "lfw"]
+    assert targets[0].description == f"{NFOLDS} held-out synthetic pairs of unseen identities"
+    assert targets[1].description == f"{NFOLDS} pairs of {path}"
+    model = nn.Flatten()
+    for t in targets:
+        assert t.evaluate(model) == {"accuracy": 1.0}
+    for args, kw in calls:
+        assert args[0] is model and kw == dict(batch_size=7, flip=False, device=torch.device("cpu"), nfolds=NFOLDS)
+        assert len(args) == 3  # model, the images, issame
+    assert len(calls[0][1]) == 4 and isinstance(calls[0][0][1], tuple)  # the synthetic pairs: (images_a, images_b)
+
+
+def test_a_relative_bin_missing_here_is_looked_up_beside_the_dataset(tmp_path, monkeypatch, caplog):
+    import logging
+
+    data = tmp_path / "ms1m"
+    beside = _bin(data / "agedb_30.bin", NFOLDS)
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg(dataset="folder", data_root=str(data), synthetic_val_pairs=0)
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        targets = build_targets(cfg, (8, 8), torch.device("cpu"), bins=["agedb_30.bin"])
+    assert [t.name for t in targets] == ["agedb_30"]
+    assert f"loaded {beside}: {NFOLDS} pairs" in caplog.messages
+    # one that is here is read here, and an absolute one is never looked up beside the dataset
+    _bin(tmp_path / "agedb_30.bin", 2 * NFOLDS)
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        build_targets(cfg, (8, 8), torch.device("cpu"), bins=["agedb_30.bin"])
+    assert f"loaded agedb_30.bin: {2 * NFOLDS} pairs" in caplog.messages
+    (tmp_path / "agedb_30.bin").unlink()
+    with pytest.raises(FileNotFoundError):
+        build_targets(cfg, (8, 8), torch.device("cpu"), bins=[str(tmp_path / "agedb_30.bin")])
+    with pytest.raises(FileNotFoundError) as err:  # found nowhere: the name as given
+        build_targets(_cfg(dataset="folder", data_root=str(tmp_path / "none"), synthetic_val_pairs=0), (8, 8),
+                      torch.device("cpu"), bins=["agedb_30.bin"])
+    assert str(err.value) == "verification bin file not found: 'agedb_30.bin'"
+
+
+def test_the_reid_target_gets_the_runs_size_batch_flip_and_device(tmp_path, monkeypatch, caplog):
+    import logging
+
+    calls = _record(monkeypatch, "evaluate_reid")
+    root = tmp_path / "market"
+    for folder, cam in (("query", 1), ("bounding_box_test", 2)):
+        (root / folder).mkdir(parents=True)
+        for pid in (1, 2):
+            (root / folder / f"{pid:04d}_c{cam}s1_000{pid}00_01.jpg").write_bytes(_png(40 * pid))
+    cfg = _cfg(eval_batch_size=5, eval_flip=False, synthetic_val_pairs=0)
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        (target,) = build_targets(cfg, (16, 8), torch.device("cpu"), reid_root=str(root))
+    assert (target.name, target.description) == ("reid", f"re-ID query/gallery of {root}")
+    assert f"loaded re-ID split {root}: 2 query, 2 gallery images" in caplog.messages
+    model = nn.Flatten()
+    assert target.evaluate(model) == {"accuracy": 1.0}
+    assert calls == [((model, str(root)), dict(image_size=(16, 8), batch_size=5, flip=False,
+                                               device=torch.device("cpu")))]
+
+
+def test_the_plan_sees_every_target_asked_for(tmp_path, monkeypatch):
+    """A .bin named like the re-ID or the IJB target clashes with it before anything loads."""
+    import shardfc.train.observe.evaluate as evaluate
+
+    monkeypatch.setattr(evaluate, "load_bin", lambda *a: pytest.fail("loaded before the names were checked"))
+    with pytest.raises(ConfigError, match="would both report as 'reid'"):
+        build_targets(_cfg(), (8, 8), torch.device("cpu"), bins=["/v/reid.bin"], reid_root=str(tmp_path),
+                      synthetic_pairs=0)
+    with pytest.raises(ConfigError, match="would both report as 'synthetic'"):  # eval's count, not the run's 0
+        build_targets(_cfg(synthetic_val_pairs=0), (8, 8), torch.device("cpu"), bins=["/v/synthetic.bin"],
+                      synthetic_pairs=NFOLDS)
+    with pytest.raises(ConfigError, match="would both report as 'ijbb'"):
+        build_targets(_cfg(), (8, 8), torch.device("cpu"), bins=["/v/ijbb.bin"], synthetic_pairs=0,
+                      ijb=evaluate.IJBOptions(root=str(tmp_path), target="IJBB"))
