@@ -182,3 +182,25 @@ def special_file():
         return True
 
     return make
+
+
+@pytest.fixture
+def bars(monkeypatch):
+    """A terminal on stderr and a stand-in tqdm: the list of what each bar was asked for."""
+    import io
+    import sys
+    import types
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    made = []
+    stand_in = types.ModuleType("tqdm")
+    stand_in.tqdm = lambda iterable, **kw: made.append(kw) or iterable
+    monkeypatch.setitem(sys.modules, "tqdm", stand_in)
+    # the module's own sys: pytest puts its capture back on sys.stderr after fixtures run
+    from shardfc import progress as progress_mod
+
+    monkeypatch.setattr(progress_mod, "sys", types.SimpleNamespace(stderr=Tty()))
+    return made

@@ -31,7 +31,8 @@ class _Run:
         monkeypatch.setattr(cli, "build_targets", lambda cfg, size, device, autocast, **kw: self.built.append(
             (cfg, size, device, autocast, kw)) or self.targets)
         self.ran = []
-        monkeypatch.setattr(cli, "run_targets", lambda targets, model: self.ran.append((targets, model)) or self.metrics)
+        monkeypatch.setattr(cli, "run_targets", lambda targets, model, bars: self.ran.append((targets, model, bars))
+                            or self.metrics)
 
 
 def test_without_a_target_flag_the_runs_own_targets(monkeypatch, capsys):
@@ -43,7 +44,7 @@ def test_without_a_target_flag_the_runs_own_targets(monkeypatch, capsys):
     assert autocast is contextlib.nullcontext
     assert kw == dict(bins=None, reid_root=None, synthetic_pairs=None, ijb=None)
     assert capsys.readouterr().out == "checkpoint /runs/a/step_1 (tiny, 8-d)\n  lfw: acc 0.9  [lfw pairs]\n"
-    assert run.ran == [(run.targets, "model")]
+    assert run.ran == [(run.targets, "model", True)]  # a bar per target, on a terminal
 
 
 @pytest.mark.parametrize("flags, expected", [

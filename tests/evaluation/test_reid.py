@@ -324,3 +324,11 @@ def test_evaluate_reid_decodes_64_images_a_batch_in_its_own_process_by_default(t
     assert model.shapes == [(1, 3, 8, 4), (64, 3, 8, 4), (1, 3, 8, 4)]
     in_worker["expected"] = True  # and in a DataLoader worker when asked
     evaluate_reid(_Recorder(), root, image_size=(8, 4), flip=False, num_workers=1)
+
+
+def test_under_a_label_the_query_and_the_gallery_each_show_a_bar_of_their_batches(market, bars):
+    from shardfc import progress
+
+    with progress.labelled("reid"):
+        evaluate_reid(nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten()), market, image_size=(16, 8), batch_size=2)
+    assert [(kw["desc"], kw["total"]) for kw in bars] == [("reid", 1), ("reid", 3)]  # 2 query, 5 gallery images

@@ -1,7 +1,8 @@
 """``shardfc eval``: evaluate a checkpoint's backbone on verification pairs, IJB-B/C or a re-ID split.
 
 With no target flag, the targets of the run that saved the checkpoint are used (its val_bins,
-reid_root, and held-out synthetic pairs for a synthetic run).
+reid_root, and held-out synthetic pairs for a synthetic run). On a terminal, each target shows a
+progress bar over its batches.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         )
         if not targets:
             raise ConfigError("nothing to evaluate: pass --bin FILE..., --ijb ROOT, --reid-root DIR or --synthetic-pairs N")
-        metrics = run_targets(targets, trained.model)
+        metrics = run_targets(targets, trained.model, bars=True)  # on a terminal: a bar per target
     except (ConfigError, ckpt.CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"shardfc eval: error: {e}", file=sys.stderr)
         return 2

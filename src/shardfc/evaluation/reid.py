@@ -225,7 +225,20 @@ def _embed_folder(
     num_workers: int,
 ) -> torch.Tensor:
     loader = DataLoader(folder, batch_size=batch_size, shuffle=False, num_workers=num_workers)
-    return embed_batches(model, (images for images, _, _ in loader), flip=flip, device=device)
+    return embed_batches(model, _Images(loader), flip=flip, device=device)
+
+
+class _Images:
+    """The images of a loader's ``(images, pids, cams)`` batches, with the loader's length (a bar's end)."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        return (images for images, _, _ in self.loader)
 
 
 def evaluate_reid(

@@ -19,7 +19,7 @@ import math
 import os
 import pickle
 import struct
-from typing import BinaryIO, Dict, Iterable, Optional, Sequence, Tuple, Union
+from typing import BinaryIO, Dict, Iterable, Optional, Sequence, Sized, Tuple, Union
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from shardfc.data.transforms import decode_image, image_to_tensor
 from shardfc.evaluation.far import far_measurable, why_undefined
 from shardfc.evaluation.folds import NFOLDS, kfold_indices
 from shardfc.evaluation.insightface_protocol import insightface_metrics, normalized_squared_distances
+from shardfc.progress import labelled_bar
 
 __all__ = [
     "load_bin",
@@ -404,9 +405,10 @@ def embed_batches(
     # frozen BatchNorm layers in eval mode while training).
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
+    total = len(batches) if isinstance(batches, Sized) else None
     try:
         out = []
-        for x in batches:
+        for x in labelled_bar(batches, total):  # a bar under shardfc eval's label only (shardfc.progress)
             x = x.to(dev, non_blocking=True)
             emb = model(x)
             if flip:

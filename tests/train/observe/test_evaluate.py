@@ -280,3 +280,17 @@ def test_the_plan_sees_every_target_asked_for(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="would both report as 'ijbb'"):
         build_targets(_cfg(), (8, 8), torch.device("cpu"), bins=["/v/ijbb.bin"], synthetic_pairs=0,
                       ijb=evaluate.IJBOptions(root=str(tmp_path), target="IJBB"))
+
+
+def test_run_targets_labels_each_targets_bar_only_when_asked(bars):
+    from shardfc import progress
+    from shardfc.train.observe.evaluate import EvalTarget
+
+    def target(name):
+        return EvalTarget(name, name, lambda model: {"batches": len(list(progress.labelled_bar([model], 1)))})
+
+    targets = [target("lfw"), target("cfp_fp")]
+    assert run_targets(targets, "m") == {"lfw": {"batches": 1}, "cfp_fp": {"batches": 1}}
+    assert bars == []  # training's evaluations: under the training bar, none of their own
+    assert run_targets(targets, "m", bars=True) == {"lfw": {"batches": 1}, "cfp_fp": {"batches": 1}}
+    assert [kw["desc"] for kw in bars] == ["lfw", "cfp_fp"]

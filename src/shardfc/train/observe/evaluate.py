@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 from torch import nn
 
+from shardfc import progress
 from shardfc.evaluation import evaluate_reid, evaluate_verification, load_bin, load_reid_split
 from shardfc.evaluation.folds import NFOLDS
 from shardfc.train.config import ConfigError, TrainConfig
@@ -199,6 +200,11 @@ def _reid_target(root: str, image_size, cfg: TrainConfig, device, autocast, give
     return EvalTarget("reid", f"re-ID query/gallery of {root}", evaluate)
 
 
-def run_targets(targets: List[EvalTarget], model: nn.Module) -> Dict[str, Dict[str, float]]:
-    """``{target name: metrics}`` for every target."""
-    return {t.name: t.evaluate(model) for t in targets}
+def run_targets(targets: List[EvalTarget], model: nn.Module, bars: bool = False) -> Dict[str, Dict[str, float]]:
+    """``{target name: metrics}`` for every target. ``bars``: a progress bar named by the target over
+    its embedding (``shardfc eval``; training's evaluations run under the training bar, without)."""
+    metrics = {}
+    for t in targets:
+        with progress.labelled(t.name) if bars else contextlib.nullcontext():
+            metrics[t.name] = t.evaluate(model)
+    return metrics
