@@ -6,7 +6,16 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from shardfc.checks import check_int, check_names, check_positive_int, check_probability, check_real, chunk_size_arg
+from shardfc.checks import (
+    MAX_SEED,
+    check_int,
+    check_names,
+    check_positive_int,
+    check_probability,
+    check_real,
+    check_seed,
+    chunk_size_arg,
+)
 
 
 def _message(fn, *args, **kwargs):
@@ -26,6 +35,17 @@ def test_check_positive_int():
     assert check_positive_int("k", 1) == 1
     for bad in (0, -1, True, False, 1.0, "1"):
         assert _message(check_positive_int, "k", bad) == (ValueError, f"k must be a positive integer, got {bad!r}")
+
+
+def test_check_seed():
+    assert MAX_SEED == 2**63 - 1  # torch.Generator.manual_seed's largest
+    for good in (0, 7, MAX_SEED, np.int64(5), np.uint64(2**63 - 1)):
+        got = check_seed("init_seed", good)
+        assert got == good and type(got) is int
+    # each of these drew another seed's stream (-5 as 2**64 - 5, 2**64 + 1 as 1) or was truncated (1.5 as 1)
+    for bad in (-1, -5, MAX_SEED + 1, 2**64 + 1, 1.5, 2.0, True, False, "7", None, np.float64(3)):
+        assert _message(check_seed, "init_seed", bad) == (
+            ValueError, f"init_seed must be an int in [0, 2**63 - 1], got {bad!r}")
 
 
 @pytest.mark.parametrize("low_open, high_open, interval, inside, outside", [

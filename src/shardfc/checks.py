@@ -6,13 +6,26 @@ import math
 import numbers
 from typing import Any, List, Sequence, Union
 
-__all__ = ["check_int", "check_names", "check_positive_int", "check_probability", "check_real", "chunk_size_arg"]
+__all__ = ["MAX_SEED", "check_int", "check_names", "check_positive_int", "check_probability", "check_real", "check_seed",
+           "chunk_size_arg"]
+
+#: Largest seed: torch's generators take a signed 64-bit seed.
+MAX_SEED = 2**63 - 1
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:
     """``value`` as an int ``>= minimum`` (bool is rejected: ``True`` as a count is always a bug)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_seed(name: str, value: Any) -> int:
+    """``value`` as a seed: an int in ``[0, 2**63 - 1]``. Seeds are hashed as 64-bit words
+    (:func:`shardfc.seeding.mix_seed`), so a negative or larger one would silently draw the same
+    stream as another seed (``-5`` as ``2**64 - 5``), and ``int()`` would take ``1.5`` as ``1``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= MAX_SEED:
+        raise ValueError(f"{name} must be an int in [0, 2**63 - 1], got {value!r}")
     return int(value)
 
 

@@ -262,6 +262,9 @@ def test_a_sample_s_generator_is_its_own_stream_of_the_seed(tree):
     assert gen.initial_seed() != mix_seed(5, 2, 3)
     ds.set_epoch(2)
     assert ds.epoch == 2
+    for seed in (-5, 2**64 + 5, 5.5):  # each the stream of seed 5's neighbours in 64-bit words, or truncated
+        with pytest.raises(ValueError, match=re.escape(f"seed must be an int in [0, 2**63 - 1], got {seed!r}")):
+            ImageFolderDataset(tree, seed=seed)
 
 
 def test_the_bytes_and_label_of_a_sample_without_decoding(tree, tmp_path, special_file):

@@ -325,6 +325,9 @@ def test_the_bounds_are_allowed(kw):
     (dict(identity_scale=-0.3), "identity_scale must be a finite number >= 0, got -0.3"),
     (dict(brightness="0.3"), "brightness must be a finite number >= 0, got '0.3'"),
     (dict(color_cast=float("-inf")), "color_cast must be a finite number >= 0, got -inf"),
+    # hashed as a 64-bit word: -1 drew the set of 2**64 - 1, 1.5 the set of 1
+    (dict(seed=-1), "seed must be an int in [0, 2**63 - 1], got -1"),
+    (dict(seed=1.5), "seed must be an int in [0, 2**63 - 1], got 1.5"),
 ])
 def test_bad_arguments_are_named(kw, message):
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
@@ -333,6 +336,9 @@ def test_bad_arguments_are_named(kw, message):
 
 def test_bad_calls_are_named_and_the_edges_answer():
     d = SyntheticIdentities(num_identities=2, images_per_identity=3, image_size=(8, 6), seed=4)
+    for seed in (-1, 2**64):  # the pairs' seed: aliased another's pairs
+        with pytest.raises(ValueError, match=re.escape(f"seed must be an int in [0, 2**63 - 1], got {seed}")):
+            d.verification_pair_indices(10, seed=seed)
     assert repr(d) == "SyntheticIdentities(num_identities=2, images_per_identity=3, image_size=(8, 6), seed=4)"
     assert torch.equal(d[-6][0], d[0][0]) and d[-6][1] == 0
     for index in (6, -7):

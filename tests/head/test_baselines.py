@@ -141,6 +141,9 @@ def test_the_replicated_head_refuses_an_unknown_reduction():
     with pytest.raises(ValueError) as info:
         ReplicatedHead(D, C, reduction="avg")
     assert str(info.value) == "reduction must be 'mean', 'sum' or 'none', got 'avg'"
+    with pytest.raises(ValueError) as info:
+        ReplicatedHead(D, C, init_seed=-1)  # drew the rows of seed 2**64 - 1
+    assert str(info.value) == "init_seed must be an int in [0, 2**63 - 1], got -1"
 
 
 def test_the_replicated_head_holds_every_class_and_averages_nothing_alone():

@@ -86,6 +86,18 @@ def test_optimizer_rounding_is_seeded_and_checked():
         head_optimizer(head, "sgd", lr=0.1, rounding="truncate")
 
 
+@pytest.mark.parametrize("seed", [-1, 2**63, 0.5])
+def test_a_rounding_seed_that_would_alias_another_is_refused_by_every_optimizer(seed):
+    message = f"^rounding_seed must be an int in \\[0, 2\\*\\*63 - 1\\], got {seed!r}$"
+    with pytest.raises(ValueError, match=message):
+        RowSparseSGD([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.1, rounding_seed=seed)
+    for name, dtype in [("sgd", torch.float32), ("adamw", torch.float32), ("sgd", torch.bfloat16)]:
+        with pytest.raises(ValueError, match=message):  # torch's own optimizer too (it never reads it)
+            head_optimizer(ShardedMarginHead(D, C, dtype=dtype), name, lr=0.1, rounding_seed=seed)
+    assert head_optimizer(ShardedMarginHead(D, C, dtype=torch.bfloat16), "sgd", lr=0.1,
+                          rounding_seed=2**63 - 1).param_groups[0]["rounding_seed"] == 2**63 - 1
+
+
 # --------------------------------------------------------------------------- the head
 def make_head(dtype, rate=0.5, devices=None, sparse=None, init_seed=0):
     sparse = rate < 1 if sparse is None else sparse

@@ -227,6 +227,17 @@ def test_bad_forward_input(x, y, kind, text, devices):
         (dict(ignore_index=3), ValueError, "ignore_index=3 is a valid class id"),
         (dict(margin="arcface"), TypeError, "margin must be a shardfc.head.margins.Margin"),
         (dict(group=None, devices=["cpu"], num_classes=0), ValueError, "num_classes must be a positive integer, got 0"),
+        # hashed as 64-bit words: each drew another seed's stream (-5 as 2**64 - 5) or was truncated (1.5 as 1)
+        (dict(init_seed=-5), ValueError, "init_seed must be an int in [0, 2**63 - 1], got -5"),
+        (dict(init_seed=2**64 + 1), ValueError, f"init_seed must be an int in [0, 2**63 - 1], got {2**64 + 1}"),
+        (dict(init_seed=1.5), ValueError, "init_seed must be an int in [0, 2**63 - 1], got 1.5"),
+        (dict(sample_rate=0.5, sample_seed=-1), ValueError, "sample_seed must be an int in [0, 2**63 - 1], got -1"),
+        (dict(sample_seed="3"), ValueError, "sample_seed must be an int in [0, 2**63 - 1], got '3'"),
+        # torch's own named neither the argument nor the value ("Expected one of cpu, cuda, ... device type")
+        (dict(device="xyz"), ValueError, "device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got 'xyz'"),
+        (dict(device=[0]), ValueError, "device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got [0]"),
+        (dict(devices=["cpu", "gpu0"]), ValueError, "devices[1] must be a torch device such as 'cpu', 'cuda' or "
+                                                    "'cuda:1', got 'gpu0'"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, kind, text):

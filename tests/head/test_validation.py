@@ -235,3 +235,15 @@ def test_a_deferred_check_starts_only_for_values_it_is_asked_for():
     assert check_batch_deferred(GOOD_X[:0], GOOD_Y[:0], **args) == ([0], None)
     sizes, pending = check_batch_deferred(GOOD_X, GOOD_Y, **args)
     assert sizes == [5] and pending is not None and pending.error() is None
+
+
+def test_check_device_takes_what_torch_device_takes_and_names_the_argument_otherwise():
+    from shardfc.head.validation import check_device
+
+    assert check_device("device", "cpu") == torch.device("cpu")
+    assert check_device("device", torch.device("cuda", 1)) == torch.device("cuda:1")
+    assert check_device("device", "meta").type == "meta"
+    for bad in ("xyz", "cuda:x", "", None, 1.5, [0]):
+        with pytest.raises(ValueError) as err:
+            check_device("devices[2]", bad)
+        assert str(err.value) == f"devices[2] must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got {bad!r}"

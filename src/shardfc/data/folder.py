@@ -46,6 +46,7 @@ import torch
 from torch.utils.data import Dataset
 
 from shardfc import files
+from shardfc.checks import check_seed
 from shardfc.data.labels import check_class_count
 from shardfc.data.transforms import CorruptImageError, ImageTransform, decode_image
 from shardfc.seeding import mix_seed
@@ -78,7 +79,7 @@ class FileImageDataset(Dataset):
         self.train = train
         # Flip augmentation only for training; evaluation adds flips explicitly.
         self.transform = ImageTransform(image_size, random_flip=train, flip_prob=flip_prob)
-        self.seed = int(seed)
+        self.seed = check_seed("seed", seed)
         self.epoch = 0
         self.log_corrupt = True
         self.corrupt_count = 0

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from shardfc.checks import check_seed
 from shardfc.seeding import mix_seed
 
 __all__ = ["SyntheticIdentities", "SyntheticPool"]
@@ -112,7 +113,7 @@ class SyntheticIdentities(Dataset):
         self.num_identities = int(num_identities)
         self.images_per_identity = int(images_per_identity)
         self.image_size = (int(image_size[0]), int(image_size[1]))
-        self.seed = int(seed)
+        self.seed = check_seed("seed", seed)
         self.identity_scale = float(identity_scale)
         self.grid_size = int(grid_size)
         self.contrast = float(contrast)
@@ -281,6 +282,7 @@ class SyntheticIdentities(Dataset):
         """
         if num_pairs < 1:
             raise ValueError(f"num_pairs must be >= 1, got {num_pairs!r}")
+        check_seed("seed", seed)
         if num_held_out_images < 2:
             raise ValueError(f"num_held_out_images must be >= 2, got {num_held_out_images!r}")
         if self.num_identities < 2:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shardfc.checks import check_seed
 from shardfc.head import margins as _margins
 from shardfc.head.module import ShardedMarginHead, init_rows
 from shardfc.head.reference import reference_logits
@@ -156,7 +157,7 @@ class ReplicatedHead(nn.Module):
         self.label_smoothing, self.ignore_index, self.reduction = label_smoothing, ignore_index, reduction
         self.ctx = DistContext.resolve(group)
         self.distributed, self.group, self.world_size = self.ctx.distributed, self.ctx.group, self.ctx.world_size
-        w = init_rows(0, num_classes, embedding_dim, init_seed)
+        w = init_rows(0, num_classes, embedding_dim, check_seed("init_seed", init_seed))
         self.weight = nn.Parameter(w.to(device=device, dtype=dtype or torch.float32))
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from shardfc.checks import check_positive_int
+from shardfc.checks import check_positive_int, check_seed
 from shardfc.head import impl_select
 from shardfc.head import margins as _margins
 from shardfc.head import sharded_state as _state
@@ -74,6 +74,7 @@ from shardfc.head.validation import (
     PendingCheck,
     check_batch_and_exchange_sizes,
     check_batch_deferred,
+    check_device,
     check_embeddings,
     check_head_options,
     check_validate,
@@ -127,7 +128,8 @@ class ShardedMarginHead(nn.Module):
             head. Evaluation mode and :meth:`predict` always use every class.
         sample_seed: seed of the sampling; step ``t`` of shard ``i`` draws from
             ``(sample_seed, i, t)`` (:func:`~shardfc.head.sampling.draw_keys`: counter-based, the same
-            sample on any device), so a run is reproducible (``sample_step`` counts steps).
+            sample on any device), so a run is reproducible (``sample_step`` counts steps). Each
+            seed is an int in ``[0, 2**63 - 1]`` (:func:`shardfc.checks.check_seed`).
         sparse_grad: Partial FC only (``sample_rate < 1``): the weight gradient of a training step
             holds the sampled rows only, a compact ``[K·k, D]`` buffer (``k`` the count above) kept by
             the head (never a ``.grad``: autograd sees none for the weights) and handed with its row
@@ -240,7 +242,7 @@ class ShardedMarginHead(nn.Module):
             self.chunk_size = None if chunk_size is None else check_positive_int("chunk_size", chunk_size)
         self.chunk_budget_bytes = check_positive_int("chunk_budget_bytes", chunk_budget_bytes)
         self.sample_rate = options.sample_rate
-        self.sample_seed = int(sample_seed)
+        self.sample_seed = check_seed("sample_seed", sample_seed)
         self.sample_step = 0
         self._draw_steps = StepCounter()  # sample_step on each shard's device: what the draw reads
         # Per shard, the rows each forward since the optimizer's last step used (None: every row).
@@ -276,7 +278,7 @@ class ShardedMarginHead(nn.Module):
         self._grad_sq_on = False
         self._grad_sq: List[Tensor] = []
         self._grad_sq_forwards = 0
-        self.init_seed = int(init_seed)
+        self.init_seed = check_seed("init_seed", init_seed)
         dtype = torch.float32 if dtype is None else dtype
         if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):  # (int32: a torch error; fp8: no matmul)
             raise ValueError(f"dtype must be a floating-point torch.dtype (torch.float32, torch.bfloat16, torch.float16 "
@@ -287,7 +289,7 @@ class ShardedMarginHead(nn.Module):
         if devices is not None:
             if group is not None:
                 raise ValueError("pass either devices (one process, many devices) or group, not both")
-            devices = [torch.device(d) for d in devices]
+            devices = [check_device(f"devices[{i}]", d) for i, d in enumerate(devices)]
             if not devices:
                 raise ValueError("devices must name at least one device, got an empty list")
             self.mode = "devices"
@@ -300,6 +302,7 @@ class ShardedMarginHead(nn.Module):
                 for r, d in zip(self.shard_ranges, devices)
             )
         else:
+            device = None if device is None else check_device("device", device)
             if context is None:
                 self.ctx = DistContext.resolve(group, device)
             else:

@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, S
 import torch
 from torch import Tensor, nn
 
-from shardfc.checks import check_probability, check_real
+from shardfc.checks import check_probability, check_real, check_seed
 from shardfc.head import capture
 from shardfc.head.catch_up import (
     FULL_CATCH_UP_EVERY,
@@ -137,7 +137,8 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
         #: None (default) on CUDA when Triton is installed and the parameter qualifies; True always,
         #: or a ValueError saying why not; False never.
         self.catch_up_kernel: Optional[bool] = None
-        super().__init__(params, dict(defaults, rounding=rounding, rounding_seed=int(rounding_seed), rounding_step=0))
+        super().__init__(params, dict(defaults, rounding=rounding, rounding_seed=check_seed("rounding_seed", rounding_seed),
+                                                  rounding_step=0))
         self.sampled_rows = sampled_rows
         # The head whose take_sampled_rows answers sampled_rows brings the rows it reads up to date
         # through this optimizer (its forward, predict, state_dict, checkpoints, grow).
@@ -720,6 +721,7 @@ def head_optimizer(
     else:
         lr, betas, eps, weight_decay = check_adamw_hyper_parameters(lr, betas, eps, weight_decay)
     check_rounding(rounding)
+    check_seed("rounding_seed", rounding_seed)  # read by the row-sparse optimizers only, checked for every one
     if not isinstance(fused_update, bool):
         raise TypeError(f"fused_update must be True or False, got {fused_update!r}")
     sparse = getattr(head, "sample_rate", 1.0) < 1.0

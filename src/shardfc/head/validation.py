@@ -228,6 +228,16 @@ def check_head_options(
 VALIDATE_MODES = ("auto", "immediate", "deferred")
 
 
+def check_device(name: str, value: Any) -> torch.device:
+    """``value`` as a ``torch.device`` (a name, an index or a device), else a ValueError naming
+    ``name`` (torch's own says only "Expected one of cpu, cuda, ... device type")."""
+    try:
+        return torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{name} must be a torch device such as 'cpu', 'cuda' or 'cuda:1', "
+                         f"got {value!r}") from None
+
+
 def check_validate(validate) -> str:
     """``validate`` if it is one of :data:`VALIDATE_MODES`, else a ValueError naming it."""
     if validate not in VALIDATE_MODES:

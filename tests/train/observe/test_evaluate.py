@@ -294,3 +294,14 @@ def test_run_targets_labels_each_targets_bar_only_when_asked(bars):
     assert bars == []  # training's evaluations: under the training bar, none of their own
     assert run_targets(targets, "m", bars=True) == {"lfw": {"batches": 1}, "cfp_fp": {"batches": 1}}
     assert [kw["desc"] for kw in bars] == ["lfw", "cfp_fp"]
+
+
+def test_the_held_out_pairs_draw_from_the_runs_seed_plus_one_and_the_largest_seed_wraps():
+    from shardfc.checks import MAX_SEED
+    from shardfc.train.observe.evaluate import LazyPairs, pairs_seed, synthetic_dataset
+
+    assert [pairs_seed(s) for s in (0, 41, MAX_SEED - 1, MAX_SEED)] == [1, 42, MAX_SEED, 0]
+    cfg = _cfg(synthetic_identities=8, seed=MAX_SEED)  # the config's largest: its pairs' seed is no seed
+    images_a, _, issame = LazyPairs(cfg, (8, 8), NFOLDS).get()
+    expected = synthetic_dataset(cfg, (8, 8)).verification_pairs(NFOLDS, seed=0, unseen_identities=True)
+    assert torch.equal(images_a, expected[0]) and (issame == expected[2]).all()

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from shardfc.checks import MAX_SEED
+
 __all__ = [
     "ConfigError",
     "STRATEGIES",
@@ -35,8 +37,6 @@ MAX_EMBEDDING_DIM = 1 << 16
 MAX_IMAGE_SIDE = 4096
 #: Largest ``pg_timeout`` (seconds, 31 years): ``datetime.timedelta`` ends at 8.6e13 seconds.
 MAX_PG_TIMEOUT = 1e9
-#: Largest ``seed``: torch's generators take a signed 64-bit seed.
-MAX_SEED = 2**63 - 1
 #: Most intra-op threads per process (16,384 killed the process here; a machine has far fewer cores).
 MAX_THREADS = 1024
 #: float32's largest finite value: a float field past it cannot reach an fp32 tensor (lr 1e308 raised
@@ -355,7 +355,7 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.pg_timeout > MAX_PG_TIMEOUT:  # past datetime.timedelta's range: every rank's group init overflowed
             raise ConfigError(f"pg_timeout must be at most {MAX_PG_TIMEOUT:.0e} seconds (31 years), got {self.pg_timeout!r}")
-        if self.seed > MAX_SEED:
+        if self.seed > MAX_SEED:  # shardfc.checks.check_seed's bound, in the config's words
             raise ConfigError(f"seed must be at most 2**63 - 1 (torch's generators take a signed 64-bit seed), "
                               f"got {self.seed!r}")
         if self.threads > MAX_THREADS:  # OpenMP fails to make them, or the process dies outright

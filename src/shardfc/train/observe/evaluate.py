@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from shardfc import progress
+from shardfc.checks import MAX_SEED
 from shardfc.evaluation import evaluate_reid, evaluate_verification, load_bin, load_reid_split
 from shardfc.evaluation.folds import NFOLDS
 from shardfc.train.config import ConfigError, TrainConfig
@@ -124,6 +125,12 @@ def build_targets(
     return targets
 
 
+def pairs_seed(seed: int) -> int:
+    """The seed of a run's held-out pairs: the run's plus one (the pairs of every earlier run), the
+    largest seed's wrapping to 0 (a seed is at most ``2**63 - 1``)."""
+    return (seed + 1) % (MAX_SEED + 1)
+
+
 class LazyPairs:
     """The synthetic verification pairs of a run, rendered on the first :meth:`get` and kept.
 
@@ -142,7 +149,7 @@ class LazyPairs:
         """``(images_a, images_b, issame)``: :meth:`~shardfc.data.SyntheticIdentities.verification_pairs`."""
         if self._pairs is None:
             self._pairs = synthetic_dataset(self.cfg, self.image_size).verification_pairs(
-                self.num_pairs, seed=self.cfg.seed + 1, unseen_identities=True
+                self.num_pairs, seed=pairs_seed(self.cfg.seed), unseen_identities=True
             )
         return self._pairs
 
