@@ -155,3 +155,17 @@ def test_an_ijb_out_where_a_file_stands_is_refused_before_the_checkpoint_is_read
         assert capsys.readouterr().err == (f"shardfc eval: error: --ijb-out {str(out)!r}: {str(tmp_path / 'report')!r} "
                                            "is a file, not a folder\n")
     assert run.loaded == [] and (tmp_path / "report").read_text() == "keep"
+
+
+def test_embeddings_that_are_not_finite_are_the_commands_error(monkeypatch, capsys):
+    from shardfc.evaluation.finite import NonFiniteEmbeddings
+
+    _Run(monkeypatch)
+
+    def overflowing(targets, model, bars):
+        raise NonFiniteEmbeddings("lfw: embeddings_a holds NaN or inf in 3 of 6000 rows (the first: row 12): ...")
+
+    monkeypatch.setattr(cli, "run_targets", overflowing)
+    assert cli.main(["--checkpoint", "ck", "--amp", "fp16"]) == 2
+    assert capsys.readouterr().err == ("shardfc eval: error: lfw: embeddings_a holds NaN or inf in 3 of 6000 rows "
+                                       "(the first: row 12): ...\n")

@@ -36,6 +36,7 @@ from shardfc import files
 from shardfc.data.transforms import decode_image, image_to_tensor, pil_to_tensor
 from shardfc.evaluation.alignment import align_face
 from shardfc.evaluation.far import far_measurable
+from shardfc.evaluation.finite import check_finite
 from shardfc.evaluation.verification import embed_batches, far_key, tar_at_far
 
 __all__ = [
@@ -290,6 +291,7 @@ def evaluate_ijb(
     """
     meta = read_ijb_meta(root, target) if meta is None else meta
     feats = embed_ijb_faces(model, meta, batch_size, flip, device, image_size, workers)
+    check_finite(f"{target}'s face features", feats)
     if not norm_score:
         norms = np.linalg.norm(feats, axis=1, keepdims=True)
         feats = feats / np.where(norms == 0, 1.0, norms)

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from shardfc.data.folder import IMG_EXTENSIONS
 from shardfc.data.market1501 import JUNK_PID, parse_market1501_name
 from shardfc.data.transforms import decode_image, image_to_tensor
+from shardfc.evaluation.finite import check_finite
 from shardfc.evaluation.verification import embed_batches
 
 __all__ = [
@@ -98,6 +99,8 @@ def reid_metrics(
         raise ValueError(f"query_pids ({len(qp)}) and query_cams ({len(qc)}) must match query_feats ({len(qf)})")
     if not len(gp) == len(gc) == len(gf):
         raise ValueError(f"gallery_pids ({len(gp)}) and gallery_cams ({len(gc)}) must match gallery_feats ({len(gf)})")
+    check_finite("query_feats", qf)
+    check_finite("gallery_feats", gf)
     ranks = tuple(int(k) for k in ranks)
     if any(k < 1 for k in ranks):
         raise ValueError(f"ranks must be positive, got {ranks!r}")

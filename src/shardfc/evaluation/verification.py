@@ -28,6 +28,7 @@ from torch import nn
 from shardfc import files
 from shardfc.data.transforms import decode_image, image_to_tensor
 from shardfc.evaluation.far import far_measurable, why_undefined
+from shardfc.evaluation.finite import check_finite
 from shardfc.evaluation.folds import NFOLDS, kfold_indices
 from shardfc.evaluation.insightface_protocol import insightface_metrics, normalized_squared_distances
 from shardfc.progress import labelled_bar
@@ -350,6 +351,8 @@ def verification_metrics(
         )
     if len(same) != len(a):
         raise ValueError(f"issame has {len(same)} entries for {len(a)} embedding pairs")
+    check_finite("embeddings_a", a)
+    check_finite("embeddings_b", b)
     far_targets = [_far_target(f) for f in far_targets]  # all refused before any is computed
     keyed = [(far_key(far), far) for far in far_targets]
     out = insightface_metrics(normalized_squared_distances(a, b), same, nfolds, keyed)

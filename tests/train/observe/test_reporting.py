@@ -219,8 +219,8 @@ def test_targets_are_evaluated_logged_and_recorded_unless_told_not_to(runlog, tm
     target = types.SimpleNamespace(name="lfw", description="1000 pairs")
     seen = []
 
-    def run_targets(targets, module):
-        seen.append((targets, module))
+    def run_targets(targets, module, skip_non_finite):
+        seen.append((targets, module, skip_non_finite))
         clock.now += 2.5
         return {"lfw": {"accuracy": 0.75}}
 
@@ -229,10 +229,23 @@ def test_targets_are_evaluated_logged_and_recorded_unless_told_not_to(runlog, tm
     with caplog.at_level(logging.INFO, logger="shardfc.train"):
         assert evaluate_targets([target], parts, 30, runlog) == {"lfw": {"accuracy": 0.75}}
         assert evaluate_targets([target], parts, 30, runlog, record=False) == {"lfw": {"accuracy": 0.75}}
-    assert seen == [([target], parts.module)] * 2
+    assert seen == [([target], parts.module, True)] * 2  # a target whose embeddings are not finite: skipped
     assert _rows(tmp_path / "metrics.csv") == [(30, "val/lfw/accuracy", "0.75")]  # once
     assert caplog.messages == ["eval step 30  lfw: accuracy 75.00% ± 0.00  (1000 pairs)", "evaluation took 2.5 s"] * 2
     assert evaluate_targets([], parts, 31, runlog) == {} and len(seen) == 2  # nothing to evaluate: nothing run
+
+
+def test_a_target_whose_embeddings_are_not_finite_is_neither_logged_as_evaluated_nor_recorded(runlog, tmp_path, caplog):
+    from shardfc.evaluation.finite import check_finite
+    from shardfc.train.observe.evaluate import EvalTarget
+
+    targets = [EvalTarget("agedb_30", "", lambda model: check_finite("embeddings_a", torch.tensor([[float("inf")]]))),
+               EvalTarget("lfw", "1000 pairs", lambda model: {"accuracy": 0.5})]
+    with caplog.at_level(logging.INFO, logger="shardfc.train"):
+        assert evaluate_targets(targets, _parts(), 40, runlog) == {"lfw": {"accuracy": 0.5}}  # the run trains on
+    assert _rows(tmp_path / "metrics.csv") == [(40, "val/lfw/accuracy", "0.5")]
+    assert caplog.messages[0].startswith("agedb_30 not evaluated: embeddings_a holds NaN or inf in 1 of 1 rows")
+    assert caplog.messages[1] == "eval step 40  lfw: accuracy 50.00% ± 0.00  (1000 pairs)"
 
 
 # ---------------------------------------------------------------------------- the setup lines

@@ -20,6 +20,7 @@ from torch import nn
 from shardfc import progress
 from shardfc.checks import MAX_SEED
 from shardfc.evaluation import evaluate_reid, evaluate_verification, load_bin, load_reid_split
+from shardfc.evaluation.finite import NonFiniteEmbeddings
 from shardfc.evaluation.folds import NFOLDS
 from shardfc.train.config import ConfigError, TrainConfig
 from shardfc.train.config import targets as target_plan
@@ -207,11 +208,21 @@ def _reid_target(root: str, image_size, cfg: TrainConfig, device, autocast, give
     return EvalTarget("reid", f"re-ID query/gallery of {root}", evaluate)
 
 
-def run_targets(targets: List[EvalTarget], model: nn.Module, bars: bool = False) -> Dict[str, Dict[str, float]]:
+def run_targets(targets: List[EvalTarget], model: nn.Module, bars: bool = False,
+                skip_non_finite: bool = False) -> Dict[str, Dict[str, float]]:
     """``{target name: metrics}`` for every target. ``bars``: a progress bar named by the target over
-    its embedding (``shardfc eval``; training's evaluations run under the training bar, without)."""
+    its embedding (``shardfc eval``; training's evaluations run under the training bar, without).
+
+    Embeddings that are not finite raise :class:`NonFiniteEmbeddings` naming the target; with
+    ``skip_non_finite`` (training's evaluations: the run goes on, and its divergence stop watches the
+    loss) the target is logged as not evaluated and left out of the result instead."""
     metrics = {}
     for t in targets:
-        with progress.labelled(t.name) if bars else contextlib.nullcontext():
-            metrics[t.name] = t.evaluate(model)
+        try:
+            with progress.labelled(t.name) if bars else contextlib.nullcontext():
+                metrics[t.name] = t.evaluate(model)
+        except NonFiniteEmbeddings as e:
+            if not skip_non_finite:
+                raise NonFiniteEmbeddings(f"{t.name}: {e}") from None
+            logger.warning("%s not evaluated: %s", t.name, e)
     return metrics

@@ -180,8 +180,10 @@ def evaluate_targets(targets, parts: Parts, step: int, runlog: RunLog, record: b
     if not targets:
         return {}
     t0 = time.time()
-    metrics = run_targets(targets, parts.module)
+    metrics = run_targets(targets, parts.module, skip_non_finite=True)  # such a target is logged, not fatal
     for t in targets:
+        if t.name not in metrics:
+            continue
         logger.info("eval step %d  %s: %s  (%s)", step, t.name, format_metrics(metrics[t.name]), t.description)
         if record:
             runlog.scalars(step, {f"val/{t.name}/{k}": v for k, v in metrics[t.name].items()})
