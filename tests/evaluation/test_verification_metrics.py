@@ -118,6 +118,20 @@ def test_same_only_when_the_score_is_above_the_threshold():
     assert m["exact_best_threshold"] == (0.5 + 0.25) / 2
 
 
+@pytest.mark.parametrize("issame, shown", [
+    (np.array([0, 2]), "2 (int64)"), (np.array([0.0, 0.5]), "0.5 (float64)"), (np.array([1.0, np.nan]), "nan (float64)"),
+    (np.array(["y", "n"]), "'y' (<U1)"), (torch.tensor([-1, 1]), "-1 (int64)"),
+])
+def test_issame_is_booleans_or_0_and_1(issame, shown):
+    # astype(bool) took 2, 0.5, NaN, -1 and any string as "same", silently
+    with pytest.raises(ValueError) as err:
+        verification_metrics(np.eye(2), np.eye(2), issame, nfolds=2, far_targets=())
+    assert str(err.value) == f"issame must hold booleans (or 0 and 1), got {shown}"
+    ones = verification_metrics(np.eye(2), np.eye(2), np.array([1, 0]), nfolds=2, far_targets=())
+    assert ones == verification_metrics(np.eye(2), np.eye(2), [True, False], nfolds=2, far_targets=())
+    assert ones == verification_metrics(np.eye(2), np.eye(2), torch.tensor([1.0, 0.0]), nfolds=2, far_targets=())
+
+
 @pytest.mark.parametrize("far", [0.0, 1.0, 1.5, -0.1])
 def test_a_far_target_outside_0_1_is_refused(far):
     scores, issame = np.array([0.1, 0.9]), np.array([False, True])

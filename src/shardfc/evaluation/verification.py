@@ -245,6 +245,17 @@ def _to_numpy(x: ArrayLike) -> np.ndarray:
     return np.asarray(x)
 
 
+def _issame(issame: ArrayLike) -> np.ndarray:
+    """``issame`` as a flat bool array: booleans, or 0/1 (a 2 or a 0.5 is no answer to "same?", and
+    ``astype(bool)`` would have taken either as True)."""
+    same = _to_numpy(issame).reshape(-1)
+    if same.dtype != bool:
+        odd = same[(same != 0) & (same != 1)] if np.issubdtype(same.dtype, np.number) else same[:1]
+        if len(odd):
+            raise ValueError(f"issame must hold booleans (or 0 and 1), got {odd.tolist()[0]!r} ({same.dtype})")
+    return same.astype(bool)
+
+
 def best_threshold(scores: np.ndarray, issame: np.ndarray) -> Tuple[float, float]:
     """Threshold maximising the accuracy of ``score > threshold`` on these pairs.
 
@@ -344,7 +355,7 @@ def verification_metrics(
     """
     a = _to_numpy(embeddings_a).astype(np.float64)
     b = _to_numpy(embeddings_b).astype(np.float64)
-    same = _to_numpy(issame).astype(bool).reshape(-1)
+    same = _issame(issame)
     if a.ndim != 2 or a.shape != b.shape:
         raise ValueError(
             f"embeddings_a and embeddings_b must both be [N, D] with equal shapes, got {a.shape} and {b.shape}"
