@@ -104,8 +104,12 @@ def test_training_flips_randomly(tree):
 
 
 def test_resizes_to_image_size(tree):
-    ds = ImageFolderDataset(tree, image_size=(8, 6), train=False)
-    assert ds[0][0].shape == (3, 8, 6)
+    ds = ImageFolderDataset(tree, image_size=[8, 6], train=False)
+    assert ds[0][0].shape == (3, 8, 6) and ds.image_size == (8, 6)
+    for bad in (8, (8,), (8, 0), (8.0, 6), None):  # 8 was "'int' object is not iterable"
+        with pytest.raises(ValueError, match=re.escape(f"image_size must be a (height, width) pair of positive ints, "
+                                                        f"got {bad!r}")):
+            ImageFolderDataset(tree, image_size=bad)
 
 
 def test_dataloader_batches(tree):

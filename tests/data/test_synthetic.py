@@ -132,6 +132,8 @@ def test_pool_serves_the_sets_labels_and_its_own_renders_in_uint8(size):
     for index in (24, -25):
         with pytest.raises(IndexError, match=f"^index {index} out of range for dataset of size 24$"):
             pool[index]
+    with pytest.raises(TypeError, match=re.escape("a sample's index must be an int, got 2.5")):
+        pool[2.5]
     assert repr(pool) == f"SyntheticPool({data!r}, size={size})"
 
 
@@ -307,12 +309,15 @@ def test_the_bounds_are_allowed(kw):
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(num_identities=0), "num_identities must be >= 1, got 0"),
-    (dict(images_per_identity=0), "images_per_identity must be >= 1, got 0"),
+    (dict(num_identities=0), "num_identities must be an int >= 1, got 0"),
+    (dict(images_per_identity=0), "images_per_identity must be an int >= 1, got 0"),
+    (dict(num_identities=1.5), "num_identities must be an int >= 1, got 1.5"),  # was taken as 1
+    (dict(images_per_identity=True), "images_per_identity must be an int >= 1, got True"),
+    (dict(grid_size=2.5), "grid_size must be an int >= 2, got 2.5"),
     (dict(image_size=(3, 8)), "image_size must be a (height, width) pair of ints >= 4, got (3, 8)"),
     (dict(image_size=(8, 4.0)), "image_size must be a (height, width) pair of ints >= 4, got (8, 4.0)"),
     (dict(image_size=(8,)), "image_size must be a (height, width) pair of ints >= 4, got (8,)"),
-    (dict(grid_size=1), "grid_size must be >= 2, got 1"),
+    (dict(grid_size=1), "grid_size must be an int >= 2, got 1"),
     (dict(max_shift=-0.01), "max_shift must be in [0, 0.5), got -0.01"),
     (dict(max_shift=0.5), "max_shift must be in [0, 0.5), got 0.5"),
     (dict(contrast=-0.1), "contrast must be in [0, 1), got -0.1"),
@@ -343,6 +348,10 @@ def test_bad_calls_are_named_and_the_edges_answer():
     assert torch.equal(d[-6][0], d[0][0]) and d[-6][1] == 0
     for index in (6, -7):
         with pytest.raises(IndexError, match=f"^index {index} out of range for dataset of size 6$"):
+            d[index]
+    assert torch.equal(d[np.int64(4)][0], d[4][0]) and torch.equal(d[torch.tensor(4)][0], d[4][0])
+    for index in (1.5, "1", None):  # 1.5 rendered sample 1
+        with pytest.raises(TypeError, match=re.escape(f"a sample's index must be an int, got {index!r}")):
             d[index]
     with pytest.raises(ValueError, match="^index must be >= 0, got -1$"):
         d.render(0, -1)

@@ -48,7 +48,7 @@ from torch.utils.data import Dataset
 from shardfc import files
 from shardfc.checks import check_seed
 from shardfc.data.labels import check_class_count
-from shardfc.data.transforms import CorruptImageError, ImageTransform, decode_image
+from shardfc.data.transforms import CorruptImageError, ImageTransform, check_size, decode_image
 from shardfc.seeding import mix_seed
 
 __all__ = ["IMG_EXTENSIONS", "ImageFolderDataset", "ListFileDataset"]
@@ -75,10 +75,12 @@ class FileImageDataset(Dataset):
     num_classes: int
 
     def __init__(self, image_size: Tuple[int, int], train: bool, flip_prob: float, seed: int) -> None:
-        self.image_size = tuple(image_size)
         self.train = train
         # Flip augmentation only for training; evaluation adds flips explicitly.
-        self.transform = ImageTransform(image_size, random_flip=train, flip_prob=flip_prob)
+        # checks image_size (None, which the transform reads as "keep each image's size", too: a batch
+        # of images of several sizes cannot be stacked)
+        self.transform = ImageTransform(check_size(image_size), random_flip=train, flip_prob=flip_prob)
+        self.image_size = self.transform.image_size
         self.seed = check_seed("seed", seed)
         self.epoch = 0
         self.log_corrupt = True

@@ -21,6 +21,8 @@ seen in training, used by :meth:`verification_pairs`.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from typing import List, Sequence, Tuple
 
 import numpy as np
@@ -38,6 +40,15 @@ _STREAM_PROTOTYPE = 2
 _STREAM_SAMPLE = 3
 _STREAM_PAIRS = 4
 
+
+
+def _index(index) -> int:
+    """A sample's index as an int (numpy's and 0-d integer tensors too); a float is a TypeError (1.5
+    rendered sample 1)."""
+    try:
+        return operator.index(index)
+    except TypeError:
+        raise TypeError(f"a sample's index must be an int, got {index!r}") from None
 
 class SyntheticIdentities(Dataset):
     """Deterministic synthetic identity dataset: ``dataset[i] -> (image [3,H,W], label)``.
@@ -89,18 +100,17 @@ class SyntheticIdentities(Dataset):
         random_flip: bool = True,
         flip_prob: float = 0.5,
     ) -> None:
-        if num_identities < 1:
-            raise ValueError(f"num_identities must be >= 1, got {num_identities!r}")
-        if images_per_identity < 1:
-            raise ValueError(f"images_per_identity must be >= 1, got {images_per_identity!r}")
+        for name, count in (("num_identities", num_identities), ("images_per_identity", images_per_identity)):
+            if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:  # 1.5 was taken as 1
+                raise ValueError(f"{name} must be an int >= 1, got {count!r}")
         if (
             not isinstance(image_size, (tuple, list))
             or len(image_size) != 2
             or not all(isinstance(v, int) and v >= 4 for v in image_size)
         ):
             raise ValueError(f"image_size must be a (height, width) pair of ints >= 4, got {image_size!r}")
-        if grid_size < 2:
-            raise ValueError(f"grid_size must be >= 2, got {grid_size!r}")
+        if isinstance(grid_size, bool) or not isinstance(grid_size, numbers.Integral) or grid_size < 2:
+            raise ValueError(f"grid_size must be an int >= 2, got {grid_size!r}")
         if not 0.0 <= max_shift < 0.5:
             raise ValueError(f"max_shift must be in [0, 0.5), got {max_shift!r}")
         if not 0.0 <= contrast < 1.0:
@@ -159,6 +169,7 @@ class SyntheticIdentities(Dataset):
 
     def __getitem__(self, index: int) -> Tuple[torch.Tensor, int]:
         n = len(self)
+        index = _index(index)
         if not -n <= index < n:
             raise IndexError(f"index {index} out of range for dataset of size {n}")
         index %= n
@@ -378,6 +389,7 @@ class SyntheticPool(Dataset):
 
     def __getitem__(self, index: int) -> Tuple[torch.Tensor, int]:
         n = len(self)
+        index = _index(index)
         if not -n <= index < n:
             raise IndexError(f"index {index} out of range for dataset of size {n}")
         index %= n

@@ -145,7 +145,8 @@ def normalize(x: torch.Tensor) -> torch.Tensor:
     return (x.to(torch.float32) / 255.0 - 0.5) / 0.5
 
 
-def _check_size(image_size: Tuple[int, int]) -> Tuple[int, int]:
+def check_size(image_size: Tuple[int, int]) -> Tuple[int, int]:
+    """``image_size`` as a ``(height, width)`` pair of positive ints, else a ValueError naming it."""
     if (
         not isinstance(image_size, (tuple, list))
         or len(image_size) != 2
@@ -174,7 +175,7 @@ def image_to_tensor(
     """
     img = img.convert("RGB")
     if image_size is not None:
-        h, w = _check_size(image_size)
+        h, w = check_size(image_size)
         if img.size != (w, h):  # Pillow sizes are (width, height)
             img = img.resize((w, h), Image.BILINEAR)
     x = pil_to_tensor(img)
@@ -208,7 +209,7 @@ class ImageTransform:
         if not 0.0 <= flip_prob <= 1.0:
             raise ValueError(f"flip_prob must be in [0, 1], got {flip_prob!r}")
         self.normalized = bool(normalized)
-        self.image_size = None if image_size is None else _check_size(image_size)
+        self.image_size = None if image_size is None else check_size(image_size)
         self.random_flip = random_flip
         self.flip_prob = flip_prob
 
