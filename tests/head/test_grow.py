@@ -98,6 +98,26 @@ def test_grow_refuses_bad_arguments():
         grown_state(head.sharded_state(), 9, range(9), lambda r: None)
 
 
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_new_centres_that_are_not_finite_are_refused_and_the_head_is_left_as_it_was(bad):
+    # every logit against such a centre is NaN: the loss was NaN from the next step on, far from the cause
+    head = make_head(10)
+    before = head.weight.detach().clone()
+    rows = torch.zeros(3, D)
+    rows[2, 5] = bad
+    tail = "every logit against such a centre is NaN, and so is the loss"
+    with pytest.raises(ValueError) as err:
+        head.grow(3, rows)
+    assert str(err.value) == f"new rows for classes 10..12 hold NaN or inf (class 12): {tail}"
+    with pytest.raises(ValueError) as err:  # a function's rows, checked as they come
+        head.grow(3, lambda r: rows[r.start - 10 : r.stop - 10])
+    assert str(err.value) == f"new rows for classes 10..12 hold NaN or inf (class 12): {tail}"
+    assert head.num_classes == 10 and torch.equal(head.weight.detach(), before)
+    rows[2, 5] = 3.0e38  # large, but a number
+    assert head.grow(3, rows).num_classes == 13
+
+
 C_OLD, C_NEW = 1000, 1300
 
 

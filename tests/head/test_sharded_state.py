@@ -40,6 +40,21 @@ def test_a_state_for_other_classes_is_refused_naming_both():
     assert str(err.value) == "sharded state has num_classes=12, this head has num_classes=11"
 
 
+@pytest.mark.parametrize("state, shown", [
+    ({}, "keys []"), ({"weight": torch.zeros(C, D)}, "keys ['weight']"),  # the weight not under 'tensors'
+    ({"tensors": {"w": torch.zeros(C, D)}, "num_classes": C}, "keys ['num_classes', 'tensors']"),
+    ({"tensors": {"weight": [[0.0] * D] * C}}, "keys ['tensors']"), ({"tensors": None}, "keys ['tensors']"),
+    ([torch.zeros(C, D)], "a list"), (None, "a NoneType"),
+])
+def test_a_state_that_is_no_sharded_state_is_refused_saying_what_it_holds(state, shown):
+    head = _head()
+    before = head.weight.detach().clone()
+    with pytest.raises(ValueError) as err:  # a KeyError 'tensors' (or a TypeError) before
+        head.load_sharded_state(state)
+    assert str(err.value) == f"state must be a sharded_state() dict, whose 'tensors' hold the 'weight'; got {shown}"
+    assert torch.equal(head.weight.detach(), before)
+
+
 def test_a_state_without_extras_or_without_a_sample_step_loads_with_step_zero():
     saved = _head().sharded_state()
     for state in ({"tensors": saved["tensors"]}, {"tensors": saved["tensors"], "extras": {}}):

@@ -77,6 +77,7 @@ def grown_state(
             f"new rows for classes {added.start}..{added.stop - 1} have shape {tuple(rows.shape)}, "
             f"expected {(len(added), *weight.shape[1:])}"
         )
+    _check_finite(rows, added)  # a function's rows: this rank's classes
     out = {}
     for key, t in tensors.items():
         fill = rows.to(t.dtype) if key == "weight" else t.new_zeros(len(added), *t.shape[1:])
@@ -93,7 +94,19 @@ def _rows_function(head: "ShardedMarginHead", rows: NewRows, first: int, n: int)
     expected = (n, D) if K == 1 else (n, K, D)
     if tuple(rows.shape) != expected:
         raise ValueError(f"rows has shape {tuple(rows.shape)}, growing by {n} classes needs {expected}")
+    _check_finite(rows, range(first, first + n))  # all of them, on every rank, before any collective
     return lambda r: rows[r.start - first : r.stop - first]
+
+
+def _check_finite(rows: Tensor, classes: range) -> None:
+    """A ValueError naming the first class of ``classes`` whose new centre holds NaN or inf (one
+    read per grow, not per step)."""
+    if rows.is_floating_point() and not bool(torch.isfinite(rows).all()):
+        first_bad = int((~torch.isfinite(rows)).reshape(len(rows), -1).any(dim=1).nonzero()[0, 0])
+        raise ValueError(
+            f"new rows for classes {classes.start}..{classes.stop - 1} hold NaN or inf (class {classes.start + first_bad}): "
+            "every logit against such a centre is NaN, and so is the loss"
+        )
 
 
 def _old_rows_of(head: "ShardedMarginHead", mine: Mapping[str, Any], wanted: range) -> Dict[str, Tensor]:

@@ -63,11 +63,15 @@ def load_sharded_state(
     Raises:
         ValueError: ``state`` is for other classes, or its tensors have the wrong shape.
     """
+    tensors = state.get("tensors") if isinstance(state, Mapping) else None
+    if not isinstance(tensors, Mapping) or not isinstance(tensors.get("weight"), torch.Tensor):  # was a KeyError
+        shown = f"keys {sorted(map(str, state))}" if isinstance(state, Mapping) else f"a {type(state).__name__}"
+        raise ValueError(f"state must be a sharded_state() dict, whose 'tensors' hold the 'weight'; got {shown}")
     layout = head.state_layout()
     for key, mine in layout.items():
         if key in state and state[key] != mine:
             raise ValueError(f"sharded state has {key}={state[key]!r}, this head has {key}={mine!r}")
-    tensors, extras = state["tensors"], state.get("extras", {})
+    extras = state.get("extras", {})
     weight = tensors["weight"]
     n, K = len(head.class_range), head.subcenters
     expected = (n, head.embedding_dim) if K == 1 else (n, K, head.embedding_dim)
