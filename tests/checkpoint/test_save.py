@@ -111,6 +111,16 @@ def test_ranks_saving_other_steps_are_refused(tmp_path: Path, monkeypatch) -> No
     assert all(type(e) is ValueError and str(e) == "step differs across ranks: rank 0 has 3, rank 1 has 4" for e in out)
 
 
+@pytest.mark.parametrize("root", ["a_file", "a_file/run"])
+def test_a_root_that_is_or_lies_under_a_file_is_refused_on_every_rank_before_anything_is_written(
+        tmp_path: Path, monkeypatch, root: str) -> None:
+    (tmp_path / "a_file").write_text("x")  # was NotADirectoryError naming a scratch folder under it
+    out = ThreadWorld(2).run(lambda rank: _save(tmp_path / root, rank), monkeypatch)
+    expected = f"root {str(tmp_path / root)!r}: {str(tmp_path / 'a_file')!r} is a file, not a folder"
+    assert [(type(e), str(e)) for e in out] == [(ValueError, expected)] * 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"] and (tmp_path / "a_file").read_text() == "x"
+
+
 def test_a_failed_publish_on_rank_0_fails_every_rank(tmp_path: Path, monkeypatch) -> None:
     def publish(*args: Any) -> None:
         raise OSError("rename failed")

@@ -51,6 +51,7 @@ from shardfc.checkpoint.validation import (
 )
 from shardfc.checkpoint.weights_only import check_plain
 from shardfc.checks import check_int
+from shardfc.outputs import blocking_file
 from shardfc.parallel.context import DistContext
 
 if TYPE_CHECKING:
@@ -146,6 +147,9 @@ def save_checkpoint(
     separate = dict(num_classes=num_classes, class_range=class_range, tensors=head_tensors, extras=head_extras)
 
     def prepare():
+        blocking = blocking_file(root)  # was NotADirectoryError naming a scratch folder under it, after agreeing
+        if blocking is not None:
+            raise ValueError(f"root {str(root)!r}: {str(blocking)!r} is a file, not a folder")
         head = _head_arguments(separate, head_state, optional=bool(stage_parts))
         prepared = _prepare(step, keep_last, common, per_rank, head, fingerprint, writes_common=ctx.is_main)
         if stage_parts is not None and not isinstance(stage_parts, (list, tuple)):
