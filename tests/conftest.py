@@ -122,7 +122,8 @@ def _measured_step_peak(C, D, B, grads_kept=True, optimizer="sgd", dtype="float3
     dtype = getattr(torch, dtype)
     head = ShardedMarginHead(D, C, margin=build_margin(margin), dtype=dtype, impl=impl, **head_options)
     name = "adamw" if optimizer == "adamw" else "sgd"
-    opt = head_optimizer(head, name, lr=0.1, momentum=0.9 if optimizer == "sgd" else 0.0, weight_decay=0.0)
+    own = {} if name == "adamw" else {"momentum": 0.9 if optimizer == "sgd" else 0.0}  # SGD's own, to SGD only
+    opt = head_optimizer(head, name, lr=0.1, weight_decay=0.0, **own)
     if impl == "triton" and isinstance(opt, RowSparseSGD):
         opt.fused = True
     if impl in ("triton", "gemm") and hasattr(opt, "catch_up_kernel"):

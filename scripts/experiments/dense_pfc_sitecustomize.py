@@ -21,11 +21,11 @@ if os.environ.get("DENSE_PFC") == "1":
 
     _row_sparse = factory.head_optimizer
 
-    def head_optimizer(head, name, lr, momentum=0.9, weight_decay=5e-4, nesterov=False, **kw):
+    def head_optimizer(head, name, lr, **kw):  # momentum and nesterov come for SGD only (AdamW refuses them)
         if getattr(head, "sample_rate", 1.0) < 1.0 and name == "sgd" and not head.sparse_grad:
             head.take_sampled_rows = lambda: {}  # nothing asks for the sampled rows any more
-            return torch.optim.SGD(list(head.parameters()), lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                   nesterov=nesterov)
-        return _row_sparse(head, name, lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, **kw)
+            return torch.optim.SGD(list(head.parameters()), lr=lr, momentum=kw.get("momentum", 0.9),
+                                   weight_decay=kw.get("weight_decay", 5e-4), nesterov=kw.get("nesterov", False))
+        return _row_sparse(head, name, lr, **kw)
 
     factory.head_optimizer = head_optimizer

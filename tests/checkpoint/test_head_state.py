@@ -13,6 +13,9 @@ from shardfc.checkpoint import load_checkpoint, save_checkpoint
 
 C, D = 50, 6
 
+#: SGD's momentum, given to SGD only (head_optimizer refuses it for AdamW)
+SGD_MOMENTUM = {"sgd": {"momentum": 0.9}, "adamw": {}}
+
 
 def make_head(devices=None, sample_rate=0.3, init_seed=0) -> ShardedMarginHead:
     return ShardedMarginHead(D, C, margin=M.CosFace(16.0, 0.2), devices=devices, sample_rate=sample_rate,
@@ -50,14 +53,14 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 @pytest.mark.parametrize("sample_rate", [0.3, 1.0])
 def test_devices_head_saved_and_loaded_with_another_sharding(tmp_path: Path, name: str, sample_rate: float) -> None:
     head = make_head(["cpu", "cpu"], sample_rate)
-    opt = head_optimizer(head, name, lr=0.1, momentum=0.9, weight_decay=5e-4)
+    opt = head_optimizer(head, name, lr=0.1, **SGD_MOMENTUM[name], weight_decay=5e-4)
     train(head, opt, range(3))
     expected = logical(head, opt)
     path = save_checkpoint(tmp_path, 3, common=None, per_rank=None, head_state=head.sharded_state(opt), fingerprint={})
 
     for devices in (None, ["cpu"] * 3):  # single shard; three shards on devices
         other = make_head(devices, sample_rate, init_seed=7)  # another initialisation, lr and step count
-        other_opt = head_optimizer(other, name, lr=0.5, momentum=0.9, weight_decay=5e-4)
+        other_opt = head_optimizer(other, name, lr=0.5, **SGD_MOMENTUM[name], weight_decay=5e-4)
         train(other, other_opt, range(10, 11))
         loaded = load_checkpoint(path, **other.state_layout())
         other.load_sharded_state(loaded.head_state, other_opt)
@@ -67,7 +70,7 @@ def test_devices_head_saved_and_loaded_with_another_sharding(tmp_path: Path, nam
         if sample_rate == 1.0:  # no sampling: the next step is the same step whatever the sharding
             train(other, other_opt, range(3, 4))
             reference = make_head(["cpu", "cpu"], sample_rate)
-            reference_opt = head_optimizer(reference, name, lr=0.1, momentum=0.9, weight_decay=5e-4)
+            reference_opt = head_optimizer(reference, name, lr=0.1, **SGD_MOMENTUM[name], weight_decay=5e-4)
             reference.load_sharded_state(head.sharded_state(opt), reference_opt)
             train(reference, reference_opt, range(3, 4))
             for key, value in logical(reference, reference_opt).items():

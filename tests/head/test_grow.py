@@ -18,6 +18,9 @@ from shardfc.parallel.launch import spawn
 
 D = 8
 
+#: SGD's momentum, given to SGD only (head_optimizer refuses it for AdamW)
+SGD_MOMENTUM = {"sgd": {"momentum": 0.9}, "adamw": {}}
+
 
 def make_head(C, sample_rate=1.0, dtype=torch.float32, **kw) -> ShardedMarginHead:
     return ShardedMarginHead(D, C, margin=M.CosFace(16.0, 0.2), sample_rate=sample_rate, sample_seed=3,
@@ -61,7 +64,7 @@ def assert_grown(before: dict, after: dict, C: int, new_rows: torch.Tensor) -> N
 def test_grow_in_memory_keeps_rows_and_state(devices, name, sample_rate):
     C, n = 20, 7
     head = make_head(C, sample_rate, devices=devices)
-    opt = head_optimizer(head, name, lr=0.1, momentum=0.9, weight_decay=5e-4)
+    opt = head_optimizer(head, name, lr=0.1, **SGD_MOMENTUM[name], weight_decay=5e-4)
     train(head, opt, range(3), C)
     before = logical(head, opt)
     rows = torch.randn(n, D)

@@ -16,6 +16,9 @@ from shardfc.head.rounding import stochastic_round
 
 C, D = 41, 8
 
+#: SGD's momentum, given to SGD only (head_optimizer refuses it for AdamW)
+SGD_MOMENTUM = {"sgd": {"momentum": 0.9}, "adamw": {}}
+
 
 # --------------------------------------------------------------------------- stochastic rounding
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -152,12 +155,12 @@ def test_bf16_state_is_half_the_bytes():
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
 def test_resharded_checkpoint_keeps_the_dtype(tmp_path: Path, name):
     head = make_head(torch.bfloat16, devices=["cpu", "cpu"])
-    opt = head_optimizer(head, name, lr=0.1, momentum=0.9, rounding="stochastic", rounding_seed=3)
+    opt = head_optimizer(head, name, lr=0.1, **SGD_MOMENTUM[name], rounding="stochastic", rounding_seed=3)
     train(head, opt, range(3))
     path = save_checkpoint(tmp_path, 3, common=None, per_rank=None, head_state=head.sharded_state(opt), fingerprint={})
     for devices in (None, ["cpu"] * 3):
         other = make_head(torch.bfloat16, devices=devices, init_seed=9)
-        other_opt = head_optimizer(other, name, lr=0.5, momentum=0.9, rounding="stochastic")
+        other_opt = head_optimizer(other, name, lr=0.5, **SGD_MOMENTUM[name], rounding="stochastic")
         train(other, other_opt, range(10, 11))
         other.load_sharded_state(load_checkpoint(path, **other.state_layout()).head_state, other_opt)
         assert torch.equal(torch.cat([w.detach() for w in other.shard_weights]),
@@ -187,13 +190,13 @@ def test_a_state_saved_by_a_head_of_another_dtype_loads_in_this_heads_state_dtyp
     CUDA step refuses the mix); an fp32 head's kept as fp32 under a bf16 head would take twice the
     memory asked for. Each state is loaded in the dtype a fresh optimizer of this head makes it in."""
     head = make_head(saved_dtype, rate=rate)
-    opt = head_optimizer(head, name, lr=0.1, momentum=0.9)
+    opt = head_optimizer(head, name, lr=0.1, **SGD_MOMENTUM[name])
     train(head, opt, range(3))
     state = head.sharded_state(opt)
     other = make_head(dtype, rate=rate, init_seed=9)
-    other_opt = head_optimizer(other, name, lr=0.1, momentum=0.9)
+    other_opt = head_optimizer(other, name, lr=0.1, **SGD_MOMENTUM[name])
     fresh = make_head(dtype, rate=rate)
-    fresh_opt = head_optimizer(fresh, name, lr=0.1, momentum=0.9)
+    fresh_opt = head_optimizer(fresh, name, lr=0.1, **SGD_MOMENTUM[name])
     train(fresh, fresh_opt, range(1))
     other.load_sharded_state(state, other_opt)
     w, w_fresh = other.shard_weights[0], fresh.shard_weights[0]

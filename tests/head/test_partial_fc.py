@@ -20,6 +20,9 @@ from shardfc.head.partial_fc import (
 
 C, D = 200, 8
 
+#: SGD's momentum, given to SGD only (head_optimizer refuses it for AdamW)
+SGD_MOMENTUM = {"sgd": {"momentum": 0.9}, "adamw": {}}
+
 
 def _batch(seed, B=16):
     g = torch.Generator().manual_seed(seed)
@@ -169,8 +172,8 @@ def test_step_after_a_full_forward_is_dense(name):
     exactly as torch's optimizer does (a forward without autograd records nothing)."""
     head = shardfc.ShardedMarginHead(D, C, sample_rate=0.1, dtype=torch.float64)
     ref_head = shardfc.ShardedMarginHead(D, C, dtype=torch.float64)  # same init, sample_rate 1
-    opt = head_optimizer(head, name, lr=0.1, momentum=0.9, weight_decay=5e-4)
-    ref = head_optimizer(ref_head, name, lr=0.1, momentum=0.9, weight_decay=5e-4)
+    opt = head_optimizer(head, name, lr=0.1, **SGD_MOMENTUM[name], weight_decay=5e-4)
+    ref = head_optimizer(ref_head, name, lr=0.1, **SGD_MOMENTUM[name], weight_decay=5e-4)
     assert isinstance(ref, (torch.optim.SGD, torch.optim.AdamW))
     for step in range(2):
         x, y = _batch(step)
@@ -1092,3 +1095,32 @@ def test_head_optimizer_refuses_a_non_finite_hyper_parameter_under_every_optimiz
     with pytest.raises(ValueError) as err:
         shardfc.head_optimizer(head, name, **{"lr": 0.1, **kw})
     assert str(err.value) == text
+
+
+@pytest.mark.parametrize("sample_rate", [1.0, 0.5])  # torch's SGD / AdamW, the row-sparse ones
+@pytest.mark.parametrize("name, kw, text", [
+    # each was dropped silently: AdamW has no momentum, SGD no betas
+    ("adamw", dict(momentum=0.5), "momentum=0.5 is SGD's; optimizer 'adamw' does not read it"),
+    ("AdamW", dict(momentum=0.0), "momentum=0.0 is SGD's; optimizer 'AdamW' does not read it"),
+    ("adamw", dict(nesterov=False), "nesterov=False is SGD's; optimizer 'adamw' does not read it"),
+    ("sgd", dict(betas=(0.8, 0.9)), "betas=(0.8, 0.9) is AdamW's; optimizer 'sgd' does not read it"),
+    ("sgd", dict(eps=1e-6), "eps=1e-06 is AdamW's; optimizer 'sgd' does not read it"),
+])
+def test_head_optimizer_refuses_the_other_optimizers_settings(sample_rate, name, kw, text):
+    head = shardfc.ShardedMarginHead(8, 6, sample_rate=sample_rate)
+    with pytest.raises(ValueError) as err:
+        shardfc.head_optimizer(head, name, lr=0.1, **kw)
+    assert str(err.value) == text
+
+
+@pytest.mark.parametrize("sample_rate", [1.0, 0.5])
+def test_head_optimizer_defaults_are_each_optimizers_own(sample_rate):
+    head = shardfc.ShardedMarginHead(8, 6, sample_rate=sample_rate)
+    sgd = shardfc.head_optimizer(head, "sgd", lr=0.1).param_groups[0]
+    assert (sgd["momentum"], sgd["nesterov"], sgd["weight_decay"]) == (0.9, False, 5e-4)
+    adamw = shardfc.head_optimizer(head, "adamw", lr=0.1).param_groups[0]
+    assert (tuple(adamw["betas"]), adamw["eps"], adamw["weight_decay"]) == ((0.9, 0.999), 1e-8, 5e-4)
+    given = shardfc.head_optimizer(head, "sgd", lr=0.1, momentum=0.0, nesterov=False).param_groups[0]
+    assert (given["momentum"], given["nesterov"]) == (0.0, False)
+    given = shardfc.head_optimizer(head, "adamw", lr=0.1, betas=(0.5, 0.6), eps=1e-3).param_groups[0]
+    assert (tuple(given["betas"]), given["eps"]) == ((0.5, 0.6), 1e-3)

@@ -16,6 +16,9 @@ from shardfc.tools.bench.memory import LiveTensorBytes
 
 C, D = 37, 5
 
+#: SGD's momentum, given to SGD only (head_optimizer refuses it for AdamW)
+SGD_MOMENTUM = {"sgd": {"momentum": 0.9}, "adamw": {}}
+
 
 def make_head(sparse: bool, devices=None, chunk=None, margin=None, C=C, D=D, dtype=torch.float64, rate=0.3):
     return ShardedMarginHead(D, C, margin=margin or M.ArcFace(16.0, 0.3), devices=devices, chunk_size=chunk,
@@ -65,7 +68,7 @@ def test_optimizer_consumes_the_sparse_gradient_like_the_dense_one(name, devices
     """Three steps of two micro-batches: weights and state equal to the dense-gradient run's bit for
     bit; rows never sampled and their state are bit-identical to the start."""
     heads = [make_head(s, devices) for s in (False, True)]
-    opts = [head_optimizer(h, name, lr=0.1, momentum=0.9, weight_decay=5e-4) for h in heads]
+    opts = [head_optimizer(h, name, lr=0.1, **SGD_MOMENTUM[name], weight_decay=5e-4) for h in heads]
     start = torch.cat([w.detach().clone() for w in heads[1].shard_weights])
     # Batches of 4: ⌈0.3·n_local⌉ = 6 rows a shard a draw (of 18–19), so some rows sit out all six draws
     touched = step_both(heads, opts, lambda step, micro: batch(10 * step + micro, B=4), rows=C)

@@ -16,6 +16,9 @@ from shardfc.head.partial_fc import RowGrad, head_optimizer
 C, D, K, B = 23, 5, 3, 11
 TOL = 1e-10
 
+#: SGD's momentum, given to SGD only (head_optimizer refuses it for AdamW)
+SGD_MOMENTUM = {"sgd": {"momentum": 0.9}, "adamw": {}}
+
 
 def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-300))
@@ -116,7 +119,7 @@ def test_optimizer_update_equals_the_dense_gradient_run(name, devices):
     """Three steps of two micro-batches each: the sparse head's weights and state equal the dense
     gradient head's; centre rows never sampled (and their state) are untouched."""
     heads = [_head(s, devices, rate=0.15) for s in (False, True)]
-    opts = [head_optimizer(h, name, lr=0.1, momentum=0.9, weight_decay=5e-4) for h in heads]
+    opts = [head_optimizer(h, name, lr=0.1, **SGD_MOMENTUM[name], weight_decay=5e-4) for h in heads]
     start = torch.cat([w.detach().clone() for w in heads[1].shard_weights])
     touched = step_both(heads, opts, lambda step, micro: _data(10 * step + micro, ignore=micro == 1, batch=4),
                         rows=C * K)

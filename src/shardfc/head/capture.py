@@ -8,7 +8,7 @@ the backward (``head_optimizer(..., fused_update=True)``) — the head's forward
 the embeddings and the weights' update — and replays it for every later batch of the same shapes::
 
     head = ShardedMarginHead(512, 1_000_000, device="cuda", impl="gemm")
-    opt = head_optimizer(head, lr=0.1, momentum=0.9, fused_update=True)
+    opt = head_optimizer(head, "sgd", lr=0.1, momentum=0.9, fused_update=True)
     step = CapturedHeadStep(head, opt)
     for images, labels in loader:
         embeddings = backbone(images)

@@ -667,11 +667,11 @@ def head_optimizer(
     head: nn.Module,
     name: str,
     lr: float,
-    momentum: float = 0.9,
+    momentum: Optional[float] = None,
     weight_decay: float = 5e-4,
-    nesterov: bool = False,
-    betas: Tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
+    nesterov: Optional[bool] = None,
+    betas: Optional[Tuple[float, float]] = None,
+    eps: Optional[float] = None,
     rounding: str = "nearest",
     rounding_seed: int = 0,
     fused_update: bool = False,
@@ -708,13 +708,24 @@ def head_optimizer(
     count per row, equal for every row without Partial FC) even for an fp32 head without sampling,
     where ``fused_update=False`` returns torch's: the same update.
 
-    ``momentum`` and ``nesterov`` are SGD's, ``betas`` and ``eps`` AdamW's. A learning rate, momentum,
+    ``momentum`` (default 0.9) and ``nesterov`` (default False) are SGD's, ``betas`` (default
+    ``(0.9, 0.999)``) and ``eps`` (default 1e-8) AdamW's: one given to the other optimizer is a
+    ValueError naming it (it would be dropped silently). A learning rate, momentum,
     weight decay or eps that is negative or not finite, or a beta outside [0, 1), is a ValueError
     naming it, whichever optimizer serves the head (torch's own take a NaN learning rate).
     """
     key = str(name).lower()
     if key not in ("sgd", "adamw"):
         raise ValueError(f"optimizer name must be 'sgd' or 'adamw', got {name!r}")
+    others = dict(momentum=momentum, nesterov=nesterov) if key == "adamw" else dict(betas=betas, eps=eps)
+    dropped = next((k for k, v in others.items() if v is not None), None)
+    if dropped is not None:
+        owner = "SGD" if key == "adamw" else "AdamW"
+        raise ValueError(f"{dropped}={others[dropped]!r} is {owner}'s; optimizer {name!r} does not read it")
+    momentum = 0.9 if momentum is None else momentum
+    nesterov = False if nesterov is None else nesterov
+    betas = (0.9, 0.999) if betas is None else betas
+    eps = 1e-8 if eps is None else eps
     # Checked here for torch's optimizers too: torch.optim.SGD takes a NaN lr or weight decay.
     if key == "sgd":
         lr, momentum, weight_decay = check_sgd_hyper_parameters(lr, momentum, weight_decay)

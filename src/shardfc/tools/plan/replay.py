@@ -350,8 +350,8 @@ def replay_step(
     if gpu:
         stack.enter_context(fused_as_on_cuda())
     with stack:
-        opt = head_optimizer(head, name, lr=LR, momentum=MOMENTUM if optimizer == "sgd" else 0.0,
-                             weight_decay=weight_decay, fused_update=fused_update)
+        opt = head_optimizer(head, name, lr=LR, weight_decay=weight_decay, fused_update=fused_update,
+                             **({} if name == "adamw" else dict(momentum=MOMENTUM if optimizer == "sgd" else 0.0)))
     if gpu and isinstance(opt, RowSparseSGD):
         opt.fused = True  # as on a CUDA GPU, where the automatic choice is its fused kernel
     if gpu and hasattr(opt, "catch_up_kernel"):

@@ -202,10 +202,12 @@ def build_head_optimizer(cfg: TrainConfig, head: ShardedMarginHead, device: torc
                          amp_dtype: Optional[torch.dtype]) -> torch.optim.Optimizer:
     """The head's optimizer (row-sparse under Partial FC or a bf16/fp16 head), its rounding, and
     whether the head's backward applies its step (:func:`~shardfc.train.builder.head_update.fused_head_update`)."""
-    momentum = cfg.head_momentum if cfg.head_momentum >= 0 else cfg.momentum
+    if cfg.optimizer == "sgd":  # each optimizer's own settings only: head_optimizer refuses the other's
+        own = dict(momentum=cfg.head_momentum if cfg.head_momentum >= 0 else cfg.momentum, nesterov=cfg.nesterov)
+    else:
+        own = dict(betas=tuple(cfg.betas), eps=cfg.eps)
     return head_optimizer(
-        head, cfg.optimizer, lr=cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay,
-        nesterov=cfg.nesterov, betas=tuple(cfg.betas), eps=cfg.eps,
+        head, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, **own,
         rounding=cfg.head_rounding, rounding_seed=cfg.seed, fused_update=fused_head_update(cfg, device, amp_dtype),
         idle_rows=cfg.head_idle_rows,
     )
