@@ -31,6 +31,7 @@ def test_check_finite_names_the_rows_and_the_first(bad):
     expected = f"emb holds NaN or inf in 2 of 5 rows (the first: row 1): {TAIL}"
     assert _refused(check_finite, "emb", x) == expected
     assert _refused(check_finite, "emb", x.double().numpy()) == expected  # an array as a tensor
+    assert _refused(check_finite, "emb", x.numpy().astype(np.float16)) == expected  # any float width
     assert _refused(check_finite, "emb", x.bfloat16()) == expected
     if bad != bad:  # (NaN) a tensor that requires grad is read detached
         assert _refused(check_finite, "emb", x.requires_grad_()) == expected

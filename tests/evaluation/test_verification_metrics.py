@@ -128,6 +128,8 @@ def test_issame_is_booleans_or_0_and_1(issame, shown):
         verification_metrics(np.eye(2), np.eye(2), issame, nfolds=2, far_targets=())
     assert str(err.value) == f"issame must hold booleans (or 0 and 1), got {shown}"
     ones = verification_metrics(np.eye(2), np.eye(2), np.array([1, 0]), nfolds=2, far_targets=())
+    three = verification_metrics(np.eye(3), np.eye(3), np.array([1, 1, 0]), nfolds=2, far_targets=())
+    assert (three["num_pairs"], three["num_negative_pairs"]) == (3.0, 1.0)
     assert ones == verification_metrics(np.eye(2), np.eye(2), [True, False], nfolds=2, far_targets=())
     assert ones == verification_metrics(np.eye(2), np.eye(2), torch.tensor([1.0, 0.0]), nfolds=2, far_targets=())
 

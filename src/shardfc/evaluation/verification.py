@@ -250,7 +250,7 @@ def _issame(issame: ArrayLike) -> np.ndarray:
     ``astype(bool)`` would have taken either as True)."""
     same = _to_numpy(issame).reshape(-1)
     if same.dtype != bool:
-        odd = same[(same != 0) & (same != 1)] if np.issubdtype(same.dtype, np.number) else same[:1]
+        odd = same[(same != 0) & (same != 1)]  # a string or None is neither, as numpy compares them
         if len(odd):
             raise ValueError(f"issame must hold booleans (or 0 and 1), got {odd.tolist()[0]!r} ({same.dtype})")
     return same.astype(bool)
