@@ -6,11 +6,13 @@ import math
 import numbers
 from typing import Any, List, Sequence, Union
 
-__all__ = ["MAX_SEED", "check_int", "check_names", "check_positive_int", "check_probability", "check_real", "check_seed",
+__all__ = ["MAX_INT64", "MAX_SEED", "check_int", "check_names", "check_positive_int", "check_probability", "check_real", "check_seed",
            "chunk_size_arg"]
 
+#: Largest int64: torch's sizes, element counts and seeds.
+MAX_INT64 = 2**63 - 1
 #: Largest seed: torch's generators take a signed 64-bit seed.
-MAX_SEED = 2**63 - 1
+MAX_SEED = MAX_INT64
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:

@@ -233,6 +233,12 @@ def test_bad_forward_input(x, y, kind, text, devices):
         (dict(init_seed=1.5), ValueError, "init_seed must be an int in [0, 2**63 - 1], got 1.5"),
         (dict(sample_rate=0.5, sample_seed=-1), ValueError, "sample_seed must be an int in [0, 2**63 - 1], got -1"),
         (dict(sample_seed="3"), ValueError, "sample_seed must be an int in [0, 2**63 - 1], got '3'"),
+        # each shard's rows failed to allocate, as a TypeError ("Overflow when unpacking long long")
+        (dict(num_classes=2**60, embedding_dim=2), ValueError, f"num_classes={2**60} x subcenters=1 x embedding_dim=2 = "
+                                                               "2.306e+18 weights of 4 bytes: more than a torch tensor can "
+                                                               "hold (2**63 - 1 bytes)"),
+        (dict(num_classes=2**57, embedding_dim=4, subcenters=4), ValueError, "x subcenters=4 x embedding_dim=4 = 2.306e+18"),
+        (dict(num_classes=2**59, embedding_dim=2, dtype=torch.float64), ValueError, "1.153e+18 weights of 8 bytes"),
         # torch's own named neither the argument nor the value ("Expected one of cpu, cuda, ... device type")
         (dict(device="xyz"), ValueError, "device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got 'xyz'"),
         (dict(device=[0]), ValueError, "device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got [0]"),

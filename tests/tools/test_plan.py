@@ -436,3 +436,12 @@ def test_the_fused_sgd_step_allocates_nothing_on_real_tensors():
         with LiveTensorBytes() as mode:
             opt.step()
         assert mode.peak == expected, fused
+
+
+def test_a_head_larger_than_torch_can_index_is_the_commands_error():
+    # the replay's meta rows failed to allocate: a TypeError traceback ("Overflow when unpacking long long")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["--classes", str(10**20), "--dim", "64", "--batch", "128"]) == 2
+    assert err.getvalue() == (f"shardfc plan: error: num_classes={10**20} x subcenters=1 x embedding_dim=64 = 6.400e+21 "
+                              "weights of 4 bytes: more than a torch tensor can hold (2**63 - 1 bytes)\n")

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from shardfc.checks import check_positive_int, check_seed
+from shardfc.checks import MAX_INT64, check_positive_int, check_seed
 from shardfc.head import impl_select
 from shardfc.head import margins as _margins
 from shardfc.head import sharded_state as _state
@@ -283,6 +283,11 @@ class ShardedMarginHead(nn.Module):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):  # (int32: a torch error; fp8: no matmul)
             raise ValueError(f"dtype must be a floating-point torch.dtype (torch.float32, torch.bfloat16, torch.float16 "
                              f"or torch.float64), got {dtype!r}")
+        weights = self.num_classes * options.subcenters * self.embedding_dim
+        if weights * dtype.itemsize > MAX_INT64:  # torch counts bytes in int64: allocating failed, as a TypeError
+            raise ValueError(f"num_classes={num_classes} x subcenters={options.subcenters} x embedding_dim={embedding_dim} "
+                             f"= {weights:.3e} weights of {dtype.itemsize} bytes: more than a torch tensor can hold "
+                             "(2**63 - 1 bytes)")
 
         if context is not None and (group is not None or devices is not None):
             raise ValueError("pass one of context, group (process-group mode) or devices (one process), not several")
