@@ -170,6 +170,33 @@ def test_report_files_and_the_plot(tmp_path, monkeypatch):
     assert np.load(out / "ijbc_scores.npy").tolist() == scores[::-1].tolist()
 
 
+@pytest.mark.parametrize("failing", ["save", "savetxt", "savefig"])
+def test_a_report_that_fails_midway_leaves_the_previous_files_whole(tmp_path, monkeypatch, failing):
+    import matplotlib.figure
+
+    labels, scores = np.array([1, 0, 1, 0]), np.array([0.9, 0.8, 0.7, 0.6])
+    write_ijb_report(tmp_path, "IJBC", scores, labels)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(before) == ["ijbc_roc.csv", "ijbc_roc.png", "ijbc_scores.npy"]
+
+    def crash(*args, **kwargs):  # a disk filling up after part of the file (or a signal)
+        target = args[1] if failing == "savefig" else args[0]
+        (target.write(b"partial") if hasattr(target, "write") else open(target, "wb").write(b"partial"))
+        raise OSError(28, "No space left on device")
+
+    if failing == "savefig":
+        monkeypatch.setattr(matplotlib.figure.Figure, "savefig", crash)
+    else:
+        monkeypatch.setattr(np, failing, crash)
+    with pytest.raises(OSError, match="No space left on device"):
+        write_ijb_report(tmp_path, "IJBC", scores[::-1], labels[::-1])
+    written = {"save": 0, "savetxt": 1, "savefig": 2}[failing]  # the files before the failing one: the new ones
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(after) == sorted(before)  # no scratch file left behind
+    for name in ["ijbc_scores.npy", "ijbc_roc.csv", "ijbc_roc.png"][written:]:
+        assert after[name] == before[name]  # the failing file and those after it: as they were, whole
+
+
 def test_report_without_matplotlib(tmp_path, monkeypatch):
     import builtins
 

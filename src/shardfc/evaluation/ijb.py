@@ -38,6 +38,7 @@ from shardfc.evaluation.alignment import align_face
 from shardfc.evaluation.far import far_measurable
 from shardfc.evaluation.finite import check_finite
 from shardfc.evaluation.verification import embed_batches, far_key, tar_at_far
+from shardfc.outputs import write_atomically
 
 __all__ = [
     "IJB_TARGETS",
@@ -303,14 +304,22 @@ def evaluate_ijb(
 
 
 def write_ijb_report(out_dir: Union[str, "os.PathLike[str]"], target: str, scores: np.ndarray, labels: np.ndarray) -> List[Path]:
-    """``<t>_scores.npy``, ``<t>_roc.csv`` (fpr, tpr, threshold) and, with matplotlib, ``<t>_roc.png``."""
+    """``<t>_scores.npy``, ``<t>_roc.csv`` (fpr, tpr, threshold) and, with matplotlib, ``<t>_roc.png``;
+    each written whole through a scratch file beside it, or not at all (a crash never leaves a
+    half-written report over the previous one: :func:`shardfc.outputs.write_atomically`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t = target.lower()
     written = [out / f"{t}_scores.npy", out / f"{t}_roc.csv"]
-    np.save(written[0], np.asarray(scores))
+
+    def save_scores(scratch: Path) -> None:
+        with open(scratch, "wb") as f:  # np.save given a name would add ".npy" to the scratch name
+            np.save(f, np.asarray(scores), allow_pickle=False)
+
+    write_atomically(written[0], save_scores)
     fpr, tpr, thr = roc_curve(labels, scores)
-    np.savetxt(written[1], np.stack([fpr, tpr, thr], axis=1), delimiter=",", header="fpr,tpr,threshold", comments="")
+    write_atomically(written[1], lambda scratch: np.savetxt(
+        scratch, np.stack([fpr, tpr, thr], axis=1), delimiter=",", header="fpr,tpr,threshold", comments=""))
     try:
         import matplotlib
 
@@ -323,6 +332,8 @@ def write_ijb_report(out_dir: Union[str, "os.PathLike[str]"], target: str, score
     ax.set(xscale="log", xlim=(1e-6, 1e-1), ylim=(0.3, 1.0), xlabel="False accept rate", ylabel="True accept rate",
            title=f"ROC on {target}")
     ax.grid(linestyle="--")
-    fig.savefig(out / f"{t}_roc.png", dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    try:  # the scratch name has no .png: the format is named
+        write_atomically(out / f"{t}_roc.png", lambda scratch: fig.savefig(scratch, format="png", dpi=100, bbox_inches="tight"))
+    finally:
+        plt.close(fig)
     return written + [out / f"{t}_roc.png"]
