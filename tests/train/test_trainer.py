@@ -431,3 +431,26 @@ def test_the_backbone_trains_and_is_evaluated_under_the_runs_autocast(tmp_path):
         handle.remove()
     assert {training for training, _ in seen} == {True, False}  # both kinds of forward were seen
     assert all(dtype == torch.bfloat16 for _, dtype in seen), seen
+
+
+def test_the_runs_config_toml_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.toml").write_text("# the earlier run's\n")
+    real = Path.write_text
+
+    def full_disk(self, text, *args, **kwargs):  # half the file, then the disk is full
+        if self.name.startswith(".config.toml"):
+            real(self, text[: len(text) // 2], *args, **kwargs)
+            raise OSError(28, "No space left on device")
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    cfg = tiny_config(out, nproc=1, max_steps=1, eval_every=0, ckpt_every=0, synthetic_val_pairs=0)
+    with pytest.raises(OSError, match=f"cannot write {out / 'config.toml'}: No space left on device"):
+        train(cfg)
+    assert (out / "config.toml").read_text() == "# the earlier run's\n"  # whole, as it was: no half-written config
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".config.toml")]  # nor a scratch file
+    monkeypatch.setattr(Path, "write_text", real)
+    train(cfg)
+    assert (out / "config.toml").read_text().startswith("[data]\n") and "max_steps = 1\n" in (out / "config.toml").read_text()

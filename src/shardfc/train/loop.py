@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardfc.head.validation import NonFiniteEmbeddingsError
+from shardfc.outputs import write_atomically
 from shardfc.parallel.lifecycle import record_stop_signals, signal_name
 from shardfc.seeding import seed_all
 from shardfc.train.builder.cpu import apply_threads
@@ -98,7 +99,8 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
             init_from(run, init_path, cfg)
             sync_after_restore(run.ctx, run.parts)
         if ctx.is_main:  # only now: a refused resume leaves the earlier run's config.toml alone
-            (out / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
+            text = to_toml(cfg)  # whole or not at all: a crash mid-write left the earlier run's config half-written
+            write_atomically(out / "config.toml", lambda scratch: scratch.write_text(text, encoding="utf-8"))
         runlog.start_at(state.step)
         mark("resume")
         profiler = _profiler(cfg, ctx, parts)
