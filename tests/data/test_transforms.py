@@ -36,6 +36,32 @@ def test_decode_converts_gray_and_rgba_to_rgb():
     assert decode_image(_png_bytes(rgba)).mode == "RGB"
 
 
+@pytest.mark.parametrize("fmt", ["PNG", "TIFF"])
+def test_a_16_bit_gray_image_is_scaled_to_8_bits_not_clipped(fmt):
+    wide = np.array([[0, 257, 32768, 60000, 65535]], dtype=np.uint16)
+    buf = io.BytesIO()
+    Image.fromarray(wide).save(buf, format=fmt)
+    img = decode_image(buf.getvalue())
+    assert Image.open(io.BytesIO(buf.getvalue())).mode.startswith("I;16")  # what the file holds
+    # Pillow's own conversion clipped: 32768, 60000 and 65535 all became 255
+    assert np.asarray(img)[0, :, 0].tolist() == [0, 1, 128, 233, 255] and img.mode == "RGB"
+    assert image_to_tensor(Image.fromarray(wide), normalized=False)[0, 0].tolist() == [0, 1, 128, 233, 255]
+
+
+@pytest.mark.parametrize("mode, kind, value", [("F", "floats", 0.5), ("I", "integers", 70000)])
+def test_32_bit_pixels_are_refused_naming_the_image_not_guessed(mode, kind, value):
+    buf = io.BytesIO()
+    Image.new(mode, (3, 2), value).save(buf, format="TIFF")
+    message = (f"its pixels are 32-bit {kind} (mode {mode!r}), whose range does not say which value is black or "
+               "white: save it with 8 or 16 bits a channel")
+    with pytest.raises(CorruptImageError) as err:  # (0.5 as F became black, silently)
+        decode_image(buf.getvalue(), name="faces/a.tif")
+    assert (err.value.path, err.value.reason) == ("faces/a.tif", message)
+    with pytest.raises(CorruptImageError) as err:
+        image_to_tensor(Image.new(mode, (3, 2), value))
+    assert (err.value.path, err.value.reason) == ("<image>", message)
+
+
 def test_corrupt_input_raises_named_error(tmp_path, rgb):
     bad = tmp_path / "broken.jpg"
     bad.write_bytes(b"definitely not an image")
@@ -205,9 +231,9 @@ def test_a_resize_is_bilinear_and_of_the_image_in_rgb(rgb):
     palette = img.convert("P")  # Pillow resizes a palette image by its nearest pixel: convert first
     expected = np.asarray(palette.convert("RGB").resize((3, 5), Image.BILINEAR), dtype=np.float32)
     assert np.array_equal(image_to_tensor(palette, (5, 3), normalized=False).permute(1, 2, 0).numpy(), expected)
-    wide = np.zeros((4, 4), np.int32)
-    wide[:, 2:] = 1000  # a 32-bit image: clipped to 255 when made RGB, before the resize blends it
-    got = image_to_tensor(Image.fromarray(wide, mode="I"), (2, 3), normalized=False)[0]
+    wide = np.zeros((4, 4), np.uint16)
+    wide[:, 2:] = 65535  # a 16-bit image: scaled to 8 bits when made RGB, before the resize blends it
+    got = image_to_tensor(Image.fromarray(wide), (2, 3), normalized=False)[0]
     assert got.tolist() == [[0, 128, 255]] * 2
 
 

@@ -23,6 +23,7 @@ from shardfc import files
 
 __all__ = [
     "CorruptImageError",
+    "as_rgb",
     "ImageSource",
     "decode_image",
     "MAX_IMAGE_PIXELS",
@@ -74,6 +75,21 @@ def max_image_pixels() -> int:
     return files.env_limit("SHARDFC_MAX_IMAGE_PIXELS", MAX_IMAGE_PIXELS)
 
 
+def as_rgb(img: Image.Image, name: str = "<image>") -> Image.Image:
+    """``img`` as an 8-bit RGB image. A 16-bit grayscale image (``I;16``: PNG, TIFF) is scaled to 8
+    bits (Pillow's own conversion clips it: any value past 255 became white); 32-bit integer or
+    float pixels (``I``, ``F``) have no range that says which value is black or white, so they are
+    a :class:`CorruptImageError` naming ``name`` (a data set skips and counts it) rather than a guess."""
+    if img.mode.startswith("I;16"):
+        wide = np.asarray(img).astype(np.uint32)  # any byte order
+        return Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), "L").convert("RGB")
+    if img.mode in ("I", "F"):
+        kind = "integers" if img.mode == "I" else "floats"
+        raise CorruptImageError(name, f"its pixels are 32-bit {kind} (mode {img.mode!r}), whose range does not say "
+                                "which value is black or white: save it with 8 or 16 bits a channel")
+    return img.convert("RGB")
+
+
 def decode_image(source: ImageSource, name: Optional[str] = None, *,
                  root: Optional[Union[str, "os.PathLike[str]"]] = None) -> Image.Image:
     """Decode an encoded image (path or bytes) into an RGB Pillow image.
@@ -119,7 +135,7 @@ def decode_image(source: ImageSource, name: Optional[str] = None, *,
             # load() forces the full decode, so truncated files fail here rather
             # than later inside a DataLoader worker.
             img.load()
-            return img.convert("RGB")
+            return as_rgb(img, label)
     except CorruptImageError:
         raise
     # DecompressionBombError is not an OSError; Pillow raises it at open past 2x its own limit.
@@ -173,7 +189,7 @@ def image_to_tensor(
             :func:`normalize` of them is, bit for bit, the normalised tensor. The trainer's loader
             workers ship these (a quarter of the bytes) and normalise on the training device.
     """
-    img = img.convert("RGB")
+    img = as_rgb(img)
     if image_size is not None:
         h, w = check_size(image_size)
         if img.size != (w, h):  # Pillow sizes are (width, height)
