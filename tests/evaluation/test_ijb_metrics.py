@@ -165,6 +165,7 @@ def test_report_files_and_the_plot(tmp_path, monkeypatch):
 
     with Image.open(out / "ijbc_roc.png") as png:
         assert [round(v) for v in png.info["dpi"]] == [100, 100]
+        assert png.size != (500, 400)  # cropped to what is drawn, not the whole 5 x 4 inch canvas
     # written again into the same folder: replaced
     write_ijb_report(out, "IJBC", scores[::-1], labels[::-1])
     assert np.load(out / "ijbc_scores.npy").tolist() == scores[::-1].tolist()
