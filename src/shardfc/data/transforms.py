@@ -82,7 +82,7 @@ def as_rgb(img: Image.Image, name: str = "<image>") -> Image.Image:
     a :class:`CorruptImageError` naming ``name`` (a data set skips and counts it) rather than a guess."""
     if img.mode.startswith("I;16"):
         wide = np.asarray(img).astype(np.uint32)  # any byte order
-        return Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), "L").convert("RGB")
+        return Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8)).convert("RGB")  # uint8 2-D: "L"
     if img.mode in ("I", "F"):
         kind = "integers" if img.mode == "I" else "floats"
         raise CorruptImageError(name, f"its pixels are 32-bit {kind} (mode {img.mode!r}), whose range does not say "
