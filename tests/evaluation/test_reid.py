@@ -216,6 +216,22 @@ def test_ids_of_any_integer_type_and_float_features():
     assert got == pytest.approx(expected)
 
 
+def test_ids_given_as_whole_floats_count_and_any_other_value_is_refused():
+    qf, qp, qc, gf, gp, gc = _hand_example()
+    expected = reid_metrics(qf, qp, qc, gf, gp, gc)
+    assert reid_metrics(qf, qp.double(), qc.numpy().astype(np.float32), gf, gp.tolist(), gc) == pytest.approx(expected)
+    # 1.5 was truncated into id 1's, silently; strings were torch's TypeError, naming no input
+    for bad, name, shown in [(qp.double() + 0.5, "query_pids", "must hold whole numbers (ids), got 1.5"),
+                             (np.full(len(qc), np.nan), "query_cams", "must hold whole numbers (ids), got nan"),
+                             ([str(p) for p in gp.tolist()], "gallery_pids", f"must hold numbers, got <U2 values such as "
+                                                                               f"{str(gp.tolist()[0])!r}")]:  # ('-1')
+        args = dict(query_pids=qp, query_cams=qc, gallery_pids=gp, gallery_cams=gc)
+        args[name] = bad
+        with pytest.raises(ValueError) as err:
+            reid_metrics(qf, args["query_pids"], args["query_cams"], gf, args["gallery_pids"], args["gallery_cams"])
+        assert str(err.value) == f"{name} {shown}"
+
+
 def test_skipped_queries_are_counted_over_every_chunk(caplog):
     """One query skipped in each of two chunks, a valid query after a skipped one in a chunk."""
     qf, qp, qc, gf, gp, gc = _hand_example()

@@ -48,9 +48,20 @@ ArrayLike = Union[torch.Tensor, np.ndarray, Sequence[float]]
 
 
 def _as_tensor(x: ArrayLike, name: str, dtype: torch.dtype) -> torch.Tensor:
-    t = x.detach().cpu() if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+    if isinstance(x, torch.Tensor):
+        t = x.detach().cpu()
+    else:
+        values = np.asarray(x)
+        if not (np.issubdtype(values.dtype, np.number) or values.dtype == bool):  # torch's TypeError named no input
+            first = next(iter(values.reshape(-1).tolist()), None)
+            raise ValueError(f"{name} must hold numbers, got {values.dtype} values such as {first!r}")
+        t = torch.as_tensor(values)
     if t.ndim == 0:
         raise ValueError(f"{name} must be an array, got a scalar")
+    if not dtype.is_floating_point and t.is_floating_point():  # ids: 1.5 would be truncated into id 1's
+        fraction = t[t != t.trunc()]  # (NaN and inf are not whole either)
+        if fraction.numel():
+            raise ValueError(f"{name} must hold whole numbers (ids), got {fraction[0].item()!r}")
     return t.to(dtype)
 
 
