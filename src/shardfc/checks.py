@@ -6,8 +6,8 @@ import math
 import numbers
 from typing import Any, List, Sequence, Union
 
-__all__ = ["MAX_INT64", "MAX_SEED", "check_int", "check_names", "check_positive_int", "check_probability", "check_real", "check_seed",
-           "chunk_size_arg"]
+__all__ = ["MAX_INT64", "MAX_SEED", "check_int", "check_names", "check_positive_int", "check_probability", "check_real",
+           "check_seed", "chunk_size_arg"]
 
 #: Largest int64: torch's sizes, element counts and seeds.
 MAX_INT64 = 2**63 - 1

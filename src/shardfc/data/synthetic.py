@@ -41,7 +41,6 @@ _STREAM_SAMPLE = 3
 _STREAM_PAIRS = 4
 
 
-
 def _index(index) -> int:
     """A sample's index as an int (numpy's and 0-d integer tensors too); a float is a TypeError (1.5
     rendered sample 1)."""
@@ -49,6 +48,7 @@ def _index(index) -> int:
         return operator.index(index)
     except TypeError:
         raise TypeError(f"a sample's index must be an int, got {index!r}") from None
+
 
 class SyntheticIdentities(Dataset):
     """Deterministic synthetic identity dataset: ``dataset[i] -> (image [3,H,W], label)``.

@@ -137,8 +137,8 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
         #: None (default) on CUDA when Triton is installed and the parameter qualifies; True always,
         #: or a ValueError saying why not; False never.
         self.catch_up_kernel: Optional[bool] = None
-        super().__init__(params, dict(defaults, rounding=rounding, rounding_seed=check_seed("rounding_seed", rounding_seed),
-                                                  rounding_step=0))
+        seed = check_seed("rounding_seed", rounding_seed)
+        super().__init__(params, dict(defaults, rounding=rounding, rounding_seed=seed, rounding_step=0))
         self.sampled_rows = sampled_rows
         # The head whose take_sampled_rows answers sampled_rows brings the rows it reads up to date
         # through this optimizer (its forward, predict, state_dict, checkpoints, grow).
