@@ -230,6 +230,8 @@ def test_ids_given_as_whole_floats_count_and_any_other_value_is_refused():
         with pytest.raises(ValueError) as err:
             reid_metrics(qf, args["query_pids"], args["query_cams"], gf, args["gallery_pids"], args["gallery_cams"])
         assert str(err.value) == f"{name} {shown}"
+    with pytest.raises(ValueError, match=r"^query_pids must hold numbers, got <U1 values such as None$"):
+        reid_metrics(qf[:0], np.array([], dtype="<U1"), [], gf, gp, gc)  # none to show
 
 
 def test_skipped_queries_are_counted_over_every_chunk(caplog):
