@@ -128,8 +128,12 @@ def test_transform_random_flip_with_generator(rgb):
     assert torch.equal(ImageTransform(None, random_flip=True, flip_prob=1.0)(img), base.flip(-1))
     assert torch.equal(ImageTransform(None, random_flip=True, flip_prob=0.0)(img), base)
     assert torch.equal(ImageTransform(None, random_flip=False)(img), base)
-    with pytest.raises(ValueError, match="flip_prob"):
+    with pytest.raises(ValueError, match=r"^flip_prob must be in \[0, 1\], got 1.5$"):
         ImageTransform(flip_prob=1.5)
+    for bad in (True, "0.5", float("nan")):  # True was a probability of 1; "0.5" a TypeError naming nothing
+        with pytest.raises(ValueError, match=f"^flip_prob must be a finite number, got {bad!r}$"):
+            ImageTransform(flip_prob=bad)
+    assert ImageTransform(flip_prob=1).flip_prob == 1.0 and type(ImageTransform(flip_prob=0).flip_prob) is float
 
 
 def _erased_boxes(before, after):

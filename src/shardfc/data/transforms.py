@@ -20,6 +20,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from shardfc import files
+from shardfc.checks import check_probability
 
 __all__ = [
     "CorruptImageError",
@@ -222,8 +223,8 @@ class ImageTransform:
         flip_prob: float = 0.5,
         normalized: bool = True,
     ) -> None:
-        if not 0.0 <= flip_prob <= 1.0:
-            raise ValueError(f"flip_prob must be in [0, 1], got {flip_prob!r}")
+        # (True was taken as 1, a string was a TypeError naming nothing)
+        flip_prob = check_probability("flip_prob", flip_prob, low_open=False, high_open=False)
         self.normalized = bool(normalized)
         self.image_size = None if image_size is None else check_size(image_size)
         self.random_flip = random_flip
