@@ -324,6 +324,8 @@ def test_the_bounds_are_allowed(kw):
     (dict(contrast=1.0), "contrast must be in [0, 1), got 1.0"),
     (dict(flip_prob=-0.1), "flip_prob must be a probability in [0, 1], got -0.1"),
     (dict(flip_prob=1.01), "flip_prob must be a probability in [0, 1], got 1.01"),
+    (dict(flip_prob=True), "flip_prob must be a probability in [0, 1], got True"),
+    (dict(flip_prob="0.5"), "flip_prob must be a probability in [0, 1], got '0.5'"),
     # each rendered a whole set of NaN images, or silently the opposite nuisance
     (dict(noise_std=float("nan")), "noise_std must be a finite number >= 0, got nan"),
     (dict(illumination=float("inf")), "illumination must be a finite number >= 0, got inf"),

@@ -131,8 +131,8 @@ class SyntheticIdentities(Dataset):
         self.color_cast = float(color_cast)
         self.illumination = float(illumination)
         self.noise_std = float(noise_std)
-        if not 0.0 <= flip_prob <= 1.0:
-            raise ValueError(f"flip_prob must be a probability in [0, 1], got {flip_prob!r}")
+        if isinstance(flip_prob, bool) or not isinstance(flip_prob, numbers.Real) or not 0.0 <= flip_prob <= 1.0:
+            raise ValueError(f"flip_prob must be a probability in [0, 1], got {flip_prob!r}")  # (True was 1)
         self.random_flip = bool(random_flip)
         self.flip_prob = float(flip_prob)
         self.max_shift = float(max_shift)
