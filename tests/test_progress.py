@@ -13,25 +13,19 @@ from torch import nn
 from shardfc import progress as progress_mod
 
 
-def test_a_bar_on_a_terminal_only_and_when_tqdm_is_there(monkeypatch):
+def test_a_bar_on_a_terminal_only_and_when_tqdm_is_there(monkeypatch, bars):
     import sys
     import types
 
-    class Tty(io.StringIO):
-        def isatty(self):
-            return True
-
-    made = []
-    stand_in = types.ModuleType("tqdm")
-    stand_in.tqdm = lambda iterable, **kw: made.append(kw) or iterable  # what tqdm is asked for
-    monkeypatch.setitem(sys.modules, "tqdm", stand_in)
-    assert progress_mod.progress([1, 2], 2, "pack") == [1, 2] and made == []  # not a terminal: no bar
-    monkeypatch.setattr(progress_mod.sys, "stderr", Tty())
+    terminal = progress_mod.sys  # the fixture's: stderr a terminal, tqdm a stand-in recording into bars
+    monkeypatch.setattr(progress_mod, "sys", types.SimpleNamespace(stderr=io.StringIO()))
+    assert progress_mod.progress([1, 2], 2, "pack") == [1, 2] and bars == []  # not a terminal: no bar
+    monkeypatch.setattr(progress_mod, "sys", terminal)
     assert progress_mod.progress([1, 2], 2, "verify") == [1, 2]
-    assert made == [dict(total=2, desc="verify", unit="img", file=progress_mod.sys.stderr, dynamic_ncols=True,
+    assert bars == [dict(total=2, desc="verify", unit="img", file=progress_mod.sys.stderr, dynamic_ncols=True,
                          leave=False)]
     monkeypatch.setitem(sys.modules, "tqdm", None)  # not installed: the iterable itself
-    assert progress_mod.progress([3], 1, "verify") == [3] and len(made) == 1
+    assert progress_mod.progress([3], 1, "verify") == [3] and len(bars) == 1
 
 
 def test_a_labelled_bar_only_inside_a_label_and_the_label_ends_with_it(bars):
