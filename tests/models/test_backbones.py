@@ -21,6 +21,13 @@ def test_registry_names() -> None:
     assert sorted(BACKBONES) == sorted(NAMES)
 
 
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "512", None])
+def test_an_embedding_width_that_is_no_positive_int_is_refused_by_name(bad) -> None:
+    # 0 built a model of 0-wide embeddings; -1 and 1.5 were torch's errors from inside a layer
+    with pytest.raises(ValueError, match=f"^embedding_dim must be a positive integer, got {re.escape(repr(bad))}$"):
+        build_backbone("tiny", embedding_dim=bad)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_builds_and_output_shape(name: str) -> None:
     torch.manual_seed(0)

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from torch import nn
 
+from shardfc.checks import check_positive_int
 from shardfc.models.arcface_mbf import ArcfaceMobileFaceNet, mbf, mbf_large
 from shardfc.models.glyphnet import GlyphNet, glyphnet
 from shardfc.models.iresnet import IResNet, iresnet18, iresnet34, iresnet50, iresnet100
@@ -82,6 +83,7 @@ def build_backbone(name: str, embedding_dim: int = 512, **kwargs: Any) -> nn.Mod
     ``last_stride`` for resnet50, ``input_size``/``width`` for tiny).
     """
     _check_name(name)
+    embedding_dim = check_positive_int("embedding_dim", embedding_dim)  # 0 built a 0-wide model; -1, 1.5 torch errors
     return BACKBONES[name](embedding_dim=embedding_dim, **kwargs)
 
 
