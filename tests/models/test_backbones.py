@@ -122,6 +122,19 @@ def test_resnet50_without_neck() -> None:
         build_backbone("resnet50", neck="bn")
 
 
+
+def test_resnet50_last_stride_is_1_or_2() -> None:
+    x = torch.randn(1, 3, 64, 32)
+    maps = {s: build_backbone("resnet50", embedding_dim=8, last_stride=s).eval() for s in (1, 2)}
+    with torch.no_grad():  # the final map: 4x2 at stride 1, 2x1 at stride 2
+        assert [maps[s].layer4(maps[s].layer3(maps[s].layer2(maps[s].layer1(maps[s].stem(x))))).shape[-2:]
+                for s in (1, 2)] == [(4, 2), (2, 1)]
+    for bad in (0, 3, -1, 1.5, True):  # 0 failed in the first forward; 3 silently shrank the map
+        with pytest.raises(ValueError, match=re.escape(f"last_stride must be 1 (re-ID's 16x8 final map) or 2 "
+                                                       f"(ImageNet's), got {bad!r}")):
+            build_backbone("resnet50", embedding_dim=8, last_stride=bad)
+
+
 @pytest.mark.parametrize("name", ["iresnet18", "mobilefacenet"])
 def test_wrong_input_size_raises(name: str) -> None:
     model = build_backbone(name).eval()

@@ -93,6 +93,8 @@ class ReIDResNet(nn.Module):
         super().__init__()
         if neck not in NECKS:
             raise ValueError(f"neck must be one of {', '.join(NECKS)}; got {neck!r}")
+        if last_stride not in (1, 2) or isinstance(last_stride, bool):  # 0 failed in the first forward
+            raise ValueError(f"last_stride must be 1 (re-ID's 16x8 final map) or 2 (ImageNet's), got {last_stride!r}")
         self.input_size = INPUT_SIZE
         self.embedding_dim = embedding_dim
         self.stem = nn.Sequential(
