@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import statistics
@@ -295,3 +296,48 @@ def test_the_recipes_get_the_workload_the_timeout_and_whether_to_say_how_they_go
     assert cli.main(argv) == 0 and cli.main(argv + ["--quiet"]) == 0
     work = Workload(nproc=2, backbone="tiny", image_size=(16, 16), batch_size=8, classes=24, embedding_dim=16, threads=1)
     assert calls == [(["dp"], ["amp"], work, tmp_path, 42.0, progress) for progress in (True, False)]
+
+
+@pytest.mark.parametrize("cpus, nproc, threads", [(8, 2, 4), (3, 2, 1), (1, 4, 1), (None, 2, 1)])
+def test_the_report_files_the_meta_and_the_default_threads(monkeypatch, tmp_path, capsys, cpus, nproc, threads):
+    """What each output flag writes and says, the run's meta (the workload, where it ran, the load
+    average before and after rounded to 2 places) and the threads a recipe gets by default: the
+    machine's cores over the processes, at least one."""
+    import shardfc.parallel.split_bench as split_bench
+    from shardfc.cli import bench_recipes as cli
+
+    written = []
+    rows, split = [{"recipe": "dp"}], [{"devices": ["cpu", "cpu"]}]
+    monkeypatch.setattr(cli, "run_recipes", lambda names, precisions, work, *a: written.append(("work", work)) or rows)
+    monkeypatch.setattr(split_bench, "time_split_sweep", lambda *a, **kw: split)
+    monkeypatch.setattr(cli.report, "recipes_table", lambda r, meta: "the recipes' table")
+    monkeypatch.setattr(cli.report, "split_table", lambda s: "the sweep's table")
+    monkeypatch.setattr(cli.report, "write_json", lambda *a: written.append(("json", *a)))
+    monkeypatch.setattr(cli.report, "plot_recipes", lambda *a: written.append(("plot", *a)))
+    monkeypatch.setattr(cli.report, "plot_split_sweep", lambda *a: written.append(("split_plot", *a)))
+    loads = iter([(1.234, 2.345, 3.456), (4.567, 5.678, 6.789)])
+    monkeypatch.setattr(cli.os, "getloadavg", lambda: next(loads))
+    monkeypatch.setattr(cli.os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    paths = {flag: str(tmp_path / name) for flag, name in
+             (("--json", "r.json"), ("--plot", "r.png"), ("--split-plot", "s.png"))}
+    argv = ["--recipes", "--split-sweep", "--quiet", "--only", "dp", "--precisions", "fp32", "--device", "cpu",
+            "--nproc", str(nproc), "--work-dir", str(tmp_path), *[x for kv in paths.items() for x in kv]]
+    assert cli.main(argv) == 0
+    (_, work), (_, json_path, meta, json_rows, json_split), plot, split_plot = written
+    assert work.threads == threads and work.nproc == nproc
+    assert (json_path, json_rows, json_split) == (paths["--json"], rows, split)
+    assert meta["load_average"] == {"before": [1.23, 2.35, 3.46], "after": [4.57, 5.68, 6.79]}
+    assert meta["workload"] == dataclasses.asdict(work) and meta["devices_note"] == cli.devices_note("cpu", nproc)
+    assert plot == ("plot", rows, paths["--plot"], meta)
+    assert split_plot == ("split_plot", split, paths["--split-plot"], "CPU: both stages on one device, nothing overlaps")
+    out, err = capsys.readouterr()
+    assert "the recipes' table" in out and "the sweep's table" in out
+    assert err == "".join(f"wrote {paths[f]}\n" for f in ("--json", "--plot", "--split-plot"))
+
+
+def test_help_and_a_bad_flag_exit_as_argparse_says(capsys):
+    from shardfc.cli import bench_recipes as cli
+
+    assert cli.main(["--help"]) == 0 and "--recipes" in capsys.readouterr().out
+    assert cli.main(["--recipes", "--no-such-flag"]) == 2 and "unrecognized arguments" in capsys.readouterr().err
