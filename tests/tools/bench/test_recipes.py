@@ -296,6 +296,8 @@ def test_the_recipes_get_the_workload_the_timeout_and_whether_to_say_how_they_go
     assert cli.main(argv) == 0 and cli.main(argv + ["--quiet"]) == 0
     work = Workload(nproc=2, backbone="tiny", image_size=(16, 16), batch_size=8, classes=24, embedding_dim=16, threads=1)
     assert calls == [(["dp"], ["amp"], work, tmp_path, 42.0, progress) for progress in (True, False)]
+    argv[argv.index("42")] = "0.5"  # any time above 0, under a second too
+    assert cli.main(argv) == 0 and calls[-1][4] == 0.5
 
 
 @pytest.mark.parametrize("cpus, nproc, threads", [(8, 2, 4), (3, 2, 1), (1, 4, 1), (None, 2, 1)])
