@@ -300,8 +300,11 @@ def test_the_recipes_get_the_workload_the_timeout_and_whether_to_say_how_they_go
     assert cli.main(argv) == 0 and calls[-1][4] == 0.5
 
 
-@pytest.mark.parametrize("cpus, nproc, threads", [(8, 2, 4), (3, 2, 1), (1, 4, 1), (None, 2, 1)])
-def test_the_report_files_the_meta_and_the_default_threads(monkeypatch, tmp_path, capsys, cpus, nproc, threads):
+@pytest.mark.parametrize("cpus, nproc, given, threads", [
+    (8, 2, None, 4), (3, 2, None, 1), (1, 4, None, 1), (None, 2, None, 1), (None, 1, None, 1), (8, 1, None, 8),
+    (8, 2, 3, 3),  # --threads given: as given
+])
+def test_the_report_files_the_meta_and_the_default_threads(monkeypatch, tmp_path, capsys, cpus, nproc, given, threads):
     """What each output flag writes and says, the run's meta (the workload, where it ran, the load
     average before and after rounded to 2 places) and the threads a recipe gets by default: the
     machine's cores over the processes, at least one."""
@@ -312,8 +315,8 @@ def test_the_report_files_the_meta_and_the_default_threads(monkeypatch, tmp_path
     rows, split = [{"recipe": "dp"}], [{"devices": ["cpu", "cpu"]}]
     monkeypatch.setattr(cli, "run_recipes", lambda names, precisions, work, *a: written.append(("work", work)) or rows)
     monkeypatch.setattr(split_bench, "time_split_sweep", lambda *a, **kw: split)
-    monkeypatch.setattr(cli.report, "recipes_table", lambda r, meta: "the recipes' table")
-    monkeypatch.setattr(cli.report, "split_table", lambda s: "the sweep's table")
+    monkeypatch.setattr(cli.report, "recipes_table", lambda r, meta: f"table of {r} on {meta['devices_note'][:12]}")
+    monkeypatch.setattr(cli.report, "split_table", lambda s: f"sweep of {s}")
     monkeypatch.setattr(cli.report, "write_json", lambda *a: written.append(("json", *a)))
     monkeypatch.setattr(cli.report, "plot_recipes", lambda *a: written.append(("plot", *a)))
     monkeypatch.setattr(cli.report, "plot_split_sweep", lambda *a: written.append(("split_plot", *a)))
@@ -325,17 +328,33 @@ def test_the_report_files_the_meta_and_the_default_threads(monkeypatch, tmp_path
              (("--json", "r.json"), ("--plot", "r.png"), ("--split-plot", "s.png"))}
     argv = ["--recipes", "--split-sweep", "--quiet", "--only", "dp", "--precisions", "fp32", "--device", "cpu",
             "--nproc", str(nproc), "--work-dir", str(tmp_path), *[x for kv in paths.items() for x in kv]]
-    assert cli.main(argv) == 0
+    assert cli.main(argv + ([] if given is None else ["--threads", str(given)])) == 0
     (_, work), (_, json_path, meta, json_rows, json_split), plot, split_plot = written
-    assert work.threads == threads and work.nproc == nproc
+    assert (work.threads, work.nproc, work.device) == (threads, nproc, "cpu")
     assert (json_path, json_rows, json_split) == (paths["--json"], rows, split)
     assert meta["load_average"] == {"before": [1.23, 2.35, 3.46], "after": [4.57, 5.68, 6.79]}
     assert meta["workload"] == dataclasses.asdict(work) and meta["devices_note"] == cli.devices_note("cpu", nproc)
     assert plot == ("plot", rows, paths["--plot"], meta)
     assert split_plot == ("split_plot", split, paths["--split-plot"], "CPU: both stages on one device, nothing overlaps")
     out, err = capsys.readouterr()
-    assert "the recipes' table" in out and "the sweep's table" in out
+    assert out == (f"table of {rows} on devices: non\n\nsplit sweep: one device vs split over two vs pipelined "
+                   f"(forward + backward per step)\n\nsweep of {split}\n")
     assert err == "".join(f"wrote {paths[f]}\n" for f in ("--json", "--plot", "--split-plot"))
+
+
+def test_the_sweep_alone_prints_where_it_ran_and_a_gpu_plot_has_no_cpu_subtitle(monkeypatch, tmp_path, capsys):
+    import shardfc.parallel.split_bench as split_bench
+    from shardfc.cli import bench_recipes as cli
+
+    plotted = []
+    monkeypatch.setattr(split_bench, "time_split_sweep", lambda *a, **kw: [{"devices": ["cuda:0", "cuda:1"]}])
+    monkeypatch.setattr(cli.report, "split_table", lambda s: "the sweep")
+    monkeypatch.setattr(cli.report, "plot_split_sweep", lambda *a: plotted.append(a[2]))
+    monkeypatch.setattr(cli, "devices_note", lambda device, nproc: f"where: {device}, {nproc}")
+    assert cli.main(["--split-sweep", "--quiet", "--backbone", "tiny", "--image-size", "16", "16", "--device", "cpu",
+                     "--nproc", "3", "--work-dir", str(tmp_path), "--split-plot", str(tmp_path / "s.png")]) == 0
+    assert plotted == [""]  # the CPU's subtitle only where both stages are the CPU
+    assert capsys.readouterr().out.startswith("where: cpu, 3\n\nsplit sweep: ")
 
 
 def test_help_and_a_bad_flag_exit_as_argparse_says(capsys):
