@@ -41,6 +41,7 @@ class _Launch:
         monkeypatch.setattr(cli, "warn_if_restarts_unsafe", lambda r: rec(("warn_restarts", r)))
         monkeypatch.setattr(cli.dist, "barrier", lambda: rec(("barrier",)))
         monkeypatch.setattr(cli.dist, "destroy_process_group", lambda: rec(("destroy",)))
+        monkeypatch.setattr(cli.gc, "collect", lambda: rec(("collect",)) or 0)
         monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: cuda)
         monkeypatch.setattr(cli.torch.cuda, "device_count", lambda: devices)
         monkeypatch.setattr(cli.os, "cpu_count", lambda: cpus)
@@ -79,7 +80,7 @@ def test_under_torchrun_the_group_is_joined_and_torn_down(monkeypatch):
     launch = _Launch(monkeypatch, torchrun=True, summary={"step": 5, "stopped_by": "SIGTERM"})
     assert cli.run(_cfg(nproc=4, pg_timeout=30)) == {"step": 5, "stopped_by": "SIGTERM"}
     assert launch.calls == [("check_launch", "ddp"), ("die_with_parent", 4242), ("init", "gloo", 30),
-                            ("warn_restarts", 0), ("train", "ddp"), ("barrier",), ("destroy",)]
+                            ("warn_restarts", 0), ("train", "ddp"), ("barrier",), ("collect",), ("destroy",)]
 
 
 @pytest.mark.parametrize("summary, returned", [({"step": 5, "stopped_by": "SIGTERM"}, {"stopped_by": "SIGTERM"}),
@@ -94,7 +95,7 @@ def test_under_torchrun_an_error_still_tears_the_group_down(monkeypatch):
     launch = _Launch(monkeypatch, torchrun=True, summary=ValueError("bad data"))
     with pytest.raises(ValueError, match="bad data"):
         cli.run(_cfg())
-    assert launch.names()[-2:] == ["train", "destroy"]  # no barrier: the others fail in theirs
+    assert launch.names()[-3:] == ["train", "collect", "destroy"]  # no barrier: the others fail in theirs
 
 
 def test_dp_is_one_process_and_says_nproc_is_unused(monkeypatch, caplog):
