@@ -6,9 +6,11 @@ import math
 import numbers
 from typing import Any, List, Sequence, Union
 
-__all__ = ["MAX_INT64", "MAX_SEED", "check_int", "check_names", "check_positive_int", "check_probability", "check_real",
+__all__ = ["FLOAT32_MAX", "MAX_INT64", "MAX_SEED", "check_int", "check_names", "check_positive_int", "check_probability", "check_real",
            "check_seed", "chunk_size_arg"]
 
+#: float32's largest finite value.
+FLOAT32_MAX = 3.4028234663852886e38
 #: Largest int64: torch's sizes, element counts and seeds.
 MAX_INT64 = 2**63 - 1
 #: Largest seed: torch's generators take a signed 64-bit seed.

@@ -80,6 +80,10 @@ def test_arcface_values():
         (lambda: M.SphereFace(True), TypeError, "margin must be an integer >= 1, got True"),
         (lambda: M.build_margin("arcfase"), ValueError, "did you mean 'arcface'"),
         (lambda: M.build_margin("arcface", s=3), TypeError, "margin 'arcface'"),
+        # each logit s·cos θ was inf in fp32: torch's "cannot be converted ... without overflow" in the forward
+        *[(lambda cls=cls: cls(scale=1e39), ValueError,
+           "scale must be at most 3.403e+38 (float32's largest: the logits are fp32), got 1e+39")
+          for cls in (M.ArcFace, M.CosFace, M.Combined, M.NormSoftmax, M.AdaFace, M.MagFace)],
     ],
 )
 def test_invalid_parameters(make, kind, text):

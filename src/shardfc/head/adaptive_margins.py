@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from shardfc.checks import check_real
-from shardfc.head.margin_base import Margin, sin_from_cos
+from shardfc.head.margin_base import Margin, check_scale, sin_from_cos
 
 __all__ = ["AdaFace", "MagFace"]
 
@@ -50,7 +50,7 @@ class AdaFace(Margin):
     STD_EPS = 1e-3
 
     def __init__(self, scale: float = 64.0, margin: float = 0.4, h: float = 0.333, momentum: float = 0.01):
-        self.s = check_real("scale", scale, positive=True)
+        self.s = check_scale(scale)
         self.m = check_real("margin", margin, nonnegative=True)
         self.h = check_real("h", h, nonnegative=True)
         self.momentum = check_real("momentum", momentum, nonnegative=True)
@@ -156,7 +156,7 @@ class MagFace(Margin):
         u_m: float = 0.8,
         lambda_g: float = 35.0,
     ):
-        self.s = check_real("scale", scale, positive=True)
+        self.s = check_scale(scale)
         self.l_a = check_real("l_a", l_a, positive=True)
         self.u_a = check_real("u_a", u_a, positive=True)
         if self.u_a <= self.l_a:

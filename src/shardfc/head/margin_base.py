@@ -12,9 +12,21 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["Margin", "TargetLogit", "sin_from_cos"]
+from shardfc.checks import FLOAT32_MAX, check_real
+
+__all__ = ["Margin", "TargetLogit", "check_scale", "sin_from_cos"]
 
 TargetLogit = Tuple[Tensor, Tensor, Optional[Tensor]]
+
+
+def check_scale(scale) -> float:
+    """A margin's ``scale`` as a finite float in ``(0, float32's largest]``: the logits are ``s·cos θ``
+    in fp32, so a larger scale made each one inf (a NaN loss, or torch's "cannot be converted to type
+    float without overflow" in the first forward)."""
+    s = check_real("scale", scale, positive=True)
+    if s > FLOAT32_MAX:
+        raise ValueError(f"scale must be at most {FLOAT32_MAX:.4g} (float32's largest: the logits are fp32), got {scale!r}")
+    return s
 
 
 def sin_from_cos(c: Tensor) -> Tensor:

@@ -32,7 +32,7 @@ import torch
 
 from shardfc.checks import check_real
 from shardfc.head.adaptive_margins import AdaFace, MagFace
-from shardfc.head.margin_base import Margin, sin_from_cos
+from shardfc.head.margin_base import Margin, check_scale, sin_from_cos
 
 __all__ = [
     "Margin",
@@ -67,7 +67,7 @@ class NormSoftmax(Margin):
     """NormFace: ``s · cos θ`` for every class, no margin."""
 
     def __init__(self, scale: float = 64.0):
-        self.s = check_real("scale", scale, positive=True)
+        self.s = check_scale(scale)
 
     @property
     def scale(self) -> float:
@@ -81,7 +81,7 @@ class CosFace(Margin):
     """CosFace / AM-Softmax: target ``s · (cos θ − m)``."""
 
     def __init__(self, scale: float = 64.0, margin: float = 0.35):
-        self.s = check_real("scale", scale, positive=True)
+        self.s = check_scale(scale)
         self.m = check_real("margin", margin, nonnegative=True)
 
     @property
@@ -105,7 +105,7 @@ class ArcFace(Margin):
     """
 
     def __init__(self, scale: float = 64.0, margin: float = 0.5, easy_margin: bool = False):
-        self.s = check_real("scale", scale, positive=True)
+        self.s = check_scale(scale)
         self.m = check_real("margin", margin, nonnegative=True)
         if self.m >= math.pi:
             raise ValueError(f"margin must be < pi, got {margin!r}")
@@ -142,7 +142,7 @@ class Combined(Margin):
     """
 
     def __init__(self, scale: float = 64.0, m1: float = 1.0, m2: float = 0.5, m3: float = 0.0):
-        self.s = check_real("scale", scale, positive=True)
+        self.s = check_scale(scale)
         self.m1 = check_real("m1", m1, positive=True)
         self.m2 = check_real("m2", m2)
         self.m3 = check_real("m3", m3)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from shardfc.checks import MAX_SEED
+from shardfc.checks import FLOAT32_MAX, MAX_SEED
 
 __all__ = [
     "ConfigError",
@@ -39,9 +39,6 @@ MAX_IMAGE_SIDE = 4096
 MAX_PG_TIMEOUT = 1e9
 #: Most intra-op threads per process (16,384 killed the process here; a machine has far fewer cores).
 MAX_THREADS = 1024
-#: float32's largest finite value: a float field past it cannot reach an fp32 tensor (lr 1e308 raised
-#: "value cannot be converted to type float without overflow" in the first optimizer step).
-FLOAT32_MAX = 3.4028234663852886e38
 
 #: Values of ``TrainConfig.strategy`` (what each does: :mod:`shardfc.train.builder.strategy`).
 STRATEGIES = ("ddp", "dp", "horovod", "pipeline")
@@ -690,6 +687,8 @@ def _finite_numbers(cfg: TrainConfig) -> None:
         for v in values:
             if isinstance(v, float) and not math.isfinite(v):
                 raise ConfigError(f"{f.name} must be a finite number, got {value!r}")
+            # past float32's largest a value cannot reach an fp32 tensor (lr 1e308 raised "value cannot be
+            # converted to type float without overflow" in the first optimizer step)
             if isinstance(v, float) and abs(v) > FLOAT32_MAX:
                 raise ConfigError(f"{f.name} must be within float32's range (|x| <= 3.4e38), got {value!r}")
 
