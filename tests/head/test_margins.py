@@ -174,3 +174,10 @@ def test_repr_and_hash_follow_the_hyper_parameters():
     renamed = type("MyCosFace", (M.CosFace,), {})
     assert hash(renamed(30.0, 0.2)) != hash(M.CosFace(30.0, 0.2)) and renamed(30.0, 0.2) != M.CosFace(30.0, 0.2)
     assert len({M.ArcFace(), M.ArcFace(), M.CosFace(), M.build_margin("amsoftmax")}) == 2
+
+
+def test_the_largest_scale_is_float32s_largest():
+    from shardfc.checks import FLOAT32_MAX
+
+    assert FLOAT32_MAX == float(torch.finfo(torch.float32).max)
+    assert M.ArcFace(scale=FLOAT32_MAX).s == M.AdaFace(scale=FLOAT32_MAX).s == FLOAT32_MAX  # at the bound: taken
