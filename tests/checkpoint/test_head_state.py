@@ -7,14 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from sgd_only import SGD_MOMENTUM
 from shardfc import ShardedMarginHead, head_optimizer
 from shardfc import margins as M
 from shardfc.checkpoint import load_checkpoint, save_checkpoint
 
 C, D = 50, 6
-
-#: SGD's momentum, given to SGD only (head_optimizer refuses it for AdamW)
-SGD_MOMENTUM = {"sgd": {"momentum": 0.9}, "adamw": {}}
 
 
 def make_head(devices=None, sample_rate=0.3, init_seed=0) -> ShardedMarginHead:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sgd_only import SGD_MOMENTUM
 from shardfc import ShardedMarginHead, head_optimizer
 from shardfc import margins as M
 from shardfc.checkpoint import load_checkpoint, save_checkpoint
@@ -17,9 +18,6 @@ from shardfc.head.module import init_rows
 from shardfc.parallel.launch import spawn
 
 D = 8
-
-#: SGD's momentum, given to SGD only (head_optimizer refuses it for AdamW)
-SGD_MOMENTUM = {"sgd": {"momentum": 0.9}, "adamw": {}}
 
 
 def make_head(C, sample_rate=1.0, dtype=torch.float32, **kw) -> ShardedMarginHead:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sgd_only import SGD_MOMENTUM
 from shardfc import ShardedMarginHead
 from shardfc import margins as M
 from shardfc.checkpoint import load_checkpoint, save_checkpoint
@@ -15,9 +16,6 @@ from shardfc.head.partial_fc import RowSparseAdamW, RowSparseSGD, head_optimizer
 from shardfc.head.rounding import stochastic_round
 
 C, D = 41, 8
-
-#: SGD's momentum, given to SGD only (head_optimizer refuses it for AdamW)
-SGD_MOMENTUM = {"sgd": {"momentum": 0.9}, "adamw": {}}
 
 
 # --------------------------------------------------------------------------- stochastic rounding

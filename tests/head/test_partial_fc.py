@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import shardfc
+from sgd_only import SGD_MOMENTUM
 from shardfc import margins as M
 from shardfc.head import sampling
 from shardfc.head.partial_fc import (
@@ -19,9 +20,6 @@ from shardfc.head.partial_fc import (
 )
 
 C, D = 200, 8
-
-#: SGD's momentum, given to SGD only (head_optimizer refuses it for AdamW)
-SGD_MOMENTUM = {"sgd": {"momentum": 0.9}, "adamw": {}}
 
 
 def _batch(seed, B=16):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from sparse_steps import step_both
 
+from sgd_only import SGD_MOMENTUM
 from shardfc import ShardedMarginHead
 from shardfc import margins as M
 from shardfc.head import kernels
@@ -15,9 +16,6 @@ from shardfc.head.partial_fc import RowGrad, head_optimizer
 from shardfc.tools.bench.memory import LiveTensorBytes
 
 C, D = 37, 5
-
-#: SGD's momentum, given to SGD only (head_optimizer refuses it for AdamW)
-SGD_MOMENTUM = {"sgd": {"momentum": 0.9}, "adamw": {}}
 
 
 def make_head(sparse: bool, devices=None, chunk=None, margin=None, C=C, D=D, dtype=torch.float64, rate=0.3):

@@ -8,6 +8,7 @@ from dense_losses import dense_loss
 from sparse_steps import step_both
 
 import shardfc
+from sgd_only import SGD_MOMENTUM
 from shardfc import margins as M
 from shardfc.head import kernels
 from shardfc.head.module import init_rows
@@ -15,9 +16,6 @@ from shardfc.head.partial_fc import RowGrad, head_optimizer
 
 C, D, K, B = 23, 5, 3, 11
 TOL = 1e-10
-
-#: SGD's momentum, given to SGD only (head_optimizer refuses it for AdamW)
-SGD_MOMENTUM = {"sgd": {"momentum": 0.9}, "adamw": {}}
 
 
 def _rel(a, b):
