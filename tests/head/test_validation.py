@@ -164,14 +164,15 @@ def test_bad_validate_argument():
 
 def test_the_options_default_and_their_closed_ends_are_taken():
     assert check_head_options() == HeadOptions(1.0, False, 1, 0.0, None)
-    assert check_head_options(label_smoothing=1, sample_rate=1) == HeadOptions(1.0, False, 1, 1.0, None)
+    assert check_head_options(label_smoothing=0.999, sample_rate=1) == HeadOptions(1.0, False, 1, 0.999, None)
     assert check_head_options(sample_rate=0.5, sparse_grad=True, subcenters=255, interclass_filter_threshold=1) == \
         HeadOptions(0.5, True, 255, 0.0, 1.0)
     assert check_head_options(label_smoothing=0.0, interclass_filter_threshold=0.25).interclass_filter_threshold == 0.25
 
 
 @pytest.mark.parametrize("options, kind, message", [
-    (dict(label_smoothing=1.5), ValueError, "label_smoothing must be in [0, 1], got 1.5"),
+    (dict(label_smoothing=1.5), ValueError, "label_smoothing must be in [0, 1), got 1.5"),
+    (dict(label_smoothing=1), ValueError, "label_smoothing must be in [0, 1), got 1"),  # ignores the labels
     (dict(sample_rate=0), ValueError, "sample_rate must be in (0, 1], got 0"),
     (dict(sparse_grad=1), TypeError, "sparse_grad must be True or False, got 1"),
     (dict(sparse_grad=True), ValueError, "sparse_grad needs Partial FC (sample_rate < 1), got sample_rate=1.0"),

@@ -109,7 +109,7 @@ class ShardedMarginHead(nn.Module):
             ``group``, e.g. ``DistContext.horovod()``: its ranks hold the shards, its communicator
             carries every collective, its device holds the weight (unless ``device`` is given).
         devices: single-process multi-device mode: shard ``i`` on ``devices[i]``.
-        label_smoothing: ε of ``F.cross_entropy(label_smoothing=ε)``, over all ``C`` classes.
+        label_smoothing: ε in ``[0, 1)`` of ``F.cross_entropy(label_smoothing=ε)``, over all ``C`` classes.
         ignore_index: label value that contributes no loss and no gradient.
         reduction: ``"mean"`` over the global batch's non-ignored samples (the same value on every
             rank; 0 when there are none), ``"sum"`` over the global batch, or ``"none"``: this

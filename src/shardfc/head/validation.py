@@ -198,11 +198,13 @@ def check_head_options(
     """The head's options that constrain each other, checked in one place for every caller that takes
     them (:class:`~shardfc.head.module.ShardedMarginHead`, ``shardfc train``'s config, ``shardfc
     plan``): Partial FC's rate in ``(0, 1]``, ``sparse_grad`` only with sampling, ``1..255``
-    sub-centres (the arg-max centre is kept as uint8), label smoothing in ``[0, 1]``, the inter-class
+    sub-centres (the arg-max centre is kept as uint8), label smoothing in ``[0, 1)``, the inter-class
     filter's threshold in ``(0, 1]`` (None: off) and not with label smoothing. Raises TypeError or
     ValueError naming the argument and its value (as given)."""
     given_smoothing, given_rate = label_smoothing, sample_rate
-    label_smoothing = check_probability("label_smoothing", label_smoothing, low_open=False, high_open=False)
+    # ε = 1 puts no mass on the label: a loss that ignores the labels trains nothing (F.cross_entropy
+    # takes it; the trainer's config never did).
+    label_smoothing = check_probability("label_smoothing", label_smoothing, low_open=False, high_open=True)
     sample_rate = check_probability("sample_rate", sample_rate, low_open=True, high_open=False)
     if not isinstance(sparse_grad, bool):
         raise TypeError(f"sparse_grad must be True or False, got {sparse_grad!r}")
