@@ -215,8 +215,10 @@ def test_end_to_end_matches_plain_reference(tmp_path, flip, norm_score, detector
 
 def test_bad_releases_are_named(tmp_path):
     root = _write_release(tmp_path / "r")
-    with pytest.raises(ValueError, match="--ijb-target"):
+    with pytest.raises(ValueError, match=r"^target \(shardfc eval --ijb-target\) must be one of IJBB, IJBC, got 'IJBA'$"):
         read_ijb_meta(root, "IJBA")
+    with pytest.raises(FileNotFoundError, match=r"^root \(shardfc eval --ijb\) '.*nowhere' is not a folder$"):
+        read_ijb_meta(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="ijbb_face_tid_mid"):
         read_ijb_meta(root, "IJBB")
     lmk = root / "meta" / "ijbc_name_5pts_score.txt"

@@ -57,10 +57,10 @@ def test_a_release_named_from_home(tmp_path: Path, monkeypatch):
 
 
 def test_what_is_not_a_release_is_named(tmp_path: Path):
-    assert _refusal(tmp_path, "IJBA") == "--ijb-target must be one of IJBB, IJBC, got 'IJBA'"
-    assert _refusal(tmp_path, "ijbc") == "--ijb-target must be one of IJBB, IJBC, got 'ijbc'"
+    assert _refusal(tmp_path, "IJBA") == "target (shardfc eval --ijb-target) must be one of IJBB, IJBC, got 'IJBA'"
+    assert _refusal(tmp_path, "ijbc") == "target (shardfc eval --ijb-target) must be one of IJBB, IJBC, got 'ijbc'"
     (tmp_path / "file").write_text("")
-    assert _refusal(tmp_path / "file", error=FileNotFoundError) == f"--ijb {str(tmp_path / 'file')!r} is not a folder"
+    assert _refusal(tmp_path / "file", error=FileNotFoundError) == f"root (shardfc eval --ijb) {str(tmp_path / 'file')!r} is not a folder"
     root = _release(tmp_path / "r")
     missing = root / "meta" / "ijbb_face_tid_mid.txt"
     assert _refusal(root, "IJBB", FileNotFoundError) == f"IJB meta file not found: {str(missing)!r}"

@@ -106,10 +106,10 @@ def read_ijb_meta(root: Union[str, "os.PathLike[str]"], target: str = "IJBC") ->
         FileNotFoundError: a meta file is missing.
     """
     if target not in IJB_TARGETS:
-        raise ValueError(f"--ijb-target must be one of {', '.join(IJB_TARGETS)}, got {target!r}")
+        raise ValueError(f"target (shardfc eval --ijb-target) must be one of {', '.join(IJB_TARGETS)}, got {target!r}")
     root = Path(root).expanduser()
     if not root.is_dir():
-        raise FileNotFoundError(f"--ijb {str(root)!r} is not a folder")
+        raise FileNotFoundError(f"root (shardfc eval --ijb) {str(root)!r} is not a folder")
     t = target.lower()
     meta = root / "meta"
     tid_mid = meta / f"{t}_face_tid_mid.txt"
