@@ -61,3 +61,11 @@ def test_linear_partition_errors():
         linear_partition([1, 2, 3], 4)
     with pytest.raises(ValueError, match="parts must be a positive integer, got 0"):
         linear_partition([1, 2, 3], 0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1, True, "3", None])
+def test_linear_partition_names_a_cost_it_cannot_cut(bad):
+    # NaN made the search for a cut end in a bare StopIteration; a negative cost is no cost
+    with pytest.raises(ValueError) as e:
+        linear_partition([1, bad, 2], 2)
+    assert str(e.value) == f"costs[1] must be a finite number >= 0, got {bad!r}"

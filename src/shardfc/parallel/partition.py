@@ -8,6 +8,8 @@ multiply-accumulates)."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import List, Sequence
 
 from shardfc.checks import check_int, check_positive_int
@@ -27,10 +29,14 @@ def split_evenly(total: int, parts: int) -> List[int]:
 def linear_partition(costs: Sequence[float], parts: int) -> List[int]:
     """Cut ``costs`` into ``parts`` contiguous non-empty parts whose largest sum is the smallest
     possible; of the cuts that reach it, the earliest. Returns the index of the last item of every
-    part but the last (``parts - 1`` increasing indices). ``parts <= len(costs)``.
+    part but the last (``parts - 1`` increasing indices). ``parts <= len(costs)``; each cost a finite
+    number ``>= 0`` (a NaN compares false with every bound, so no cut would be found).
 
     ``linear_partition([10, 10, 10, 30], 3) == [0, 2]``: parts 10 | 20 | 30."""
     check_positive_int("parts", parts)
+    for i, c in enumerate(costs):
+        if isinstance(c, bool) or not isinstance(c, numbers.Real) or not math.isfinite(c) or c < 0:
+            raise ValueError(f"costs[{i}] must be a finite number >= 0, got {c!r}")
     n = len(costs)
     if parts > n:
         raise ValueError(f"parts={parts} but there are only {n} items to cut")
