@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -498,6 +499,16 @@ def test_step_of_reads_the_name_or_else_meta(tmp_path: Path) -> None:
     path = _save_single(tmp_path / "run", 12)
     assert ck.step_of(path) == 12 and ck.parse_step_dir(path.name) == 12
     assert ck.parse_step_dir("step_12.set-aside-20260101") is None and ck.parse_step_dir(".tmp-step_1-ab") is None
+    # only ASCII digits, and nothing after them: not another script's digits, not a trailing newline
+    for other in ("step_\u0663", "step_12\n", "step_-5", "step_", "xstep_12"):
+        assert ck.parse_step_dir(other) is None, other
+    assert ck.parse_step_dir("step_7") == 7 and ck.step_dir_name(0) == "step_00000000"
+    from shardfc.checkpoint.format import is_scratch_dir, scratch_dir_name
+    assert is_scratch_dir(scratch_dir_name("tmp", "step_00000007", "ab12"))
+    assert not any(map(is_scratch_dir, (".tmp-step_7-ab12\n", ".tmp-step_\u0663-ab12", "x.tmp-step_7-ab12", ".new-step_7-ab")))
+    for bad in (-5, 1.5, True, "3"):
+        with pytest.raises(ValueError, match=f"step must be an int >= 0, got {re.escape(repr(bad))}"):
+            ck.step_dir_name(bad)
     copy = tmp_path / "best"
     path.rename(copy)  # a checkpoint kept under another name: its meta.json knows the step
     assert ck.step_of(copy) == 12

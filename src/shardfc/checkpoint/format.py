@@ -59,6 +59,7 @@ from typing import Any, Optional
 import torch
 
 from shardfc import files
+from shardfc.checks import check_int
 
 __all__ = [
     "saved_num_classes",
@@ -98,14 +99,15 @@ READABLE_VERSIONS = (1, 2, 3)
 META_FILE = "meta.json"
 COMMON_FILE = "common.pt"
 
-#: The name of a checkpoint directory: ``step_`` and the step in decimal (zero-padded when written).
-STEP_DIR_RE = re.compile(r"^step_(\d+)$")
+#: The name of a checkpoint directory: ``step_`` and the step in ASCII decimal (zero-padded when
+#: written; ``\d`` would also read other scripts' digits, ``step_٣`` as step 3).
+STEP_DIR_RE = re.compile(r"^step_([0-9]+)\Z")  # "\Z": "$" would also take "step_1\n"
 #: The names of the files shardfc writes into a checkpoint folder (besides ``meta.json``): a
 #: ``meta.json`` naming anything else (a path, ``..``, another file) is refused.
-FILE_NAME_RE = re.compile(r"(common|head_\d+|rank_\d+|backbone_stage\d+)\.pt")
+FILE_NAME_RE = re.compile(r"(common|head_[0-9]+|rank_[0-9]+|backbone_stage[0-9]+)\.pt")
 #: The largest ``meta.json`` read (it lists file names, class ranges and stage keys: kilobytes).
 META_MAX_BYTES = 64 << 20
-_SCRATCH_DIR_RE = re.compile(r"^\.(tmp|old|del)-step_\d+-[0-9a-f]+$")
+_SCRATCH_DIR_RE = re.compile(r"\.(tmp|old|del)-step_[0-9]+-[0-9a-f]+")
 
 
 class CheckpointError(RuntimeError):
@@ -152,13 +154,15 @@ def stage_file(index: int) -> str:
 
 
 def step_dir_name(step: int) -> str:
-    """Directory name of the checkpoint for ``step`` (``step_00001234``)."""
+    """Directory name of the checkpoint for ``step`` (``step_00001234``), an int >= 0 (``-5`` would
+    name ``step_-0000005``, which no reader takes for a checkpoint)."""
+    check_int("step", step, 0)
     return f"step_{step:08d}"
 
 
 def parse_step_dir(name: str) -> Optional[int]:
     """The step a checkpoint directory name ``step_<N>`` encodes; None for any other name."""
-    m = STEP_DIR_RE.match(name)
+    m = STEP_DIR_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -194,7 +198,7 @@ def scratch_dir_name(kind: str, step_dir: str, token: str) -> str:
 
 
 def is_scratch_dir(name: str) -> bool:
-    return _SCRATCH_DIR_RE.match(name) is not None
+    return _SCRATCH_DIR_RE.fullmatch(name) is not None
 
 
 # --------------------------------------------------------------------------- meta.json
