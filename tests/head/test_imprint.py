@@ -53,6 +53,43 @@ def test_imprint_refuses_mismatched_shapes():
         imprint_centres([(torch.zeros(3, 4), torch.zeros(3))], range(C), D)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_imprint_refuses_embeddings_that_are_not_finite(bad):
+    """A backbone that overflowed gives NaN centres (the loss NaN from the first step): refused,
+    whether the row's class is imprinted or skipped, and counted over every batch."""
+    batches = stream(1, 6)
+    x, y = batches[2]
+    x = x.clone()
+    x[0, 1] = bad
+    batches[2] = (x, y)
+    with pytest.raises(ValueError) as e:
+        imprint_centres(iter(batches), range(C), D)
+    total = sum(len(b[1]) for b in batches)
+    assert str(e.value) == (f"imprint_centres: 1 of the {total} embeddings hold NaN or inf (a broken or diverged "
+                            "backbone, e.g. one that overflows under float16): centres imprinted from them would be NaN")
+    half = torch.full((3, D), 1.0, dtype=torch.float16)
+    half[1:] = 70000.0  # past float16's largest in the backbone: inf rows, two of them
+    with pytest.raises(ValueError, match=r"^imprint_centres: 2 of the 3 embeddings hold NaN or inf"):
+        imprint_centres([(half, torch.tensor([0, 1, C + 5]))], range(0), D)
+
+
+def test_imprint_refuses_a_non_finite_embedding_on_every_rank():
+    """Rank 1's backbone gives a NaN row for a class rank 0 holds: both ranks refuse, none waits."""
+    def batches_of(rank):
+        x = torch.eye(D, dtype=torch.float64)[:3].clone()
+        if rank == 1:
+            x[2, 0] = float("nan")
+        return [(x, torch.tensor([0, 1, 2]))]
+
+    from thread_world import ThreadWorld
+
+    tw = ThreadWorld(2)
+    out = tw.run(lambda rank: imprint_centres(iter(batches_of(rank)), class_ranges(C, 2)[rank], D, context=tw.context()))
+    assert [str(e) for e in out] == ["imprint_centres: 1 of the 6 embeddings hold NaN or inf (a broken or diverged "
+                                     "backbone, e.g. one that overflows under float16): centres imprinted from them "
+                                     "would be NaN"] * 2
+
+
 def _worker(rank, world):
     ctx = DistContext.resolve()
     # Rank r streams 2 + 2r batches: the ranks run out at different rounds.

@@ -73,13 +73,19 @@ def imprint_centres(
         An :class:`Imprinted` for ``class_range``.
 
     Raises:
-        ValueError: a batch whose shapes disagree with ``embedding_dim`` or with each other.
+        ValueError: a batch whose shapes disagree with ``embedding_dim`` or with each other; any
+            embedding holding NaN or inf (a broken or diverged backbone: its class's centre would be
+            NaN, and the head's loss NaN from the first step), on every rank, after the pass.
     """
     ctx = context if context is not None else DistContext()
     n, start = len(class_range), class_range.start
     device = torch.device(device) if device is not None else ctx.device
     sums = torch.zeros(n, embedding_dim, dtype=torch.float32, device=device)
     counts = torch.zeros(n, dtype=torch.int64, device=device)
+    # Rows seen and rows not finite, counted on the device (no sync per batch) over the gathered
+    # global batches, so every rank holds the same counts and refuses together at the end.
+    seen = torch.zeros((), dtype=torch.int64, device=device)
+    non_finite = torch.zeros((), dtype=torch.int64, device=device)
     stream = iter(batches)
     while True:
         batch = next(stream, None)
@@ -108,10 +114,18 @@ def imprint_centres(
         elif batch is None:
             break
         x, labels = x.to(device), labels.to(device)
+        seen += x.shape[0]
+        non_finite += (~torch.isfinite(x)).any(dim=1).sum()
         local = labels - start
         keep = (local >= 0) & (local < n)
         local, x = local[keep], x[keep]
         sums.index_add_(0, local, x)
         counts.index_add_(0, local, torch.ones_like(local))
+    bad, total = int(non_finite), int(seen)
+    if bad:
+        raise ValueError(
+            f"imprint_centres: {bad} of the {total} embeddings hold NaN or inf (a broken or diverged "
+            "backbone, e.g. one that overflows under float16): centres imprinted from them would be NaN"
+        )
     centres, _ = normalized_rows(sums)
     return Imprinted(class_range, centres, counts)
