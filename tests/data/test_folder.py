@@ -184,10 +184,30 @@ def test_list_file_write_keeps_inner_spaces_and_refuses_what_would_not_read_back
                                                        "as itself (a line break in it, whitespace at either end, "
                                                        "or a leading '#')")):
             ListFileDataset.write(lst, [("ok.png", 1), (path, 0)])
-    with pytest.raises(ValueError, match=re.escape("ListFileDataset.write: label must be >= 0, got -1 for 'n.png'")):
-        ListFileDataset.write(lst, [("n.png", -1)])
+    for label in (-1, 1.5, True, "3", None, np.float64(2.0), torch.tensor(2.0), torch.tensor(True),
+                  torch.tensor([1, 2])):  # 1.5 was written as class 1
+        with pytest.raises(ValueError, match=re.escape(f"ListFileDataset.write: label must be an int >= 0, got {label!r} "
+                                                       "for 'n.png'")):
+            ListFileDataset.write(lst, [("n.png", label)])
     assert lst.read_text(encoding="utf-8") == "a b/c d.png 0\nx#.png 2\n"  # a refused list leaves the file alone
+    # numpy's integers and a dataset's targets iterated (0-d integer tensors) are class ids
+    ListFileDataset.write(lst, [("np.png", np.int64(4)), *zip(["t.png", "u.png"], torch.tensor([5, 0]))])
+    assert lst.read_text(encoding="utf-8") == "np.png 4\nt.png 5\nu.png 0\n"
 
+
+def test_list_file_write_leaves_the_previous_list_whole_when_it_fails(tmp_path, monkeypatch):
+    lst = tmp_path / "written.lst"
+    ListFileDataset.write(lst, [("a.png", 0)])
+
+    def full_disk(self, *args, **kwargs):
+        Path.write_bytes(self, b"half a li")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError, match=f"cannot write {re.escape(str(lst))}: No space left on device"):
+        ListFileDataset.write(lst, [("b.png", 1), ("c.png", 2)])
+    monkeypatch.undo()
+    assert lst.read_text(encoding="utf-8") == "a.png 0\n" and sorted(p.name for p in tmp_path.iterdir()) == ["written.lst"]
 
 @pytest.mark.parametrize(
     "content, lineno, what",

@@ -39,9 +39,12 @@ argument (what the trainer uses, since workers hold copies of the dataset).
 from __future__ import annotations
 
 import logging
+import operator
 import os
+from pathlib import Path
 from typing import Dict, List, Optional, Set, Tuple, Union
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -49,6 +52,7 @@ from shardfc import files
 from shardfc.checks import check_seed
 from shardfc.data.labels import check_class_count
 from shardfc.data.transforms import CorruptImageError, ImageTransform, check_size, decode_image
+from shardfc.outputs import write_atomically
 from shardfc.seeding import mix_seed
 
 __all__ = ["IMG_EXTENSIONS", "ImageFolderDataset", "ListFileDataset"]
@@ -307,19 +311,33 @@ class ListFileDataset(FileImageDataset):
         """Write ``(path, label)`` pairs in the format this class reads.
 
         A path that would not read back as itself is refused, naming it (a line break in it, whitespace
-        at either end, a leading ``#``: the reader strips lines and skips comments), as is a negative label.
+        at either end, a leading ``#``: the reader strips lines and skips comments), as is a label that
+        is not an int ``>= 0`` (``1.5`` was written as class 1). The file is written whole through a
+        scratch file or not at all: a crash leaves the previous list as it was.
         """
         lines = []
         for path, label in samples:
-            text, label = os.fspath(path), int(label)
-            if label < 0:
-                raise ValueError(f"ListFileDataset.write: label must be >= 0, got {label} for {text!r}")
-            if "\n" in text or _list_entry(f"{text} {label}") != [text, str(label)]:
+            text = os.fspath(path)
+            value = _class_id(label)
+            if value is None:
+                raise ValueError(f"ListFileDataset.write: label must be an int >= 0, got {label!r} for {text!r}")
+            if "\n" in text or _list_entry(f"{text} {value}") != [text, str(value)]:
                 raise ValueError(f"ListFileDataset.write: path {text!r} would not read back as itself (a line break "
                                  "in it, whitespace at either end, or a leading '#')")
-            lines.append(f"{text} {label}\n")
-        with open(list_file, "w", encoding="utf-8") as f:  # all checked first: no half-written list
-            f.writelines(lines)
+            lines.append(f"{text} {value}\n")
+        write_atomically(Path(list_file), lambda scratch: scratch.write_text("".join(lines), encoding="utf-8"))
+
+
+def _class_id(label: object) -> Optional[int]:
+    """``label`` as a class id: an int >= 0, a numpy integer or a one-element integer tensor (a
+    dataset's targets, iterated); None for anything else (a bool, a float, a string)."""
+    if isinstance(label, bool) or getattr(label, "dtype", None) in (torch.bool, np.bool_):
+        return None
+    try:
+        value = operator.index(label)  # ints, numpy's and torch's integers; never truncates 1.5
+    except TypeError:
+        return None
+    return value if value >= 0 else None
 
 
 def _list_entry(line: str) -> Optional[List[str]]:
