@@ -1,5 +1,6 @@
 """Partial FC: sampling keeps positives and is reproducible; updates touch only sampled rows."""
 
+import copy
 import math
 
 import pytest
@@ -543,6 +544,88 @@ def test_adamw_continues_torchs_adamw_from_its_state():
     assert torch.equal(opt.state[b]["row_step"], torch.full((4,), 4.0, dtype=torch.float64))
     # A step moves a weight by about lr = 0.05; the two fp32 forms differ by a few ulps of that.
     torch.testing.assert_close(b.detach(), a.detach(), rtol=0, atol=8 * 0.05 * torch.finfo(torch.float32).eps)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_load_state_dict_continues_torchs_optimizer_from_its_state_dict(kind):
+    """torch's own SGD / AdamW state_dict loads (its groups hold none of the rounding settings: this
+    optimizer's stay) and the next step is torch's."""
+    gen = torch.Generator().manual_seed(6)
+    grads = [torch.randn(4, 8, generator=gen) for _ in range(4)]
+    a = torch.nn.Parameter(torch.randn(4, 8, generator=gen))
+    b = torch.nn.Parameter(a.detach().clone())
+    if kind == "sgd":
+        ref = torch.optim.SGD([a], lr=0.05, momentum=0.9, weight_decay=1e-3, foreach=False)
+        opt = RowSparseSGD([b], lr=0.5, momentum=0.5, rounding_seed=9)
+    else:
+        ref = torch.optim.AdamW([a], lr=0.05, foreach=False)
+        opt = RowSparseAdamW([b], lr=0.5, rounding_seed=9)
+    for g in grads[:3]:
+        a.grad = g.clone()
+        ref.step()
+    opt.load_state_dict(copy.deepcopy(ref.state_dict()))  # a state_dict holds the optimizer's own tensors
+    assert opt.param_groups[0]["lr"] == 0.05 and opt.param_groups[0]["rounding_seed"] == 9
+    b.data.copy_(a.detach())
+    a.grad, b.grad = grads[3].clone(), grads[3].clone()
+    ref.step()
+    opt.step()
+    torch.testing.assert_close(b.detach(), a.detach(), rtol=0, atol=8 * 0.05 * torch.finfo(torch.float32).eps)
+
+
+def test_load_state_dict_refuses_a_state_of_another_optimizer_or_another_head():
+    """torch's load_state_dict takes them: an SGD state in an AdamW failed at its first step (KeyError
+    'betas'), a momentum of 20 rows in a head of 30 with an IndexError, or not at all while the
+    sampled rows stayed below 20."""
+    def trained(kind, classes, **kw):
+        head = shardfc.ShardedMarginHead(D, classes, sample_rate=0.5, dtype=torch.float64)
+        opt = head_optimizer(head, kind, lr=0.1, **kw)
+        x, y = _batch(0)
+        head(x.double(), y % classes).backward()
+        opt.step()
+        return head, opt
+
+    _, sgd = trained("sgd", 20, momentum=0.9)
+    _, adamw = trained("adamw", 20)
+    head, fresh_adamw = trained("adamw", 20)
+    before = {k: v.clone() for k, v in fresh_adamw.state[head.weight].items()}
+    with pytest.raises(ValueError) as e:
+        fresh_adamw.load_state_dict(sgd.state_dict())
+    assert str(e.value) == ("RowSparseAdamW.load_state_dict: param group 0 has no 'betas', 'eps': a state saved by "
+                            "another kind of optimizer (its settings: lr, momentum, nesterov, rounding, rounding_seed, "
+                            "rounding_step, weight_decay)")
+    assert all(torch.equal(v, before[k]) for k, v in fresh_adamw.state[head.weight].items())  # left as it was
+    with pytest.raises(ValueError, match=r"^RowSparseSGD.load_state_dict: param group 0 has no 'momentum', 'nesterov': "):
+        trained("sgd", 20, momentum=0.9)[1].load_state_dict(adamw.state_dict())
+    _, wider = trained("sgd", 30, momentum=0.9)
+    with pytest.raises(ValueError) as e:
+        wider.load_state_dict(sgd.state_dict())
+    assert str(e.value) == ("RowSparseSGD.load_state_dict: the state 'momentum_buffer' of parameter 0 has shape (20, 8), "
+                            "the parameter (30, 8): a state saved for another head (other classes, another shard, or "
+                            "another embedding width)")
+    other_width = shardfc.ShardedMarginHead(D + 1, 20, sample_rate=0.5)
+    with pytest.raises(ValueError, match=r"'exp_avg' of parameter 0 has shape \(20, 8\), the parameter \(20, 9\)"):
+        head_optimizer(other_width, "adamw", lr=0.1).load_state_dict(adamw.state_dict())
+    with pytest.raises(ValueError, match=r"^RowSparseSGD.load_state_dict: expected an optimizer's state_dict "
+                                         r"\(keys 'state' and 'param_groups'\), got list$"):
+        sgd.load_state_dict([])
+    trained("sgd", 20, momentum=0.9)[1].load_state_dict(sgd.state_dict())  # its own kind and shape: taken
+
+
+@pytest.mark.parametrize("kind, setting", [("sgd", dict(dampening=0.1)), ("sgd", dict(maximize=True)),
+                                           ("adamw", dict(amsgrad=True)), ("adamw", dict(maximize=True))])
+def test_load_state_dict_refuses_a_torch_setting_it_does_not_implement(kind, setting):
+    p = torch.nn.Parameter(torch.randn(4, 8))
+    ref = (torch.optim.SGD([p], lr=0.1, momentum=0.9, **setting) if kind == "sgd"
+           else torch.optim.AdamW([p], lr=0.1, **setting))
+    p.grad = torch.ones_like(p)
+    ref.step()
+    opt = RowSparseSGD([torch.nn.Parameter(p.detach().clone())], lr=0.1) if kind == "sgd" else \
+        RowSparseAdamW([torch.nn.Parameter(p.detach().clone())])
+    (key, value), = setting.items()
+    with pytest.raises(ValueError) as e:
+        opt.load_state_dict(ref.state_dict())
+    assert str(e.value) == (f"{type(opt).__name__}.load_state_dict: param group 0 has {key}={value!r}, which "
+                            f"{type(opt).__name__} does not implement: its steps would not be those the state was saved for")
 
 
 def test_why_a_backward_cannot_update_a_parameter_follows_its_own_groups_rounding():

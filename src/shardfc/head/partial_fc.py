@@ -107,6 +107,10 @@ def kernel_serves(choice: Optional[bool], p: Tensor, rounding: str, what: str) -
     return bool(choice) or p.is_cuda
 
 
+#: Settings of torch's SGD / AdamW that the row-sparse ones do not have, at the value that means "off".
+_TORCH_ONLY = {"dampening": 0, "amsgrad": False, "maximize": False}
+
+
 class _RowSparseOptimizer(torch.optim.Optimizer):
     """An optimizer that asks ``sampled_rows()`` once per step which rows of each parameter to update.
 
@@ -125,6 +129,8 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
     accepts_grad_scale = True
     #: The record of the steps a parameter's idle rows missed (subclasses).
     CLOCK: type = IdleClock
+    #: The settings a saved state of this kind of optimizer holds in every param group (subclasses).
+    HYPER_PARAMETERS: Tuple[str, ...] = ()
 
     def __init__(self, params: Iterable, defaults: dict, sampled_rows: Optional[SampledRows],
                  rounding: str, rounding_seed: int, idle_rows: str = "exact"):
@@ -450,8 +456,52 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """torch's ``load_state_dict``, after checking that the state is one of this kind of optimizer
+        for these parameters: torch's takes an SGD state into an AdamW (its first step a KeyError on
+        ``betas``) and a momentum of 20 rows into a head of 30 (an IndexError, or, while the sampled
+        rows stay below 20, steps that read another head's rows)."""
+        self._check_loadable(state_dict)
         super().load_state_dict(state_dict)
+        # torch's replaces each group by the saved one: a state of torch's own SGD / AdamW has none
+        # of this optimizer's rounding settings, which stay as this optimizer was made.
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
         self.rows_are_current()
+
+    def _check_loadable(self, state_dict: Mapping[str, Any]) -> None:
+        name = type(self).__name__
+        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= state_dict.keys():
+            raise ValueError(f"{name}.load_state_dict: expected an optimizer's state_dict "
+                             f"(keys 'state' and 'param_groups'), got {type(state_dict).__name__}")
+        groups = state_dict["param_groups"]
+        for i, group in enumerate(groups):
+            unlike = [f"{k}={group[k]!r}" for k, plain in _TORCH_ONLY.items() if k in group and group[k] != plain]
+            if unlike:
+                raise ValueError(f"{name}.load_state_dict: param group {i} has {', '.join(unlike)}, which {name} does "
+                                 "not implement: its steps would not be those the state was saved for")
+            missing = [k for k in self.HYPER_PARAMETERS if k not in group]
+            if missing:
+                raise ValueError(
+                    f"{name}.load_state_dict: param group {i} has no {', '.join(map(repr, missing))}: a state "
+                    f"saved by another kind of optimizer (its settings: {', '.join(sorted(k for k in group if k != 'params'))})"
+                )
+        # Saved states are keyed by the index of their parameter in the saved groups' order (torch's).
+        saved_ids = [i for group in groups for i in group.get("params", ())]
+        own = [p for group in self.param_groups for p in group["params"]]
+        params = dict(zip(saved_ids, own))
+        for index, state in state_dict["state"].items():
+            p = params.get(index)
+            if p is None or not isinstance(state, Mapping):
+                continue  # torch's own checks name a state without its parameter
+            for key, t in state.items():
+                if isinstance(t, Tensor) and t.dim() >= 1 and (t.shape[0] != p.shape[0] or
+                                                                (t.dim() > 1 and t.shape != p.shape)):
+                    raise ValueError(
+                        f"{name}.load_state_dict: the state {key!r} of parameter {index} has shape {tuple(t.shape)}, "
+                        f"the parameter {tuple(p.shape)}: a state saved for another head (other classes, "
+                        "another shard, or another embedding width)"
+                    )
 
 
 class RowSparseSGD(_RowSparseOptimizer):
@@ -468,6 +518,8 @@ class RowSparseSGD(_RowSparseOptimizer):
     """
 
     CLOCK = SGDClock
+    #: The settings a saved state of this kind of optimizer holds in every param group.
+    HYPER_PARAMETERS = ("momentum", "nesterov", "weight_decay")
 
     def __init__(
         self,
@@ -571,6 +623,8 @@ class RowSparseAdamW(_RowSparseOptimizer):
     """
 
     CLOCK = AdamWClock
+    #: The settings a saved state of this kind of optimizer holds in every param group.
+    HYPER_PARAMETERS = ("betas", "eps", "weight_decay")
 
     def __init__(
         self,
