@@ -6,8 +6,8 @@ import math
 import numbers
 from typing import Any, List, Sequence, Union
 
-__all__ = ["FLOAT32_MAX", "MAX_INT64", "MAX_SEED", "check_int", "check_names", "check_positive_int", "check_probability", "check_real",
-           "check_seed", "chunk_size_arg"]
+__all__ = ["FLOAT32_MAX", "MAX_INT64", "MAX_SEED", "MAX_TIMEOUT_S", "check_int", "check_names", "check_positive_int",
+           "check_probability", "check_real", "check_seed", "check_timeout", "chunk_size_arg"]
 
 #: float32's largest finite value.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -15,6 +15,8 @@ FLOAT32_MAX = 3.4028234663852886e38
 MAX_INT64 = 2**63 - 1
 #: Largest seed: torch's generators take a signed 64-bit seed.
 MAX_SEED = MAX_INT64
+#: Largest timeout of a process group (seconds, 31 years): ``datetime.timedelta`` ends at 8.6e13 seconds.
+MAX_TIMEOUT_S = 1e9
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:
@@ -64,6 +66,15 @@ def check_real(name: str, value, *, positive: bool = False, nonnegative: bool = 
     if nonnegative and value < 0:
         raise ValueError(f"{name} must be >= 0, got {value!r}")
     return value
+
+
+def check_timeout(name: str, value: Any) -> float:
+    """``value`` as seconds a process group waits: a finite number in ``(0, MAX_TIMEOUT_S]`` (a
+    negative one made every rank's group fail to form; NaN or inf could not become a timedelta)."""
+    seconds = check_real(name, value, positive=True)
+    if seconds > MAX_TIMEOUT_S:
+        raise ValueError(f"{name} must be at most {MAX_TIMEOUT_S:.0e} seconds (31 years), got {value!r}")
+    return seconds
 
 
 def check_names(what: str, value: Union[str, Sequence[str]], choices: Sequence[str]) -> List[str]:

@@ -57,6 +57,24 @@ def test_world_size_must_be_positive():
         spawn(_returns_tensor, 0)
 
 
+@pytest.mark.parametrize("bad, message", [
+    (-1, "timeout_s must be > 0, got -1.0"), (0, "timeout_s must be > 0, got 0.0"),
+    (float("nan"), "timeout_s must be finite, got nan"), (float("inf"), "timeout_s must be finite, got inf"),
+    (2e9, "timeout_s must be at most 1e+09 seconds (31 years), got 2000000000.0"),
+])
+def test_a_timeout_that_no_group_can_take_is_refused_before_any_rank_starts(monkeypatch, bad, message):
+    # a negative one failed every rank's group init, INIT_ATTEMPTS times over; NaN or inf raised in each rank
+    started = []
+    monkeypatch.setattr(launch, "_run", lambda *args: started.append(args) or ["ran"])
+    with pytest.raises(ValueError) as e:
+        spawn(_returns_tensor, 1, backend="gloo", timeout_s=bad)
+    assert str(e.value) == message and not started
+    with pytest.raises(ValueError) as e:
+        launch.init_from_env("gloo", timeout_s=bad)
+    assert str(e.value) == message
+    assert spawn(_returns_tensor, 1, backend="gloo", timeout_s=1e9) == ["ran"]  # the largest is taken
+
+
 def test_nccl_without_a_cuda_device_per_rank_is_refused_before_any_rank_starts(monkeypatch):
     started = []
     monkeypatch.setattr(launch, "_run", lambda *args: started.append(args[3]) or ["ran"])

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardfc.checks import check_timeout
 from shardfc.parallel.lifecycle import die_with_parent, forward_stop_signals, signal_name
 
 
@@ -39,6 +40,7 @@ def default_backend() -> str:
 
 def init_from_env(backend: Optional[str] = None, timeout_s: float = 600.0) -> tuple[int, int]:
     """Join the group torchrun describes (env://): returns ``(rank, world_size)``."""
+    timeout_s = check_timeout("timeout_s", timeout_s)
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -235,6 +237,7 @@ def spawn(
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    timeout_s = check_timeout("timeout_s", timeout_s)  # each rank's group would fail to form, every attempt
     backend = backend or default_backend()
     if backend == "nccl":  # refused here, not by a rank: each would fail alone, the launch retried in vain
         devices = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from shardfc.checks import FLOAT32_MAX, MAX_SEED
+from shardfc.checks import FLOAT32_MAX, MAX_SEED, MAX_TIMEOUT_S
 
 __all__ = [
     "ConfigError",
@@ -35,8 +35,8 @@ class ConfigError(ValueError):
 #: the first activations [batch, C, H, W]: a saved config naming 2^25 would allocate gigabytes).
 MAX_EMBEDDING_DIM = 1 << 16
 MAX_IMAGE_SIDE = 4096
-#: Largest ``pg_timeout`` (seconds, 31 years): ``datetime.timedelta`` ends at 8.6e13 seconds.
-MAX_PG_TIMEOUT = 1e9
+#: Largest ``pg_timeout``: :data:`shardfc.checks.MAX_TIMEOUT_S` (31 years; timedelta's range ends later).
+MAX_PG_TIMEOUT = MAX_TIMEOUT_S
 #: Most intra-op threads per process (16,384 killed the process here; a machine has far fewer cores).
 MAX_THREADS = 1024
 
