@@ -23,9 +23,14 @@ def test_parse_market1501_name(name, expected):
     assert parse_market1501_name(name) == expected
 
 
-def test_parse_rejects_other_names():
-    with pytest.raises(ValueError, match="Thumbs.db"):
-        parse_market1501_name("Thumbs.db")
+@pytest.mark.parametrize("name", ["Thumbs.db", "-5_c1s1_000451_03.jpg", "-10_c1.jpg", "--1_c1.jpg",
+                                  "\u0663_c1s1.jpg", "0002_c\u0661s1.jpg", "0002_s1.jpg", "_c1.jpg"])
+def test_parse_rejects_other_names(name):
+    # -5 was a person (only -1, junk, is negative); another script's digits read as ASCII ones
+    with pytest.raises(ValueError) as e:
+        parse_market1501_name(name)
+    assert str(e.value) == (f"cannot parse person/camera id from {name!r}: expected a Market-1501 name like "
+                            "'0002_c1s1_000451_03.jpg'")
 
 
 # Gallery (index: pid, camera). Features are one-hot, so a query's similarity

@@ -21,7 +21,7 @@ __all__ = ["DISTRACTOR_PID", "JUNK_PID", "Market1501TrainDataset", "parse_market
 #: Person id of Market-1501 junk images (excluded from every gallery ranking).
 JUNK_PID = -1
 
-_MARKET_NAME = re.compile(r"^(-?\d+)_c(\d+)")
+_MARKET_NAME = re.compile(r"(-1|[0-9]+)_c([0-9]+)")  # ASCII digits; the only negative id is junk's
 
 #: Person id of Market-1501 distractors (background crops).
 DISTRACTOR_PID = 0
@@ -35,7 +35,8 @@ def parse_market1501_name(filename: Union[str, "os.PathLike[str]"]) -> Tuple[int
     distractors; camera ids are returned as written (1-based for Market).
 
     Raises:
-        ValueError: the name does not start with ``<pid>_c<camera>``.
+        ValueError: the name does not start with ``<pid>_c<camera>`` (a pid of ``-1`` or ``>= 0``: ``-5``
+            is no Market-1501 id, and was taken for a person).
     """
     name = os.path.basename(os.fspath(filename))
     m = _MARKET_NAME.match(name)
