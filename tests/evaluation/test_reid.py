@@ -171,6 +171,8 @@ def test_reid_folder_and_split(market):
 def test_reid_folder_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope"):
         ReIDFolder(tmp_path / "nope")
+    with pytest.raises(ValueError, match=r"^image_size must be a \(height, width\) pair of positive ints, got \(0, 8\)$"):
+        ReIDFolder(tmp_path / "nope", image_size=(0, 8))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no usable images"):
         ReIDFolder(tmp_path / "empty")
@@ -209,8 +211,12 @@ def test_each_input_is_named_when_wrong():
         "query_feats and gallery_feats must be [Q, D] and [G, D] with equal D, got (2, 3) and (3,)")
     assert _refused(f, [1], c, f, p, c) == "query_pids (1) and query_cams (2) must match query_feats (2)"
     assert _refused(f, p, c, f, p, [1, 2, 3]) == "gallery_pids (2) and gallery_cams (3) must match gallery_feats (2)"
-    assert _refused(f, p, c, f, p, c, ranks=(1, 0)) == "ranks must be positive, got (1, 0)"
-    assert _refused(f, p, c, f, p, c, chunk_size=0) == "chunk_size must be >= 1, got 0"
+    for ranks in ((1, 0), (1, 1.5), (True,), "15", (1, "5")):  # (1, 1.5) gave two rank1 columns
+        assert _refused(f, p, c, f, p, c, ranks=ranks) == f"ranks must be positive ints, got {ranks!r}"
+    for size in (0, 1.5, True):
+        assert _refused(f, p, c, f, p, c, chunk_size=size) == f"chunk_size must be an int >= 1, got {size!r}"
+    assert set(reid_metrics(f, p, c, f, [1, 1], [1, 2], ranks=(np.int64(2),))) == {
+        "rank2", "mAP", "num_valid_queries", "num_skipped_queries"}
 
 
 def test_ids_of_any_integer_type_and_float_features():

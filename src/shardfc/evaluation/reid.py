@@ -18,6 +18,7 @@ Protocol (Market-1501, as in its official code and in open-reid / torchreid):
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -29,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from shardfc.data.folder import IMG_EXTENSIONS
 from shardfc.data.market1501 import JUNK_PID, parse_market1501_name
-from shardfc.data.transforms import decode_image, image_to_tensor
+from shardfc.data.transforms import check_size, decode_image, image_to_tensor
 from shardfc.evaluation.finite import check_finite
 from shardfc.evaluation.verification import embed_batches
 
@@ -112,11 +113,13 @@ def reid_metrics(
         raise ValueError(f"gallery_pids ({len(gp)}) and gallery_cams ({len(gc)}) must match gallery_feats ({len(gf)})")
     check_finite("query_feats", qf)
     check_finite("gallery_feats", gf)
+    if isinstance(ranks, (str, bytes)) or not all(
+            not isinstance(k, bool) and isinstance(k, numbers.Integral) and k >= 1 for k in ranks):
+        # int(1.5) made a rank1 column of a rank 1.5 asked for
+        raise ValueError(f"ranks must be positive ints, got {ranks!r}")
     ranks = tuple(int(k) for k in ranks)
-    if any(k < 1 for k in ranks):
-        raise ValueError(f"ranks must be positive, got {ranks!r}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
 
     qf = F.normalize(qf, dim=1)
     gf = F.normalize(gf, dim=1)
@@ -190,7 +193,7 @@ class ReIDFolder(Dataset):
         drop_junk: bool = True,
     ) -> None:
         self.root = os.fspath(root)
-        self.image_size = tuple(image_size)
+        self.image_size = check_size(image_size)
         if not os.path.isdir(self.root):
             raise FileNotFoundError(f"ReIDFolder root {self.root!r} does not exist or is not a directory")
         self.samples: List[Tuple[str, int, int]] = []
