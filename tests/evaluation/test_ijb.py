@@ -105,6 +105,27 @@ def test_roc_nearest_far_ties_take_the_largest_tar():
         roc_curve(np.ones(3), scores[:3])
 
 
+def test_scores_labels_and_targets_the_roc_cannot_read_are_refused():
+    """NaN scores gave an AUC near 0.5 (a broken model read as a coin), a label 2 a genuine pair,
+    pairs of unequal lengths an IndexError, a NaN target "not enough values to unpack"."""
+    labels, scores = np.array([1, 0, 1, 0, 0]), np.array([0.9, 0.8, 0.7, 0.6, 0.5])
+    nan = scores.copy()
+    nan[[1, 3]] = np.nan
+    for call in (lambda: roc_curve(labels, nan), lambda: ijb_metrics(nan, labels, fars=(0.4,))):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value) == ("scores holds NaN or inf at 2 of 5 pairs (the first: pair 1): the model's outputs "
+                                "overflowed or diverged, and no ROC of them means anything")
+    with pytest.raises(ValueError, match=r"^labels must hold booleans \(or 0 and 1\), got 2 \(int64\)$"):
+        ijb_metrics(scores, labels * 2, fars=(0.4,))
+    with pytest.raises(ValueError, match=r"^scores \(5\) and labels \(3\) must have one entry a pair$"):
+        ijb_metrics(scores, labels[:3], fars=(0.4,))
+    for far in (float("nan"), 0, 1, -0.1):
+        with pytest.raises(ValueError, match=r"^far target must be in \(0, 1\), got "):
+            ijb_metrics(scores, labels, fars=(0.4, far))
+    assert ijb_metrics(scores, labels.astype(bool), fars=(0.4,)) == ijb_metrics(scores, labels, fars=(0.4,))
+
+
 def test_roc_with_tied_scores():
     """Pairs with equal scores are one threshold, one point (sklearn's answer, worked by hand, so
     this runs without scikit-learn). Sorted: 0.9 P | 0.8 N, 0.8 P | 0.7 P, 0.7 N | 0.2 N: the

@@ -37,7 +37,7 @@ from shardfc.data.transforms import decode_image, image_to_tensor, pil_to_tensor
 from shardfc.evaluation.alignment import align_face
 from shardfc.evaluation.far import far_measurable
 from shardfc.evaluation.finite import check_finite
-from shardfc.evaluation.verification import embed_batches, far_key, tar_at_far
+from shardfc.evaluation.verification import embed_batches, far_key, same_flags, tar_at_far
 from shardfc.outputs import write_atomically
 
 __all__ = [
@@ -187,8 +187,7 @@ def template_pair_scores(features: np.ndarray, ids: np.ndarray, pairs: np.ndarra
 def roc_curve(labels: np.ndarray, scores: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(fpr, tpr, thresholds)`` over decreasing score thresholds, starting at ``(0, 0, inf)``;
     points in the middle of a straight run of the curve are dropped (sklearn's default)."""
-    labels = np.asarray(labels).astype(bool)
-    scores = np.asarray(scores, dtype=np.float64)
+    scores, labels = _scored_pairs(scores, labels)
     if labels.all() or not labels.any():
         raise ValueError("the template pairs need both genuine (label 1) and impostor (label 0) pairs for a ROC")
     order = np.argsort(-scores)  # any sort: only each run of equal scores' last position is read
@@ -204,6 +203,20 @@ def roc_curve(labels: np.ndarray, scores: np.ndarray) -> Tuple[np.ndarray, np.nd
     return fps / fps[-1], tps / tps[-1], thresholds
 
 
+def _scored_pairs(scores, labels) -> Tuple[np.ndarray, np.ndarray]:
+    """``(scores as float64, labels as bool)``, one each a pair: finite scores (a NaN sorts anywhere:
+    the ROC of a broken model read as a coin's), labels booleans or 0/1 (a 2 was a genuine pair)."""
+    scores = np.asarray(scores, dtype=np.float64).reshape(-1)
+    labels = same_flags(labels, "labels")
+    if len(scores) != len(labels):
+        raise ValueError(f"scores ({len(scores)}) and labels ({len(labels)}) must have one entry a pair")
+    bad = np.flatnonzero(~np.isfinite(scores))
+    if len(bad):
+        raise ValueError(f"scores holds NaN or inf at {len(bad)} of {len(scores)} pairs (the first: pair {bad[0]}): "
+                         "the model's outputs overflowed or diverged, and no ROC of them means anything")
+    return scores, labels
+
+
 def tar_at_nearest_far(fpr: np.ndarray, tpr: np.ndarray, far: float) -> float:
     """TPR of the ROC point whose FPR is nearest ``far``; among equally near points the last
     (largest TPR), as insightface's table picks it."""
@@ -215,16 +228,16 @@ def ijb_metrics(scores: np.ndarray, labels: np.ndarray, fars: Sequence[float] = 
     """``tar@far=<far>`` (insightface's nearest ROC point), ``exact_tar@far=<far>`` (largest TAR
     with FAR <= far over all pairs), both NaN with fewer than ``1/far`` impostor pairs; ``auc``,
     ``num_pairs``, ``num_negative_pairs``."""
-    fpr, tpr, _ = roc_curve(labels, scores)
+    keys = [far_key(far) for far in fars]  # each target checked before the work
+    scores, same = _scored_pairs(scores, labels)
+    fpr, tpr, _ = roc_curve(same, scores)
     trapezoid = getattr(np, "trapezoid", None) or np.trapz  # numpy < 2 names it trapz
     out: Dict[str, float] = {"auc": float(trapezoid(tpr, fpr)), "num_pairs": float(len(scores))}
-    same = np.asarray(labels).astype(bool)
     negatives = int(np.count_nonzero(~same))
     out["num_negative_pairs"] = float(negatives)
-    for far in fars:
-        key = far_key(far)
+    for far, key in zip(fars, keys):
         out[f"tar@far={key}"] = tar_at_nearest_far(fpr, tpr, far) if far_measurable(negatives, far) else float("nan")
-        out[f"exact_tar@far={key}"] = tar_at_far(np.asarray(scores, dtype=np.float64), same, far)[0]
+        out[f"exact_tar@far={key}"] = tar_at_far(scores, same, far)[0]
     return out
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "kfold_indices",
     "best_threshold",
     "far_measurable",
+    "same_flags",
     "why_undefined",
     "tar_at_far",
     "verification_metrics",
@@ -245,14 +246,15 @@ def _to_numpy(x: ArrayLike) -> np.ndarray:
     return np.asarray(x)
 
 
-def _issame(issame: ArrayLike) -> np.ndarray:
-    """``issame`` as a flat bool array: booleans, or 0/1 (a 2 or a 0.5 is no answer to "same?", and
-    ``astype(bool)`` would have taken either as True)."""
+def same_flags(issame: ArrayLike, name: str = "issame") -> np.ndarray:
+    """``issame`` (a pair list's "same identity?" answers, named ``name`` in errors) as a flat bool
+    array: booleans, or 0/1 (a 2 or a 0.5 is no answer to "same?", and ``astype(bool)`` would have
+    taken either as True)."""
     same = _to_numpy(issame).reshape(-1)
     if same.dtype != bool:
         odd = same[(same != 0) & (same != 1)]  # a string or None is neither, as numpy compares them
         if len(odd):
-            raise ValueError(f"issame must hold booleans (or 0 and 1), got {odd.tolist()[0]!r} ({same.dtype})")
+            raise ValueError(f"{name} must hold booleans (or 0 and 1), got {odd.tolist()[0]!r} ({same.dtype})")
     return same.astype(bool)
 
 
@@ -288,7 +290,9 @@ def best_threshold(scores: np.ndarray, issame: np.ndarray) -> Tuple[float, float
 
 
 def far_key(far: float) -> str:
-    """``1e-3 -> "1e-3"``, ``5e-4 -> "5e-4"``, ``0.015 -> "1.5e-2"``."""
+    """``1e-3 -> "1e-3"``, ``5e-4 -> "5e-4"``, ``0.015 -> "1.5e-2"``; a target outside ``(0, 1)`` is
+    a ValueError naming it (NaN had no exponent to split)."""
+    far = _far_target(far)
     mantissa, exponent = f"{far:e}".split("e")
     mantissa = mantissa.rstrip("0").rstrip(".")
     return f"{mantissa}e{int(exponent)}"
@@ -355,7 +359,7 @@ def verification_metrics(
     """
     a = _to_numpy(embeddings_a).astype(np.float64)
     b = _to_numpy(embeddings_b).astype(np.float64)
-    same = _issame(issame)
+    same = same_flags(issame)
     if a.ndim != 2 or a.shape != b.shape:
         raise ValueError(
             f"embeddings_a and embeddings_b must both be [N, D] with equal shapes, got {a.shape} and {b.shape}"
