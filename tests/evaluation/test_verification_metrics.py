@@ -143,6 +143,12 @@ def test_a_far_target_outside_0_1_is_refused(far):
         verification_metrics(np.eye(2), np.eye(2), [True, False], nfolds=2, far_targets=(0.5, far))
 
 
+def test_far_targets_given_as_a_string_are_refused():
+    # "0.1" was iterated into "0", ".", "1": an error about a target 0.0 nobody asked for
+    with pytest.raises(ValueError, match=r"^far_targets must be numbers, got the string '0.1'$"):
+        verification_metrics(np.eye(2), np.eye(2), [True, False], nfolds=2, far_targets="0.1")
+
+
 def test_one_positive_pair_has_a_tar():
     scores = np.array([0.9] + [0.1 * i for i in range(10)])
     issame = np.array([True] + [False] * 10)

@@ -368,6 +368,8 @@ def verification_metrics(
         raise ValueError(f"issame has {len(same)} entries for {len(a)} embedding pairs")
     check_finite("embeddings_a", a)
     check_finite("embeddings_b", b)
+    if isinstance(far_targets, (str, bytes)):  # "0.1" was read as the targets "0", ".", "1"
+        raise ValueError(f"far_targets must be numbers, got the string {far_targets!r}")
     far_targets = [_far_target(f) for f in far_targets]  # all refused before any is computed
     keyed = [(far_key(far), far) for far in far_targets]
     out = insightface_metrics(normalized_squared_distances(a, b), same, nfolds, keyed)
