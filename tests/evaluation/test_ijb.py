@@ -123,6 +123,8 @@ def test_scores_labels_and_targets_the_roc_cannot_read_are_refused():
     for far in (float("nan"), 0, 1, -0.1):
         with pytest.raises(ValueError, match=r"^far target must be in \(0, 1\), got "):
             ijb_metrics(scores, labels, fars=(0.4, far))
+    with pytest.raises(ValueError, match=r"^fars must be numbers, got the string '0.4'$"):
+        ijb_metrics(scores, labels, fars="0.4")
     assert ijb_metrics(scores, labels.astype(bool), fars=(0.4,)) == ijb_metrics(scores, labels, fars=(0.4,))
 
 

@@ -228,6 +228,8 @@ def ijb_metrics(scores: np.ndarray, labels: np.ndarray, fars: Sequence[float] = 
     """``tar@far=<far>`` (insightface's nearest ROC point), ``exact_tar@far=<far>`` (largest TAR
     with FAR <= far over all pairs), both NaN with fewer than ``1/far`` impostor pairs; ``auc``,
     ``num_pairs``, ``num_negative_pairs``."""
+    if isinstance(fars, (str, bytes)):  # "1e-4" would be iterated into "1", "e", ...
+        raise ValueError(f"fars must be numbers, got the string {fars!r}")
     keys = [far_key(far) for far in fars]  # each target checked before the work
     scores, same = _scored_pairs(scores, labels)
     fpr, tpr, _ = roc_curve(same, scores)
