@@ -225,6 +225,11 @@ def test_defaults_margin_zero_and_what_the_module_says_of_itself():
     for bad in (True, "0.3", None):
         with pytest.raises(ValueError, match=rf"^margin must be a finite number >= 0, got {bad!r}$"):
             BatchHardTripletLoss(bad, context=ctx)
+    for bad in (-1.0, 0, float("nan"), float("inf"), True, "2"):  # -1 turned the gradient around
+        with pytest.raises(ValueError) as e:
+            BatchHardTripletLoss(context=ctx, grad_scale=bad)
+        assert str(e.value) == f"grad_scale must be a finite number > 0 (or None: the world size), got {bad!r}"
+    assert BatchHardTripletLoss(context=ctx, grad_scale=2).grad_scale == 2.0
 
 
 def test_an_empty_batch_is_a_zero_loss_connected_to_the_features():

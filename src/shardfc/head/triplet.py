@@ -83,7 +83,8 @@ class BatchHardTripletLoss(nn.Module):
         context: the ranks the batch is spread over (default: :meth:`DistContext.resolve`).
         grad_scale: multiplies the features' gradient; default the world size, so that a
             data-parallel backbone that *averages* gradients over ranks (DDP, Horovod) gets the
-            exact gradient, as the sharded head does. Pass 1.0 for the plain gradient.
+            exact gradient, as the sharded head does. Pass 1.0 for the plain gradient. A finite
+            number > 0.
 
     ``forward(features [B_r, D], labels [B_r])`` -> the mean loss over the global batch's valid
     anchors, the same on every rank (0, still connected to ``features``, if there is none).
@@ -100,6 +101,10 @@ class BatchHardTripletLoss(nn.Module):
         self.margin = float(margin)
         self.soft = bool(soft)
         self.ctx = context if context is not None else DistContext.resolve()
+        if grad_scale is not None and (isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float))
+                                       or not 0 < grad_scale < math.inf):
+            # a negative one turned the features' gradient around, NaN made it NaN, 0 took it away
+            raise ValueError(f"grad_scale must be a finite number > 0 (or None: the world size), got {grad_scale!r}")
         self.grad_scale = float(self.ctx.world_size if grad_scale is None else grad_scale)
 
     def forward(self, features: Tensor, labels: Tensor) -> Tensor:
