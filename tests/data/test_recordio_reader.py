@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from read_spy import ReadSpy
@@ -480,17 +481,19 @@ def test_the_writer_refuses_a_negative_or_repeated_key_and_a_write_after_close(t
     rec = tmp_path / "w.rec"
     w = RecordIOWriter(rec)
     assert [w.write(k, b"p" * 4) for k in (3, 0, 1)] == [0, 12, 24] and len(w) == 3
-    with pytest.raises(ValueError) as info:
-        w.write(-1, b"p")
-    assert str(info.value) == f"{rec}: keys must be >= 0, got -1"
+    for bad in (-1, 1.5, True, "7", None):  # 1.5 was written as key 1
+        with pytest.raises(ValueError) as info:
+            w.write(bad, b"p")
+        assert str(info.value) == f"{rec}: keys must be ints >= 0, got {bad!r}"
     with pytest.raises(ValueError) as info:
         w.write(0, b"p")
     assert str(info.value) == f"{rec}: key 0 written twice"
+    assert w.write(np.int64(5), b"") == 36 and w.write(torch.tensor(6), b"") == 44  # numpy's and torch's ints
     w.close()
     with pytest.raises(ValueError) as info:
         w.write(4, b"p")
     assert str(info.value) == f"RecordIOWriter for {str(rec)!r} is closed"
-    assert rec.with_suffix(".idx").read_bytes() == b"3\t0\n0\t12\n1\t24\n"
+    assert rec.with_suffix(".idx").read_bytes() == b"3\t0\n0\t12\n1\t24\n5\t36\n6\t44\n"
 
 
 # ------------------------------------------------------------------ the insightface layout

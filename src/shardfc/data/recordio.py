@@ -48,6 +48,7 @@ top to bottom once.)
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import struct
 from typing import Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
@@ -467,9 +468,13 @@ class RecordIOWriter:
         """Append one record under ``key``; returns its offset."""
         if self._rec.closed:
             raise ValueError(f"RecordIOWriter for {self.rec_path!r} is closed")
-        key = int(key)
-        if key < 0:
-            raise ValueError(f"{self.rec_path}: keys must be >= 0, got {key}")
+        try:  # ints, numpy's and torch's integers; 1.5 was written as key 1
+            index = None if isinstance(key, bool) else operator.index(key)
+        except TypeError:
+            index = None
+        if index is None or index < 0:
+            raise ValueError(f"{self.rec_path}: keys must be ints >= 0, got {key!r}")
+        key = index
         if key in self._keys:
             raise ValueError(f"{self.rec_path}: key {key} written twice")
         framed = encode_record(payload)
