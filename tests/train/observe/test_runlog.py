@@ -236,7 +236,7 @@ def test_truncate_metrics_on_files_without_a_header_or_with_nothing_to_drop(tmp_
     path.write_text("1,a,1,0\nx,a,2,0\n9,a,3,0\n", encoding="utf-8")  # no header: a row named x is no step
     assert runlog.truncate_metrics(path, 5) == 2
     assert path.read_text(encoding="utf-8").splitlines() == ["step,name,value,elapsed_s", "1,a,1,0"]
-    assert runlog.truncate_metrics(path, 5) == 0 and not path.with_suffix(".csv.tmp").exists()
+    assert runlog.truncate_metrics(path, 5) == 0 and [p.name for p in tmp_path.iterdir()] == ["metrics.csv"]
     assert runlog.truncate_metrics(path, 1) == 0  # a row at the step itself is kept
 
 
@@ -371,7 +371,7 @@ def test_the_panels_are_laid_out_loss_first_three_to_a_row(tmp_path, monkeypatch
                         + "".join(f"{s},train/loss,{30 - s},0\n" for s in range(3, 21)), encoding="utf-8")
     assert plot_metrics(csv_path, tmp_path / "c.png") == ["train/loss", "train/lr", "val/a/accuracy", "val/b/mAP"]
     assert (asked["rows"], asked["cols"], asked["figsize"], asked["squeeze"]) == (2, 3, (13.5, 6.4), False)
-    assert not (tmp_path / "c.png.tmp").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.png", "metrics.csv"]  # no scratch file left
     png = (tmp_path / "c.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (
         1350, 640)  # 100 dpi

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from shardfc.outputs import write_atomically
 from shardfc.parallel.collectives import count_comm, record_comm_bytes
 from shardfc.parallel.comm import launched_by_horovodrun
 from shardfc.parallel.launch import launched_by_torchrun
@@ -194,6 +195,5 @@ class StepProfiler:
 
     def write(self, path: Path, summary: Dict[str, Any]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-        tmp.replace(path)  # a reader never sees half a file
+        text = json.dumps(summary, indent=1) + "\n"
+        write_atomically(path, lambda scratch: scratch.write_text(text, encoding="utf-8"))  # never half a file

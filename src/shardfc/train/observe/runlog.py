@@ -18,6 +18,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from shardfc import files
 from shardfc.evaluation.far import why_undefined
+from shardfc.outputs import write_atomically
 
 __all__ = ["NOT_AVAILABLE", "RunLog", "format_metrics", "plot_metrics", "read_series", "truncate_metrics"]
 
@@ -196,12 +197,13 @@ def truncate_metrics(csv_path: Path, step: int) -> int:
     kept = [r for r in body if len(r) == len(_CSV_HEADER) and r[0].isdigit() and int(r[0]) <= step]
     if len(kept) == len(body):
         return 0
-    tmp = csv_path.with_suffix(".csv.tmp")
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(_CSV_HEADER)
-        writer.writerows(kept)
-    tmp.replace(csv_path)  # never half a file, even if this is interrupted too
+    def write(scratch: Path) -> None:
+        with open(scratch, "w", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f)
+            writer.writerow(_CSV_HEADER)
+            writer.writerows(kept)
+
+    write_atomically(Path(csv_path), write)  # never half a file, even if this is interrupted too
     return len(body) - len(kept)
 
 
@@ -290,8 +292,8 @@ def plot_metrics(csv_path: Path, png_path: Path) -> List[str]:
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
     fig.tight_layout()
-    tmp = Path(png_path).with_suffix(".png.tmp")
-    fig.savefig(tmp, dpi=100, format="png")
-    plt.close(fig)
-    tmp.replace(png_path)  # a reader never sees half a picture
+    try:  # a reader never sees half a picture
+        write_atomically(Path(png_path), lambda scratch: fig.savefig(scratch, dpi=100, format="png"))
+    finally:
+        plt.close(fig)
     return names
