@@ -609,10 +609,30 @@ def test_load_state_dict_refuses_a_state_of_another_optimizer_or_another_head():
                                          r"\(keys 'state' and 'param_groups'\), got list$"):
         sgd.load_state_dict([])
     trained("sgd", 20, momentum=0.9)[1].load_state_dict(sgd.state_dict())  # its own kind and shape: taken
+    own = adamw.state_dict()
+    assert own["state"][0]["row_step"].shape == (20,)  # one count a row: 1-D, of the parameter's rows
+    trained("adamw", 20)[1].load_state_dict(own)
+    short = copy.deepcopy(own)
+    short["state"][0]["row_step"] = short["state"][0]["row_step"][:15]
+    with pytest.raises(ValueError, match=r"'row_step' of parameter 0 has shape \(15,\), the parameter \(20, 8\)"):
+        trained("adamw", 20)[1].load_state_dict(short)
+    # a state kept under an index no parameter has (torch keeps it as it is) is passed over, not the
+    # states after it
+    orphan = copy.deepcopy(sgd.state_dict())
+    orphan["state"] = {7: {"momentum_buffer": torch.zeros(3)}, **orphan["state"]}
+    trained("sgd", 20, momentum=0.9)[1].load_state_dict(orphan)
+    orphan["state"][0]["momentum_buffer"] = torch.zeros(19, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"'momentum_buffer' of parameter 0 has shape \(19, 8\)"):
+        trained("sgd", 20, momentum=0.9)[1].load_state_dict(orphan)
+    no_params = copy.deepcopy(sgd.state_dict())
+    del no_params["param_groups"][0]["params"]
+    with pytest.raises(KeyError, match="params"):  # torch's own refusal
+        trained("sgd", 20, momentum=0.9)[1].load_state_dict(no_params)
 
 
 @pytest.mark.parametrize("kind, setting", [("sgd", dict(dampening=0.1)), ("sgd", dict(maximize=True)),
-                                           ("adamw", dict(amsgrad=True)), ("adamw", dict(maximize=True))])
+                                           ("adamw", dict(amsgrad=True)), ("adamw", dict(maximize=True)),
+                                           ("adamw", dict(amsgrad=True, maximize=True))])
 def test_load_state_dict_refuses_a_torch_setting_it_does_not_implement(kind, setting):
     p = torch.nn.Parameter(torch.randn(4, 8))
     ref = (torch.optim.SGD([p], lr=0.1, momentum=0.9, **setting) if kind == "sgd"
@@ -621,10 +641,10 @@ def test_load_state_dict_refuses_a_torch_setting_it_does_not_implement(kind, set
     ref.step()
     opt = RowSparseSGD([torch.nn.Parameter(p.detach().clone())], lr=0.1) if kind == "sgd" else \
         RowSparseAdamW([torch.nn.Parameter(p.detach().clone())])
-    (key, value), = setting.items()
+    named = ", ".join(f"{key}={value!r}" for key, value in sorted(setting.items()))
     with pytest.raises(ValueError) as e:
         opt.load_state_dict(ref.state_dict())
-    assert str(e.value) == (f"{type(opt).__name__}.load_state_dict: param group 0 has {key}={value!r}, which "
+    assert str(e.value) == (f"{type(opt).__name__}.load_state_dict: param group 0 has {named}, which "
                             f"{type(opt).__name__} does not implement: its steps would not be those the state was saved for")
 
 

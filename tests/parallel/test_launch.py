@@ -52,9 +52,12 @@ def test_a_rank_that_dies_does_not_hang_the_parent():
         spawn(_dies_on_rank_0, 2, backend="gloo", timeout_s=600)
 
 
-def test_world_size_must_be_positive():
-    with pytest.raises(ValueError, match="world_size must be a positive integer, got 0"):
-        spawn(_returns_tensor, 0)
+@pytest.mark.parametrize("bad", [0, -1, 1.5, 2.0, True, "2"])
+def test_world_size_must_be_positive(monkeypatch, bad):
+    monkeypatch.setattr(launch, "_run", lambda *args: pytest.fail("a rank was started"))
+    with pytest.raises(ValueError) as e:
+        spawn(_returns_tensor, bad)
+    assert str(e.value) == f"world_size must be a positive integer, got {bad!r}"
 
 
 @pytest.mark.parametrize("bad, message", [
