@@ -187,7 +187,9 @@ def special_file():
 
 @pytest.fixture
 def bars(monkeypatch):
-    """A terminal on stderr and a stand-in tqdm: the list of what each bar was asked for."""
+    """A terminal on stderr and a stand-in tqdm: the list of what each bar was asked for (a bar
+    without an iterable, advanced by hand, also records ``updated``, the count, and ``closed``)."""
+    import importlib.machinery
     import io
     import sys
     import types
@@ -197,8 +199,25 @@ def bars(monkeypatch):
             return True
 
     made = []
+
+    class Manual:  # a bar advanced by hand (progress.counter): records its updates and its end in its kwargs
+        def __init__(self, kw):
+            self.kw = kw
+            kw.update(updated=0, closed=False)
+
+        def update(self, n=1):
+            self.kw["updated"] += n
+
+        def close(self):
+            self.kw["closed"] = True
+
+    def tqdm(iterable=None, **kw):
+        made.append(kw)
+        return iterable if iterable is not None else Manual(kw)
+
     stand_in = types.ModuleType("tqdm")
-    stand_in.tqdm = lambda iterable, **kw: made.append(kw) or iterable
+    stand_in.__spec__ = importlib.machinery.ModuleSpec("tqdm", None)  # torch's imports ask find_spec("tqdm")
+    stand_in.tqdm = tqdm
     monkeypatch.setitem(sys.modules, "tqdm", stand_in)
     # the module's own sys: pytest puts its capture back on sys.stderr after fixtures run
     from shardfc import progress as progress_mod

@@ -28,6 +28,27 @@ def test_a_bar_on_a_terminal_only_and_when_tqdm_is_there(monkeypatch, bars):
     assert progress_mod.progress([3], 1, "verify") == [3] and len(bars) == 1
 
 
+def test_a_counter_draws_on_a_terminal_only_and_when_tqdm_is_there(monkeypatch, bars):
+    import sys
+    import types
+
+    bar = progress_mod.counter("replaying", "op")
+    bar.update(1024)
+    bar.close()
+    assert bars == [dict(total=None, desc="replaying", unit="op", file=progress_mod.sys.stderr, dynamic_ncols=True,
+                         leave=False, unit_scale=True, updated=1024, closed=True)]
+    assert progress_mod.counter("x", "op", total=5) and bars[-1]["total"] == 5
+    terminal = progress_mod.sys
+    monkeypatch.setattr(progress_mod, "sys", types.SimpleNamespace(stderr=io.StringIO()))  # a log file or a pipe
+    silent = progress_mod.counter("replaying", "op")
+    silent.update(3)
+    silent.close()
+    monkeypatch.setattr(progress_mod, "sys", terminal)
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # not installed
+    progress_mod.counter("replaying", "op").update(1)
+    assert len(bars) == 2 and type(silent).__name__ == "_NoBar"
+
+
 def test_a_labelled_bar_only_inside_a_label_and_the_label_ends_with_it(bars):
     assert progress_mod.labelled_bar([1, 2], 2) == [1, 2] and bars == []  # no label: no bar, even on a terminal
     with progress_mod.labelled("lfw"):

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Iterable, Iterator, Optional, TypeVar
 
-__all__ = ["labelled", "labelled_bar", "progress"]
+__all__ = ["counter", "labelled", "labelled_bar", "progress"]
 
 T = TypeVar("T")
 
@@ -33,6 +33,30 @@ def progress(iterable: Iterable[T], total: Optional[int], desc: str, unit: str =
     except ImportError:
         return iterable
     return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+class _NoBar:
+    """What :func:`counter` gives where no bar is drawn: its calls do nothing."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def counter(desc: str, unit: str, total: Optional[int] = None):
+    """A bar advanced by hand (``.update(n)``, ``.close()``), for work that is no loop over an
+    iterable (``shardfc plan``'s replay of a step, op by op): tqdm's on a terminal with tqdm installed
+    (``total`` None: a count and a rate without an end), else one that draws nothing."""
+    if not sys.stderr.isatty():
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(None, total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=False,
+                unit_scale=True)
 
 
 @contextmanager

@@ -37,6 +37,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from shardfc import progress
 from shardfc.tools.bench.memory import LiveTensorBytes, tensors_in
 
 aten = torch.ops.aten
@@ -188,6 +189,10 @@ def _make_outputs(recipe: Tuple[Any, list], tensors: list):
     return container(_make_leaf(item, tensors) for item in items)
 
 
+#: Operators replayed between two updates of the progress bar (a bar's update costs more than one).
+BAR_EVERY = 1024
+
+
 class _MetaStep(LiveTensorBytes):
     """:class:`LiveTensorBytes` that answers value-dependent operators on meta tensors by
     :func:`_policy` and remembers the output shapes of operators on meta tensors. It counts only
@@ -195,11 +200,18 @@ class _MetaStep(LiveTensorBytes):
 
     #: a :class:`~shardfc.tools.plan.traffic.TrafficCounter` told of every operator (``--bytes``)
     observer = None
+    #: a :func:`shardfc.progress.counter` advanced every :data:`BAR_EVERY` operators (a step at
+    #: 10^9 classes replays a million of them: minutes on a terminal would otherwise be silent)
+    bar = None
+    calls = 0
 
     def call(self, func, args, kwargs):
         out = self._call(func, args, kwargs)
         if self.observer is not None and self.tracking:
             self.observer.op(func, args, kwargs, out)
+        self.calls += 1
+        if self.bar is not None and self.calls % BAR_EVERY == 0:
+            self.bar.update(BAR_EVERY)
         return out
 
     def _call(self, func, args, kwargs):
@@ -376,7 +388,8 @@ def replay_step(
 
         head.keep_row_grad = keep_and_note
     recording = fused_traffic.recording(counter.kernel) if counter is not None else contextlib.nullcontext()
-    with fused_as_on_cuda() if gpu else contextlib.nullcontext(), recording, mode:
+    mode.bar = progress.counter(f"replaying a step of {num_classes:,} classes, batch {batch:,}", "op")
+    with contextlib.closing(mode.bar), fused_as_on_cuda() if gpu else contextlib.nullcontext(), recording, mode:
         # warm-up: the state a step rests on (a kept .grad, the optimizer's buffers); a sparse_grad
         # head keeps no .grad between steps
         for p in params:
