@@ -36,14 +36,13 @@ def _same(a: M.Margin, b: M.Margin) -> bool:
 @pytest.mark.parametrize("given,expected", [
     (combined(64, 1.0, 0.5, 0.0), M.ArcFace(64, 0.5)),
     (combined(32, 1.0, 0.0, 0.4), M.CosFace(32, 0.4)),
-    (combined(64, 0.9, 0.4, 0.15), M.Combined(64, 0.9, 0.4, 0.15)),
     (SimpleNamespace(scale=64.0, cos_m=0.8775825618903728, sin_m=0.479425538604203, sinmm=0.2397, theta=-0.87),
      M.ArcFace(64, 0.5)),
     (SimpleNamespace(s=64.0, m=0.4), M.CosFace(64, 0.4)),
     (M.CosFace(30, 0.3), M.CosFace(30, 0.3)),
-    # margins other than the defaults, and m2 = 0 with m1 != 1 (Combined, not CosFace)
+    # margins other than the defaults
     (combined(64, 1.0, 0.3, 0.0), M.ArcFace(64, 0.3)),
-    (combined(64, 0.9, 0.0, 0.2), M.Combined(64, 0.9, 0.0, 0.2)),
+    (combined(64, 1.0, 0.0, 0.2), M.CosFace(64, 0.2)),
     (SimpleNamespace(scale=64.0, cos_m=math.cos(0.3), sin_m=math.sin(0.3), sinmm=0.09, theta=-0.95),
      M.ArcFace(64, 0.3)),
     (SimpleNamespace(s=64.0, m1=1.0, m2=0.5, m3=0.0), M.ArcFace(64, 0.5)),  # an older one: no threshold at all
@@ -77,6 +76,51 @@ def test_arcface_torch_arcface_targets_with_and_without_easy_margin(easy_margin)
     torch.testing.assert_close(margin.target(cos)[0], _arcface_torch_target(module, cos), rtol=1e-12, atol=1e-10)
     other = _arcface_torch_target(_arcface_torch_arcface(32.0, 0.5, not easy_margin), cos)
     assert not torch.allclose(margin.target(cos)[0], other)  # the two differ on these cosines
+
+
+def _combined_margin_loss_target(module: SimpleNamespace, cos: torch.Tensor) -> torch.Tensor:
+    """arcface_torch's CombinedMarginLoss.forward on the target logits, as its source branches:
+    ArcFace(m2) when m1 == 1 and m3 == 0, else CosFace(m3) when m3 > 0 (m1 and m2 unread), else it raises."""
+    if module.m1 == 1.0 and module.m3 == 0.0:
+        return _arcface_torch_target(_arcface_torch_arcface(module.s, module.m2, False), cos)
+    if module.m3 > 0:
+        return (cos - module.m3) * module.s
+    raise RuntimeError("arcface_torch raises")
+
+
+@pytest.mark.parametrize("margins", [(1.0, 0.5, 0.0), (1.0, 0.0, 0.4), (1.0, 0.3, 0.0), (1.0, 0.0, 0.15)])
+def test_a_combined_margin_loss_computes_what_arcface_torchs_forward_does(margins):
+    module = combined(32.0, *margins)
+    cos = torch.linspace(-0.99, 0.99, 199, dtype=torch.float64)
+    got = margin_from_arcface_torch(module).target(cos)[0]
+    torch.testing.assert_close(got, _combined_margin_loss_target(module, cos), rtol=1e-12, atol=1e-10)
+
+
+@pytest.mark.parametrize("margins, says", [
+    # arcface_torch trains CosFace(m3) and drops m1 or m2: shardfc's Combined trained another loss
+    ((0.9, 0.4, 0.15), "arcface_torch computes CosFace(m3=0.15) when m3 > 0 and ignores m1 and m2; pass "
+                       "CombinedMarginLoss(64, 1.0, 0.0, 0.15) (or shardfc.margins.CosFace(64, 0.15)) to train as "
+                       "arcface_torch did, or shardfc.margins.Combined(64, 0.9, 0.4, 0.15) for the combined margin "
+                       "cos(m1·θ + m2) − m3"),
+    ((1.0, 0.3, 0.2), "arcface_torch computes CosFace(m3=0.2) when m3 > 0 and ignores m1 and m2; "),
+    ((0.9, 0.0, 0.2), "arcface_torch computes CosFace(m3=0.2) when m3 > 0 and ignores m1 and m2; "),
+    ((0.9, 0.4, 0.0), "arcface_torch has no margin for these (ArcFace for m1 = 1 and m3 = 0, CosFace for m3 > 0; "
+                      "its forward raises otherwise); pass shardfc.margins.Combined(64, 0.9, 0.4, 0) for the "
+                      "combined margin cos(m1·θ + m2) − m3"),
+    ((1.0, 0.5, -0.1), "arcface_torch has no margin for these (ArcFace for m1 = 1 and m3 = 0, CosFace for m3 > 0; "),
+])
+def test_a_combined_margin_loss_arcface_torch_would_not_compute_as_named_is_refused(margins, says):
+    cos = torch.linspace(-0.99, 0.99, 9, dtype=torch.float64)
+    module = SimpleNamespace(s=64.0, m1=margins[0], m2=margins[1], m3=margins[2])
+    try:  # what arcface_torch computes is none of the named margins, or nothing
+        theirs = _combined_margin_loss_target(module, cos)
+        assert not torch.allclose(theirs, M.Combined(64.0, *margins).target(cos)[0])
+    except RuntimeError:
+        pass
+    with pytest.raises(ValueError) as e:
+        margin_from_arcface_torch(module)
+    assert str(e.value).startswith(f"margin_loss SimpleNamespace(s=64, m1={margins[0]:g}, m2={margins[1]:g}, "
+                                   f"m3={margins[2]:g}): {says}")
 
 
 def test_margin_errors():

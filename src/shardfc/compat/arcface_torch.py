@@ -19,7 +19,11 @@ arcface_torch's does; the statistics stay fp32.
 
 The margin comes from ``margin_loss``: arcface_torch's ``CombinedMarginLoss`` (its ``s``, ``m1``,
 ``m2``, ``m3``), its older ``ArcFace`` / ``CosFace`` modules, or any
-:class:`shardfc.margins.Margin`. arcface_torch's ``interclass_filtering_threshold`` zeroes the
+:class:`shardfc.margins.Margin`. ``CombinedMarginLoss`` computes ArcFace(``m2``) when ``m1 = 1``
+and ``m3 = 0``, and CosFace(``m3``) when ``m3 > 0`` whatever ``m1`` and ``m2`` are (it has no
+combined margin; anything else raises there): the first two read as shardfc's ArcFace and CosFace,
+and a ``CombinedMarginLoss`` whose ``m1`` or ``m2`` it would ignore, or that it refuses, is
+refused with both ways out (shardfc's CosFace, as arcface_torch trained, or its ``Combined``). arcface_torch's ``interclass_filtering_threshold`` zeroes the
 *logits* of negatives whose cosine to the sample exceeds it; shardfc's inter-class filter removes
 negatives too close to the sample's *target centre*: not the same method, so a non-zero threshold
 is refused with a message rather than silently changed.
@@ -70,11 +74,23 @@ def margin_from_arcface_torch(margin_loss: Any) -> _margins.Margin:
                 "interclass_filter_threshold=...) for shardfc's)"
             )
         s, m1, m2, m3 = (float(getattr(margin_loss, a)) for a in ("s", "m1", "m2", "m3"))
+        # arcface_torch's forward has two branches, not the combined margin its name suggests:
+        # m1 = 1 and m3 = 0 is ArcFace(m2); else m3 > 0 is CosFace(m3), whatever m1 and m2 are;
+        # else it raises.
         if m1 == 1.0 and m3 == 0.0:
             return _margins.ArcFace(s, m2)  # with arcface_torch's fallback past θ > π − m
-        if m1 == 1.0 and m2 == 0.0:
+        if m1 == 1.0 and m2 == 0.0 and m3 > 0.0:
             return _margins.CosFace(s, m3)
-        return _margins.Combined(s, m1, m2, m3)
+        given = f"{name}(s={s:g}, m1={m1:g}, m2={m2:g}, m3={m3:g})"
+        combined = f"shardfc.margins.Combined({s:g}, {m1:g}, {m2:g}, {m3:g}) for the combined margin cos(m1·θ + m2) − m3"
+        if m3 > 0.0:  # a run whose m1 or m2 arcface_torch dropped: which one the user meant is theirs to say
+            raise ValueError(
+                f"margin_loss {given}: arcface_torch computes CosFace(m3={m3:g}) when m3 > 0 and ignores m1 and m2; "
+                f"pass CombinedMarginLoss({s:g}, 1.0, 0.0, {m3:g}) (or shardfc.margins.CosFace({s:g}, {m3:g})) to "
+                f"train as arcface_torch did, or {combined}"
+            )
+        raise ValueError(f"margin_loss {given}: arcface_torch has no margin for these (ArcFace for m1 = 1 and m3 = 0, "
+                         f"CosFace for m3 > 0; its forward raises otherwise); pass {combined}")
     if all(hasattr(margin_loss, a) for a in ("scale", "cos_m", "sinmm")):  # arcface_torch's ArcFace
         return _margins.ArcFace(float(margin_loss.scale), math.acos(float(margin_loss.cos_m)),
                                 easy_margin=bool(getattr(margin_loss, "easy_margin", False)))
