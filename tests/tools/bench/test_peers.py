@@ -409,3 +409,67 @@ def test_the_command_line_gives_no_margin_unless_asked():
     code, out, err = _run([*TINY_ARGV, "--systems", "floor", "--quiet"])
     assert code == 0, err
     assert "matmul floor" in out
+
+
+# ---------------------------------------------------------------- run_peers' bookkeeping over stand-in rows
+def _stand_in_rows(monkeypatch, rows, references):
+    """run_peers over ``rows`` (system -> fields of its row) instead of running systems, with
+    ``references`` (group -> (loss, how)) instead of computing them; returns the calls it saw."""
+    seen = {"systems": [], "progress": [], "references": []}
+
+    def run_system(name, wl, setup, progress):
+        seen["systems"].append(name)
+        seen["progress"].append(progress)
+        return peers._blank_row(name) | {"status": "ok", "_comparable": True} | rows[name]
+
+    def reference(wl, setup, group):
+        seen["references"].append(group)
+        return references[group]
+
+    monkeypatch.setattr(peers, "_run_system", run_system)
+    monkeypatch.setattr(peers, "reference_losses", reference)
+    monkeypatch.setattr(peers, "_setup", lambda wl: None)
+    return seen
+
+
+def test_rows_are_held_to_their_groups_reference_and_the_floor(monkeypatch, capsys):
+    monkeypatch.setitem(peers.LOSS_RTOL, "float32", 0.5)
+    rows = {
+        "floor": dict(step_time_ms=2.0),
+        "dense": dict(step_time_ms=4.0, loss=3.0),  # |3 - 2| / 2 = 0.5: at the tolerance, agrees
+        "shardfc-torch": dict(step_time_ms=3.0, loss=3.5, note="its own note"),  # 0.75: disagrees
+        "softmax-dense": dict(step_time_ms=1.0, loss=1e-13),  # no reference: the note says why
+        "softmax-shardfc-torch": dict(step_time_ms=5.0, loss=2.0, note="kept"),
+    }
+    seen = _stand_in_rows(monkeypatch, rows, {"margin": (2.0, "dense fp64"), "softmax": (None, "no dense reference here")})
+    result = run_peers(batch=8, dim=4, classes=10, systems=list(rows), dtype="float32", device="cpu")
+    got = {r["system"]: r for r in result["rows"]}
+    assert seen["references"] == ["margin", "softmax"]  # once a group
+    assert (got["dense"]["loss_rel_err"], got["dense"]["loss_agrees"]) == (0.5, True)
+    assert (got["shardfc-torch"]["loss_rel_err"], got["shardfc-torch"]["loss_agrees"]) == (0.75, False)
+    assert got["shardfc-torch"]["reference_loss"] == 2.0 and got["shardfc-torch"]["note"] == "its own note"
+    # a group without a reference: every row of it says how, after its own note, and is held to nothing
+    assert got["softmax-dense"]["note"] == "no dense reference here" and got["softmax-dense"]["loss_agrees"] is None
+    assert got["softmax-shardfc-torch"]["note"] == "kept; no dense reference here"
+    assert [got[n]["ratio_to_floor"] for n in rows] == [1.0, 2.0, 1.5, 0.5, 2.5]
+    assert peers.failures(result) == ["shardfc-torch: loss 3.5 vs reference 2 (relative error 7.50e-01 > 0.5)"]
+    # the defaults: 10 timed steps after 3 warm-up ones, the arcface margin, a line per stage on stderr
+    assert (result["workload"]["steps"], result["workload"]["warmup"], result["workload"]["margin"]) == (10, 3, "arcface")
+    assert seen["progress"] == [True] * 5 and capsys.readouterr().err.startswith("[peers] cpu, torch ")
+
+
+def test_a_reference_near_zero_is_divided_by_no_less_than_1e_12(monkeypatch):
+    rows = {"dense": dict(step_time_ms=1.0, loss=2e-12)}
+    _stand_in_rows(monkeypatch, rows, {"margin": (1e-13, "dense fp64")})
+    result = run_peers(batch=8, dim=4, classes=10, systems=["dense"], dtype="float32", progress=False)
+    assert result["rows"][0]["loss_rel_err"] == pytest.approx((2e-12 - 1e-13) / 1e-12)
+    assert result["workload"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # "auto" by default
+
+
+def test_no_ratio_without_a_floor_that_ran_in_measurable_time(monkeypatch):
+    for floor in (dict(status="failed", step_time_ms=None), dict(step_time_ms=0.0)):
+        rows = {"floor": floor, "dense": dict(step_time_ms=4.0, loss=1.0)}
+        _stand_in_rows(monkeypatch, rows, {"margin": (1.0, "dense fp64")})
+        result = run_peers(batch=8, dim=4, classes=10, systems=["floor", "dense"], dtype="float32", device="cpu",
+                           progress=False)
+        assert [r["ratio_to_floor"] for r in result["rows"]] == [None, None], floor
