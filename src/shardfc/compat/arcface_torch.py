@@ -23,10 +23,11 @@ The margin comes from ``margin_loss``: arcface_torch's ``CombinedMarginLoss`` (i
 and ``m3 = 0``, and CosFace(``m3``) when ``m3 > 0`` whatever ``m1`` and ``m2`` are (it has no
 combined margin; anything else raises there): the first two read as shardfc's ArcFace and CosFace,
 and a ``CombinedMarginLoss`` whose ``m1`` or ``m2`` it would ignore, or that it refuses, is
-refused with both ways out (shardfc's CosFace, as arcface_torch trained, or its ``Combined``). arcface_torch's ``interclass_filtering_threshold`` zeroes the
-*logits* of negatives whose cosine to the sample exceeds it; shardfc's inter-class filter removes
-negatives too close to the sample's *target centre*: not the same method, so a non-zero threshold
-is refused with a message rather than silently changed.
+refused with both ways out (shardfc's CosFace, as arcface_torch trained, or its ``Combined``).
+arcface_torch's ``interclass_filtering_threshold`` zeroes the *logits* of negatives whose cosine to
+the sample exceeds it; shardfc's inter-class filter removes negatives too close to the sample's
+*target centre*: not the same method, so a non-zero threshold is refused with a message rather than
+silently changed.
 
 Partial FC (``sample_rate < 1``): each rank scores its positive classes and uniform negatives,
 ``max(⌈r·n_local⌉, B)`` classes in all (``B`` the global batch: every positive fits, with no host
@@ -82,7 +83,8 @@ def margin_from_arcface_torch(margin_loss: Any) -> _margins.Margin:
         if m1 == 1.0 and m2 == 0.0 and m3 > 0.0:
             return _margins.CosFace(s, m3)
         given = f"{name}(s={s:g}, m1={m1:g}, m2={m2:g}, m3={m3:g})"
-        combined = f"shardfc.margins.Combined({s:g}, {m1:g}, {m2:g}, {m3:g}) for the combined margin cos(m1·θ + m2) − m3"
+        combined = (f"shardfc.margins.Combined({s:g}, {m1:g}, {m2:g}, {m3:g}) for the combined margin "
+                    "cos(m1·θ + m2) − m3")
         if m3 > 0.0:  # a run whose m1 or m2 arcface_torch dropped: which one the user meant is theirs to say
             raise ValueError(
                 f"margin_loss {given}: arcface_torch computes CosFace(m3={m3:g}) when m3 > 0 and ignores m1 and m2; "

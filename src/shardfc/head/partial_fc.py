@@ -482,9 +482,10 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
                                  "not implement: its steps would not be those the state was saved for")
             missing = [k for k in self.HYPER_PARAMETERS if k not in group]
             if missing:
+                settings = ", ".join(sorted(k for k in group if k != "params"))
                 raise ValueError(
                     f"{name}.load_state_dict: param group {i} has no {', '.join(map(repr, missing))}: a state "
-                    f"saved by another kind of optimizer (its settings: {', '.join(sorted(k for k in group if k != 'params'))})"
+                    f"saved by another kind of optimizer (its settings: {settings})"
                 )
         # Saved states are keyed by the index of their parameter in the saved groups' order (torch's).
         saved_ids = [i for group in groups for i in group.get("params", ())]
