@@ -99,6 +99,8 @@ def test_roc_nearest_far_ties_take_the_largest_tar():
     assert tar_at_nearest_far(fpr, tpr, 0.1) == 0.5  # fpr 0 twice: the later point (tpr 0.5)
     assert tar_at_nearest_far(fpr, tpr, 0.6) == 1.0  # fpr 1/3 twice: tpr 1
     m = ijb_metrics(scores, labels, fars=(0.1, 0.4))
+    # the area under fpr [0, 0, 1/3, 1/3, 1], tpr [0, .5, .5, 1, 1]: 1/3 · 1/2 + 2/3 · 1
+    assert m["auc"] == pytest.approx(5 / 6) and (m["num_pairs"], m["num_negative_pairs"]) == (5.0, 3.0)
     assert m["exact_tar@far=4e-1"] == 1.0  # 1 negative of 3 above 0.6 is FAR 1/3 <= 0.4
     assert math.isnan(m["exact_tar@far=1e-1"])  # 3 negatives cannot measure FAR 0.1
     with pytest.raises(ValueError, match="genuine"):
@@ -136,6 +138,13 @@ def test_roc_with_tied_scores():
     fpr, tpr, thr = roc_curve(np.array([1, 0, 1, 1, 0, 0]), np.array([0.9, 0.8, 0.8, 0.7, 0.7, 0.2]))
     assert np.allclose(fpr, [0, 0, 2 / 3, 1]) and np.allclose(tpr, [0, 1 / 3, 1, 1])
     assert thr[0] == np.inf and np.allclose(thr[1:], [0.9, 0.7, 0.2])
+
+
+def test_roc_of_three_thresholds_in_a_line_keeps_its_ends():
+    """0.9 P | 0.8 N, 0.8 P | 0.7 N, 0.7 P: (fp, tp) = (0, 1), (1, 2), (2, 3), one straight run; its
+    middle point goes, as sklearn drops it."""
+    fpr, tpr, thr = roc_curve(np.array([1, 0, 1, 0, 1]), np.array([0.9, 0.8, 0.8, 0.7, 0.7]))
+    assert np.allclose(fpr, [0, 0, 1]) and np.allclose(tpr, [0, 1 / 3, 1]) and np.allclose(thr[1:], [0.9, 0.7])
 
 
 def test_roc_matches_sklearn_when_installed():
