@@ -146,6 +146,19 @@ def test_the_replicated_head_refuses_an_unknown_reduction():
     assert str(info.value) == "init_seed must be an int in [0, 2**63 - 1], got -1"
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(label_smoothing=1.0), "label_smoothing must be in [0, 1), got 1.0"),  # ignored the labels
+    (dict(label_smoothing=-0.1), "label_smoothing must be in [0, 1), got -0.1"),
+    (dict(embedding_dim=0), "embedding_dim must be a positive integer, got 0"),
+    (dict(num_classes=2.5), "num_classes must be a positive integer, got 2.5"),
+])
+def test_the_replicated_head_takes_the_sharded_heads_checks(kwargs, message):
+    args = dict(embedding_dim=D, num_classes=C) | kwargs
+    with pytest.raises(ValueError) as e:
+        ReplicatedHead(**args)
+    assert str(e.value) == message
+
+
 def test_the_replicated_head_holds_every_class_and_averages_nothing_alone():
     head = ReplicatedHead(D, C, margin=cases.MARGINS["cosface"], init_seed=5, dtype=F64)
     assert head.weight.shape == (C, D) and head.weight.dtype == F64

@@ -19,11 +19,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shardfc.checks import check_seed
+from shardfc.checks import check_positive_int, check_seed
 from shardfc.head import margins as _margins
 from shardfc.head.module import ShardedMarginHead, init_rows
 from shardfc.head.reference import reference_logits
-from shardfc.head.validation import check_batch_and_exchange_sizes
+from shardfc.head.validation import check_batch_and_exchange_sizes, check_head_options
 from shardfc.parallel.collectives import (
     all_gather_rows,
     all_reduce,
@@ -152,6 +152,10 @@ class ReplicatedHead(nn.Module):
         super().__init__()
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+        # the sharded head's own checks: a baseline compared with it must compute the same loss
+        label_smoothing = check_head_options(label_smoothing=label_smoothing).label_smoothing
+        embedding_dim = check_positive_int("embedding_dim", embedding_dim)
+        num_classes = check_positive_int("num_classes", num_classes)
         self.embedding_dim, self.num_classes = embedding_dim, num_classes
         self.margin = _margins.ArcFace() if margin is None else margin
         self.label_smoothing, self.ignore_index, self.reduction = label_smoothing, ignore_index, reduction
