@@ -143,6 +143,19 @@ def test_a_far_target_outside_0_1_is_refused(far):
         verification_metrics(np.eye(2), np.eye(2), [True, False], nfolds=2, far_targets=(0.5, far))
 
 
+@pytest.mark.parametrize("a, b, issame, message", [
+    (np.ones(4), np.ones(4), [True, False] * 2,  # equal shapes, but no [N, D]
+     "embeddings_a and embeddings_b must both be [N, D] with equal shapes, got (4,) and (4,)"),
+    (np.ones((4, 3)), np.ones((4, 2)), [True, False] * 2,
+     "embeddings_a and embeddings_b must both be [N, D] with equal shapes, got (4, 3) and (4, 2)"),
+    (np.ones((4, 3)), np.ones((4, 3)), [True, False, True], "issame has 3 entries for 4 embedding pairs"),
+])
+def test_pairs_of_the_wrong_shape_are_named(a, b, issame, message):
+    with pytest.raises(ValueError) as e:
+        verification_metrics(a, b, issame, nfolds=2)
+    assert str(e.value) == message
+
+
 def test_far_targets_given_as_a_string_are_refused():
     # "0.1" was iterated into "0", ".", "1": an error about a target 0.0 nobody asked for
     with pytest.raises(ValueError, match=r"^far_targets must be numbers, got the string '0.1'$"):
