@@ -155,6 +155,34 @@ def test_tiny_input_size_kwarg() -> None:
     assert model(torch.randn(4, 3, 48, 64)).shape == (4, 64)
 
 
+@pytest.mark.parametrize("name", ["tiny", "glyphnet"])
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(width=0), "width must be a positive integer, got 0"),  # a net of no channels, built silently
+    (dict(width=1.5), "width must be a positive integer, got 1.5"),
+    (dict(input_size=0), "input_size must be a positive int or an (H, W) pair of them, got 0"),
+    (dict(input_size=(0, 0)), "input_size must be a positive int or an (H, W) pair of them, got (0, 0)"),
+    (dict(input_size=(32, 32.5)), "input_size must be a positive int or an (H, W) pair of them, got (32, 32.5)"),
+    (dict(input_size=True), "input_size must be a positive int or an (H, W) pair of them, got True"),
+    (dict(input_size=(32,)), "input_size must be a positive int or an (H, W) pair of them, got (32,)"),
+])
+def test_a_small_net_of_no_width_or_size_is_refused(name, kwargs, message) -> None:
+    with pytest.raises(ValueError) as e:
+        build_backbone(name, embedding_dim=8, **kwargs)
+    assert str(e.value) == message
+    assert build_backbone(name, embedding_dim=8, input_size=[24, 16], width=2).input_size == (24, 16)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (float("nan"), "dropout must be a finite number, got nan"),  # every training output was NaN
+    (1.0, "dropout must be in [0, 1), got 1.0"), (-0.1, "dropout must be in [0, 1), got -0.1"),
+    ("0.1", "dropout must be a finite number, got '0.1'"),
+])
+def test_an_iresnet_dropout_outside_0_1_is_refused(bad, message) -> None:
+    with pytest.raises(ValueError) as e:
+        build_backbone("iresnet18", embedding_dim=8, dropout=bad)
+    assert str(e.value) == message
+
+
 def test_tiny_gradients_flow() -> None:
     torch.manual_seed(0)
     model = build_backbone("tiny", embedding_dim=32)

@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from shardfc.models.arguments import check_input_size, check_width
 from shardfc.models.init import init_weights
 
 __all__ = ["GlyphNet", "glyphnet"]
@@ -36,8 +37,8 @@ class GlyphNet(nn.Module):
 
     def __init__(self, embedding_dim: int = 512, input_size: int | tuple[int, int] = INPUT_SIZE, width: int = 16) -> None:
         super().__init__()
-        h, w = (input_size, input_size) if isinstance(input_size, int) else input_size
-        self.input_size = (int(h), int(w))
+        self.input_size = h, w = check_input_size(input_size)
+        width = check_width(width)
         self.embedding_dim = embedding_dim
         c1, c2, c3 = width, 2 * width, 4 * width
         self.body = nn.Sequential(

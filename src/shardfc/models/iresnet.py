@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from shardfc.models.arguments import check_dropout
 from shardfc.models.init import init_weights
 
 __all__ = ["IBasicBlock", "IResNet", "iresnet18", "iresnet34", "iresnet50", "iresnet100"]
@@ -84,6 +85,7 @@ class IResNet(nn.Module):
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
+        dropout = check_dropout(dropout)  # before the layers: NaN was taken (every training output NaN)
         self.input_size = INPUT_SIZE
         self.embedding_dim = embedding_dim
         self.conv1 = _conv3x3(3, 64)

@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from shardfc.models.arguments import check_input_size, check_width
 from shardfc.models.init import init_weights
 
 __all__ = ["TinyNet", "tiny"]
@@ -45,9 +46,9 @@ class TinyNet(nn.Module):
         width: int = 16,
     ) -> None:
         super().__init__()
-        h, w = (input_size, input_size) if isinstance(input_size, int) else input_size
         # Recorded for data pipelines; the net itself does not depend on it.
-        self.input_size = (int(h), int(w))
+        self.input_size = check_input_size(input_size)
+        width = check_width(width)
         self.embedding_dim = embedding_dim
         chans = (3, width, 2 * width, 4 * width)
         layers: list[nn.Module] = []
