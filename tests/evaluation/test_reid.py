@@ -14,6 +14,7 @@ from shardfc.evaluation import ReIDFolder, evaluate_reid, load_reid_split, parse
     [
         ("0002_c1s1_000451_03.jpg", (2, 1)),
         ("-1_c3s2_012345_01.jpg", (-1, 3)),
+        ("-001_c2s1_000267_00.png", (-1, 2)),  # junk's id written zero-padded, as %04d writes -1
         ("0000_c6s4_002227_00.jpg", (0, 6)),
         ("/data/Market/query/1501_c6s4_001877_00.jpg", (1501, 6)),
         ("0001_c2_f0046182.jpg", (1, 2)),  # DukeMTMC-reID
@@ -23,7 +24,7 @@ def test_parse_market1501_name(name, expected):
     assert parse_market1501_name(name) == expected
 
 
-@pytest.mark.parametrize("name", ["Thumbs.db", "-5_c1s1_000451_03.jpg", "-10_c1.jpg", "--1_c1.jpg",
+@pytest.mark.parametrize("name", ["Thumbs.db", "-5_c1s1_000451_03.jpg", "-10_c1.jpg", "--1_c1.jpg", "-0005_c1.jpg",
                                   "\u0663_c1s1.jpg", "0002_c\u0661s1.jpg", "0002_s1.jpg", "_c1.jpg"])
 def test_parse_rejects_other_names(name):
     # -5 was a person (only -1, junk, is negative); another script's digits read as ASCII ones

@@ -21,7 +21,7 @@ __all__ = ["DISTRACTOR_PID", "JUNK_PID", "Market1501TrainDataset", "parse_market
 #: Person id of Market-1501 junk images (excluded from every gallery ranking).
 JUNK_PID = -1
 
-_MARKET_NAME = re.compile(r"(-1|[0-9]+)_c([0-9]+)")  # ASCII digits; the only negative id is junk's
+_MARKET_NAME = re.compile(r"(-0*1|[0-9]+)_c([0-9]+)")  # ASCII digits; the only negative id is junk's (-1, -001)
 
 #: Person id of Market-1501 distractors (background crops).
 DISTRACTOR_PID = 0
