@@ -15,6 +15,7 @@ from shardfc.checks import (
     check_real,
     check_seed,
     chunk_size_arg,
+    integer_value,
 )
 
 
@@ -96,3 +97,14 @@ def test_chunk_size_arg():
     assert chunk_size_arg("auto") == "auto" and chunk_size_arg("512") == 512
     with pytest.raises(ValueError):
         chunk_size_arg("AUTO")
+
+
+def test_integer_value_takes_every_integer_and_no_bool_or_float():
+    import torch
+
+    ints = (3, -2, np.int64(4), np.uint8(7), np.array(6), torch.tensor(5), torch.tensor(-1, dtype=torch.int8))
+    assert [integer_value(v) for v in ints] == [3, -2, 4, 7, 6, 5, -1]
+    assert all(type(integer_value(v)) is int for v in ints)
+    for other in (True, np.bool_(False), np.array(True), torch.tensor(True), 1.5, 2.0, np.float64(2.0),
+                  torch.tensor(2.0), torch.tensor([1, 2]), "3", None):  # int() took 1.5 as 1, True as 1
+        assert integer_value(other) is None, other

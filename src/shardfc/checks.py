@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, List, Sequence, Union
+import operator
+from typing import Any, List, Optional, Sequence, Union
 
 __all__ = ["FLOAT32_MAX", "MAX_INT64", "MAX_SEED", "MAX_TIMEOUT_S", "check_int", "check_names", "check_positive_int",
-           "check_probability", "check_real", "check_seed", "check_timeout", "chunk_size_arg"]
+           "check_probability", "check_real", "check_seed", "check_timeout", "chunk_size_arg", "integer_value"]
 
 #: float32's largest finite value.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -24,6 +25,18 @@ def check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)
+
+
+def integer_value(value: Any) -> Optional[int]:
+    """``value`` as an int when it is an integer (Python's, numpy's, or a one-element integer tensor:
+    a dataset's targets iterated), else None: a bool of any kind, a float (``int()`` would take 1.5
+    as 1), a string. For ids and keys, whose callers name their own refusal."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def check_seed(name: str, value: Any) -> int:

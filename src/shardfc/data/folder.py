@@ -39,17 +39,15 @@ argument (what the trainer uses, since workers hold copies of the dataset).
 from __future__ import annotations
 
 import logging
-import operator
 import os
 from pathlib import Path
 from typing import Dict, List, Optional, Set, Tuple, Union
 
-import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from shardfc import files
-from shardfc.checks import check_seed
+from shardfc.checks import check_seed, integer_value
 from shardfc.data.labels import check_class_count
 from shardfc.data.transforms import CorruptImageError, ImageTransform, check_size, decode_image
 from shardfc.outputs import write_atomically
@@ -329,15 +327,9 @@ class ListFileDataset(FileImageDataset):
 
 
 def _class_id(label: object) -> Optional[int]:
-    """``label`` as a class id: an int >= 0, a numpy integer or a one-element integer tensor (a
-    dataset's targets, iterated); None for anything else (a bool, a float, a string)."""
-    if isinstance(label, bool) or getattr(label, "dtype", None) in (torch.bool, np.bool_):
-        return None
-    try:
-        value = operator.index(label)  # ints, numpy's and torch's integers; never truncates 1.5
-    except TypeError:
-        return None
-    return value if value >= 0 else None
+    """``label`` as a class id (:func:`~shardfc.checks.integer_value` ``>= 0``), else None."""
+    value = integer_value(label)
+    return value if value is not None and value >= 0 else None
 
 
 def _list_entry(line: str) -> Optional[List[str]]:

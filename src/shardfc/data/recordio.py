@@ -48,7 +48,6 @@ top to bottom once.)
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import struct
 from typing import Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
@@ -57,6 +56,7 @@ import numpy as np
 import torch
 
 from shardfc import files
+from shardfc.checks import integer_value
 from shardfc.data.folder import FileImageDataset  # the shared decode / skip-and-count policy
 from shardfc.data.labels import check_class_count
 from shardfc.data.transforms import decode_image
@@ -468,10 +468,7 @@ class RecordIOWriter:
         """Append one record under ``key``; returns its offset."""
         if self._rec.closed:
             raise ValueError(f"RecordIOWriter for {self.rec_path!r} is closed")
-        try:  # ints, numpy's and torch's integers; 1.5 was written as key 1
-            index = None if isinstance(key, bool) else operator.index(key)
-        except TypeError:
-            index = None
+        index = integer_value(key)  # ints, numpy's and torch's integers; 1.5 was written as key 1
         if index is None or index < 0:
             raise ValueError(f"{self.rec_path}: keys must be ints >= 0, got {key!r}")
         key = index
