@@ -188,6 +188,11 @@ def roc_curve(labels: np.ndarray, scores: np.ndarray) -> Tuple[np.ndarray, np.nd
     """``(fpr, tpr, thresholds)`` over decreasing score thresholds, starting at ``(0, 0, inf)``;
     points in the middle of a straight run of the curve are dropped (sklearn's default)."""
     scores, labels = _scored_pairs(scores, labels)
+    return _roc(labels, scores)
+
+
+def _roc(labels: np.ndarray, scores: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`roc_curve` of pairs :func:`_scored_pairs` has checked (bool labels, float64 scores)."""
     if labels.all() or not labels.any():
         raise ValueError("the template pairs need both genuine (label 1) and impostor (label 0) pairs for a ROC")
     order = np.argsort(-scores)  # any sort: only each run of equal scores' last position is read
@@ -232,7 +237,7 @@ def ijb_metrics(scores: np.ndarray, labels: np.ndarray, fars: Sequence[float] = 
         raise ValueError(f"fars must be numbers, got the string {fars!r}")
     keys = [far_key(far) for far in fars]  # each target checked before the work
     scores, same = _scored_pairs(scores, labels)
-    fpr, tpr, _ = roc_curve(same, scores)
+    fpr, tpr, _ = _roc(same, scores)  # checked once, above
     trapezoid = getattr(np, "trapezoid", None) or np.trapz  # numpy < 2 names it trapz
     out: Dict[str, float] = {"auc": float(trapezoid(tpr, fpr)), "num_pairs": float(len(scores))}
     negatives = int(np.count_nonzero(~same))
