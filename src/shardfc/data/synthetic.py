@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 from typing import List, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from shardfc.checks import check_seed
+from shardfc.checks import check_seed, integer_value
 from shardfc.seeding import mix_seed
 
 __all__ = ["SyntheticIdentities", "SyntheticPool"]
@@ -42,12 +41,12 @@ _STREAM_PAIRS = 4
 
 
 def _index(index) -> int:
-    """A sample's index as an int (numpy's and 0-d integer tensors too); a float is a TypeError (1.5
-    rendered sample 1)."""
-    try:
-        return operator.index(index)
-    except TypeError:
-        raise TypeError(f"a sample's index must be an int, got {index!r}") from None
+    """A sample's index as an int (:func:`~shardfc.checks.integer_value`: numpy's and 0-d integer
+    tensors too); a float is a TypeError (1.5 rendered sample 1)."""
+    value = integer_value(index)
+    if value is None:
+        raise TypeError(f"a sample's index must be an int, got {index!r}")
+    return value
 
 
 class SyntheticIdentities(Dataset):
