@@ -232,3 +232,33 @@ def test_the_norms_of_low_precision_embeddings_are_taken_in_fp32(low):
     heads[1](x.float(), y)
     assert heads[0].margin.state() == heads[1].margin.state()
     assert heads[0].margin.norm_mean != 20.0  # they moved
+
+
+@pytest.mark.parametrize("key,bad,why", [("norm_mean", float("nan"), "must be finite"),
+                                         ("norm_std", float("inf"), "must be finite"),
+                                         ("norm_std", -30.0, "must be >= 0")])
+def test_adaface_statistics_that_are_not_numbers_or_a_negative_std_are_refused(key, bad, why):
+    """A NaN mean or std made every quality, target logit and the loss NaN from the next step on (a
+    resumed checkpoint's, or one set by hand); a negative std turned the quality around. Refused by
+    name, through the setters and :meth:`AdaFace.load_state`, and the statistics stay as they were."""
+    m = _adaface()
+    with pytest.raises(ValueError, match=f"^{key} {why}"):
+        setattr(m, key, bad)
+    saved = dict(m.state(), **{key: bad})
+    with pytest.raises(ValueError, match=f"^AdaFace's saved {key} {why}, got"):
+        m.load_state(saved)
+    with pytest.raises(TypeError, match=f"^{key} must be a real number"):
+        setattr(m, key, "20")
+    assert m.state() == {"norm_mean": 50.0, "norm_std": 30.0}
+    # through a head's sharded state, as a resumed run reads it
+    head = shardfc.ShardedMarginHead(D, C, margin=_adaface())
+    state = head.sharded_state()
+    state["extras"][f"margin.{key}"] = bad
+    state["tensors"]["weight"] = torch.zeros_like(state["tensors"]["weight"])
+    before = head.weight.detach().clone()
+    with pytest.raises(ValueError, match=f"AdaFace's saved {key} {why}"):
+        head.load_sharded_state(state)
+    assert torch.equal(head.weight.detach(), before), "a refused state wrote the head's rows"
+    # what was taken before stays taken: a one-element tensor, a std of 0
+    m.load_state({"norm_mean": torch.tensor(40.0, dtype=torch.float64), "norm_std": 0.0})
+    assert m.state() == {"norm_mean": 40.0, "norm_std": 0.0}

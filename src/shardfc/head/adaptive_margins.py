@@ -30,6 +30,16 @@ from shardfc.head.margin_base import Margin, check_scale, sin_from_cos
 __all__ = ["AdaFace", "MagFace"]
 
 
+def _statistic(name: str, value) -> float:
+    """A running statistic of AdaFace as a float: finite (a NaN mean or std makes every sample's
+    quality, and so every target logit and the loss, NaN), the std not negative (it would turn the
+    quality around: a sharp image would count as a blurred one). A one-element tensor is read as
+    its number."""
+    if isinstance(value, Tensor) and value.numel() == 1:
+        value = value.item()
+    return check_real(name, value, nonnegative=name.endswith("norm_std"))
+
+
 class AdaFace(Margin):
     """AdaFace's quality-adaptive margin (defaults: the paper's ``m=0.4, h=0.333, s=64``).
 
@@ -68,7 +78,7 @@ class AdaFace(Margin):
     @norm_mean.setter
     def norm_mean(self, value: float) -> None:
         self._stats = self._stats.clone()
-        self._stats[0] = float(value)
+        self._stats[0] = _statistic("norm_mean", value)
 
     @property
     def norm_std(self) -> float:
@@ -77,7 +87,7 @@ class AdaFace(Margin):
     @norm_std.setter
     def norm_std(self, value: float) -> None:
         self._stats = self._stats.clone()
-        self._stats[1] = float(value)
+        self._stats[1] = _statistic("norm_std", value)
 
     def _stats_on(self, device: torch.device) -> Tensor:
         """The statistics on ``device`` (moved there for good: every later step reads them there)."""
@@ -95,8 +105,9 @@ class AdaFace(Margin):
         return {"norm_mean": self.norm_mean, "norm_std": self.norm_std}
 
     def load_state(self, state: Dict[str, float]) -> None:
-        """Restore what :meth:`state` returned (raises KeyError if a key is missing)."""
-        mean, std = float(state["norm_mean"]), float(state["norm_std"])
+        """Restore what :meth:`state` returned (raises KeyError if a key is missing, ValueError if
+        a statistic is not a finite number or the std is negative)."""
+        mean, std = (_statistic(f"AdaFace's saved {key}", state[key]) for key in ("norm_mean", "norm_std"))
         self._stats = torch.tensor([mean, std], dtype=torch.float64).to(self._stats.device)
 
     @torch.no_grad()

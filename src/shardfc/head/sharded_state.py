@@ -85,14 +85,14 @@ def load_sharded_state(
     weight = tensors["weight"]
     base = head.class_range.start
     slices = [((r.start - base) * K, (r.stop - base) * K) for r in head.shard_ranges]
+    if hasattr(head.margin, "load_state"):  # first: it checks its values, before any row is written
+        margin_state = {k[len("margin."):]: v for k, v in extras.items() if k.startswith("margin.")}
+        if margin_state:
+            head.margin.load_state(margin_state)
     with torch.no_grad():
         for w, (lo, hi) in zip(head.shard_weights, slices):
             w.copy_(weight[lo:hi])
     head.sample_step = int(extras.get("sample_step", 0))
-    if hasattr(head.margin, "load_state"):
-        margin_state = {k[len("margin."):]: v for k, v in extras.items() if k.startswith("margin.")}
-        if margin_state:
-            head.margin.load_state(margin_state)
     head.forget_sampled_rows()
     if optimizer is not None:
         opt_tensors = {_optimizer_key(k): v for k, v in tensors.items() if k.startswith("optimizer.")}
