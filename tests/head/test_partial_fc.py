@@ -630,6 +630,72 @@ def test_load_state_dict_refuses_a_state_of_another_optimizer_or_another_head():
         trained("sgd", 20, momentum=0.9)[1].load_state_dict(no_params)
 
 
+@pytest.mark.parametrize("sample_rate", [1.0, 0.5], ids=["torch", "row-sparse"])
+@pytest.mark.parametrize("saved_by, loaded_into", [("sgd", "adamw"), ("adamw", "sgd")])
+def test_a_sharded_state_of_the_other_kind_of_optimizer_is_refused_before_anything_is_written(
+        saved_by, loaded_into, sample_rate):
+    """``load_sharded_state(state, optimizer)`` restores the saved param groups and state as they are:
+    an SGD state into an AdamW failed at its first step (KeyError 'exp_avg'), and an AdamW state into
+    an SGD trained on silently with AdamW's learning rate and (decoupled) weight decay as SGD's,
+    beside moments nothing read. Refused, naming both kinds and the ways out, the head and its
+    optimizer left as they were; the same kind is taken."""
+    def trained(kind):
+        head = shardfc.ShardedMarginHead(D, C, sample_rate=sample_rate)
+        opt = head_optimizer(head, kind, lr=0.1, weight_decay=5e-4, **({"momentum": 0.9} if kind == "sgd" else {}))
+        x, y = _batch(0)
+        head(x, y).backward()
+        opt.step()
+        return head, opt
+
+    state = _sharded_state_of(*trained(saved_by))
+    head, opt = trained(loaded_into)
+    weight, groups = head.weight.detach().clone(), copy.deepcopy(opt.param_groups[0])
+    kept = {k: v.clone() for k, v in opt.state[head.weight].items()}
+    kinds = {"sgd": ("SGD", "'momentum'"), "adamw": ("AdamW", "'betas'")}
+    opt_state_keys = {"sgd": {"momentum_buffer"},
+                      "adamw": {"exp_avg", "exp_avg_sq", "step" if sample_rate == 1 else "row_step"}}
+    theirs, setting = kinds[saved_by]
+    with pytest.raises(ValueError) as e:
+        head.load_sharded_state(state, opt)
+    assert str(e.value) == (
+        f"the saved head optimizer state is {theirs}'s (its param group 0 has {setting}), this optimizer is "
+        f"{type(opt).__name__}: load it into an {theirs} optimizer, or load the head without its optimizer state "
+        "(its optimizer then starts fresh)")
+    assert torch.equal(head.weight.detach(), weight) and opt.param_groups[0].keys() == groups.keys()
+    assert all(torch.equal(v, kept[k]) for k, v in opt.state[head.weight].items())
+    # without its param groups (a hand-made state), the state's tensors tell the kind
+    del state["extras"]["optimizer.param_groups"]
+    with pytest.raises(ValueError, match=f"AdamW's state; this optimizer is {type(opt).__name__}" if saved_by == "adamw"
+                       else f"SGD's state; this optimizer is {type(opt).__name__}"):
+        head.load_sharded_state(state, opt)
+    head.load_sharded_state(state)  # the rows alone: taken
+    same_head, same_opt = trained(saved_by)
+    same_head.load_sharded_state(_sharded_state_of(*trained(saved_by)), same_opt)
+    assert same_opt.state[same_head.weight].keys() == opt_state_keys[saved_by]
+
+
+def _sharded_state_of(head, opt):
+    state = head.sharded_state(opt)
+    assert any(k.startswith("optimizer.") for k in state["tensors"]), "no optimizer state saved: nothing to check"
+    return state
+
+
+@pytest.mark.parametrize("setting", [dict(dampening=0.1), dict(maximize=True)])
+def test_a_sharded_state_of_torchs_sgd_with_a_setting_the_row_sparse_sgd_lacks_is_refused(setting):
+    head = shardfc.ShardedMarginHead(D, C)
+    torch_sgd = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9, **setting)
+    x, y = _batch(0)
+    head(x, y).backward()
+    torch_sgd.step()
+    state = head.sharded_state(torch_sgd)
+    sparse = shardfc.ShardedMarginHead(D, C, sample_rate=0.5)
+    named = ", ".join(f"{key}={value!r}" for key, value in setting.items())
+    with pytest.raises(ValueError) as e:
+        sparse.load_sharded_state(state, head_optimizer(sparse, "sgd", lr=0.1, momentum=0.9))
+    assert str(e.value) == (f"the saved head optimizer state's param group 0 has {named}, which RowSparseSGD does not "
+                            "implement: its steps would not be those the state was saved for")
+
+
 @pytest.mark.parametrize("kind, setting", [("sgd", dict(dampening=0.1)), ("sgd", dict(maximize=True)),
                                            ("adamw", dict(amsgrad=True)), ("adamw", dict(maximize=True)),
                                            ("adamw", dict(amsgrad=True, maximize=True))])
@@ -1009,9 +1075,12 @@ def test_a_row_step_count_becomes_torchs_adamw_scalar_step_only_when_every_row_h
     # A scalar step already saved wins; other optimizers keep the per-row form as saved
     load_optimizer_rows(opt, params, [(0, 2), (2, 3)], {**moments, "row_step": torch.full((3,), 4.0)}, {"step": torch.tensor(9.0)})
     assert torch.equal(opt.state[params[0]]["step"], torch.tensor(9.0)) and torch.equal(opt.state[params[0]]["row_step"], torch.full((2,), 4.0))
-    sgd = torch.optim.SGD(params, lr=0.1)
-    load_optimizer_rows(sgd, params, [(0, 2), (2, 3)], {"row_step": torch.full((3,), 4.0)}, {})
-    assert set(sgd.state[params[0]]) == {"row_step"}
+    other = torch.optim.Adagrad(params, lr=0.1)  # neither SGD nor AdamW: no kind to check, taken as saved
+    load_optimizer_rows(other, params, [(0, 2), (2, 3)], {"row_step": torch.full((3,), 4.0)}, {})
+    assert set(other.state[params[0]]) == {"row_step"}
+    sgd = torch.optim.SGD(params, lr=0.1)  # an AdamW's step count into an SGD: refused (the kinds' test below)
+    with pytest.raises(ValueError, match="holds 'row_step', AdamW's state; this optimizer is SGD"):
+        load_optimizer_rows(sgd, params, [(0, 2), (2, 3)], {"row_step": torch.full((3,), 4.0)}, {})
 
 
 @pytest.mark.parametrize("make", [RowSparseSGD, RowSparseAdamW], ids=["sgd", "adamw"])

@@ -901,6 +901,72 @@ def _state_dtype(optimizer: torch.optim.Optimizer, p: Tensor, key: str, saved: T
     return dtype
 
 
+#: The setting that tells the two kinds of head optimizer apart in a param group (torch's and the
+#: row-sparse ones alike), and the state each kind keeps.
+_KIND_SETTING = {"SGD": "momentum", "AdamW": "betas"}
+_KIND_STATE = {"SGD": {"momentum_buffer"}, "AdamW": {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "row_step", "step"}}
+
+
+def _kind(group: Mapping[str, Any]) -> Optional[str]:
+    """``"SGD"`` or ``"AdamW"`` by the settings of param group ``group``; None for another optimizer."""
+    kinds = [kind for kind, key in _KIND_SETTING.items() if key in group]
+    return kinds[0] if len(kinds) == 1 else None
+
+
+def loadable_optimizer_rows(
+    optimizer: torch.optim.Optimizer,
+    row_slices: Sequence[Tuple[int, int]],
+    tensors: Mapping[str, Tensor],
+    extras: Mapping[str, Any],
+) -> Tuple[Mapping[str, Tensor], Mapping[str, Any]]:
+    """:func:`load_optimizer_rows`' ``(tensors, extras)`` in ``optimizer``'s form (AdamW's step count),
+    after checking that they are a state ``optimizer`` can continue; nothing is written, so a caller
+    can check before it writes anything else (the head's rows).
+
+    Raises:
+        ValueError: the state was saved by the other kind of optimizer (an SGD state into an AdamW
+            failed at its first step on a missing ``exp_avg``; an AdamW state into an SGD trained on
+            with AdamW's learning rate and decoupled weight decay as SGD's, its moments ignored), with
+            settings the row-sparse optimizers do not implement, another number of param groups, or
+            tensors of another number of rows.
+    """
+    tensors, extras = _adamw_step_form(optimizer, tensors, extras)
+    name = type(optimizer).__name__
+    groups = extras.get("param_groups")
+    mine = _kind(optimizer.param_groups[0])
+    if groups is not None:
+        if len(groups) != len(optimizer.param_groups):
+            raise ValueError(
+                f"saved optimizer state has {len(groups)} param groups, this optimizer {len(optimizer.param_groups)}"
+            )
+        for i, group in enumerate(groups):
+            theirs = _kind(group)
+            if mine is not None and theirs is not None and theirs != mine:
+                raise ValueError(
+                    f"the saved head optimizer state is {theirs}'s (its param group {i} has {_KIND_SETTING[theirs]!r}), "
+                    f"this optimizer is {name}: load it into an {theirs} optimizer, or load the head without its "
+                    "optimizer state (its optimizer then starts fresh)")
+            if isinstance(optimizer, _RowSparseOptimizer):
+                unlike = [f"{k}={group[k]!r}" for k, plain in _TORCH_ONLY.items() if k in group and group[k] != plain]
+                if unlike:
+                    raise ValueError(f"the saved head optimizer state's param group {i} has {', '.join(unlike)}, which "
+                                     f"{name} does not implement: its steps would not be those the state was saved for")
+    if mine is not None:
+        saved = set(tensors) | {k for k in extras if k != "param_groups"}
+        foreign = sorted(saved - _KIND_STATE[mine])
+        other = [kind for kind, keys in _KIND_STATE.items() if kind != mine and set(foreign) & keys]
+        if other:
+            raise ValueError(
+                f"the saved head optimizer state holds {', '.join(map(repr, foreign))}, {other[0]}'s state; this "
+                f"optimizer is {name}: load it into an {other[0]} optimizer, or load the head without its optimizer "
+                "state (its optimizer then starts fresh)")
+    total = sum(hi - lo for lo, hi in row_slices)
+    for key, t in tensors.items():
+        if t.dim() < 1 or t.shape[0] != total:
+            raise ValueError(f"optimizer state {key!r} has shape {tuple(t.shape)}; expected {total} rows")
+    return tensors, extras
+
+
 def load_optimizer_rows(
     optimizer: torch.optim.Optimizer,
     params: Sequence[Tensor],
@@ -923,22 +989,14 @@ def load_optimizer_rows(
     scalar ``step`` when every row has the same count, and is refused with the reason otherwise; the
     other way, :class:`RowSparseAdamW` takes a scalar ``step`` as every row's count at its next step.
     """
-    tensors, extras = _adamw_step_form(optimizer, tensors, extras)
+    tensors, extras = loadable_optimizer_rows(optimizer, row_slices, tensors, extras)
     rows_are_current = getattr(optimizer, "rows_are_current", None)
     if rows_are_current is not None:
         rows_are_current()  # the loaded state is a caught-up one (what sharded_state saves)
     groups = extras.get("param_groups")
     if groups is not None:
-        if len(groups) != len(optimizer.param_groups):
-            raise ValueError(
-                f"saved optimizer state has {len(groups)} param groups, this optimizer {len(optimizer.param_groups)}"
-            )
         for group, saved in zip(optimizer.param_groups, groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
-    total = sum(hi - lo for lo, hi in row_slices)
-    for key, t in tensors.items():
-        if t.dim() < 1 or t.shape[0] != total:
-            raise ValueError(f"optimizer state {key!r} has shape {tuple(t.shape)}; expected {total} rows")
     for p, (lo, hi) in zip(params, row_slices):
         state: Dict[str, Any] = {}
         for key, t in tensors.items():

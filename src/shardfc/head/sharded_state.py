@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 import torch
 from torch import Tensor
 
-from shardfc.head.partial_fc import load_optimizer_rows, optimizer_rows
+from shardfc.head.partial_fc import load_optimizer_rows, loadable_optimizer_rows, optimizer_rows
 
 if TYPE_CHECKING:
     from shardfc.head.module import ShardedMarginHead
@@ -85,6 +85,10 @@ def load_sharded_state(
     weight = tensors["weight"]
     base = head.class_range.start
     slices = [((r.start - base) * K, (r.stop - base) * K) for r in head.shard_ranges]
+    if optimizer is not None:  # checked before any row is written
+        opt_tensors = {_optimizer_key(k): v for k, v in tensors.items() if k.startswith("optimizer.")}
+        opt_extras = {_optimizer_key(k): v for k, v in extras.items() if k.startswith("optimizer.")}
+        loadable_optimizer_rows(optimizer, slices, opt_tensors, opt_extras)
     if hasattr(head.margin, "load_state"):  # first: it checks its values, before any row is written
         margin_state = {k[len("margin."):]: v for k, v in extras.items() if k.startswith("margin.")}
         if margin_state:
@@ -95,8 +99,6 @@ def load_sharded_state(
     head.sample_step = int(extras.get("sample_step", 0))
     head.forget_sampled_rows()
     if optimizer is not None:
-        opt_tensors = {_optimizer_key(k): v for k, v in tensors.items() if k.startswith("optimizer.")}
-        opt_extras = {_optimizer_key(k): v for k, v in extras.items() if k.startswith("optimizer.")}
         load_optimizer_rows(optimizer, head.shard_weights, slices, opt_tensors, opt_extras)
 
 
