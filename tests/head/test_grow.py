@@ -12,10 +12,11 @@ from sgd_only import SGD_MOMENTUM
 from shardfc import ShardedMarginHead, head_optimizer
 from shardfc import margins as M
 from shardfc.checkpoint import load_checkpoint, save_checkpoint
-from shardfc.head.grow import grown_state
+from shardfc.head.grow import ROW_STEP, grown_state, shared_row_step
 from shardfc.head.layout import class_ranges
 from shardfc.head.module import init_rows
 from shardfc.parallel.launch import spawn
+from thread_world import ThreadWorld
 
 D = 8
 
@@ -53,6 +54,8 @@ def assert_grown(before: dict, after: dict, C: int, new_rows: torch.Tensor) -> N
         assert torch.equal(b[:C], a), f"{key}: an old row changed"
         if key == "weight":
             assert torch.equal(b[C:], new_rows.to(b.dtype))
+        elif key == "row_step":  # the row-sparse AdamW's count: the one every old row shares, as torch's AdamW
+            assert a.unique().numel() == 1 and torch.equal(b[C:], torch.full_like(b[C:], float(a[0]))), key
         else:
             assert not b[C:].any(), f"{key}: new rows' optimizer state is not zero"
 
@@ -194,3 +197,94 @@ def test_grow_keeps_the_state_that_is_not_per_row():
         assert grown.margin.state() == stats
         assert torch.equal(grown_opt.state[grown.weight]["step"], step)
         assert grown_opt.param_groups[0]["lr"] == 0.0123
+
+
+def _adamw_head(C, sample_rate, sparse, classes_dtype=torch.float64, **kw):
+    head = make_head(C, sample_rate, classes_dtype)
+    if sparse:
+        return head, head_optimizer(head, "adamw", lr=0.05, weight_decay=0.05, **kw)
+    return head, torch.optim.AdamW(head.parameters(), lr=0.05, weight_decay=0.05)
+
+
+def _train64(head, opt, steps, C):
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, D, generator=g, dtype=torch.float64), torch.randint(0, C, (16,), generator=g)
+        opt.zero_grad(set_to_none=False)
+        head(x, y).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("sample_rate,kw", [(0.3, {}), (1.0, {"fused_update": True})], ids=["partial-fc", "fused"])
+def test_a_head_grown_under_the_row_sparse_adamw_trains_on_as_under_torchs(sample_rate, kw):
+    """torch's AdamW keeps one step count for all rows: a grown head's new rows take their first
+    update bias-corrected as step T + 1. The row-sparse AdamW (Partial FC, the fused update, bf16
+    centres) gave them a count of 0 (a first step: an update about 3x smaller at beta2 = 0.999), so the
+    same grow trained the new classes, and through the softmax the old ones, otherwise (new rows off
+    by 0.11 after 7 steps here). Now the two heads stay equal through the grow and after it."""
+    C, n = 30, 11
+    (ours, ours_opt), (theirs, theirs_opt) = (_adamw_head(C, sample_rate, True, **kw),
+                                              _adamw_head(C, sample_rate, False))
+    _train64(ours, ours_opt, range(5), C)
+    _train64(theirs, theirs_opt, range(5), C)
+    rows = torch.randn(n, D, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    ours.grow(n, rows, ours_opt)
+    theirs.grow(n, rows, theirs_opt)
+    assert torch.equal(ours_opt.state[ours.weight]["row_step"], torch.full((C + n,), 5.0, dtype=torch.float64))
+    _train64(ours, ours_opt, range(5, 12), C + n)
+    _train64(theirs, theirs_opt, range(5, 12), C + n)
+    ours.catch_up()
+    torch.testing.assert_close(ours.weight.detach(), theirs.weight.detach(), rtol=0, atol=1e-12)
+    # and the checkpoint's way (grown_state from a sharded state, the resume path) gives the same state
+    fresh, fresh_opt = _adamw_head(C + n, sample_rate, True, **kw)
+    saved, saved_opt = _adamw_head(C, sample_rate, True, **kw)
+    _train64(saved, saved_opt, range(5), C)
+    state = saved.sharded_state(saved_opt)
+    fresh.load_sharded_state(grown_state(state, C + n, range(C + n), lambda r: rows, shared_row_step(state["tensors"])),
+                             fresh_opt)
+    assert torch.equal(fresh_opt.state[fresh.weight]["row_step"], torch.full((C + n,), 5.0, dtype=torch.float64))
+
+
+def test_lazy_rows_counts_differ_so_new_rows_count_their_own_updates():
+    head, opt = _adamw_head(30, 0.3, True, idle_rows="lazy")
+    _train64(head, opt, range(4), 30)
+    counts = opt.state[head.weight]["row_step"].clone()
+    assert counts.unique().numel() > 1  # rows sampled a different number of times
+    head.grow(5, torch.randn(5, D, dtype=torch.float64), opt)
+    assert torch.equal(opt.state[head.weight]["row_step"], torch.cat([counts, torch.zeros(5, dtype=torch.float64)]))
+
+
+@pytest.mark.parametrize("held,expected", [
+    ([[5.0, 5.0], [], [5.0]], 5.0),     # a rank without a row learns the count from the others
+    ([[5.0, 5.0], [4.0], []], 0.0),     # counts that differ between ranks: the new rows' own, 0
+    ([[3.0, 4.0], [], []], 0.0),        # ... or within a rank
+    ([[], [], []], 0.0),                # no row anywhere
+    ([None, None, None], 0.0),          # no count (SGD, torch's AdamW): nothing to share
+])
+def test_the_shared_row_step_is_agreed_over_every_rank(held, expected):
+    def rank(r):
+        tensors = {} if held[r] is None else {ROW_STEP: torch.tensor(held[r], dtype=torch.float64)}
+        return shared_row_step(tensors, ThreadWorld.context(world))
+
+    world = ThreadWorld(3)
+    assert world.results(rank) == [expected] * 3
+    assert shared_row_step({ROW_STEP: torch.tensor([7.0, 7.0], dtype=torch.float64)}) == 7.0  # one process
+
+
+@pytest.mark.parametrize("sample_rate,kw", [(1.0, {"fused_update": True}), (0.5, {})], ids=["fused", "partial-fc"])
+def test_grow_over_ranks_where_one_held_no_old_row_gives_every_new_row_the_count(monkeypatch, sample_rate, kw):
+    """Two classes over three ranks: rank 2 holds none before the grow, yet its new rows get the
+    count the old rows share (one all-reduce in ``grow_head``). Before, that rank's optimizer kept no
+    state (no row to update made none), so the ranks gathered different keys and the grow's
+    collectives paired up wrongly (a hang between processes); Partial FC's draw failed on it."""
+    world = ThreadWorld(3)
+
+    def rank(r):
+        head, opt = _adamw_head(2, sample_rate, True, **kw)
+        _train64(head, opt, range(3), 2)
+        head.grow(7, lambda classes: torch.zeros(len(classes), D, dtype=torch.float64), opt)
+        return head.class_range, opt.state[head.weight]["row_step"].tolist()
+
+    out = world.results(rank, monkeypatch)
+    assert [r for r, _ in out] == class_ranges(9, 3)
+    assert [steps for _, steps in out] == [[3.0] * 3] * 3

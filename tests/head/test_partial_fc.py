@@ -1294,3 +1294,33 @@ def test_head_optimizer_defaults_are_each_optimizers_own(sample_rate):
     assert (given["momentum"], given["nesterov"]) == (0.0, False)
     given = shardfc.head_optimizer(head, "adamw", lr=0.1, betas=(0.5, 0.6), eps=1e-3).param_groups[0]
     assert (tuple(given["betas"]), given["eps"]) == ((0.5, 0.6), 1e-3)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_partial_fc_over_more_shards_than_classes_trains_as_the_full_head(name):
+    """Two classes over three shards: the third holds none. Partial FC's draw looked its labels up in
+    an empty table (IndexError), and the row-sparse AdamW made no state for it (no row, no block),
+    so its state lacked every key the others had. With a batch larger than a shard, every class is
+    sampled: the run equals the full head's under torch's optimizer, and every shard has the state."""
+    def run(sample_rate):
+        head = shardfc.ShardedMarginHead(D, 2, devices=["cpu"] * 3, sample_rate=sample_rate, dtype=torch.float64)
+        opt = head_optimizer(head, name, lr=0.1, weight_decay=5e-4, **SGD_MOMENTUM[name])
+        losses = []
+        for step in range(3):
+            x, y = _batch(step)
+            opt.zero_grad()
+            loss = head(x.double(), y % 2)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        head.catch_up()
+        return head, opt, losses
+
+    sparse, sparse_opt, sparse_losses = run(0.5)
+    dense, _, dense_losses = run(1.0)
+    assert [len(r) for r in sparse.shard_ranges] == [1, 1, 0]
+    assert sparse_losses == pytest.approx(dense_losses, rel=1e-12)
+    for a, b in zip(sparse.shard_weights, dense.shard_weights):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-14)
+    keys = [sorted(sparse_opt.state[w]) for w in sparse.shard_weights]
+    assert keys[0] and keys == [keys[0]] * 3

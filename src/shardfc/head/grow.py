@@ -3,9 +3,13 @@
 New classes are appended after the old ones: class ``c < C`` keeps id ``c`` and its centre, and
 its optimizer state (momentum, Adam moments, the row-sparse AdamW's per-row step), bit for bit;
 new classes get ids ``C .. C + n - 1``, the rows given (imprinted: :mod:`shardfc.head.imprint`)
-or the head's own seeded ``N(0, 0.01²)`` rows, and optimizer state zero (no momentum, no moments,
-a per-row step of 0: their first update is bias-corrected as a first step). A scalar optimizer
-state shared by all rows (torch AdamW's ``step``) stays what it was.
+or the head's own seeded ``N(0, 0.01²)`` rows, and zero momentum and moments. AdamW's step count
+is what torch's ``AdamW`` over the grown weight has: its one scalar ``step``, shared by all rows,
+stays what it was, so a new row's first update is bias-corrected as step ``T + 1``; the row-sparse
+AdamW's per-row ``row_step`` of the new rows is the count every old row shares (``T``: every row of
+a dense or ``idle_rows="exact"`` run), the same update, so a head grows alike under either
+optimizer (Partial FC, bf16 centres, the fused update or none). Where the old rows' counts differ
+(``idle_rows="lazy"``, which counts a row's own updates) the new rows' count is 0, their own.
 
 The shards are then balanced over the ranks for the new class count as
 :func:`~shardfc.head.layout.class_ranges` says, so a row may change rank. Two ways to do it:
@@ -21,17 +25,19 @@ The shards are then balanced over the ranks for the new class count as
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from shardfc.head.layout import class_ranges, overlap, seeded_rows
+from shardfc.parallel.context import DistContext
 
 if TYPE_CHECKING:
     from shardfc.head.module import ShardedMarginHead
 
-__all__ = ["grown_state", "grow_head", "NewRows"]
+__all__ = ["grown_state", "grow_head", "shared_row_step", "NewRows", "ROW_STEP"]
 
 #: The rows of the new classes: a tensor holding all ``n`` of them (``[n, D]``, or ``[n, K, D]``
 #: with sub-centres), a function ``rows(range of new class ids) -> tensor`` for those classes
@@ -40,8 +46,29 @@ __all__ = ["grown_state", "grow_head", "NewRows"]
 NewRows = Union[Tensor, Callable[[range], Tensor], None]
 
 
+#: The key of the row-sparse AdamW's per-row step count in a sharded state's tensors.
+ROW_STEP = "optimizer.row_step"
+
+
+def shared_row_step(tensors: Mapping[str, Tensor], ctx: Optional[DistContext] = None) -> float:
+    """The per-row step count (:data:`ROW_STEP`) that every old row of the head shares, over all
+    ranks when ``ctx`` is a distributed context (one all-reduce: call it on every rank); 0 when the
+    rows' counts differ, there is none, or no rank holds a row. :func:`grown_state`'s
+    ``new_row_step``."""
+    steps = tensors.get(ROW_STEP)
+    held = steps is not None and steps.numel() > 0
+    # [max, -min] in one all-reduce of max; -inf where this rank holds no count
+    span = torch.tensor([float(steps.max()), -float(steps.min())] if held else [-math.inf, -math.inf],
+                        dtype=torch.float64)
+    if ctx is not None and ctx.distributed:
+        span = ctx.all_reduce_(span.to(ctx.comm_device), "max").cpu()
+    high, low = float(span[0]), -float(span[1])
+    return high if math.isfinite(high) and high == low else 0.0
+
+
 def grown_state(
-    old: Mapping[str, Any], num_classes: int, class_range: range, new_rows: Callable[[range], Tensor]
+    old: Mapping[str, Any], num_classes: int, class_range: range, new_rows: Callable[[range], Tensor],
+    new_row_step: float = 0.0,
 ) -> Dict[str, Any]:
     """The sharded state of ``class_range`` in a head of ``num_classes`` classes grown from ``old``.
 
@@ -52,11 +79,14 @@ def grown_state(
         class_range: the classes of the grown head this process holds.
         new_rows: ``new_rows(r)`` gives the centres of the new classes ``r = class_range ∩ [C, C + n)``
             (global ids), shaped like ``old``'s weight rows.
+        new_row_step: the new rows' per-row AdamW step count (:data:`ROW_STEP`), where ``old`` has
+            one: :func:`shared_row_step` of the old head's rows makes the grown head's next steps
+            those of torch's ``AdamW`` (see the module).
 
     Returns:
         ``{"num_classes", "class_range", "tensors", "extras"}`` for
         :meth:`~shardfc.head.ShardedMarginHead.load_sharded_state`: the old rows as they were, the
-        new ones after them, every per-row optimizer tensor zero on the new rows.
+        new ones after them, every per-row optimizer tensor zero on the new rows but the step count.
 
     Raises:
         ValueError: ``num_classes`` is smaller than the old count, ``old`` holds other rows, or the
@@ -80,7 +110,10 @@ def grown_state(
     _check_finite(rows, added)  # a function's rows: this rank's classes
     out = {}
     for key, t in tensors.items():
-        fill = rows.to(t.dtype) if key == "weight" else t.new_zeros(len(added), *t.shape[1:])
+        if key == "weight":
+            fill = rows.to(t.dtype)
+        else:
+            fill = t.new_full((len(added), *t.shape[1:]), new_row_step if key == ROW_STEP else 0)
         out[key] = torch.cat([t, fill.to(t.device)]) if len(added) else t
     return {"num_classes": num_classes, "class_range": class_range, "tensors": out, "extras": dict(old.get("extras", {}))}
 
@@ -169,7 +202,8 @@ def grow_head(
     new_range = class_ranges(total, head.world_size)[head.rank] if head.distributed else range(total)
     old_part = _old_rows_of(head, mine, overlap(new_range, range(C)))
     old = {"num_classes": C, "tensors": old_part, "extras": mine["extras"]}
-    state = grown_state(old, total, new_range, new_rows)
+    row_step = shared_row_step(mine["tensors"], head.ctx if head.distributed else None) if optimizer else 0.0
+    state = grown_state(old, total, new_range, new_rows, row_step)
 
     old_params = head.shard_weights
     head.num_classes = total

@@ -855,7 +855,9 @@ class ShardedMarginHead(nn.Module):
             rows = sample_present(positive_mask(lab, n_classes), keep, counters.on(w.device, step),
                                   mix_seed(self.sample_seed, first_shard + i))
             sampled.append(rows)
-            lut = torch.full((n_classes,), -1, dtype=torch.int64, device=w.device)
+            # one entry at least: a shard of no classes (fewer classes than shards) looks its labels,
+            # all outside it, up at 0 before torch.where discards them
+            lut = torch.full((max(n_classes, 1),), -1, dtype=torch.int64, device=w.device)
             lut[rows] = torch.arange(rows.numel(), device=w.device)
             sub_labels.append(torch.where(lab >= 0, lut[lab.clamp(min=0)], lab))
             if self.subcenters > 1:  # a sampled class brings all its centres, class-major

@@ -204,6 +204,10 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
     def _row_update(self, p: Tensor, group: dict):
         raise NotImplementedError
 
+    def _make_state(self, p: Tensor, group: dict) -> None:
+        """Make ``p``'s state if it has none yet (at its first step, as torch's optimizers do)."""
+        raise NotImplementedError
+
     @staticmethod
     def _blocks(p: Tensor, entry) -> Iterator[Tuple[Union[Tensor, slice], Tensor, Union[Tensor, slice]]]:
         """``(rows, gradient source, its index)`` per block of the rows ``entry`` says to update:
@@ -438,6 +442,10 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
                     continue
                 if not isinstance(entry, RowGrad) and p.grad is None:
                     continue  # no gradient: no step at all, as torch's optimizers do
+                # Its state made now, not by the first block that updates a row: a shard of no classes
+                # (fewer classes than shards) has no block, and its state would lack the keys every
+                # other shard's has (which sharded_state, grow and checkpoints gather by key).
+                self._make_state(p, group)
                 if not forward_caught_up:
                     self.catch_up_(p, rows)
                 if not self._fused_update(p, entry, group):
@@ -587,6 +595,9 @@ class RowSparseSGD(_RowSparseOptimizer):
             state["momentum_buffer"] = torch.zeros_like(p)
         return state["momentum_buffer"]
 
+    def _make_state(self, p: Tensor, group: dict) -> None:
+        self._momentum_buffer(p, group)
+
     def _row_update(self, p: Tensor, group: dict):
         from shardfc.head.fused.chunks import RowUpdate
 
@@ -673,6 +684,9 @@ class RowSparseAdamW(_RowSparseOptimizer):
             step = state.pop("step", 0.0)
             state["row_step"] = torch.zeros(p.shape[0], dtype=torch.float64, device=p.device).add_(step)
         return state
+
+    def _make_state(self, p: Tensor, group: dict) -> None:
+        self._adam_state(p)
 
     def _row_update(self, p: Tensor, group: dict):
         from shardfc.head.fused.chunks import RowUpdate

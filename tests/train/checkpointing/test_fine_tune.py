@@ -157,3 +157,24 @@ def test_imprinted_subcentres_are_the_imprint_plus_each_centres_own_random_row()
         else:
             assert torch.equal(rows[c - kept], random[c - kept])  # no image: the random centres
         assert len({tuple(centre.tolist()) for centre in rows[c - kept]}) == K  # K different centres
+
+
+@pytest.mark.parametrize("sample_rate", [0.5, 1.0], ids=["row-sparse", "torch"])
+def test_resume_with_more_identities_under_adamw_continues_the_step_count_on_the_new_rows(tmp_path: Path, sample_rate):
+    """A Partial FC run (the row-sparse AdamW: a step count per row) resumed on a dataset with more
+    identities: the new rows' count is the one every old row shares, as torch's AdamW over the grown
+    head has it, whichever optimizer the resumed run builds. Before, it was 0: the row-sparse AdamW
+    then bias-corrected their first step as a first step, and torch's AdamW (``--sample-rate 1``)
+    refused the state as a lazy one ("differs between rows")."""
+    out = tmp_path / "run"
+    first = train_cli.run(tiny_config(out, nproc=1, max_steps=2, eval_every=0, ckpt_every=0, optimizer="adamw",
+                                      sample_rate=0.5))
+    cfg = tiny_config(out, nproc=1, synthetic_identities=30, optimizer="adamw", sample_rate=sample_rate)
+    parts, state = load_parts(cfg, Path(first["checkpoint"]))
+    opt_state = parts.opt_head.state[parts.head.weight]
+    assert state.step == 2 and parts.head.num_classes == 30
+    if sample_rate < 1:
+        assert torch.equal(opt_state["row_step"], torch.full((30,), 2.0, dtype=torch.float64))
+    else:
+        assert isinstance(parts.opt_head, torch.optim.AdamW) and float(opt_state["step"]) == 2.0
+    assert not opt_state["exp_avg"][24:].any() and opt_state["exp_avg"][:24].any()

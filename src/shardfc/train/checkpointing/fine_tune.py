@@ -20,7 +20,7 @@ from shardfc import checkpoint as ckpt
 from shardfc.checkpoint.exported import is_torchscript, read_exported
 from shardfc.checkpoint.format import short_repr
 from shardfc.data.labels import dataset_labels
-from shardfc.head.grow import grown_state
+from shardfc.head.grow import grown_state, shared_row_step
 from shardfc.head.imprint import imprint_centres
 from shardfc.head.layout import overlap, seeded_rows
 from shardfc.parallel.context import DistContext
@@ -133,7 +133,10 @@ def head_state_for(run, cfg: TrainConfig, loaded, plan: ClassPlan, with_optimize
                      extras={k: v for k, v in state["extras"].items() if not k.startswith("optimizer.")})
     if plan.num_classes == plan.kept:
         return state
-    return grown_state(state, plan.num_classes, run.parts.head.class_range, new_head_rows(run, cfg, plan.kept))
+    head = run.parts.head
+    # AdamW's step count of the new rows, as torch's AdamW over the grown head has it (collective)
+    row_step = shared_row_step(state["tensors"], head.ctx if head.distributed else None) if with_optimizer else 0.0
+    return grown_state(state, plan.num_classes, head.class_range, new_head_rows(run, cfg, plan.kept), row_step)
 
 
 def fresh_rows(run, cfg: TrainConfig) -> None:
