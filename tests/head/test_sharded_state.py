@@ -68,6 +68,24 @@ def test_a_state_without_extras_or_without_a_sample_step_loads_with_step_zero():
     assert head.sample_step == 5
 
 
+@pytest.mark.parametrize("step", [1.5, -3, "4", True, None])
+def test_a_sample_step_that_is_no_step_count_is_refused_before_a_row_is_written(step):
+    """``int()`` took 1.5 as step 1 (another Partial FC draw than the saved run's next), -3 as a step
+    before the first, and "x" with a bare ValueError; a checkpoint's extras are a file's contents."""
+    saved = _head().sharded_state()
+    head = _head(sample_rate=0.5)
+    head.sample_step = 7
+    before = head.weight.detach().clone()
+    with pytest.raises(ValueError) as err:
+        head.load_sharded_state({"tensors": {"weight": torch.zeros_like(saved["tensors"]["weight"])},
+                                 "extras": {"sample_step": step}})
+    assert str(err.value) == ("sharded state's sample_step (the Partial FC draw's step) must be an int >= 0, got "
+                              f"{step!r}")
+    assert head.sample_step == 7 and torch.equal(head.weight.detach(), before)
+    head.load_sharded_state({"tensors": saved["tensors"], "extras": {"sample_step": torch.tensor(9)}})
+    assert head.sample_step == 9 and type(head.sample_step) is int
+
+
 def test_a_rank_whose_classes_start_past_zero_loads_its_own_rows(monkeypatch):
     """Rank 1 of 2 holds classes 6..10: its rows are found by their offset from the rank's first
     class, not from class 0."""

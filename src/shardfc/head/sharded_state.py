@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 import torch
 from torch import Tensor
 
+from shardfc.checks import integer_value
 from shardfc.head.partial_fc import load_optimizer_rows, loadable_optimizer_rows, optimizer_rows
 
 if TYPE_CHECKING:
@@ -85,6 +86,10 @@ def load_sharded_state(
     weight = tensors["weight"]
     base = head.class_range.start
     slices = [((r.start - base) * K, (r.stop - base) * K) for r in head.shard_ranges]
+    sample_step = integer_value(extras.get("sample_step", 0))
+    if sample_step is None or sample_step < 0:  # int() took 1.5 as step 1 and "x" as a bare ValueError
+        raise ValueError(f"sharded state's sample_step (the Partial FC draw's step) must be an int >= 0, got "
+                         f"{extras.get('sample_step')!r}")
     if optimizer is not None:  # checked before any row is written
         opt_tensors = {_optimizer_key(k): v for k, v in tensors.items() if k.startswith("optimizer.")}
         opt_extras = {_optimizer_key(k): v for k, v in extras.items() if k.startswith("optimizer.")}
@@ -96,7 +101,7 @@ def load_sharded_state(
     with torch.no_grad():
         for w, (lo, hi) in zip(head.shard_weights, slices):
             w.copy_(weight[lo:hi])
-    head.sample_step = int(extras.get("sample_step", 0))
+    head.sample_step = sample_step
     head.forget_sampled_rows()
     if optimizer is not None:
         load_optimizer_rows(optimizer, head.shard_weights, slices, opt_tensors, opt_extras)
