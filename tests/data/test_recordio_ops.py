@@ -281,6 +281,28 @@ def test_pack_of_a_list_resolves_against_root_and_writes_no_classes_txt(tmp_path
     assert sorted(p.name for p in out.iterdir()) == ["property", "train.idx", "train.rec"]
 
 
+def test_a_forced_pack_that_fails_leaves_the_earlier_pack_whole_class_names_included(tmp_path: Path, monkeypatch):
+    """A list pack with --force over a folder pack removed the old classes.txt before its new files
+    were put in place: when putting them in place then failed (a full or vanished disk, a kill), the
+    old pack was left without its class names. Now the earlier pack keeps them until it is replaced."""
+    src = _faces(tmp_path, z=[_noise_png(2, 3)])
+    out = tmp_path / "out"
+    recordio_ops.pack(str(src), str(out), log=io.StringIO())
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert before["classes.txt"] == b"z\n"
+    listing = tmp_path / "train.txt"
+    listing.write_text("x.png 0\n")
+    (tmp_path / "x.png").write_bytes(_noise_png(2, 3, 1))
+
+    def no_disk(*_):
+        raise OSError("the disk is gone")
+
+    monkeypatch.setattr(recordio_ops.os, "replace", no_disk)
+    with pytest.raises(OSError, match="the disk is gone"):
+        recordio_ops.pack(str(listing), str(out), list_file=True, force=True, log=io.StringIO())
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # and no .part file left behind
+
+
 def test_pack_of_a_folder_over_a_folder_pack_replaces_classes_txt(tmp_path: Path):
     src = _faces(tmp_path, z=[_noise_png(2, 3)])
     out = tmp_path / "out"

@@ -67,15 +67,15 @@ def staged_outputs(finals: List[str]) -> Iterator[List[str]]:
     tmps = [f + ".part" for f in finals]
     try:
         yield tmps
-    except BaseException:
+        for t, f in zip(tmps, finals):
+            os.replace(t, f)
+    except BaseException:  # the renames' failures too: no .part is left behind
         for t in tmps:
             try:
                 os.remove(t)
             except FileNotFoundError:
                 pass
         raise
-    for t, f in zip(tmps, finals):
-        os.replace(t, f)
 
 
 def pack(
@@ -142,9 +142,11 @@ def pack(
         if classes is not None:
             with open(tmps[3], "w", encoding="utf-8") as f:
                 f.writelines(name + "\n" for name in classes)
-        stale = os.path.join(out, "classes.txt")
-        if classes is None and force and os.path.exists(stale):
-            os.remove(stale)  # from an earlier folder pack; would name the wrong labels
+    # After the new files are in place, not before: a pack that fails (or is killed) leaves the earlier
+    # pack whole, its class names included.
+    stale = os.path.join(out, "classes.txt")
+    if classes is None and force and os.path.exists(stale):
+        os.remove(stale)  # from an earlier folder pack; would name the wrong labels
 
     summary = {
         "out": out,
