@@ -446,6 +446,23 @@ def test_shuffle_without_property_clears_another_one_with_force_only(tmp_path: P
     recordio_ops.shuffle(str(src), str(out), force=True, log=io.StringIO())  # and again, with nothing to clear
 
 
+def test_a_forced_shuffle_that_fails_leaves_what_out_held_whole(tmp_path: Path, monkeypatch):
+    """The shuffle of a data set without a property over another pack removed that pack's property
+    before its own files were in place: a failure then left the earlier pack without it."""
+    out = tmp_path / "out"
+    recordio_ops.shuffle(str(_labelled(tmp_path / "other", 2, "2,2,3\n")), str(out), log=io.StringIO())
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(before) == ["property", "train.idx", "train.rec"]
+
+    def no_disk(*_):
+        raise OSError("the disk is gone")
+
+    monkeypatch.setattr(recordio_ops.os, "replace", no_disk)
+    with pytest.raises(OSError, match="the disk is gone"):
+        recordio_ops.shuffle(str(_labelled(tmp_path / "src", 3)), str(out), force=True, log=io.StringIO())
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_shuffle_with_property_replaces_one_there_with_force_only(tmp_path: Path):
     src = _labelled(tmp_path / "src", 3, "3, 2,3\n")
     out = tmp_path / "out"

@@ -263,8 +263,9 @@ def shuffle(path: str, out: str, seed: int = 0, force: bool = False, log=None) -
                 writer.write(new_key, ds.reader.read(int(ds.keys[i])))
         if copy_property:
             write_property(tmps[2], *ds.property)
-        elif not own_property and os.path.lexists(prop):
-            os.remove(prop)  # another data set's: it would name the wrong number of classes
+    # After the shuffled file is in place (a failed shuffle leaves what OUT held whole):
+    if not copy_property and not own_property and os.path.lexists(prop):
+        os.remove(prop)  # another data set's: it would name the wrong number of classes
     print(f"wrote {len(perm)} images in shuffled order (seed {seed}) to {rec}", file=log)
     return {"rec": rec, "images": len(perm)}
 
