@@ -137,6 +137,15 @@ def test_shardfc_torchrun_refuses_fewer_than_one_process_per_node(execs, capsys,
     assert execs == []
 
 
+def test_a_per_node_count_of_digits_int_cannot_read_is_left_to_torchrun(execs):
+    """"²" is a digit to str.isdigit, but int() refuses it: the check stopped with a bare ValueError."""
+    from shardfc.cli import main
+
+    argv = ["--standalone", "--nproc-per-node", "²", "--", "--max-steps", "1"]
+    assert main(["torchrun", *argv]) == 0
+    assert execs == [argv]
+
+
 @pytest.mark.parametrize("launcher, count", [
     ([], None), (["--nproc-per-node", "2"], "2"), (["--nproc_per_node=auto"], "auto"), (["--nproc-per-node"], None),
     (["--nnodes", "0"], None),

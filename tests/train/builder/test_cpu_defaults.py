@@ -34,6 +34,9 @@ def test_threads_come_from_the_flag_then_omp_num_threads_then_cores_per_process(
     assert cpu.resolve_threads(0, processes=3, cores=2, env={})[0] == 1  # never 0
     n, why = cpu.resolve_threads(0, processes=2, cores=8, env={"OMP_NUM_THREADS": "lots"})
     assert n == 4 and "'lots' is not a positive integer, ignored" in why
+    # "²" is a digit to str.isdigit but no number to int(): it stopped the run with a bare ValueError
+    n, why = cpu.resolve_threads(0, processes=2, cores=8, env={"OMP_NUM_THREADS": "²"})
+    assert n == 4 and "'²' is not a positive integer, ignored" in why
     n, why = cpu.resolve_threads(0, processes=2, cores=8, env={"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2"})
     assert n == 1 and "torchrun sets 1" in why and "--threads N overrides" in why
 
@@ -43,6 +46,7 @@ def test_processes_on_this_machine_per_launcher():
     assert cpu.local_processes("ddp", 3, env={}) == 3  # spawned with --nproc 3
     assert cpu.local_processes("dp", 1, env={}) == 1
     assert cpu.local_processes("ddp", 1, env={}) == 1
+    assert cpu.local_processes("ddp", 3, env={"LOCAL_WORLD_SIZE": "²"}) == 3  # not a count: as if unset
 
 
 def test_threads_flag_is_validated():

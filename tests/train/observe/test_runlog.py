@@ -238,6 +238,8 @@ def test_truncate_metrics_on_files_without_a_header_or_with_nothing_to_drop(tmp_
     assert path.read_text(encoding="utf-8").splitlines() == ["step,name,value,elapsed_s", "1,a,1,0"]
     assert runlog.truncate_metrics(path, 5) == 0 and [p.name for p in tmp_path.iterdir()] == ["metrics.csv"]
     assert runlog.truncate_metrics(path, 1) == 0  # a row at the step itself is kept
+    path.write_text("step,name,value,elapsed_s\n1,a,1,0\n²,a,2,0\n", encoding="utf-8")
+    assert runlog.truncate_metrics(path, 5) == 1  # "²" (a digit to isdigit, no int) is no step: a resume went on
 
 
 def test_the_bar_counts_steps_and_shows_the_numbers_on_a_terminal(tmp_path, monkeypatch, capsys):

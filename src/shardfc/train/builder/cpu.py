@@ -37,8 +37,9 @@ def usable_cores() -> int:
 def local_processes(strategy: str, world_size: int, env: Mapping[str, str] = os.environ) -> int:
     """Training processes on this machine: torchrun's LOCAL_WORLD_SIZE, Horovod's local size, one for
     'dp', else every rank (spawned here with --nproc)."""
-    if env.get("LOCAL_WORLD_SIZE", "").isdigit():
-        return max(1, int(env["LOCAL_WORLD_SIZE"]))
+    local = env.get("LOCAL_WORLD_SIZE", "")
+    if local.isascii() and local.isdigit():  # isdigit alone takes "²", which int() refuses
+        return max(1, int(local))
     if strategy == "horovod":
         from shardfc.train.builder.strategy import horovod_module
 
@@ -53,7 +54,7 @@ def resolve_threads(
     if threads > 0:
         return threads, "--threads"
     omp = env.get("OMP_NUM_THREADS", "").strip()
-    if omp.isdigit() and int(omp) > 0:
+    if omp.isascii() and omp.isdigit() and int(omp) > 0:
         why = f"OMP_NUM_THREADS={omp}"
         if "LOCAL_WORLD_SIZE" in env:
             why += " (torchrun sets 1 when it is unset; --threads N overrides)"

@@ -194,7 +194,7 @@ def truncate_metrics(csv_path: Path, step: int) -> int:
     if not rows:
         return 0
     body = rows[1:] if rows[0] == _CSV_HEADER else rows
-    kept = [r for r in body if len(r) == len(_CSV_HEADER) and r[0].isdigit() and int(r[0]) <= step]
+    kept = [r for r in body if len(r) == len(_CSV_HEADER) and r[0].isascii() and r[0].isdigit() and int(r[0]) <= step]
     if len(kept) == len(body):
         return 0
     def write(scratch: Path) -> None:
