@@ -38,7 +38,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     launcher, train_flags = torchrun.split_argv(argv)
     if not {"-h", "--help"} & set(train_flags):  # the workers print train's help (parse_config would exit)
         count = nproc_per_node(launcher)
-        if count is not None and count.lstrip("-").isascii() and count.lstrip("-").isdigit() and int(count) < 1:  # torchrun: an AssertionError
+        digits = (count or "").lstrip("-")  # ASCII: isdigit alone takes "²", which int() refuses
+        if digits.isascii() and digits.isdigit() and int(count) < 1:  # torchrun: an AssertionError
             print(f"shardfc torchrun: error: --nproc-per-node must be >= 1 (or auto, cpu, gpu), got {count}",
                   file=sys.stderr)
             return 2

@@ -30,14 +30,14 @@ from shardfc.head.margin_base import Margin, check_scale, sin_from_cos
 __all__ = ["AdaFace", "MagFace"]
 
 
-def _statistic(name: str, value) -> float:
+def _statistic(name: str, value, std: bool) -> float:
     """A running statistic of AdaFace as a float: finite (a NaN mean or std makes every sample's
     quality, and so every target logit and the loss, NaN), the std not negative (it would turn the
     quality around: a sharp image would count as a blurred one). A one-element tensor is read as
     its number."""
     if isinstance(value, Tensor) and value.numel() == 1:
         value = value.item()
-    return check_real(name, value, nonnegative=name.endswith("norm_std"))
+    return check_real(name, value, nonnegative=std)
 
 
 class AdaFace(Margin):
@@ -78,7 +78,7 @@ class AdaFace(Margin):
     @norm_mean.setter
     def norm_mean(self, value: float) -> None:
         self._stats = self._stats.clone()
-        self._stats[0] = _statistic("norm_mean", value)
+        self._stats[0] = _statistic("norm_mean", value, std=False)
 
     @property
     def norm_std(self) -> float:
@@ -87,7 +87,7 @@ class AdaFace(Margin):
     @norm_std.setter
     def norm_std(self, value: float) -> None:
         self._stats = self._stats.clone()
-        self._stats[1] = _statistic("norm_std", value)
+        self._stats[1] = _statistic("norm_std", value, std=True)
 
     def _stats_on(self, device: torch.device) -> Tensor:
         """The statistics on ``device`` (moved there for good: every later step reads them there)."""
@@ -107,7 +107,8 @@ class AdaFace(Margin):
     def load_state(self, state: Dict[str, float]) -> None:
         """Restore what :meth:`state` returned (raises KeyError if a key is missing, ValueError if
         a statistic is not a finite number or the std is negative)."""
-        mean, std = (_statistic(f"AdaFace's saved {key}", state[key]) for key in ("norm_mean", "norm_std"))
+        mean, std = (_statistic(f"AdaFace's saved {key}", state[key], std=key == "norm_std")
+                     for key in ("norm_mean", "norm_std"))
         self._stats = torch.tensor([mean, std], dtype=torch.float64).to(self._stats.device)
 
     @torch.no_grad()
