@@ -3,6 +3,7 @@ through a checkpoint saved on 2 ranks and grown on 3 (the resharding path)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -288,3 +289,65 @@ def test_grow_over_ranks_where_one_held_no_old_row_gives_every_new_row_the_count
     out = world.results(rank, monkeypatch)
     assert [r for r, _ in out] == class_ranges(9, 3)
     assert [steps for _, steps in out] == [[3.0] * 3] * 3
+
+
+def test_grown_state_names_what_it_returns_and_refuses_by_name():
+    """The state it returns carries the grown layout (load_sharded_state checks it only where it is
+    given); the new rows take the old rows' dtype; a state without extras has none; growing by 0 is
+    the state itself; and a state of other rows, or new rows of the wrong shape, are refused naming
+    both."""
+    head = make_head(10)
+    state = head.sharded_state()
+    grown = grown_state(state, 13, range(13), lambda r: torch.ones(len(r), D, dtype=torch.float64))
+    assert grown["num_classes"] == 13 and grown["class_range"] == range(13)
+    assert grown["tensors"]["weight"].dtype == torch.float32 and grown["extras"] == state["extras"]
+    bare = grown_state({"num_classes": 10, "tensors": state["tensors"]}, 12, range(12), lambda r: torch.ones(len(r), D))
+    assert bare["extras"] == {} and bare["tensors"]["weight"].shape == (12, D)
+    same = grown_state(state, 10, range(10), lambda r: torch.ones(len(r), D))
+    assert torch.equal(same["tensors"]["weight"], state["tensors"]["weight"]) and same["num_classes"] == 10
+    with pytest.raises(ValueError) as err:
+        grown_state(state, 13, range(4, 13), lambda r: torch.ones(len(r), D))
+    assert str(err.value) == "the old state holds 10 rows, class range range(4, 10) of the old head has 6"
+    with pytest.raises(ValueError) as err:
+        grown_state(state, 13, range(13), lambda r: torch.ones(len(r), D + 1))
+    assert str(err.value) == "new rows for classes 10..12 have shape (3, 9), expected (3, 8)"
+    # a per-row step count of the new rows: 0 unless one is given
+    with_steps = dict(state, tensors={**state["tensors"], ROW_STEP: torch.full((10,), 4.0, dtype=torch.float64)})
+    assert grown_state(with_steps, 12, range(12), lambda r: torch.ones(len(r), D))["tensors"][ROW_STEP].tolist() == \
+        [4.0] * 10 + [0.0] * 2
+
+
+def test_grow_by_one_by_none_and_by_what_is_no_count():
+    head = make_head(10)
+    before = head.weight.detach().clone()
+    assert head.grow(0) is head and head.num_classes == 10 and torch.equal(head.weight.detach(), before)
+    head.grow(1)
+    assert head.num_classes == 11 and head.weight.shape == (11, D)
+    for bad in (1.5, True, "2"):
+        with pytest.raises(ValueError, match=rf"^n must be an int >= 0 \(classes to add\), got {re.escape(repr(bad))}$"):
+            head.grow(bad)
+
+
+def test_grow_with_subcentres_takes_rows_of_each_centre():
+    head = make_head(6, subcenters=2)
+    rows = torch.randn(3, 2, D)
+    head.grow(3, rows)
+    assert torch.equal(head.weight.detach()[12:], rows.reshape(6, D))
+    with pytest.raises(ValueError, match=r"rows has shape \(3, 8\), growing by 3 classes needs \(3, 2, 8\)"):
+        head.grow(3, torch.randn(3, D))
+
+
+def test_grow_over_ranks_hands_each_rank_its_slice_of_the_rows_given(monkeypatch):
+    """In process-group mode each rank takes its own new classes' rows out of the tensor given (every
+    rank gives all of them)."""
+    rows = torch.arange(7 * D, dtype=torch.float64).reshape(7, D)
+
+    def rank(r):
+        head = make_head(5, dtype=torch.float64)
+        head.grow(7, rows)
+        return head.class_range, head.weight.detach().clone()
+
+    out = ThreadWorld(3).results(rank, monkeypatch)
+    assert [r for r, _ in out] == class_ranges(12, 3)
+    grown = torch.cat([w for _, w in out])
+    assert torch.equal(grown[5:], rows)
