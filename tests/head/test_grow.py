@@ -351,3 +351,28 @@ def test_grow_over_ranks_hands_each_rank_its_slice_of_the_rows_given(monkeypatch
     assert [r for r, _ in out] == class_ranges(12, 3)
     grown = torch.cat([w for _, w in out])
     assert torch.equal(grown[5:], rows)
+
+
+def test_grow_up_to_the_ignore_index_and_not_past_it():
+    head = ShardedMarginHead(D, 10, ignore_index=15)
+    assert head.grow(5).num_classes == 15  # 15 stays outside 0..14
+    with pytest.raises(ValueError) as err:
+        head.grow(1)
+    assert str(err.value) == "ignore_index=15 would be a class id of the grown head (0..15)"
+
+
+def test_grow_keeps_an_optimizers_other_parameters_and_one_that_never_stepped():
+    """One optimizer over a backbone and the head (as a single-optimizer training loop builds it):
+    the grow swaps the head's parameters and leaves the backbone's; an optimizer without any state
+    yet (grown before the first step) is fine too."""
+    head = make_head(10)
+    backbone = torch.nn.Linear(D, D)
+    opt = torch.optim.SGD([{"params": backbone.parameters()}, {"params": head.parameters()}], lr=0.1, momentum=0.9)
+    head.grow(3, torch.zeros(3, D), opt)
+    assert opt.param_groups[0]["params"] == list(backbone.parameters())
+    assert opt.param_groups[1]["params"] == [head.weight] and head.weight.shape == (13, D)
+    x, y = torch.randn(4, D), torch.randint(0, 13, (4,))
+    opt.zero_grad()
+    head(backbone(x), y).backward()
+    opt.step()
+    assert set(opt.state) == set(backbone.parameters()) | {head.weight}
