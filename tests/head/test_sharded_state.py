@@ -135,3 +135,10 @@ def test_a_format_1_momentum_loads_as_todays():
     fresh.load_sharded_state(old, fresh_opt)
     assert torch.equal(fresh_opt.state[fresh.shard_weights[0]]["momentum_buffer"],
                        opt.state[head.shard_weights[0]]["momentum_buffer"])
+
+
+def test_a_weight_of_another_shape_is_refused_naming_both_shapes():
+    head = _head(subcenters=2)
+    with pytest.raises(ValueError) as err:
+        head.load_sharded_state({"tensors": {"weight": torch.zeros(C, D)}})
+    assert str(err.value) == f"sharded state weight has shape ({C}, {D}), this head's (subcenters=2) is ({C}, 2, {D})"
