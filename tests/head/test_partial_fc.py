@@ -1324,3 +1324,25 @@ def test_partial_fc_over_more_shards_than_classes_trains_as_the_full_head(name):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-14)
     keys = [sorted(sparse_opt.state[w]) for w in sparse.shard_weights]
     assert keys[0] and keys == [keys[0]] * 3
+
+
+def test_the_kind_refusals_name_every_foreign_state_and_setting():
+    """The refusals read whole: every state of the other kind named (the tensors and a scalar such as
+    torch AdamW's ``step`` alike), every torch setting the row-sparse optimizer lacks."""
+    params = [torch.nn.Parameter(torch.zeros(3, 2))]
+    sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    moments = {"exp_avg": torch.zeros(3, 2), "exp_avg_sq": torch.zeros(3, 2)}
+    with pytest.raises(ValueError) as err:
+        load_optimizer_rows(sgd, params, [(0, 3)], moments, {"step": torch.tensor(4.0)})
+    assert str(err.value) == (
+        "the saved head optimizer state holds 'exp_avg', 'exp_avg_sq', 'step', AdamW's state; this optimizer is SGD: "
+        "load it into an AdamW optimizer, or load the head without its optimizer state (its optimizer then starts "
+        "fresh)")
+    with pytest.raises(ValueError, match=r"holds 'step', AdamW's state; this optimizer is SGD"):
+        load_optimizer_rows(sgd, params, [(0, 3)], {}, {"step": torch.tensor(4.0)})  # a scalar alone tells too
+    sparse = RowSparseSGD([torch.nn.Parameter(torch.zeros(3, 2))], lr=0.1, momentum=0.9)
+    group = {"lr": 0.1, "momentum": 0.9, "dampening": 0.5, "nesterov": False, "weight_decay": 0.0, "maximize": True}
+    with pytest.raises(ValueError) as err:
+        load_optimizer_rows(sparse, sparse.param_groups[0]["params"], [(0, 3)], {}, {"param_groups": [group]})
+    assert str(err.value) == ("the saved head optimizer state's param group 0 has dampening=0.5, maximize=True, which "
+                              "RowSparseSGD does not implement: its steps would not be those the state was saved for")
