@@ -328,6 +328,17 @@ def test_pack_with_resize_reencodes_jpeg_at_quality_95_by_default(tmp_path: Path
     assert _stored(out)[0][1] == recordio_ops._encode(resized, "jpeg", 20)
     recordio_ops.pack(str(src), str(out), encode="png", force=True, log=io.StringIO())  # no resize, re-encoded
     assert _stored(out)[0][1] == recordio_ops._encode(Image.open(io.BytesIO(square)), "png", 95)
+    recordio_ops.pack(str(src), str(out), encode="jpeg", force=True, log=io.StringIO())  # PNGs stored as JPEG
+    assert [data for _, data in _stored(out)] == [recordio_ops._encode(Image.open(io.BytesIO(png)), "jpeg", 95)
+                                                 for png in (square, target)]
+
+
+def test_pack_of_a_list_naming_a_missing_image_says_which(tmp_path: Path):
+    listing = tmp_path / "train.txt"
+    listing.write_text("gone.png 0\n")
+    with pytest.raises(CommandError) as info:
+        recordio_ops.pack(str(listing), str(tmp_path / "out"), list_file=True, log=io.StringIO())
+    assert str(info.value) == f"image file not found: {str(tmp_path / 'gone.png')!r}"
 
 
 def test_pack_of_nothing_decodable_is_a_command_error(tmp_path: Path):
