@@ -270,6 +270,8 @@ def test_the_shared_row_step_is_agreed_over_every_rank(held, expected):
     world = ThreadWorld(3)
     assert world.results(rank) == [expected] * 3
     assert shared_row_step({ROW_STEP: torch.tensor([7.0, 7.0], dtype=torch.float64)}) == 7.0  # one process
+    # counts past float32's integers (2**24) survive the exchange whole
+    assert shared_row_step({ROW_STEP: torch.full((2,), 2.0**24 + 1, dtype=torch.float64)}) == 2.0**24 + 1
 
 
 @pytest.mark.parametrize("sample_rate,kw", [(1.0, {"fused_update": True}), (0.5, {})], ids=["fused", "partial-fc"])
