@@ -1346,3 +1346,18 @@ def test_the_kind_refusals_name_every_foreign_state_and_setting():
         load_optimizer_rows(sparse, sparse.param_groups[0]["params"], [(0, 3)], {}, {"param_groups": [group]})
     assert str(err.value) == ("the saved head optimizer state's param group 0 has dampening=0.5, maximize=True, which "
                               "RowSparseSGD does not implement: its steps would not be those the state was saved for")
+
+
+def test_a_bf16_heads_gradient_is_divided_by_the_clip_scale_in_fp32():
+    """With a ``grad_scale`` (the head's clip), a bf16 row's gradient is divided in fp32, the update's
+    own precision, and the result rounded once into the weight (a division in bf16 rounds twice)."""
+    g = torch.Generator().manual_seed(0)
+    w0 = torch.randn(6, 8, generator=g).to(torch.bfloat16)
+    grad = torch.randn(6, 8, generator=g).to(torch.bfloat16)
+    p = torch.nn.Parameter(w0.clone())
+    opt = RowSparseSGD([p], lr=0.5, momentum=0.0, weight_decay=0.0)
+    p.grad = grad.clone()
+    opt.grad_scale = torch.tensor(3.0)
+    opt.step()
+    expected = (w0.float() - 0.5 * (grad.float() / 3.0)).to(torch.bfloat16)
+    assert torch.equal(p.detach(), expected)
