@@ -202,6 +202,17 @@ def test_fp16_on_cpu_falls_back_to_bf16_with_a_message(tmp_path, caplog, monkeyp
     assert "amp='fp16' asked for, but this run is on the CPU" in (tmp_path / "fp16" / "train.log").read_text()
 
 
+def test_one_unread_checkpoint_setting_is_said_in_the_singular(caplog):
+    from shardfc.train.loop import _warn_unread_class_settings
+
+    with caplog.at_level(logging.WARNING, logger="shardfc.train"):
+        _warn_unread_class_settings(TrainConfig(head_init="imprint"))
+        _warn_unread_class_settings(TrainConfig())  # nothing set: nothing said
+    assert [r.getMessage() for r in caplog.records] == [
+        "head_init='imprint': read only when the run starts from a checkpoint (--init-from, or a resume); this run "
+        "starts fresh, so it is unused"]
+
+
 def test_a_fresh_run_says_its_checkpoint_settings_go_unread_and_a_resume_reads_them(tmp_path):
     # --resume auto may find a checkpoint or not: the flag parser cannot refuse these, the run says it
     cfg = tiny_config(tmp_path / "run", nproc=1, max_steps=1, grad_accum=1, synthetic_val_pairs=0,
