@@ -15,6 +15,7 @@ from shardfc.checks import (
     check_real,
     check_seed,
     chunk_size_arg,
+    digits_value,
     integer_value,
 )
 
@@ -97,6 +98,12 @@ def test_chunk_size_arg():
     assert chunk_size_arg("auto") == "auto" and chunk_size_arg("512") == 512
     with pytest.raises(ValueError):
         chunk_size_arg("AUTO")
+
+
+def test_digits_value_reads_ascii_digits_only():
+    assert [digits_value(t) for t in ("0", "7", "0012", "123456789012345678901")] == [0, 7, 12, 123456789012345678901]
+    # "²" passes str.isdigit and int() refuses it; "٣" int() reads as 3; the rest are no count
+    assert [digits_value(t) for t in ("²", "٣", "", " 3", "3 ", "-3", "+3", "3.0", "1_000", "x")] == [None] * 10
 
 
 def test_integer_value_takes_every_integer_and_no_bool_or_float():

@@ -27,6 +27,13 @@ def check_int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
+def digits_value(text: str) -> Optional[int]:
+    """The int that ``text``, ASCII digits only, spells; else None. ``str.isdigit`` also takes "²",
+    which ``int()`` refuses (a bare ValueError), and other scripts' digits: for counts read from the
+    environment or a file, whose callers decide what to do with anything else."""
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
 def integer_value(value: Any) -> Optional[int]:
     """``value`` as an int when it is an integer (Python's, numpy's, or a one-element integer tensor:
     a dataset's targets iterated), else None: a bool of any kind, a float (``int()`` would take 1.5

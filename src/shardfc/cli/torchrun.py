@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
+from shardfc.checks import digits_value
 from shardfc.cli.train import check_output_dir
 from shardfc.parallel import torchrun
 from shardfc.train.config import ConfigError, parse_config
@@ -38,8 +39,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     launcher, train_flags = torchrun.split_argv(argv)
     if not {"-h", "--help"} & set(train_flags):  # the workers print train's help (parse_config would exit)
         count = nproc_per_node(launcher)
-        digits = (count or "").lstrip("-")  # ASCII: isdigit alone takes "²", which int() refuses
-        if digits.isascii() and digits.isdigit() and int(count) < 1:  # torchrun: an AssertionError
+        if count is not None and digits_value(count.lstrip("-")) is not None and int(count) < 1:  # torchrun: an AssertionError
             print(f"shardfc torchrun: error: --nproc-per-node must be >= 1 (or auto, cpu, gpu), got {count}",
                   file=sys.stderr)
             return 2

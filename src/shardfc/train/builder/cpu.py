@@ -20,6 +20,8 @@ from typing import Mapping, Optional, Tuple
 
 import torch
 
+from shardfc.checks import digits_value
+
 __all__ = ["usable_cores", "local_processes", "resolve_threads", "apply_threads", "bf16_support"]
 
 #: /proc/cpuinfo flags of CPUs that compute in bf16 (x86 AVX512-BF16 / AMX; Arm's feature "bf16").
@@ -37,9 +39,9 @@ def usable_cores() -> int:
 def local_processes(strategy: str, world_size: int, env: Mapping[str, str] = os.environ) -> int:
     """Training processes on this machine: torchrun's LOCAL_WORLD_SIZE, Horovod's local size, one for
     'dp', else every rank (spawned here with --nproc)."""
-    local = env.get("LOCAL_WORLD_SIZE", "")
-    if local.isascii() and local.isdigit():  # isdigit alone takes "²", which int() refuses
-        return max(1, int(local))
+    local = digits_value(env.get("LOCAL_WORLD_SIZE", ""))
+    if local is not None:
+        return max(1, local)
     if strategy == "horovod":
         from shardfc.train.builder.strategy import horovod_module
 
@@ -54,7 +56,7 @@ def resolve_threads(
     if threads > 0:
         return threads, "--threads"
     omp = env.get("OMP_NUM_THREADS", "").strip()
-    if omp.isascii() and omp.isdigit() and int(omp) > 0:
+    if (digits_value(omp) or 0) > 0:
         why = f"OMP_NUM_THREADS={omp}"
         if "LOCAL_WORLD_SIZE" in env:
             why += " (torchrun sets 1 when it is unset; --threads N overrides)"

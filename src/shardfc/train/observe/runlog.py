@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from shardfc import files
+from shardfc.checks import digits_value
 from shardfc.evaluation.far import why_undefined
 from shardfc.outputs import write_atomically
 
@@ -194,7 +195,8 @@ def truncate_metrics(csv_path: Path, step: int) -> int:
     if not rows:
         return 0
     body = rows[1:] if rows[0] == _CSV_HEADER else rows
-    kept = [r for r in body if len(r) == len(_CSV_HEADER) and r[0].isascii() and r[0].isdigit() and int(r[0]) <= step]
+    steps = [digits_value(r[0]) if len(r) == len(_CSV_HEADER) else None for r in body]
+    kept = [r for r, at in zip(body, steps) if at is not None and at <= step]
     if len(kept) == len(body):
         return 0
     def write(scratch: Path) -> None:
