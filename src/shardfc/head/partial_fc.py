@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -109,6 +109,12 @@ def kernel_serves(choice: Optional[bool], p: Tensor, rounding: str, what: str) -
 
 #: Settings of torch's SGD / AdamW that the row-sparse ones do not have, at the value that means "off".
 _TORCH_ONLY = {"dampening": 0, "amsgrad": False, "maximize": False}
+
+
+def _torch_only_settings(group: Mapping[str, Any]) -> List[str]:
+    """``"name=value"`` of each :data:`_TORCH_ONLY` setting saved param group ``group`` sets otherwise
+    than the row-sparse optimizers' plain step."""
+    return [f"{k}={group[k]!r}" for k, plain in _TORCH_ONLY.items() if k in group and group[k] != plain]
 
 
 class _RowSparseOptimizer(torch.optim.Optimizer):
@@ -484,7 +490,7 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
                              f"(keys 'state' and 'param_groups'), got {type(state_dict).__name__}")
         groups = state_dict["param_groups"]
         for i, group in enumerate(groups):
-            unlike = [f"{k}={group[k]!r}" for k, plain in _TORCH_ONLY.items() if k in group and group[k] != plain]
+            unlike = _torch_only_settings(group)
             if unlike:
                 raise ValueError(f"{name}.load_state_dict: param group {i} has {', '.join(unlike)}, which {name} does "
                                  "not implement: its steps would not be those the state was saved for")
@@ -961,7 +967,7 @@ def loadable_optimizer_rows(
                     f"this optimizer is {name}: load it into an {theirs} optimizer, or load the head without its "
                     "optimizer state (its optimizer then starts fresh)")
             if isinstance(optimizer, _RowSparseOptimizer):
-                unlike = [f"{k}={group[k]!r}" for k, plain in _TORCH_ONLY.items() if k in group and group[k] != plain]
+                unlike = _torch_only_settings(group)
                 if unlike:
                     raise ValueError(f"the saved head optimizer state's param group {i} has {', '.join(unlike)}, which "
                                      f"{name} does not implement: its steps would not be those the state was saved for")
