@@ -10,6 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from shardfc.checkpoint import durable
@@ -67,7 +68,9 @@ def _rmtree_failing_unless_ignored(monkeypatch):
     monkeypatch.setattr(shutil, "rmtree", rmtree)
 
 
-def test_publish_moves_the_old_save_aside_under_a_scratch_name_then_deletes_it(tmp_path: Path, monkeypatch):
+def test_publish_where_no_swap_moves_the_old_save_aside_under_a_scratch_name_then_deletes_it(
+        tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(durable, "exchange", lambda a, b: False)
     final, tmp = tmp_path / "step_00000001", tmp_path / ".tmp-step_00000001-a1"
     final.mkdir()
     (final / "old").write_text("old")
@@ -91,7 +94,7 @@ def test_tidy_prunes_under_a_scratch_name_and_logs_each_removal(tmp_path: Path, 
     (tmp_path / ".tmp-step_00000009-ff").mkdir()
     moves = _recorded_replaces(monkeypatch)
     with caplog.at_level(logging.INFO, logger="shardfc.checkpoint"):
-        durable.tidy(tmp_path, 1, steps[2], "a1", steps)
+        durable.tidy(tmp_path, 1, steps[2], "a1", lambda root: steps)
     assert moves == [("step_00000001", ".del-step_00000001-a1"), ("step_00000002", ".del-step_00000002-a1")]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003"]
     assert [r.getMessage() for r in caplog.records] == [
@@ -105,7 +108,7 @@ def test_tidy_goes_on_when_a_delete_fails_and_logs_what_stops_it(tmp_path: Path,
         p.mkdir()
     _rmtree_failing_unless_ignored(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="shardfc.checkpoint"):
-        durable.tidy(tmp_path, 1, steps[2], "a1", steps)
+        durable.tidy(tmp_path, 1, steps[2], "a1", lambda root: steps)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".del-step_00000001-a1", ".del-step_00000002-a1", "step_00000003"]
     assert caplog.records == []
 
@@ -114,5 +117,161 @@ def test_tidy_goes_on_when_a_delete_fails_and_logs_what_stops_it(tmp_path: Path,
 
     monkeypatch.setattr(os, "replace", refuse)
     with caplog.at_level(logging.WARNING, logger="shardfc.checkpoint"):
-        durable.tidy(tmp_path, 0, steps[2], "a1", [steps[2], tmp_path / "step_00000004"])
+        durable.tidy(tmp_path, 0, steps[2], "a1", lambda root: [steps[2], tmp_path / "step_00000004"])
+    assert [r.getMessage() for r in caplog.records] == [f"cleaning up old checkpoints under {tmp_path} failed: read-only"]
+
+
+def _step(path: Path, text: str, meta: bool = True) -> Path:
+    """A folder standing for a checkpoint: one file saying which save it is, and ``meta.json`` unless told."""
+    path.mkdir()
+    (path / "which").write_text(text)
+    if meta:
+        (path / "meta.json").write_text("{}")
+    return path
+
+
+def test_publish_swaps_the_old_save_in_one_step_then_deletes_it(tmp_path: Path, monkeypatch):
+    final = _step(tmp_path / "step_00000001", "old")
+    tmp = _step(tmp_path / ".tmp-step_00000001-a1", "new")
+    moves = _recorded_replaces(monkeypatch)
+    durable.publish(tmp, final, "a1")
+    assert moves == [] and sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
+    assert (final / "which").read_text() == "new"
+
+
+def test_a_crash_right_after_the_swap_leaves_the_new_save_in_place(tmp_path: Path, monkeypatch):
+    final = _step(tmp_path / "step_00000001", "old")
+    tmp = _step(tmp_path / ".tmp-step_00000001-a1", "new")
+
+    def killed(path, ignore_errors=False):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", killed)
+    try:
+        durable.publish(tmp, final, "a1")
+    except KeyboardInterrupt:
+        pass
+    assert (final / "which").read_text() == "new" and (tmp / "which").read_text() == "old"  # tidy's to delete
+
+
+def test_exchange_swaps_two_folders_and_says_so(tmp_path: Path):
+    a, b = _step(tmp_path / "a", "a"), _step(tmp_path / "b", "b")
+    if durable._renameat2() is None:
+        assert durable.exchange(a, b) is False and (a / "which").read_text() == "a"
+        return
+    assert durable.exchange(a, b) is True
+    assert (a / "which").read_text() == "b" and (b / "which").read_text() == "a"
+
+
+def test_exchange_fails_loudly_on_a_missing_path_and_falls_back_where_it_cannot_swap(tmp_path: Path, monkeypatch):
+    import ctypes
+    import errno
+
+    a = _step(tmp_path / "a", "a")
+    calls = []
+
+    def answering(code):
+        def renameat2(*args):
+            calls.append(args)
+            ctypes.set_errno(code)
+            return -1
+        return renameat2
+
+    for code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):  # an NFS root, an old kernel
+        monkeypatch.setattr(durable, "_renameat2", lambda code=code: answering(code))
+        assert durable.exchange(a, tmp_path / "b") is False
+    assert calls[0] == (-100, os.fsencode(a), -100, os.fsencode(tmp_path / "b"), 2)
+    monkeypatch.setattr(durable, "_renameat2", lambda: answering(errno.ENOENT))
+    try:
+        durable.exchange(a, tmp_path / "b")
+    except FileNotFoundError as e:
+        assert (e.filename, e.filename2) == (str(a), str(tmp_path / "b"))
+    else:
+        raise AssertionError("no error")
+    monkeypatch.setattr(durable, "_renameat2", lambda: None)  # not Linux
+    assert durable.exchange(a, tmp_path / "b") is False and (a / "which").read_text() == "a"
+
+
+def test_renameat2_is_none_where_the_libc_has_none(monkeypatch):
+    class NoRenameat2:
+        def __init__(self, name, use_errno=False):
+            pass
+
+    durable._renameat2.cache_clear()
+    try:
+        monkeypatch.setattr(durable.ctypes, "CDLL", NoRenameat2)
+        assert durable._renameat2() is None
+    finally:
+        monkeypatch.undo()
+        durable._renameat2.cache_clear()
+
+
+def _crash_between_the_renames(tmp_path: Path, monkeypatch) -> Path:
+    """A resave of step 1 where no swap is possible, killed after the old save was moved aside."""
+    final = _step(tmp_path / "step_00000001", "old")
+    tmp = _step(tmp_path / ".tmp-step_00000001-a1", "new")
+    monkeypatch.setattr(durable, "exchange", lambda a, b: False)
+    real, seen = os.replace, []
+
+    def replace(a, b):
+        seen.append(a)
+        if len(seen) == 2:
+            raise KeyboardInterrupt  # a signal, between the two renames
+        real(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+    try:
+        durable.publish(tmp, final, "a1")
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".old-step_00000001-a1", ".tmp-step_00000001-a1"]
+    return final
+
+
+def test_restore_replaced_puts_back_the_step_a_crash_left_aside(tmp_path: Path, monkeypatch, caplog):
+    final = _crash_between_the_renames(tmp_path, monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="shardfc.checkpoint"):
+        assert durable.restore_replaced(tmp_path) == [final]
+    assert (final / "which").read_text() == "old"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"restored {final} from .old-step_00000001-a1, where a save of the same step was interrupted"]
+    assert durable.restore_replaced(tmp_path) == []  # done once
+
+
+def test_restore_replaced_takes_only_a_whole_save_moved_aside_from_a_step_now_missing(tmp_path: Path):
+    _step(tmp_path / "step_00000002", "kept")
+    odd = [_step(tmp_path / ".old-step_00000002-a1", "replaced by a step that is there"),
+           _step(tmp_path / ".old-step_00000003-a1", "no meta.json", meta=False),
+           _step(tmp_path / ".del-step_00000004-a1", "pruned"),
+           _step(tmp_path / ".tmp-step_00000005-a1", "not published"),
+           _step(tmp_path / "old-step_00000006-a1", "not a scratch name")]
+    assert durable.restore_replaced(tmp_path) == [] and all(p.is_dir() for p in odd)
+    assert (tmp_path / "step_00000002" / "which").read_text() == "kept"
+    assert durable.restore_replaced(tmp_path / "absent") == []
+
+
+@pytest.mark.parametrize("keep_last", [4, 3])
+def test_tidy_restores_a_step_left_aside_before_pruning_and_counts_it(tmp_path: Path, monkeypatch, keep_last):
+    from shardfc.checkpoint.discovery import find_checkpoints
+
+    first = _crash_between_the_renames(tmp_path, monkeypatch)
+    steps = [first] + [_step(tmp_path / f"step_0000000{i}", str(i)) for i in (2, 3, 4)]
+    durable.tidy(tmp_path, keep_last, steps[-1], "b2", find_checkpoints)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [p.name for p in steps[4 - keep_last:]]
+    assert keep_last == 3 or (first / "which").read_text() == "old"
+
+
+def test_tidy_deletes_nothing_when_the_restore_fails(tmp_path: Path, monkeypatch, caplog):
+    _crash_between_the_renames(tmp_path, monkeypatch)
+    current = _step(tmp_path / "step_00000004", "4")
+
+    def refuse(a, b):
+        raise OSError("read-only")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with caplog.at_level(logging.WARNING, logger="shardfc.checkpoint"):
+        durable.tidy(tmp_path, None, current, "b2", lambda root: [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".old-step_00000001-a1", ".tmp-step_00000001-a1", "step_00000004"]
     assert [r.getMessage() for r in caplog.records] == [f"cleaning up old checkpoints under {tmp_path} failed: read-only"]

@@ -139,8 +139,26 @@ def test_meta_json_is_indented_for_people(tmp_path: Path) -> None:
     assert text == json.dumps(json.loads(text), indent=2)
 
 
-def test_a_resave_moves_the_old_step_aside_under_the_saves_own_scratch_name(tmp_path: Path, monkeypatch) -> None:
+def test_a_resave_swaps_with_the_old_step_under_the_saves_own_scratch_name(tmp_path: Path, monkeypatch) -> None:
+    from shardfc.checkpoint import durable
+
     save_checkpoint(tmp_path, 1, common=None, per_rank=None, fingerprint=FP, **_head(range(4)))
+    swaps = []
+    real = durable.exchange
+    monkeypatch.setattr(durable, "exchange", lambda a, b: swaps.append((a.name, b.name)) or real(a, b))
+    save_checkpoint(tmp_path, 1, common=None, per_rank=None, fingerprint=FP, **_head(range(4)))
+    [(scratch, final)] = swaps
+    token = scratch.removeprefix(".tmp-step_00000001-")
+    assert re.fullmatch("[0-9a-f]{16}", token) and final == "step_00000001"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
+
+
+def test_a_resave_where_no_swap_moves_the_old_step_aside_under_the_saves_own_scratch_name(
+        tmp_path: Path, monkeypatch) -> None:
+    from shardfc.checkpoint import durable
+
+    save_checkpoint(tmp_path, 1, common=None, per_rank=None, fingerprint=FP, **_head(range(4)))
+    monkeypatch.setattr(durable, "exchange", lambda a, b: False)
     moves = []
     real = os.replace
     monkeypatch.setattr(os, "replace", lambda src, dst: moves.append((Path(src).name, Path(dst).name)) or real(src, dst))

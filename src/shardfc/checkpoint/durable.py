@@ -3,27 +3,42 @@
 All ranks write into ``<root>/.tmp-step_<step:08d>-<token>`` (the token comes from rank 0 of the
 group), flushing and fsyncing every file. After every rank reports success, rank 0 writes
 ``meta.json`` last, fsyncs it and the directory, and renames the directory to ``step_<step:08d>``
-with one ``os.replace`` (an existing directory for the same step is first moved aside, then
-deleted), then fsyncs ``root``. A crash at any point therefore leaves earlier checkpoints untouched
-and never leaves a partial directory under a ``step_*`` name; leftover ``.tmp-*``/``.old-*``/
-``.del-*`` directories are removed by the next successful save. Pruning (``keep_last``) renames a
+with one ``os.replace``, then fsyncs ``root``. An existing directory for the same step is swapped
+with the new one in one atomic ``renameat2(RENAME_EXCHANGE)`` (Linux), then deleted; where the OS
+or the filesystem cannot swap, it is first moved aside to ``.old-*``, and a crash between the two
+renames leaves that previous save there with no ``step_*`` directory: :func:`restore_replaced`
+(the trainer's resume and every save's tidying call it) renames it back. A crash at any point
+therefore leaves earlier checkpoints in place and never leaves a partial directory under a
+``step_*`` name; leftover ``.tmp-*``/``.old-*``/``.del-*`` directories are removed by the next
+successful save. Pruning (``keep_last``) renames a
 checkpoint away before deleting it for the same reason. With several nodes, ``root`` must be on a
 filesystem shared by all ranks.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import hashlib
 import logging
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
 
 import torch
 
-from shardfc.checkpoint.format import CheckpointError, is_scratch_dir, open_regular, regular_file, scratch_dir_name
+from shardfc.checkpoint.format import (
+    META_FILE,
+    CheckpointError,
+    is_scratch_dir,
+    open_regular,
+    regular_file,
+    replaced_step_dir,
+    scratch_dir_name,
+)
 
 logger = logging.getLogger("shardfc.checkpoint")
 
@@ -108,12 +123,53 @@ def check_file(path: Path, entry: Mapping[str, Any], check_hash: bool) -> None:
             )
 
 
+_AT_FDCWD = -100  # <fcntl.h>: paths relative to the working directory
+_RENAME_EXCHANGE = 2  # <linux/fs.h>
+#: What renameat2 answers where the kernel, or the filesystem (NFS, some FUSE), cannot swap.
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+@functools.cache
+def _renameat2() -> Any:
+    """libc's ``renameat2`` (Linux, glibc 2.28 and later), or None."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError, TypeError):  # no such symbol; no libc by that name (Windows: TypeError)
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the existing paths ``a`` and ``b`` in one atomic step; False (and nothing moved) where the
+    OS or the filesystem cannot.
+
+    Raises:
+        OSError: The swap was possible but failed (a path missing, no permission, ...).
+    """
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NO_EXCHANGE:
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(a), None, os.fspath(b))
+
+
 def publish(tmp: Path, final: Path, token: str) -> None:
     """Rename the finished temp dir to its final name, replacing an older save of the same step."""
     if not final.exists():
         os.replace(tmp, final)
         return
-    # os.replace cannot replace a non-empty directory: move the old one aside first.
+    # os.replace cannot replace a non-empty directory. Swapped, the previous save is under the
+    # scratch name at once (no moment without a step_* directory); then it is deleted.
+    if exchange(tmp, final):
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    # No swap here: move the old one aside first (restore_replaced puts it back after a crash).
     old = final.with_name(scratch_dir_name("old", final.name, token))
     os.replace(final, old)
     try:
@@ -124,12 +180,37 @@ def publish(tmp: Path, final: Path, token: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def tidy(root: Path, keep_last: Optional[int], current: Path, token: str, checkpoints: Sequence[Path]) -> None:
-    """After a successful save: prune old ``checkpoints`` (oldest first) and remove leftovers of crashed saves.
+def restore_replaced(root: Path) -> list[Path]:
+    """Rename back each previous save that a publish crashed after moving aside (an ``.old-step_N-*``
+    directory holding ``meta.json`` with no ``step_N`` beside it); returns the restored paths.
 
-    Failures only log: the new checkpoint is already committed.
+    Only one process may call it (rank 0), with no save in progress: the trainer's resume and
+    :func:`tidy` do.
+    """
+    restored = []
+    for entry in sorted(root.iterdir()) if root.is_dir() else []:
+        name = replaced_step_dir(entry.name)
+        if name is None or not (entry / META_FILE).is_file():
+            continue
+        step_dir = root / name
+        if os.path.lexists(step_dir):
+            continue
+        os.replace(entry, step_dir)
+        logger.warning("restored %s from %s, where a save of the same step was interrupted", step_dir, entry.name)
+        restored.append(step_dir)
+    return restored
+
+
+def tidy(root: Path, keep_last: Optional[int], current: Path, token: str,
+         find_checkpoints: Callable[[Path], Sequence[Path]]) -> None:
+    """After a successful save: restore a step a crashed save left aside (:func:`restore_replaced`),
+    prune old checkpoints (``find_checkpoints(root)``, oldest first) and remove leftovers of crashed saves.
+
+    Failures only log: the new checkpoint is already committed. A failed restore deletes nothing.
     """
     try:
+        restore_replaced(root)  # before the scratch folders go: one may hold the only copy of a step
+        checkpoints = find_checkpoints(root) if keep_last is not None else []  # a restored step counts
         if keep_last is not None:
             for path in checkpoints[: max(len(checkpoints) - keep_last, 0)]:
                 if path == current:

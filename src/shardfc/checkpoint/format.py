@@ -107,7 +107,7 @@ STEP_DIR_RE = re.compile(r"^step_([0-9]+)\Z")  # "\Z": "$" would also take "step
 FILE_NAME_RE = re.compile(r"(common|head_[0-9]+|rank_[0-9]+|backbone_stage[0-9]+)\.pt")
 #: The largest ``meta.json`` read (it lists file names, class ranges and stage keys: kilobytes).
 META_MAX_BYTES = 64 << 20
-_SCRATCH_DIR_RE = re.compile(r"\.(tmp|old|del)-step_[0-9]+-[0-9a-f]+")
+_SCRATCH_DIR_RE = re.compile(r"\.(tmp|old|del)-(step_[0-9]+)-[0-9a-f]+")
 
 
 class CheckpointError(RuntimeError):
@@ -199,6 +199,13 @@ def scratch_dir_name(kind: str, step_dir: str, token: str) -> str:
 
 def is_scratch_dir(name: str) -> bool:
     return _SCRATCH_DIR_RE.fullmatch(name) is not None
+
+
+def replaced_step_dir(name: str) -> Optional[str]:
+    """The step directory name a save's ``.old-`` scratch directory ``name`` was moved aside from
+    (the previous save of a step being replaced); None for any other name."""
+    m = _SCRATCH_DIR_RE.fullmatch(name)
+    return m.group(2) if m is not None and m.group(1) == "old" else None
 
 
 # --------------------------------------------------------------------------- meta.json

@@ -164,7 +164,7 @@ def save_checkpoint(
     if ctx.is_main:
         logger.info("saved checkpoint %s", final)
         # After the broadcast, so the other ranks need not wait for deletions.
-        tidy(root, keep_last, final, shard.token, find_checkpoints(root) if keep_last is not None else [])
+        tidy(root, keep_last, final, shard.token, find_checkpoints)
     return final
 
 

@@ -122,6 +122,18 @@ def test_auto_with_only_a_truncated_save_starts_afresh_and_sets_it_aside(tmp_pat
         "step_00000000", "step_00000001"]
 
 
+def test_a_step_a_crashed_resave_left_aside_is_put_back_and_resumed_from(tmp_path, caplog):
+    """A save of step 4 over the step 4 already there, killed between its two renames (where no swap
+    is possible): the only copy of step 4 is under the save's scratch name, which the next save would
+    tidy away. The resume puts it back first, then takes it."""
+    root = _saved(tmp_path, 2, 4)
+    (root / "step_00000004").rename(root / ".old-step_00000004-0123456789abcdef")
+    with caplog.at_level(logging.WARNING, logger="shardfc.checkpoint"):
+        assert resume.resume_path(_cfg(tmp_path), _one()) == root / "step_00000004"
+    assert _names(root) == ["step_00000002", "step_00000004"] and len(caplog.records) == 1
+    assert ckpt.load_checkpoint(root / "step_00000004", class_range=range(3), num_classes=3).common == {"step": 4}
+
+
 def test_every_rank_gets_rank_0s_decision_and_only_rank_0_says_it(tmp_path, monkeypatch, caplog):
     root = _saved(tmp_path, 2, 4)
     world = ThreadWorld(3)

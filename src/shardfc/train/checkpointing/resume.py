@@ -17,6 +17,7 @@ import torch
 
 from shardfc import checkpoint as ckpt
 from shardfc.checkpoint import step_of
+from shardfc.checkpoint.durable import restore_replaced
 from shardfc.checkpoint.format import rank_file, saved_num_classes
 from shardfc.checkpoint.weights_only import error_line
 from shardfc.parallel.context import DistContext
@@ -118,12 +119,14 @@ def resume_path(cfg: TrainConfig, ctx: DistContext) -> Optional[Path]:
 
     Training on from step s saves step directories after s, so any already there (a truncated
     save found by 'auto', or the future of an explicitly chosen older checkpoint) are renamed
-    aside rather than overwritten: nothing saved is lost.
+    aside rather than overwritten: nothing saved is lost. A step that a crashed save of the same
+    step left only under its scratch name is put back first (:func:`~shardfc.checkpoint.durable.restore_replaced`).
     """
     root = checkpoint_root(cfg)
     decision: Any = None
     if ctx.is_main:
         try:
+            restore_replaced(root)
             path = ckpt.resolve_resume(root, cfg.resume)
             existing = ckpt.find_checkpoints(root) if root.is_dir() else []
             if path is None and cfg.resume.strip().lower() == "none" and existing:
