@@ -220,7 +220,10 @@ def test_failed_save_leaves_previous(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_failed_resave_restores_same_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardfc.checkpoint import durable
+
     path = _save_single(tmp_path, 4, common={"version": 1})
+    monkeypatch.setattr(durable, "exchange", lambda a, b: False)  # a filesystem that cannot swap: two renames
     real_replace = os.replace
 
     def replace(src: Any, dst: Any) -> None:
@@ -230,6 +233,22 @@ def test_failed_resave_restores_same_step(tmp_path: Path, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(os, "replace", replace)
     with pytest.raises(OSError, match="rename failed"):
+        _save_single(tmp_path, 4, common={"version": 2})
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000004"]
+    assert load_checkpoint(path, class_range=range(7), num_classes=7).common == {"version": 1}
+
+
+def test_a_failed_swap_keeps_the_same_steps_previous_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardfc.checkpoint import durable
+
+    path = _save_single(tmp_path, 4, common={"version": 1})
+
+    def refused(a: Path, b: Path) -> bool:
+        raise PermissionError(13, "Permission denied", str(a), None, str(b))
+
+    monkeypatch.setattr(durable, "exchange", refused)
+    with pytest.raises(PermissionError, match="Permission denied"):
         _save_single(tmp_path, 4, common={"version": 2})
     monkeypatch.undo()
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000004"]

@@ -1006,11 +1006,13 @@ def test_load_optimizer_rows_gives_each_shard_its_rows_and_its_own_copy_of_the_r
     opt.state[params[0]]["step"].add_(1.0)
     assert all(torch.equal(tensors[k], before[k]) for k in tensors)
     assert torch.equal(extras["step"], torch.tensor(2.0)) and torch.equal(opt.state[params[1]]["step"], torch.tensor(2.0))
-    # A non-tensor extra is copied per shard as well, to the bottom
+    # A non-tensor extra is copied per shard as well, to the bottom (an optimizer of neither head kind:
+    # an AdamW refuses a state it does not keep)
     history = [[1], [2]]
-    load_optimizer_rows(opt, params, [(0, 1), (1, 5)], {}, {"history": history})
-    opt.state[params[0]]["history"][0].append(3)
-    assert opt.state[params[1]]["history"] == [[1], [2]] == history and set(opt.state[params[1]]) == {"history"}
+    other = torch.optim.Adagrad(params)
+    load_optimizer_rows(other, params, [(0, 1), (1, 5)], {}, {"history": history})
+    other.state[params[0]]["history"][0].append(3)
+    assert other.state[params[1]]["history"] == [[1], [2]] == history and set(other.state[params[1]]) == {"history"}
     # Saved before the first step: no state at all, and any the shards held is gone
     load_optimizer_rows(opt, params, [(0, 1), (1, 5)], {}, {})
     assert all(p not in opt.state for p in params)
@@ -1046,13 +1048,13 @@ def test_load_optimizer_rows_refuses_state_that_does_not_fit():
 def test_a_row_step_count_becomes_torchs_adamw_scalar_step_only_when_every_row_has_it():
     params = [torch.nn.Parameter(torch.zeros(n, 2)) for n in (2, 1)]
     moments = {"exp_avg": torch.ones(3, 2), "exp_avg_sq": torch.ones(3, 2)}
-    extras = {"param_groups": [{"lr": 0.01}], "other": 5}
+    extras = {"param_groups": [{"lr": 0.01}]}
     opt = torch.optim.AdamW(params, lr=0.1)
     load_optimizer_rows(opt, params, [(0, 2), (2, 3)], {**moments, "row_step": torch.full((3,), 4.0, dtype=torch.float64)}, extras)
     for p in params:
-        assert set(opt.state[p]) == {"exp_avg", "exp_avg_sq", "step", "other"}
+        assert set(opt.state[p]) == {"exp_avg", "exp_avg_sq", "step"}
         assert opt.state[p]["step"].dtype == torch.float32 and torch.equal(opt.state[p]["step"], torch.tensor(4.0))
-    assert opt.param_groups[0]["lr"] == 0.01 and set(extras) == {"param_groups", "other"}  # the caller's dict untouched
+    assert opt.param_groups[0]["lr"] == 0.01 and set(extras) == {"param_groups"}  # the caller's dict untouched
     # One row: its count is the step
     one = [torch.nn.Parameter(torch.zeros(1, 2))]
     opt1 = torch.optim.AdamW(one, lr=0.1)
@@ -1346,6 +1348,64 @@ def test_the_kind_refusals_name_every_foreign_state_and_setting():
         load_optimizer_rows(sparse, sparse.param_groups[0]["params"], [(0, 3)], {}, {"param_groups": [group]})
     assert str(err.value) == ("the saved head optimizer state's param group 0 has dampening=0.5, maximize=True, which "
                               "RowSparseSGD does not implement: its steps would not be those the state was saved for")
+
+
+def _stepped(make, shape=(3, 2)):
+    """Optimizer ``make(params)`` after one step on a one-shard head of ``shape``."""
+    p = torch.nn.Parameter(torch.randn(*shape, generator=torch.Generator().manual_seed(0)))
+    opt = make([p])
+    p.grad = torch.ones_like(p)
+    opt.step()
+    return p, opt
+
+
+def test_torchs_adam_state_is_refused_by_the_row_sparse_adamw_and_torchs_adamw_is_taken():
+    """torch's ``Adam`` keeps what ``AdamW`` keeps (betas, moments, a step) but adds its weight decay to
+    the gradient; the row-sparse AdamW only decouples it: such a state trained on under another rule."""
+    message = ("param group 0 has decoupled_weight_decay=False, which RowSparseAdamW does not implement: its steps "
+               "would not be those the state was saved for")
+    p, adam = _stepped(lambda ps: torch.optim.Adam(ps, lr=0.1, weight_decay=0.1))
+    mine = RowSparseAdamW([torch.nn.Parameter(p.detach().clone())], lr=0.1, weight_decay=0.1)
+    with pytest.raises(ValueError) as err:
+        mine.load_state_dict(adam.state_dict())
+    assert str(err.value) == f"RowSparseAdamW.load_state_dict: {message}"
+    tensors, extras = optimizer_rows(adam, [p])
+    with pytest.raises(ValueError) as err:
+        load_optimizer_rows(mine, mine.param_groups[0]["params"], [(0, 3)], tensors, extras)
+    assert str(err.value) == f"the saved head optimizer state's {message}"
+    assert mine.state == {}
+    p, adamw = _stepped(lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.1))
+    mine.load_state_dict(adamw.state_dict())
+    tensors, extras = optimizer_rows(adamw, [p])
+    load_optimizer_rows(mine, mine.param_groups[0]["params"], [(0, 3)], tensors, extras)
+    assert torch.equal(mine.state[mine.param_groups[0]["params"][0]]["exp_avg"], adamw.state[p]["exp_avg"])
+
+
+def test_a_state_of_another_optimizer_with_the_same_settings_is_refused_by_what_it_keeps():
+    """NAdam (its weight decay decoupled) has every setting of an AdamW and RMSprop a momentum as SGD
+    has: what they keep (``mu_product``, ``square_avg``) is no state these optimizers read."""
+    p, nadam = _stepped(lambda ps: torch.optim.NAdam(ps, lr=0.1, decoupled_weight_decay=True))
+    mine = RowSparseAdamW([torch.nn.Parameter(p.detach().clone())], lr=0.1)
+    with pytest.raises(ValueError) as err:
+        mine.load_state_dict(nadam.state_dict())
+    assert str(err.value) == ("RowSparseAdamW.load_state_dict: the state of parameter 0 holds 'mu_product', state that "
+                              "no AdamW keeps; this optimizer is RowSparseAdamW: do not load this state (its optimizer "
+                              "then starts fresh)")
+    tensors, extras = optimizer_rows(nadam, [p])
+    torch_adamw = torch.optim.AdamW([p], lr=0.1)
+    with pytest.raises(ValueError) as err:
+        load_optimizer_rows(torch_adamw, [p], [(0, 3)], tensors, extras)
+    assert str(err.value) == ("the saved head optimizer state holds 'mu_product', state that no AdamW keeps; this "
+                              "optimizer is AdamW: load the head without its optimizer state (its optimizer then starts "
+                              "fresh)")
+    p, rmsprop = _stepped(lambda ps: torch.optim.RMSprop(ps, lr=0.1, momentum=0.9))
+    tensors, extras = optimizer_rows(rmsprop, [p])
+    sgd = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError) as err:  # its 'step' alone is AdamW's, its 'square_avg' nobody's here
+        load_optimizer_rows(sgd, [p], [(0, 3)], tensors, extras)
+    assert str(err.value).startswith("the saved head optimizer state holds 'square_avg', 'step', state that no SGD "
+                                     "keeps; this optimizer is SGD: load the head without")
+    assert sgd.state == {} and torch_adamw.state == {}
 
 
 def test_a_bf16_heads_gradient_is_divided_by_the_clip_scale_in_fp32():

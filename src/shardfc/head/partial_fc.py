@@ -107,8 +107,10 @@ def kernel_serves(choice: Optional[bool], p: Tensor, rounding: str, what: str) -
     return bool(choice) or p.is_cuda
 
 
-#: Settings of torch's SGD / AdamW that the row-sparse ones do not have, at the value that means "off".
-_TORCH_ONLY = {"dampening": 0, "amsgrad": False, "maximize": False}
+#: Settings of torch's SGD / AdamW that the row-sparse ones do not have, at the value that means "off"
+#: (``decoupled_weight_decay=False`` is torch's ``Adam``: weight decay as an L2 term in the gradient,
+#: which the row-sparse AdamW, decoupled only, would not apply).
+_TORCH_ONLY = {"dampening": 0, "amsgrad": False, "maximize": False, "decoupled_weight_decay": True}
 
 
 def _torch_only_settings(group: Mapping[str, Any]) -> List[str]:
@@ -137,6 +139,8 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
     CLOCK: type = IdleClock
     #: The settings a saved state of this kind of optimizer holds in every param group (subclasses).
     HYPER_PARAMETERS: Tuple[str, ...] = ()
+    #: Which of :data:`_KIND_STATE`'s kinds of state this optimizer keeps.
+    KIND = ""
 
     def __init__(self, params: Iterable, defaults: dict, sampled_rows: Optional[SampledRows],
                  rounding: str, rounding_seed: int, idle_rows: str = "exact"):
@@ -509,6 +513,8 @@ class _RowSparseOptimizer(torch.optim.Optimizer):
             p = params.get(index)
             if p is None or not isinstance(state, Mapping):
                 continue  # torch's own checks name a state without its parameter
+            _check_state_keys(state.keys(), self.KIND, f"{name}.load_state_dict: the state of parameter {index}", name,
+                              "do not load this state")
             for key, t in state.items():
                 if isinstance(t, Tensor) and t.dim() >= 1 and (t.shape[0] != p.shape[0] or
                                                                 (t.dim() > 1 and t.shape != p.shape)):
@@ -535,6 +541,7 @@ class RowSparseSGD(_RowSparseOptimizer):
     CLOCK = SGDClock
     #: The settings a saved state of this kind of optimizer holds in every param group.
     HYPER_PARAMETERS = ("momentum", "nesterov", "weight_decay")
+    KIND = "SGD"
 
     def __init__(
         self,
@@ -643,6 +650,7 @@ class RowSparseAdamW(_RowSparseOptimizer):
     CLOCK = AdamWClock
     #: The settings a saved state of this kind of optimizer holds in every param group.
     HYPER_PARAMETERS = ("betas", "eps", "weight_decay")
+    KIND = "AdamW"
 
     def __init__(
         self,
@@ -933,6 +941,21 @@ def _kind(group: Mapping[str, Any]) -> Optional[str]:
     return kinds[0] if len(kinds) == 1 else None
 
 
+def _check_state_keys(keys: Any, kind: str, what: str, name: str,
+                      instead: str = "load the head without its optimizer state") -> None:
+    """Refuse state ``keys`` that an optimizer of ``kind`` does not keep: another kind's (an AdamW
+    state into an SGD), or another optimizer's (RMSprop's ``square_avg``, NAdam's ``mu_product``),
+    whose moments this optimizer would misread or ignore."""
+    foreign = sorted(set(keys) - _KIND_STATE[kind])
+    if not foreign:
+        return
+    other = [k for k, own in _KIND_STATE.items() if k != kind and set(foreign) <= own]
+    whose = f"{other[0]}'s state" if other else f"state that no {kind} keeps"
+    into = f"load it into an {other[0]} optimizer, or " if other else ""
+    raise ValueError(f"{what} holds {', '.join(map(repr, foreign))}, {whose}; this optimizer is {name}: {into}"
+                     f"{instead} (its optimizer then starts fresh)")
+
+
 def loadable_optimizer_rows(
     optimizer: torch.optim.Optimizer,
     row_slices: Sequence[Tuple[int, int]],
@@ -972,14 +995,8 @@ def loadable_optimizer_rows(
                     raise ValueError(f"the saved head optimizer state's param group {i} has {', '.join(unlike)}, which "
                                      f"{name} does not implement: its steps would not be those the state was saved for")
     if mine is not None:
-        saved = set(tensors) | {k for k in extras if k != "param_groups"}
-        foreign = sorted(saved - _KIND_STATE[mine])
-        other = [kind for kind, keys in _KIND_STATE.items() if kind != mine and set(foreign) & keys]
-        if other:
-            raise ValueError(
-                f"the saved head optimizer state holds {', '.join(map(repr, foreign))}, {other[0]}'s state; this "
-                f"optimizer is {name}: load it into an {other[0]} optimizer, or load the head without its optimizer "
-                "state (its optimizer then starts fresh)")
+        _check_state_keys(set(tensors) | {k for k in extras if k != "param_groups"}, mine,
+                          "the saved head optimizer state", name)
     total = sum(hi - lo for lo, hi in row_slices)
     for key, t in tensors.items():
         if t.dim() < 1 or t.shape[0] != total:
