@@ -137,6 +137,11 @@ def test_publish_swaps_the_old_save_in_one_step_then_deletes_it(tmp_path: Path, 
     durable.publish(tmp, final, "a1")
     assert moves == [] and sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
     assert (final / "which").read_text() == "new"
+    again = _step(tmp_path / ".tmp-step_00000001-b2", "newer")
+    _rmtree_failing_unless_ignored(monkeypatch)
+    durable.publish(again, final, "b2")  # the old save cannot be deleted: published all the same
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-step_00000001-b2", "step_00000001"]
+    assert (final / "which").read_text() == "newer"
 
 
 def test_a_crash_right_after_the_swap_leaves_the_new_save_in_place(tmp_path: Path, monkeypatch):
@@ -185,7 +190,7 @@ def test_exchange_fails_loudly_on_a_missing_path_and_falls_back_where_it_cannot_
     try:
         durable.exchange(a, tmp_path / "b")
     except FileNotFoundError as e:
-        assert (e.filename, e.filename2) == (str(a), str(tmp_path / "b"))
+        assert (e.filename, e.filename2, e.strerror) == (str(a), str(tmp_path / "b"), os.strerror(errno.ENOENT))
     else:
         raise AssertionError("no error")
     monkeypatch.setattr(durable, "_renameat2", lambda: None)  # not Linux
@@ -248,6 +253,8 @@ def test_restore_replaced_takes_only_a_whole_save_moved_aside_from_a_step_now_mi
            _step(tmp_path / "old-step_00000006-a1", "not a scratch name")]
     assert durable.restore_replaced(tmp_path) == [] and all(p.is_dir() for p in odd)
     assert (tmp_path / "step_00000002" / "which").read_text() == "kept"
+    _step(tmp_path / ".old-step_00000009-a1", "after the others")  # they are passed over, not the end
+    assert durable.restore_replaced(tmp_path) == [tmp_path / "step_00000009"] and all(p.is_dir() for p in odd)
     assert durable.restore_replaced(tmp_path / "absent") == []
 
 
@@ -275,3 +282,15 @@ def test_tidy_deletes_nothing_when_the_restore_fails(tmp_path: Path, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         ".old-step_00000001-a1", ".tmp-step_00000001-a1", "step_00000004"]
     assert [r.getMessage() for r in caplog.records] == [f"cleaning up old checkpoints under {tmp_path} failed: read-only"]
+
+
+def test_tidy_without_pruning_lists_no_checkpoints(tmp_path: Path):
+    """Listing reads every step's folder: without ``keep_last`` nothing needs it."""
+    current = _step(tmp_path / "step_00000004", "4")
+    _step(tmp_path / ".tmp-step_00000005-a1", "crashed")
+
+    def listing(root):
+        raise AssertionError("listed")
+
+    durable.tidy(tmp_path, None, current, "b2", listing)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004"]
