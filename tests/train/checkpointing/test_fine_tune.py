@@ -126,6 +126,24 @@ def test_fine_tune_from_an_exported_model(tmp_path: Path):
         train_cli.run(dataclasses.replace(cfg, output_dir=str(tmp_path / "wide"), embedding_dim=32))
 
 
+def test_a_fine_tune_that_resumes_goes_on_from_its_own_checkpoint_and_says_init_from_is_ignored(tmp_path: Path):
+    """``--init-from`` starts a run; once the run has a checkpoint of its own, a restart resumes from that
+    (saying so), as a resume: its classes keep their rows, so another seed's identities are refused
+    where a fine-tune would start a new head on them."""
+    train_cli.run(tiny_config(tmp_path / "run", nproc=1, max_steps=1, eval_every=0, ckpt_every=0))
+    cfg = tiny_config(tmp_path / "ft", nproc=1, init_from=str(tmp_path / "run"), max_steps=1, eval_every=0,
+                      ckpt_every=0)
+    first = train_cli.run(cfg)
+    log = tmp_path / "ft" / "train.log"
+    assert "init from " in log.read_text() and "ignored" not in log.read_text()
+    second = train_cli.run(dataclasses.replace(cfg, max_steps=2))
+    assert (f"init_from={tmp_path / 'run'} ignored: this run resumes from its own checkpoint {first['checkpoint']}"
+            in log.read_text())
+    assert ckpt.step_of(second["checkpoint"]) == 2
+    with pytest.raises(ConfigError, match="classes are not in the dataset"):
+        train_cli.run(dataclasses.replace(cfg, max_steps=3, seed=1))
+
+
 class _Embedded(torch.utils.data.Dataset):
     """Images that are their own embeddings (under an identity backbone), labels in ``samples``."""
 
