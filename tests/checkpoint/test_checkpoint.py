@@ -255,6 +255,45 @@ def test_a_failed_swap_keeps_the_same_steps_previous_save(tmp_path: Path, monkey
     assert load_checkpoint(path, class_range=range(7), num_classes=7).common == {"version": 1}
 
 
+def test_a_step_a_crashed_resave_left_aside_is_still_the_latest_until_the_next_save_puts_it_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no swap is possible, a resave of step 4 killed between its two renames leaves step 4 only
+    under ``.old-step_00000004-*``: ``latest_checkpoint`` (and what reads through it) finds it there,
+    without moving anything; the next save renames it back."""
+    from shardfc.checkpoint import durable
+
+    _save_single(tmp_path, 2)
+    _save_single(tmp_path, 4, common={"version": 1})
+    monkeypatch.setattr(durable, "exchange", lambda a, b: False)
+    real, calls = os.replace, []
+
+    def replace(src: Any, dst: Any) -> None:
+        calls.append(src)
+        if len(calls) == 2:  # the new save's rename, after the old one moved aside
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        _save_single(tmp_path, 4, common={"version": 2})
+    monkeypatch.undo()
+    [aside] = [p for p in tmp_path.iterdir() if p.name.startswith(".old-")]
+    assert latest_checkpoint(tmp_path) == aside and not (tmp_path / "step_00000004").exists()
+    assert load_checkpoint(aside, class_range=range(7), num_classes=7).common == {"version": 1}
+    assert find_checkpoints(tmp_path) == [tmp_path / "step_00000002"]  # the step folders only
+    _save_single(tmp_path, 2)  # any save: step 4 is back, the crashed save's scratch folders gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000004"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000004"
+    # a step folder that is there is read before a copy moved aside from it; an invalid one after
+    import shutil
+
+    copy = tmp_path / ".old-step_00000004-ff"
+    shutil.copytree(tmp_path / "step_00000004", copy)
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000004"
+    (tmp_path / "step_00000004" / "head_0.pt").write_bytes(b"torn")
+    assert latest_checkpoint(tmp_path) == copy
+
+
 def test_killed_save_leaves_previous(tmp_path: Path) -> None:
     _save_single(tmp_path, 1)
     # The process dies right before the rename: every file including meta.json is written.

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from shardfc.checkpoint.format import META_FILE, CheckpointError, step_dirs
+from shardfc.checkpoint.format import META_FILE, CheckpointError, parse_step_dir, replaced_step_dir, step_dirs
 from shardfc.checkpoint.load import verify_checkpoint
 
 __all__ = ["checkpoint_at", "find_checkpoints", "latest_checkpoint", "resolve_resume"]
@@ -27,9 +27,13 @@ def latest_checkpoint(root: str | os.PathLike[str], *, check_hashes: bool = True
     """Return the newest valid checkpoint under ``root``, or None.
 
     Invalid ones (no/unparseable ``meta.json``, missing or truncated files, hash mismatch)
-    are skipped with a warning on logger ``shardfc.checkpoint``.
+    are skipped with a warning on logger ``shardfc.checkpoint``. A step that a crashed save of the
+    same step left only under its ``.old-`` scratch name (where the filesystem cannot swap two
+    folders) counts, under that name, after the step's own folder if there is one: the next save, or
+    the trainer's resume, renames it back (:func:`~shardfc.checkpoint.durable.restore_replaced`);
+    this function only reads.
     """
-    for _, path in reversed(step_dirs(root)):
+    for _, path in reversed(_with_replaced(root)):
         try:
             verify_checkpoint(path, check_hashes=check_hashes)
         except CheckpointError as e:
@@ -37,6 +41,18 @@ def latest_checkpoint(root: str | os.PathLike[str], *, check_hashes: bool = True
             continue
         return path
     return None
+
+
+def _with_replaced(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """:func:`step_dirs` and the ``.old-step_N-*`` folders, by step; of one step, the step folder last
+    (the newer save: a copy moved aside is read only where the step folder is missing or invalid)."""
+    root = Path(root)
+    found = [(step, 1, path) for step, path in step_dirs(root)]
+    for entry in sorted(root.iterdir()) if root.is_dir() else []:
+        name = replaced_step_dir(entry.name)
+        if name is not None and entry.is_dir():
+            found.append((parse_step_dir(name), 0, entry))
+    return [(step, path) for step, _, path in sorted(found)]
 
 
 def checkpoint_at(path: str | os.PathLike[str], *, check_hashes: bool = True) -> Optional[Path]:
