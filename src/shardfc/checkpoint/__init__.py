@@ -7,7 +7,8 @@ run saves its backbone the same way, one file per stage, and any layout reads ba
 slices it needs (:mod:`shardfc.checkpoint.stages`).
 
     format.py       names, FORMAT_VERSION, meta.json, step directories, CheckpointError
-    durable.py      hashed writes, fsync, publishing by rename, pruning and tidying up
+    durable.py      hashed writes, fsync, publishing by rename (a swap over an existing step), restoring a
+                    step a crashed resave left aside, pruning and tidying up
     validation.py   argument checks of save and load
     weights_only.py only tensors and plain data in .pt files; loading without unpickling code
     exported.py     the weights of a `shardfc export` TorchScript file, read without running it
