@@ -18,7 +18,6 @@ filesystem shared by all ranks.
 from __future__ import annotations
 
 import ctypes
-import errno
 import functools
 import hashlib
 import logging
@@ -125,8 +124,6 @@ def check_file(path: Path, entry: Mapping[str, Any], check_hash: bool) -> None:
 
 _AT_FDCWD = -100  # <fcntl.h>: paths relative to the working directory
 _RENAME_EXCHANGE = 2  # <linux/fs.h>
-#: What renameat2 answers where the kernel, or the filesystem (NFS, some FUSE), cannot swap.
-_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
 @functools.cache
@@ -142,21 +139,12 @@ def _renameat2() -> Any:
 
 
 def exchange(a: Path, b: Path) -> bool:
-    """Swap the existing paths ``a`` and ``b`` in one atomic step; False (and nothing moved) where the
-    OS or the filesystem cannot.
-
-    Raises:
-        OSError: The swap was possible but failed (a path missing, no permission, ...).
-    """
+    """Swap the existing paths ``a`` and ``b`` in one atomic step; False, and nothing moved, where that
+    failed: an OS or a filesystem that cannot swap (NFS, some FUSE and container sandboxes answer
+    EINVAL, ENOSYS, EOPNOTSUPP or EPERM), or any other error, which the caller's plain renames then
+    meet and report."""
     fn = _renameat2()
-    if fn is None:
-        return False
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in _NO_EXCHANGE:
-        return False
-    raise OSError(err, os.strerror(err), os.fspath(a), None, os.fspath(b))
+    return fn is not None and fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
 
 
 def publish(tmp: Path, final: Path, token: str) -> None:
