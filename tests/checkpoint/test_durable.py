@@ -183,6 +183,9 @@ def test_exchange_moves_nothing_and_says_so_where_it_fails(tmp_path: Path, monke
     b = _step(tmp_path / "b", "b")
     assert durable.exchange(a, b) is False and (a / "which").read_text() == "a"
     assert calls == [(-100, os.fsencode(a), -100, os.fsencode(b), 2)]
+    calls.clear()
+    for x, y in ((tmp_path / "a\0x", b), (a, tmp_path / "b\0y")):  # as C strings: a and b
+        assert durable.exchange(x, y) is False and calls == []
     monkeypatch.setattr(durable, "_renameat2", lambda: None)  # not Linux
     assert durable.exchange(a, b) is False and (b / "which").read_text() == "b"
 

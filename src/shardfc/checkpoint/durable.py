@@ -143,8 +143,10 @@ def exchange(a: Path, b: Path) -> bool:
     failed: an OS or a filesystem that cannot swap (NFS, some FUSE and container sandboxes answer
     EINVAL, ENOSYS, EOPNOTSUPP or EPERM), or any other error, which the caller's plain renames then
     meet and report."""
-    fn = _renameat2()
-    return fn is not None and fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+    fn, a_bytes, b_bytes = _renameat2(), os.fsencode(a), os.fsencode(b)
+    if fn is None or b"\0" in a_bytes + b_bytes:  # a C string ends at a NUL: it would name another path
+        return False
+    return fn(_AT_FDCWD, a_bytes, _AT_FDCWD, b_bytes, _RENAME_EXCHANGE) == 0
 
 
 def publish(tmp: Path, final: Path, token: str) -> None:
