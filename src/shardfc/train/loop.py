@@ -42,6 +42,7 @@ from shardfc.train.observe.phases import OFF, PhaseClock, format_phases, summari
 from shardfc.train.observe.profile import StartupClock, StepProfiler, count_ddp_traffic, profile_path
 from shardfc.train.observe.reporting import ReportWindow, diverged, evaluate_targets, log_setup, report
 from shardfc.train.observe.runlog import RunLog
+from shardfc.train.run_lock import run_folder_lock
 from shardfc.train.state import Parts, RunState
 from shardfc.train.step import apply_gradients, train_step
 from shardfc.train.stopping import StopAgreement, crash_if_asked
@@ -68,7 +69,8 @@ def train(cfg: TrainConfig, group: Optional[dist.ProcessGroup] = None) -> Dict[s
     cfg = absolute_paths(cfg.validate())  # stored in checkpoints: readable from any folder
     ctx = run_context(cfg, group)
     out = Path(cfg.output_dir)
-    with record_stop_signals(), RunLog(out, ctx.is_main, cfg.progress) as runlog:
+    # One run per folder (a second is refused before it reads or writes there), then the logs
+    with run_folder_lock(out, ctx), record_stop_signals(), RunLog(out, ctx.is_main, cfg.progress) as runlog:
         threads = apply_threads(cfg.threads, cfg.strategy, ctx.world_size)  # before any work, in every process
         mark = startup.mark if startup is not None else (lambda name: None)
         mark("process group and threads")
