@@ -177,3 +177,16 @@ def test_a_forked_child_does_not_keep_the_folder_held(tmp_path: Path):
     finally:
         go.set()
         proc.join(60)
+
+
+def test_a_folder_rank_0_cannot_make_stops_every_rank(tmp_path: Path):
+    (tmp_path / "file").write_text("not a folder")
+    world = ThreadWorld(2)
+
+    def rank(r: int):
+        with run_folder_lock(tmp_path / "file" / "run", world.context()):
+            return "entered"
+
+    out = world.run(rank)
+    assert [type(e) for e in out] == [NotADirectoryError, NotADirectoryError], out  # rank 1 waited for no one
+    assert str(out[0]) == str(out[1]) == f"[Errno 20] Not a directory: {str(tmp_path / 'file' / 'run')!r}"

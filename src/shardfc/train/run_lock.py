@@ -67,17 +67,18 @@ def run_folder_lock(out: Path, ctx: DistContext) -> Iterator[None]:
 
     Raises:
         ConfigError: Another process holds the folder, or the lock file is not a regular file.
+        OSError: The folder cannot be made (on every rank: rank 0's error).
     """
     fd: Optional[int] = None
-    refusal: Optional[str] = None
+    mine: Optional[Exception] = None
     if ctx.is_main:
         try:
             fd = _lock(Path(out))
-        except ConfigError as e:
-            refusal = str(e)
-    refusal = ctx.broadcast_object(refusal)
-    if refusal is not None:
-        raise ConfigError(refusal)
+        except Exception as e:  # every rank must learn of it (a folder it cannot make, too), or they would wait
+            mine = e
+    error = ctx.broadcast_object(mine)
+    if error is not None:
+        raise mine if mine is not None else error
     if fd is not None:
         _HELD.add(fd)
     try:
