@@ -190,3 +190,21 @@ def test_a_folder_rank_0_cannot_make_stops_every_rank(tmp_path: Path):
     out = world.run(rank)
     assert [type(e) for e in out] == [NotADirectoryError, NotADirectoryError], out  # rank 1 waited for no one
     assert str(out[0]) == str(out[1]) == f"[Errno 20] Not a directory: {str(tmp_path / 'file' / 'run')!r}"
+
+
+def test_the_refusal_quotes_what_the_holder_wrote_as_far_as_it_reads(tmp_path: Path):
+    """The holder's line as text whatever its bytes (the file is in the user's folder), its first line,
+    at most 300 bytes; before the holder has written it, a placeholder."""
+    out = tmp_path / "a" / "b"  # a run folder whose parents do not exist yet
+    lock = out / LOCK_FILE
+    with run_folder_lock(out, _one()):
+        umask = os.umask(0)
+        os.umask(umask)
+        assert os.stat(lock).st_mode & 0o777 == 0o644 & ~umask
+        for written, quoted in ((b"\xffpid 1\nsecond line", "\ufffdpid 1"), (b"", "no holder written yet"),
+                                (b" \n", "no holder written yet"), (b"x" * 400, "x" * 300)):
+            lock.write_bytes(written)
+            with pytest.raises(ConfigError) as err:
+                with run_folder_lock(out, _one()):
+                    pass
+            assert str(err.value).startswith(f"output_dir={str(out)!r} is in use by another shardfc train ({quoted}): ")
