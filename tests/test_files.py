@@ -39,6 +39,9 @@ ALLOWED: Dict[Tuple[str, str, str], str] = {
         "regular_file() (torch maps by name only); both under the checkpoint readers' rules",
     ("checkpoint/durable.py", "fsync_dir", "os.open"):
         "opens a folder shardfc itself wrote, only to fsync it; reads nothing",
+    ("train/run_lock.py", "_lock", "os.open"):
+        "the run folder's lock file, opened read-write to flock it (created if missing; O_NOFOLLOW and "
+        "O_NONBLOCK, then a regular file checked by fstat); only the holder's line is read, 300 bytes at most",
     ("train/builder/cpu.py", "_cpuinfo_flags", "open"):
         "/proc/cpuinfo: the kernel's, not a user's file",
     ("tools/bench/recipes.py", "_why_failed", "read_text"):
