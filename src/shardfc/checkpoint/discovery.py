@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from shardfc.checkpoint.format import META_FILE, CheckpointError, parse_step_dir, replaced_step_dir, step_dirs
+from shardfc.checkpoint.format import META_FILE, CheckpointError, parse_step_dir, replaced_dirs, step_dirs
 from shardfc.checkpoint.load import verify_checkpoint
 
 __all__ = ["checkpoint_at", "find_checkpoints", "latest_checkpoint", "resolve_resume"]
@@ -46,12 +46,8 @@ def latest_checkpoint(root: str | os.PathLike[str], *, check_hashes: bool = True
 def _with_replaced(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """:func:`step_dirs` and the ``.old-step_N-*`` folders, by step; of one step, the step folder last
     (the newer save: a copy moved aside is read only where the step folder is missing or invalid)."""
-    root = Path(root)
     found = [(step, 1, path) for step, path in step_dirs(root)]
-    for entry in sorted(root.iterdir()) if root.is_dir() else []:
-        name = replaced_step_dir(entry.name)
-        if name is not None and entry.is_dir():
-            found.append((parse_step_dir(name), 0, entry))
+    found += [(parse_step_dir(name), 0, entry) for name, entry in replaced_dirs(root)]
     return [(step, path) for step, _, path in sorted(found)]
 
 

@@ -35,7 +35,7 @@ from shardfc.checkpoint.format import (
     is_scratch_dir,
     open_regular,
     regular_file,
-    replaced_step_dir,
+    replaced_dirs,
     scratch_dir_name,
 )
 
@@ -178,9 +178,8 @@ def restore_replaced(root: Path) -> list[Path]:
     :func:`tidy` do.
     """
     restored = []
-    for entry in sorted(root.iterdir()) if root.is_dir() else []:
-        name = replaced_step_dir(entry.name)
-        if name is None or not (entry / META_FILE).is_file():
+    for name, entry in replaced_dirs(root):
+        if not (entry / META_FILE).is_file():
             continue
         step_dir = root / name
         if os.path.lexists(step_dir):

@@ -79,6 +79,7 @@ __all__ = [
     "step_of",
     "scratch_dir_name",
     "is_scratch_dir",
+    "replaced_dirs",
     "tensor_specs",
     "build_meta",
     "read_meta",
@@ -206,6 +207,16 @@ def replaced_step_dir(name: str) -> Optional[str]:
     (the previous save of a step being replaced); None for any other name."""
     m = _SCRATCH_DIR_RE.fullmatch(name)
     return m.group(2) if m is not None and m.group(1) == "old" else None
+
+
+def replaced_dirs(root: "str | os.PathLike[str]") -> list[tuple[str, Path]]:
+    """``(step directory name, path)`` of each ``.old-`` scratch directory directly under ``root``
+    (a previous save moved aside by a resave), by name (``[]`` if no root)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = ((replaced_step_dir(entry.name), entry) for entry in sorted(root.iterdir()))
+    return [(name, entry) for name, entry in found if name is not None and entry.is_dir()]
 
 
 # --------------------------------------------------------------------------- meta.json

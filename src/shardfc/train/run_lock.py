@@ -11,9 +11,9 @@ holds the folder.
 The kernel releases the lock when its process ends, however it ends (a crash, SIGKILL, a torchrun
 restart): a lock file left behind is no obstacle. A forked child (a DataLoader worker) closes its
 copy of the descriptor at once: a ``flock`` belongs to the open file, shared over ``fork``, and a
-worker outliving a killed rank 0 by a second would otherwise hold the folder against the restart. Where the filesystem has no locks (``ENOLCK``
-on an NFS mount without lockd) or the OS has no ``flock`` (Windows), the run goes on unguarded,
-saying so.
+worker outliving a killed rank 0 by a second would otherwise hold the folder against the restart.
+Where the filesystem has no locks (``ENOLCK`` on an NFS mount without lockd) or the OS has no
+``flock`` (Windows), the run goes on unguarded, saying so.
 """
 
 from __future__ import annotations
